@@ -1,0 +1,49 @@
+"""`python -m harness`: a registry of subcommands (events, profile, show, train), each a thin front end.
+
+Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int. Bad input
+(UserError) becomes one message on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib import resources
+
+from harness.errors import UserError
+
+SUBCOMMANDS = ("events",)
+
+
+def default_spec_path() -> str:
+    """The built-in demo job, used when no spec is given."""
+    return str(resources.files("harness") / "jobs" / "demo.toml")
+
+
+def build_parser(prog: str, package: str, names: tuple[str, ...], description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in names:
+        module = importlib.import_module(f"{package}.{name}")
+        command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
+    return parser
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except UserError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser("python -m harness", "harness.commands", SUBCOMMANDS,
+                          "Break a hybrid-parallel training iteration into unique events and profile them.")
+    return run_cli(parser, argv)

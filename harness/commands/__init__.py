@@ -1,0 +1,1 @@
+"""Subcommands of `python -m harness` (see harness.cli for the contract)."""

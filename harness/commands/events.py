@@ -1,0 +1,58 @@
+"""`python -m harness events SPEC`: the unique events of one iteration and how far they de-duplicate."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from harness.cli import default_spec_path
+from harness.errors import UserError
+from harness.events import build_plan, human_bytes
+from harness.spec import load_spec
+from harness.tables import format_table
+
+NAME = "events"
+HELP = "list the unique events of one training iteration (table, or --json)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", nargs="?", default=None, help="TOML job spec (default: the built-in demo job)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object (docs/events.md)")
+    parser.add_argument("--list", action="store_true", help="also list every unique event")
+    parser.add_argument("--device", type=int, metavar="RANK", help="materialise one device's event flow in order")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec or default_spec_path())
+    plan = build_plan(spec)
+    summary = plan.summary()
+    if args.device is not None and not 0 <= args.device < spec.strategy.world:
+        raise UserError(f"--device {args.device} is outside the job's ranks 0..{spec.strategy.world - 1}")
+    flow = list(plan.device_flow(args.device)) if args.device is not None else None
+    if args.json:
+        if args.list:
+            summary["events"] = plan.table()
+        if flow is not None:
+            summary["device_flow"] = [{"event": e, "phase": ph, "virtual_stage": vs, "micro": mb}
+                                      for e, ph, vs, mb in flow]
+        print(json.dumps(summary, indent=2))
+        return 0
+    s = spec.strategy
+    print(f"{spec.model.name}: {s.dp} dp x {s.tp} tp x {s.pp} pp = {s.world} devices, "
+          f"{spec.micro_batches} micro-batches of {spec.batch.micro}, schedule {s.schedule}")
+    rows = [(kind, c["unique"], c["total"]) for kind, c in summary["by_kind"].items()]
+    rows.append(("all", summary["unique_events"], summary["total_events"]))
+    print(format_table(("kind", "unique", "total"), rows))
+    print(f"de-duplication ratio: {summary['dedup_ratio']:,.1f} events per unique event")
+    for what in summary["placement_mixed"]:
+        print(f"note: {what} straddle nodes unevenly; the simulated replica uses the inter-node variant")
+    if args.list:
+        print()
+        rows = [(r["id"], r["kind"], r["name"], r["multiplicity"],
+                 human_bytes(r["cost"]) if r["kind"] != "compute" else f"{r['cost']:.3g} FLOP") for r in plan.table()]
+        print(format_table(("id", "kind", "name", "multiplicity", "cost"), rows))
+    if flow is not None:
+        print(f"\nevent flow of device {args.device} ({len(flow)} events):")
+        names = {e.id: e.name for e in plan.events.values()}
+        print(format_table(("#", "phase", "virtual stage", "micro-batch", "event"),
+                           [(i, ph, vs, mb if mb >= 0 else "-", names[e]) for i, (e, ph, vs, mb) in enumerate(flow)]))
+    return 0

@@ -1,0 +1,298 @@
+"""From a job spec to the unique events of one training iteration and every device's event flow.
+
+An event's identity is its content (kind, shapes, dtype, degrees, group size, placement) hashed into
+a stable id, so identical layers, micro-batches, data-parallel replicas and messages collapse into one
+unique event with a multiplicity. Nothing is materialised per device unless asked (`device_flow`).
+
+Counting conventions (docs/events.md): compute events count once per device that runs them;
+a P2P event counts once per transfer; a collective counts once per group call.
+Ranks are ordered tp fastest, then dp, then pp; a device's node is rank // gpus_per_node.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from harness.layers import LayerDesc, describe, split_into_stages
+from harness.schedules import device_steps, virtual_stage
+from harness.spec import JobSpec
+
+EVENTS_VERSION = 1
+INTRA, INTER = "intra", "inter"
+
+
+def human_bytes(nbytes: float) -> str:
+    """1536 -> '1.5KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f}GiB"
+
+
+def event_id(content: dict[str, Any]) -> str:
+    """Stable content hash: the same content gives the same id in every run and process."""
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Event:
+    """A unique event: `cost` is estimated FLOPs for compute events and bytes for communication."""
+
+    id: str
+    kind: str  # compute | p2p | allreduce
+    name: str
+    content: dict = field(hash=False, compare=False)
+    cost: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return int(self.content.get("bytes", 0))
+
+    @property
+    def group_size(self) -> int:
+        return int(self.content.get("group", 2 if self.kind == "p2p" else 1))
+
+    @property
+    def placement(self) -> str | None:
+        return self.content.get("placement")
+
+
+@dataclass
+class Bucket:
+    """A data-parallel gradient bucket: all-reduced once its last layer's backward is done."""
+
+    event: str
+    nbytes: int
+    ready_after: int  # index into StageProgram.backward after which every gradient in the bucket is ready
+
+
+@dataclass
+class StageProgram:
+    """What one virtual pipeline stage runs per micro-batch (identical on its dp x tp devices)."""
+
+    virtual_stage: int
+    layers: list[int]  # indexes into EventPlan.layers
+    forward: list[str]
+    backward: list[str]
+    buckets: list[Bucket]
+    optimizer: list[str]
+    send_forward: str | None  # activation to the next virtual stage
+    send_backward: str | None  # gradient to the previous virtual stage
+    forward_layers: list[int] = field(default_factory=list)  # layer index of each forward item (-1: collective)
+    backward_layers: list[int] = field(default_factory=list)
+
+
+class EventPlan:
+    """The unique events of one iteration, their multiplicities and the per-stage programs."""
+
+    def __init__(self, spec: JobSpec, layers: list[LayerDesc] | None = None):
+        self.spec = spec
+        self.layers = describe(spec, layers)
+        self.events: dict[str, Event] = {}
+        self.multiplicity: Counter[str] = Counter()
+        self.placement_mixed: list[str] = []
+        self._build()
+
+    # ---- construction -------------------------------------------------------------------------
+    def _add(self, kind: str, name: str, content: dict[str, Any], cost: float, count: int) -> str:
+        content = {"kind": kind, **content}
+        eid = event_id(content)
+        if eid not in self.events:
+            self.events[eid] = Event(eid, kind, name, content, cost)
+        self.multiplicity[eid] += count
+        return eid
+
+    def _node(self, rank: int) -> int:
+        return rank // self.spec.cluster.gpus_per_node
+
+    def rank_of(self, dp_i: int, tp_i: int, pp_i: int) -> int:
+        s = self.spec.strategy
+        return (pp_i * s.dp + dp_i) * s.tp + tp_i
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp index, tp index, pp index) of a global rank."""
+        s = self.spec.strategy
+        return (rank // s.tp) % s.dp, rank % s.tp, rank // (s.tp * s.dp)
+
+    def _placements(self, groups: Iterator[list[int]]) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for ranks in groups:
+            nodes = {self._node(r) for r in ranks}
+            counts[INTRA if len(nodes) == 1 else INTER] += 1
+        return counts
+
+    def _collective(self, kind: str, nbytes: int, group: int, placements: Counter[str],
+                    calls_per_group: int, what: str) -> str:
+        """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
+        slowest (inter-node) variant when groups of one kind straddle nodes unevenly."""
+        dtype = self.spec.model.dtype
+        chosen = None
+        for placement in (INTRA, INTER):
+            if placements[placement]:
+                content = {"bytes": nbytes, "dtype": dtype, "placement": placement}
+                if kind != "p2p":
+                    content["group"] = group
+                label = f"{kind} {human_bytes(nbytes)}" + (f" x{group}" if kind != "p2p" else "") + f" {placement}"
+                chosen = self._add(kind, label, content, float(nbytes),
+                                   placements[placement] * calls_per_group)
+        if len(placements) > 1 and what not in self.placement_mixed:
+            self.placement_mixed.append(what)
+        assert chosen is not None
+        return chosen
+
+    def _build(self) -> None:
+        spec, s = self.spec, self.spec.strategy
+        m, micro, seq = spec.micro_batches, spec.batch.micro, spec.model.seq_len
+        dtype_bytes = spec.model.dtype_bytes
+        devices_per_stage = s.dp * s.tp
+        stages = split_into_stages(self.layers, spec.model, s.virtual_stages)
+        activation = micro * seq * spec.model.hidden * dtype_bytes
+        tp_groups_of_stage = [self._placements([self.rank_of(d, t, p) for t in range(s.tp)] for d in range(s.dp))
+                              for p in range(s.pp)]
+        self.stages: list[StageProgram] = []
+        index_of = {id(layer): i for i, layer in enumerate(self.layers)}
+        for vs, stage_layers in enumerate(stages):
+            fwd, bwd, fwd_layers, bwd_layers, opt = [], [], [], [], []
+            tp_groups = tp_groups_of_stage[vs % s.pp]
+            grads: list[tuple[int, int]] = []  # (layer index, gradient bytes) in backward order
+            for layer in stage_layers:
+                sig = dict(layer.signature)
+                compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
+                f_flops = layer.fwd_flops(micro, seq)
+                label = f"{sig.get('family', 'user')}.{layer.kind}"
+                fwd.append(self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, f_flops,
+                                     m * devices_per_stage))
+                fwd_layers.append(index_of[id(layer)])
+                for _ in range(layer.tp_allreduces):
+                    fwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
+                                                "tensor-parallel groups"))
+                    fwd_layers.append(-1)
+                opt.append(self._add("compute", f"{label}.optimizer",
+                                     {"layer": layer.kind, "signature": sig, "phase": "optimizer",
+                                      "params": layer.params}, 12.0 * layer.params, devices_per_stage))
+            for layer in reversed(stage_layers):
+                sig = dict(layer.signature)
+                label = f"{sig.get('family', 'user')}.{layer.kind}"
+                compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
+                bwd.append(self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"},
+                                     2.0 * layer.fwd_flops(micro, seq), m * devices_per_stage))
+                bwd_layers.append(index_of[id(layer)])
+                for _ in range(layer.tp_allreduces):
+                    bwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
+                                                "tensor-parallel groups"))
+                    bwd_layers.append(-1)
+                grads.append((len(bwd) - 1, layer.params * dtype_bytes))
+            buckets = self._buckets(vs, grads) if s.dp > 1 else []
+            self.stages.append(StageProgram(
+                virtual_stage=vs, layers=[index_of[id(layer)] for layer in stage_layers], forward=fwd, backward=bwd,
+                buckets=buckets, optimizer=opt, send_forward=None, send_backward=None,
+                forward_layers=fwd_layers, backward_layers=bwd_layers))
+        for vs in range(s.virtual_stages - 1):
+            src, dst = vs % s.pp, (vs + 1) % s.pp
+            pairs = self._placements([self.rank_of(d, t, src), self.rank_of(d, t, dst)]
+                                     for d in range(s.dp) for t in range(s.tp))
+            what = f"pipeline pairs {vs}->{vs + 1}"
+            self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
+            self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
+
+    def _buckets(self, vs: int, grads: list[tuple[int, int]]) -> list[Bucket]:
+        """DDP-style buckets: layers' gradients in backward order, a bucket closing once it holds bucket_mb."""
+        s = self.spec.strategy
+        cap = int(s.bucket_mb * 2**20)
+        dp_groups = self._placements([self.rank_of(d, t, vs % s.pp) for d in range(s.dp)] for t in range(s.tp))
+        buckets: list[Bucket] = []
+        size, last = 0, -1
+        for position, nbytes in grads:
+            size += nbytes
+            last = position
+            if size >= cap:
+                buckets.append(Bucket("", size, last))
+                size = 0
+        if size:
+            buckets.append(Bucket("", size, last))
+        for bucket in buckets:
+            bucket.event = self._collective("allreduce", bucket.nbytes, s.dp, dp_groups, 1,
+                                            "data-parallel groups")
+        return buckets
+
+    # ---- queries -----------------------------------------------------------------------------
+    @property
+    def unique_events(self) -> int:
+        return len(self.events)
+
+    @property
+    def total_events(self) -> int:
+        return sum(self.multiplicity.values())
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for `harness events --json` (docs/events.md)."""
+        by_kind: dict[str, dict[str, int]] = {}
+        for eid, event in self.events.items():
+            entry = by_kind.setdefault(event.kind, {"unique": 0, "total": 0})
+            entry["unique"] += 1
+            entry["total"] += self.multiplicity[eid]
+        s = self.spec.strategy
+        return {
+            "events_version": EVENTS_VERSION,
+            "model": self.spec.model.name,
+            "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks},
+            "devices": s.world,
+            "micro_batches": self.spec.micro_batches,
+            "unique_events": self.unique_events,
+            "total_events": self.total_events,
+            "dedup_ratio": self.total_events / max(1, self.unique_events),
+            "by_kind": dict(sorted(by_kind.items())),
+            "placement_mixed": self.placement_mixed,
+        }
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per unique event, sorted by kind then name."""
+        rows = [{"id": e.id, "kind": e.kind, "name": e.name, "multiplicity": self.multiplicity[e.id],
+                 "cost": e.cost, "content": e.content} for e in self.events.values()]
+        return sorted(rows, key=lambda r: (r["kind"], r["name"], r["id"]))
+
+    def device_flow(self, rank: int) -> Iterator[tuple[str, str, int, int]]:
+        """Materialise one device's iteration: (event id, phase, virtual stage, micro-batch) in order.
+
+        phase is F/B (compute and tensor-parallel collectives), send/recv (P2P), dp (gradient
+        all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
+        """
+        s = self.spec.strategy
+        if not 0 <= rank < s.world:
+            raise ValueError(f"rank {rank} outside 0..{s.world - 1}")
+        _, _, pp_i = self.coords(rank)
+        last_micro = self.spec.micro_batches - 1
+        for step in device_steps(s.schedule, pp_i, s.pp, self.spec.micro_batches, s.chunks):
+            vs = virtual_stage(step.chunk, pp_i, s.pp)
+            program = self.stages[vs]
+            if step.phase == "F":
+                if vs > 0:
+                    yield self.stages[vs - 1].send_forward, "recv", vs, step.micro
+                for eid in program.forward:
+                    yield eid, "F", vs, step.micro
+                if program.send_forward:
+                    yield program.send_forward, "send", vs, step.micro
+            else:
+                if vs < s.virtual_stages - 1:
+                    yield self.stages[vs + 1].send_backward, "recv", vs, step.micro
+                for position, eid in enumerate(program.backward):
+                    yield eid, "B", vs, step.micro
+                    if step.micro == last_micro:
+                        for bucket in program.buckets:
+                            if bucket.ready_after == position:
+                                yield bucket.event, "dp", vs, step.micro
+                if program.send_backward:
+                    yield program.send_backward, "send", vs, step.micro
+        for chunk in range(s.chunks):
+            for eid in self.stages[virtual_stage(chunk, pp_i, s.pp)].optimizer:
+                yield eid, "opt", virtual_stage(chunk, pp_i, s.pp), -1
+
+
+def build_plan(spec: JobSpec, layers: list[LayerDesc] | None = None) -> EventPlan:
+    """The event plan of one iteration of `spec` (user models need `layers` or their factory)."""
+    return EventPlan(spec, layers)

@@ -1,0 +1,147 @@
+"""Analytic descriptions of a model's layers: what each computes, its parameters and its output.
+
+The event generator works from these, so generating events needs neither torch nor a model instance.
+Built-in families are described here; a user's factory model is described by instantiating it
+(harness.models.user.describe_user_model), and the result is stored in the profile for the analysis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.spec import JobSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerDesc:
+    """One layer of the model as the events see it; sizes are per tensor-parallel shard.
+
+    `signature` holds everything that decides the layer's cost (family, sizes, tp); layers with the same
+    signature are identical events. `params` counts this shard's parameters; `fwd_flops_per_token`
+    the forward FLOPs for one token of one sample; `attn_flops_per_token_per_seq` the part that grows
+    with the sequence; `tp_allreduces` how many hidden-sized all-reduces the layer does per pass.
+    """
+
+    kind: str  # embedding | block | head | user
+    signature: tuple[tuple[str, Any], ...]
+    params: int
+    fwd_flops_per_token: float
+    attn_flops_per_token_per_seq: float = 0.0
+    tp_allreduces: int = 0
+    out_features: tuple[int, ...] = ()  # output shape after (micro, seq)
+    index: int = 0  # position in the model; the first of identical layers for user models
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def fwd_flops(self, micro: int, seq: int) -> float:
+        tokens = micro * seq
+        return tokens * (self.fwd_flops_per_token + self.attn_flops_per_token_per_seq * seq)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "signature": [list(item) for item in self.signature], "params": self.params,
+                "fwd_flops_per_token": self.fwd_flops_per_token,
+                "attn_flops_per_token_per_seq": self.attn_flops_per_token_per_seq,
+                "tp_allreduces": self.tp_allreduces, "out_features": list(self.out_features), "index": self.index}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayerDesc":
+        return cls(kind=data["kind"], signature=tuple(tuple(item) for item in data["signature"]),
+                   params=int(data["params"]), fwd_flops_per_token=float(data["fwd_flops_per_token"]),
+                   attn_flops_per_token_per_seq=float(data["attn_flops_per_token_per_seq"]),
+                   tp_allreduces=int(data["tp_allreduces"]), out_features=tuple(data["out_features"]),
+                   index=int(data["index"]))
+
+
+def block_params(model: ModelSpec, tp: int) -> int:
+    """Parameters of one transformer block's tensor-parallel shard (matches harness.models)."""
+    h, ffn = model.hidden, model.ffn
+    head_dim = h // model.heads
+    if model.family == "llama":
+        qkv_out = (model.heads + 2 * model.kv_heads) * head_dim
+        sharded = h * qkv_out + h * h + 3 * h * ffn  # no biases
+        replicated = 2 * h  # two RMSNorm weights
+        return sharded // tp + replicated
+    sharded = h * 3 * h + 3 * h + h * h + h * ffn + ffn + ffn * h  # weights and column-parallel biases
+    replicated = h + h + 4 * h  # row-parallel biases (attention, MLP) and two LayerNorms
+    return sharded // tp + replicated
+
+
+def embedding_params(model: ModelSpec) -> int:
+    h = model.hidden
+    if model.family == "llama":
+        return model.vocab * h
+    if model.family == "bert":
+        return model.vocab * h + model.seq_len * h + 2 * h + 2 * h  # tokens, positions, token types, LayerNorm
+    return model.vocab * h + model.seq_len * h
+
+
+def head_params(model: ModelSpec) -> int:
+    h = model.hidden
+    if model.family == "llama":
+        return h + model.vocab * h  # RMSNorm, untied lm head without bias
+    if model.family == "bert":
+        return h * h + h + 2 * h + model.vocab * h + model.vocab  # transform, LayerNorm, decoder
+    return 2 * h + model.vocab * h  # final LayerNorm, untied lm head without bias
+
+
+def describe_builtin(model: ModelSpec, tp: int) -> list[LayerDesc]:
+    """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
+
+    Embedding and head are replicated over the tensor-parallel group; blocks are Megatron-sharded.
+    """
+    h, ffn, v = model.hidden, model.ffn, model.vocab
+    head_dim = h // model.heads
+    base = (("family", model.family), ("hidden", h), ("dtype", model.dtype))
+    if model.family == "llama":
+        proj = h * (model.heads + 2 * model.kv_heads) * head_dim + h * h + 3 * h * ffn
+    else:
+        proj = 4 * h * h + 2 * h * ffn
+    block = LayerDesc(
+        kind="block",
+        signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)),
+        params=block_params(model, tp),
+        fwd_flops_per_token=2.0 * proj / tp,
+        attn_flops_per_token_per_seq=4.0 * h / tp,  # QK^T and attention x V
+        tp_allreduces=2 if tp > 1 else 0,
+        out_features=(h,),
+    )
+    embedding = LayerDesc(kind="embedding", signature=base + (("vocab", v), ("max_seq", model.seq_len)),
+                          params=embedding_params(model), fwd_flops_per_token=float(h), out_features=(h,))
+    head = LayerDesc(kind="head", signature=base + (("vocab", v),), params=head_params(model),
+                     fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
+                     out_features=())
+    layers = [embedding]
+    for i in range(model.layers):
+        layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
+    layers.append(LayerDesc(**{**head.__dict__, "index": model.layers + 1}))
+    return layers
+
+
+def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[LayerDesc]:
+    """The model's layers in order; user models need their description (from the profile or the factory)."""
+    if spec.model.family == "user":
+        if user_layers is None:
+            from harness.models.user import describe_user_model  # needs torch: only for factory models
+
+            user_layers = describe_user_model(spec)
+        return user_layers
+    return describe_builtin(spec.model, spec.strategy.tp)
+
+
+def split_into_stages(layers: list[LayerDesc], model: ModelSpec, virtual_stages: int) -> list[list[LayerDesc]]:
+    """Split layers over virtual pipeline stages: blocks evenly; the embedding joins the first stage and the
+    head the last. A user model's layers are split evenly by count (its first and last layers included)."""
+    if model.family == "user":
+        per = len(layers) // virtual_stages
+        extra = len(layers) % virtual_stages
+        out, start = [], 0
+        for stage in range(virtual_stages):
+            size = per + (1 if stage < extra else 0)
+            out.append(layers[start:start + size])
+            start += size
+        return out
+    blocks = layers[1:-1]
+    per = len(blocks) // virtual_stages
+    out = [blocks[i * per:(i + 1) * per] for i in range(virtual_stages)]
+    out[0] = [layers[0]] + out[0]
+    out[-1] = out[-1] + [layers[-1]]
+    return out

@@ -1,0 +1,161 @@
+"""The built-in transformer families as torch modules, one module per layer (embedding, block, head).
+
+GPT-2 (pre-LayerNorm, GELU), BERT (post-LayerNorm, GELU, token types, MLM-style head) and a LLaMA-like
+block (RMSNorm, SwiGLU, grouped-query attention, rotary positions). Blocks are Megatron-sharded over
+`tp` ranks (heads and FFN columns split); embedding and head are replicated on the tensor-parallel
+group. Parameter counts match harness.layers, which the event generator uses.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from harness.models.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from harness.spec import ModelSpec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer's tensor-parallel shard. `group` is the tp process group (None: no collectives)."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None):
+        super().__init__()
+        self.family = model.family
+        self.group = group
+        dtype = TORCH_DTYPES[model.dtype]
+        h = model.hidden
+        self.head_dim = h // model.heads
+        self.local_heads = model.heads // tp
+        self.local_kv = model.kv_heads // tp
+        causal = model.family != "bert"
+        self.causal = causal
+        if model.family == "llama":
+            self.norm1, self.norm2 = RMSNorm(h, dtype=dtype), RMSNorm(h, dtype=dtype)
+            qkv_out = (model.heads + 2 * model.kv_heads) * self.head_dim
+            self.qkv = ColumnParallelLinear(h, qkv_out, tp, bias=False, dtype=dtype)
+            self.proj = RowParallelLinear(h, h, tp, bias=False, dtype=dtype)
+            self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype)
+            self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype)
+        else:
+            self.norm1 = nn.LayerNorm(h, dtype=dtype)
+            self.norm2 = nn.LayerNorm(h, dtype=dtype)
+            self.qkv = ColumnParallelLinear(h, 3 * h, tp, dtype=dtype)
+            self.proj = RowParallelLinear(h, h, tp, dtype=dtype)
+            self.fc1 = ColumnParallelLinear(h, model.ffn, tp, dtype=dtype)
+            self.fc2 = RowParallelLinear(model.ffn, h, tp, dtype=dtype)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(copy_to_tp(x, self.group))
+        q_size, kv_size = self.local_heads * self.head_dim, self.local_kv * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
+        if self.family == "llama":
+            q, k = _rotary(q), _rotary(k)
+        if self.local_kv != self.local_heads:
+            repeat = self.local_heads // self.local_kv
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(out.transpose(1, 2).reshape(b, s, q_size), self.group)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        if self.family == "llama":
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up, self.group)
+        return self.fc2(F.gelu(self.fc1(x)), self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.family == "bert":  # post-LayerNorm
+            x = self.norm1(x + self._attention(x))
+            return self.norm2(x + self._mlp(x))
+        x = x + self._attention(self.norm1(x))
+        return x + self._mlp(self.norm2(x))
+
+
+class Embedding(nn.Module):
+    """Token (and for GPT-2/BERT position, for BERT token-type) embeddings: ids (micro, seq) -> hidden."""
+
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        dtype = TORCH_DTYPES[model.dtype]
+        self.family = model.family
+        self.tokens = nn.Embedding(model.vocab, model.hidden, dtype=dtype)
+        if model.family != "llama":
+            self.positions = nn.Embedding(model.seq_len, model.hidden, dtype=dtype)
+        if model.family == "bert":
+            self.token_types = nn.Embedding(2, model.hidden, dtype=dtype)
+            self.norm = nn.LayerNorm(model.hidden, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        if self.family != "llama":
+            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        if self.family == "bert":
+            x = self.norm(x + self.token_types.weight[0])
+        return x
+
+
+class Head(nn.Module):
+    """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy."""
+
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        dtype = TORCH_DTYPES[model.dtype]
+        h = model.hidden
+        self.family = model.family
+        if model.family == "llama":
+            self.norm = RMSNorm(h, dtype=dtype)
+            self.out = nn.Linear(h, model.vocab, bias=False, dtype=dtype)
+        elif model.family == "bert":
+            self.transform = nn.Linear(h, h, dtype=dtype)
+            self.norm = nn.LayerNorm(h, dtype=dtype)
+            self.out = nn.Linear(h, model.vocab, dtype=dtype)
+        else:
+            self.norm = nn.LayerNorm(h, dtype=dtype)
+            self.out = nn.Linear(h, model.vocab, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.family == "bert":
+            x = F.gelu(self.transform(x))
+        return self.out(self.norm(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None) -> nn.Module:
+    """A fresh layer of a built-in model: kind is embedding, block or head."""
+    if kind == "embedding":
+        return Embedding(model)
+    if kind == "block":
+        return TransformerBlock(model, tp, group)
+    if kind == "head":
+        return Head(model)
+    raise ValueError(f"unknown layer kind {kind!r}")

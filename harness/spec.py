@@ -1,0 +1,404 @@
+"""The job spec: a TOML file validated into typed, frozen objects (format in docs/spec.md).
+
+Pure Python (stdlib tomllib): the analysis imports this module without MPI, torch or a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import SpecError
+
+SPEC_VERSION = 1
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+BACKENDS = ("torch", "mpi4py")
+
+# Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-small": dict(family="gpt2", layers=12, hidden=768, heads=12, ffn=3072, seq_len=1024, vocab=50257),
+    "gpt2-medium": dict(family="gpt2", layers=24, hidden=1024, heads=16, ffn=4096, seq_len=1024, vocab=50257),
+    "gpt2-large": dict(family="gpt2", layers=36, hidden=1280, heads=20, ffn=5120, seq_len=1024, vocab=50257),
+    "gpt2-xl": dict(family="gpt2", layers=48, hidden=1600, heads=25, ffn=6400, seq_len=1024, vocab=50257),
+    "bert-base": dict(family="bert", layers=12, hidden=768, heads=12, ffn=3072, seq_len=512, vocab=30522),
+    "bert-large": dict(family="bert", layers=24, hidden=1024, heads=16, ffn=4096, seq_len=512, vocab=30522),
+    # The 48-layer BERT of the DistSim paper's evaluation.
+    "bert-exlarge": dict(family="bert", layers=48, hidden=1024, heads=16, ffn=4096, seq_len=512, vocab=30522),
+    "llama-1b": dict(family="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, seq_len=2048, vocab=32000),
+    "llama-7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, seq_len=2048, vocab=32000),
+    "llama-13b": dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, seq_len=2048, vocab=32000),
+}
+
+_SECTIONS = {
+    "spec_version": None,
+    "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
+    "batch": {"global", "micro"},
+    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb"},
+    "cluster": {"nodes", "gpus_per_node"},
+    "profile": {"warmup", "repeats", "backend", "timeout_s", "device"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks"},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to train: a built-in family with sizes, or a user's factory ("module:function")."""
+
+    name: str
+    family: str  # gpt2 | bert | llama | user
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq_len: int
+    vocab: int
+    dtype: str = "float32"
+    factory: str | None = None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    global_size: int
+    micro: int
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """Hybrid parallelism. Ranks are ordered tp fastest, then dp, then pp (Megatron's order)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per pipeline device (interleaved-1f1b only)
+    dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
+    bucket_mb: float = 25.0  # DDP's default bucket size
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.chunks
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    warmup: int = 3
+    repeats: int = 10
+    backend: str = "torch"  # communication backend: torch (torch.distributed) or mpi4py
+    timeout_s: float = 600.0  # per phase
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """Candidate values for a strategy search (used by later analysis commands)."""
+
+    dp: tuple[int, ...] = ()
+    tp: tuple[int, ...] = ()
+    pp: tuple[int, ...] = ()
+    micro: tuple[int, ...] = ()
+    schedule: tuple[str, ...] = ()
+    chunks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: ModelSpec
+    batch: BatchSpec
+    strategy: StrategySpec
+    cluster: ClusterSpec
+    profile: ProfileSpec = field(default_factory=ProfileSpec)
+    search: SearchSpec = field(default_factory=SearchSpec)
+    source: str = "<spec>"
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per pipeline per iteration: global / (dp x micro)."""
+        return self.batch.global_size // (self.strategy.dp * self.batch.micro)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as plain data (round-trips through parse_spec)."""
+        m = dataclasses.asdict(self.model)
+        if m["factory"] is None:
+            del m["factory"]
+        s = dataclasses.asdict(self.strategy)
+        search = {k: list(v) for k, v in dataclasses.asdict(self.search).items() if v}
+        out = {
+            "spec_version": SPEC_VERSION,
+            "model": m,
+            "batch": {"global": self.batch.global_size, "micro": self.batch.micro},
+            "strategy": s,
+            "cluster": dataclasses.asdict(self.cluster),
+            "profile": dataclasses.asdict(self.profile),
+        }
+        if search:
+            out["search"] = search
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def with_changes(self, **changes: Any) -> "JobSpec":
+        """A new validated spec with strategy/batch/cluster fields replaced (e.g. dp=4, micro=2)."""
+        data = self.to_dict()
+        for key, value in changes.items():
+            section = next((name for name in ("strategy", "batch", "cluster", "profile") if key in _SECTIONS[name]), None)
+            if section is None:
+                raise SpecError(f"unknown field {key!r}; expected one of "
+                                f"{', '.join(sorted(_SECTIONS['strategy'] | _SECTIONS['batch'] | _SECTIONS['cluster']))}",
+                                source="--strategy")
+            data[section][key] = value
+        if "schedule" in changes and changes["schedule"] != "interleaved-1f1b" and "chunks" not in changes:
+            data["strategy"]["chunks"] = 1
+        if not {"nodes", "gpus_per_node"} & set(changes):
+            # Another strategy usually means another device count: keep the node size, change the node count.
+            world = data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
+            per_node = data["cluster"]["gpus_per_node"]
+            if world % per_node == 0:
+                data["cluster"]["nodes"] = world // per_node
+            elif world < per_node:
+                data["cluster"].update(nodes=1, gpus_per_node=world)
+        return parse_spec(data, source=f"{self.source} with {changes}")
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a TOML job spec; raises SpecError with the file, field and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)", source=str(path))
+    except OSError as exc:
+        raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path))
+    return loads_spec(text, source=str(path))
+
+
+def loads_spec(text: str, source: str = "<spec>") -> JobSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"malformed TOML: {exc}", source=source)
+    return parse_spec(data, source=source)
+
+
+def _int(section: dict, key: str, where: str, default: Any = None, minimum: int = 1) -> int:
+    value = section.get(key, default)
+    if value is None:
+        raise SpecError("is required", field=f"{where}.{key}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"must be an integer, got {value!r}", field=f"{where}.{key}")
+    if value < minimum:
+        raise SpecError(f"must be >= {minimum}, got {value}", field=f"{where}.{key}")
+    return value
+
+
+def _number(section: dict, key: str, where: str, default: float) -> float:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise SpecError(f"must be a positive number, got {value!r}", field=f"{where}.{key}")
+    return float(value)
+
+
+def _choice(section: dict, key: str, where: str, default: str, choices) -> str:
+    value = section.get(key, default)
+    if value not in choices:
+        raise SpecError(f"unknown value {value!r}; expected one of {', '.join(choices)}", field=f"{where}.{key}")
+    return value
+
+
+def _check_keys(data: dict) -> None:
+    for section, value in data.items():
+        if section not in _SECTIONS:
+            raise SpecError(f"unknown section; expected one of {', '.join(k for k in _SECTIONS if k != 'spec_version')}",
+                            field=section)
+        if section == "spec_version":
+            if value != SPEC_VERSION:
+                raise SpecError(f"unsupported spec_version {value!r}; this harness reads version {SPEC_VERSION}",
+                                field="spec_version")
+            continue
+        if not isinstance(value, dict):
+            raise SpecError("must be a table", field=section)
+        unknown = set(value) - _SECTIONS[section]
+        if unknown:
+            raise SpecError(f"unknown key {sorted(unknown)[0]!r}; expected one of {', '.join(sorted(_SECTIONS[section]))}",
+                            field=section)
+
+
+def check_factory(factory: str) -> None:
+    """Import a "module:function" factory; SpecError if it cannot be imported."""
+    module_name, _, func_name = factory.partition(":")
+    if not module_name or not func_name:
+        raise SpecError(f"factory {factory!r} must look like 'package.module:function'", field="model.factory")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an ImportError or any error raised while importing the user's module
+        raise SpecError(f"cannot import factory module {module_name!r}: {exc}", field="model.factory")
+    if not callable(getattr(module, func_name, None)):
+        raise SpecError(f"module {module_name!r} has no callable {func_name!r}", field="model.factory")
+
+
+def _parse_model(m: dict) -> ModelSpec:
+    factory = m.get("factory")
+    name = m.get("name")
+    if factory is not None:
+        if not isinstance(factory, str):
+            raise SpecError("must be a string 'module:function'", field="model.factory")
+        check_factory(factory)
+        base: dict[str, Any] = dict(family="user", layers=m.get("layers"), hidden=m.get("hidden", 0),
+                                    heads=m.get("heads", 1), ffn=m.get("ffn", 0), seq_len=m.get("seq_len"),
+                                    vocab=m.get("vocab"))
+        name = name or factory
+    else:
+        if name is None:
+            raise SpecError(f"give a built-in model name ({', '.join(MODEL_PRESETS)}) or a factory", field="model.name")
+        if name not in MODEL_PRESETS:
+            raise SpecError(f"unknown model {name!r}; built-ins are {', '.join(MODEL_PRESETS)}, "
+                            "or use factory = 'module:function'", field="model.name")
+        base = dict(MODEL_PRESETS[name])
+        if "family" in m and m["family"] != base["family"]:
+            raise SpecError(f"{name} is a {base['family']} model; drop 'family' or use a factory", field="model.family")
+    merged = {**base, **{k: v for k, v in m.items() if k not in ("name", "factory", "family", "dtype")}}
+    if "kv_heads" not in m:
+        base_heads, base_kv = base.get("heads"), base.get("kv_heads", base.get("heads"))
+        heads = merged.get("heads")
+        # Shrinking a preset keeps its grouped-query ratio where it divides, else plain multi-head attention.
+        ratio = (base_heads // base_kv) if base_heads and base_kv else 1
+        merged["kv_heads"] = heads // ratio if isinstance(heads, int) and heads % ratio == 0 else heads
+    ints = {}
+    for key in ("layers", "heads", "kv_heads", "seq_len", "vocab"):
+        ints[key] = _int(merged, key, "model")
+    for key in ("hidden", "ffn"):
+        ints[key] = _int(merged, key, "model", minimum=0 if merged["family"] == "user" else 1)
+    dtype = _choice(m, "dtype", "model", "float32", tuple(DTYPES))
+    if merged["family"] != "user":
+        if ints["hidden"] % ints["heads"]:
+            raise SpecError(f"hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})", field="model.hidden")
+        if ints["heads"] % ints["kv_heads"]:
+            raise SpecError(f"heads ({ints['heads']}) must be divisible by kv_heads ({ints['kv_heads']})",
+                            field="model.kv_heads")
+    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, **ints)
+
+
+def _parse_search(s: dict) -> SearchSpec:
+    values = {}
+    for key in _SECTIONS["search"]:
+        if key not in s:
+            continue
+        items = s[key]
+        if not isinstance(items, list) or not items:
+            raise SpecError("must be a non-empty list of candidates", field=f"search.{key}")
+        for item in items:
+            if key == "schedule":
+                _choice({key: item}, key, "search", "1f1b", SCHEDULES)
+            else:
+                _int({key: item}, key, "search")
+        values[key] = tuple(items)
+    return SearchSpec(**values)
+
+
+def parse_spec(data: dict, source: str = "<spec>", check_cluster: bool = True) -> JobSpec:
+    """Validate plain data (as read from TOML) into a JobSpec; every error names its field."""
+    try:
+        return _parse_spec(data, check_cluster)
+    except SpecError as exc:
+        if exc.source is None:
+            raise SpecError(str(exc), source=source) from None
+        raise
+
+
+def _parse_spec(data: dict, check_cluster: bool) -> JobSpec:
+    _check_keys(data)
+    for section in ("model", "batch", "strategy", "cluster"):
+        if section not in data:
+            raise SpecError("section is missing (see docs/spec.md)", field=section)
+    model = _parse_model(data["model"])
+    b = data["batch"]
+    batch = BatchSpec(global_size=_int(b, "global", "batch"), micro=_int(b, "micro", "batch"))
+    s = data["strategy"]
+    schedule = _choice(s, "schedule", "strategy", "1f1b", SCHEDULES)
+    chunks = _int(s, "chunks", "strategy", default=2 if schedule == "interleaved-1f1b" else 1)
+    dp_overlap = s.get("dp_overlap", True)
+    if not isinstance(dp_overlap, bool):
+        raise SpecError(f"must be true or false, got {dp_overlap!r}", field="strategy.dp_overlap")
+    strategy = StrategySpec(dp=_int(s, "dp", "strategy", 1), tp=_int(s, "tp", "strategy", 1),
+                            pp=_int(s, "pp", "strategy", 1), schedule=schedule, chunks=chunks,
+                            dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0))
+    c = data["cluster"]
+    cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1))
+    p = data.get("profile", {})
+    profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
+                          backend=_choice(p, "backend", "profile", "torch", BACKENDS),
+                          timeout_s=_number(p, "timeout_s", "profile", 600.0),
+                          device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")))
+    search = _parse_search(data.get("search", {}))
+
+    if check_cluster and strategy.world != cluster.devices:
+        raise SpecError(f"dp x tp x pp = {strategy.dp} x {strategy.tp} x {strategy.pp} = {strategy.world} must equal "
+                        f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
+                        field="strategy")
+    if schedule != "interleaved-1f1b" and chunks != 1:
+        raise SpecError(f"chunks = {chunks} needs schedule = 'interleaved-1f1b'", field="strategy.chunks")
+    if model.layers % strategy.virtual_stages:
+        what = f"pp x chunks = {strategy.pp} x {chunks}" if chunks > 1 else f"pp = {strategy.pp}"
+        raise SpecError(f"layers ({model.layers}) must be divisible by {what}", field="model.layers")
+    if strategy.tp > 1:
+        if model.family == "user":
+            raise SpecError("tensor parallelism (tp > 1) is supported for the built-in models only; "
+                            "set tp = 1 for a factory model", field="strategy.tp")
+        for key in ("heads", "kv_heads", "hidden", "ffn"):
+            if getattr(model, key) % strategy.tp:
+                raise SpecError(f"{key} ({getattr(model, key)}) must be divisible by tp ({strategy.tp})",
+                                field=f"model.{key}")
+    if batch.global_size % (strategy.dp * batch.micro):
+        raise SpecError(f"global ({batch.global_size}) must be divisible by dp x micro = "
+                        f"{strategy.dp} x {batch.micro} = {strategy.dp * batch.micro}", field="batch.global")
+    micro_batches = batch.global_size // (strategy.dp * batch.micro)
+    if schedule == "interleaved-1f1b" and micro_batches % strategy.pp:
+        raise SpecError(f"interleaved-1f1b needs the micro-batch count ({micro_batches} = global / (dp x micro)) "
+                        f"to be a multiple of pp ({strategy.pp})", field="batch.global")
+    return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search)
+
+
+def parse_strategy_overrides(text: str) -> dict[str, Any]:
+    """Parse "dp=4,tp=2,schedule=gpipe" into typed overrides for JobSpec.with_changes."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecError(f"expected key=value, got {item!r}", source="--strategy")
+        key = key.strip()
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    out[key] = value
+    return out
