@@ -1,0 +1,46 @@
+"""Shared test set-up: under mpirun every rank gets its own --basetemp and only rank 0 reports."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def launcher_rank() -> int | None:
+    for name in _RANK_VARS:
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    rank = launcher_rank()
+    if rank is None or not config.getoption("with_mpi", default=False):
+        return
+    # Ranks would race on pytest's numbered temp folders: give each its own.
+    if config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"pytest-rank{rank}-")
+    if rank != 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+@pytest.fixture
+def python_exe() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def project_env() -> dict[str, str]:
+    """Environment for subprocesses: the project importable, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

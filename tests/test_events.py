@@ -1,0 +1,145 @@
+"""Events and de-duplication: counts against hand-computed cases, stable ids, collapsing rules."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from harness.events import build_plan
+from harness.layers import describe_builtin
+from harness.schedules import Step, device_steps
+from harness.spec import loads_spec
+from tests.helpers import tiny_spec_text
+
+
+def plan_of(**kwargs):
+    return build_plan(loads_spec(tiny_spec_text(**kwargs)))
+
+
+def test_hand_computed_pp2_m4_1f1b_dp2():
+    # 4 blocks over pp=2 (2 per stage), dp=2, 4 micro-batches, one node of 4 devices.
+    plan = plan_of(layers=4, pp=2, dp=2, global_batch=16, micro=2, schedule="1f1b")
+    assert plan.spec.micro_batches == 4
+    kinds = plan.summary()["by_kind"]
+    # compute: (emb 8 + blocks 32 + head 8) x (fwd, bwd) + optimizer 3 layers x 2 devices x 2 stages
+    assert kinds["compute"] == {"unique": 9, "total": 2 * (8 + 32 + 8) + 12}
+    # P2P: 2 pairs x 4 micro-batches x (activation, gradient); both directions carry the same bytes: one event
+    assert kinds["p2p"] == {"unique": 1, "total": 16}
+    # one gradient bucket per stage (tiny model), one data-parallel group per stage
+    assert kinds["allreduce"] == {"unique": 2, "total": 2}
+    assert plan.total_events == 108 + 16 + 2
+    assert sum(plan.multiplicity.values()) == plan.total_events
+    assert plan.summary()["dedup_ratio"] == pytest.approx(126 / 12)
+
+
+def test_tensor_parallel_collectives_counted_per_group_call():
+    plan = plan_of(layers=2, tp=2, global_batch=4, micro=2)  # m = 2, one TP group
+    tp_events = [e for e in plan.events.values() if e.kind == "allreduce"]
+    assert len(tp_events) == 1 and tp_events[0].group_size == 2 and tp_events[0].placement == "intra"
+    # 2 blocks x (2 forward + 2 backward) x 2 micro-batches x 1 group
+    assert plan.multiplicity[tp_events[0].id] == 16
+
+
+def test_flows_of_all_devices_add_up_to_the_totals():
+    plan = plan_of(layers=4, pp=2, dp=2, tp=2, global_batch=16, micro=2, nodes=2, gpus_per_node=4)
+    per_kind = Counter()
+    for rank in range(plan.spec.strategy.world):
+        for eid, phase, _, _ in plan.device_flow(rank):
+            kind = plan.events[eid].kind
+            if phase == "recv":
+                continue  # each transfer counts once, at its send
+            per_kind[kind] += 1
+    s = plan.spec.strategy
+    totals = {k: v["total"] for k, v in plan.summary()["by_kind"].items()}
+    assert per_kind["compute"] == totals["compute"]
+    assert per_kind["p2p"] == totals["p2p"]
+    # a collective is one group call but every member's flow lists it
+    tp_calls = sum(n for eid, n in plan.multiplicity.items() if plan.events[eid].content.get("group") == s.tp)
+    dp_calls = totals["allreduce"] - tp_calls
+    assert per_kind["allreduce"] == tp_calls * s.tp + dp_calls * s.dp
+
+
+def test_inter_node_placement_of_pipeline_pairs():
+    # tp=2 x dp=2 fill a node of 4: pipeline neighbours (4 ranks apart) sit on different nodes.
+    plan = plan_of(layers=4, pp=2, dp=2, tp=2, global_batch=16, micro=2, nodes=2, gpus_per_node=4)
+    p2p = [e for e in plan.events.values() if e.kind == "p2p"]
+    assert [e.placement for e in p2p] == ["inter"]
+    dp = [e for e in plan.events.values() if e.kind == "allreduce" and e.group_size == 2 and e.bytes > 20000]
+    assert dp and all(e.placement == "intra" for e in dp)
+
+
+def test_identical_layers_collapse_and_different_shapes_do_not():
+    small = plan_of(layers=8, micro=2, global_batch=4)
+    assert len([e for e in small.events.values() if e.name == "gpt2.block.fwd"]) == 1
+    other = plan_of(layers=8, micro=1, global_batch=4)
+    ids_small = {e.id for e in small.events.values() if e.kind == "compute" and "optimizer" not in e.name}
+    ids_other = {e.id for e in other.events.values() if e.kind == "compute" and "optimizer" not in e.name}
+    assert not ids_small & ids_other
+    # the optimizer step does not depend on the micro-batch: the same event
+    opt = lambda p: {e.id for e in p.events.values() if "optimizer" in e.name}  # noqa: E731
+    assert opt(small) == opt(other)
+
+
+def test_ids_stable_across_processes(project_env):
+    code = ("from harness.events import build_plan; from harness.spec import loads_spec; "
+            "from tests.helpers import tiny_spec_text; import json; "
+            "print(json.dumps(sorted(build_plan(loads_spec(tiny_spec_text(layers=4, pp=2, dp=2, global_batch=16)))"
+            ".events)))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=project_env,
+                           check=True).stdout for _ in range(2)]
+    here = sorted(plan_of(layers=4, pp=2, dp=2, global_batch=16).events)
+    assert json.loads(runs[0]) == json.loads(runs[1]) == here
+
+
+def test_sixteen_thousand_devices_are_not_materialised():
+    text = tiny_spec_text(layers=96, hidden=12288, heads=96, ffn=49152, seq=2048, vocab=50257, dp=256, tp=8, pp=8,
+                          global_batch=16384, micro=1, nodes=2048, gpus_per_node=8)
+    plan = build_plan(loads_spec(text))
+    assert plan.spec.micro_batches == 64
+    assert plan.unique_events < 20
+    assert plan.total_events > 3e7  # tens of millions of events, never a list of them
+
+
+def test_user_factory_model_events():
+    text = tiny_spec_text(layers=4, pp=2, global_batch=4).replace('name = "gpt2-small"',
+                                                                     'factory = "tests.user_model:build"')
+    plan = build_plan(loads_spec(text))
+    fwd = [e for e in plan.events.values() if e.name.endswith(".fwd")]
+    assert len(fwd) == 3  # embedding, one mixer for both identical mixers, projection
+    assert {s.virtual_stage: len(s.layers) for s in plan.stages} == {0: 2, 1: 2}
+
+
+def test_param_counts_match_the_torch_models():
+    import torch  # noqa: F401
+
+    from harness.models import build_layer
+    from harness.spec import MODEL_PRESETS
+
+    for name in ("gpt2-small", "bert-base", "llama-1b"):
+        spec = loads_spec(tiny_spec_text(name=name, layers=2, hidden=64, heads=16, ffn=96, tp=2, global_batch=4))
+        layers = describe_builtin(spec.model, tp=2)
+        for desc in (layers[0], layers[1], layers[-1]):
+            module = build_layer(spec.model, desc.kind, tp=2)
+            assert sum(p.numel() for p in module.parameters()) == desc.params, (name, desc.kind)
+        assert MODEL_PRESETS[name]["family"] == spec.model.family
+
+
+def test_one_f_one_b_order():
+    assert device_steps("1f1b", 0, 2, 4) == [Step("F", 0, 0), Step("F", 0, 1), Step("B", 0, 0), Step("F", 0, 2),
+                                             Step("B", 0, 1), Step("F", 0, 3), Step("B", 0, 2), Step("B", 0, 3)]
+    assert device_steps("1f1b", 1, 2, 2) == [Step("F", 0, 0), Step("B", 0, 0), Step("F", 0, 1), Step("B", 0, 1)]
+
+
+@pytest.mark.parametrize("schedule, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                                              ("interleaved-1f1b", 3)])
+@pytest.mark.parametrize("pp, m", [(1, 3), (2, 4), (4, 8)])
+def test_every_schedule_runs_each_step_once_forward_first(schedule, chunks, pp, m):
+    for stage in range(pp):
+        steps = device_steps(schedule, stage, pp, m, chunks)
+        assert sorted(steps) == sorted(Step(ph, c, i) for ph in "FB" for c in range(chunks) for i in range(m))
+        for c in range(chunks):
+            for i in range(m):
+                assert steps.index(Step("F", c, i)) < steps.index(Step("B", c, i))

@@ -1,0 +1,149 @@
+"""The job spec: valid specs load into typed objects; every invalid one exits 2 naming its field."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness.errors import SpecError
+from harness.spec import MODEL_PRESETS, load_spec, loads_spec, parse_strategy_overrides
+from tests.helpers import tiny_spec_text, write_spec
+
+ISSUE_EXAMPLE = """
+[model]
+name = "gpt2-small"
+layers = 12
+hidden = 768
+heads = 12
+ffn = 3072
+seq_len = 1024
+vocab = 50257
+dtype = "float32"
+[batch]
+global = 64
+micro = 4
+[strategy]
+dp = 2
+tp = 2
+pp = 2
+schedule = "1f1b"
+[cluster]
+nodes = 2
+gpus_per_node = 4
+[profile]
+warmup = 3
+repeats = 10
+"""
+
+
+def test_issue_example_loads():
+    spec = loads_spec(ISSUE_EXAMPLE)
+    assert spec.model.hidden == 768 and spec.model.family == "gpt2"
+    assert spec.strategy.world == 8 == spec.cluster.devices
+    assert spec.micro_batches == 64 // (2 * 4)
+    assert spec.profile.repeats == 10
+
+
+def test_round_trip_through_dict():
+    from harness.spec import parse_spec
+
+    spec = loads_spec(ISSUE_EXAMPLE)
+    again = parse_spec(spec.to_dict())
+    assert again.to_dict() == spec.to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_every_preset_is_valid(name):
+    spec = loads_spec(tiny_spec_text(name=name, layers=4, hidden=64, heads=4, ffn=128))
+    assert spec.model.name == name
+
+
+def test_llama_shrink_keeps_grouped_query_ratio():
+    spec = loads_spec(tiny_spec_text(name="llama-1b", layers=2, hidden=64, heads=8, ffn=128))
+    assert spec.model.kv_heads == 1  # llama-1b has 32 heads over 4 kv heads: ratio 8
+
+
+def _error(text: str) -> str:
+    with pytest.raises(SpecError) as info:
+        loads_spec(text, source="job.toml")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (dict(name="gpt5"), "model.name", "unknown model"),
+    (dict(dp=2, tp=1, pp=1, gpus_per_node=4), "strategy", "must equal"),
+    (dict(layers=3, pp=2), "model.layers", "divisible by pp"),
+    (dict(layers=4, pp=2, schedule="interleaved-1f1b", chunks=4, global_batch=8, micro=1),
+     "model.layers", "pp x chunks"),
+    (dict(heads=3, hidden=48, tp=2), "model.heads", "divisible by tp"),
+    (dict(ffn=66, tp=4, heads=4, hidden=32), "model.ffn", "divisible by tp"),
+    (dict(global_batch=10, micro=4), "batch.global", "divisible by dp x micro"),
+    (dict(micro=0), "batch.micro", ">= 1"),
+    (dict(layers=-2), "model.layers", ">= 1"),
+    (dict(schedule="zigzag"), "strategy.schedule", "unknown value"),
+])
+def test_invalid_specs_name_the_field(change, field, words):
+    message = _error(tiny_spec_text(**change))
+    assert f"[{field}]" in message and words in message and "job.toml" in message
+
+
+def test_unknown_dtype():
+    assert "[model.dtype]" in _error(tiny_spec_text().replace('dtype = "float32"', 'dtype = "float8"'))
+
+
+def test_unknown_key_and_section():
+    message = _error(tiny_spec_text().replace("[batch]", "[batch]\ncolour = 3"))
+    assert "unknown key 'colour'" in message and "[batch]" in message
+    assert "unknown section" in _error(tiny_spec_text() + "\n[extras]\nx = 1\n")
+
+
+def test_malformed_toml_names_the_line():
+    message = _error(tiny_spec_text().replace("layers = 4", "layers = = 4"))
+    assert "malformed TOML" in message and "line 4" in message
+
+
+def test_interleaved_needs_micro_batches_multiple_of_pp():
+    message = _error(tiny_spec_text(layers=8, pp=2, schedule="interleaved-1f1b", chunks=2, global_batch=6, micro=2))
+    assert "[batch.global]" in message and "multiple of pp" in message
+
+
+def test_chunks_without_interleaving():
+    assert "[strategy.chunks]" in _error(tiny_spec_text(layers=4, pp=2, chunks=2))
+
+
+def test_factory_that_cannot_be_imported():
+    text = tiny_spec_text().replace('name = "gpt2-small"', 'factory = "no_such_module_xyz:build"')
+    assert "[model.factory]" in _error(text) and "cannot import" in _error(text)
+    text = tiny_spec_text().replace('name = "gpt2-small"', 'factory = "json:no_such_function"')
+    assert "has no callable" in _error(text)
+
+
+def test_factory_model_rejects_tensor_parallelism():
+    text = tiny_spec_text(tp=2).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
+    assert "[strategy.tp]" in _error(text)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "nope.toml")
+
+
+def test_strategy_overrides_change_the_cluster():
+    spec = loads_spec(ISSUE_EXAMPLE)
+    bigger = spec.with_changes(**parse_strategy_overrides("dp=8,schedule=gpipe"))
+    assert bigger.strategy.dp == 8 and bigger.strategy.schedule == "gpipe"
+    assert bigger.cluster.devices == 32 and bigger.cluster.gpus_per_node == 4
+    with pytest.raises(SpecError, match="unknown field"):
+        spec.with_changes(colour=3)
+
+
+def test_cli_exit_status_2_without_traceback(tmp_path, project_env):
+    bad = write_spec(tmp_path / "bad.toml", name="gpt5")
+    result = subprocess.run([sys.executable, "-m", "harness", "events", str(bad)], capture_output=True, text=True,
+                            env=project_env)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "[model.name]" in result.stderr and "unknown model 'gpt5'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,27 @@
+"""A user's factory model for tests: the contract of docs/spec.md ("module:function")."""
+from torch import nn
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.table = nn.Embedding(vocab, width)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+class Mixer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def build(model):
+    """Embedding, (layers - 2) identical residual MLP blocks, and a vocabulary projection."""
+    width = model.hidden or 32
+    return [Embed(model.vocab, width)] + [Mixer(width) for _ in range(model.layers - 2)] + [nn.Linear(width, model.vocab)]
