@@ -1,0 +1,127 @@
+"""Topology discovery: rank, size, hosts, local ranks and devices of the profiling (or training) run.
+
+Hosts come from MPI (a shared-memory split), cross-checked against the launcher's own variables: a
+`mpirun` that does not match the MPI library mpi4py loaded, or `srun --mpi=none`, starts N silent
+one-rank jobs, which we refuse with a clear error.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from harness.errors import UserError
+
+# Test-only: pretend every `k` consecutive ranks form one node (multi-node placement on one machine).
+EMULATE_VAR = "DISTSIM_EMULATE_RANKS_PER_NODE"
+
+
+class LaunchError(UserError):
+    """The MPI world does not match what the launcher promised."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where every rank runs: `node_of[r]` is rank r's node index (0..nodes-1, in order of first rank)."""
+
+    rank: int
+    size: int
+    node_of: tuple[int, ...]
+    hostnames: tuple[str, ...]
+    source: str = "mpi"  # mpi | emulated
+    launcher: str = "unknown"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def node(self) -> int:
+        return self.node_of[self.rank]
+
+    @property
+    def nodes(self) -> int:
+        return max(self.node_of) + 1
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks_on(self.node).index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.ranks_on(self.node))
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(len(self.ranks_on(n)) for n in range(self.nodes))
+
+    def hosts(self) -> list[str]:
+        """One name per node (emulated nodes are named host/nodeN)."""
+        names = []
+        for n in range(self.nodes):
+            first = self.ranks_on(n)[0]
+            names.append(self.hostnames[first] + (f"/node{n}" if self.source == "emulated" else ""))
+        return names
+
+
+def promised_world_size(environ: dict[str, str] | None = None) -> tuple[int, str] | None:
+    """The world size the launcher promised, and the variable that says so (None if no launcher says)."""
+    env = os.environ if environ is None else environ
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if name in env:
+            return int(env[name]), name
+    if "SLURM_STEP_ID" in env or "SLURM_PROCID" in env:
+        for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+            if name in env:
+                return int(env[name]), name
+    return None
+
+
+def launcher_name(environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return "open-mpi"
+    if "SLURM_STEP_ID" in env and "PMI_SIZE" in env and "HYDRA_CONTROL_FD" not in env and "PMI_PORT" not in env:
+        return "srun"
+    if "PMI_SIZE" in env or "PMI_PORT" in env:
+        return "mpich-hydra"
+    if "SLURM_STEP_ID" in env:
+        return "srun"
+    return "singleton"
+
+
+def check_world_size(size: int, environ: dict[str, str] | None = None) -> None:
+    """Raise LaunchError when MPI's world size disagrees with the launcher's promise."""
+    promised = promised_world_size(environ)
+    if promised is not None and promised[0] != size:
+        count, name = promised
+        raise LaunchError(
+            f"MPI world size is {size} but the launcher promised {count} ranks ({name}={count}): the launcher "
+            "and the MPI library that mpi4py loaded do not match, so every rank runs alone. Use the mpirun of the "
+            "same MPI as mpi4py (the venv's .venv/bin/mpirun for the default MPICH), or srun with the right "
+            "--mpi plugin (pmi2 for MPICH, pmix for Open MPI).")
+
+
+def discover(comm) -> Topology:
+    """Discover the topology collectively over an mpi4py communicator (every rank must call it)."""
+    from mpi4py import MPI
+
+    check_world_size(comm.Get_size())
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hostname = socket.gethostname()
+    hostnames = tuple(comm.allgather(hostname))
+    emulate = os.environ.get(EMULATE_VAR)
+    if emulate:
+        try:
+            per_node = int(emulate)
+            assert per_node > 0
+        except (ValueError, AssertionError):
+            raise UserError(f"{EMULATE_VAR}={emulate!r} must be a positive integer (ranks per emulated node)")
+        node_of = tuple(r // per_node for r in range(size))
+        return Topology(rank, size, node_of, hostnames, source="emulated", launcher=launcher_name())
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    leader = local.allreduce(rank, op=MPI.MIN)  # the lowest world rank on my node names the node
+    local.Free()
+    leaders = comm.allgather(leader)
+    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
+    return Topology(rank, size, tuple(order[lead] for lead in leaders), hostnames, launcher=launcher_name())
