@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from importlib import resources
 
 from harness.errors import UserError
 
-SUBCOMMANDS = ("events",)
+SUBCOMMANDS = tuple(name for name in ("events", "profile", "show", "train")
+                    if importlib.util.find_spec(f"harness.commands.{name}") is not None)
 
 
 def default_spec_path() -> str:

@@ -131,7 +131,11 @@ def write_profile(path: str | Path, *, spec_json: str, layers_json: str, events:
         f.attrs["written_at"] = time.time()
         env = f.create_group("environment")
         for key, value in environment.items():
-            env.attrs[key] = value if isinstance(value, (int, float, str)) else json.dumps(value)
+            if isinstance(value, str):
+                value = str(value)  # str subclasses (torch's version string) have no HDF5 type
+            elif not isinstance(value, (int, float)):
+                value = json.dumps(value)
+            env.attrs[key] = value
         ev = f.create_group("events")
         ev.create_dataset("id", data=np.array([e["id"] for e in events], dtype=object), dtype=string)
         ev.create_dataset("kind", data=np.array([e["kind"] for e in events], dtype=object), dtype=string)

@@ -19,6 +19,7 @@ def launcher_rank() -> int | None:
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter has registered itself
 def pytest_configure(config: pytest.Config) -> None:
     rank = launcher_rank()
     if rank is None or not config.getoption("with_mpi", default=False):

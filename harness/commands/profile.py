@@ -1,0 +1,63 @@
+"""`python -m harness profile SPEC -o OUTDIR`: profile the unique events on the ranks of an MPI job.
+
+Run under mpirun or srun, best as `python -m mpi4py -m harness profile ...` so an exception on any rank
+aborts all of them. Rank 0 prints progress and the summary; the result is OUTDIR/profile.h5.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.cli import default_spec_path
+from harness.errors import UserError
+from harness.events import build_plan
+from harness.spec import load_spec
+from harness.tables import format_seconds, format_table
+
+NAME = "profile"
+HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", nargs="?", default=None, help="TOML job spec (default: the built-in demo job)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="folder for rank files and profile.h5")
+    parser.add_argument("--force", action="store_true", help="measure everything again, ignoring what is stored")
+    parser.add_argument("--backend", choices=("torch", "mpi4py"), help="communication backend (overrides the spec)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per event (overrides the spec)")
+    parser.add_argument("--warmup", type=int, help="untimed warm-up runs per event (overrides the spec)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from harness.profile_run import check_outdir, run_profile
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        spec = load_spec(args.spec or default_spec_path())
+        changes = {k: v for k, v in (("backend", args.backend), ("repeats", args.repeats), ("warmup", args.warmup))
+                   if v is not None}
+        if changes:
+            spec = spec.with_changes(**changes)
+        outdir = Path(args.output)
+        check_outdir(outdir)
+        plan = build_plan(spec)
+    except UserError:
+        if rank == 0:
+            raise
+        return 2  # every rank read the same input; rank 0 says what is wrong
+    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet, plan=plan)
+    if result is None:
+        return 0
+    rows = [("measured now", result.measured), ("already stored (skipped)", result.skipped),
+            ("unmeasured", len(result.unmeasured))]
+    print(format_table(("events", "count"), rows, title=f"profile of {spec.model.name} on {comm.Get_size()} ranks"))
+    for eid, why in sorted(result.unmeasured.items()):
+        print(f"  unmeasured {plan.events[eid].name} ({eid}): {why}")
+    print(f"wall time {format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
+    print(f"profile: {result.path}")
+    sys.stdout.flush()
+    return 0

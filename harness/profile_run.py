@@ -1,0 +1,315 @@
+"""`harness profile`: every rank profiles its share of the unique events, then rank 0 merges profile.h5.
+
+Phases, separated by barriers so that measurements do not disturb each other:
+  1. set-up: topology, device, plan, what is already stored (resume), placement (rank 0, broadcast);
+  2. compute: every rank its own share at once;
+  3. communication: one P2P pair or all-reduce group at a time, every rank in step;
+  4. merge: rank files -> OUTDIR/profile.h5.
+A watchdog ends the whole job if a phase outlives profile.timeout_s; an exception on any rank ends the
+job at once with that rank's message (MPI_Abort), so nothing hangs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import UserError
+from harness.events import EventPlan, build_plan
+from harness.progress import Progress
+from harness.spec import JobSpec
+from harness.store import Measurement, read_measurements, write_profile, write_rank_file
+from launcher.placement import Placement, place
+from launcher.topology import Topology, discover
+
+FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises during the compute phase
+PROGRESS_TAG = 7701
+FLUSH_EVERY_S = 10.0
+
+
+@dataclass
+class ProfileResult:
+    """What rank 0 reports after the merge."""
+
+    path: Path
+    measured: int = 0
+    skipped: int = 0
+    unmeasured: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    device_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
+class Watchdog:
+    """Aborts the whole MPI job if a phase is not over within `timeout_s`."""
+
+    def __init__(self, comm, rank: int, timeout_s: float):
+        self.comm, self.rank, self.timeout_s = comm, rank, timeout_s
+        self._timer: threading.Timer | None = None
+
+    def start(self, phase: str) -> None:
+        self.stop()
+        self._timer = threading.Timer(self.timeout_s, self._expire, args=(phase,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, phase: str) -> None:
+        print(f"harness profile: rank {self.rank}: phase '{phase}' did not finish within "
+              f"profile.timeout_s = {self.timeout_s:g} s; ending the job", file=sys.stderr, flush=True)
+        self.comm.Abort(3)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def environment_key(device_name: str, backend: str) -> str:
+    """What must match for a stored measurement to be reused: the device, the backend and torch."""
+    import torch
+
+    text = json.dumps([device_name, backend, torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}"
+
+
+def rank_file(outdir: Path, rank: int) -> Path:
+    return outdir / f"rank-{rank:05d}.h5"
+
+
+def _stored(outdir: Path, env_key: str) -> dict[str, Measurement]:
+    """Measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment."""
+    found: dict[str, Measurement] = {}
+    paths = sorted(outdir.glob("rank-*.h5"))
+    if (outdir / "profile.h5").exists():
+        paths.insert(0, outdir / "profile.h5")
+    for path in paths:
+        try:
+            found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key})
+        except OSError:
+            print(f"harness profile: ignoring unreadable {path}", file=sys.stderr)
+    return found
+
+
+class RankRecorder:
+    """This rank's measurements, rewritten to its rank file now and then and at every phase end."""
+
+    def __init__(self, path: Path, rank: int, meta: dict, previous: dict[str, Measurement]):
+        self.path, self.rank, self.meta = path, rank, meta
+        self.measurements: dict[str, Measurement] = dict(previous)
+        self._last_flush = time.monotonic()
+
+    def add(self, m: Measurement) -> None:
+        self.measurements[m.id] = m
+        if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        write_rank_file(self.path, self.rank, self.measurements.values(), meta=self.meta)
+        self._last_flush = time.monotonic()
+
+
+def _report_progress(comm, rank: int, progress: Progress | None, count: int) -> None:
+    if rank == 0:
+        progress.advance(count)
+    else:
+        comm.isend(count, dest=0, tag=PROGRESS_TAG)
+
+
+def _drain_progress(comm, progress: Progress, expected: int) -> None:
+    """Rank 0: take the other ranks' progress reports until `expected` events are done in all."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    while progress.done < expected:
+        if comm.iprobe(source=MPI.ANY_SOURCE, tag=PROGRESS_TAG, status=status):
+            progress.advance(comm.recv(source=status.Get_source(), tag=PROGRESS_TAG))
+        else:
+            time.sleep(0.01)
+
+
+def _poll_progress(comm, progress: Progress) -> None:
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    while comm.iprobe(source=MPI.ANY_SOURCE, tag=PROGRESS_TAG, status=status):
+        progress.advance(comm.recv(source=status.Get_source(), tag=PROGRESS_TAG))
+
+
+def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_progress: bool = True,
+                plan: EventPlan | None = None) -> ProfileResult | None:
+    """Profile `spec` on the ranks of `comm` into `outdir`; rank 0 returns the result, others None."""
+    import torch
+
+    from harness.distributed import destroy_process_group, init_process_group, pick_device
+    from harness.profilers.comm import CommProfiler
+    from harness.profilers.compute import measure_compute
+
+    started = time.time()
+    topology: Topology = discover(comm)
+    rank = topology.rank
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    device = pick_device(topology, spec.profile.device)
+    outdir.mkdir(parents=True, exist_ok=True)
+    plan = plan or build_plan(spec)
+    comm_backend = spec.profile.backend
+    dist_backend = None
+    if topology.size > 1 and comm_backend == "torch":
+        dist_backend = init_process_group(comm, topology, device, spec.profile.timeout_s)
+    backend_label = f"torch-{dist_backend}" if dist_backend else comm_backend
+    name = device_name(device)
+    env_key = environment_key(name, backend_label)
+
+    # Set-up on rank 0: what is stored already, and the placement; everyone gets the same answer.
+    if rank == 0:
+        stored = {} if force else _stored(outdir, env_key)
+        placement = place(plan, topology, skip=set(stored))
+        setup = (sorted(stored), placement)
+    else:
+        setup = None
+    stored_ids, placement = comm.bcast(setup, root=0)
+    placement: Placement
+    previous = {} if force else {k: m for k, m in _own_previous(outdir, rank).items() if m.env_key == env_key}
+    meta = {"env_key": env_key, "hostname": socket.gethostname(), "device": name}
+    recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous)
+    watchdog = Watchdog(comm, rank, spec.profile.timeout_s)
+    warmup, repeats = spec.profile.warmup, spec.profile.repeats
+    busy_s = 0.0
+
+    phase = "compute"
+    try:
+        # ---- compute: every rank its own share, all at once
+        watchdog.start(phase)
+        comm.Barrier()
+        total_compute = sum(len(ids) for ids in placement.compute.values())
+        progress = Progress("compute", total_compute, enabled=show_progress) if rank == 0 else None
+        fail_rank = os.environ.get(FAIL_RANK_VAR)
+        for eid in placement.compute.get(rank, []):
+            if fail_rank is not None and int(fail_rank) == rank:
+                raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank}")
+            event = plan.events[eid]
+            t0 = time.perf_counter()
+            samples = measure_compute(spec, event.content, device, warmup, repeats)
+            busy_s += time.perf_counter() - t0
+            recorder.add(Measurement(eid, "compute", event.content, samples, [rank], env_key,
+                                     {"name": event.name, "warmup": warmup, "device": name}))
+            _report_progress(comm, rank, progress, 1)
+            if rank == 0:
+                _poll_progress(comm, progress)
+        if rank == 0:
+            _drain_progress(comm, progress, total_compute)
+            progress.close()
+        recorder.flush()
+        comm.Barrier()
+
+        # ---- communication: one group at a time, every rank in step
+        phase = "communication"
+        watchdog.start(phase)
+        profiler = CommProfiler(comm, comm_backend, device)
+        progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
+        for task in placement.comm:
+            t0 = time.perf_counter()
+            samples = profiler.measure(task, warmup, repeats)
+            if rank in task.ranks:
+                busy_s += time.perf_counter() - t0
+            if samples is not None:
+                content = task.content
+                recorder.add(Measurement(task.id, task.kind, content, samples, list(task.ranks), env_key,
+                                         {"bytes": content["bytes"], "group_size": len(task.ranks),
+                                          "placement": content["placement"], "backend": backend_label,
+                                          "needed": task.needed, "warmup": warmup}))
+            if rank == 0:
+                progress.advance()
+        if rank == 0:
+            progress.close()
+        recorder.flush()
+        watchdog.stop()
+    except Exception as exc:  # any failure ends every rank now, with this rank's message
+        print(f"harness profile: rank {rank} ({topology.hostnames[rank]}) failed in phase '{phase}': "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        recorder.flush()
+        comm.Abort(1)
+        raise
+
+    busy = comm.gather(busy_s, root=0)
+    comm.Barrier()
+    destroy_process_group()
+    if rank != 0:
+        return None
+
+    # ---- merge on rank 0
+    finished = time.time()
+    merged = _stored(outdir, env_key) if not force else {}
+    for r in range(topology.size):
+        merged.update(read_measurements(rank_file(outdir, r)))
+    unmeasured = {eid: why for eid, why in placement.unmeasured.items() if eid not in merged}
+    owners = placement.owner_of()
+    environment = {
+        "hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
+        "launcher": topology.launcher, "device": name, "backend": backend_label, "env_key": env_key,
+        "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
+        "mpi_library": _mpi_library(), "python_version": platform.python_version(),
+        "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
+        "device_seconds": float(sum(busy)), "warmup": warmup, "repeats": repeats,
+    }
+    path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
+                         layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),
+                         events=plan.table(),
+                         measurements=merged.values(), unmeasured=unmeasured, environment=environment,
+                         placement={eid: ranks for eid, ranks in owners.items()})
+    measured_now = sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
+    return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
+                         wall_s=finished - started, device_seconds=float(sum(busy)),
+                         sample_seconds=float(sum(m.samples_s.sum() for m in merged.values())))
+
+
+def _own_previous(outdir: Path, rank: int) -> dict[str, Measurement]:
+    path = rank_file(outdir, rank)
+    if not path.exists():
+        return {}
+    try:
+        return read_measurements(path)
+    except OSError:
+        return {}
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # a missing module is simply not recorded
+        return "unknown"
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+def check_outdir(outdir: Path) -> None:
+    """Refuse an output path that is a file or cannot be created (before any rank starts measuring)."""
+    if outdir.exists() and not outdir.is_dir():
+        raise UserError(f"output {outdir} exists and is not a folder; give a folder for the profile (-o OUTDIR)")

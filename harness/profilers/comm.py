@@ -1,0 +1,122 @@
+"""Communication events: P2P pairs (ping-pong, half the round trip) and all-reduce groups (max over the group).
+
+Backends: torch.distributed (gloo on CPU, NCCL on GPU; the default, as training uses it) or mpi4py.
+Every rank of the world calls `measure_comm` for every task in the same order (group creation is
+collective); ranks outside a task's group wait at the barrier that separates tasks.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.models import TORCH_DTYPES
+from harness.profilers.timer import synchronize
+from launcher.placement import CommTask
+
+
+class CommProfiler:
+    """Measures communication tasks on the world; caches one group per rank set."""
+
+    def __init__(self, comm, backend: str, device: torch.device):
+        self.comm = comm  # mpi4py world communicator
+        self.backend = backend  # torch | mpi4py
+        self.device = device
+        self.rank = comm.Get_rank()
+        self._torch_groups: dict[tuple[int, ...], object] = {}
+
+    def _torch_group(self, ranks: tuple[int, ...]):
+        if ranks not in self._torch_groups:
+            self._torch_groups[ranks] = dist.new_group(list(ranks))  # collective over the whole world
+        return self._torch_groups[ranks]
+
+    def _buffer(self, task: CommTask) -> torch.Tensor:
+        dtype = TORCH_DTYPES[task.content["dtype"]]
+        elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())
+        return torch.ones(elements, dtype=dtype, device=self.device)
+
+    def measure(self, task: CommTask, warmup: int, repeats: int) -> np.ndarray | None:
+        """Samples (seconds) on the task's first rank, None elsewhere. Collective over the world."""
+        members = task.ranks
+        group = self._torch_group(members) if self.backend == "torch" else None
+        mpi_group = None
+        if self.backend == "mpi4py":
+            from mpi4py import MPI
+
+            member = self.rank in members
+            mpi_group = self.comm.Split(0 if member else MPI.UNDEFINED, key=members.index(self.rank) if member else 0)
+            if mpi_group == MPI.COMM_NULL:
+                mpi_group = None
+        samples = None
+        if self.rank in members:
+            buffer = self._buffer(task)
+            if task.kind == "p2p":
+                samples = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
+            else:
+                samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
+        if mpi_group is not None:
+            mpi_group.Free()
+        self.comm.Barrier()
+        return samples if self.rank == members[0] else None
+
+    def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> np.ndarray:
+        """Ping-pong between the pair: a sample is half the round trip (send and receive timed together)."""
+        sender, receiver = members
+        samples = np.empty(repeats, dtype=np.float64)
+        host = buffer.cpu().numpy() if mpi_group is not None else None
+        for i in range(warmup + repeats):
+            if mpi_group is not None:
+                mpi_group.Barrier()
+                t0 = time.perf_counter_ns()
+                if self.rank == sender:
+                    mpi_group.Send(host, dest=1)
+                    mpi_group.Recv(host, source=1)
+                else:
+                    mpi_group.Recv(host, source=0)
+                    mpi_group.Send(host, dest=0)
+            else:
+                dist.barrier(group=group)
+                synchronize(self.device)
+                t0 = time.perf_counter_ns()
+                if self.rank == sender:
+                    dist.send(buffer, receiver, group=group)
+                    dist.recv(buffer, receiver, group=group)
+                else:
+                    dist.recv(buffer, sender, group=group)
+                    dist.send(buffer, sender, group=group)
+                synchronize(self.device)
+            elapsed = (time.perf_counter_ns() - t0) / 2e9
+            if i >= warmup:
+                samples[i - warmup] = elapsed
+        return samples
+
+    def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> np.ndarray:
+        """Per repeat: barrier, all-reduce timed on every member; a sample is the max over the group."""
+        local = np.empty(repeats, dtype=np.float64)
+        if mpi_group is not None:
+            from mpi4py import MPI
+
+            host = buffer.cpu().numpy()
+            out = np.empty_like(host)
+            for i in range(warmup + repeats):
+                mpi_group.Barrier()
+                t0 = time.perf_counter_ns()
+                mpi_group.Allreduce(host, out, op=MPI.SUM)
+                if i >= warmup:
+                    local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+            worst = np.empty_like(local)
+            mpi_group.Allreduce(local, worst, op=MPI.MAX)
+            return worst
+        for i in range(warmup + repeats):
+            dist.barrier(group=group)
+            synchronize(self.device)
+            t0 = time.perf_counter_ns()
+            dist.all_reduce(buffer, group=group)
+            synchronize(self.device)
+            if i >= warmup:
+                local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+        worst = torch.from_numpy(local).to(self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        return worst.cpu().numpy()

@@ -1,0 +1,47 @@
+"""Progress on rank 0 across all ranks: a tqdm bar on a terminal, a line every few seconds in a log."""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+class Progress:
+    """events done / total, phase, elapsed and ETA; `advance` may be fed by any rank's reports."""
+
+    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = 5.0):
+        self.phase, self.total, self.done = phase, total, 0
+        self.enabled = enabled and total > 0
+        self.start = time.monotonic()
+        self.log_every_s = log_every_s
+        self._last_log = 0.0
+        self._bar = None
+        if self.enabled and sys.stderr.isatty():
+            self._bar = tqdm(total=total, desc=phase, unit="event", file=sys.stderr, mininterval=0.5,
+                             dynamic_ncols=True)
+
+    def advance(self, count: int = 1) -> None:
+        self.done += count
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(count)
+            return
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s or self.done >= self.total:
+            self._last_log = now
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+        return (f"[{self.phase}] {self.done}/{self.total} events, elapsed {elapsed:.1f} s"
+                + (f", ETA {eta:.1f} s" if self.done < self.total and eta == eta else ""))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled and self.done < self.total:
+            print(self.line(), file=sys.stderr, flush=True)

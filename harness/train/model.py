@@ -1,0 +1,172 @@
+"""The model of a training run: deterministic full layers, their tensor-parallel shards, the data, and a
+single-process reference that the parallel run must reproduce.
+
+Every layer is first built whole (tp = 1) from a seed derived from (run seed, layer position), then cut
+into this rank's Megatron shard. So a run's weights do not depend on its strategy: any dp x tp x pp run of
+a spec starts from the same model as `reference_losses`, and their losses agree up to float rounding.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from harness.errors import UserError
+from harness.layers import LayerDesc
+from harness.models import TORCH_DTYPES, build_layer
+from harness.spec import JobSpec, ModelSpec
+
+_ROW_PARALLEL = ("proj.weight", "fc2.weight", "down.weight")
+
+
+def layer_seed(seed: int, position: int) -> int:
+    """The torch seed of the layer at `position` (0 = embedding) for run seed `seed`."""
+    return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
+
+
+def _column_sections(name: str, model: ModelSpec) -> list[int] | None:
+    """How a column-parallel weight's output rows are grouped (each group is split over tp separately)."""
+    head_dim = model.hidden // model.heads
+    if name.startswith("qkv."):
+        if model.family == "llama":
+            return [model.heads * head_dim, model.kv_heads * head_dim, model.kv_heads * head_dim]
+        return [model.hidden] * 3
+    if name.startswith("gate_up."):
+        return [model.ffn, model.ffn]
+    if name.startswith("fc1."):
+        return [model.ffn]
+    return None
+
+
+def shard_tensor(name: str, full: torch.Tensor, model: ModelSpec, tp: int, tp_index: int) -> torch.Tensor:
+    """Rank `tp_index`'s shard of parameter `name` of a whole transformer block (Megatron layout)."""
+    sections = _column_sections(name, model)
+    if sections is not None:
+        parts = torch.split(full, sections, dim=0)
+        return torch.cat([part.chunk(tp, dim=0)[tp_index] for part in parts], dim=0)
+    if name in _ROW_PARALLEL:
+        return full.chunk(tp, dim=1)[tp_index]
+    return full  # replicated: norms, row-parallel biases
+
+
+def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int) -> nn.Module:
+    """A whole (tp = 1) built-in layer, initialised from its own seed; the global RNG is left untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, position))
+        return build_layer(model, kind, 1, None)
+
+
+def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group) -> nn.Module:
+    """This rank's layer: the whole layer for tp = 1, embedding and head; else a block shard cut from it."""
+    full = build_full_layer(model, kind, seed, position)
+    if tp == 1 or kind != "block":
+        return full
+    with torch.random.fork_rng(devices=[]):
+        shard = build_layer(model, kind, tp, group)
+    full_params = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, param in shard.named_parameters():
+            piece = shard_tensor(name, full_params[name], model, tp, tp_index)
+            if piece.shape != param.shape:
+                raise RuntimeError(f"cannot shard {name}: whole {tuple(full_params[name].shape)} gives "
+                                   f"{tuple(piece.shape)}, the shard has {tuple(param.shape)}")
+            param.copy_(piece)
+    return shard
+
+
+def build_user_layers(model: ModelSpec, seed: int) -> list[nn.Module]:
+    """A factory model's layers, built under the run seed."""
+    from harness.models.user import load_factory_layers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, 0))
+        return load_factory_layers(model)
+
+
+def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence[int], seed: int, tp_index: int = 0,
+                 group=None, device: torch.device | str = "cpu") -> dict[int, nn.Module]:
+    """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`."""
+    tp = spec.strategy.tp
+    out: dict[int, nn.Module] = {}
+    if spec.model.family == "user":
+        every = build_user_layers(spec.model, seed)
+        for position in positions:
+            out[position] = every[position].to(device)
+        return out
+    for position in positions:
+        out[position] = build_shard(spec.model, layers[position].kind, seed, position, tp, tp_index,
+                                    group).to(device)
+    return out
+
+
+def activation_spec(spec: JobSpec, layers: Sequence[LayerDesc], first_position: int) -> tuple[tuple[int, ...],
+                                                                                                 torch.dtype]:
+    """Shape and dtype of the activation entering the layer at `first_position` (> 0) of a micro-batch."""
+    micro, seq = spec.batch.micro, spec.model.seq_len
+    if spec.model.family != "user":
+        return (micro, seq, spec.model.hidden), TORCH_DTYPES[spec.model.dtype]
+    signature = dict(layers[first_position].signature)
+    features = tuple(ast.literal_eval(signature.get("in_features", "()")))
+    dtype = getattr(torch, signature.get("in_dtype", spec.model.dtype))
+    if not dtype.is_floating_point:
+        raise UserError(f"the pipeline cuts the model before layer {first_position}, whose input is {dtype}: "
+                        "activations passed between stages must be floating point (change layers or pp)")
+    return (micro, seq, *features), dtype
+
+
+def make_tokens(spec: JobSpec, seed: int, iteration: int = 0) -> torch.Tensor:
+    """Random token ids of the whole global batch, (global, seq + 1): inputs are [:, :-1], targets [:, 1:]."""
+    generator = torch.Generator().manual_seed(seed * 7_777_777 + 1_234_567 + iteration)
+    return torch.randint(0, spec.model.vocab, (spec.batch.global_size, spec.model.seq_len + 1),
+                         generator=generator, dtype=torch.long)
+
+
+def micro_batch(tokens: torch.Tensor, spec: JobSpec, dp_index: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets) of micro-batch `micro` of data-parallel replica `dp_index`."""
+    size = spec.batch.micro
+    start = (dp_index * spec.micro_batches + micro) * size
+    rows = tokens[start:start + size]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy (float32), averaged over the micro-batch's tokens."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float = 1e-3, fresh_data: bool = False,
+                     layers: Sequence[LayerDesc] | None = None) -> list[float]:
+    """Train the whole model in this process (no parallelism) and return the loss of every iteration.
+
+    The same initial weights, data and Adam steps as `harness train` with any strategy of the spec: the
+    loss of a parallel run must match these up to float rounding.
+    """
+    from harness.events import build_plan
+
+    if layers is None:
+        layers = build_plan(spec).layers
+    modules = build_layers(spec, layers, range(len(layers)), seed)
+    ordered = [modules[i] for i in range(len(layers))]
+    optimizers = [torch.optim.Adam(m.parameters(), lr=lr) for m in ordered if any(True for _ in m.parameters())]
+    dp, m = spec.strategy.dp, spec.micro_batches
+    losses = []
+    for iteration in range(iterations):
+        tokens = make_tokens(spec, seed, iteration if fresh_data else 0)
+        for module in ordered:
+            module.zero_grad(set_to_none=True)
+        total = 0.0
+        for d in range(dp):
+            for i in range(m):
+                x, targets = micro_batch(tokens, spec, d, i)
+                for module in ordered:
+                    x = module(x)
+                loss = loss_of(x, targets)
+                (loss / (dp * m)).backward()
+                total += float(loss.detach())
+        for optimizer in optimizers:
+            optimizer.step()
+        losses.append(total / (dp * m))
+    return losses

@@ -1,0 +1,133 @@
+"""Placement: which rank measures which unique event, and which ranks form each communication group.
+
+Compute events are spread over all ranks, disjoint and balanced by estimated cost (longest processing
+time first). Every communication need (P2P pair or all-reduce group of a size, placement and message
+size) gets ranks of the right placement from the world at hand, plus a smaller message size so the
+analysis can fit latency and bandwidth apart. Needs that cannot be met are recorded with the reason,
+and a stand-in of the largest feasible group size is measured for the analysis's extrapolation.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.events import INTER, INTRA, EventPlan, event_id
+from launcher.topology import Topology
+
+SWEEP_DIVISOR = 16  # the extra, smaller message of every communication need
+MIN_SWEEP_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class CommTask:
+    """One communication measurement: `content` hashes into `id`; `ranks` take part (P2P: sender first)."""
+
+    id: str
+    kind: str  # p2p | allreduce
+    content: dict = field(hash=False, compare=False)
+    ranks: tuple[int, ...] = ()
+    needed: bool = True  # an event of the spec (False: a sweep point or stand-in for the fit)
+
+
+@dataclass
+class Placement:
+    """Who measures what; identical on every rank (computed on rank 0 and broadcast)."""
+
+    compute: dict[int, list[str]]  # rank -> compute event ids
+    comm: list[CommTask]
+    unmeasured: dict[str, str]  # event id -> reason
+
+    def owner_of(self) -> dict[str, list[int]]:
+        """Event id -> ranks that measure it (for the profile's /placement table)."""
+        owners: dict[str, list[int]] = {}
+        for rank, ids in self.compute.items():
+            for eid in ids:
+                owners.setdefault(eid, []).append(rank)
+        for task in self.comm:
+            owners.setdefault(task.id, list(task.ranks))
+        return owners
+
+
+def balance(costs: dict[str, float], ranks: int) -> dict[int, list[str]]:
+    """Longest-processing-time-first: each event to the least loaded rank; disjoint and complete."""
+    heap = [(0.0, r) for r in range(ranks)]
+    share: dict[int, list[str]] = {r: [] for r in range(ranks)}
+    for eid in sorted(costs, key=lambda e: (-costs[e], e)):
+        load, rank = heapq.heappop(heap)
+        share[rank].append(eid)
+        heapq.heappush(heap, (load + max(costs[eid], 1.0), rank))
+    return share
+
+
+def _group_ranks(topology: Topology, size: int, placement: str) -> tuple[int, ...] | None:
+    """Ranks for a group of `size`: all on one node (intra) or spread over nodes round-robin (inter)."""
+    if placement == INTRA:
+        for node in range(topology.nodes):
+            ranks = topology.ranks_on(node)
+            if len(ranks) >= size:
+                return tuple(ranks[:size])
+        return None
+    if topology.nodes < 2 or size > topology.size:
+        return None
+    by_node = [topology.ranks_on(n) for n in range(topology.nodes)]
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < size:
+        for ranks in by_node:
+            if depth < len(ranks) and len(chosen) < size:
+                chosen.append(ranks[depth])
+        depth += 1
+    return tuple(sorted(chosen))
+
+
+def _why_not(topology: Topology, size: int, placement: str) -> str:
+    if placement == INTER and topology.nodes < 2:
+        return f"needs ranks on 2 or more nodes; this run has {topology.nodes} node"
+    if size > topology.size:
+        return f"group of {size} is larger than the {topology.size} ranks of this run"
+    return f"no node of this run has {size} ranks (at most {topology.ranks_per_node} per node)"
+
+
+def _largest_feasible(topology: Topology, size: int, placement: str) -> int:
+    for candidate in range(min(size, topology.size), 1, -1):
+        if _group_ranks(topology, candidate, placement) is not None:
+            return candidate
+    return 0
+
+
+def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> Placement:
+    """Place the plan's events over the ranks of `topology`; ids in `skip` are already measured."""
+    costs = {eid: e.cost for eid, e in plan.events.items() if e.kind == "compute" and eid not in skip}
+    compute = balance(costs, topology.size)
+    tasks: dict[str, CommTask] = {}
+    unmeasured: dict[str, str] = {}
+
+    def add(content: dict[str, Any], ranks: tuple[int, ...], needed: bool) -> None:
+        eid = event_id(content)
+        if eid not in skip and eid not in tasks:
+            tasks[eid] = CommTask(eid, content["kind"], content, ranks, needed)
+
+    for eid, event in sorted(plan.events.items(), key=lambda item: (item[1].kind, item[1].cost, item[0])):
+        if event.kind == "compute":
+            continue
+        size = event.group_size
+        placement = event.placement or INTRA
+        ranks = _group_ranks(topology, size, placement)
+        sweep = dict(event.content, bytes=max(MIN_SWEEP_BYTES, event.bytes // SWEEP_DIVISOR))
+        if ranks is not None:
+            add(event.content, ranks, True)
+            add(sweep, ranks, False)
+            continue
+        unmeasured[eid] = _why_not(topology, size, placement)
+        stand_in = _largest_feasible(topology, size, placement)
+        if stand_in >= 2:
+            ranks = _group_ranks(topology, stand_in, placement)
+            for content in (event.content, sweep):
+                stand = dict(content)
+                if event.kind != "p2p":
+                    stand["group"] = stand_in
+                add(stand, ranks, False)
+    comm = sorted(tasks.values(), key=lambda t: (t.kind, t.content.get("placement", ""),
+                                                 t.content.get("group", 2), t.content["bytes"], t.id))
+    return Placement(compute=compute, comm=comm, unmeasured=unmeasured)

@@ -1,0 +1,77 @@
+"""Placement over ranks: compute shares disjoint, complete and balanced; groups of the right placement."""
+from __future__ import annotations
+
+from harness.events import build_plan
+from harness.spec import loads_spec
+from launcher.placement import balance, place
+from launcher.topology import LaunchError, Topology, check_world_size, promised_world_size
+from tests.helpers import tiny_spec_text
+
+import pytest
+
+
+def topology(size: int, per_node: int) -> Topology:
+    return Topology(0, size, tuple(r // per_node for r in range(size)), tuple("host" for _ in range(size)),
+                    source="emulated")
+
+
+def test_balance_is_disjoint_complete_and_even():
+    costs = {f"e{i}": float(c) for i, c in enumerate([9, 7, 6, 5, 4, 3, 2, 2, 1, 1])}
+    share = balance(costs, 3)
+    flat = [e for ids in share.values() for e in ids]
+    assert sorted(flat) == sorted(costs) and len(flat) == len(set(flat))
+    loads = [sum(costs[e] for e in ids) for ids in share.values()]
+    assert max(loads) - min(loads) <= max(costs.values())
+
+
+def test_more_ranks_than_events_leaves_some_idle():
+    share = balance({"a": 1.0, "b": 2.0}, 4)
+    assert sum(len(v) for v in share.values()) == 2
+
+
+def plan_two_nodes():
+    return build_plan(loads_spec(tiny_spec_text(layers=4, pp=2, dp=2, tp=2, global_batch=8, micro=2, nodes=2,
+                                                gpus_per_node=4)))
+
+
+def test_inter_and_intra_groups_on_two_emulated_nodes():
+    plan = plan_two_nodes()
+    placement = place(plan, topology(4, 2))
+    nodes = lambda ranks: {r // 2 for r in ranks}  # noqa: E731
+    assert not placement.unmeasured
+    for task in placement.comm:
+        if task.content["placement"] == "intra":
+            assert len(nodes(task.ranks)) == 1, task
+        else:
+            assert len(nodes(task.ranks)) == 2, task
+    kinds = {(t.kind, t.content["placement"]) for t in placement.comm}
+    assert ("p2p", "inter") in kinds and ("allreduce", "intra") in kinds
+
+
+def test_unmeetable_needs_are_recorded_with_a_reason_and_a_stand_in():
+    plan = plan_two_nodes()
+    placement = place(plan, topology(2, 2))  # one node: no inter-node pair
+    reasons = list(placement.unmeasured.values())
+    assert reasons and all("2 or more nodes" in why for why in reasons)
+    big = build_plan(loads_spec(tiny_spec_text(layers=2, dp=8, global_batch=16, micro=2)))
+    placement = place(big, topology(4, 4))
+    assert any("larger than the 4 ranks" in why for why in placement.unmeasured.values())
+    stand_ins = [t for t in placement.comm if t.kind == "allreduce" and not t.needed]
+    assert stand_ins and max(len(t.ranks) for t in stand_ins) == 4
+
+
+def test_already_measured_events_are_skipped():
+    plan = plan_two_nodes()
+    everything = place(plan, topology(4, 2))
+    done = {e for ids in everything.compute.values() for e in ids} | {t.id for t in everything.comm}
+    again = place(plan, topology(4, 2), skip=done)
+    assert not any(again.compute.values()) and not again.comm
+
+
+def test_world_size_promises():
+    assert promised_world_size({"PMI_SIZE": "4"}) == (4, "PMI_SIZE")
+    assert promised_world_size({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}) == (2, "SLURM_STEP_NUM_TASKS")
+    assert promised_world_size({"SLURM_NTASKS": "8"}) is None  # an allocation, not a step: mpirun may use fewer
+    check_world_size(4, {"OMPI_COMM_WORLD_SIZE": "4"})
+    with pytest.raises(LaunchError, match="world size is 1 but the launcher promised 2"):
+        check_world_size(1, {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"})

@@ -1,0 +1,64 @@
+"""`harness profile` as users run it: under mpirun, failures end the job, mismatched launches are caught."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers import write_spec
+
+MPIRUN = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+
+
+def mpirun(n: int, args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [MPIRUN, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "harness", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    return write_spec(tmp_path / "job.toml", layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2,
+                      global_batch=4, micro=2, warmup=1, repeats=2)
+
+
+def test_profile_under_mpirun_and_show(tmp_path, spec_file, project_env):
+    out = tmp_path / "out"
+    result = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"], project_env)
+    assert result.returncode == 0, result.stderr
+    assert "profile:" in result.stdout and (out / "profile.h5").exists()
+    show = subprocess.run([sys.executable, "-m", "harness", "show", str(out / "profile.h5"), "--json"],
+                          capture_output=True, text=True, env=project_env)
+    assert show.returncode == 0 and '"schema_version": 1' in show.stdout
+
+
+def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, project_env):
+    env = dict(project_env, DISTSIM_FAIL_RANK="1")
+    started = time.monotonic()
+    result = mpirun(2, ["profile", str(spec_file), "-o", str(tmp_path / "out"), "--quiet"], env, timeout=120)
+    assert result.returncode != 0
+    assert "rank 1" in result.stderr and "failed in phase 'compute'" in result.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_world_size_mismatch_is_caught(tmp_path, spec_file, project_env):
+    env = dict(project_env, SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2")
+    for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", "harness", "profile", str(spec_file), "-o", str(tmp_path / "o")],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert "world size is 1 but the launcher promised 2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_spec_exits_2_once(tmp_path, project_env):
+    bad = write_spec(tmp_path / "bad.toml", name="gpt5")
+    result = mpirun(2, ["profile", str(bad), "-o", str(tmp_path / "o")], project_env)
+    assert result.returncode == 2
+    assert result.stderr.count("unknown model 'gpt5'") == 1 and "Traceback" not in result.stderr

@@ -1,0 +1,97 @@
+"""The profiling harness under mpirun (pytest-mpi): passes at any world size of 2 or more."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import pytest
+
+from harness.events import build_plan
+from harness.spec import loads_spec
+from tests.helpers import tiny_spec_text
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _shared_dir(tmp_path: Path) -> Path:
+    """Rank 0's temp folder, shared by every rank (they each have their own tmp_path)."""
+    return Path(_world().bcast(str(tmp_path), root=0))
+
+
+def _spec(**kwargs):
+    return loads_spec(tiny_spec_text(layers=4, hidden=32, heads=4, ffn=64, seq=16, vocab=64, warmup=1, repeats=2,
+                                     **kwargs))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_placement_disjoint_and_complete():
+    from launcher.placement import place
+    from launcher.topology import discover
+
+    comm = _world()
+    spec = _spec(pp=2, dp=2, tp=2, global_batch=8, micro=2, nodes=2, gpus_per_node=4)
+    plan = build_plan(spec)
+    placement = place(plan, discover(comm))
+    mine = set(placement.compute[comm.rank])
+    everyone = comm.allgather(sorted(mine))
+    flat = [e for share in everyone for e in share]
+    assert len(flat) == len(set(flat)), "two ranks measure the same compute event"
+    assert set(flat) == {e for e, ev in plan.events.items() if ev.kind == "compute"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_end_to_end_profile_then_resume(tmp_path):
+    from harness.profile_run import run_profile
+
+    comm = _world()
+    outdir = _shared_dir(tmp_path) / "profile"
+    spec = _spec(pp=2, dp=2, global_batch=8, micro=2, nodes=1, gpus_per_node=4)
+    plan = build_plan(spec)
+    result = run_profile(spec, outdir, comm=comm, show_progress=False)
+    comm.Barrier()
+    if comm.rank == 0:
+        assert result.measured > 0 and not result.unmeasured
+        with h5py.File(outdir / "profile.h5") as f:
+            assert f.attrs["schema_version"] == 1 and f.attrs["kind"] == "distsim-profile"
+            stored = set(f["measurements"])
+            assert set(plan.events) <= stored, "every unique event is measured"
+            for eid in plan.events:
+                samples = f[f"measurements/{eid}/samples_s"][()]
+                assert samples.shape == (2,) and (samples > 0).all()
+            assert f["environment"].attrs["world_size"] == comm.size
+        assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
+    again = run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        assert again.measured == 0 and again.skipped >= len(plan.events)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
+    """4 ranks as 2 nodes of 2 (test-only setting): inter-node P2P and intra-node groups are measured."""
+    from harness.profile_run import run_profile
+
+    comm = _world()
+    monkeypatch.setenv("DISTSIM_EMULATE_RANKS_PER_NODE", str(comm.size // 2))
+    outdir = _shared_dir(tmp_path) / "two-nodes"
+    spec = _spec(pp=2, dp=2, tp=2, global_batch=8, micro=2, nodes=2, gpus_per_node=4)
+    run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        plan = build_plan(spec)
+        per_node = comm.size // 2
+        with h5py.File(outdir / "profile.h5") as f:
+            assert f["environment"].attrs["nodes"] == 2
+            seen = set()
+            for eid, g in f["measurements"].items():
+                if g.attrs["kind"] == "compute":
+                    continue
+                nodes = {int(r) // per_node for r in g.attrs["ranks"]}
+                placement = g.attrs["placement"]
+                assert (len(nodes) == 1) == (placement == "intra"), (eid, placement, nodes)
+                seen.add((str(g.attrs["kind"]), str(placement)))
+            assert {("p2p", "inter"), ("allreduce", "intra")} <= seen
+            assert set(plan.events) <= set(f["measurements"])
