@@ -37,8 +37,17 @@ $(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py
 	rm -f $(VENV)/.setup-*
 	touch $@
 
+# The main job end to end on the built-in demo spec: events, a 4-rank profile (as 2 emulated nodes of 2,
+# so inter-node pairs are measured too), then the offline prediction with its trace and picture.
 demo: setup
 	$(PY) -m harness events harness/jobs/demo.toml
+	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/demo.toml -o $(DEMO_OUT)
+	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --trace $(DEMO_OUT)/timeline.json.gz --png $(DEMO_OUT)/timeline.png --out $(DEMO_OUT)/timeline.h5
+	@echo
+	@echo "profile:   $(DEMO_OUT)/profile.h5   (python -m harness show $(DEMO_OUT)/profile.h5)"
+	@echo "trace:     $(DEMO_OUT)/timeline.json.gz   (open in https://ui.perfetto.dev)"
+	@echo "picture:   $(DEMO_OUT)/timeline.png"
+	@echo "timeline:  $(DEMO_OUT)/timeline.h5"
 
 test: setup slurm-deps
 	$(MAKE) --no-print-directory test-serial test-mpi
@@ -56,6 +65,8 @@ slurm-deps:
 
 bench: setup
 	$(PY) bench/events_scale.py
+	$(PY) bench/simulate_scale.py
+	$(PY) bench/profile_scaling.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) build *.egg-info

@@ -203,6 +203,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         # ---- compute: every rank its own share, all at once
         watchdog.start(phase)
         comm.Barrier()
+        phase_start = time.perf_counter()
         total_compute = sum(len(ids) for ids in placement.compute.values())
         progress = Progress("compute", total_compute, enabled=show_progress) if rank == 0 else None
         fail_rank = os.environ.get(FAIL_RANK_VAR)
@@ -223,10 +224,12 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             progress.close()
         recorder.flush()
         comm.Barrier()
+        compute_wall_s = time.perf_counter() - phase_start
 
         # ---- communication: one group at a time, every rank in step
         phase = "communication"
         watchdog.start(phase)
+        phase_start = time.perf_counter()
         profiler = CommProfiler(comm, comm_backend, device)
         progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
         for task in placement.comm:
@@ -255,6 +258,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
     busy = comm.gather(busy_s, root=0)
     comm.Barrier()
+    comm_wall_s = time.perf_counter() - phase_start
     destroy_process_group()
     if rank != 0:
         return None
@@ -273,7 +277,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
         "mpi_library": _mpi_library(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
-        "device_seconds": float(sum(busy)), "warmup": warmup, "repeats": repeats,
+        "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
+        "warmup": warmup, "repeats": repeats,
     }
     path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
                          layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),
