@@ -11,6 +11,7 @@ Ranks are ordered tp fastest, then dp, then pp; a device's node is rank // gpus_
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -193,6 +194,9 @@ class EventPlan:
                 buckets=buckets, optimizer=opt, send_forward=None, send_backward=None,
                 forward_layers=fwd_layers, backward_layers=bwd_layers))
         for vs in range(s.virtual_stages - 1):
+            # What crosses the boundary: the sending stage's last output (hidden for the built-ins).
+            features = stages[vs][-1].out_features or (spec.model.hidden,)
+            activation = micro * seq * math.prod(features) * dtype_bytes
             src, dst = vs % s.pp, (vs + 1) % s.pp
             pairs = self._placements([self.rank_of(d, t, src), self.rank_of(d, t, dst)]
                                      for d in range(s.dp) for t in range(s.tp))

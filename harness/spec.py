@@ -133,6 +133,8 @@ class JobSpec:
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     search: SearchSpec = field(default_factory=SearchSpec)
     source: str = "<spec>"
+    # False when read offline (the analysis): a factory's "module:function" form is checked, not imported.
+    import_factory: bool = field(default=True, compare=False)
 
     @property
     def micro_batches(self) -> int:
@@ -181,10 +183,10 @@ class JobSpec:
                 data["cluster"]["nodes"] = world // per_node
             elif world < per_node:
                 data["cluster"].update(nodes=1, gpus_per_node=world)
-        return parse_spec(data, source=f"{self.source} with {changes}")
+        return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)
 
 
-def load_spec(path: str | Path) -> JobSpec:
+def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
     """Read and validate a TOML job spec; raises SpecError with the file, field and line."""
     path = Path(path)
     try:
@@ -193,15 +195,15 @@ def load_spec(path: str | Path) -> JobSpec:
         raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)", source=str(path))
     except OSError as exc:
         raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path))
-    return loads_spec(text, source=str(path))
+    return loads_spec(text, source=str(path), import_factory=import_factory)
 
 
-def loads_spec(text: str, source: str = "<spec>") -> JobSpec:
+def loads_spec(text: str, source: str = "<spec>", import_factory: bool = True) -> JobSpec:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"malformed TOML: {exc}", source=source)
-    return parse_spec(data, source=source)
+    return parse_spec(data, source=source, import_factory=import_factory)
 
 
 def _int(section: dict, key: str, where: str, default: Any = None, minimum: int = 1) -> int:
@@ -247,11 +249,13 @@ def _check_keys(data: dict) -> None:
                             field=section)
 
 
-def check_factory(factory: str) -> None:
-    """Import a "module:function" factory; SpecError if it cannot be imported."""
+def check_factory(factory: str, import_it: bool = True) -> None:
+    """Check a "module:function" factory and (unless import_it is False) import it; SpecError if it fails."""
     module_name, _, func_name = factory.partition(":")
     if not module_name or not func_name:
         raise SpecError(f"factory {factory!r} must look like 'package.module:function'", field="model.factory")
+    if not import_it:
+        return
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # an ImportError or any error raised while importing the user's module
@@ -260,13 +264,13 @@ def check_factory(factory: str) -> None:
         raise SpecError(f"module {module_name!r} has no callable {func_name!r}", field="model.factory")
 
 
-def _parse_model(m: dict) -> ModelSpec:
+def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
     factory = m.get("factory")
     name = m.get("name")
     if factory is not None:
         if not isinstance(factory, str):
             raise SpecError("must be a string 'module:function'", field="model.factory")
-        check_factory(factory)
+        check_factory(factory, import_factory)
         base: dict[str, Any] = dict(family="user", layers=m.get("layers"), hidden=m.get("hidden", 0),
                                     heads=m.get("heads", 1), ffn=m.get("ffn", 0), seq_len=m.get("seq_len"),
                                     vocab=m.get("vocab"))
@@ -319,22 +323,26 @@ def _parse_search(s: dict) -> SearchSpec:
     return SearchSpec(**values)
 
 
-def parse_spec(data: dict, source: str = "<spec>", check_cluster: bool = True) -> JobSpec:
-    """Validate plain data (as read from TOML) into a JobSpec; every error names its field."""
+def parse_spec(data: dict, source: str = "<spec>", check_cluster: bool = True, import_factory: bool = True) -> JobSpec:
+    """Validate plain data (as read from TOML) into a JobSpec; every error names its field.
+
+    import_factory=False checks a factory model's "module:function" form without importing it (offline use).
+    """
     try:
-        return _parse_spec(data, check_cluster)
+        spec = _parse_spec(data, check_cluster, import_factory)
     except SpecError as exc:
         if exc.source is None:
             raise SpecError(str(exc), source=source) from None
         raise
+    return dataclasses.replace(spec, source=source)
 
 
-def _parse_spec(data: dict, check_cluster: bool) -> JobSpec:
+def _parse_spec(data: dict, check_cluster: bool, import_factory: bool) -> JobSpec:
     _check_keys(data)
     for section in ("model", "batch", "strategy", "cluster"):
         if section not in data:
             raise SpecError("section is missing (see docs/spec.md)", field=section)
-    model = _parse_model(data["model"])
+    model = _parse_model(data["model"], import_factory)
     b = data["batch"]
     batch = BatchSpec(global_size=_int(b, "global", "batch"), micro=_int(b, "micro", "batch"))
     s = data["strategy"]
@@ -379,7 +387,8 @@ def _parse_spec(data: dict, check_cluster: bool) -> JobSpec:
     if schedule == "interleaved-1f1b" and micro_batches % strategy.pp:
         raise SpecError(f"interleaved-1f1b needs the micro-batch count ({micro_batches} = global / (dp x micro)) "
                         f"to be a multiple of pp ({strategy.pp})", field="batch.global")
-    return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search)
+    return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
+                   import_factory=import_factory)
 
 
 def parse_strategy_overrides(text: str) -> dict[str, Any]:

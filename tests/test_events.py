@@ -113,7 +113,7 @@ def test_user_factory_model_events():
 
 
 def test_param_counts_match_the_torch_models():
-    import torch  # noqa: F401
+
 
     from harness.models import build_layer
     from harness.spec import MODEL_PRESETS
@@ -143,3 +143,11 @@ def test_every_schedule_runs_each_step_once_forward_first(schedule, chunks, pp, 
         for c in range(chunks):
             for i in range(m):
                 assert steps.index(Step("F", c, i)) < steps.index(Step("B", c, i))
+
+
+def test_user_model_pipeline_transfers_carry_the_stage_output():
+    text = tiny_spec_text(layers=4, pp=2, global_batch=4, micro=2, seq=16).replace('name = "gpt2-small"',
+                                                                                   'factory = "tests.user_model:build"')
+    plan = build_plan(loads_spec(text))
+    (p2p,) = [e for e in plan.events.values() if e.kind == "p2p"]
+    assert p2p.bytes == 2 * 16 * 32 * 4  # micro x seq x width (the factory's default 32) x float32

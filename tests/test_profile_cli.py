@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import h5py
 import pytest
 
 from tests.conftest import ROOT

@@ -1,7 +1,6 @@
 """The profiling harness under mpirun (pytest-mpi): passes at any world size of 2 or more."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import h5py

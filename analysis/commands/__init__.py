@@ -1,0 +1,1 @@
+"""Subcommands of `python -m analysis` (see analysis.cli for the contract)."""

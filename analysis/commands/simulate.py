@@ -1,0 +1,60 @@
+"""`python -m analysis simulate PROFILE.h5`: every device's timeline of one iteration from measured events."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from analysis.devices import plot_devices, select_devices
+from analysis.predict import predict
+from analysis.report import format_report, summary
+
+NAME = "simulate"
+HELP = "predict one training iteration's timeline on every device from a profile (table, --json, trace, PNG)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", help="profile.h5 written by `python -m harness profile`")
+    parser.add_argument("--spec", help="simulate this TOML job spec instead of the profile's own")
+    parser.add_argument("--strategy", metavar="K=V,...",
+                        help="change the strategy, e.g. dp=4,tp=2,pp=2,micro=1,schedule=interleaved-1f1b,chunks=2")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="all-reduce gradients after the whole backward (DistSim), not during it (DDP)")
+    parser.add_argument("--devices", metavar="all|stages|RANKS",
+                        help="devices to report, trace, draw and store: all, one per pipeline stage, or ranks like "
+                             "0,3,8-11 (default: all up to 1024 devices, else stages; the chart: up to 16 rows)")
+    parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
+    parser.add_argument("--trace", metavar="FILE.json[.gz]", help="write a Chrome/Perfetto trace")
+    parser.add_argument("--png", metavar="FILE.png", help="write a Gantt chart")
+    parser.add_argument("--out", metavar="TIMELINE.h5", help="write the timeline in HDF5 (docs/timeline.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    prediction = predict(args.profile, args.spec, args.strategy, dp_overlap=False if args.no_overlap else None)
+    timeline = prediction.timeline
+    ranks, selection = select_devices(prediction.spec, args.devices)
+    report = summary(timeline, ranks, selection, args.profile)
+    written = []
+    if args.trace:
+        from analysis.trace import write_trace
+
+        written.append(("trace", write_trace(args.trace, timeline, ranks)))
+    if args.png:
+        from analysis.plot import write_gantt
+
+        rows, note = plot_devices(prediction.spec, ranks if args.devices else None)
+        written.append(("chart", write_gantt(args.png, timeline, rows, note)))
+    if args.out:
+        from analysis.timeline_store import write_timeline
+
+        written.append(("timeline", write_timeline(args.out, timeline, ranks, report)))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        for warning in timeline.costs.warnings:
+            print(f"WARNING: {warning}", file=sys.stderr)
+    else:
+        shown = ranks if args.devices or timeline.world <= 16 else None
+        print(format_report(timeline, shown))
+    for what, path in written:
+        print(f"wrote {what} {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0

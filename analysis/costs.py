@@ -1,0 +1,249 @@
+"""The duration of every event of a plan, from a profile's measurements.
+
+- compute: the median of its samples; a compute event the profile lacks is an error (UserError, exit 2)
+  that lists the missing events and the command that profiles them.
+- P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
+- communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
+  measured points of the same kind and placement,
+      p2p        t = alpha + bytes * beta
+      all-reduce t = 2 (n - 1) alpha + 2 (n - 1) / n * bytes * beta
+  by least squares on the relative error, with alpha, beta >= 0. Such predictions are marked extrapolated.
+  Without points of that kind and placement, the other placement's fit is used, then the other kind's
+  (alpha and beta are per-link in both formulas), and the output says so. Without any communication
+  measured (a 1-rank profile), communication costs 0 and a warning says what the prediction lacks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from harness.errors import UserError
+from harness.events import INTER, INTRA, EventPlan
+
+from analysis.profile import MeasuredEvent, Profile
+
+COMM_KINDS = ("p2p", "allreduce")
+PLACEMENTS = (INTRA, INTER)
+MEASURED, FITTED, UNAVAILABLE, GIVEN = "measured", "fit", "unavailable", "given"
+
+
+def comm_features(kind: str, nbytes: float, group: int) -> tuple[float, float]:
+    """The (latency, bandwidth) coefficients of alpha and beta for one message or collective."""
+    if kind == "p2p":
+        return 1.0, float(nbytes)
+    if kind == "allreduce":
+        if group <= 1:
+            return 0.0, 0.0
+        return 2.0 * (group - 1), 2.0 * (group - 1) / group * float(nbytes)
+    raise ValueError(f"no communication model for kind {kind!r}; known: {', '.join(COMM_KINDS)}")
+
+
+@dataclass(frozen=True)
+class CommFit:
+    """An alpha-beta model of one kind of communication at one placement, and how well it fits its points."""
+
+    kind: str
+    placement: str
+    alpha_s: float
+    beta_s_per_byte: float
+    points: int  # measured points with a positive time that the fit used
+    mean_rel_error: float  # over those points: mean of |predicted - measured| / measured
+    max_rel_error: float
+    form: str  # alpha-beta | bandwidth-only | latency-only | zero
+
+    def predict(self, kind: str, nbytes: float, group: int) -> float:
+        """Seconds for `kind` of `nbytes` over `group` ranks, with this fit's link alpha and beta."""
+        latency, bandwidth = comm_features(kind, nbytes, group)
+        return self.alpha_s * latency + self.beta_s_per_byte * bandwidth
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        return 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "placement": self.placement, "alpha_s": self.alpha_s,
+                "beta_s_per_byte": self.beta_s_per_byte, "points": self.points,
+                "mean_rel_error": self.mean_rel_error, "max_rel_error": self.max_rel_error, "form": self.form}
+
+
+def fit_alpha_beta(kind: str, placement: str, points: Iterable[tuple[float, int, float]]) -> CommFit:
+    """Least-squares alpha, beta >= 0 from (bytes, group size, seconds) points, minimising relative error.
+
+    With one distinct point shape (e.g. one size) alpha and beta cannot both be known: the fit keeps the
+    one-parameter form (bandwidth-only first) that matches best.
+    """
+    rows = [(*comm_features(kind, nbytes, group), seconds) for nbytes, group, seconds in points
+            if seconds > 0 and np.isfinite(seconds)]
+    if not rows:
+        return CommFit(kind, placement, 0.0, 0.0, 0, float("nan"), float("nan"), "zero")
+    data = np.array(rows, dtype=np.float64)
+    x = data[:, :2] / data[:, 2:3]  # each row scaled by 1/t: residuals are relative errors
+    ones = np.ones(len(data))
+    candidates: list[tuple[float, float, str]] = []
+    if len(data) >= 2 and np.linalg.matrix_rank(x) == 2:
+        (alpha, beta), *_ = np.linalg.lstsq(x, ones, rcond=None)
+        if alpha >= 0 and beta >= 0:
+            candidates.append((float(alpha), float(beta), "alpha-beta"))
+    if not candidates:
+        for column, form in ((1, "bandwidth-only"), (0, "latency-only")):
+            norm = float(np.dot(x[:, column], x[:, column]))
+            if norm > 0:
+                value = float(np.dot(x[:, column], ones) / norm)
+                candidates.append((0.0, value, form) if column == 1 else (value, 0.0, form))
+    best = min(candidates, key=lambda c: (float(np.sum((x @ np.array(c[:2]) - 1.0) ** 2)),
+                                          candidates.index(c)))
+    relative = np.abs(x @ np.array(best[:2]) - 1.0)
+    return CommFit(kind, placement, best[0], best[1], len(data), float(relative.mean()), float(relative.max()),
+                   best[2])
+
+
+def representative_seconds(measurement: MeasuredEvent) -> float:
+    """The time that stands for a measurement: min for P2P (no queueing), median otherwise."""
+    return measurement.min_s if measurement.kind == "p2p" else measurement.median_s
+
+
+@dataclass(frozen=True)
+class EventCost:
+    """One event's duration and where it came from."""
+
+    id: str
+    name: str
+    kind: str
+    seconds: float
+    source: str  # measured | fit | unavailable (costed 0) | given
+    fit: tuple[str, str] | None = None  # (kind, placement) of the fit used
+    note: str = ""
+
+    @property
+    def extrapolated(self) -> bool:
+        return self.source in (FITTED, UNAVAILABLE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "kind": self.kind, "seconds": self.seconds, "source": self.source,
+                "fit": "/".join(self.fit) if self.fit else None, "note": self.note}
+
+
+@dataclass
+class Costs:
+    """Durations of a plan's events, the communication fits and what the prediction lacks."""
+
+    events: dict[str, EventCost]
+    fits: dict[tuple[str, str], CommFit] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
+
+    def seconds(self, eid: str) -> float:
+        return self.events[eid].seconds
+
+    @property
+    def extrapolated(self) -> list[EventCost]:
+        """Communication events whose duration came from a fit (or is missing altogether)."""
+        return sorted((c for c in self.events.values() if c.extrapolated), key=lambda c: (c.kind, c.name, c.id))
+
+    @classmethod
+    def from_seconds(cls, plan: EventPlan, seconds: Mapping[str, float]) -> "Costs":
+        """Costs given directly (what-if studies, tests): every event of the plan needs a duration."""
+        missing = [eid for eid in plan.events if eid not in seconds]
+        if missing:
+            raise ValueError(f"no duration for {len(missing)} events: {', '.join(missing[:5])}")
+        return cls({eid: EventCost(eid, e.name, e.kind, float(seconds[eid]), GIVEN)
+                    for eid, e in plan.events.items()})
+
+
+class MissingComputeError(UserError):
+    """The profile lacks compute events that the plan needs; lists them and the command that profiles them."""
+
+    def __init__(self, plan: EventPlan, missing: Sequence[str], ranks: int, spec_hint: str):
+        self.missing = list(missing)
+        s = plan.spec.strategy
+        lines = [f"the profile lacks {len(missing)} compute event(s) that {plan.spec.model.name} with "
+                 f"dp={s.dp},tp={s.tp},pp={s.pp},micro={plan.spec.batch.micro} needs:"]
+        for eid in missing:
+            event = plan.events[eid]
+            content = event.content
+            signature = dict(content.get("signature", {}))
+            detail = [f"{k} {content[k]}" for k in ("micro", "seq") if k in content]
+            detail += [f"tp {signature['tp']}"] if "tp" in signature else []
+            lines.append(f"  {eid}  {event.name}" + (f"  ({', '.join(detail)})" if detail else ""))
+        lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR")
+        if spec_hint == "SPEC":
+            lines.append(f"  (SPEC: a job spec with this model and strategy: dp = {s.dp}, tp = {s.tp}, pp = {s.pp}, "
+                         f"micro = {plan.spec.batch.micro})")
+        super().__init__("\n".join(lines))
+
+
+def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
+    """(kind, placement) -> [(bytes, group size, seconds)] over every communication measurement."""
+    points: dict[tuple[str, str], list[tuple[float, int, float]]] = {}
+    for m in profile.measurements.values():
+        if m.kind in COMM_KINDS and m.placement in PLACEMENTS and m.count:
+            points.setdefault((m.kind, m.placement), []).append((m.nbytes, m.group_size, representative_seconds(m)))
+    return points
+
+
+def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -> Costs:
+    """The duration of every event of `plan` from `profile` (rules in the module docstring).
+
+    Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
+    is the spec path to show in the command that profiles them.
+    """
+    def measured(eid: str) -> bool:
+        measurement = profile.measurements.get(eid)
+        return measurement is not None and measurement.count > 0
+
+    missing = sorted((eid for eid, e in plan.events.items() if e.kind == "compute" and not measured(eid)),
+                     key=lambda eid: plan.events[eid].name)
+    if missing:
+        raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
+    fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(measured_comm_points(profile).items())}
+    costs = Costs(events={}, fits=fits)
+    no_comm_events: list[str] = []
+    for eid, event in plan.events.items():
+        if measured(eid):
+            seconds = representative_seconds(profile.measurements[eid])
+            costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, MEASURED)
+            continue
+        reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
+        costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
+        fit, note = _choose_fit(fits, event.kind, event.placement or INTER)
+        if fit is None:
+            costs.events[eid] = EventCost(eid, event.name, event.kind, 0.0, UNAVAILABLE,
+                                          note="no communication measured: costed 0")
+            no_comm_events.append(event.name)
+            continue
+        seconds = fit.predict(event.kind, event.bytes, event.group_size)
+        costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
+    if no_comm_events:
+        costs.warnings.append(
+            f"NO COMMUNICATION WAS MEASURED in {profile.path.name} (a {profile.world_size}-rank profile): "
+            f"{len(no_comm_events)} communication event(s) ({', '.join(sorted(set(no_comm_events)))}) cost 0, "
+            "so the prediction covers compute only; profile on at least 2 ranks (2 nodes for inter-node "
+            "communication) to include it")
+    for (kind, placement), fit in fits.items():
+        used = any(c.fit == (kind, placement) for c in costs.events.values())
+        if used and fit.points and fit.max_rel_error > 0.25:
+            costs.warnings.append(f"the {kind} {placement} fit misses its measured points by up to "
+                                  f"{fit.max_rel_error:.0%}; its extrapolations are uncertain")
+    return costs
+
+
+def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:
+    """The fit for an unmeasured event: same kind and placement, else the other placement, else the other
+    kind (both formulas share the link's alpha and beta); fits of all-zero measurements come last."""
+    other_placement = INTER if placement == INTRA else INTRA
+    other_kind = next(k for k in COMM_KINDS if k != kind)
+    order = ((kind, placement), (kind, other_placement), (other_kind, placement), (other_kind, other_placement))
+    for need_points in (True, False):
+        for key in order:
+            fit = fits.get(key)
+            if fit is None or bool(fit.points) != need_points:
+                continue
+            if not fit.points:
+                return fit, f"every {key[0]} {key[1]} measurement took 0 s"
+            if key == (kind, placement):
+                return fit, f"extrapolated with the {kind} {placement} fit"
+            return fit, (f"no {kind} measured {placement}: extrapolated with the {key[0]} {key[1]} fit "
+                         "(the same link alpha and beta)")
+    return None, ""

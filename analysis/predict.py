@@ -1,0 +1,35 @@
+"""From a profile (and optionally another spec or strategy) to a simulated timeline, in one call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.events import EventPlan, build_plan
+from harness.spec import JobSpec
+
+from analysis.costs import Costs, estimate_costs
+from analysis.profile import Profile, layers_for, load_profile, resolve_spec
+from analysis.simulate import Timeline, simulate
+
+
+@dataclass
+class Prediction:
+    """Everything one simulation used and produced."""
+
+    profile: Profile
+    spec: JobSpec
+    plan: EventPlan
+    costs: Costs
+    timeline: Timeline
+
+
+def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
+            dp_overlap: bool | None = None) -> Prediction:
+    """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
+    and simulate one iteration. dp_overlap None follows the spec. Raises UserError on bad input."""
+    if not isinstance(profile, Profile):
+        profile = load_profile(profile)
+    spec = resolve_spec(profile, spec_path, strategy)
+    plan = build_plan(spec, layers_for(profile, spec))
+    costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC")
+    return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap))

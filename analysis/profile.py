@@ -1,0 +1,245 @@
+"""Load a merged profile.h5 (layout in docs/hdf5.md) into a typed Profile, with h5py only.
+
+The analysis runs offline: it never imports torch, MPI or the harness's store and profilers, and it
+does not import a user model's factory module either (only its "module:function" form is checked).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from harness.errors import UserError
+from harness.layers import LayerDesc
+from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
+
+PROFILE_SCHEMA_VERSIONS = (1,)
+PROFILE_KIND = "distsim-profile"
+_RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
+                   "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
+
+
+@dataclass
+class MeasuredEvent:
+    """One measured event: its content and summary statistics; the raw samples (seconds), the ranks that
+    measured it and its other attributes are read from the file on first use."""
+
+    id: str
+    kind: str  # compute | p2p | allreduce
+    content: dict[str, Any]
+    median_s: float
+    min_s: float
+    count: int
+    source: Path | None = None  # the profile to read samples and attributes from
+    _details: dict[str, Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
+                     ranks: list[int] | None = None, env_key: str = "", attrs: dict[str, Any] | None = None,
+                     ) -> "MeasuredEvent":
+        samples = np.asarray(samples_s, dtype=np.float64)
+        return cls(eid, kind, content, float(np.median(samples)) if samples.size else float("nan"),
+                   float(samples.min()) if samples.size else float("nan"), int(samples.size),
+                   _details={"samples_s": samples, "ranks": list(ranks or []), "env_key": env_key,
+                             "attrs": dict(attrs or {})})
+
+    def _detail(self, key: str) -> Any:
+        if self._details is None:
+            if self.source is None:
+                raise ValueError(f"measurement {self.id} has no samples and no file to read them from")
+            with h5py.File(self.source, "r") as f:
+                g = f["measurements"][self.id]
+                self._details = {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
+                                 "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
+                                 "env_key": _text(g.attrs.get("env_key", "")),
+                                 "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in _RESERVED_ATTRS}}
+        return self._details[key]
+
+    @property
+    def samples_s(self) -> np.ndarray:
+        return self._detail("samples_s")
+
+    @property
+    def ranks(self) -> list[int]:
+        return self._detail("ranks")
+
+    @property
+    def env_key(self) -> str:
+        return self._detail("env_key")
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self._detail("attrs")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.content.get("bytes", 0))
+
+    @property
+    def group_size(self) -> int:
+        return int(self.content.get("group", 2 if self.kind == "p2p" else 1))
+
+    @property
+    def placement(self) -> str | None:
+        placement = self.content.get("placement")
+        return None if placement is None else str(placement)
+
+
+@dataclass
+class Profile:
+    """A merged profile: the spec it was taken for, the layer descriptions, what was measured and what not."""
+
+    path: Path
+    schema_version: int
+    spec: JobSpec
+    spec_json: str
+    layers: list[LayerDesc]
+    events: dict[str, dict[str, Any]]  # the profiled spec's unique events: id -> {kind, name, content, ...}
+    measurements: dict[str, MeasuredEvent]
+    unmeasured: dict[str, str]  # id -> reason
+    environment: dict[str, Any]
+    placement: dict[str, list[int]]
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks took the profile (from /environment, else the ranks seen in measurements)."""
+        if "world_size" in self.environment:
+            return int(self.environment["world_size"])
+        ranks = {r for assigned in self.placement.values() for r in assigned}
+        return max(ranks) + 1 if ranks else 1
+
+    def event_name(self, eid: str) -> str:
+        return str(self.events.get(eid, {}).get("name", eid))
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read profile.h5; UserError if it is missing, not a merged profile, or of an unknown schema_version."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: profile not found; give the profile.h5 written by "
+                        "`mpirun -n N python -m harness profile SPEC -o OUTDIR`")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable HDF5 file ({exc})")
+    with f:
+        version = _plain(f.attrs.get("schema_version"))
+        kind = _text(f.attrs.get("kind", ""))
+        if not isinstance(version, (int, np.integer)) or int(version) not in PROFILE_SCHEMA_VERSIONS:
+            raise UserError(f"{path}: unsupported schema_version {_plain(version)!r}; this analysis reads "
+                            f"version {', '.join(map(str, PROFILE_SCHEMA_VERSIONS))} (docs/hdf5.md)")
+        if kind != PROFILE_KIND:
+            hint = " (a per-rank file: give the merged profile.h5)" if kind == "distsim-rank" else ""
+            raise UserError(f"{path}: kind is {kind!r}, expected {PROFILE_KIND!r}{hint}")
+        if "spec_json" not in f.attrs:
+            raise UserError(f"{path}: no spec_json attribute; the profile is incomplete")
+        spec_json = _text(f.attrs["spec_json"])
+        try:
+            spec_data = json.loads(spec_json)
+            layers = [LayerDesc.from_dict(d) for d in json.loads(_text(f.attrs.get("layers_json", "[]")))]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})")
+        spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
+        return Profile(path=path, schema_version=int(version), spec=spec, spec_json=spec_json, layers=layers,
+                       events=_read_events(f), measurements=_read_measurements(f, path),
+                       unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
+                       environment=_read_environment(f),
+                       placement={eid: [int(r) for r in ranks.split(",") if r]
+                                  for eid, ranks in _read_pairs(f, "placement", "id", "ranks").items()})
+
+
+def resolve_spec(profile: Profile, spec_path: str | Path | None = None, strategy: str | None = None) -> JobSpec:
+    """The spec to simulate: the profile's own, or `spec_path`'s, with `strategy` ("dp=4,pp=2") applied."""
+    spec = load_spec(spec_path, import_factory=False) if spec_path else profile.spec
+    if strategy:
+        spec = spec.with_changes(**parse_strategy_overrides(strategy))
+    return spec
+
+
+def layers_for(profile: Profile, spec: JobSpec) -> list[LayerDesc] | None:
+    """Layer descriptions for build_plan: None for built-in families (re-described for the spec's tp),
+    the profile's stored descriptions for a user model (its code is not needed offline)."""
+    if spec.model.family != "user":
+        return None
+    if not profile.layers:
+        raise UserError(f"{profile.path}: the profile stores no layer descriptions (layers_json) for the user "
+                        f"model {spec.model.name!r}; profile it again with the current harness")
+    return profile.layers
+
+
+def parse_spec_offline(data: dict, source: str) -> JobSpec:
+    """parse_spec without importing a user model's factory module (it may need torch, or be absent here)."""
+    return parse_spec(data, source=source, import_factory=False)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _strings(dataset: h5py.Dataset) -> list[str]:
+    return [str(s) for s in dataset.asstr()[()]]
+
+
+def _read_events(f: h5py.File) -> dict[str, dict[str, Any]]:
+    if "events" not in f or "id" not in f["events"]:
+        return {}
+    g = f["events"]
+    ids, kinds, names = _strings(g["id"]), _strings(g["kind"]), _strings(g["name"])
+    contents = [json.loads(s) for s in _strings(g["content_json"])]
+    multiplicity = g["multiplicity"][()] if "multiplicity" in g else np.zeros(len(ids), dtype=np.int64)
+    cost = g["cost"][()] if "cost" in g else np.zeros(len(ids))
+    return {eid: {"id": eid, "kind": kind, "name": name, "content": content, "multiplicity": int(mult),
+                  "cost": float(c)}
+            for eid, kind, name, content, mult, c in zip(ids, kinds, names, contents, multiplicity, cost)}
+
+
+def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
+    """Kind, content and statistics of every measurement; the statistics from the /summary table (one read
+    instead of one per measurement: an HDF5 attribute or small dataset costs about 0.3 ms)."""
+    table: dict[str, tuple[float, float, int]] = {}
+    if "summary" in f and all(k in f["summary"] for k in ("id", "median_s", "min_s", "count")):
+        g = f["summary"]
+        table = {eid: (float(median), float(low), int(count)) for eid, median, low, count
+                 in zip(_strings(g["id"]), g["median_s"][()], g["min_s"][()], g["count"][()])}
+    out: dict[str, MeasuredEvent] = {}
+    for eid, g in f.get("measurements", {}).items():
+        kind, content = _text(g.attrs["kind"]), json.loads(_text(g.attrs["content_json"]))
+        if eid in table:
+            out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path)
+        else:
+            out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
+                                                  [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
+                                                  _text(g.attrs.get("env_key", "")))
+            out[eid].source = path
+    return out
+
+
+def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str]:
+    if group not in f or key not in f[group]:
+        return {}
+    return dict(zip(_strings(f[group][key]), _strings(f[group][value])))
+
+
+def _read_environment(f: h5py.File) -> dict[str, Any]:
+    env: dict[str, Any] = {}
+    if "environment" not in f:
+        return env
+    for key, value in f["environment"].attrs.items():
+        value = _plain(value)
+        if isinstance(value, bytes):
+            value = value.decode()
+        if isinstance(value, str) and value[:1] in "[{":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        env[key] = value
+    return env

@@ -1,0 +1,111 @@
+"""The simulation's summary: a JSON-ready dict (schema in docs/analysis.md) and a terminal report."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness.events import human_bytes
+from harness.tables import format_seconds, format_table
+
+from analysis.simulate import Timeline
+
+REPORT_SCHEMA_VERSION = 1
+REPORT_KIND = "distsim-simulation"
+
+
+def strategy_label(timeline: Timeline) -> str:
+    """'dp=2 tp=2 pp=2 1f1b m=8' (plus chunks for interleaved schedules)."""
+    s = timeline.spec.strategy
+    chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
+    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}"
+
+
+def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
+    """Per pipeline stage: its usage (the same on all its dp x tp devices)."""
+    s = timeline.spec.strategy
+    rows = []
+    for device in timeline.pipeline:
+        u = device.usage
+        rows.append({"stage": device.stage, "devices": s.dp * s.tp,
+                     "virtual_stages": [c * s.pp + device.stage for c in range(s.chunks)],
+                     "compute_s": u.compute_s, "comm_s": u.comm_s, "overlapped_comm_s": u.overlapped_comm_s,
+                     "idle_s": u.idle_s, "end_s": device.end_s})
+    return rows
+
+
+def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_path: str | Path | None = None,
+            ) -> dict[str, Any]:
+    """The JSON document of `simulate --json` (schema_version 1, docs/analysis.md)."""
+    spec, s, costs = timeline.spec, timeline.spec.strategy, timeline.costs
+    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 (JSON has no NaN or infinity)
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "kind": REPORT_KIND,
+        "profile": str(profile_path) if profile_path is not None else None,
+        "model": spec.model.name,
+        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks,
+                     "dp_overlap": timeline.dp_overlap, "bucket_mb": s.bucket_mb},
+        "world": s.world,
+        "micro_batches": spec.micro_batches,
+        "micro_batch_size": spec.batch.micro,
+        "global_batch": spec.batch.global_size,
+        "seq_len": spec.model.seq_len,
+        "batch_time_s": timeline.batch_time_s,
+        "throughput_samples_s": finite(timeline.throughput_samples_s),
+        "throughput_tokens_s": finite(timeline.throughput_tokens_s),
+        "bubble_fraction": timeline.bubble_fraction,
+        "events": {"unique": timeline.plan.unique_events, "total": timeline.plan.total_events},
+        "stages": stage_rows(timeline),
+        "devices_selection": selection,
+        "devices": [d.to_dict() for d in timeline.devices(ranks)],
+        "extrapolated": [c.to_dict() for c in costs.extrapolated],
+        "unmeasured": list(costs.unmeasured),
+        "fits": [{**fit.to_dict(), "mean_rel_error": finite(fit.mean_rel_error),
+                  "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
+        "warnings": list(costs.warnings),
+    }
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str:
+    """The terminal report: headline numbers, per stage and (if `ranks`) per device usage, extrapolations,
+    fits, what is unmeasured and warnings."""
+    spec, costs = timeline.spec, timeline.costs
+    T = timeline.batch_time_s
+    out = [f"{spec.model.name}: {strategy_label(timeline)} on {timeline.world:,} devices, "
+           f"data-parallel all-reduce {'overlapped with the backward' if timeline.dp_overlap else 'after the backward'}",
+           f"batch time  {format_seconds(T)}",
+           f"throughput  {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
+           f"bubble      {timeline.bubble_fraction:.1%} of device time idle (mean over devices)", ""]
+    rows = [(r["stage"], r["devices"], ",".join(map(str, r["virtual_stages"])), _ms(r["compute_s"]), _ms(r["comm_s"]),
+             _ms(r["overlapped_comm_s"]), _ms(r["idle_s"]), f"{r['idle_s'] / T:.1%}" if T > 0 else "-")
+            for r in stage_rows(timeline)]
+    out.append(format_table(("stage", "devices", "virtual", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle"),
+                            rows, title="per pipeline stage (every dp x tp replica alike):"))
+    if ranks:
+        rows = [(d.rank, d.stage, d.dp, d.tp, _ms(d.compute_s), _ms(d.comm_s), _ms(d.overlapped_comm_s), _ms(d.idle_s))
+                for d in timeline.devices(ranks)]
+        out += ["", format_table(("rank", "stage", "dp", "tp", "compute ms", "comm ms", "overlapped ms", "idle ms"),
+                                 rows, title="per device:")]
+    extrapolated = costs.extrapolated
+    if extrapolated:
+        plan = timeline.plan
+        reasons = {u["id"]: u["reason"] for u in costs.unmeasured}
+        rows = [(c.id, c.name, human_bytes(plan.events[c.id].bytes), _ms(c.seconds), c.note, reasons.get(c.id, ""))
+                for c in extrapolated]
+        out += ["", format_table(("id", "event", "bytes", "predicted ms", "how", "why unmeasured"), rows,
+                                 title=f"extrapolated: {len(extrapolated)} events the profile did not measure")]
+    if costs.fits:
+        rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,
+                 f.bandwidth_bytes_s / 1e9 if math.isfinite(f.bandwidth_bytes_s) else "-",
+                 f"{f.mean_rel_error:.1%}" if f.points else "-", f"{f.max_rel_error:.1%}" if f.points else "-")
+                for f in costs.fits.values()]
+        out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err",
+                                  "max err"), rows, title="communication fits (relative error on measured points):")]
+    for warning in costs.warnings:
+        out += ["", f"WARNING: {warning}"]
+    return "\n".join(out)

@@ -1,0 +1,429 @@
+"""The timeline model: every device's timeline of one training iteration from the durations of its events.
+
+Hierarchy (docs/analysis.md):
+- layer: its compute plus its tensor-parallel all-reduces, inline and blocking, in sequence;
+- pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
+  (harness.schedules); a step starts when the device is free and its P2P input has arrived. A P2P
+  transfer starts when the sender finishes the step and arrives its duration later; the sender does
+  not wait (asynchronous send). The transfer is communication on both devices;
+- data parallel: gradient buckets all-reduced in order on the device's communication track, either as
+  they become ready during the last micro-batch's backward (dp_overlap, as DDP) or all after the
+  device's whole backward (as DistSim); then the optimizer step once compute and all-reduces are done.
+
+Data-parallel replicas and tensor-parallel ranks are identical, so one pipeline replica (pp devices
+holding `chunks` virtual stages each) is simulated step by step, with each step's events summed into one
+duration; per-event intervals are only expanded on demand (Timeline.intervals) for traces, plots and
+timeline files. A device's rank is (pp_i * dp + dp_i) * tp + tp_i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, NamedTuple, Sequence
+
+from harness.events import EventPlan
+from harness.schedules import device_steps
+from harness.spec import JobSpec
+
+from analysis.costs import Costs
+
+COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
+FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
+P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER = "p2p-send", "p2p-recv", "dp-allreduce", "optimizer"
+CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER)
+
+
+class StepRecord(NamedTuple):
+    """One forward or backward step of one micro-batch on one virtual stage, as simulated."""
+
+    phase: str  # F | B
+    chunk: int
+    virtual_stage: int
+    micro: int
+    ready_s: float  # when its input was available (P2P arrival, or its own forward for the last stage)
+    start_s: float
+    end_s: float
+
+
+class Transfer(NamedTuple):
+    """A P2P transfer between virtual stages: activations forward, gradients backward."""
+
+    direction: str  # activation | gradient
+    event: str
+    src_stage: int  # virtual stages
+    dst_stage: int
+    micro: int
+    start_s: float
+    end_s: float
+
+
+def transfer_name(transfer: Transfer, verb: str) -> str:
+    """'send act s1->s2 mb3' / 'recv grad s2->s1 mb0': unique per device, shared by sender and receiver."""
+    what = "act" if transfer.direction == "activation" else "grad"
+    return f"{verb} {what} s{transfer.src_stage}->s{transfer.dst_stage} mb{transfer.micro}"
+
+
+class BucketRecord(NamedTuple):
+    """One data-parallel gradient bucket all-reduce of a virtual stage."""
+
+    virtual_stage: int
+    index: int
+    event: str
+    nbytes: int
+    ready_s: float
+    start_s: float
+    end_s: float
+
+
+class Usage(NamedTuple):
+    """How a device spent the iteration: compute_s + comm_s + idle_s = batch time.
+
+    comm_s is exposed communication (no compute running: blocking tensor-parallel all-reduces and the
+    part of asynchronous P2P / data-parallel all-reduces outside the compute stream's busy time);
+    overlapped_comm_s is asynchronous communication hidden behind the compute stream.
+    """
+
+    compute_s: float
+    comm_s: float
+    overlapped_comm_s: float
+    idle_s: float
+
+
+class Interval(NamedTuple):
+    """One event on one device's timeline (per-event detail, expanded on demand)."""
+
+    start_s: float
+    end_s: float
+    track: str  # compute | comm
+    category: str  # one of CATEGORIES
+    event_id: str
+    name: str  # e.g. "F gpt2.block.fwd L3 s1 mb2"
+    virtual_stage: int
+    micro: int  # -1 when not per micro-batch (buckets, optimizer)
+    layer: int  # index into plan.layers; -1 for P2P and buckets
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    """One device's share of the iteration."""
+
+    rank: int
+    stage: int
+    dp: int
+    tp: int
+    compute_s: float
+    comm_s: float
+    overlapped_comm_s: float
+    idle_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "stage": self.stage, "dp": self.dp, "tp": self.tp, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "overlapped_comm_s": self.overlapped_comm_s, "idle_s": self.idle_s}
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A virtual stage's per-micro-batch durations, its events summed (the simulation's unit of work)."""
+
+    forward_s: float  # compute + inline tensor-parallel all-reduces
+    forward_comm_s: float  # the tensor-parallel all-reduce part of forward_s
+    backward_s: float
+    backward_comm_s: float
+    forward_offsets: tuple[float, ...]  # start offset of each forward item within the step, then its end
+    backward_offsets: tuple[float, ...]
+    optimizer_s: float
+    send_forward_s: float  # P2P of activations to the next virtual stage
+    send_backward_s: float  # P2P of gradients to the previous virtual stage
+
+
+@dataclass
+class PipelineDevice:
+    """The simulated timeline of pipeline device `stage` (the same for all its dp x tp replicas)."""
+
+    stage: int
+    steps: list[StepRecord]
+    sends: list[Transfer]
+    receives: list[Transfer]
+    buckets: list[BucketRecord]
+    optimizer_start_s: float
+    optimizer_end_s: float
+    usage: Usage
+
+    @property
+    def end_s(self) -> float:
+        return self.optimizer_end_s
+
+
+def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
+    """Sum each virtual stage's events into per-step durations (prefix offsets kept for buckets and detail)."""
+    out = []
+    for program in plan.stages:
+        fwd = [costs.seconds(e) for e in program.forward]
+        bwd = [costs.seconds(e) for e in program.backward]
+        fwd_comm = sum(d for e, d in zip(program.forward, fwd) if plan.events[e].kind != "compute")
+        bwd_comm = sum(d for e, d in zip(program.backward, bwd) if plan.events[e].kind != "compute")
+        forward_offsets = tuple(accumulate(fwd, initial=0.0))
+        backward_offsets = tuple(accumulate(bwd, initial=0.0))
+        out.append(StageCosts(
+            forward_s=forward_offsets[-1], forward_comm_s=fwd_comm,
+            backward_s=backward_offsets[-1], backward_comm_s=bwd_comm,
+            forward_offsets=forward_offsets, backward_offsets=backward_offsets,
+            optimizer_s=sum(costs.seconds(e) for e in program.optimizer),
+            send_forward_s=costs.seconds(program.send_forward) if program.send_forward else 0.0,
+            send_backward_s=costs.seconds(program.send_backward) if program.send_backward else 0.0))
+    return out
+
+
+def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "Timeline":
+    """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap."""
+    spec = plan.spec
+    s = spec.strategy
+    overlap = s.dp_overlap if dp_overlap is None else dp_overlap
+    pp, V, m = s.pp, s.virtual_stages, spec.micro_batches
+    per_stage = stage_costs(plan, costs)
+    schedules = [device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
+    forward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
+    backward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
+    backward_start: list[list[float]] = [[0.0] * m for _ in range(V)]
+    records: list[list[StepRecord]] = [[] for _ in range(pp)]
+    free = [0.0] * pp
+    position = [0] * pp
+    remaining = sum(len(steps) for steps in schedules)
+    while remaining:
+        progressed = False
+        for d in range(pp):
+            steps, k = schedules[d], position[d]
+            while k < len(steps):
+                phase, chunk, micro = steps[k]
+                vs = chunk * pp + d
+                if phase == "F":
+                    if vs > 0:
+                        arrival = forward_end[vs - 1][micro]
+                        if arrival is None:
+                            break
+                        ready = arrival + per_stage[vs - 1].send_forward_s
+                    else:
+                        ready = 0.0
+                    duration = per_stage[vs].forward_s
+                else:
+                    if vs < V - 1:
+                        arrival = backward_end[vs + 1][micro]
+                        if arrival is None:
+                            break
+                        ready = arrival + per_stage[vs + 1].send_backward_s
+                    else:
+                        own_forward = forward_end[vs][micro]
+                        if own_forward is None:
+                            break
+                        ready = own_forward
+                    duration = per_stage[vs].backward_s
+                start = max(free[d], ready)
+                end = start + duration
+                if phase == "F":
+                    forward_end[vs][micro] = end
+                else:
+                    backward_end[vs][micro] = end
+                    backward_start[vs][micro] = start
+                records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
+                free[d] = end
+                k += 1
+            if k > position[d]:
+                progressed = True
+                remaining -= k - position[d]
+                position[d] = k
+        if not progressed:
+            stuck = {d: schedules[d][position[d]] for d in range(pp) if position[d] < len(schedules[d])}
+            raise RuntimeError(f"schedule {s.schedule!r} deadlocks: devices wait on {stuck}")
+
+    sends: list[list[Transfer]] = [[] for _ in range(pp)]
+    receives: list[list[Transfer]] = [[] for _ in range(pp)]
+    for d in range(pp):
+        for r in records[d]:
+            program = plan.stages[r.virtual_stage]
+            if r.phase == "F" and program.send_forward:
+                t = Transfer("activation", program.send_forward, r.virtual_stage, r.virtual_stage + 1, r.micro,
+                             r.end_s, r.end_s + per_stage[r.virtual_stage].send_forward_s)
+            elif r.phase == "B" and program.send_backward:
+                t = Transfer("gradient", program.send_backward, r.virtual_stage, r.virtual_stage - 1, r.micro,
+                             r.end_s, r.end_s + per_stage[r.virtual_stage].send_backward_s)
+            else:
+                continue
+            sends[d].append(t)
+            receives[t.dst_stage % pp].append(t)
+
+    pipeline = []
+    for d in range(pp):
+        compute_end = free[d]
+        pending = []
+        for chunk in range(s.chunks):
+            vs = chunk * pp + d
+            offsets = per_stage[vs].backward_offsets
+            for index, bucket in enumerate(plan.stages[vs].buckets):
+                gradients_ready = backward_start[vs][m - 1] + offsets[bucket.ready_after + 1]
+                pending.append((gradients_ready, vs, index, bucket))
+        pending.sort(key=lambda item: item[:3])
+        buckets, comm_free = [], 0.0 if overlap else compute_end
+        for ready, vs, index, bucket in pending:
+            start = max(ready, comm_free)
+            comm_free = start + costs.seconds(bucket.event)
+            buckets.append(BucketRecord(vs, index, bucket.event, bucket.nbytes, ready, start, comm_free))
+        optimizer_start = max([compute_end] + [b.end_s for b in buckets])
+        optimizer_s = sum(per_stage[chunk * pp + d].optimizer_s for chunk in range(s.chunks))
+        receives[d].sort(key=lambda t: t.start_s)
+        pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
+                                       optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0)))
+    batch_time = max(device.end_s for device in pipeline)
+    for device in pipeline:
+        device.usage = _usage(device, per_stage, batch_time)
+    return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time, pipeline=pipeline,
+                    stage_costs=per_stage)
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if high > low:
+            total += high - low
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: float) -> Usage:
+    compute = tp_comm = 0.0
+    busy = []
+    for r in device.steps:
+        c = per_stage[r.virtual_stage]
+        step_comm = c.forward_comm_s if r.phase == "F" else c.backward_comm_s
+        compute += (r.end_s - r.start_s) - step_comm
+        tp_comm += step_comm
+        busy.append((r.start_s, r.end_s))
+    compute += device.optimizer_end_s - device.optimizer_start_s
+    busy.append((device.optimizer_start_s, device.optimizer_end_s))
+    busy = _merged(busy)
+    asynchronous = _merged([(t.start_s, t.end_s) for t in device.sends + device.receives]
+                           + [(b.start_s, b.end_s) for b in device.buckets])
+    hidden = _overlap(asynchronous, busy)
+    exposed = tp_comm + sum(end - start for start, end in asynchronous) - hidden
+    # idle is what is left: the three parts sum to the batch time (a rounding-level negative becomes 0)
+    return Usage(compute, exposed, hidden, max(0.0, batch_time - compute - exposed))
+
+
+@dataclass
+class Timeline:
+    """The simulated iteration: one pipeline replica, expandable to every device of the job."""
+
+    plan: EventPlan
+    costs: Costs
+    dp_overlap: bool
+    batch_time_s: float
+    pipeline: list[PipelineDevice]  # index: pipeline stage (device position in the pipeline)
+    stage_costs: list[StageCosts]  # index: virtual stage
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.plan.spec
+
+    @property
+    def world(self) -> int:
+        return self.spec.strategy.world
+
+    @property
+    def throughput_samples_s(self) -> float:
+        return self.spec.batch.global_size / self.batch_time_s if self.batch_time_s > 0 else float("inf")
+
+    @property
+    def throughput_tokens_s(self) -> float:
+        return self.throughput_samples_s * self.spec.model.seq_len
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over devices of idle time / batch time (replicas are identical: the mean over stages)."""
+        if self.batch_time_s <= 0:
+            return 0.0
+        return sum(d.usage.idle_s for d in self.pipeline) / (len(self.pipeline) * self.batch_time_s)
+
+    @property
+    def total_events(self) -> int:
+        """Events of the whole iteration over all devices (the plan's multiplicities)."""
+        return self.plan.total_events
+
+    def stage_dp_tp(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, dp index, tp index) of a global rank."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside 0..{self.world - 1}")
+        dp_i, tp_i, pp_i = self.plan.coords(rank)
+        return pp_i, dp_i, tp_i
+
+    def device(self, rank: int) -> DeviceSummary:
+        """The usage of global `rank` (that of its pipeline stage)."""
+        stage, dp_i, tp_i = self.stage_dp_tp(rank)
+        u = self.pipeline[stage].usage
+        return DeviceSummary(rank, stage, dp_i, tp_i, u.compute_s, u.comm_s, u.overlapped_comm_s, u.idle_s)
+
+    def devices(self, ranks: Sequence[int]) -> list[DeviceSummary]:
+        return [self.device(rank) for rank in ranks]
+
+    def intervals(self, stage: int) -> list[Interval]:
+        """Every event of pipeline device `stage` (any of its replicas), sorted by start then track."""
+        plan, device = self.plan, self.pipeline[stage]
+        out: list[Interval] = []
+        for r in device.steps:
+            program = plan.stages[r.virtual_stage]
+            c = self.stage_costs[r.virtual_stage]
+            if r.phase == "F":
+                items, layers, offsets, category = program.forward, program.forward_layers, c.forward_offsets, FORWARD
+            else:
+                items, layers, offsets, category = program.backward, program.backward_layers, c.backward_offsets, BACKWARD
+            layer = -1
+            for k, eid in enumerate(items):
+                event = plan.events[eid]
+                if layers[k] >= 0:
+                    layer = layers[k]
+                start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
+                suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"
+                if event.kind == "compute":
+                    out.append(Interval(start, end, COMPUTE_TRACK, category, eid, f"{r.phase} {event.name} {suffix}",
+                                        r.virtual_stage, r.micro, layer))
+                else:
+                    out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
+                                        f"{r.phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))
+        for t in device.sends:
+            out.append(Interval(t.start_s, t.end_s, COMM_TRACK, P2P_SEND, t.event, transfer_name(t, "send"),
+                                t.src_stage, t.micro, -1))
+        for t in device.receives:
+            out.append(Interval(t.start_s, t.end_s, COMM_TRACK, P2P_RECV, t.event, transfer_name(t, "recv"),
+                                t.dst_stage, t.micro, -1))
+        for b in device.buckets:
+            out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,
+                                f"dp {plan.events[b.event].name} bucket {b.index} s{b.virtual_stage}",
+                                b.virtual_stage, -1, -1))
+        t = device.optimizer_start_s
+        for chunk in range(self.spec.strategy.chunks):
+            vs = chunk * self.spec.strategy.pp + stage
+            program = plan.stages[vs]
+            for eid, layer in zip(program.optimizer, program.layers):
+                end = t + self.costs.seconds(eid)
+                out.append(Interval(t, end, COMPUTE_TRACK, OPTIMIZER, eid,
+                                    f"opt {plan.events[eid].name} L{layer} s{vs}", vs, -1, layer))
+                t = end
+        out.sort(key=lambda i: (i.start_s, i.track != COMPUTE_TRACK, i.end_s))
+        return out

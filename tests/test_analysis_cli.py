@@ -1,0 +1,148 @@
+"""`python -m analysis simulate`: table, JSON, Perfetto trace, PNG and timeline HDF5; offline imports."""
+from __future__ import annotations
+
+import gzip
+import json
+import textwrap
+from collections import defaultdict
+
+import pytest
+
+from analysis.cli import main
+from analysis.profile import parse_spec_offline
+from analysis.timeline_store import read_timeline
+from harness.layers import LayerDesc
+from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_python, write_handmade_profile
+
+JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
+             "devices", "stages", "extrapolated", "unmeasured", "fits", "warnings"}
+DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
+
+
+@pytest.fixture(scope="module")
+def hybrid_profile(tmp_path_factory):
+    """dp=2 x tp=2 x pp=2 on 2 nodes of 4: P2P between nodes, TP and DP all-reduces within a node."""
+    spec = make_spec(dp=2, tp=2, pp=2, micro_batches=4, nodes=2, bucket_mb=1e-6)
+    times = {"gpt2.block.fwd": 2e-3, "gpt2.block.bwd": 4e-3, "gpt2.embedding.fwd": 5e-4, "gpt2.head.fwd": 1e-3,
+             "p2p": None, "allreduce": 1e-4}
+    extra = [comm_point("p2p", n, "inter", 2e-5 + n * 1e-10) for n in (2**10, 2**16, 2**20)]
+    return write_handmade_profile(tmp_path_factory.mktemp("hybrid") / "profile.h5", spec, by_name(times, 2e-4),
+                                  extra, world_size=4)
+
+
+def test_simulate_writes_trace_png_timeline_and_json(hybrid_profile, tmp_path, capsys):
+    trace, png, out = tmp_path / "trace.json.gz", tmp_path / "gantt.png", tmp_path / "timeline.h5"
+    assert main(["simulate", str(hybrid_profile), "--json", "--trace", str(trace), "--png", str(png),
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert JSON_KEYS <= set(report) and report["schema_version"] == 1
+    assert len(report["devices"]) == 8 and all(DEVICE_KEYS <= set(d) for d in report["devices"])
+    T = report["batch_time_s"]
+    assert T > 0 and report["throughput_samples_s"] == pytest.approx(8 / T)
+    assert report["throughput_tokens_s"] == pytest.approx(8 / T * 16)
+    for d in report["devices"]:
+        assert d["compute_s"] + d["comm_s"] + d["idle_s"] == pytest.approx(T, rel=1e-12)
+    assert report["bubble_fraction"] == pytest.approx(sum(d["idle_s"] for d in report["devices"]) / (8 * T))
+    assert {e["kind"] for e in report["extrapolated"]} == {"p2p"}  # P2P came from the fit
+    assert [f["kind"] for f in report["fits"]] == ["allreduce", "p2p"]
+
+    document = json.loads(gzip.decompress(trace.read_bytes()))
+    events = document["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == set(range(8))
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(names[pid, 0] == "compute" and names[pid, 1] == "communication" for pid in range(8))
+    assert any(e["name"] == "F gpt2.block.fwd L1 s0 mb2" for e in complete)
+    by_thread = defaultdict(list)
+    for e in complete:
+        by_thread[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_thread.values():  # slices within a thread never overlap partially
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start >= end - 1e-6
+    flows = defaultdict(dict)
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]][e["ph"]] = e
+    assert len(flows) == 2 * 4 * 4  # per micro-batch, one activation and one gradient per (dp, tp) pair
+    for pair in flows.values():
+        assert pair["s"]["pid"] != pair["f"]["pid"] and pair["f"]["bp"] == "e"
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    timeline = read_timeline(out)
+    assert timeline["attrs"]["schema_version"] == 1 and timeline["attrs"]["kind"] == "distsim-timeline"
+    assert timeline["attrs"]["batch_time_s"] == pytest.approx(T)
+    assert sorted(timeline["devices"]) == list(range(8))
+    rank5 = timeline["devices"][5]
+    assert rank5["attrs"]["stage"] == 1 and len(rank5["start_s"]) == len(rank5["name"]) > 0
+    assert (rank5["end_s"] >= rank5["start_s"]).all() and rank5["end_s"].max() <= T * (1 + 1e-12)
+
+
+def test_table_output_and_device_selection(hybrid_profile, capsys):
+    assert main(["simulate", str(hybrid_profile), "--no-overlap"]) == 0
+    out = capsys.readouterr().out
+    for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "per device",
+                 "extrapolated", "communication fits", "after the backward"):
+        assert text in out
+    assert main(["simulate", str(hybrid_profile), "--json", "--devices", "stages"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [d["rank"] for d in report["devices"]] == [0, 4] and report["devices_selection"] == "stages"
+    assert main(["simulate", str(hybrid_profile), "--json", "--devices", "1,5-6"]) == 0
+    assert [d["rank"] for d in json.loads(capsys.readouterr().out)["devices"]] == [1, 5, 6]
+    assert main(["simulate", str(hybrid_profile), "--devices", "3-8"]) == 2
+    assert "outside the job's ranks 0..7" in capsys.readouterr().err
+
+
+def test_large_worlds_default_to_one_device_per_stage(tmp_path, capsys):
+    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2, micro_batches=2), by_name({}, 1e-3))
+    assert main(["simulate", str(path), "--json", "--strategy", "dp=1024,global=2048", "--trace", str(tmp_path / "t.json")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world"] == 2048 and report["devices_selection"] == "stages"
+    assert [d["rank"] for d in report["devices"]] == [0, 1024]
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1024}
+
+
+def test_offline_run_loads_neither_torch_nor_mpi4py(tmp_path):
+    """A user model's profile: simulating it imports neither torch, mpi4py, nor the model's module."""
+    data = {"model": {"factory": "tests.user_model:build", "layers": 4, "hidden": 32, "seq_len": 16,
+                      "vocab": 128},
+            "batch": {"global": 4, "micro": 1}, "strategy": {"pp": 2}, "cluster": {"gpus_per_node": 2}}
+    spec = parse_spec_offline(data, source="test")
+
+    def layer(name, params, index):
+        return LayerDesc(kind="user", signature=(("family", "user"), ("class", name), ("dtype", "float32")),
+                         params=params, fwd_flops_per_token=2.0 * params, out_features=(32,), index=index)
+
+    layers = [layer("Embed", 4096, 0), layer("Mixer", 4192, 1), layer("Mixer", 4192, 1), layer("Linear", 4224, 3)]
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), layers=layers)
+    # `python -m analysis` as runpy runs it, then a look at what got imported
+    script = textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = ["analysis", "simulate", {str(path)!r}, "--json", "--trace", {str(tmp_path / 't.json.gz')!r},
+                    "--out", {str(tmp_path / 't.h5')!r}, "--png", {str(tmp_path / 't.png')!r}]
+        try:
+            runpy.run_module("analysis", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            status = exit.code
+        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.store")
+                        if m in sys.modules)
+        print("LOADED", loaded, file=sys.stderr)
+        sys.exit(status or (3 if loaded else 0))
+    """)
+    result = run_python(script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"] == "tests.user_model:build" and len(report["devices"]) == 2
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["simulate", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert all(option in out for option in ("--spec", "--strategy", "--no-overlap", "--devices", "--trace", "--png"))

@@ -1,0 +1,155 @@
+"""Event costs: the alpha-beta fit, extrapolation and its flags, what a profile lacks, refused files."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from analysis.cli import main
+from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
+from analysis.predict import predict
+from analysis.profile import load_profile
+from harness.events import build_plan
+from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
+
+ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
+SIZES = (2**10, 2**16, 2**20, 2**24)
+
+
+def allreduce_s(nbytes, group, alpha=ALPHA, beta=BETA):
+    return 2 * (group - 1) * alpha + 2 * (group - 1) / group * nbytes * beta
+
+
+def p2p_s(nbytes, alpha=ALPHA, beta=BETA):
+    return alpha + nbytes * beta
+
+
+def test_fit_recovers_alpha_and_beta():
+    points = [(n, g, allreduce_s(n, g)) for n in SIZES for g in (2, 4, 8)]
+    fit = fit_alpha_beta("allreduce", "intra", points)
+    assert fit.form == "alpha-beta" and fit.points == len(points)
+    assert fit.alpha_s == pytest.approx(ALPHA, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(BETA, rel=1e-9)
+    assert fit.max_rel_error < 1e-9
+    assert fit.predict("allreduce", 2**30, 256) == pytest.approx(allreduce_s(2**30, 256), rel=1e-9)
+    p2p = fit_alpha_beta("p2p", "inter", [(n, 2, p2p_s(n)) for n in SIZES])
+    assert (p2p.alpha_s, p2p.beta_s_per_byte) == pytest.approx((ALPHA, BETA), rel=1e-9)
+
+
+def test_fit_reports_its_error_and_keeps_alpha_beta_nonnegative():
+    rng = np.random.default_rng(1)
+    noisy = [(n, 2, p2p_s(n) * rng.uniform(0.9, 1.1)) for n in SIZES for _ in range(3)]
+    fit = fit_alpha_beta("p2p", "intra", noisy)
+    assert 0 < fit.mean_rel_error <= fit.max_rel_error < 0.2
+    assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0
+    # time falling with size cannot be fitted with a positive beta: the best one-parameter form
+    falling = fit_alpha_beta("p2p", "intra", [(2**10, 2, 2e-3), (2**20, 2, 1e-3)])
+    assert falling.alpha_s >= 0 and falling.beta_s_per_byte >= 0 and falling.form != "alpha-beta"
+
+
+def test_fit_of_one_point_is_bandwidth_only_and_zero_times_give_a_zero_fit():
+    fit = fit_alpha_beta("allreduce", "inter", [(2**20, 2, 1e-3)])
+    assert fit.form == "bandwidth-only" and fit.alpha_s == 0
+    assert fit.predict("allreduce", 2**20, 2) == pytest.approx(1e-3)
+    zero = fit_alpha_beta("allreduce", "inter", [(2**20, 2, 0.0)])
+    assert zero.form == "zero" and zero.predict("allreduce", 2**30, 64) == 0
+
+
+def dp_profile(tmp_path, extra):
+    """A dp=2 job on one node whose data-parallel all-reduces are left unmeasured."""
+    spec = make_spec(dp=2, micro_batches=2)
+    return write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  by_name({"gpt2.block.fwd": 1.0, "allreduce": None}, default=0.5), extra)
+
+
+def test_unmeasured_allreduce_is_extrapolated_and_flagged(tmp_path):
+    extra = [comm_point("allreduce", n, "intra", allreduce_s(n, 2)) for n in SIZES]
+    prediction = predict(dp_profile(tmp_path, extra))
+    plan, costs = prediction.plan, prediction.costs
+    (bucket,) = plan.stages[0].buckets
+    cost = costs.events[bucket.event]
+    assert cost.source == FITTED and cost.extrapolated and cost.fit == ("allreduce", "intra")
+    assert cost.seconds == pytest.approx(allreduce_s(bucket.nbytes, 2), rel=1e-9)
+    assert [c.id for c in costs.extrapolated] == [bucket.event]
+    assert costs.unmeasured == [{"id": bucket.event, "name": plan.events[bucket.event].name, "kind": "allreduce",
+                                 "reason": "left out of this hand-made profile"}]
+    # measured events are not extrapolated, even though a fit exists for their kind
+    assert all(c.source == "measured" for eid, c in costs.events.items() if eid != bucket.event)
+
+
+def test_other_placement_then_other_kind_stand_in_and_say_so(tmp_path):
+    inter_only = [comm_point("allreduce", n, "inter", allreduce_s(n, 2, alpha=2e-5)) for n in SIZES]
+    costs = predict(dp_profile(tmp_path / "a", inter_only)).costs
+    (cost,) = costs.extrapolated
+    assert cost.fit == ("allreduce", "inter") and "no allreduce measured intra" in cost.note
+    p2p_only = [comm_point("p2p", n, "intra", p2p_s(n)) for n in SIZES]
+    prediction = predict(dp_profile(tmp_path / "b", p2p_only))
+    (cost,) = prediction.costs.extrapolated
+    bucket = prediction.plan.stages[0].buckets[0]
+    assert cost.fit == ("p2p", "intra") and "same link alpha and beta" in cost.note
+    assert cost.seconds == pytest.approx(allreduce_s(bucket.nbytes, 2), rel=1e-9)
+
+
+def test_profile_without_communication_costs_it_zero_and_says_so_loudly(tmp_path, capsys):
+    path = dp_profile(tmp_path, extra=[])
+    costs = predict(path).costs
+    (cost,) = costs.extrapolated
+    assert cost.source == UNAVAILABLE and cost.seconds == 0
+    assert any("NO COMMUNICATION WAS MEASURED" in w for w in costs.warnings)
+    assert main(["simulate", str(path)]) == 0
+    assert "WARNING: NO COMMUNICATION WAS MEASURED" in capsys.readouterr().out
+
+
+def test_other_strategy_extrapolates_its_larger_groups(tmp_path):
+    extra = [comm_point("allreduce", n, "intra", allreduce_s(n, 2)) for n in SIZES]
+    prediction = predict(dp_profile(tmp_path, extra), strategy="dp=4")
+    # 4 devices on nodes of 2: the data-parallel group now spans nodes
+    assert prediction.spec.strategy.dp == 4 and prediction.spec.cluster.nodes == 2
+    bucket = prediction.plan.stages[0].buckets[0]
+    cost = prediction.costs.events[bucket.event]
+    assert cost.extrapolated and cost.seconds == pytest.approx(allreduce_s(bucket.nbytes, 4), rel=1e-9)
+    assert cost.fit == ("allreduce", "intra") and "no allreduce measured inter" in cost.note
+    assert "differs" in prediction.costs.unmeasured[0]["reason"]
+
+
+def test_missing_compute_exits_2_with_the_list_and_the_profile_command(tmp_path, capsys):
+    spec = make_spec(pp=2, micro_batches=2)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  lambda e: None if e.name in ("gpt2.block.bwd", "gpt2.head.fwd") else 0.1)
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks 2 compute event(s)" in err
+    assert "gpt2.block.bwd" in err and "gpt2.head.fwd" in err
+    assert "mpirun -n 2 python -m harness profile SPEC -o OUTDIR" in err
+    assert "Traceback" not in err
+    # a changed strategy needs new compute events (tp=2 shards the blocks): same error
+    assert main(["simulate", str(path), "--strategy", "tp=2"]) == 2
+    assert "gpt2.block.fwd" in capsys.readouterr().err
+
+
+def test_missing_compute_is_a_user_error_in_the_api(tmp_path):
+    spec = make_spec(micro_batches=2)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, lambda e: None if e.kind == "compute" else 0.0)
+    plan = build_plan(spec)
+    with pytest.raises(Exception) as info:
+        estimate_costs(plan, load_profile(path), spec_hint="job.toml")
+    assert info.value.exit_status == 2 and "profile job.toml -o OUTDIR" in str(info.value)
+
+
+@pytest.mark.parametrize("attribute,value,message", [("schema_version", 99, "unsupported schema_version 99"),
+                                                     ("kind", "distsim-rank", "give the merged profile.h5")])
+def test_unknown_files_are_refused_with_exit_2(tmp_path, capsys, attribute, value, message):
+    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(), by_name({}))
+    with h5py.File(path, "a") as f:
+        f.attrs[attribute] = value
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_or_foreign_files_are_refused_with_exit_2(tmp_path, capsys):
+    assert main(["simulate", str(tmp_path / "nowhere.h5")]) == 2
+    assert "profile not found" in capsys.readouterr().err
+    (tmp_path / "text.h5").write_text("not hdf5")
+    assert main(["simulate", str(tmp_path / "text.h5")]) == 2
+    assert "not a readable HDF5 file" in capsys.readouterr().err

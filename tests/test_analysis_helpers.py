@@ -1,0 +1,100 @@
+"""Hand-made profiles for the analysis tests: a plan's events with chosen durations, written with
+harness.store.write_profile exactly as the harness writes a merged profile.h5."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from harness.events import Event, build_plan, event_id
+from harness.layers import LayerDesc
+from harness.spec import JobSpec, parse_spec
+from harness.store import Measurement, write_profile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_spec(*, pp: int = 1, dp: int = 1, tp: int = 1, micro_batches: int = 4, micro: int = 1,
+              layers: int | None = None, schedule: str = "1f1b", chunks: int = 1, dp_overlap: bool = True,
+              nodes: int = 1, bucket_mb: float = 25.0, hidden: int = 64, seq: int = 16) -> JobSpec:
+    """A small GPT-2-like job; `layers` defaults to one block per virtual stage."""
+    layers = layers or pp * chunks
+    world = dp * tp * pp
+    data = {"model": {"name": "gpt2-small", "layers": layers, "hidden": hidden, "heads": 4, "ffn": 2 * hidden,
+                      "seq_len": seq, "vocab": 128},
+            "batch": {"global": micro_batches * dp * micro, "micro": micro},
+            "strategy": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "chunks": chunks,
+                         "dp_overlap": dp_overlap, "bucket_mb": bucket_mb},
+            "cluster": {"nodes": nodes, "gpus_per_node": world // nodes}}
+    return parse_spec(data, source="test")
+
+
+def by_name(seconds: Mapping[str, float], default: float | None = 0.0) -> Callable[[Event], float | None]:
+    """Durations by event name ('gpt2.block.fwd'), or by kind ('p2p', 'allreduce'); else `default`."""
+    return lambda event: seconds.get(event.name, seconds.get(event.kind, default))
+
+
+def comm_point(kind: str, nbytes: int, placement: str, seconds: float, group: int = 2,
+               dtype: str = "float32") -> Measurement:
+    """A communication measurement that is not an event of the spec (a point of a size sweep)."""
+    content = {"kind": kind, "bytes": nbytes, "dtype": dtype, "placement": placement}
+    if kind != "p2p":
+        content["group"] = group
+    return Measurement(event_id(content), kind, content, np.array([seconds] * 3), [0, 1], "test",
+                       {"bytes": nbytes, "group_size": group, "placement": placement, "backend": "test"})
+
+
+def write_handmade_profile(path: str | Path, spec: JobSpec,
+                           durations: Callable[[Event], float | None] | Mapping[str, float],
+                           extra: Iterable[Measurement] = (), world_size: int = 2, samples: int = 3,
+                           layers: list[LayerDesc] | None = None) -> Path:
+    """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
+    which it returns None are left unmeasured (and listed so). A user model needs its `layers`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan = build_plan(spec, layers)
+    if isinstance(durations, Mapping):
+        table = dict(durations)
+        durations = lambda event: table.get(event.id)  # noqa: E731
+    measurements, unmeasured = [], {}
+    for event in plan.events.values():
+        seconds = durations(event)
+        if seconds is None:
+            unmeasured[event.id] = "left out of this hand-made profile"
+            continue
+        attrs = {} if event.kind == "compute" else {"bytes": event.bytes, "group_size": event.group_size,
+                                                    "placement": event.placement, "backend": "test"}
+        measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),
+                                        [0], "test", attrs))
+    measurements += list(extra)
+    return write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
+                         events=plan.table(), measurements=measurements, unmeasured=unmeasured,
+                         environment={"world_size": world_size, "device": "cpu", "backend": "test",
+                                      "hosts": ["test"]},
+                         placement={m.id: [0] for m in measurements})
+
+
+def run_python(script: str, cwd: str | Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a Python script in a fresh interpreter with the project importable."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_handmade_profile_round_trips(tmp_path):
+    from analysis.profile import load_profile
+
+    spec = make_spec(pp=2, dp=2, micro_batches=2)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"gpt2.block.fwd": 1.5}, default=0.5))
+    profile = load_profile(path)
+    plan = build_plan(spec)
+    assert profile.spec == spec
+    assert set(profile.measurements) == set(plan.events)
+    block = next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
+    assert profile.measurements[block.id].median_s == 1.5
+    assert profile.world_size == 2

@@ -1,0 +1,116 @@
+"""The timeline model on hand-made profiles whose iteration time is known in closed form."""
+from __future__ import annotations
+
+import pytest
+
+from analysis.predict import predict
+from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
+
+T_F, T_B = 1.25, 2.5  # per block, per micro-batch
+
+
+def uniform(extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Blocks take T_F / T_B; embedding, head, optimizer and communication are free unless `extra` says."""
+    return {"gpt2.block.fwd": T_F, "gpt2.block.bwd": T_B, **(extra or {})}
+
+
+def simulated(tmp_path, spec, durations, **kwargs):
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(durations))
+    return predict(path, **kwargs).timeline
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,micro_batches", [(2, 4), (4, 8), (3, 1), (1, 5)])
+def test_uniform_pipeline_time_and_bubble(tmp_path, schedule, pp, micro_batches):
+    timeline = simulated(tmp_path, make_spec(pp=pp, micro_batches=micro_batches, schedule=schedule), uniform())
+    steps = micro_batches + pp - 1
+    assert timeline.batch_time_s == pytest.approx(steps * (T_F + T_B), rel=1e-12)
+    assert timeline.bubble_fraction == pytest.approx((pp - 1) / steps, rel=1e-12, abs=1e-15)
+    for device in timeline.pipeline:
+        assert device.usage.compute_s == pytest.approx(micro_batches * (T_F + T_B))
+        assert device.usage.comm_s == 0
+
+
+@pytest.mark.parametrize("pp,micro_batches,chunks", [(2, 4, 2), (4, 8, 2), (2, 2, 3)])
+def test_interleaved_bubble_shrinks_by_the_chunk_count(tmp_path, pp, micro_batches, chunks):
+    spec = make_spec(pp=pp, micro_batches=micro_batches, schedule="interleaved-1f1b", chunks=chunks)
+    timeline = simulated(tmp_path, spec, uniform())
+    per_device = chunks * (T_F + T_B)  # one micro-batch's forward and backward over a device's chunks
+    assert timeline.batch_time_s == pytest.approx(micro_batches * per_device + (pp - 1) * per_device / chunks)
+
+
+def test_p2p_delays_shift_dependent_steps_by_exactly_their_time(tmp_path):
+    times = {"gpt2.embedding.fwd": 0.5, "gpt2.block.fwd": 1.0, "gpt2.head.fwd": 0.25,
+             "gpt2.head.bwd": 0.75, "gpt2.block.bwd": 2.0, "gpt2.embedding.bwd": 0.125, "p2p": 0.3}
+    timeline = simulated(tmp_path, make_spec(pp=2, micro_batches=1), times)
+    t_f0, t_f1 = 0.5 + 1.0, 1.0 + 0.25
+    t_b1, t_b0 = 0.75 + 2.0, 2.0 + 0.125
+    assert timeline.batch_time_s == pytest.approx(t_f0 + 0.3 + t_f1 + t_b1 + 0.3 + t_b0, rel=1e-12)
+    first, last = timeline.pipeline
+    assert last.steps[0].start_s == pytest.approx(t_f0 + 0.3)
+    assert first.steps[1].start_s == pytest.approx(t_f0 + 0.3 + t_f1 + t_b1 + 0.3)
+    # The transfers are communication on both devices: exposed, since nothing computes meanwhile.
+    assert first.usage.comm_s == pytest.approx(0.6)
+    assert last.usage.comm_s == pytest.approx(0.6)
+
+
+def test_asynchronous_send_does_not_block_the_sender(tmp_path):
+    timeline = simulated(tmp_path, make_spec(pp=2, micro_batches=4, schedule="gpipe"), uniform({"p2p": 0.5}))
+    first = timeline.pipeline[0]
+    forwards = [s for s in first.steps if s.phase == "F"]
+    assert [s.start_s for s in forwards] == pytest.approx([i * T_F for i in range(4)])
+    # Sends of micro-batches 0-2 overlap the next forward, receives of gradients 1-3 the previous backward;
+    # the last send and the first receive happen while the device waits: exposed.
+    assert first.usage.overlapped_comm_s == pytest.approx(6 * 0.5)
+    assert first.usage.comm_s == pytest.approx(2 * 0.5)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_data_parallel_allreduce_after_backward_adds_exactly_its_time(tmp_path, pp):
+    spec = make_spec(pp=pp, dp=2, micro_batches=4, dp_overlap=False, bucket_mb=1000)
+    free = simulated(tmp_path / "free", spec, uniform({"allreduce": 0.0}))
+    paid = simulated(tmp_path / "paid", spec, uniform({"allreduce": 0.7}))
+    assert all(len(plan.buckets) == 1 for plan in paid.plan.stages)
+    assert paid.batch_time_s - free.batch_time_s == pytest.approx(0.7, rel=1e-12)
+    assert free.batch_time_s == pytest.approx((4 + pp - 1) * (T_F + T_B))
+
+
+def test_overlapped_buckets_hide_all_but_the_last(tmp_path):
+    layers, allreduce, optimizer, embedding = 3, 0.5, 0.0625, 0.75
+    # The embedding's backward outlasts an all-reduce, so only the embedding's own bucket is left at the end.
+    times = uniform({"allreduce": allreduce, "gpt2.block.optimizer": optimizer, "gpt2.embedding.bwd": embedding})
+    base = dict(dp=2, micro_batches=2, layers=layers, bucket_mb=1e-6)  # one bucket per layer
+    overlapped = simulated(tmp_path / "ddp", make_spec(**base, dp_overlap=True), times)
+    after = simulated(tmp_path / "distsim", make_spec(**base, dp_overlap=False), times)
+    compute_end = 2 * (layers * (T_F + T_B) + embedding)
+    buckets = len(overlapped.plan.stages[0].buckets)
+    assert buckets == layers + 2  # embedding, blocks, head
+    assert overlapped.batch_time_s == pytest.approx(compute_end + allreduce + layers * optimizer)
+    assert after.batch_time_s == pytest.approx(compute_end + buckets * allreduce + layers * optimizer)
+    device = overlapped.pipeline[0]
+    assert [b.start_s for b in device.buckets] == sorted(b.start_s for b in device.buckets)
+    assert all(b.start_s >= b.ready_s for b in device.buckets)
+    assert device.usage.comm_s == pytest.approx(allreduce)
+    assert device.usage.overlapped_comm_s == pytest.approx((buckets - 1) * allreduce)
+    # --no-overlap on the same profile gives DistSim's model
+    path = tmp_path / "ddp" / "profile.h5"
+    assert predict(path, dp_overlap=False).timeline.batch_time_s == pytest.approx(after.batch_time_s)
+
+
+def test_tensor_parallel_allreduces_run_inline(tmp_path):
+    timeline = simulated(tmp_path, make_spec(tp=2, micro_batches=3), uniform({"allreduce": 0.2}))
+    per_micro = T_F + T_B + 4 * 0.2  # two all-reduces forward, two backward per block
+    assert timeline.batch_time_s == pytest.approx(3 * per_micro)
+    usage = timeline.pipeline[0].usage
+    assert usage.compute_s == pytest.approx(3 * (T_F + T_B))
+    assert usage.comm_s == pytest.approx(3 * 4 * 0.2)
+    assert usage.idle_s == pytest.approx(0, abs=1e-12)
+
+
+def test_strategy_override_changes_the_simulated_job(tmp_path):
+    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2, micro_batches=4), by_name(uniform()))
+    prediction = predict(path, strategy="schedule=gpipe,micro=1")
+    assert prediction.spec.strategy.schedule == "gpipe"
+    assert prediction.timeline.batch_time_s == pytest.approx((4 + 1) * (T_F + T_B))
+    gpipe = predict(path, strategy="schedule=gpipe").timeline
+    assert gpipe.batch_time_s == pytest.approx(predict(path).timeline.batch_time_s)
