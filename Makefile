@@ -7,9 +7,9 @@ MPI ?= mpich
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 ifeq ($(MPI),mpich)
-MPIRUN ?= $(BIN)/mpirun
+MPIRUN ?= $(abspath $(BIN)/mpirun)
 else
-MPIRUN ?= mpirun
+MPIRUN ?= $(shell command -v mpirun)
 endif
 # Harmless for MPICH; lets a system Open MPI run as root, oversubscribed, without busy-waiting (see docs/testing.md).
 export OMPI_ALLOW_RUN_AS_ROOT=1
@@ -20,7 +20,7 @@ export OMPI_MCA_mpi_yield_when_idle=1
 export OMPI_MCA_hwloc_base_binding_policy=none
 export PRTE_MCA_hwloc_default_binding_policy=none
 export OMP_NUM_THREADS=1
-export DISTSIM_MPIRUN=$(abspath $(MPIRUN))
+export DISTSIM_MPIRUN=$(MPIRUN)
 DEMO_OUT ?= demo-out
 DEMO_RANKS ?= 4
 

@@ -26,6 +26,12 @@ from pathlib import Path
 
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 NODE_CPUS = 8  # declared; SlurmdParameters=config_overrides lets a 2-core machine claim it
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin"])
+
+
+def _which(name: str) -> str | None:
+    """A program on PATH or in the sbin folders (daemons live there; a user's PATH may lack them)."""
+    return shutil.which(name, path=SEARCH_PATH)
 
 
 def _free_port() -> int:
@@ -109,7 +115,7 @@ class SlurmCluster:
         """Cancel our jobs, then stop the daemons we started, newest first, by PID."""
         if self.private and self._procs:
             self._cancel_jobs()
-        for name, proc in reversed(self._procs):
+        for _, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -118,6 +124,7 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=5)
         self._procs.clear()
+        self._kill_leftovers()
         if self.root is not None and os.environ.get("DISTSIM_KEEP_SLURM_DIR") != "1":
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
@@ -132,16 +139,16 @@ class SlurmCluster:
 
     def _existing_slurm(self) -> bool:
         """True when sinfo already reaches a controller without our conf."""
-        if not shutil.which("sinfo"):
+        if not _which("sinfo"):
             return False
-        res = _run(["sinfo", "-h", "-o", "%N"], timeout=5)
+        res = _run([_which("sinfo"), "-h", "-o", "%N"], timeout=5)
         return res.returncode == 0 and bool(res.stdout.strip())
 
     def _cannot_start(self) -> str | None:
         """Why a private Slurm cannot be started here, or None."""
         if os.geteuid() != 0:
             return "no Slurm reachable and not root: cannot start a private one"
-        missing = [p for p in ("slurmctld", "slurmd", "munged", "sbatch", "srun", "sinfo") if not shutil.which(p)]
+        missing = [p for p in ("slurmctld", "slurmd", "munged", "sbatch", "srun", "sinfo") if not _which(p)]
         if missing:
             return (f"no Slurm reachable and {', '.join(missing)} not installed "
                     "(run tests/slurm/install_slurm.sh as root)")
@@ -177,21 +184,22 @@ class SlurmCluster:
         log = self.root / "log"
         log.mkdir()
         os.chown(log, user.pw_uid, user.pw_gid)
-        cmd = ["munged", "--foreground", "--force", f"--log-file={log / 'munged.log'}"]
-        proc = subprocess.Popen(cmd, user=user.pw_uid, group=user.pw_gid, extra_groups=[],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=open(log / "munged.stderr", "wb"), start_new_session=True)
+        cmd = [_which("munged"), "--foreground", "--force", f"--log-file={log / 'munged.log'}"]
+        with open(log / "munged.stderr", "wb") as err:
+            proc = subprocess.Popen(cmd, user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
         self._procs.append(("munged", proc))
         self._wait(self._munge_works, "munged to answer", proc)
 
     def _write_conf(self) -> None:
-        """Write slurm.conf (and an empty cgroup.conf) into the private folder."""
+        """Write slurm.conf, with all state, spool, pid and log paths in the private folder."""
         r = self.root
         for sub in ("state", "spool", "log", "run"):
             (r / sub).mkdir(exist_ok=True)
         lines = [
             "ClusterName=distsim-test",
-            f"SlurmctldHost={self.node}",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -231,13 +239,13 @@ class SlurmCluster:
     def _start_slurm(self) -> None:
         """Start slurmctld, then slurmd, in the foreground so we hold their PIDs."""
         env = self.env()
-        for name, cmd in (("slurmctld", ["slurmctld", "-D", "-i"]), ("slurmd", ["slurmd", "-D"])):
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=open(self.root / "log" / f"{name}.stderr", "wb"),
-                                    start_new_session=True)
+        for name, cmd in (("slurmctld", [_which("slurmctld"), "-D", "-i"]), ("slurmd", [_which("slurmd"), "-D"])):
+            with open(self.root / "log" / f"{name}.stderr", "wb") as err:
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=err, start_new_session=True)
             self._procs.append((name, proc))
             if name == "slurmctld":
-                self._wait(lambda: _run(["sinfo", "-h"], env=env, timeout=5).returncode == 0,
+                self._wait(lambda: _run([_which("sinfo"), "-h"], env=env, timeout=5).returncode == 0,
                            "slurmctld to answer", proc)
 
     def _wait_idle(self) -> None:
@@ -255,10 +263,24 @@ class SlurmCluster:
         deadline = time.monotonic() + self.timeout
         while not ready():
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}")
+                raise RuntimeError(f"{Path(proc.args[0]).name} exited with {proc.returncode} while waiting for {what}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out after {self.timeout:.0f} s waiting for {what}")
             time.sleep(0.1)
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL processes that still carry our SLURM_CONF (stuck slurmstepd, job tasks)."""
+        if self.conf is None:
+            return
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
 
     def _cancel_jobs(self) -> None:
         """Cancel every job of our private cluster and give them a moment to end."""

@@ -4,6 +4,7 @@
 # then skip, or fail under CI=true.
 set -euo pipefail
 
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live in sbin; a user PATH may lack it
 PACKAGES=(slurmctld slurmd slurm-client munge libpmix2)
 
 have_all() {
