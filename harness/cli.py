@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from importlib import resources
 
 from harness.errors import UserError
 
-SUBCOMMANDS = tuple(name for name in ("events", "profile", "show", "train")
-                    if importlib.util.find_spec(f"harness.commands.{name}") is not None)
+SUBCOMMANDS = ("events", "profile", "show", "train")
 
 
 def default_spec_path() -> str:

@@ -132,7 +132,7 @@ class JobSpec:
     cluster: ClusterSpec
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     search: SearchSpec = field(default_factory=SearchSpec)
-    source: str = "<spec>"
+    source: str = field(default="<spec>", compare=False)  # where it was read from, not what it says
     # False when read offline (the analysis): a factory's "module:function" form is checked, not imported.
     import_factory: bool = field(default=True, compare=False)
 

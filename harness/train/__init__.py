@@ -1,20 +1,20 @@
 """`harness train`: real hybrid-parallel training iterations, traced per device (layout in docs/train.md).
 
-The package imports nothing heavy at import time: `harness.train.reader` (pure h5py/numpy) and
-`harness.train.trace` can be used without torch or MPI. `run_training` (torch, mpi4py) is loaded lazily.
+The package imports nothing heavy at import time: `harness.train.trace` (the writer, pure h5py/numpy)
+can be used without torch or MPI; `run_training` (torch, mpi4py) is loaded lazily. Traces are read by
+`analysis.runtrace`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["run_training", "check_run", "TrainResult", "reference_losses", "read_trace"]
+__all__ = ["run_training", "check_run", "TrainResult", "reference_losses"]
 
 _LAZY = {
     "run_training": "harness.train.runner",
     "check_run": "harness.train.runner",
     "TrainResult": "harness.train.runner",
     "reference_losses": "harness.train.model",
-    "read_trace": "harness.train.reader",
 }
 
 

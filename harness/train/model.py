@@ -87,9 +87,10 @@ def build_user_layers(model: ModelSpec, seed: int) -> list[nn.Module]:
 
 
 def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence[int], seed: int, tp_index: int = 0,
-                 group=None, device: torch.device | str = "cpu") -> dict[int, nn.Module]:
-    """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`."""
-    tp = spec.strategy.tp
+                 group=None, device: torch.device | str = "cpu", whole: bool = False) -> dict[int, nn.Module]:
+    """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`
+    (`whole`: the unsharded layers, whatever the spec's tp)."""
+    tp = 1 if whole else spec.strategy.tp
     out: dict[int, nn.Module] = {}
     if spec.model.family == "user":
         every = build_user_layers(spec.model, seed)
@@ -148,7 +149,7 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
 
     if layers is None:
         layers = build_plan(spec).layers
-    modules = build_layers(spec, layers, range(len(layers)), seed)
+    modules = build_layers(spec, layers, range(len(layers)), seed, whole=True)
     ordered = [modules[i] for i in range(len(layers))]
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr) for m in ordered if any(True for _ in m.parameters())]
     dp, m = spec.strategy.dp, spec.micro_batches

@@ -1,0 +1,75 @@
+"""`python -m analysis validate RUNDIR/trace.h5 PROFILE.h5`: a real run against the prediction, error by error."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from harness.errors import UserError
+from harness.tables import format_table
+
+from analysis.profile import load_profile
+from analysis.runtrace import TraceError, read_trace
+from analysis.validate import validate
+
+NAME = "validate"
+HELP = "compare a real run (trace.h5 of `harness train`) with the prediction from a profile"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="trace.h5 written by `python -m harness train` (or its RUNDIR)")
+    parser.add_argument("profile", help="profile.h5 written by `python -m harness profile` (or its OUTDIR)")
+    parser.add_argument("--no-overlap", action="store_true", help="predict with the all-reduce after the backward")
+    parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
+    parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
+    parser.add_argument("--trace-out", "--perfetto", dest="trace_out", metavar="FILE.json[.gz]",
+                        help="one Perfetto trace holding the measured and the predicted timelines")
+
+
+def _file(path: str, name: str) -> Path:
+    p = Path(path)
+    p = p / name if p.is_dir() else p
+    if not p.exists():
+        raise UserError(f"{p}: no such file")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(_file(args.trace, "trace.h5"))
+    except (TraceError, OSError) as exc:
+        raise UserError(str(exc))
+    profile = load_profile(_file(args.profile, "profile.h5"))
+    result = validate(trace, profile, dp_overlap=False if args.no_overlap else None)
+    written = []
+    if args.png:
+        from analysis.compare import write_comparison_png
+
+        written.append(("chart", write_comparison_png(args.png, result)))
+    if args.trace_out:
+        from analysis.compare import write_comparison_trace
+
+        written.append(("trace", write_comparison_trace(args.trace_out, result)))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    ms = lambda s: s * 1e3  # noqa: E731
+    print(f"{trace.spec['model']['name']}: {len(result.iterations)} measured iterations")
+    print(format_table(("", "measured ms", "predicted ms", "error %"),
+                       [("batch time (median)", ms(result.measured_batch_s), ms(result.predicted_batch_s),
+                         result.batch_time_error_pct)]))
+    print()
+    print(format_table(("rank", "stage", "dp", "tp", "measured busy ms", "predicted busy ms", "error %"),
+                       [(d["rank"], d["stage"], d["dp"], d["tp"], ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]),
+                         d["error_pct"]) for d in result.devices],
+                       title=f"per device (max |error| {result.device_error_pct:.1f}%)"))
+    print()
+    print(format_table(("virtual stage", "phase", "measured ms", "predicted ms", "error %", "worst micro-batch %"),
+                       [(r["virtual_stage"], r["phase"], ms(r["measured_s"]), ms(r["predicted_s"]), r["error_pct"],
+                         r["max_micro_error_pct"]) for r in result.stage_rows()],
+                       title="per stage step (median over micro-batches)"))
+    for warning in result.timeline.costs.warnings:
+        print(f"WARNING: {warning}")
+    for what, path in written:
+        print(f"wrote {what} {path}")
+    return 0

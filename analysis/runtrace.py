@@ -1,0 +1,237 @@
+"""Reading trace.h5 of `harness train` (layout in docs/train.md): h5py and numpy only, no torch, no MPI.
+
+The analysis owns reading real-run traces, as it owns reading profiles; `harness train` only writes them.
+
+    trace = read_trace("run/trace.h5")
+    trace.iteration_times()                       # seconds, warm-up excluded
+    trace.device(3).select(kind="compute", phase="F", iteration=2)
+    trace.timeline(3, iteration=2)                # that device's intervals, relative to the iteration start
+    trace.step_times(2)                           # (rank, F|B, stage, micro) -> (start, end), relative
+    trace.event_durations()                       # event id -> durations of every interval of that plan event
+    trace.p2p_transfers()                         # every send matched with its receive
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+SCHEMA_VERSION = 1
+TRACE_KIND = "distsim-trace"
+STRING_COLUMNS = ("kind", "name", "phase", "event_id")
+COLUMNS = ("start_s", "end_s", "wait_s", "kind", "name", "phase", "event_id", "virtual_stage", "micro", "iteration",
+           "peer")
+
+
+class TraceError(ValueError):
+    """Not a trace this reader understands."""
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+@dataclass
+class DeviceTrace:
+    """Every interval of one device (rank), as equal-length column arrays (strings as numpy object arrays)."""
+
+    rank: int
+    dp: int
+    tp: int
+    pp: int
+    columns: dict[str, np.ndarray]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.columns["start_s"])
+
+    def mask(self, **where: Any) -> np.ndarray:
+        """Boolean mask of rows whose columns equal the given values (a list/tuple/set value: any of them)."""
+        keep = np.ones(len(self), dtype=bool)
+        for key, value in where.items():
+            if value is None:
+                continue
+            column = self.columns[key]
+            if isinstance(value, (list, tuple, set, frozenset)):
+                keep &= np.isin(column, list(value))
+            else:
+                keep &= column == value
+        return keep
+
+    def select(self, **where: Any) -> dict[str, np.ndarray]:
+        """The rows matching `where` (see mask), as columns, in start order."""
+        keep = self.mask(**where)
+        return {key: column[keep] for key, column in self.columns.items()}
+
+    def rows(self, **where: Any) -> list[dict[str, Any]]:
+        cols = self.select(**where)
+        return [{key: _attr(cols[key][i]) for key in cols} for i in range(len(cols["start_s"]))]
+
+
+@dataclass
+class Trace:
+    path: Path
+    spec: dict[str, Any]
+    spec_json: str
+    layers: list[dict[str, Any]]
+    attrs: dict[str, Any]
+    environment: dict[str, Any]
+    clock: dict[str, np.ndarray]
+    iterations: dict[str, np.ndarray]
+    devices: dict[int, DeviceTrace]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def warmup(self) -> np.ndarray:
+        return self.iterations["warmup"].astype(bool)
+
+    def measured(self) -> np.ndarray:
+        """Indexes of the iterations that are not warm-up."""
+        return self.iterations["index"][~self.warmup]
+
+    def iteration_times(self, include_warmup: bool = False) -> np.ndarray:
+        """end - start of each iteration (start: the first rank to start it; end: the last rank to finish)."""
+        t = self.iterations["end_s"] - self.iterations["start_s"]
+        return t if include_warmup else t[~self.warmup]
+
+    def device(self, rank: int) -> DeviceTrace:
+        return self.devices[rank]
+
+    def timeline(self, rank: int, iteration: int, **where: Any) -> dict[str, np.ndarray]:
+        """One device's intervals of one iteration with start_s/end_s relative to the iteration's start
+        (the common start of all devices), i.e. the timeline the simulator predicts."""
+        cols = self.devices[rank].select(iteration=iteration, **where)
+        zero = float(self.iterations["start_s"][iteration])
+        cols["start_s"] = cols["start_s"] - zero
+        cols["end_s"] = cols["end_s"] - zero
+        return cols
+
+    def step_times(self, iteration: int) -> dict[tuple[int, str, int, int], tuple[float, float]]:
+        """(rank, "F"|"B", virtual stage, micro-batch) -> (start, end) of that compute step, relative to the
+        iteration's start: what the simulator's StepRecords predict."""
+        zero = float(self.iterations["start_s"][iteration])
+        out = {}
+        for rank, device in self.devices.items():
+            cols = device.select(iteration=iteration, kind="compute")
+            for phase, vs, micro, a, b in zip(cols["phase"], cols["virtual_stage"], cols["micro"], cols["start_s"],
+                                              cols["end_s"]):
+                out[(rank, str(phase), int(vs), int(micro))] = (float(a) - zero, float(b) - zero)
+        return out
+
+    def event_durations(self, include_warmup: bool = False, **where: Any) -> dict[str, np.ndarray]:
+        """Plan event id -> the durations of every interval that is that one event (TP and DP all-reduces,
+        P2P sends and receives, optimizer steps), over all devices and the measured iterations."""
+        out: dict[str, list[np.ndarray]] = {}
+        keep_iterations = self.iterations["index"] if include_warmup else self.measured()
+        for device in self.devices.values():
+            cols = device.select(**where)
+            ok = (cols["event_id"] != "") & np.isin(cols["iteration"], keep_iterations)
+            ids = cols["event_id"][ok]
+            dur = (cols["end_s"] - cols["start_s"])[ok]
+            for eid in np.unique(ids):
+                out.setdefault(str(eid), []).append(dur[ids == eid])
+        return {eid: np.concatenate(parts) for eid, parts in out.items()}
+
+    def stage_compute(self, include_warmup: bool = False) -> dict[tuple[int, str], np.ndarray]:
+        """(virtual stage, "F"|"B") -> durations of every compute interval (one stage, one micro-batch)."""
+        out: dict[tuple[int, str], list[np.ndarray]] = {}
+        keep_iterations = self.iterations["index"] if include_warmup else self.measured()
+        for device in self.devices.values():
+            cols = device.select(kind="compute")
+            ok = np.isin(cols["iteration"], keep_iterations)
+            for vs, phase, dur in zip(cols["virtual_stage"][ok], cols["phase"][ok],
+                                      (cols["end_s"] - cols["start_s"])[ok]):
+                out.setdefault((int(vs), str(phase)), []).append(np.array([dur]))
+        return {key: np.concatenate(parts) for key, parts in sorted(out.items())}
+
+    def p2p_transfers(self, include_warmup: bool = False) -> dict[str, np.ndarray]:
+        """Every P2P send matched with its receive: columns iteration, what (activation|gradient), event_id,
+        micro, src/dst rank and virtual stage, send_start_s, send_end_s, recv_start_s, recv_end_s.
+        Raises TraceError if a send has no receive or the other way round."""
+        keep = set(int(i) for i in (self.iterations["index"] if include_warmup else self.measured()))
+        recvs: dict[tuple, tuple[float, float]] = {}
+        sends: list[tuple] = []
+        for rank, device in self.devices.items():
+            cols = device.select(kind="p2p")
+            for i in range(len(cols["start_s"])):
+                iteration = int(cols["iteration"][i])
+                if iteration not in keep:
+                    continue
+                what = str(cols["name"][i]).split(".", 1)[1]
+                vs, micro, peer = int(cols["virtual_stage"][i]), int(cols["micro"][i]), int(cols["peer"][i])
+                span = (float(cols["start_s"][i]), float(cols["end_s"][i]))
+                if cols["phase"][i] == "recv":
+                    recvs[(iteration, what, rank, vs, micro)] = span
+                else:
+                    dst_vs = vs + 1 if what == "activation" else vs - 1
+                    sends.append((iteration, what, str(cols["event_id"][i]), micro, rank, peer, vs, dst_vs, span))
+        rows = []
+        for iteration, what, eid, micro, src, dst, src_vs, dst_vs, span in sends:
+            recv = recvs.pop((iteration, what, dst, dst_vs, micro), None)
+            if recv is None:
+                raise TraceError(f"send of {what} {src_vs}->{dst_vs} micro-batch {micro} (iteration {iteration}, "
+                                 f"rank {src}->{dst}) has no receive")
+            rows.append((iteration, what, eid, micro, src, dst, src_vs, dst_vs, *span, *recv))
+        if recvs:
+            raise TraceError(f"{len(recvs)} receives without a send, e.g. {next(iter(recvs))}")
+        names = ("iteration", "what", "event_id", "micro", "src_rank", "dst_rank", "src_vs", "dst_vs",
+                 "send_start_s", "send_end_s", "recv_start_s", "recv_end_s")
+        rows.sort(key=lambda r: (r[0], r[8]))
+        out: dict[str, np.ndarray] = {}
+        for j, name in enumerate(names):
+            values = [r[j] for r in rows]
+            out[name] = np.array(values, dtype=object if name in ("what", "event_id") else
+                                 (np.float64 if name.endswith("_s") else np.int64))
+        return out
+
+    def busy_time(self, rank: int, iteration: int, kind: str | tuple[str, ...] = ("compute", "optimizer")) -> float:
+        """Seconds device `rank` spent in intervals of `kind` during `iteration` (intervals of one kind on
+        one device do not overlap for compute and optimizer; communication may overlap compute)."""
+        cols = self.devices[rank].select(iteration=iteration, kind=kind)
+        return float(np.sum(cols["end_s"] - cols["start_s"]))
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Load a whole trace.h5 into memory (a few MB for realistic runs)."""
+    path = Path(path)
+    with h5py.File(path, "r") as f:
+        kind = _attr(f.attrs.get("kind", ""))
+        version = _attr(f.attrs.get("schema_version", -1))
+        if kind != TRACE_KIND:
+            raise TraceError(f"{path}: not a trace of `harness train` (kind {kind!r}, expected {TRACE_KIND!r})")
+        if version != SCHEMA_VERSION:
+            raise TraceError(f"{path}: schema_version {version} is not supported (this reader knows {SCHEMA_VERSION})")
+        attrs = {key: _attr(value) for key, value in f.attrs.items()}
+        environment = {}
+        for key, value in f["environment"].attrs.items():
+            value = _attr(value)
+            if key == "hosts" and isinstance(value, str):
+                value = json.loads(value)
+            environment[key] = value
+        clock = {key: (ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()])
+                 for key, ds in f["clock"].items()}
+        iterations = {key: ds[()] for key, ds in f["iterations"].items()}
+        devices = {}
+        for name, group in f["devices"].items():
+            cols = {}
+            for key in COLUMNS:
+                ds = group[key]
+                cols[key] = ds.asstr()[()].astype(object) if key in STRING_COLUMNS else ds[()]
+            dattrs = {key: _attr(value) for key, value in group.attrs.items()}
+            rank = int(dattrs["rank"])
+            devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs)
+    spec_json = attrs.pop("spec_json")
+    layers = json.loads(attrs.pop("layers_json"))
+    return Trace(path=path, spec=json.loads(spec_json), spec_json=spec_json, layers=layers, attrs=attrs,
+                 environment=environment, clock=clock, iterations=iterations, devices=dict(sorted(devices.items())))

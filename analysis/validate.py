@@ -1,0 +1,143 @@
+"""Validation: a real run's trace (harness train) against the prediction from a profile, error by error.
+
+Compared, per measured iteration and then as medians:
+- the iteration (batch) time;
+- each device's busy time: its forward and backward steps (tensor-parallel all-reduces inside them
+  included, as the real run cannot separate them from the step) plus its optimizer step;
+- each virtual stage's forward and backward step per micro-batch.
+Errors are (predicted - measured) / measured in percent; `device_error_pct` is the largest absolute
+device error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harness.errors import UserError
+from harness.events import build_plan
+
+from analysis.costs import estimate_costs
+from analysis.profile import Profile, layers_for, parse_spec_offline
+from analysis.runtrace import Trace
+from analysis.simulate import Timeline, simulate
+
+REPORT_VERSION = 1
+
+
+def _pct(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured * 100.0 if measured > 0 else float("nan")
+
+
+@dataclass
+class Validation:
+    """Measured against predicted; `rows` hold the per-device and per-step comparisons."""
+
+    timeline: Timeline
+    trace: Trace
+    measured_batch_s: float
+    predicted_batch_s: float
+    iterations: list[float]
+    devices: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    representative_iteration: int = 0
+
+    @property
+    def batch_time_error_pct(self) -> float:
+        return _pct(self.predicted_batch_s, self.measured_batch_s)
+
+    @property
+    def device_error_pct(self) -> float:
+        return max((abs(d["error_pct"]) for d in self.devices), default=float("nan"))
+
+    def stage_rows(self) -> list[dict[str, Any]]:
+        """Per virtual stage and phase: median measured and predicted step, and the worst micro-batch."""
+        groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for row in self.steps:
+            groups.setdefault((row["virtual_stage"], row["phase"]), []).append(row)
+        out = []
+        for (vs, phase), rows in sorted(groups.items()):
+            measured = float(np.median([r["measured_s"] for r in rows]))
+            predicted = float(np.median([r["predicted_s"] for r in rows]))
+            out.append({"virtual_stage": vs, "phase": phase, "measured_s": measured, "predicted_s": predicted,
+                        "error_pct": _pct(predicted, measured),
+                        "max_micro_error_pct": max(abs(r["error_pct"]) for r in rows)})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "report_version": REPORT_VERSION,
+            "trace": str(self.trace.path),
+            "measured_iterations": len(self.iterations),
+            "measured_iteration_s": self.iterations,
+            "measured_batch_time_s": self.measured_batch_s,
+            "predicted_batch_time_s": self.predicted_batch_s,
+            "batch_time_error_pct": self.batch_time_error_pct,
+            "device_error_pct": self.device_error_pct,
+            "devices": self.devices,
+            "stages": self.stage_rows(),
+            "steps": self.steps,
+            "extrapolated": sorted(self.timeline.costs.extrapolated),
+            "warnings": list(self.timeline.costs.warnings),
+        }
+
+
+def _predicted_busy(timeline: Timeline, stage: int) -> float:
+    device = timeline.pipeline[stage]
+    steps = sum(r.end_s - r.start_s for r in device.steps)
+    return steps + device.optimizer_end_s - device.optimizer_start_s
+
+
+def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> Validation:
+    """Predict the traced run's spec from `profile` and compare it with what the run measured."""
+    spec = parse_spec_offline(trace.spec, source=f"{trace.path}:spec_json")
+    plan = build_plan(spec, layers_for(profile, spec))
+    costs = estimate_costs(plan, profile)
+    timeline = simulate(plan, costs, dp_overlap)
+    measured = [float(t) for t in trace.iteration_times()]
+    if not measured:
+        raise UserError(f"{trace.path}: no measured iterations (all are warm-up); run `harness train` with "
+                        "--iterations larger than --warmup")
+    kept = trace.measured()
+    median_iteration = int(kept[int(np.argsort(measured)[len(measured) // 2])])
+    result = Validation(timeline, trace, float(np.median(measured)), timeline.batch_time_s, measured,
+                        representative_iteration=median_iteration)
+    s = spec.strategy
+    if trace.world_size != s.world:
+        raise UserError(f"{trace.path}: the trace has {trace.world_size} devices but its spec has "
+                        f"dp x tp x pp = {s.world}")
+    for rank, device in trace.devices.items():
+        stage = device.pp
+        busy = [trace.busy_time(rank, int(i)) for i in kept]
+        measured_busy = float(np.median(busy))
+        predicted_busy = _predicted_busy(timeline, stage)
+        result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp,
+                               "measured_busy_s": measured_busy, "predicted_busy_s": predicted_busy,
+                               "error_pct": _pct(predicted_busy, measured_busy)})
+    predicted_steps: dict[tuple[int, str, int], float] = {}
+    for device in timeline.pipeline:
+        for r in device.steps:
+            predicted_steps[(r.virtual_stage, r.phase, r.micro)] = r.end_s - r.start_s
+    measured_steps: dict[tuple[int, str, int], list[float]] = {}
+    for device in trace.devices.values():
+        cols = device.select(kind="compute")
+        ok = np.isin(cols["iteration"], kept)
+        for vs, phase, micro, dur in zip(cols["virtual_stage"][ok], cols["phase"][ok], cols["micro"][ok],
+                                         (cols["end_s"] - cols["start_s"])[ok]):
+            measured_steps.setdefault((int(vs), str(phase), int(micro)), []).append(float(dur))
+    for key in sorted(predicted_steps):
+        if key not in measured_steps:
+            continue
+        m = float(np.median(measured_steps[key]))
+        p = predicted_steps[key]
+        result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
+                             "predicted_s": p, "error_pct": _pct(p, m)})
+    return result
+
+
+def measured_intervals(trace: Trace, rank: int, iteration: int) -> list[tuple[float, float, str, str, str]]:
+    """(start, end, kind, phase, name) of one device's measured iteration, relative to the iteration's start."""
+    cols = trace.timeline(rank, iteration)
+    return [(float(a), float(b), str(k), str(p), str(n)) for a, b, k, p, n in
+            zip(cols["start_s"], cols["end_s"], cols["kind"], cols["phase"], cols["name"])]

@@ -1,0 +1,103 @@
+"""`mpirun -n N python -m mpi4py -m harness train SPEC -o RUNDIR`: real training iterations, traced per device.
+
+N must equal dp x tp x pp of the spec. The trace (RUNDIR/trace.h5, docs/train.md) holds every device's
+intervals of the events the simulator predicts, on a common timebase, for `analysis validate`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.cli import default_spec_path
+from harness.errors import UserError
+
+NAME = "train"
+HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from harness.train.runner import DEFAULT_ITERATIONS, DEFAULT_WARMUP
+
+    parser.add_argument("spec", nargs="?", default=None, help="TOML job spec (default: the built-in demo job)")
+    parser.add_argument("-o", "--output", required=True, metavar="RUNDIR",
+                        help="folder for rank-NNNNN.trace.h5 and the merged trace.h5 (created if missing)")
+    parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, metavar="K",
+                        help=f"training iterations to run (default {DEFAULT_ITERATIONS})")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="W",
+                        help=f"how many of the first iterations are marked warm-up (default {DEFAULT_WARMUP})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    parser.add_argument("--fresh-data", action="store_true",
+                        help="draw a new random batch every iteration (default: train on one fixed batch)")
+    parser.add_argument("--no-barrier", action="store_true",
+                        help="let iterations run into each other (default: all ranks start each iteration together)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="where to run (default: the spec's profile.device)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="communication timeout in seconds (default: the spec's profile.timeout_s)")
+
+
+def _agree(comm, error: UserError | None) -> UserError | None:
+    """Every rank learns the first rank's error, so all of them stop (rank 0 reports it)."""
+    errors = comm.allgather(None if error is None else str(error))
+    for rank, message in enumerate(errors):
+        if message is not None:
+            return UserError(message if rank == 0 else f"rank {rank}: {message}")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from harness.spec import load_spec
+    from harness.train.runner import check_run, run_training
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    spec = None
+    error: UserError | None = None
+    try:
+        spec = load_spec(args.spec or default_spec_path())
+        check_run(spec, comm.Get_size(), args.iterations, args.warmup)
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        if args.timeout_s is not None and args.timeout_s <= 0:
+            raise UserError(f"--timeout-s must be positive, got {args.timeout_s}")
+        if (args.device or spec.profile.device) == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("--device cuda (or profile.device = 'cuda') but torch sees no CUDA device here")
+        if rank == 0:
+            out = Path(args.output)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserError(f"cannot create the run folder {out}: {exc.strerror}")
+    except UserError as exc:
+        error = exc
+    error = _agree(comm, error)
+    if error is not None:
+        _quiet_exit()
+        if rank == 0:
+            raise error
+        return error.exit_status
+    assert spec is not None
+    run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
+                 fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
+                 timeout_s=args.timeout_s, threads=args.threads, report=True)
+    return 0
+
+
+def _quiet_exit() -> None:
+    """Bad input: end MPI now, so the non-zero exit does not make `python -m mpi4py` call MPI_Abort (whose
+    'application called MPI_Abort' lines, one per rank, would bury the one message that matters)."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Barrier()
+        MPI.Finalize()

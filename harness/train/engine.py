@@ -1,0 +1,423 @@
+"""The pipeline engine of `harness train`: one device's steps of one iteration, exactly in the order of
+harness.schedules.device_steps, with P2P between adjacent virtual stages, Megatron tensor parallelism inside
+the blocks, DDP-style bucketed gradient all-reduces and one Adam step per layer, every interval recorded.
+
+Communication that completes in the background (P2P sends, data-parallel buckets) is watched by one small
+thread per channel that blocks in `Work.wait()` (gloo: a send's `is_completed()` stays False until someone
+waits on it) or polls `is_completed()` (NCCL), and notes when it completed; the main thread records the
+interval when it reaps it, with how long it had to block for it (`wait`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.events import EventPlan
+from harness.models.tp import set_collective_hook
+from harness.schedules import device_steps, virtual_stage
+from harness.spec import JobSpec
+from harness.train.model import activation_spec, loss_of, micro_batch
+
+ACT, GRAD = "activation", "gradient"
+
+
+class Recorder:
+    """Intervals of one rank, on its own clock (ns): appended as tuples, so threads may add safely."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.iteration = -1
+
+    def add(self, start_ns: int, end_ns: int, wait_ns: int, kind: str, name: str, phase: str, event_id: str = "",
+            vs: int = -1, micro: int = -1, peer: int = -1) -> None:
+        self.rows.append((start_ns, end_ns, wait_ns, kind, name, phase, event_id or "", vs, micro, self.iteration,
+                          peer))
+
+
+@dataclass(eq=False)
+class Pending:
+    """A communication in flight: its work, when it was launched and (once done) when it completed."""
+
+    work: Any
+    start_ns: int
+    keep: Any = None  # tensors that must live until the work completes
+    meta: tuple = ()
+    end_ns: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Completer:
+    """Per-channel watcher threads that note when in-flight works complete (in submission order per channel)."""
+
+    def __init__(self, poll: bool, timeout_s: float):
+        self.poll = poll
+        self.timeout_s = timeout_s
+        self._queues: dict[Any, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, channel: Any, work: Any, start_ns: int, keep: Any = None, meta: tuple = ()) -> Pending:
+        pending = Pending(work, start_ns, keep, meta)
+        q = self._queues.get(channel)
+        if q is None:
+            q = self._queues[channel] = queue.SimpleQueue()
+            thread = threading.Thread(target=self._watch, args=(q,), name=f"distsim-watch-{channel}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        q.put(pending)
+        return pending
+
+    def _watch(self, q: queue.SimpleQueue) -> None:
+        while True:
+            pending = q.get()
+            if pending is None:
+                return
+            try:
+                if self.poll:
+                    deadline = time.monotonic() + self.timeout_s
+                    while not pending.work.is_completed():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"communication not complete after {self.timeout_s:.0f} s")
+                        time.sleep(20e-6)
+                else:
+                    pending.work.wait()
+                pending.end_ns = time.perf_counter_ns()
+            except BaseException as exc:  # handed to the main thread, which raises it
+                pending.error = exc
+                pending.end_ns = time.perf_counter_ns()
+            finally:
+                pending.done.set()
+
+    def wait(self, pending: Pending) -> int:
+        """Block until `pending` completed; returns how long this call blocked (ns)."""
+        t0 = time.perf_counter_ns()
+        if not pending.done.wait(self.timeout_s + 30):
+            raise TimeoutError(f"communication {pending.meta} not complete after {self.timeout_s:.0f} s")
+        if pending.error is not None:
+            raise RuntimeError(f"communication {pending.meta} failed: {pending.error}") from pending.error
+        if self.poll:
+            pending.work.wait()  # NCCL: order the compute stream after the collective
+        return time.perf_counter_ns() - t0
+
+    def close(self, join: bool = True) -> None:
+        """Stop the watchers (after a failure do not wait for them: they may be stuck in a dead peer's wait)."""
+        for q in self._queues.values():
+            q.put(None)
+        if join:
+            for thread in self._threads:
+                thread.join(timeout=5)
+        self._queues.clear()
+        self._threads.clear()
+
+
+@dataclass(eq=False)
+class BucketState:
+    """A data-parallel gradient bucket: its parameters' gradients are views into one flat buffer (as DDP's
+    gradient_as_bucket_view), all-reduced once the chunk's last micro-batch has produced all of them."""
+
+    vs: int
+    index: int
+    event_id: str
+    plan_bytes: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    remaining: int = 0
+    ready: bool = False
+    launched: bool = False
+    pending: Pending | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class PipelineEngine:
+    """Runs one rank's share of every training iteration of `spec`."""
+
+    def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
+                 modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None, lr: float = 1e-3,
+                 timeout_s: float = 600.0, recorder: Recorder | None = None):
+        self.spec, self.plan, self.rank, self.device = spec, plan, rank, device
+        s = spec.strategy
+        self.dp, self.tp, self.pp, self.chunks = s.dp, s.tp, s.pp, s.chunks
+        self.m = spec.micro_batches
+        self.last_vs = s.virtual_stages - 1
+        self.dp_i, self.tp_i, self.pp_i = plan.coords(rank)
+        self.overlap = s.dp_overlap
+        self.tp_group, self.dp_group = tp_group, dp_group
+        self.p2p_groups = p2p_groups or {}
+        self.rec = recorder or Recorder()
+        self.cuda = device.type == "cuda"
+        self.completer = Completer(poll=self.cuda, timeout_s=timeout_s)
+        self.steps = device_steps(s.schedule, self.pp_i, s.pp, self.m, s.chunks)
+        self.local_vs = [virtual_stage(c, self.pp_i, s.pp) for c in range(s.chunks)]
+        self.stage_modules: dict[int, list[nn.Module]] = {}
+        self.optimizers: dict[int, list[tuple[str, torch.optim.Optimizer | None]]] = {}
+        self.act_spec: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.tp_event: dict[int, str] = {}
+        for vs in self.local_vs:
+            program = plan.stages[vs]
+            mods = [modules[p] for p in program.layers]
+            self.stage_modules[vs] = mods
+            self.optimizers[vs] = [(eid, torch.optim.Adam(list(mod.parameters()), lr=lr)
+                                    if any(p.requires_grad for p in mod.parameters()) else None)
+                                   for eid, mod in zip(program.optimizer, mods)]
+            self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)
+                                      if layer == -1), "")
+        for vs in set(self.local_vs) | {v + 1 for v in self.local_vs}:
+            if 0 < vs <= self.last_vs:
+                self.act_spec[vs] = activation_spec(spec, plan.layers, plan.stages[vs].layers[0])
+        self.buckets: dict[int, list[BucketState]] = {vs: [] for vs in self.local_vs}
+        if self.dp > 1:
+            self._make_buckets(modules)
+        self.ctx: tuple[str, int, int] = ("F", -1, -1)
+        self.armed: int | None = None
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sends: list[Pending] = []
+        self.finished: list[int] = []
+        self.losses: list[torch.Tensor] = []
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def now(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter_ns()
+
+    def _rank_of_vs(self, vs: int) -> int:
+        return self.plan.rank_of(self.dp_i, self.tp_i, vs % self.pp)
+
+    def _tag(self, sender_vs: int, micro: int, backward: bool) -> int:
+        return (sender_vs * self.m + micro) * 2 + int(backward)
+
+    def _p2p_kwargs(self, what: str, src: int, dst: int, tag: int) -> dict[str, Any]:
+        if self.p2p_groups:
+            # NCCL has no tags and runs a group's P2P between two ranks on one stream: one group per
+            # (kind, sender, receiver) keeps every channel FIFO and never queues a send behind a receive.
+            return {"group": self.p2p_groups[(what, src, dst)]}
+        return {"tag": tag}
+
+    def bucket_info(self) -> list[dict[str, Any]]:
+        return [{"virtual_stage": b.vs, "index": b.index, "event_id": b.event_id, "plan_bytes": b.plan_bytes,
+                 "bytes": b.nbytes, "params": len(b.params)} for vs in self.local_vs for b in self.buckets[vs]]
+
+    # ---- data-parallel buckets ------------------------------------------------------------------
+    def _make_buckets(self, modules: dict[int, nn.Module]) -> None:
+        seen: set[int] = set()
+        for vs in self.local_vs:
+            program = self.plan.stages[vs]
+            previous = -1
+            for index, bucket in enumerate(program.buckets):
+                positions = [program.backward_layers[i] for i in range(previous + 1, bucket.ready_after + 1)
+                             if program.backward_layers[i] >= 0]
+                previous = bucket.ready_after
+                params = []
+                for position in positions:
+                    for param in modules[position].parameters():
+                        if param.requires_grad and id(param) not in seen:
+                            seen.add(id(param))
+                            params.append(param)
+                dtype = params[0].dtype if params else torch.float32
+                buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=self.device)
+                state = BucketState(vs, index, bucket.event, bucket.nbytes, params, buffer)
+                offset = 0
+                for param in params:
+                    param.grad = buffer[offset:offset + param.numel()].view_as(param)
+                    offset += param.numel()
+                    param.register_post_accumulate_grad_hook(lambda _p, b=state: self._grad_ready(b))
+                self.buckets[vs].append(state)
+
+    def _grad_ready(self, bucket: BucketState) -> None:
+        if not self.overlap or self.armed != bucket.vs:
+            return
+        bucket.remaining -= 1
+        if bucket.remaining == 0:
+            bucket.ready = True
+            self._launch_ready(bucket.vs)
+
+    def _launch_ready(self, vs: int) -> None:
+        """Launch ready buckets strictly in bucket order (as DDP), so every replica issues the same sequence."""
+        for bucket in self.buckets[vs]:
+            if bucket.launched:
+                continue
+            if not bucket.ready:
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: BucketState) -> None:
+        bucket.buffer.div_(self.dp)
+        start = self.now()
+        work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
+        bucket.launched = True
+        bucket.pending = self.completer.submit(("dp", bucket.vs), work, start, keep=bucket.buffer,
+                                               meta=("dp bucket", bucket.vs, bucket.index))
+
+    # ---- P2P ----------------------------------------------------------------------------------
+    def _recv(self, vs: int, micro: int, what: str) -> torch.Tensor:
+        if what == ACT:
+            sender, backward, event = vs - 1, False, self.plan.stages[vs - 1].send_forward
+            shape, dtype = self.act_spec[vs]
+        else:
+            sender, backward, event = vs + 1, True, self.plan.stages[vs + 1].send_backward
+            shape, dtype = self.act_spec[vs + 1]
+        peer = self._rank_of_vs(sender)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        start = self.now()
+        kwargs = self._p2p_kwargs(what, peer, self.rank, self._tag(sender, micro, backward))
+        dist.irecv(buffer, src=peer, **kwargs).wait()
+        end = self.now()
+        self.rec.add(start, end, end - start, "p2p", f"recv.{what}", "recv", event, vs, micro, peer)
+        return buffer
+
+    def _send(self, tensor: torch.Tensor, vs: int, micro: int, what: str) -> None:
+        if what == ACT:
+            peer, backward, event = self._rank_of_vs(vs + 1), False, self.plan.stages[vs].send_forward
+        else:
+            peer, backward, event = self._rank_of_vs(vs - 1), True, self.plan.stages[vs].send_backward
+        tensor = tensor.detach().contiguous()
+        start = self.now()
+        kwargs = self._p2p_kwargs(what, self.rank, peer, self._tag(vs, micro, backward))
+        work = dist.isend(tensor, dst=peer, **kwargs)
+        self.sends.append(self.completer.submit(("p2p", peer), work, start, keep=tensor,
+                                                meta=(f"send.{what}", event, vs, micro, peer)))
+
+    def _reap_sends(self, block: bool) -> None:
+        """Record completed sends (and free their tensors); with block, wait for all of them."""
+        still = []
+        for pending in self.sends:
+            if not block and not pending.done.is_set():
+                still.append(pending)
+                continue
+            blocked = self.completer.wait(pending)
+            name, event, vs, micro, peer = pending.meta
+            self.rec.add(pending.start_ns, pending.end_ns, blocked if block else 0, "p2p", name, "send", event, vs,
+                         micro, peer)
+        self.sends = still
+
+    # ---- compute ------------------------------------------------------------------------------
+    def _tp_hook(self, name: str, run: Callable[[], None]) -> None:
+        start = self.now()
+        run()
+        end = self.now()
+        phase, vs, micro = self.ctx
+        self.rec.add(start, end, end - start, "allreduce", f"{name}.{'fwd' if phase == 'F' else 'bwd'}", "tp",
+                     self.tp_event.get(vs, ""), vs, micro)
+
+    def _forward(self, vs: int, micro: int, tokens: torch.Tensor) -> None:
+        if vs == 0:
+            ids, _ = micro_batch(tokens, self.spec, self.dp_i, micro)
+            x = ids.to(self.device)
+        else:
+            x = self._recv(vs, micro, ACT)
+            x.requires_grad_(True)
+        targets = None
+        if vs == self.last_vs:
+            targets = micro_batch(tokens, self.spec, self.dp_i, micro)[1].to(self.device)
+        self.ctx = ("F", vs, micro)
+        start = self.now()
+        out = x
+        for module in self.stage_modules[vs]:
+            out = module(out)
+        if targets is not None:
+            out = loss_of(out, targets)
+            self.losses.append(out.detach())
+        end = self.now()
+        self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
+        self.saved[(vs, micro)] = (x, out)
+        if vs < self.last_vs:
+            self._send(out, vs, micro, ACT)
+
+    def _backward(self, vs: int, micro: int) -> None:
+        grad = self._recv(vs, micro, GRAD) if vs < self.last_vs else None
+        x, out = self.saved.pop((vs, micro))
+        last_micro = micro == self.m - 1
+        self.armed = vs if last_micro else None
+        self.ctx = ("B", vs, micro)
+        start = self.now()
+        if grad is None:
+            (out / self.m).backward()
+        else:
+            out.backward(grad)
+        end = self.now()
+        self.armed = None
+        self.rec.add(start, end, 0, "compute", "backward", "B", "", vs, micro)
+        if last_micro and self.dp > 1:
+            self.finished.append(vs)
+            if self.overlap:  # buckets whose parameters got no gradient this iteration
+                for bucket in self.buckets[vs]:
+                    bucket.ready = True
+                self._launch_ready(vs)
+        if vs > 0:
+            self._send(x.grad, vs, micro, GRAD)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def _zero_grads(self) -> None:
+        if self.dp > 1:
+            for vs in self.local_vs:
+                for bucket in self.buckets[vs]:
+                    bucket.buffer.zero_()
+                    bucket.remaining = len(bucket.params)
+                    bucket.ready = bucket.launched = False
+                    bucket.pending = None
+        else:
+            for vs in self.local_vs:
+                for module in self.stage_modules[vs]:
+                    module.zero_grad(set_to_none=True)
+
+    def _finish_data_parallel(self) -> None:
+        if self.dp == 1:
+            return
+        if not self.overlap:
+            for vs in self.finished:
+                for bucket in self.buckets[vs]:
+                    self._launch(bucket)
+        for vs in self.finished:
+            for bucket in self.buckets[vs]:
+                pending = bucket.pending
+                assert pending is not None, f"bucket {bucket.index} of stage {vs} was never launched"
+                blocked = self.completer.wait(pending)
+                self.rec.add(pending.start_ns, pending.end_ns, blocked, "allreduce", f"dp.bucket{bucket.index}",
+                             "dp", bucket.event_id, vs, self.m - 1)
+
+    def _optimizer_steps(self) -> None:
+        for vs in self.local_vs:
+            for event, optimizer in self.optimizers[vs]:
+                start = self.now()
+                if optimizer is not None:
+                    optimizer.step()
+                end = self.now()
+                self.rec.add(start, end, 0, "optimizer", self.plan.events[event].name, "opt", event, vs, -1)
+
+    def run_iteration(self, iteration: int, tokens: torch.Tensor) -> float:
+        """One training iteration of this rank; returns its replica's mean loss (NaN off the last stage)."""
+        self.rec.iteration = iteration
+        self.losses = []
+        self.finished = []
+        self._zero_grads()
+        set_collective_hook(self._tp_hook if self.tp > 1 else None)
+        try:
+            for step in self.steps:
+                self._reap_sends(block=False)
+                vs = virtual_stage(step.chunk, self.pp_i, self.pp)
+                if step.phase == "F":
+                    self._forward(vs, step.micro, tokens)
+                else:
+                    self._backward(vs, step.micro)
+            self._finish_data_parallel()
+            self._optimizer_steps()
+            self._reap_sends(block=True)
+        finally:
+            set_collective_hook(None)
+        assert not self.saved, f"activations left after the iteration: {sorted(self.saved)}"
+        if not self.losses:
+            return float("nan")
+        return float(torch.stack(self.losses).sum()) / self.m
+
+    def close(self, join: bool = True) -> None:
+        self.completer.close(join)

@@ -1,0 +1,268 @@
+"""`run_training`: set up torch.distributed over MPI, run K traced iterations, write and merge the traces.
+
+Collective over the MPI communicator given (every rank calls it). Every rank returns a TrainResult; rank 0's
+holds the merged trace and the summary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.errors import UserError
+from harness.spec import JobSpec
+
+DEFAULT_ITERATIONS = 5
+DEFAULT_WARMUP = 1
+
+
+@dataclass
+class TrainResult:
+    """What one rank knows after the run; `trace_path`, `iterations_s` and `losses` are complete on rank 0."""
+
+    rank: int
+    rundir: Path
+    rank_file: Path
+    trace_path: Path | None = None
+    iteration_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # end - start of every iteration
+    losses: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean loss of every iteration
+    warmup: int = 0
+    local_losses: list[float] = field(default_factory=list)
+    backend: str = ""
+    device: str = ""
+
+    @property
+    def measured_s(self) -> np.ndarray:
+        return self.iteration_s[self.warmup:]
+
+
+def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int) -> None:
+    """Raise UserError when this run cannot start (same verdict on every rank)."""
+    s = spec.strategy
+    if world_size != s.world:
+        raise UserError(f"the job needs dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world} ranks but runs on "
+                        f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
+                        "machine, the MPI world is what runs)")
+    if iterations < 1:
+        raise UserError(f"--iterations must be at least 1, got {iterations}")
+    if not 0 <= warmup < iterations:
+        raise UserError(f"--warmup must be between 0 and --iterations - 1 = {iterations - 1}, got {warmup}")
+
+
+def yielding_barrier(comm) -> None:
+    """A barrier that yields the core while it waits: with more ranks than cores (CI), MPICH's busy-polling
+    Barrier would take the CPU from the ranks still computing."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        os.sched_yield()
+
+
+def _environment(topology, device, backend: str, threads: int, start: float, end: float) -> dict[str, Any]:
+    import h5py
+    import mpi4py
+    import torch
+    from mpi4py import MPI
+
+    if device.type == "cuda":
+        device_name = f"cuda:{torch.cuda.get_device_name(device)}"
+    else:
+        device_name = "cpu"
+    return {
+        "hosts": topology.hosts(), "world_size": topology.size, "ranks_per_node": topology.ranks_per_node,
+        "device": device_name, "backend": f"torch-{backend}", "torch_version": torch.__version__,
+        "mpi4py_version": mpi4py.__version__, "h5py_version": h5py.__version__, "numpy_version": np.__version__,
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0].strip(),
+        "python_version": platform.python_version(), "start_time": start, "end_time": end,
+        "topology_source": topology.source, "launcher": topology.launcher, "torch_threads": threads,
+    }
+
+
+def _make_groups(plan, p2p_channels: bool):
+    """Every rank creates every group in the same order (torch.distributed requires it)."""
+    import torch.distributed as dist
+
+    s = plan.spec.strategy
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    if s.tp > 1:
+        for p in range(s.pp):
+            for d in range(s.dp):
+                ranks = [plan.rank_of(d, t, p) for t in range(s.tp)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    tp_group = group
+    if s.dp > 1:
+        for p in range(s.pp):
+            for t in range(s.tp):
+                ranks = [plan.rank_of(d, t, p) for d in range(s.dp)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    dp_group = group
+    p2p_groups: dict = {}
+    if p2p_channels and s.pp > 1:
+        from harness.train.engine import ACT, GRAD
+
+        # One group per (kind, sender, receiver): activations go to the next device, gradients come back.
+        for d in range(s.dp):
+            for t in range(s.tp):
+                for p in range(s.pp):
+                    a, b = plan.rank_of(d, t, p), plan.rank_of(d, t, (p + 1) % s.pp)
+                    for key in ((ACT, a, b), (GRAD, b, a)):
+                        if key not in p2p_groups:
+                            p2p_groups[key] = dist.new_group([a, b])
+        p2p_groups = {k: g for k, g in p2p_groups.items() if rank in k[1:]}
+    return tp_group, dp_group, p2p_groups
+
+
+def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
+                 warmup: int = DEFAULT_WARMUP, *, seed: int = 0, lr: float = 1e-3, fresh_data: bool = False,
+                 barrier: bool = True, device: str | None = None, timeout_s: float | None = None, threads: int = 1,
+                 clock_samples: int = 20, report: bool = False, p2p_channels: bool | None = None) -> TrainResult:
+    """Train `iterations` iterations of `spec` on the ranks of `comm` and trace them into RUNDIR/trace.h5.
+
+    dp x tp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
+    iteration is one timeline from a common start, as the simulator predicts it); `fresh_data` draws a new
+    batch every iteration instead of training on one fixed batch. `report` prints the summary on rank 0.
+    `p2p_channels` sends P2P over one process group per (kind, sender, receiver) in FIFO order instead of
+    tagged messages on the world group (default: only with NCCL, which has no tags; True tests it on gloo).
+    """
+    check_run(spec, comm.Get_size(), iterations, warmup)
+    import torch
+
+    from harness.distributed import init_process_group, pick_device
+    from harness.events import build_plan
+    from harness.models.tp import set_collective_hook
+    from harness.train.clock import Timebase, sync_clocks
+    from harness.train.engine import PipelineEngine, Recorder
+    from harness.train.model import build_layers, make_tokens
+    from harness.train.trace import columns_from_rows, merge_traces, rank_file_name, write_rank_trace
+    from launcher.topology import discover
+
+    rank = comm.Get_rank()
+    rundir = Path(rundir)
+    if rank == 0:
+        try:
+            rundir.mkdir(parents=True, exist_ok=True)
+            problem = None
+        except OSError as exc:
+            problem = f"cannot create the run folder {rundir}: {exc.strerror}"
+    else:
+        problem = None
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise UserError(problem)
+
+    topology = discover(comm)
+    old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(2e-4)  # watcher threads note completions promptly
+    engine = None
+    try:
+        dev = pick_device(topology, device or spec.profile.device)
+        timeout = timeout_s or spec.profile.timeout_s
+        start_time = time.time()
+        backend = init_process_group(comm, topology, dev, timeout)
+        plan = build_plan(spec)
+        s = spec.strategy
+        dp_i, tp_i, pp_i = plan.coords(rank)
+        channels = backend == "nccl" if p2p_channels is None else p2p_channels
+        tp_group, dp_group, p2p_groups = _make_groups(plan, channels)
+        positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
+        modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev)
+        recorder = Recorder()
+        engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
+                                dp_group=dp_group, p2p_groups=p2p_groups, lr=lr, timeout_s=timeout,
+                                recorder=recorder)
+        first_sync = sync_clocks(comm, clock_samples)
+        starts, ends, losses = [], [], []
+        fixed = make_tokens(spec, seed, 0)
+        for iteration in range(iterations):
+            tokens = make_tokens(spec, seed, iteration) if fresh_data else fixed
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if barrier:
+                yielding_barrier(comm)
+            starts.append(engine.now())
+            losses.append(engine.run_iteration(iteration, tokens))
+            ends.append(engine.now())
+        last_sync = sync_clocks(comm, clock_samples)
+        end_time = time.time()
+        timebase = Timebase(rank, first_sync.reference_ns, first_sync, last_sync)
+
+        columns = columns_from_rows(recorder.rows, timebase.seconds)
+        attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "hostname": topology.hostnames[rank], "node": topology.node,
+                 "device": str(dev), "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
+                 "buckets_json": json.dumps(engine.bucket_info())}
+        its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
+               "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
+               "loss": np.array(losses, dtype=np.float64)}
+        rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
+                                     iterations=its)
+        result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
+                             backend=f"torch-{backend}", device=str(dev))
+        env = _environment(topology, dev, backend, threads, start_time, end_time)
+        yielding_barrier(comm)  # every rank file is complete
+        if rank == 0:
+            loss_ranks = [plan.rank_of(d, 0, s.pp - 1) for d in range(s.dp)]
+            clock = {
+                "rank": np.arange(comm.Get_size(), dtype=np.int64),
+                "offset_s": first_sync.applied_ns / 1e9, "measured_offset_s": first_sync.measured_ns / 1e9,
+                "rtt_s": first_sync.rtt_ns / 1e9, "method": np.array(first_sync.method, dtype=object),
+                "offset_end_s": last_sync.applied_ns / 1e9, "measured_offset_end_s": last_sync.measured_ns / 1e9,
+                "rtt_end_s": last_sync.rtt_ns / 1e9,
+            }
+            root = {"spec_json": spec.to_json(), "layers_json": json.dumps([l.to_dict() for l in plan.layers]),
+                    "iterations": iterations, "warmup": warmup, "seed": seed, "lr": lr, "fresh_data": fresh_data,
+                    "barrier": barrier, "time_zero_unix": start_time, "micro_batches": spec.micro_batches}
+            trace_path = merge_traces(rundir / "trace.h5",
+                                      [rundir / rank_file_name(r) for r in range(comm.Get_size())],
+                                      root_attrs=root, environment=env, clock=clock, warmup=warmup,
+                                      loss_ranks=loss_ranks)
+            import h5py
+
+            with h5py.File(trace_path, "r") as f:
+                result.iteration_s = f["iterations/end_s"][()] - f["iterations/start_s"][()]
+                result.losses = f["iterations/loss"][()]
+            result.trace_path = trace_path
+            if report:
+                print(summary_text(spec, result, comm.Get_size()), flush=True)
+        yielding_barrier(comm)
+    except BaseException:
+        # Leave at once: `python -m mpi4py` turns the exception into MPI_Abort, which ends every rank.
+        # Tearing down the process group here could block on peers that are stuck or gone.
+        set_collective_hook(None)
+        if engine is not None:
+            engine.close(join=False)
+        torch.set_num_threads(old_threads)
+        sys.setswitchinterval(old_switch)
+        raise
+    set_collective_hook(None)
+    engine.close()
+    from harness.distributed import destroy_process_group
+
+    destroy_process_group()
+    torch.set_num_threads(old_threads)
+    sys.setswitchinterval(old_switch)
+    return result
+
+
+def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
+    from harness.tables import format_seconds, format_table
+
+    s = spec.strategy
+    measured = result.measured_s
+    head = (f"{spec.model.name}: {s.dp} dp x {s.tp} tp x {s.pp} pp on {world} ranks ({result.device}, "
+            f"{result.backend}), {s.schedule}{f' x{s.chunks} chunks' if s.chunks > 1 else ''}, "
+            f"{spec.micro_batches} micro-batches of {spec.batch.micro}")
+    row = (len(result.iteration_s), result.warmup, format_seconds(float(np.median(measured))),
+           format_seconds(float(measured.min())), format_seconds(float(measured.max())),
+           f"{result.losses[0]:.4f}", f"{result.losses[-1]:.4f}")
+    table = format_table(("iterations", "warm-up", "median", "min", "max", "loss first", "loss last"), [row])
+    return f"{head}\n{table}\ntrace: {result.trace_path}"

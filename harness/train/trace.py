@@ -1,0 +1,151 @@
+"""Writing traces of real runs: one file per rank, merged into trace.h5 (layout in docs/train.md).
+
+h5py and numpy only. Files are written to a temporary name and renamed, as in harness.store.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import h5py
+import numpy as np
+
+SCHEMA_VERSION = 1
+TRACE_KIND = "distsim-trace"
+RANK_KIND = "distsim-trace-rank"
+
+FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
+STRING_COLUMNS = ("kind", "name", "phase", "event_id")
+INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
+COLUMNS = FLOAT_COLUMNS + STRING_COLUMNS + INT_COLUMNS
+KINDS = ("compute", "p2p", "allreduce", "optimizer")
+PHASES = ("F", "B", "send", "recv", "tp", "dp", "opt")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.trace.h5"
+
+
+def device_group_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, str):
+        return str(value)  # not numpy's fixed-width str_, which h5py cannot store
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return value
+    return json.dumps(value)
+
+
+def columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray]:
+    """Rows (start_ns, end_ns, wait_ns, kind, name, phase, event_id, virtual_stage, micro, iteration, peer),
+    times on this rank's clock, into columns on the common timebase (`to_seconds` maps ns arrays)."""
+    rows = sorted(rows, key=lambda r: (r[0], r[1]))
+    n = len(rows)
+    cols: dict[str, np.ndarray] = {}
+    start = np.array([r[0] for r in rows], dtype=np.int64).reshape(n)
+    end = np.array([r[1] for r in rows], dtype=np.int64).reshape(n)
+    cols["start_s"] = np.asarray(to_seconds(start), dtype=np.float64).reshape(n)
+    cols["end_s"] = np.asarray(to_seconds(end), dtype=np.float64).reshape(n)
+    cols["wait_s"] = np.array([r[2] for r in rows], dtype=np.float64).reshape(n) / 1e9
+    for i, name in enumerate(STRING_COLUMNS):
+        cols[name] = np.array([str(r[3 + i]) for r in rows], dtype=object).reshape(n)
+    for i, name in enumerate(INT_COLUMNS):
+        cols[name] = np.array([int(r[7 + i]) for r in rows], dtype=np.int64).reshape(n)
+    return cols
+
+
+def _write_columns(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
+    string = h5py.string_dtype()
+    for name in COLUMNS:
+        data = columns[name]
+        if name in STRING_COLUMNS:
+            group.create_dataset(name, data=data, dtype=string)
+        else:
+            group.create_dataset(name, data=data)
+
+
+def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarray], attrs: dict[str, Any],
+                     iterations: dict[str, np.ndarray]) -> Path:
+    """One rank's intervals (common timebase) and its own iteration bounds and losses."""
+    path = Path(path)
+    tmp = _tmp(path)
+    with h5py.File(tmp, "w") as f:
+        f.attrs["schema_version"] = SCHEMA_VERSION
+        f.attrs["kind"] = RANK_KIND
+        f.attrs["rank"] = rank
+        f.attrs["written_at"] = time.time()
+        for key, value in attrs.items():
+            f.attrs[key] = _attr(value)
+        _write_columns(f.create_group("intervals"), columns)
+        it = f.create_group("iterations")
+        for key, value in iterations.items():
+            it.create_dataset(key, data=value)
+    os.replace(tmp, path)
+    return path
+
+
+def merge_traces(out: str | Path, rank_files: Iterable[str | Path], *, root_attrs: dict[str, Any],
+                 environment: dict[str, Any], clock: dict[str, np.ndarray], warmup: int,
+                 loss_ranks: Sequence[int]) -> Path:
+    """Merge the rank files into trace.h5: devices, iterations (start = first rank's start, end = last rank's
+    end), the mean loss over `loss_ranks` (one rank per data-parallel replica's last stage), clocks."""
+    out = Path(out)
+    tmp = _tmp(out)
+    rank_files = [Path(p) for p in rank_files]
+    starts, ends, losses = [], [], []
+    with h5py.File(tmp, "w") as f:
+        f.attrs["schema_version"] = SCHEMA_VERSION
+        f.attrs["kind"] = TRACE_KIND
+        for key, value in root_attrs.items():
+            f.attrs[key] = _attr(value)
+        f.attrs["written_at"] = time.time()
+        env = f.create_group("environment")
+        for key, value in environment.items():
+            env.attrs[key] = _attr(value)
+        cg = f.create_group("clock")
+        string = h5py.string_dtype()
+        for key, value in clock.items():
+            value = np.asarray(value)
+            if value.dtype.kind in "OUS":
+                cg.create_dataset(key, data=value.astype(object), dtype=string)
+            else:
+                cg.create_dataset(key, data=value)
+        devices = f.create_group("devices")
+        for index, path in enumerate(rank_files):
+            with h5py.File(path, "r") as src:
+                rank = int(src.attrs["rank"])
+                if rank != index:
+                    raise ValueError(f"{path} holds rank {rank}; expected rank {index} (give the files in rank order)")
+                name = device_group_name(rank)
+                src.copy(src["intervals"], devices, name=name)
+                for key, value in src.attrs.items():
+                    if key not in ("schema_version", "kind", "written_at"):
+                        devices[name].attrs[key] = value
+                starts.append(src["iterations/start_s"][()])
+                ends.append(src["iterations/end_s"][()])
+                losses.append(src["iterations/loss"][()])
+        rank_start = np.stack(starts, axis=1) if starts else np.zeros((0, 0))
+        rank_end = np.stack(ends, axis=1) if ends else np.zeros((0, 0))
+        n = rank_start.shape[0]
+        it = f.create_group("iterations")
+        it.create_dataset("index", data=np.arange(n, dtype=np.int64))
+        it.create_dataset("start_s", data=rank_start.min(axis=1) if n else np.zeros(0))
+        it.create_dataset("end_s", data=rank_end.max(axis=1) if n else np.zeros(0))
+        it.create_dataset("warmup", data=(np.arange(n) < warmup).astype(np.uint8))
+        loss = np.stack(losses, axis=1)[:, list(loss_ranks)].mean(axis=1) if n and loss_ranks else np.full(n, np.nan)
+        it.create_dataset("loss", data=loss.astype(np.float64))
+        it.create_dataset("rank_start_s", data=rank_start.astype(np.float64))
+        it.create_dataset("rank_end_s", data=rank_end.astype(np.float64))
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,278 @@
+"""`harness train` in-process under MPI: real hybrid-parallel runs of tiny models, checked against the schedule,
+the event plan and a single-process run of the same model (same weights, data and Adam steps).
+
+Run as `mpirun -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/test_train.py`; every test fits the
+strategy to N (dp x tp x pp = N) and skips the strategies N cannot hold.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.errors import UserError
+from harness.spec import loads_spec
+from tests.helpers import tiny_spec_text
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _lazy_barrier(comm) -> None:
+    """Wait for the other ranks without busy-polling a core (rank 0 may be computing a reference)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def shared_dir(tmp_path):
+    """One folder for all ranks: rank 0's pytest tmp_path (every rank has its own)."""
+    comm = _comm()
+    path = comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0)
+    yield Path(path)
+    _lazy_barrier(comm)
+
+
+def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, factory: bool = False, **kwargs) -> str:
+    """tests.helpers.tiny_spec_text with the strategy's dp_overlap, the model's kv_heads, or a factory model."""
+    text = tiny_spec_text(**kwargs)
+    if factory:
+        text = text.replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
+    if kv_heads is not None:
+        text = text.replace("\nheads = ", f"\nkv_heads = {kv_heads}\nheads = ", 1)
+    if dp_overlap is not None:
+        text = text.replace("[strategy]\n", f"[strategy]\ndp_overlap = {str(dp_overlap).lower()}\n")
+    return text
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# name -> (size -> spec kwargs, or None where the world size cannot hold that strategy; run options)
+def _dp(n):
+    return dict(dp=n, layers=2, micro=1, global_batch=2 * n)
+
+
+def _pp(n, schedule):
+    return dict(pp=n, layers=n, schedule=schedule, micro=1, global_batch=4)
+
+
+def _interleaved(n):
+    m = _ceil_to(4, n)
+    return dict(pp=n, layers=2 * n, schedule="interleaved-1f1b", chunks=2, micro=1, global_batch=m)
+
+
+def _tp(n, family="gpt2-small"):
+    heads, kv = (4, 4) if family != "llama-1b" else (4, 2)
+    if heads % n or kv % n:
+        return None
+    return dict(name=family, tp=n, layers=2, heads=heads, kv_heads=kv, hidden=32, ffn=64, micro=2, global_batch=4)
+
+
+CONFIGS = {
+    "dp-overlap": (_dp, {}),
+    "dp-after-backward": (lambda n: {**_dp(n), "dp_overlap": False}, {}),
+    "pp-gpipe": (lambda n: _pp(n, "gpipe"), {}),
+    "pp-1f1b-free-running": (lambda n: _pp(n, "1f1b"), {"barrier": False}),
+    "pp-interleaved": (_interleaved, {}),
+    # The NCCL way (no tags: one FIFO group per kind, sender and receiver), exercised on gloo.
+    "pp-interleaved-fifo-channels": (_interleaved, {"p2p_channels": True}),
+    "tp-gpt2": (_tp, {}),
+    "tp-llama-gqa": (lambda n: _tp(n, "llama-1b"), {}),
+    "tp-bert-pp": (lambda n: None if n % 2 or n < 4 else
+                   dict(name="bert-base", tp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=4), {}),
+    "dp-pp-fresh-data": (lambda n: None if n % 2 or n < 4 else
+                         dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8), {"fresh_data": True}),
+    "user-factory-dp-pp": (lambda n: None if n % 2 else
+                           dict(factory=True, dp=n // 2, pp=2, layers=4, micro=1, global_batch=2 * (n // 2)), {}),
+    "dp-tp-pp": (lambda n: None if n % 4 else
+                 dict(dp=2, tp=2, pp=n // 4, layers=2 * (n // 4), micro=1, global_batch=4), {}),
+}
+ITERATIONS = 3
+
+
+def _run(config: str, rundir: Path):
+    """Run `config` at this world size; every rank returns (spec, result, options)."""
+    from harness.train.runner import run_training
+
+    comm = _comm()
+    make, options = CONFIGS[config]
+    kwargs = make(comm.Get_size())
+    if kwargs is None:
+        pytest.skip(f"{config} does not fit {comm.Get_size()} ranks")
+    spec = loads_spec(spec_text(**kwargs))
+    assert spec.strategy.world == comm.Get_size()
+    result = run_training(spec, comm, rundir, ITERATIONS, 1, timeout_s=120, **options)
+    return spec, result, options
+
+
+def _check_trace(spec, trace, options):
+    """Everything a trace must satisfy, checked on rank 0."""
+    from harness.events import build_plan
+    from harness.schedules import device_steps, virtual_stage
+
+    plan = build_plan(spec)
+    s = spec.strategy
+    m = spec.micro_batches
+    assert trace.world_size == s.world
+    assert sorted(trace.devices) == list(range(s.world))
+    assert list(trace.iterations["warmup"]) == [1] + [0] * (ITERATIONS - 1)
+    assert np.all(trace.iterations["end_s"] > trace.iterations["start_s"])
+    assert np.all(trace.iterations["start_s"][1:] >= trace.iterations["start_s"][:-1])
+    known = set(plan.events)
+    flow_phase = {"F": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt"}
+    # The clock uncertainty between two ranks (zero on one host with a shared clock).
+    rtt = trace.clock["rtt_s"]
+    same = trace.clock["method"]
+
+    def slack(a: int, b: int) -> float:
+        if same[a] in ("reference", "same-host") and same[b] in ("reference", "same-host"):
+            return 1e-9
+        return (rtt[a] + rtt[b]) / 2 + 1e-9
+
+    compute_at: dict[tuple[int, int, int, str, int], tuple[float, float, int]] = {}
+    for rank, device in trace.devices.items():
+        dp_i, tp_i, pp_i = plan.coords(rank)
+        assert (device.dp, device.tp, device.pp) == (dp_i, tp_i, pp_i)
+        assert len(device) > 0, f"rank {rank} recorded nothing"
+        cols = device.columns
+        assert np.all(cols["end_s"] >= cols["start_s"])
+        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer"}
+        assert set(cols["phase"]) <= {"F", "B", "send", "recv", "tp", "dp", "opt"}
+        ids = {e for e in cols["event_id"] if e}
+        assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
+        steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
+        expected_steps = [(st.phase, virtual_stage(st.chunk, pp_i, s.pp), st.micro) for st in steps]
+        flow = Counter()
+        for eid, phase, vs, micro in plan.device_flow(rank):
+            if phase in ("F", "B") and plan.events[eid].kind == "compute":
+                continue  # per layer in the plan; per stage and micro-batch in the trace
+            flow[(flow_phase[phase], eid, vs)] += 1
+        for iteration in range(ITERATIONS):
+            rows = device.select(iteration=iteration)
+            lo = trace.iterations["rank_start_s"][iteration, rank]
+            hi = trace.iterations["rank_end_s"][iteration, rank]
+            assert np.all(rows["start_s"] >= lo) and np.all(rows["end_s"] <= hi), \
+                f"rank {rank}: intervals outside iteration {iteration}"
+            # The device's compute follows the schedule exactly, one interval per step.
+            comp = device.select(iteration=iteration, kind="compute")
+            got = [(str(p), int(v), int(mb)) for p, v, mb in zip(comp["phase"], comp["virtual_stage"], comp["micro"])]
+            assert got == expected_steps, f"rank {rank} iteration {iteration}: steps {got} != {expected_steps}"
+            # Compute and optimizer steps never overlap on a device.
+            busy = device.select(iteration=iteration, kind=("compute", "optimizer"))
+            order = np.argsort(busy["start_s"], kind="stable")
+            starts, ends = busy["start_s"][order], busy["end_s"][order]
+            assert np.all(starts[1:] >= ends[:-1]), f"rank {rank}: overlapping compute in iteration {iteration}"
+            for p, v, mb, a, b in zip(comp["phase"], comp["virtual_stage"], comp["micro"], comp["start_s"],
+                                      comp["end_s"]):
+                compute_at[(iteration, int(v), int(mb), str(p), rank)] = (float(a), float(b), rank)
+            # Every communication and optimizer event of the plan's flow, as often as the plan says.
+            other = device.select(iteration=iteration, kind=("p2p", "allreduce", "optimizer"))
+            counts = Counter((str(ph), str(e), int(v)) for ph, e, v in zip(other["phase"], other["event_id"],
+                                                                         other["virtual_stage"]))
+            assert counts == flow, f"rank {rank} iteration {iteration}: {counts} != {flow}"
+            # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
+            tp_rows = device.select(iteration=iteration, phase="tp")
+            for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],
+                                         tp_rows["micro"], tp_rows["name"]):
+                phase = "F" if name.endswith(".fwd") else "B"
+                ca, cb, _ = compute_at[(iteration, int(v), int(mb), phase, rank)]
+                assert ca <= a and b <= cb
+            # Data-parallel buckets: launched in the last backward (overlap) or after the whole backward.
+            last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p == "B")
+            for a, b, v in zip(*(device.select(iteration=iteration, phase="dp")[k]
+                                 for k in ("start_s", "end_s", "virtual_stage"))):
+                ba, bb, _ = compute_at[(iteration, int(v), m - 1, "B", rank)]
+                if s.dp_overlap:
+                    assert ba <= a <= bb, "an overlapped bucket starts within its chunk's last backward"
+                else:
+                    assert a >= last_b_end
+            # A receive ends before the step that needed it starts.
+            recv = device.select(iteration=iteration, phase="recv")
+            for b, v, mb, name in zip(recv["end_s"], recv["virtual_stage"], recv["micro"], recv["name"]):
+                step = "F" if name == "recv.activation" else "B"
+                assert b <= compute_at[(iteration, int(v), int(mb), step, rank)][0]
+        # Buckets as the plan sized them (the plan's parameter counts match the torch layers).
+        import json
+
+        for bucket in json.loads(device.attrs["buckets_json"]):
+            assert bucket["bytes"] == bucket["plan_bytes"], bucket
+    steps = trace.step_times(ITERATIONS - 1)
+    assert len(steps) == sum(len(device_steps(s.schedule, plan.coords(r)[2], s.pp, m, s.chunks))
+                             for r in range(s.world))
+    assert min(a for a, _ in steps.values()) >= 0
+    # Every send has its receive, on the right rank, after it was sent.
+    transfers = trace.p2p_transfers(include_warmup=True)
+    sends = sum(int(np.sum(d.columns["phase"] == "send")) for d in trace.devices.values())
+    assert len(transfers["iteration"]) == sends
+    for i in range(sends):
+        src, dst = int(transfers["src_rank"][i]), int(transfers["dst_rank"][i])
+        assert dst == plan.rank_of(*plan.coords(src)[:2], int(transfers["dst_vs"][i]) % s.pp)
+        assert transfers["recv_end_s"][i] >= transfers["send_start_s"][i] - slack(src, dst)
+    # Across devices: forward of (vs, i) starts after (vs - 1, i) ended on its device; backward likewise.
+    for (iteration, vs, micro, phase, rank), (start, _, _) in compute_at.items():
+        dp_i, tp_i, _ = plan.coords(rank)
+        dep_vs = vs - 1 if phase == "F" else vs + 1
+        if 0 <= dep_vs < s.virtual_stages:
+            dep_rank = plan.rank_of(dp_i, tp_i, dep_vs % s.pp)
+            _, dep_end, _ = compute_at[(iteration, dep_vs, micro, phase, dep_rank)]
+            assert start >= dep_end - slack(rank, dep_rank), \
+                f"{phase} of micro-batch {micro} on stage {vs} started before stage {dep_vs} finished it"
+        if phase == "B" and vs == s.virtual_stages - 1:
+            _, f_end, _ = compute_at[(iteration, vs, micro, "F", rank)]
+            assert start >= f_end
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_training_run_traces_the_schedule_and_matches_a_single_process(config, shared_dir):
+    from harness.train.model import reference_losses
+    from analysis.runtrace import read_trace
+
+    comm = _comm()
+    spec, result, options = _run(config, shared_dir / config)
+    assert result.rank_file.exists()
+    failure = None
+    if comm.Get_rank() == 0:
+        try:
+            assert result.trace_path == shared_dir / config / "trace.h5" and result.trace_path.exists()
+            trace = read_trace(result.trace_path)
+            assert trace.spec_json == spec.to_json()
+            assert trace.environment["world_size"] == comm.Get_size()
+            assert trace.environment["backend"] == "torch-gloo"
+            _check_trace(spec, trace, options)
+            losses = trace.iterations["loss"]
+            assert np.all(np.isfinite(losses))
+            np.testing.assert_allclose(losses, result.losses)
+            reference = reference_losses(spec, ITERATIONS, fresh_data=options.get("fresh_data", False))
+            # The parallel math is the serial math: same loss before any step (1e-4) and after Adam steps.
+            np.testing.assert_allclose(losses[0], reference[0], rtol=1e-4)
+            np.testing.assert_allclose(losses, reference, rtol=1e-3)
+            if not options.get("fresh_data"):
+                assert losses[-1] < losses[0], "training on one fixed batch lowers the loss"
+        except BaseException as exc:  # report on rank 0; the other ranks must not hang
+            failure = exc
+    ok = comm.bcast(failure is None, root=0)
+    if failure is not None:
+        raise failure
+    assert ok, "rank 0 found the trace wrong (see its report)"
+
+
+def test_world_size_must_match_the_strategy(shared_dir):
+    from harness.train.runner import run_training
+
+    comm = _comm()
+    spec = loads_spec(spec_text(dp=comm.Get_size() + 1, layers=2, micro=1, global_batch=comm.Get_size() + 1))
+    with pytest.raises(UserError, match=rf"needs dp x tp x pp = .* = {comm.Get_size() + 1} ranks but runs on "
+                                        rf"{comm.Get_size()}"):
+        run_training(spec, comm, shared_dir / "never", 2, 1)
+    assert not (shared_dir / "never").exists()

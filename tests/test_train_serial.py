@@ -1,0 +1,168 @@
+"""`harness train` from the command line (mpirun subprocesses) and its serial parts: sharding, checks, reader.
+
+Plain pytest runs these; the MPI run of the suite (`-m mpi`) leaves them out.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from harness.errors import UserError
+from harness.spec import loads_spec
+from tests.helpers import tiny_spec_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpirun() -> str:
+    candidate = os.environ.get("DISTSIM_MPIRUN") or str(ROOT / ".venv" / "bin" / "mpirun")
+    found = shutil.which(candidate)
+    if found is None:
+        pytest.skip(f"no mpirun at {candidate} (set DISTSIM_MPIRUN)")
+    return found
+
+
+def train(tmp_path: Path, project_env, spec_text: str, *args: str, ranks: int = 2):
+    spec = tmp_path / "job.toml"
+    spec.write_text(spec_text)
+    cmd = [mpirun(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "harness", "train", str(spec),
+           "-o", str(tmp_path / "run"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=project_env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
+    from analysis.runtrace import read_trace
+
+    proc = train(tmp_path, project_env, tiny_spec_text(pp=2, layers=2, micro=1, global_batch=2), "--iterations",
+                 "2", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "run"
+    assert (run / "trace.h5").is_file()
+    assert sorted(p.name for p in run.glob("rank-*.trace.h5")) == ["rank-00000.trace.h5", "rank-00001.trace.h5"]
+    assert not list(run.glob(".*tmp*")), "temporary files left behind"
+    assert "loss first" in proc.stdout and proc.stdout.count("loss first") == 1, proc.stdout
+    trace = read_trace(run / "trace.h5")
+    assert trace.world_size == 2 and list(trace.iterations["warmup"]) == [1, 0]
+    assert len(trace.iteration_times()) == 1 and trace.iteration_times()[0] > 0
+    for rank in range(2):
+        phases = set(trace.device(rank).columns["phase"])
+        assert {"F", "B", "send", "recv", "opt"} <= phases
+
+
+@pytest.mark.parametrize("args, spec_kwargs, message", [
+    ((), dict(dp=4, layers=2, micro=1, global_batch=4),
+     "the job needs dp x tp x pp = 4 x 1 x 1 = 4 ranks but runs on 2; start it with mpirun -n 4"),
+    (("--iterations", "2", "--warmup", "2"), dict(dp=2, layers=2, micro=1, global_batch=2),
+     "--warmup must be between 0 and --iterations - 1 = 1, got 2"),
+    ((), dict(dp=2, layers=3, pp=2), "layers (3) must be divisible by pp = 2"),
+])
+def test_cli_bad_input_exits_2_with_one_message(tmp_path, project_env, args, spec_kwargs, message):
+    proc = train(tmp_path, project_env, tiny_spec_text(**spec_kwargs), *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr  # rank 0 only; no traceback, no MPI_Abort chatter
+    assert lines[0].startswith("python -m harness train: error: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_run_names_the_rank_count():
+    from harness.train.runner import check_run
+
+    spec = loads_spec(tiny_spec_text(dp=2, tp=2, layers=2, micro=1, global_batch=2))
+    check_run(spec, 4, 2, 1)
+    with pytest.raises(UserError, match="needs dp x tp x pp = 2 x 2 x 1 = 4 ranks but runs on 3"):
+        check_run(spec, 3, 2, 1)
+    with pytest.raises(UserError, match="--iterations must be at least 1"):
+        check_run(spec, 4, 0, 0)
+
+
+def _partial_attention(block, x):
+    """A block's attention output projection before its bias and all-reduce: what tp shards add up."""
+    from torch.nn import functional as F
+
+    from harness.models.transformer import _rotary
+
+    h = block.norm1(x) if block.family != "bert" else x
+    b, s, _ = h.shape
+    q_size, kv_size = block.local_heads * block.head_dim, block.local_kv * block.head_dim
+    q, k, v = block.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(b, s, block.local_heads, block.head_dim).transpose(1, 2)
+    k = k.view(b, s, block.local_kv, block.head_dim).transpose(1, 2)
+    v = v.view(b, s, block.local_kv, block.head_dim).transpose(1, 2)
+    if block.family == "llama":
+        q, k = _rotary(q), _rotary(k)
+    if block.local_kv != block.local_heads:
+        r = block.local_heads // block.local_kv
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=block.causal).transpose(1, 2).reshape(b, s, q_size)
+    return F.linear(out, block.proj.weight)
+
+
+def _partial_mlp(block, x):
+    from torch.nn import functional as F
+
+    if block.family == "llama":
+        gate, up = block.gate_up(x).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, block.down.weight)
+    return F.linear(F.gelu(block.fc1(x)), block.fc2.weight)
+
+
+@pytest.mark.parametrize("family, kv_heads", [("gpt2-small", 4), ("bert-base", 4), ("llama-1b", 2)])
+def test_tensor_parallel_shards_are_cut_from_the_whole_layer(family, kv_heads):
+    """Each shard has the parameters the event plan counts, and the shards' partial sums are the whole layer's."""
+    import torch
+
+    from harness.events import build_plan
+    from harness.train.model import build_full_layer, build_shard
+
+    text = tiny_spec_text(name=family, tp=2, layers=2, heads=4, hidden=32, ffn=64, micro=1, global_batch=1)
+    spec = loads_spec(text.replace("\nheads = ", f"\nkv_heads = {kv_heads}\nheads = ", 1))
+    assert spec.model.kv_heads == kv_heads
+    plan = build_plan(spec)
+    x = torch.randn(2, spec.model.seq_len, spec.model.hidden, generator=torch.Generator().manual_seed(1))
+    for position, desc in enumerate(plan.layers):
+        shards = [build_shard(spec.model, desc.kind, 0, position, 2, t, None) for t in range(2)]
+        assert sum(p.numel() for p in shards[0].parameters()) == desc.params, (family, desc.kind)
+        if desc.kind != "block":
+            continue
+        whole = build_full_layer(spec.model, desc.kind, 0, position)
+        with torch.no_grad():
+            for part in (_partial_attention, _partial_mlp):
+                torch.testing.assert_close(sum(part(s, x) for s in shards), part(whole, x), rtol=1e-4, atol=1e-5)
+
+
+def test_reader_refuses_other_files(tmp_path):
+    from analysis.runtrace import TraceError, read_trace
+
+    path = tmp_path / "profile.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["schema_version"] = 1
+        f.attrs["kind"] = "distsim-profile"
+    with pytest.raises(TraceError, match="not a trace"):
+        read_trace(path)
+    with h5py.File(path, "w") as f:
+        f.attrs["schema_version"] = 99
+        f.attrs["kind"] = "distsim-trace"
+    with pytest.raises(TraceError, match="schema_version 99"):
+        read_trace(path)
+
+
+def test_timebase_converts_with_offset_and_drift():
+    from harness.train.clock import ClockSync, Timebase
+
+    methods = ["reference", "cristian"]
+    first = ClockSync(1_000_000_000, np.array([0, 500]), np.array([0, 10]), np.array([0, 500]), methods)
+    last = ClockSync(3_000_000_000, np.array([0, 700]), np.array([0, 10]), np.array([0, 700]), methods)
+    tb = Timebase(1, 1_000_000_000, first, last)
+    # Rank 1 reads t + 500 ns at t0 and t + 700 ns two seconds later (100 ns/s drift).
+    np.testing.assert_allclose(tb.seconds(np.array([1_000_000_500, 3_000_000_700, 2_000_000_600])),
+                               [0.0, 2.0, 1.0], atol=1e-12)
+    assert Timebase(0, 1_000_000_000, first, last).seconds(1_500_000_000) == pytest.approx(0.5)
