@@ -1,0 +1,111 @@
+"""analysis validate: errors computed right on a hand-made trace, and the real pipeline end to end."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.predict import predict
+from analysis.runtrace import read_trace
+from analysis.validate import validate
+from analysis.profile import load_profile
+from harness.train.trace import merge_traces, write_rank_trace
+from tests.conftest import ROOT
+from tests.helpers import write_spec
+from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
+
+MPIRUN = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+
+
+def _columns(rows):
+    names = ("start_s", "end_s", "wait_s", "kind", "name", "phase", "event_id", "virtual_stage", "micro", "iteration",
+             "peer")
+    cols = {n: np.array([r[i] for r in rows], dtype=object if n in ("kind", "name", "phase", "event_id") else None)
+            for i, n in enumerate(names)}
+    for n in ("virtual_stage", "micro", "iteration", "peer"):
+        cols[n] = cols[n].astype(np.int64)
+    return cols
+
+
+def write_scaled_trace(path: Path, timeline, factor: float, iterations: int = 3) -> Path:
+    """A trace whose every iteration is the predicted one stretched by `factor` (iteration 0 is warm-up)."""
+    spec = timeline.spec
+    period = timeline.batch_time_s * factor * 1.5
+    rank_files = []
+    for stage, device in enumerate(timeline.pipeline):
+        rows = []
+        for it in range(iterations):
+            zero = it * period
+            for r in device.steps:
+                rows.append((zero + r.start_s * factor, zero + r.end_s * factor, 0.0, "compute",
+                             f"{r.phase} s{r.virtual_stage} mb{r.micro}", r.phase, "", r.virtual_stage, r.micro, it, -1))
+            rows.append((zero + device.optimizer_start_s * factor, zero + device.optimizer_end_s * factor, 0.0,
+                         "optimizer", "optimizer", "opt", "", stage, -1, it, -1))
+        starts = np.array([it * period for it in range(iterations)])
+        ends = starts + timeline.batch_time_s * factor
+        rank_files.append(write_rank_trace(path.parent / f"rank-{stage:05d}.trace.h5", rank=stage,
+                                           columns=_columns(rows), attrs={"dp": 0, "tp": 0, "pp": stage},
+                                           iterations={"start_s": starts, "end_s": ends,
+                                                       "loss": np.zeros(iterations)}))
+    return merge_traces(path, rank_files, root_attrs={"spec_json": spec.to_json(),
+                                                      "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
+                        environment={"world_size": spec.strategy.world}, clock={"rank": np.arange(spec.strategy.pp)},
+                        warmup=1, loss_ranks=[spec.strategy.pp - 1])
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25, 0.8])
+def test_errors_are_computed_right(tmp_path, factor):
+    spec = make_spec(pp=2, micro_batches=4, layers=4)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                          by_name({"compute": 1e-3, "p2p": 2e-4}, default=5e-4))
+    timeline = predict(profile_path).timeline
+    trace = read_trace(write_scaled_trace(tmp_path / "trace.h5", timeline, factor))
+    result = validate(trace, load_profile(profile_path))
+    expected = (1 / factor - 1) * 100
+    assert result.measured_batch_s == pytest.approx(timeline.batch_time_s * factor)
+    assert result.batch_time_error_pct == pytest.approx(expected, abs=1e-6)
+    assert result.device_error_pct == pytest.approx(abs(expected), abs=1e-6)
+    assert len(result.steps) == 2 * 2 * 4  # (F, B) x 2 stages x 4 micro-batches
+    assert all(row["error_pct"] == pytest.approx(expected, abs=1e-6) for row in result.steps)
+    report = result.to_dict()
+    assert report["measured_iterations"] == 2  # warm-up excluded
+
+
+def test_real_run_validates_end_to_end(tmp_path, project_env):
+    """profile under mpirun, train under mpirun, validate: the whole chain with real MPI, gloo and HDF5."""
+    spec = write_spec(tmp_path / "job.toml", layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, pp=2,
+                      global_batch=4, micro=1, warmup=1, repeats=3)
+    run = lambda *args: subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "harness", *args],  # noqa: E731
+                                       capture_output=True, text=True, env=project_env, timeout=300, cwd=ROOT)
+    profiled = run("profile", str(spec), "-o", str(tmp_path / "prof"), "--quiet")
+    assert profiled.returncode == 0, profiled.stderr
+    trained = run("train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3", "--warmup", "1")
+    assert trained.returncode == 0, trained.stderr
+    png, perfetto = tmp_path / "cmp.png", tmp_path / "cmp.json.gz"
+    result = subprocess.run([sys.executable, "-m", "analysis", "validate", str(tmp_path / "run"),
+                             str(tmp_path / "prof"), "--json", "--png", str(png), "--trace-out", str(perfetto)],
+                            capture_output=True, text=True, env=project_env, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    m, p = report["measured_batch_time_s"], report["predicted_batch_time_s"]
+    assert m > 0 and p > 0
+    assert report["batch_time_error_pct"] == pytest.approx((p - m) / m * 100)
+    assert len(report["devices"]) == 2 and report["measured_iterations"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]
+    pids = {e["pid"] for e in events if e.get("ph") == "X"}
+    assert {0, 1, 100_000, 100_001} <= pids  # predicted and measured devices
+
+
+def test_validate_refuses_a_profile_as_trace(tmp_path, project_env):
+    spec = make_spec(pp=2)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3))
+    result = subprocess.run([sys.executable, "-m", "analysis", "validate", str(profile_path), str(profile_path)],
+                            capture_output=True, text=True, env=project_env, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and "not a trace" in result.stderr and "Traceback" not in result.stderr
