@@ -165,7 +165,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
     from harness.distributed import destroy_process_group, init_process_group, pick_device
     from harness.profilers.comm import CommProfiler
-    from harness.profilers.compute import measure_compute
+    from harness.profilers.compute import measure_compute_share
 
     started = time.time()
     topology: Topology = discover(comm)
@@ -205,22 +205,28 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         comm.Barrier()
         phase_start = time.perf_counter()
         total_compute = sum(len(ids) for ids in placement.compute.values())
-        progress = Progress("compute", total_compute, enabled=show_progress) if rank == 0 else None
+        # progress counts timed samples: every rank samples its whole share once per round
+        progress = Progress("compute", total_compute * repeats, enabled=show_progress,
+                            unit="sample") if rank == 0 else None
         fail_rank = os.environ.get(FAIL_RANK_VAR)
-        for eid in placement.compute.get(rank, []):
-            if fail_rank is not None and int(fail_rank) == rank:
-                raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank}")
-            event = plan.events[eid]
-            t0 = time.perf_counter()
-            samples = measure_compute(spec, event.content, device, warmup, repeats)
-            busy_s += time.perf_counter() - t0
-            recorder.add(Measurement(eid, "compute", event.content, samples, [rank], env_key,
-                                     {"name": event.name, "warmup": warmup, "device": name}))
-            _report_progress(comm, rank, progress, 1)
+        if fail_rank is not None and int(fail_rank) == rank:
+            raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank}")
+
+        def round_done(count: int) -> None:
+            _report_progress(comm, rank, progress, count)
             if rank == 0:
                 _poll_progress(comm, progress)
+
+        share = {eid: plan.events[eid].content for eid in placement.compute.get(rank, [])}
+        t0 = time.perf_counter()
+        measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done)
+        busy_s += time.perf_counter() - t0
+        for eid, samples in measured.items():
+            event = plan.events[eid]
+            recorder.add(Measurement(eid, "compute", event.content, samples, [rank], env_key,
+                                     {"name": event.name, "warmup": warmup, "device": name}))
         if rank == 0:
-            _drain_progress(comm, progress, total_compute)
+            _drain_progress(comm, progress, total_compute * repeats)
             progress.close()
         recorder.flush()
         comm.Barrier()

@@ -10,15 +10,15 @@ from tqdm import tqdm
 class Progress:
     """events done / total, phase, elapsed and ETA; `advance` may be fed by any rank's reports."""
 
-    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = 5.0):
-        self.phase, self.total, self.done = phase, total, 0
+    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = 5.0, unit: str = "event"):
+        self.phase, self.total, self.done, self.unit = phase, total, 0, unit
         self.enabled = enabled and total > 0
         self.start = time.monotonic()
         self.log_every_s = log_every_s
         self._last_log = 0.0
         self._bar = None
         if self.enabled and sys.stderr.isatty():
-            self._bar = tqdm(total=total, desc=phase, unit="event", file=sys.stderr, mininterval=0.5,
+            self._bar = tqdm(total=total, desc=phase, unit=unit, file=sys.stderr, mininterval=0.5,
                              dynamic_ncols=True)
 
     def advance(self, count: int = 1) -> None:
@@ -37,7 +37,7 @@ class Progress:
         elapsed = time.monotonic() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
-        return (f"[{self.phase}] {self.done}/{self.total} events, elapsed {elapsed:.1f} s"
+        return (f"[{self.phase}] {self.done}/{self.total} {self.unit}s, elapsed {elapsed:.1f} s"
                 + (f", ETA {eta:.1f} s" if self.done < self.total and eta == eta else ""))
 
     def close(self) -> None:

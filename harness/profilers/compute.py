@@ -48,34 +48,67 @@ def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: di
     return out
 
 
-def measure_compute(spec: JobSpec, content: dict, device: torch.device, warmup: int, repeats: int) -> np.ndarray:
-    """Samples (seconds) of one compute event: phase fwd, bwd or optimizer of one layer."""
-    layer, make_input = _make_layer(spec, content, device)
-    phase = content["phase"]
-    samples = np.empty(repeats, dtype=np.float64)
-    if phase == "optimizer":
-        optimizer = torch.optim.Adam(layer.parameters(), lr=1e-4)
-        for p in layer.parameters():
-            p.grad = torch.randn_like(p)
-        for i in range(warmup + repeats):
-            t = time_region(optimizer.step, device)
-            if i >= warmup:
-                samples[i - warmup] = t
-        return samples
-    is_last = content["layer"] == "head" or (content["layer"] == "user" and _is_last_user_layer(spec, content))
-    content = dict(content, last=is_last)
-    for i in range(warmup + repeats):
-        x = make_input()
-        if phase == "fwd":
-            t = time_region(lambda: _forward(spec, layer, x, content), device)
-        else:
-            out = _forward(spec, layer, x, content)
-            grad = None if out.dim() == 0 else torch.randn_like(out)
-            synchronize(device)
-            t = time_region(lambda: out.backward(grad), device)
-            layer.zero_grad(set_to_none=True)
-        if i >= warmup:
-            samples[i - warmup] = t
+class ComputeRunner:
+    """One compute event ready to run: its layer, inputs and (for the optimizer step) Adam with gradients."""
+
+    def __init__(self, spec: JobSpec, content: dict, device: torch.device):
+        self.spec, self.device = spec, device
+        self.layer, self.make_input = _make_layer(spec, content, device)
+        self.phase = content["phase"]
+        is_last = content["layer"] == "head" or (content["layer"] == "user" and _is_last_user_layer(spec, content))
+        self.content = dict(content, last=is_last)
+        self.optimizer = None
+        if self.phase == "optimizer":
+            self.optimizer = torch.optim.Adam(self.layer.parameters(), lr=1e-4)
+            for p in self.layer.parameters():
+                p.grad = torch.randn_like(p)
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.layer.parameters())
+
+    def sample(self) -> float:
+        """One timed run (seconds): a forward, a backward after an untimed forward, or an optimizer step."""
+        if self.optimizer is not None:
+            return time_region(self.optimizer.step, self.device)
+        x = self.make_input()
+        if self.phase == "fwd":
+            return time_region(lambda: _forward(self.spec, self.layer, x, self.content), self.device)
+        out = _forward(self.spec, self.layer, x, self.content)
+        grad = None if out.dim() == 0 else torch.randn_like(out)
+        synchronize(self.device)
+        # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
+        return time_region(lambda: out.backward(grad), self.device)
+
+
+def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
+                          repeats: int, on_round: Callable[[int], None] | None = None,
+                          max_parameters: int = 2**28) -> dict[str, np.ndarray]:
+    """Samples of several compute events, taken round-robin: one sample of each event per round.
+
+    Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
+    take all its repeats in a slow moment (on shared machines this halves the spread between runs).
+    Events are held in memory together up to `max_parameters` parameters, in batches beyond that.
+    `on_round(n)` is called after each timed round with the number of events sampled in it.
+    """
+    samples = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
+    pending = list(contents)
+    while pending:
+        runners: dict[str, ComputeRunner] = {}
+        total = 0
+        while pending and (not runners or total < max_parameters):
+            eid = pending.pop(0)
+            runners[eid] = ComputeRunner(spec, contents[eid], device)
+            total += runners[eid].parameters
+        for _ in range(warmup):
+            for runner in runners.values():
+                runner.sample()
+        for i in range(repeats):
+            for eid, runner in runners.items():
+                samples[eid][i] = runner.sample()
+            if on_round is not None:
+                on_round(len(runners))
+        del runners
     return samples
 
 
