@@ -198,6 +198,9 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     warmup, repeats = spec.profile.warmup, spec.profile.repeats
     busy_s = 0.0
 
+    # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
     phase = "compute"
     try:
         # ---- compute: every rank its own share, all at once
