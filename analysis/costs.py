@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from harness.errors import UserError
-from harness.events import INTER, INTRA, EventPlan
+from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 
 from analysis.profile import MeasuredEvent, Profile
 
@@ -131,6 +131,8 @@ class Costs:
 
     events: dict[str, EventCost]
     fits: dict[tuple[str, str], CommFit] = field(default_factory=dict)
+    # compute event id -> seconds of the layer with its tensor-parallel all-reduces, measured together
+    composites: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
 
@@ -215,6 +217,10 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
             continue
         seconds = fit.predict(event.kind, event.bytes, event.group_size)
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
+    for eid, event in plan.events.items():
+        composite = profile.measurements.get(event_id(composite_content(event.content)))
+        if event.kind == "compute" and composite is not None and composite.count:
+            costs.composites[eid] = representative_seconds(composite)
     if no_comm_events:
         costs.warnings.append(
             f"NO COMMUNICATION WAS MEASURED in {profile.path.name} (a {profile.world_size}-rank profile): "

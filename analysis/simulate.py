@@ -154,12 +154,29 @@ class PipelineDevice:
         return self.optimizer_end_s
 
 
+def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -> list[float]:
+    """Durations of a step's items. A tensor-parallel layer profiled as a composite (with its all-reduces, on a
+    real group) takes the composite's time: its compute as profiled alone, its all-reduces share the rest."""
+    out = [costs.seconds(e) for e in items]
+    i = 0
+    while i < len(items):
+        end = i + 1
+        while end < len(items) and layers[end] == -1:  # the layer's inline collectives
+            end += 1
+        if items[i] in costs.composites and end > i + 1:
+            rest = max(0.0, costs.composites[items[i]] - out[i])
+            for k in range(i + 1, end):
+                out[k] = rest / (end - i - 1)
+        i = end
+    return out
+
+
 def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
     """Sum each virtual stage's events into per-step durations (prefix offsets kept for buckets and detail)."""
     out = []
     for program in plan.stages:
-        fwd = [costs.seconds(e) for e in program.forward]
-        bwd = [costs.seconds(e) for e in program.backward]
+        fwd = _step_durations(costs, program.forward, program.forward_layers)
+        bwd = _step_durations(costs, program.backward, program.backward_layers)
         fwd_comm = sum(d for e, d in zip(program.forward, fwd) if plan.events[e].kind != "compute")
         bwd_comm = sum(d for e, d in zip(program.backward, bwd) if plan.events[e].kind != "compute")
         forward_offsets = tuple(accumulate(fwd, initial=0.0))

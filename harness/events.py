@@ -25,6 +25,12 @@ EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
 
 
+def composite_content(content: dict[str, Any]) -> dict[str, Any]:
+    """The content of a tensor-parallel layer profiled as a composite: the layer with its all-reduces, run on
+    a real group of tp ranks (its id hashes this content, so it never collides with the layer alone)."""
+    return {**content, "kind": "composite"}
+
+
 def human_bytes(nbytes: float) -> str:
     """1536 -> '1.5KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -176,9 +176,9 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     plan = plan or build_plan(spec)
     comm_backend = spec.profile.backend
     dist_backend = None
-    if topology.size > 1 and comm_backend == "torch":
+    if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
         dist_backend = init_process_group(comm, topology, device, spec.profile.timeout_s)
-    backend_label = f"torch-{dist_backend}" if dist_backend else comm_backend
+    backend_label = f"torch-{dist_backend}" if dist_backend and comm_backend == "torch" else comm_backend
     name = device_name(device)
     env_key = environment_key(name, backend_label)
 
@@ -235,11 +235,30 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         comm.Barrier()
         compute_wall_s = time.perf_counter() - phase_start
 
+        # ---- tensor-parallel layers as composites on real tp groups, one group at a time
+        phase = "tensor-parallel composites"
+        watchdog.start(phase)
+        profiler = CommProfiler(comm, comm_backend, device)
+        progress = Progress(phase, len(placement.composites), enabled=show_progress) if rank == 0 else None
+        for task in placement.composites:
+            t0 = time.perf_counter()
+            samples = profiler.measure_composite(task, spec, warmup, repeats)
+            if rank in task.ranks:
+                busy_s += time.perf_counter() - t0
+            if samples is not None:
+                recorder.add(Measurement(task.id, "composite", task.content, samples, list(task.ranks), env_key,
+                                         {"group_size": len(task.ranks), "placement": "intra",
+                                          "backend": backend_label, "warmup": warmup}))
+            if rank == 0:
+                progress.advance()
+        if rank == 0:
+            progress.close()
+        recorder.flush()
+
         # ---- communication: one group at a time, every rank in step
         phase = "communication"
         watchdog.start(phase)
         phase_start = time.perf_counter()
-        profiler = CommProfiler(comm, comm_backend, device)
         progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
         for task in placement.comm:
             t0 = time.perf_counter()
@@ -294,7 +313,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
                          events=plan.table(),
                          measurements=merged.values(), unmeasured=unmeasured, environment=environment,
                          placement={eid: ranks for eid, ranks in owners.items()})
-    measured_now = sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
+    measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
+                    + len(placement.composites))
     return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
                          wall_s=finished - started, device_seconds=float(sum(busy)),
                          sample_seconds=float(sum(m.samples_s.sum() for m in merged.values())))

@@ -12,7 +12,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.events import INTER, INTRA, EventPlan, event_id
+from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 from launcher.topology import Topology
 
 SWEEP_DIVISOR = 16  # the extra, smaller message of every communication need
@@ -37,6 +37,7 @@ class Placement:
     compute: dict[int, list[str]]  # rank -> compute event ids
     comm: list[CommTask]
     unmeasured: dict[str, str]  # event id -> reason
+    composites: list[CommTask] = field(default_factory=list)  # tensor-parallel layers on a real tp group
 
     def owner_of(self) -> dict[str, list[int]]:
         """Event id -> ranks that measure it (for the profile's /placement table)."""
@@ -44,7 +45,7 @@ class Placement:
         for rank, ids in self.compute.items():
             for eid in ids:
                 owners.setdefault(eid, []).append(rank)
-        for task in self.comm:
+        for task in self.comm + self.composites:
             owners.setdefault(task.id, list(task.ranks))
         return owners
 
@@ -130,4 +131,21 @@ def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> 
                 add(stand, ranks, False)
     comm = sorted(tasks.values(), key=lambda t: (t.kind, t.content.get("placement", ""),
                                                  t.content.get("group", 2), t.content["bytes"], t.id))
-    return Placement(compute=compute, comm=comm, unmeasured=unmeasured)
+    return Placement(compute=compute, comm=comm, unmeasured=unmeasured,
+                     composites=_composites(plan, topology, skip))
+
+
+def _composites(plan: EventPlan, topology: Topology, skip: set[str]) -> list[CommTask]:
+    """Each tensor-parallel layer's forward and backward, to run with its all-reduces on tp ranks of one node
+    (DistSim's composite events: they catch the skew between the ranks that separate events miss)."""
+    out = []
+    for eid, event in sorted(plan.events.items()):
+        tp = int(event.content.get("signature", {}).get("tp", 1))
+        if event.kind != "compute" or tp < 2 or event.content.get("phase") not in ("fwd", "bwd"):
+            continue
+        ranks = _group_ranks(topology, tp, INTRA)
+        content = composite_content(event.content)
+        cid = event_id(content)
+        if ranks is not None and cid not in skip:
+            out.append(CommTask(cid, "composite", content, ranks, needed=False))
+    return out

@@ -114,3 +114,23 @@ def test_strategy_override_changes_the_simulated_job(tmp_path):
     assert prediction.timeline.batch_time_s == pytest.approx((4 + 1) * (T_F + T_B))
     gpipe = predict(path, strategy="schedule=gpipe").timeline
     assert gpipe.batch_time_s == pytest.approx(predict(path).timeline.batch_time_s)
+
+
+def test_composite_replaces_a_tensor_parallel_layer_and_its_all_reduces():
+    """A block measured as a composite takes the composite's time: its all-reduces share what the block's
+    compute alone does not explain; other layers are untouched."""
+    from analysis.costs import Costs
+    from analysis.simulate import stage_costs
+    from harness.events import build_plan
+
+    spec = make_spec(tp=2, micro_batches=1, layers=2)
+    plan = build_plan(spec)
+    seconds = {eid: (1e-3 if e.kind == "compute" else 5e-4) for eid, e in plan.events.items()}
+    costs = Costs.from_seconds(plan, seconds)
+    (block_fwd,) = [eid for eid, e in plan.events.items() if e.name == "gpt2.block.fwd"]
+    before = stage_costs(plan, costs)[0].forward_s
+    costs.composites[block_fwd] = 4e-3  # compute 1 ms + all-reduces 3 ms, measured together
+    after = stage_costs(plan, costs)[0]
+    # two blocks: each was 1 + 2 x 0.5 = 2 ms, now 4 ms
+    assert after.forward_s == pytest.approx(before + 2 * 2e-3)
+    assert after.forward_comm_s == pytest.approx(2 * 3e-3)

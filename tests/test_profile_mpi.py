@@ -94,3 +94,23 @@ def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
                 seen.add((str(g.attrs["kind"]), str(placement)))
             assert {("p2p", "inter"), ("allreduce", "intra")} <= seen
             assert set(plan.events) <= set(f["measurements"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
+    """tp=2 blocks run with their all-reduces on a real group of 2 ranks; the sample is the max over the group."""
+    from harness.events import composite_content, event_id
+    from harness.profile_run import run_profile
+
+    comm = _world()
+    outdir = _shared_dir(tmp_path) / "tp"
+    spec = _spec(tp=2, global_batch=4, micro=2, nodes=1, gpus_per_node=2)
+    run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        plan = build_plan(spec)
+        blocks = [e for e in plan.events.values() if e.name in ("gpt2.block.fwd", "gpt2.block.bwd")]
+        with h5py.File(outdir / "profile.h5") as f:
+            for block in blocks:
+                g = f["measurements"][event_id(composite_content(block.content))]
+                assert g.attrs["kind"] == "composite" and list(g.attrs["ranks"]) == [0, 1]
+                assert (g["samples_s"][()] > 0).all()

@@ -52,6 +52,9 @@ def load_summary(path: Path) -> dict:
 
 
 def _describe(content: dict) -> str:
+    if content["kind"] == "composite":
+        sig = content["signature"]
+        return f"{sig.get('family')}.{content['layer']}.{content['phase']} composite on tp={sig.get('tp')}"
     extra = f" x{content['group']}" if "group" in content else ""
     return f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} (fit point)"
 

@@ -32,6 +32,30 @@ class CommProfiler:
             self._torch_groups[ranks] = dist.new_group(list(ranks))  # collective over the whole world
         return self._torch_groups[ranks]
 
+    def measure_composite(self, task: CommTask, spec, warmup: int, repeats: int) -> np.ndarray | None:
+        """A tensor-parallel layer with its all-reduces on the task's real group: per repeat, barrier, then the
+        layer's forward (or backward) timed on every member; a sample is the max over the group. Collective
+        over the world (the group is created by all ranks); samples on the task's first rank, None elsewhere."""
+        from harness.profilers.compute import ComputeRunner
+
+        members = task.ranks
+        group = self._torch_group(members)
+        samples = None
+        if self.rank in members:
+            content = {k: v for k, v in task.content.items() if k != "kind"}
+            runner = ComputeRunner(spec, {**content, "kind": "compute"}, self.device, group=group)
+            local = np.empty(repeats, dtype=np.float64)
+            for i in range(warmup + repeats):
+                dist.barrier(group=group)
+                t = runner.sample()
+                if i >= warmup:
+                    local[i - warmup] = t
+            worst = torch.from_numpy(local).to(self.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            samples = worst.cpu().numpy()
+        self.comm.Barrier()
+        return samples if self.rank == members[0] else None
+
     def _buffer(self, task: CommTask) -> torch.Tensor:
         dtype = TORCH_DTYPES[task.content["dtype"]]
         elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())

@@ -15,7 +15,8 @@ from harness.profilers.timer import synchronize, time_region
 from harness.spec import JobSpec
 
 
-def _make_layer(spec: JobSpec, content: dict, device: torch.device) -> tuple[torch.nn.Module, Callable]:
+def _make_layer(spec: JobSpec, content: dict, device: torch.device,
+                group=None) -> tuple[torch.nn.Module, Callable]:
     """The layer of a compute event and a function returning a fresh input for it."""
     model = spec.model
     kind = content["layer"]
@@ -34,7 +35,7 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device) -> tuple[tor
         features = descs[index - 1].out_features
         layer = layer.to(device)
         return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=dtype, requires_grad=True)
-    layer = build_layer(model, kind, tp=int(signature.get("tp", 1))).to(device)
+    layer = build_layer(model, kind, tp=int(signature.get("tp", 1)), group=group).to(device)
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
     return layer, lambda: torch.randn(micro, seq, model.hidden, device=device, dtype=dtype, requires_grad=True)
@@ -51,9 +52,10 @@ def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: di
 class ComputeRunner:
     """One compute event ready to run: its layer, inputs and (for the optimizer step) Adam with gradients."""
 
-    def __init__(self, spec: JobSpec, content: dict, device: torch.device):
+    def __init__(self, spec: JobSpec, content: dict, device: torch.device, group=None):
+        """`group`: a real tensor-parallel process group, to run the layer with its all-reduces (composite)."""
         self.spec, self.device = spec, device
-        self.layer, self.make_input = _make_layer(spec, content, device)
+        self.layer, self.make_input = _make_layer(spec, content, device, group)
         self.phase = content["phase"]
         is_last = content["layer"] == "head" or (content["layer"] == "user" and _is_last_user_layer(spec, content))
         self.content = dict(content, last=is_last)
