@@ -181,7 +181,7 @@ def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[f
     points: dict[tuple[str, str], list[tuple[float, int, float]]] = {}
     for m in profile.measurements.values():
         if m.kind in COMM_KINDS and m.placement in PLACEMENTS and m.count:
-            points.setdefault((m.kind, m.placement), []).append((m.nbytes, m.group_size, representative_seconds(m)))
+            points.setdefault((m.kind, m.placement), []).append((m.bytes, m.group_size, representative_seconds(m)))
     return points
 
 

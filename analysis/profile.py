@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from harness.errors import UserError
+from harness.events import CommunicationFields
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
@@ -24,7 +25,7 @@ _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
 
 
 @dataclass
-class MeasuredEvent:
+class MeasuredEvent(CommunicationFields):
     """One measured event: its content and summary statistics; the raw samples (seconds), the ranks that
     measured it and its other attributes are read from the file on first use."""
 
@@ -75,18 +76,6 @@ class MeasuredEvent:
     def attrs(self) -> dict[str, Any]:
         return self._detail("attrs")
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.content.get("bytes", 0))
-
-    @property
-    def group_size(self) -> int:
-        return int(self.content.get("group", 2 if self.kind == "p2p" else 1))
-
-    @property
-    def placement(self) -> str | None:
-        placement = self.content.get("placement")
-        return None if placement is None else str(placement)
 
 
 @dataclass

@@ -46,15 +46,11 @@ def event_id(content: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class Event:
-    """A unique event: `cost` is estimated FLOPs for compute events and bytes for communication."""
+class CommunicationFields:
+    """Message size, group size and placement read from `self.content` (events and measurements alike)."""
 
-    id: str
-    kind: str  # compute | p2p | allreduce
-    name: str
-    content: dict = field(hash=False, compare=False)
-    cost: float = 0.0
+    kind: str
+    content: dict
 
     @property
     def bytes(self) -> int:
@@ -66,7 +62,19 @@ class Event:
 
     @property
     def placement(self) -> str | None:
-        return self.content.get("placement")
+        placement = self.content.get("placement")
+        return None if placement is None else str(placement)
+
+
+@dataclass(frozen=True)
+class Event(CommunicationFields):
+    """A unique event: `cost` is estimated FLOPs for compute events and bytes for communication."""
+
+    id: str
+    kind: str  # compute | p2p | allreduce
+    name: str
+    content: dict = field(hash=False, compare=False)
+    cost: float = 0.0
 
 
 @dataclass
