@@ -305,7 +305,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
         "mpi_library": _mpi_library(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
-        "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
+        "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
         "warmup": warmup, "repeats": repeats,
     }
     path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
@@ -318,6 +318,16 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
                          wall_s=finished - started, device_seconds=float(sum(busy)),
                          sample_seconds=float(sum(m.samples_s.sum() for m in merged.values())))
+
+
+def _slurm_environment(topology: Topology) -> dict:
+    """Slurm's view of the job (variables, nodes expanded), empty outside Slurm."""
+    from launcher.topology import expand_nodelist
+
+    slurm = dict(topology.extra.get("slurm", {}))
+    if "SLURM_JOB_NODELIST" in slurm:
+        slurm["nodes"] = expand_nodelist(slurm["SLURM_JOB_NODELIST"])
+    return slurm
 
 
 def _own_previous(outdir: Path, rank: int) -> dict[str, Measurement]:

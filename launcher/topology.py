@@ -90,6 +90,40 @@ def launcher_name(environ: dict[str, str] | None = None) -> str:
     return "singleton"
 
 
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+              "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_STEP_GPUS")
+
+
+def slurm_context(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The Slurm variables of this task (empty outside Slurm), recorded with every profile."""
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in SLURM_VARS if name in env}
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`scontrol show hostnames` of a Slurm node list (the list itself if scontrol is not there)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+        return out.split() or [nodelist]
+    except (OSError, subprocess.SubprocessError):
+        return [nodelist]
+
+
+def check_slurm_task(rank: int, node: int, local_rank: int, environ: dict[str, str] | None = None) -> None:
+    """Under a direct `srun` launch, Slurm's task ids must be MPI's: SLURM_PROCID is the rank, SLURM_NODEID
+    and SLURM_LOCALID the node and local rank (mpirun inside an allocation sets its own, so not checked)."""
+    env = os.environ if environ is None else environ
+    if launcher_name(env) != "srun":
+        return
+    for name, ours in (("SLURM_PROCID", rank), ("SLURM_NODEID", node), ("SLURM_LOCALID", local_rank)):
+        if name in env and int(env[name]) != ours:
+            raise LaunchError(f"{name}={env[name]} but MPI says {ours}: srun's task layout and MPI's disagree; "
+                              "launch with srun --mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI)")
+
+
 def check_world_size(size: int, environ: dict[str, str] | None = None) -> None:
     """Raise LaunchError when MPI's world size disagrees with the launcher's promise."""
     promised = promised_world_size(environ)
@@ -118,10 +152,14 @@ def discover(comm) -> Topology:
         except (ValueError, AssertionError):
             raise UserError(f"{EMULATE_VAR}={emulate!r} must be a positive integer (ranks per emulated node)")
         node_of = tuple(r // per_node for r in range(size))
-        return Topology(rank, size, node_of, hostnames, source="emulated", launcher=launcher_name())
+        return Topology(rank, size, node_of, hostnames, source="emulated", launcher=launcher_name(),
+                        extra={"slurm": slurm_context()})
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     leader = local.allreduce(rank, op=MPI.MIN)  # the lowest world rank on my node names the node
     local.Free()
     leaders = comm.allgather(leader)
     order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
-    return Topology(rank, size, tuple(order[lead] for lead in leaders), hostnames, launcher=launcher_name())
+    topology = Topology(rank, size, tuple(order[lead] for lead in leaders), hostnames, launcher=launcher_name(),
+                        extra={"slurm": slurm_context()})
+    check_slurm_task(rank, topology.node, topology.local_rank)
+    return topology

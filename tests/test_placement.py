@@ -75,3 +75,16 @@ def test_world_size_promises():
     check_world_size(4, {"OMPI_COMM_WORLD_SIZE": "4"})
     with pytest.raises(LaunchError, match="world size is 1 but the launcher promised 2"):
         check_world_size(1, {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+
+
+def test_srun_task_layout_must_match_mpi():
+    from launcher.topology import check_slurm_task, slurm_context
+
+    srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "1", "PMI_SIZE": "2",
+            "SLURM_JOB_NODELIST": "node[01-02]"}
+    check_slurm_task(1, 0, 1, srun)
+    with pytest.raises(LaunchError, match="SLURM_PROCID=1 but MPI says 0"):
+        check_slurm_task(0, 0, 0, srun)
+    mpirun_in_allocation = dict(srun, PMI_PORT="x")  # hydra's own ids: Slurm's are not the ranks'
+    check_slurm_task(0, 0, 0, mpirun_in_allocation)
+    assert slurm_context(srun)["SLURM_JOB_NODELIST"] == "node[01-02]"

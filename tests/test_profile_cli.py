@@ -1,6 +1,7 @@
 """`harness profile` as users run it: under mpirun, failures end the job, mismatched launches are caught."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,14 +27,19 @@ def spec_file(tmp_path):
                       global_batch=4, micro=2, warmup=1, repeats=2)
 
 
-def test_profile_under_mpirun_and_show(tmp_path, spec_file, project_env):
+@pytest.mark.parametrize("backend", ["torch", "mpi4py"])
+def test_profile_under_mpirun_and_show(tmp_path, spec_file, project_env, backend):
     out = tmp_path / "out"
-    result = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"], project_env)
+    result = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet", "--backend", backend], project_env)
     assert result.returncode == 0, result.stderr
     assert "profile:" in result.stdout and (out / "profile.h5").exists()
     show = subprocess.run([sys.executable, "-m", "harness", "show", str(out / "profile.h5"), "--json"],
                           capture_output=True, text=True, env=project_env)
     assert show.returncode == 0 and '"schema_version": 1' in show.stdout
+    summary = json.loads(show.stdout)
+    expected = "torch-gloo" if backend == "torch" else "mpi4py"
+    assert summary["environment"]["backend"] == expected
+    assert any(m["kind"] == "allreduce" and m["needed"] for m in summary["measurements"])
 
 
 def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, project_env):
