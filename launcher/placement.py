@@ -17,6 +17,10 @@ from launcher.topology import Topology
 
 SWEEP_DIVISOR = 16  # the extra, smaller message of every communication need
 MIN_SWEEP_BYTES = 1024
+# A roofline for balancing only: FLOPs per byte moved at which a device turns from memory- to compute-bound.
+# Optimizer steps and embeddings do few FLOPs but move every parameter several times.
+FLOPS_PER_BYTE = 10.0
+OPTIMIZER_BYTES_PER_PARAMETER = 32  # Adam reads and writes parameter, gradient and two moments
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,32 @@ class Placement:
         for task in self.comm + self.composites:
             owners.setdefault(task.id, list(task.ranks))
         return owners
+
+
+def balancing_cost(plan: EventPlan, event) -> float:
+    """A compute event's estimated cost in FLOP-equivalents: the larger of its FLOPs and its memory traffic
+    (parameters, and activations in and out) times FLOPS_PER_BYTE."""
+    content = event.content
+    dtype_bytes = plan.spec.model.dtype_bytes
+    if content["phase"] == "optimizer":
+        moved = content["params"] * OPTIMIZER_BYTES_PER_PARAMETER
+    else:
+        index = next((i for i, layer in enumerate(plan.layers) if dict(layer.signature) == content["signature"]), 0)
+        layer = plan.layers[index]
+        features = plan.layers[index - 1].out_features if index > 0 else ()
+        tokens = content["micro"] * content["seq"]
+        activations = tokens * (_prod(features) + _prod(layer.out_features)) * dtype_bytes
+        moved = layer.params * dtype_bytes + activations
+        if content["phase"] == "bwd":
+            moved *= 2
+    return max(event.cost, moved * FLOPS_PER_BYTE)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out if shape else 1
 
 
 def balance(costs: dict[str, float], ranks: int) -> dict[int, list[str]]:
@@ -99,7 +129,7 @@ def _largest_feasible(topology: Topology, size: int, placement: str) -> int:
 
 def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> Placement:
     """Place the plan's events over the ranks of `topology`; ids in `skip` are already measured."""
-    costs = {eid: e.cost for eid, e in plan.events.items() if e.kind == "compute" and eid not in skip}
+    costs = {eid: balancing_cost(plan, e) for eid, e in plan.events.items() if e.kind == "compute" and eid not in skip}
     compute = balance(costs, topology.size)
     tasks: dict[str, CommTask] = {}
     unmeasured: dict[str, str] = {}
