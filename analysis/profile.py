@@ -108,6 +108,8 @@ class Profile:
 def load_profile(path: str | Path) -> Profile:
     """Read profile.h5; UserError if it is missing, not a merged profile, or of an unknown schema_version."""
     path = Path(path)
+    if path.is_dir():  # an OUTDIR of `harness profile`
+        path = path / "profile.h5"
     if not path.exists():
         raise UserError(f"{path}: profile not found; give the profile.h5 written by "
                         "`mpirun -n N python -m harness profile SPEC -o OUTDIR`")
@@ -154,6 +156,11 @@ def layers_for(profile: Profile, spec: JobSpec) -> list[LayerDesc] | None:
     the profile's stored descriptions for a user model (its code is not needed offline)."""
     if spec.model.family != "user":
         return None
+    stored = profile.spec.model
+    if stored.factory != spec.model.factory or stored.layers != spec.model.layers:
+        raise UserError(f"{profile.path} profiles {stored.factory or stored.name!r} ({stored.layers} layers), not "
+                        f"{spec.model.factory!r} ({spec.model.layers} layers): a user model's layers come from its "
+                        "own profile; profile this spec")
     if not profile.layers:
         raise UserError(f"{profile.path}: the profile stores no layer descriptions (layers_json) for the user "
                         f"model {spec.model.name!r}; profile it again with the current harness")

@@ -17,17 +17,19 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import build_plan
+from harness.layers import LayerDesc
 
 from analysis.costs import estimate_costs
-from analysis.profile import Profile, layers_for, parse_spec_offline
+from analysis.profile import Profile, parse_spec_offline
 from analysis.runtrace import Trace
 from analysis.simulate import Timeline, simulate
 
 REPORT_VERSION = 1
 
 
-def _pct(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured * 100.0 if measured > 0 else float("nan")
+def _pct(predicted: float, measured: float) -> float | None:
+    """Relative error in percent; None (JSON null) when nothing was measured."""
+    return (predicted - measured) / measured * 100.0 if measured > 0 else None
 
 
 @dataclass
@@ -48,8 +50,8 @@ class Validation:
         return _pct(self.predicted_batch_s, self.measured_batch_s)
 
     @property
-    def device_error_pct(self) -> float:
-        return max((abs(d["error_pct"]) for d in self.devices), default=float("nan"))
+    def device_error_pct(self) -> float | None:
+        return max((abs(d["error_pct"]) for d in self.devices if d["error_pct"] is not None), default=None)
 
     def stage_rows(self) -> list[dict[str, Any]]:
         """Per virtual stage and phase: median measured and predicted step, and the worst micro-batch."""
@@ -62,7 +64,8 @@ class Validation:
             predicted = float(np.median([r["predicted_s"] for r in rows]))
             out.append({"virtual_stage": vs, "phase": phase, "measured_s": measured, "predicted_s": predicted,
                         "error_pct": _pct(predicted, measured),
-                        "max_micro_error_pct": max(abs(r["error_pct"]) for r in rows)})
+                        "max_micro_error_pct": max((abs(r["error_pct"]) for r in rows if r["error_pct"] is not None),
+                                                   default=None)})
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,7 +81,7 @@ class Validation:
             "devices": self.devices,
             "stages": self.stage_rows(),
             "steps": self.steps,
-            "extrapolated": sorted(self.timeline.costs.extrapolated),
+            "extrapolated": [c.to_dict() for c in self.timeline.costs.extrapolated],
             "warnings": list(self.timeline.costs.warnings),
         }
 
@@ -92,7 +95,8 @@ def _predicted_busy(timeline: Timeline, stage: int) -> float:
 def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> Validation:
     """Predict the traced run's spec from `profile` and compare it with what the run measured."""
     spec = parse_spec_offline(trace.spec, source=f"{trace.path}:spec_json")
-    plan = build_plan(spec, layers_for(profile, spec))
+    layers = [LayerDesc.from_dict(d) for d in trace.layers] if spec.model.family == "user" else None
+    plan = build_plan(spec, layers)
     costs = estimate_costs(plan, profile)
     timeline = simulate(plan, costs, dp_overlap)
     measured = [float(t) for t in trace.iteration_times()]

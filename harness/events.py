@@ -25,6 +25,14 @@ EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
 
 
+def layer_label(layer: LayerDesc) -> str:
+    """'gpt2.block', or for a factory model 'user.Mixer#1' (its class and first position)."""
+    sig = dict(layer.signature)
+    if layer.kind == "user":
+        return f"user.{str(sig.get('class', 'layer')).rsplit('.', 1)[-1]}#{layer.index}"
+    return f"{sig.get('family')}.{layer.kind}"
+
+
 def composite_content(content: dict[str, Any]) -> dict[str, Any]:
     """The content of a tensor-parallel layer profiled as a composite: the layer with its all-reduces, run on
     a real group of tp ranks (its id hashes this content, so it never collides with the layer alone)."""
@@ -179,7 +187,7 @@ class EventPlan:
                 sig = dict(layer.signature)
                 compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
                 f_flops = layer.fwd_flops(micro, seq)
-                label = f"{sig.get('family', 'user')}.{layer.kind}"
+                label = layer_label(layer)
                 fwd.append(self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, f_flops,
                                      m * devices_per_stage))
                 fwd_layers.append(index_of[id(layer)])
@@ -192,7 +200,7 @@ class EventPlan:
                                       "params": layer.params}, 12.0 * layer.params, devices_per_stage))
             for layer in reversed(stage_layers):
                 sig = dict(layer.signature)
-                label = f"{sig.get('family', 'user')}.{layer.kind}"
+                label = layer_label(layer)
                 compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
                 bwd.append(self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"},
                                      2.0 * layer.fwd_flops(micro, seq), m * devices_per_stage))

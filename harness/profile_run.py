@@ -131,11 +131,12 @@ class RankRecorder:
         self._last_flush = time.monotonic()
 
 
-def _report_progress(comm, rank: int, progress: Progress | None, count: int) -> None:
+def _report_progress(comm, rank: int, progress: Progress | None, count: int, requests: list) -> None:
+    """Rank 0 counts its own progress; the others send theirs to rank 0 without waiting (see _drain_progress)."""
     if rank == 0:
         progress.advance(count)
     else:
-        comm.isend(count, dest=0, tag=PROGRESS_TAG)
+        requests.append(comm.isend(count, dest=0, tag=PROGRESS_TAG))
 
 
 def _drain_progress(comm, progress: Progress, expected: int) -> None:
@@ -170,40 +171,44 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     started = time.time()
     topology: Topology = discover(comm)
     rank = topology.rank
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    device = pick_device(topology, spec.profile.device)
-    outdir.mkdir(parents=True, exist_ok=True)
-    plan = plan or build_plan(spec)
-    comm_backend = spec.profile.backend
-    dist_backend = None
-    if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
-        dist_backend = init_process_group(comm, topology, device, spec.profile.timeout_s)
-    backend_label = f"torch-{dist_backend}" if dist_backend and comm_backend == "torch" else comm_backend
-    name = device_name(device)
-    env_key = environment_key(name, backend_label)
-
-    # Set-up on rank 0: what is stored already, and the placement; everyone gets the same answer.
-    if rank == 0:
-        stored = {} if force else _stored(outdir, env_key)
-        placement = place(plan, topology, skip=set(stored))
-        setup = (sorted(stored), placement)
-    else:
-        setup = None
-    stored_ids, placement = comm.bcast(setup, root=0)
-    placement: Placement
-    previous = {} if force else {k: m for k, m in _own_previous(outdir, rank).items() if m.env_key == env_key}
-    meta = {"env_key": env_key, "hostname": socket.gethostname(), "device": name}
-    recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous)
-    watchdog = Watchdog(comm, rank, spec.profile.timeout_s)
     warmup, repeats = spec.profile.warmup, spec.profile.repeats
+    watchdog = Watchdog(comm, rank, spec.profile.timeout_s)
+    recorder: RankRecorder | None = None
     busy_s = 0.0
-
-    # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-
-    phase = "compute"
+    phase = "set-up"
     try:
+        watchdog.start(phase)
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        device = pick_device(topology, spec.profile.device)
+        outdir.mkdir(parents=True, exist_ok=True)
+        plan = plan or build_plan(spec)
+        comm_backend = spec.profile.backend
+        if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
+            init_process_group(comm, topology, device, spec.profile.timeout_s)
+        # the label names the backend that measured, whatever the world size (resume compares it)
+        backend_label = f"torch-{'nccl' if device.type == 'cuda' else 'gloo'}" if comm_backend == "torch" \
+            else comm_backend
+        name = device_name(device)
+        env_key = environment_key(name, backend_label)
+
+        # Set-up on rank 0: what is stored already, and the placement; everyone gets the same answer.
+        if rank == 0:
+            stored = {} if force else _stored(outdir, env_key)
+            placement = place(plan, topology, skip=set(stored))
+            setup = (sorted(stored), placement)
+        else:
+            setup = None
+        stored_ids, placement = comm.bcast(setup, root=0)
+        placement: Placement
+        previous = {} if force else {k: m for k, m in _own_previous(outdir, rank).items() if m.env_key == env_key}
+        meta = {"env_key": env_key, "hostname": socket.gethostname(), "device": name}
+        recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous)
+
+        # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
         # ---- compute: every rank its own share, all at once
+        phase = "compute"
         watchdog.start(phase)
         comm.Barrier()
         phase_start = time.perf_counter()
@@ -215,8 +220,10 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         if fail_rank is not None and int(fail_rank) == rank:
             raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank}")
 
+        reports: list = []
+
         def round_done(count: int) -> None:
-            _report_progress(comm, rank, progress, count)
+            _report_progress(comm, rank, progress, count, reports)
             if rank == 0:
                 _poll_progress(comm, progress)
 
@@ -231,6 +238,9 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         if rank == 0:
             _drain_progress(comm, progress, total_compute * repeats)
             progress.close()
+        from mpi4py import MPI
+
+        MPI.Request.Waitall(reports)
         recorder.flush()
         comm.Barrier()
         compute_wall_s = time.perf_counter() - phase_start
@@ -280,8 +290,11 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     except Exception as exc:  # any failure ends every rank now, with this rank's message
         print(f"harness profile: rank {rank} ({topology.hostnames[rank]}) failed in phase '{phase}': "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        recorder.flush()
-        comm.Abort(1)
+        try:
+            if recorder is not None:
+                recorder.flush()  # keep what this rank finished
+        finally:
+            comm.Abort(1)
         raise
 
     busy = comm.gather(busy_s, root=0)
@@ -357,3 +370,7 @@ def check_outdir(outdir: Path) -> None:
     """Refuse an output path that is a file or cannot be created (before any rank starts measuring)."""
     if outdir.exists() and not outdir.is_dir():
         raise UserError(f"output {outdir} exists and is not a folder; give a folder for the profile (-o OUTDIR)")
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the output folder {outdir}: {exc.strerror}; give a writable folder (-o)")

@@ -173,8 +173,8 @@ class JobSpec:
                                 f"{', '.join(sorted(_SECTIONS['strategy'] | _SECTIONS['batch'] | _SECTIONS['cluster']))}",
                                 source="--strategy")
             data[section][key] = value
-        if "schedule" in changes and changes["schedule"] != "interleaved-1f1b" and "chunks" not in changes:
-            data["strategy"]["chunks"] = 1
+        if "schedule" in changes and "chunks" not in changes:  # the schedule's default, as in a TOML spec
+            data["strategy"]["chunks"] = 2 if changes["schedule"] == "interleaved-1f1b" else 1
         if not {"nodes", "gpus_per_node"} & set(changes):
             # Another strategy usually means another device count: keep the node size, change the node count.
             world = data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
@@ -195,6 +195,8 @@ def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
         raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)", source=str(path))
     except OSError as exc:
         raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path))
+    except UnicodeDecodeError:
+        raise SpecError("is not UTF-8 text; a spec is a TOML file (see docs/spec.md)", source=str(path))
     return loads_spec(text, source=str(path), import_factory=import_factory)
 
 
@@ -380,6 +382,9 @@ def _parse_spec(data: dict, check_cluster: bool, import_factory: bool) -> JobSpe
             if getattr(model, key) % strategy.tp:
                 raise SpecError(f"{key} ({getattr(model, key)}) must be divisible by tp ({strategy.tp})",
                                 field=f"model.{key}")
+    if profile.backend == "mpi4py" and model.dtype == "bfloat16":
+        raise SpecError("the mpi4py backend cannot send bfloat16 (numpy has no such type); use backend = 'torch' "
+                        "or dtype float16/float32", field="profile.backend")
     if batch.global_size % (strategy.dp * batch.micro):
         raise SpecError(f"global ({batch.global_size}) must be divisible by dp x micro = "
                         f"{strategy.dp} x {batch.micro} = {strategy.dp * batch.micro}", field="batch.global")

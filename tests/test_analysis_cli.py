@@ -146,3 +146,15 @@ def test_help_lists_the_options(capsys):
     assert exit.value.code == 0
     out = capsys.readouterr().out
     assert all(option in out for option in ("--spec", "--strategy", "--no-overlap", "--devices", "--trace", "--png"))
+
+
+def test_unwritable_outputs_are_bad_input(tmp_path):
+    from tests.test_analysis_helpers import by_name, make_spec, run_python, write_handmade_profile
+
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2), by_name({}, default=1e-3))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for option in ("--trace", "--png", "--out"):
+        result = run_python(f"import sys; from analysis.cli import main; "
+                            f"sys.exit(main(['simulate', {str(profile_path)!r}, {option!r}, {str(blocker / 'x')!r}]))")
+        assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr

@@ -67,3 +67,12 @@ def test_bad_spec_exits_2_once(tmp_path, project_env):
     result = mpirun(2, ["profile", str(bad), "-o", str(tmp_path / "o")], project_env)
     assert result.returncode == 2
     assert result.stderr.count("unknown model 'gpt5'") == 1 and "Traceback" not in result.stderr
+    assert "MPI_Abort" not in result.stderr + result.stdout
+
+
+def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = mpirun(2, ["profile", str(spec_file), "-o", str(blocker / "out")], project_env)
+    assert result.returncode == 2 and "cannot create the output folder" in result.stderr
+    assert "Traceback" not in result.stderr and "MPI_Abort" not in result.stderr

@@ -146,3 +146,21 @@ def test_cli_exit_status_2_without_traceback(tmp_path, project_env):
     assert "Traceback" not in result.stderr
     assert "[model.name]" in result.stderr and "unknown model 'gpt5'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_spec_that_is_not_text(tmp_path):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(SpecError, match="not UTF-8"):
+        load_spec(path)
+
+
+def test_switching_to_interleaved_takes_its_default_chunks():
+    spec = loads_spec(tiny_spec_text(layers=8, pp=2, global_batch=8, micro=2))
+    assert spec.with_changes(schedule="interleaved-1f1b").strategy.chunks == 2
+    assert spec.with_changes(schedule="interleaved-1f1b", chunks=4).strategy.chunks == 4
+
+
+def test_mpi4py_backend_refuses_bfloat16():
+    text = tiny_spec_text(extra='backend = "mpi4py"\n').replace('dtype = "float32"', 'dtype = "bfloat16"')
+    assert "[profile.backend]" in _error(text)

@@ -109,3 +109,18 @@ def test_validate_refuses_a_profile_as_trace(tmp_path, project_env):
     result = subprocess.run([sys.executable, "-m", "analysis", "validate", str(profile_path), str(profile_path)],
                             capture_output=True, text=True, env=project_env, timeout=60, cwd=ROOT)
     assert result.returncode == 2 and "not a trace" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_json_report_with_extrapolated_events(tmp_path):
+    """A run validated against a profile that lacks some communication: the report still serialises."""
+    from tests.test_analysis_helpers import comm_point
+
+    spec = make_spec(pp=2, micro_batches=2, layers=2)
+    point = comm_point("allreduce", 4096, "intra", 1e-4)  # no communication event measured, one point to fit
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                          lambda e: 1e-3 if e.kind == "compute" else None, extra=[point])
+    timeline = predict(profile_path).timeline
+    trace = read_trace(write_scaled_trace(tmp_path / "trace.h5", timeline, 1.1))
+    report = validate(trace, load_profile(profile_path)).to_dict()
+    assert report["extrapolated"] and all("id" in item for item in report["extrapolated"])
+    json.loads(json.dumps(report, allow_nan=False))

@@ -6,6 +6,7 @@ import json
 import sys
 
 from analysis.devices import plot_devices, select_devices
+from analysis.outputs import writable
 from analysis.predict import predict
 from analysis.report import format_report, summary
 
@@ -38,16 +39,16 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from analysis.trace import write_trace
 
-        written.append(("trace", write_trace(args.trace, timeline, ranks)))
+        written.append(("trace", writable(args.trace, lambda: write_trace(args.trace, timeline, ranks))))
     if args.png:
         from analysis.plot import write_gantt
 
         rows, note = plot_devices(prediction.spec, ranks if args.devices else None)
-        written.append(("chart", write_gantt(args.png, timeline, rows, note)))
+        written.append(("chart", writable(args.png, lambda: write_gantt(args.png, timeline, rows, note))))
     if args.out:
         from analysis.timeline_store import write_timeline
 
-        written.append(("timeline", write_timeline(args.out, timeline, ranks, report)))
+        written.append(("timeline", writable(args.out, lambda: write_timeline(args.out, timeline, ranks, report))))
     if args.json:
         print(json.dumps(report, indent=2))
         for warning in timeline.costs.warnings:

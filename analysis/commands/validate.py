@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.errors import UserError
 from harness.tables import format_table
 
+from analysis.outputs import writable
 from analysis.profile import load_profile
 from analysis.runtrace import TraceError, read_trace
 from analysis.validate import validate
@@ -45,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         from analysis.compare import write_comparison_png
 
-        written.append(("chart", write_comparison_png(args.png, result)))
+        written.append(("chart", writable(args.png, lambda: write_comparison_png(args.png, result))))
     if args.trace_out:
         from analysis.compare import write_comparison_trace
 
-        written.append(("trace", write_comparison_trace(args.trace_out, result)))
+        written.append(("trace", writable(args.trace_out, lambda: write_comparison_trace(args.trace_out, result))))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(("rank", "stage", "dp", "tp", "measured busy ms", "predicted busy ms", "error %"),
                        [(d["rank"], d["stage"], d["dp"], d["tp"], ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]),
                          d["error_pct"]) for d in result.devices],
-                       title=f"per device (max |error| {result.device_error_pct:.1f}%)"))
+                       title=f"per device (max |error| {result.device_error_pct or 0:.1f}%)"))
     print()
     print(format_table(("virtual stage", "phase", "measured ms", "predicted ms", "error %", "worst micro-batch %"),
                        [(r["virtual_stage"], r["phase"], ms(r["measured_s"]), ms(r["predicted_s"]), r["error_pct"],

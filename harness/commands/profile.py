@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
+from harness.mpi_input import stop_on_error
 from harness.events import build_plan
 from harness.spec import load_spec
 from harness.tables import format_seconds, format_table
@@ -35,20 +36,22 @@ def run(args: argparse.Namespace) -> int:
     from harness.profile_run import check_outdir, run_profile
 
     comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
+    spec = plan = None
+    outdir = Path(args.output)
+    error: UserError | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
         changes = {k: v for k, v in (("backend", args.backend), ("repeats", args.repeats), ("warmup", args.warmup))
                    if v is not None}
         if changes:
             spec = spec.with_changes(**changes)
-        outdir = Path(args.output)
         check_outdir(outdir)
         plan = build_plan(spec)
-    except UserError:
-        if rank == 0:
-            raise
-        return 2  # every rank read the same input; rank 0 says what is wrong
+    except UserError as exc:
+        error = exc
+    status = stop_on_error(comm, error)  # any rank's bad input stops every rank; rank 0 says what is wrong
+    if status is not None:
+        return status
     result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet, plan=plan)
     if result is None:
         return 0

@@ -6,11 +6,11 @@ intervals of the events the simulator predicts, on a common timebase, for `analy
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
+from harness.mpi_input import stop_on_error
 
 NAME = "train"
 HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"
@@ -37,15 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="communication timeout in seconds (default: the spec's profile.timeout_s)")
-
-
-def _agree(comm, error: UserError | None) -> UserError | None:
-    """Every rank learns the first rank's error, so all of them stop (rank 0 reports it)."""
-    errors = comm.allgather(None if error is None else str(error))
-    for rank, message in enumerate(errors):
-        if message is not None:
-            return UserError(message if rank == 0 else f"rank {rank}: {message}")
-    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,26 +69,11 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError(f"cannot create the run folder {out}: {exc.strerror}")
     except UserError as exc:
         error = exc
-    error = _agree(comm, error)
-    if error is not None:
-        _quiet_exit()
-        if rank == 0:
-            raise error
-        return error.exit_status
+    status = stop_on_error(comm, error)
+    if status is not None:
+        return status
     assert spec is not None
     run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
                  fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
                  timeout_s=args.timeout_s, threads=args.threads, report=True)
     return 0
-
-
-def _quiet_exit() -> None:
-    """Bad input: end MPI now, so the non-zero exit does not make `python -m mpi4py` call MPI_Abort (whose
-    'application called MPI_Abort' lines, one per rank, would bury the one message that matters)."""
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Barrier()
-        MPI.Finalize()

@@ -15,6 +15,19 @@ from harness.profilers.timer import synchronize, time_region
 from harness.spec import JobSpec
 
 
+_USER_MODELS: dict[JobSpec, tuple] = {}
+
+
+def _user_model(spec: JobSpec) -> tuple:
+    """A factory model's description and layers, built once per spec and shared by its events' runners."""
+    if spec not in _USER_MODELS:
+        from harness.layers import describe
+        from harness.models.user import load_factory_layers
+
+        _USER_MODELS[spec] = (describe(spec), load_factory_layers(spec.model))
+    return _USER_MODELS[spec]
+
+
 def _make_layer(spec: JobSpec, content: dict, device: torch.device,
                 group=None) -> tuple[torch.nn.Module, Callable]:
     """The layer of a compute event and a function returning a fresh input for it."""
@@ -24,17 +37,14 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
     micro, seq = content.get("micro", spec.batch.micro), content.get("seq", model.seq_len)
     dtype = TORCH_DTYPES[model.dtype]
     if kind == "user":
-        from harness.layers import describe
-        from harness.models.user import load_factory_layers
-
-        descs = describe(spec)
+        descs, layers = _user_model(spec)
         index = next(d.index for d in descs if dict(d.signature) == signature)
-        layer = load_factory_layers(model)[index]
+        layer = layers[index].to(device)
         if index == 0:
-            return layer.to(device), lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
+            return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
         features = descs[index - 1].out_features
-        layer = layer.to(device)
-        return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=dtype, requires_grad=True)
+        in_dtype = getattr(torch, signature.get("in_dtype", model.dtype))  # what the previous layer returns
+        return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=in_dtype, requires_grad=True)
     layer = build_layer(model, kind, tp=int(signature.get("tp", 1)), group=group).to(device)
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
@@ -115,7 +125,5 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
 
 
 def _is_last_user_layer(spec: JobSpec, content: dict) -> bool:
-    from harness.layers import describe
-
-    descs = describe(spec)
+    descs, _ = _user_model(spec)
     return dict(descs[-1].signature) == content["signature"]
