@@ -4,6 +4,7 @@ The layer runs alone: a tensor-parallel shard's collectives are measured as thei
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -59,34 +60,76 @@ def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: di
     return out
 
 
-class ComputeRunner:
-    """One compute event ready to run: its layer, inputs and (for the optimizer step) Adam with gradients."""
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (Linux sysfs); 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 * 2**20)
 
-    def __init__(self, spec: JobSpec, content: dict, device: torch.device, group=None):
+
+MAX_COPIES = 16
+MAX_COPY_BYTES = 512 * 2**20
+
+
+class ComputeRunner:
+    """One compute event ready to run: its layer, inputs and (for the optimizer step) Adam with gradients.
+
+    On a CPU the runner rotates over several copies of the layer whose weights together exceed the last-level
+    cache: a real stage streams through many distinct layers, so a single copy kept warm in cache would be
+    measured faster than any layer of a real iteration runs.
+    """
+
+    def __init__(self, spec: JobSpec, content: dict, device: torch.device, group=None, copies: int | None = None):
         """`group`: a real tensor-parallel process group, to run the layer with its all-reduces (composite)."""
         self.spec, self.device = spec, device
-        self.layer, self.make_input = _make_layer(spec, content, device, group)
         self.phase = content["phase"]
         is_last = content["layer"] == "head" or (content["layer"] == "user" and _is_last_user_layer(spec, content))
         self.content = dict(content, last=is_last)
-        self.optimizer = None
+        first, self.make_input = _make_layer(spec, content, device, group)
+        if copies is None:  # a factory model's layers are built once and shared: no copies to rotate
+            copies = 1 if content["layer"] == "user" else self._cold_cache_copies(first)
+        self.layers = [first] + [_make_layer(spec, content, device, group)[0] for _ in range(copies - 1)]
+        self.optimizers = []
         if self.phase == "optimizer":
-            self.optimizer = torch.optim.Adam(self.layer.parameters(), lr=1e-4)
-            for p in self.layer.parameters():
-                p.grad = torch.randn_like(p)
+            for layer in self.layers:
+                self.optimizers.append(torch.optim.Adam(layer.parameters(), lr=1e-4))
+                for p in layer.parameters():
+                    p.grad = torch.randn_like(p)
+        self._next = 0
+
+    def _cold_cache_copies(self, layer: torch.nn.Module) -> int:
+        if self.device.type != "cpu":
+            return 1
+        # bytes a step touches: weights, plus gradients and two Adam moments for the optimizer
+        touched = sum(p.numel() * p.element_size() for p in layer.parameters()) * (4 if self.phase == "optimizer"
+                                                                                  else 2)
+        if touched == 0:
+            return 1
+        wanted = -(-2 * last_level_cache_bytes() // touched)
+        return int(max(1, min(MAX_COPIES, wanted, MAX_COPY_BYTES // touched)))
 
     @property
     def parameters(self) -> int:
-        return sum(p.numel() for p in self.layer.parameters())
+        return sum(p.numel() for layer in self.layers for p in layer.parameters())
 
     def sample(self) -> float:
-        """One timed run (seconds): a forward, a backward after an untimed forward, or an optimizer step."""
-        if self.optimizer is not None:
-            return time_region(self.optimizer.step, self.device)
+        """One timed run (seconds) of the next copy: a forward, a backward after an untimed forward, or an
+        optimizer step."""
+        index = self._next
+        self._next = (index + 1) % len(self.layers)
+        layer = self.layers[index]
+        if self.optimizers:
+            return time_region(self.optimizers[index].step, self.device)
         x = self.make_input()
         if self.phase == "fwd":
-            return time_region(lambda: _forward(self.spec, self.layer, x, self.content), self.device)
-        out = _forward(self.spec, self.layer, x, self.content)
+            return time_region(lambda: _forward(self.spec, layer, x, self.content), self.device)
+        out = _forward(self.spec, layer, x, self.content)
         grad = None if out.dim() == 0 else torch.randn_like(out)
         synchronize(self.device)
         # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
