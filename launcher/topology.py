@@ -112,11 +112,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
         return [nodelist]
 
 
-def check_slurm_task(rank: int, node: int, local_rank: int, environ: dict[str, str] | None = None) -> None:
+def check_slurm_task(rank: int, size: int, node: int, local_rank: int, environ: dict[str, str] | None = None) -> None:
     """Under a direct `srun` launch, Slurm's task ids must be MPI's: SLURM_PROCID is the rank, SLURM_NODEID
-    and SLURM_LOCALID the node and local rank (mpirun inside an allocation sets its own, so not checked)."""
+    and SLURM_LOCALID the node and local rank. mpirun inside an allocation starts its own proxies with srun
+    (one task per node, each rank seeing SLURM_PROCID=0): those are not checked."""
     env = os.environ if environ is None else environ
-    if launcher_name(env) != "srun":
+    direct = (launcher_name(env) == "srun" and "MPI_LOCALRANKID" not in env
+              and env.get("SLURM_STEP_NUM_TASKS") == str(size))
+    if not direct:
         return
     for name, ours in (("SLURM_PROCID", rank), ("SLURM_NODEID", node), ("SLURM_LOCALID", local_rank)):
         if name in env and int(env[name]) != ours:
@@ -161,5 +164,5 @@ def discover(comm) -> Topology:
     order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
     topology = Topology(rank, size, tuple(order[lead] for lead in leaders), hostnames, launcher=launcher_name(),
                         extra={"slurm": slurm_context()})
-    check_slurm_task(rank, topology.node, topology.local_rank)
+    check_slurm_task(rank, size, topology.node, topology.local_rank)
     return topology

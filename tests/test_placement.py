@@ -81,10 +81,12 @@ def test_srun_task_layout_must_match_mpi():
     from launcher.topology import check_slurm_task, slurm_context
 
     srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "1", "PMI_SIZE": "2",
-            "SLURM_JOB_NODELIST": "node[01-02]"}
-    check_slurm_task(1, 0, 1, srun)
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "node[01-02]"}
+    check_slurm_task(1, 2, 0, 1, srun)
     with pytest.raises(LaunchError, match="SLURM_PROCID=1 but MPI says 0"):
-        check_slurm_task(0, 0, 0, srun)
-    mpirun_in_allocation = dict(srun, PMI_PORT="x")  # hydra's own ids: Slurm's are not the ranks'
-    check_slurm_task(0, 0, 0, mpirun_in_allocation)
+        check_slurm_task(0, 2, 0, 0, srun)
+    # mpirun inside an allocation: hydra's proxies are srun tasks (one per node), every rank sees PROCID 0
+    hydra = dict(srun, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="1", MPI_LOCALRANKID="1")
+    check_slurm_task(1, 2, 0, 1, hydra)
+    check_slurm_task(1, 2, 0, 1, dict(hydra, MPI_LOCALRANKID="1"))
     assert slurm_context(srun)["SLURM_JOB_NODELIST"] == "node[01-02]"
