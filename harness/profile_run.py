@@ -294,7 +294,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             if recorder is not None:
                 recorder.flush()  # keep what this rank finished
         finally:
-            comm.Abort(1)
+            comm.Abort(exc.exit_status if isinstance(exc, UserError) else 1)  # bad input keeps its status 2
         raise
 
     busy = comm.gather(busy_s, root=0)
