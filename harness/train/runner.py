@@ -90,21 +90,20 @@ def _make_groups(plan, p2p_channels: bool):
 
     s = plan.spec.strategy
     rank = dist.get_rank()
-    tp_group = dp_group = None
-    if s.tp > 1:
-        for p in range(s.pp):
-            for d in range(s.dp):
-                ranks = [plan.rank_of(d, t, p) for t in range(s.tp)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    tp_group = group
-    if s.dp > 1:
-        for p in range(s.pp):
-            for t in range(s.tp):
-                ranks = [plan.rank_of(d, t, p) for d in range(s.dp)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    dp_group = group
+
+    def mine(groups_of_ranks):
+        """Create every group (collective) and return the one holding this rank."""
+        own = None
+        for ranks in groups_of_ranks:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                own = group
+        return own
+
+    tp_group = mine([plan.rank_of(d, t, p) for t in range(s.tp)] for p in range(s.pp) for d in range(s.dp)) \
+        if s.tp > 1 else None
+    dp_group = mine([plan.rank_of(d, t, p) for d in range(s.dp)] for p in range(s.pp) for t in range(s.tp)) \
+        if s.dp > 1 else None
     p2p_groups: dict = {}
     if p2p_channels and s.pp > 1:
         from harness.train.engine import ACT, GRAD
