@@ -45,12 +45,10 @@ def init_process_group(comm, topology: Topology, device: torch.device, timeout_s
     if topology.rank == 0:
         host = _rendezvous_host(topology)
         store = dist.TCPStore(host, 0, topology.size, is_master=True, timeout=timeout, wait_for_workers=False)
-        address = comm.bcast((host, store.port), root=0)
+        comm.bcast((host, store.port), root=0)
     else:
         host, port = comm.bcast(None, root=0)
         store = dist.TCPStore(host, port, topology.size, is_master=False, timeout=timeout)
-        address = (host, port)
-    del address
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=topology.rank, world_size=topology.size, timeout=timeout,
                             **kwargs)

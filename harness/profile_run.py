@@ -44,7 +44,6 @@ class ProfileResult:
     unmeasured: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
     device_seconds: float = 0.0
-    sample_seconds: float = 0.0
 
 
 class Watchdog:
@@ -141,17 +140,13 @@ def _report_progress(comm, rank: int, progress: Progress | None, count: int, req
 
 def _drain_progress(comm, progress: Progress, expected: int) -> None:
     """Rank 0: take the other ranks' progress reports until `expected` events are done in all."""
-    from mpi4py import MPI
-
-    status = MPI.Status()
     while progress.done < expected:
-        if comm.iprobe(source=MPI.ANY_SOURCE, tag=PROGRESS_TAG, status=status):
-            progress.advance(comm.recv(source=status.Get_source(), tag=PROGRESS_TAG))
-        else:
-            time.sleep(0.01)
+        _poll_progress(comm, progress)
+        time.sleep(0.01)
 
 
 def _poll_progress(comm, progress: Progress) -> None:
+    """Rank 0: take every progress report that has arrived, without waiting."""
     from mpi4py import MPI
 
     status = MPI.Status()
@@ -329,8 +324,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
                     + len(placement.composites))
     return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
-                         wall_s=finished - started, device_seconds=float(sum(busy)),
-                         sample_seconds=float(sum(m.samples_s.sum() for m in merged.values())))
+                         wall_s=finished - started, device_seconds=float(sum(busy)))
 
 
 def _slurm_environment(topology: Topology) -> dict:

@@ -36,9 +36,10 @@ class Progress:
     def line(self) -> str:
         elapsed = time.monotonic() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
-        return (f"[{self.phase}] {self.done}/{self.total} {self.unit}s, elapsed {elapsed:.1f} s"
-                + (f", ETA {eta:.1f} s" if self.done < self.total and eta == eta else ""))
+        line = f"[{self.phase}] {self.done}/{self.total} {self.unit}s, elapsed {elapsed:.1f} s"
+        if self.done < self.total and rate > 0:
+            line += f", ETA {(self.total - self.done) / rate:.1f} s"
+        return line
 
     def close(self) -> None:
         if self._bar is not None:

@@ -325,13 +325,13 @@ def _parse_search(s: dict) -> SearchSpec:
     return SearchSpec(**values)
 
 
-def parse_spec(data: dict, source: str = "<spec>", check_cluster: bool = True, import_factory: bool = True) -> JobSpec:
+def parse_spec(data: dict, source: str = "<spec>", import_factory: bool = True) -> JobSpec:
     """Validate plain data (as read from TOML) into a JobSpec; every error names its field.
 
     import_factory=False checks a factory model's "module:function" form without importing it (offline use).
     """
     try:
-        spec = _parse_spec(data, check_cluster, import_factory)
+        spec = _parse_spec(data, import_factory)
     except SpecError as exc:
         if exc.source is None:
             raise SpecError(str(exc), source=source) from None
@@ -339,7 +339,7 @@ def parse_spec(data: dict, source: str = "<spec>", check_cluster: bool = True, i
     return dataclasses.replace(spec, source=source)
 
 
-def _parse_spec(data: dict, check_cluster: bool, import_factory: bool) -> JobSpec:
+def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     _check_keys(data)
     for section in ("model", "batch", "strategy", "cluster"):
         if section not in data:
@@ -365,7 +365,7 @@ def _parse_spec(data: dict, check_cluster: bool, import_factory: bool) -> JobSpe
                           device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")))
     search = _parse_search(data.get("search", {}))
 
-    if check_cluster and strategy.world != cluster.devices:
+    if strategy.world != cluster.devices:
         raise SpecError(f"dp x tp x pp = {strategy.dp} x {strategy.tp} x {strategy.pp} = {strategy.world} must equal "
                         f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
                         field="strategy")

@@ -51,14 +51,14 @@ def _atomic_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _write_measurement(group: h5py.Group, m: Measurement) -> None:
+def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float] | None = None) -> None:
     g = group.create_group(m.id)
     g.create_dataset("samples_s", data=np.asarray(m.samples_s, dtype=np.float64))
     g.attrs["kind"] = m.kind
     g.attrs["content_json"] = json.dumps(m.content, sort_keys=True)
     g.attrs["ranks"] = np.asarray(m.ranks, dtype=np.int64)
     g.attrs["env_key"] = m.env_key
-    for key, value in m.stats().items():
+    for key, value in (stats or m.stats()).items():
         g.attrs[key] = value
     for key, value in m.attrs.items():
         g.attrs[key] = value
@@ -144,12 +144,12 @@ def write_profile(path: str | Path, *, spec_json: str, layers_json: str, events:
                                                         dtype=object), dtype=string)
         ev.create_dataset("multiplicity", data=np.array([e["multiplicity"] for e in events], dtype=np.int64))
         ev.create_dataset("cost", data=np.array([e["cost"] for e in events], dtype=np.float64))
+        stats = [m.stats() for m in measurements]
         group = f.create_group("measurements")
-        for m in measurements:
-            _write_measurement(group, m)
+        for m, m_stats in zip(measurements, stats):
+            _write_measurement(group, m, m_stats)
         summary = f.create_group("summary")
         summary.create_dataset("id", data=np.array([m.id for m in measurements], dtype=object), dtype=string)
-        stats = [m.stats() for m in measurements]
         for key in (*STATS, "count"):
             summary.create_dataset(key, data=np.array([s[key] for s in stats],
                                                       dtype=np.int64 if key == "count" else np.float64))

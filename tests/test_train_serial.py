@@ -88,22 +88,8 @@ def _partial_attention(block, x):
     """A block's attention output projection before its bias and all-reduce: what tp shards add up."""
     from torch.nn import functional as F
 
-    from harness.models.transformer import _rotary
-
     h = block.norm1(x) if block.family != "bert" else x
-    b, s, _ = h.shape
-    q_size, kv_size = block.local_heads * block.head_dim, block.local_kv * block.head_dim
-    q, k, v = block.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(b, s, block.local_heads, block.head_dim).transpose(1, 2)
-    k = k.view(b, s, block.local_kv, block.head_dim).transpose(1, 2)
-    v = v.view(b, s, block.local_kv, block.head_dim).transpose(1, 2)
-    if block.family == "llama":
-        q, k = _rotary(q), _rotary(k)
-    if block.local_kv != block.local_heads:
-        r = block.local_heads // block.local_kv
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=block.causal).transpose(1, 2).reshape(b, s, q_size)
-    return F.linear(out, block.proj.weight)
+    return F.linear(block.attention_context(h), block.proj.weight)
 
 
 def _partial_mlp(block, x):

@@ -67,7 +67,8 @@ class TransformerBlock(nn.Module):
             self.fc1 = ColumnParallelLinear(h, model.ffn, tp, dtype=dtype)
             self.fc2 = RowParallelLinear(model.ffn, h, tp, dtype=dtype)
 
-    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_context(self, x: torch.Tensor) -> torch.Tensor:
+        """This shard's attention output before the row-parallel projection: (micro, seq, local heads x head_dim)."""
         b, s, _ = x.shape
         qkv = self.qkv(copy_to_tp(x, self.group))
         q_size, kv_size = self.local_heads * self.head_dim, self.local_kv * self.head_dim
@@ -81,7 +82,10 @@ class TransformerBlock(nn.Module):
             repeat = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.proj(out.transpose(1, 2).reshape(b, s, q_size), self.group)
+        return out.transpose(1, 2).reshape(b, s, q_size)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.attention_context(x), self.group)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)

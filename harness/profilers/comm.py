@@ -42,8 +42,7 @@ class CommProfiler:
         group = self._torch_group(members)
         samples = None
         if self.rank in members:
-            content = {k: v for k, v in task.content.items() if k != "kind"}
-            runner = ComputeRunner(spec, {**content, "kind": "compute"}, self.device, group=group)
+            runner = ComputeRunner(spec, {**task.content, "kind": "compute"}, self.device, group=group)
             local = np.empty(repeats, dtype=np.float64)
             for i in range(warmup + repeats):
                 dist.barrier(group=group)
