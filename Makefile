@@ -24,7 +24,7 @@ export DISTSIM_MPIRUN=$(MPIRUN)
 DEMO_OUT ?= demo-out
 DEMO_RANKS ?= 4
 
-.PHONY: setup demo test test-serial test-mpi test-slurm slurm-deps bench clean
+.PHONY: setup demo test test-serial test-mpi test-slurm slurm-deps bench bench-accuracy clean
 
 setup: $(VENV)/.setup-$(MPI)
 
@@ -67,6 +67,11 @@ bench: setup
 	$(PY) bench/events_scale.py
 	$(PY) bench/simulate_scale.py
 	$(PY) bench/profile_scaling.py
+	$(PY) bench/machine_noise.py
+
+# Profile, run and validate six configurations four times each (about 12 minutes on 2 cores).
+bench-accuracy: setup
+	$(PY) bench/accuracy.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) build *.egg-info

@@ -1,0 +1,52 @@
+"""bench/accuracy.py pools its trials right: the figures recorded in docs/benchmarks.md come from here."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def _accuracy_module():
+    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "bench" / "accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trial(iterations, predicted, busy):
+    """A validate --json result with what pooled() reads: per-device (measured, predicted) busy seconds."""
+    measured = sorted(iterations)[len(iterations) // 2]
+    return {"measured_iteration_s": iterations, "measured_batch_time_s": measured,
+            "predicted_batch_time_s": predicted, "batch_time_error_pct": (predicted - measured) / measured * 100,
+            "devices": [{"measured_busy_s": m, "predicted_busy_s": p} for m, p in busy]}
+
+
+def test_pooled_compares_all_measured_iterations_with_the_median_prediction():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0, 1.1, 1.2], 0.9, [(0.8, 0.8), (0.5, 0.6)]),
+              _trial([1.3, 1.4, 1.5], 1.0, [(1.0, 0.9), (0.5, 0.5)]),
+              _trial([0.9, 1.25, 1.6], 1.3, [(0.9, 1.0), (0.5, 0.4)])]
+    row = pooled(trials)
+    # iterations pooled: median of the nine is 1.25; predictions 0.9, 1.0, 1.3: median 1.0
+    assert row["measured_s"] == pytest.approx(1.25)
+    assert row["predicted_s"] == pytest.approx(1.0)
+    assert row["batch_error_pct"] == pytest.approx(-20.0)
+    # device 0: measured medians 0.8, 1.0, 0.9 -> 0.9; predicted 0.8, 0.9, 1.0 -> 0.9: 0%;
+    # device 1: measured 0.5 and predicted 0.5: 0% as well, although every trial was off by 20%
+    assert row["device_error_pct"] == pytest.approx(0.0)
+    assert row["trial_errors_pct"] == pytest.approx([(0.9 - 1.1) / 1.1 * 100, (1.0 - 1.4) / 1.4 * 100,
+                                                     (1.3 - 1.25) / 1.25 * 100])
+    # the trials' own medians 1.1, 1.4, 1.25 spread by 0.3 over the pooled 1.25
+    assert row["run_spread_pct"] == pytest.approx(24.0)
+
+
+def test_trials_alternate_which_command_runs_first(tmp_path, monkeypatch):
+    accuracy = _accuracy_module()
+    order = []
+    monkeypatch.setattr(accuracy, "measure", lambda config, args, env, workdir, run_first: order.append(run_first)
+                        or {})
+    args = type("Args", (), {"keep": str(tmp_path), "trials": 4})()
+    accuracy.measure_trials("dp=2", accuracy.CONFIGS["dp=2"], args, {})
+    assert order == [False, True, False, True]
