@@ -3,6 +3,10 @@
 - compute: the median of its samples; a compute event the profile lacks is an error (UserError, exit 2)
   that lists the missing events and the command that profiles them.
 - P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
+- P2P with the sender busy: where the profile timed the receive while the sender computed, the mean of
+  those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
+  transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
+  placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
   measured points of the same kind and placement,
       p2p        t = alpha + bytes * beta
@@ -133,6 +137,8 @@ class Costs:
     fits: dict[tuple[str, str], CommFit] = field(default_factory=dict)
     # compute event id -> seconds of the layer with its tensor-parallel all-reduces, measured together
     composites: dict[str, float] = field(default_factory=dict)
+    # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
+    sender_busy_extra: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
 
@@ -217,6 +223,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
             continue
         seconds = fit.predict(event.kind, event.bytes, event.group_size)
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
+    _sender_busy_extras(plan, profile, costs)
     for eid, event in plan.events.items():
         composite = profile.measurements.get(event_id(composite_content(event.content)))
         if event.kind == "compute" and composite is not None and composite.count:
@@ -233,6 +240,24 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
             costs.warnings.append(f"the {kind} {placement} fit misses its measured points by up to "
                                   f"{fit.max_rel_error:.0%}; its extrapolations are uncertain")
     return costs
+
+
+def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """Fill costs.sender_busy_extra for the plan's P2P events (rules in the module docstring)."""
+    by_placement: dict[str, float] = {}
+    measured_extra: dict[str, float] = {}
+    for eid, m in profile.measurements.items():
+        if m.kind != "p2p" or not m.count or m.sender_busy_samples_s.size == 0:
+            continue
+        extra = max(0.0, float(m.sender_busy_samples_s.mean()) - representative_seconds(m))
+        measured_extra[eid] = extra
+        by_placement[m.placement] = max(extra, by_placement.get(m.placement, 0.0))
+    for eid, event in plan.events.items():
+        if event.kind != "p2p":
+            continue
+        extra = measured_extra.get(eid, by_placement.get(event.placement or INTER))
+        if extra:
+            costs.sender_busy_extra[eid] = extra
 
 
 def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:

@@ -19,6 +19,7 @@ from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
 PROFILE_SCHEMA_VERSIONS = (1,)
+SENDER_BUSY = "sender_busy_samples_s"  # an optional dataset of a P2P measurement (docs/hdf5.md)
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
                    "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
@@ -41,12 +42,13 @@ class MeasuredEvent(CommunicationFields):
     @classmethod
     def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
                      ranks: list[int] | None = None, env_key: str = "", attrs: dict[str, Any] | None = None,
-                     ) -> "MeasuredEvent":
+                     sender_busy_samples_s: np.ndarray | None = None) -> "MeasuredEvent":
         samples = np.asarray(samples_s, dtype=np.float64)
+        busy = np.asarray(sender_busy_samples_s if sender_busy_samples_s is not None else [], dtype=np.float64)
         return cls(eid, kind, content, float(np.median(samples)) if samples.size else float("nan"),
                    float(samples.min()) if samples.size else float("nan"), int(samples.size),
                    _details={"samples_s": samples, "ranks": list(ranks or []), "env_key": env_key,
-                             "attrs": dict(attrs or {})})
+                             "attrs": dict(attrs or {}), SENDER_BUSY: busy})
 
     def _detail(self, key: str) -> Any:
         if self._details is None:
@@ -55,6 +57,8 @@ class MeasuredEvent(CommunicationFields):
             with h5py.File(self.source, "r") as f:
                 g = f["measurements"][self.id]
                 self._details = {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
+                                 SENDER_BUSY: np.asarray(g[SENDER_BUSY][()] if SENDER_BUSY in g else [],
+                                                         dtype=np.float64),
                                  "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
                                  "env_key": _text(g.attrs.get("env_key", "")),
                                  "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in _RESERVED_ATTRS}}
@@ -63,6 +67,11 @@ class MeasuredEvent(CommunicationFields):
     @property
     def samples_s(self) -> np.ndarray:
         return self._detail("samples_s")
+
+    @property
+    def sender_busy_samples_s(self) -> np.ndarray:
+        """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
+        return self._detail(SENDER_BUSY)
 
     @property
     def ranks(self) -> list[int]:

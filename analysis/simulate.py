@@ -4,8 +4,10 @@ Hierarchy (docs/analysis.md):
 - layer: its compute plus its tensor-parallel all-reduces, inline and blocking, in sequence;
 - pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
   (harness.schedules); a step starts when the device is free and its P2P input has arrived. A P2P
-  transfer starts when the sender finishes the step and arrives its duration later; the sender does
-  not wait (asynchronous send). The transfer is communication on both devices;
+  transfer starts when the sender has finished the step and the receiver has posted its receive (on
+  reaching the step), and takes its duration, plus the sender-busy extra if it waited for the receiver
+  while the sender computes; the sender does not wait (asynchronous send). The transfer is
+  communication on both devices;
 - data parallel: gradient buckets all-reduced in order on the device's communication track, either as
   they become ready during the last micro-batch's backward (dp_overlap, as DDP) or all after the
   device's whole backward (as DistSim); then the optimizer step once compute and all-reduces are done.
@@ -191,20 +193,54 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
     return out
 
 
-def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "Timeline":
-    """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap."""
-    spec = plan.spec
-    s = spec.strategy
-    overlap = s.dp_overlap if dp_overlap is None else dp_overlap
-    pp, V, m = s.pp, s.virtual_stages, spec.micro_batches
-    per_stage = stage_costs(plan, costs)
+MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computing sender keeps changing
+
+
+class _Schedule(NamedTuple):
+    records: list[list[StepRecord]]
+    transfers: dict[tuple[str, int, int], tuple[float, float]]  # (direction, src stage, micro) -> start, end
+    free: list[float]
+    backward_start: list[list[float]]
+    sender_busy: frozenset  # the (direction, src stage, micro) transfers costed with the sender computing
+
+
+def _computing(steps: Sequence[StepRecord], t: float) -> bool:
+    return any(r.start_s <= t < r.end_s for r in steps)
+
+
+def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
+              previous: list[list[StepRecord]] | None) -> _Schedule:
+    """One pass of list scheduling: every device runs its steps in the schedule's order, each when the device
+    is free and its input has arrived. A P2P transfer starts once the sender has finished the step and the
+    receiver has posted its receive (when it reaches the step): a transfer that waits for its receiver pays
+    the P2P's sender-busy extra if the sender computes at that moment in the `previous` pass."""
+    s = plan.spec.strategy
+    pp, V, m = s.pp, s.virtual_stages, plan.spec.micro_batches
     schedules = [device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
     forward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_start: list[list[float]] = [[0.0] * m for _ in range(V)]
     records: list[list[StepRecord]] = [[] for _ in range(pp)]
+    transfers: dict[tuple[str, int, int], tuple[float, float]] = {}
+    sender_busy: set = set()
     free = [0.0] * pp
     position = [0] * pp
+
+    def arrival(direction: str, src: int, dst_device: int, micro: int, sent: float, event: str | None,
+                duration: float) -> float:
+        posted = free[dst_device]
+        src_device = src % pp
+        if posted <= sent or src_device == dst_device:
+            start = sent
+        else:  # the data waited at the sender for this receive
+            start = posted
+            extra = costs.sender_busy_extra.get(event, 0.0) if event else 0.0
+            if extra and previous is not None and _computing(previous[src_device], posted):
+                duration += extra
+                sender_busy.add((direction, src, micro))
+        transfers[(direction, src, micro)] = (start, start + duration)
+        return start + duration
+
     remaining = sum(len(steps) for steps in schedules)
     while remaining:
         progressed = False
@@ -215,19 +251,21 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
                 vs = chunk * pp + d
                 if phase == "F":
                     if vs > 0:
-                        arrival = forward_end[vs - 1][micro]
-                        if arrival is None:
+                        sent = forward_end[vs - 1][micro]
+                        if sent is None:
                             break
-                        ready = arrival + per_stage[vs - 1].send_forward_s
+                        ready = arrival("activation", vs - 1, d, micro, sent, plan.stages[vs - 1].send_forward,
+                                        per_stage[vs - 1].send_forward_s)
                     else:
                         ready = 0.0
                     duration = per_stage[vs].forward_s
                 else:
                     if vs < V - 1:
-                        arrival = backward_end[vs + 1][micro]
-                        if arrival is None:
+                        sent = backward_end[vs + 1][micro]
+                        if sent is None:
                             break
-                        ready = arrival + per_stage[vs + 1].send_backward_s
+                        ready = arrival("gradient", vs + 1, d, micro, sent, plan.stages[vs + 1].send_backward,
+                                        per_stage[vs + 1].send_backward_s)
                     else:
                         own_forward = forward_end[vs][micro]
                         if own_forward is None:
@@ -251,6 +289,27 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
         if not progressed:
             stuck = {d: schedules[d][position[d]] for d in range(pp) if position[d] < len(schedules[d])}
             raise RuntimeError(f"schedule {s.schedule!r} deadlocks: devices wait on {stuck}")
+    return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy))
+
+
+def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "Timeline":
+    """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap."""
+    spec = plan.spec
+    s = spec.strategy
+    overlap = s.dp_overlap if dp_overlap is None else dp_overlap
+    pp, m = s.pp, spec.micro_batches
+    per_stage = stage_costs(plan, costs)
+    # Which senders compute when their receivers post depends on the schedule it shapes: redo the schedule
+    # with the previous pass's timelines until that stops changing (at once without sender-busy extras).
+    schedule = _schedule(plan, per_stage, costs, None)
+    if costs.sender_busy_extra:
+        for _ in range(MAX_PASSES):
+            again = _schedule(plan, per_stage, costs, schedule.records)
+            done = again.sender_busy == schedule.sender_busy
+            schedule = again
+            if done:
+                break
+    records, free, backward_start = schedule.records, schedule.free, schedule.backward_start
 
     sends: list[list[Transfer]] = [[] for _ in range(pp)]
     receives: list[list[Transfer]] = [[] for _ in range(pp)]
@@ -258,13 +317,13 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
         for r in records[d]:
             program = plan.stages[r.virtual_stage]
             if r.phase == "F" and program.send_forward:
-                t = Transfer("activation", program.send_forward, r.virtual_stage, r.virtual_stage + 1, r.micro,
-                             r.end_s, r.end_s + per_stage[r.virtual_stage].send_forward_s)
+                key, t_event, dst = ("activation", r.virtual_stage, r.micro), program.send_forward, r.virtual_stage + 1
             elif r.phase == "B" and program.send_backward:
-                t = Transfer("gradient", program.send_backward, r.virtual_stage, r.virtual_stage - 1, r.micro,
-                             r.end_s, r.end_s + per_stage[r.virtual_stage].send_backward_s)
+                key, t_event, dst = ("gradient", r.virtual_stage, r.micro), program.send_backward, r.virtual_stage - 1
             else:
                 continue
+            start, end = schedule.transfers[key]
+            t = Transfer(key[0], t_event, r.virtual_stage, dst, r.micro, start, end)
             sends[d].append(t)
             receives[t.dst_stage % pp].append(t)
 

@@ -25,7 +25,7 @@ from harness.errors import UserError
 from harness.events import EventPlan, build_plan
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import Measurement, read_measurements, write_profile, write_rank_file
+from harness.store import SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile, write_rank_file
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover
 
@@ -267,15 +267,16 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
         for task in placement.comm:
             t0 = time.perf_counter()
-            samples = profiler.measure(task, warmup, repeats)
+            measured = profiler.measure(task, warmup, repeats)
             if rank in task.ranks:
                 busy_s += time.perf_counter() - t0
-            if samples is not None:
+            if measured is not None:
                 content = task.content
-                recorder.add(Measurement(task.id, task.kind, content, samples, list(task.ranks), env_key,
+                series = {SENDER_BUSY_SERIES: measured.sender_busy_s} if measured.sender_busy_s.size else {}
+                recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks), env_key,
                                          {"bytes": content["bytes"], "group_size": len(task.ranks),
                                           "placement": content["placement"], "backend": backend_label,
-                                          "needed": task.needed, "warmup": warmup}))
+                                          "needed": task.needed, "warmup": warmup}, series))
             if rank == 0:
                 progress.advance()
         if rank == 0:

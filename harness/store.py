@@ -18,6 +18,9 @@ import numpy as np
 SCHEMA_VERSION = 1
 PROFILE_KIND = "distsim-profile"
 STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
+# P2P only: the receive timed while the sender computes (harness.profilers.comm), next to samples_s
+SENDER_BUSY_SERIES = "sender_busy_samples_s"
+SERIES = (SENDER_BUSY_SERIES,)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Measurement:
     ranks: list[int]
     env_key: str
     attrs: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, np.ndarray] = field(default_factory=dict)  # further samples, one of SERIES each
 
     def stats(self) -> dict[str, float]:
         return summarize(self.samples_s)
@@ -54,6 +58,8 @@ def _atomic_path(path: Path) -> Path:
 def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float] | None = None) -> None:
     g = group.create_group(m.id)
     g.create_dataset("samples_s", data=np.asarray(m.samples_s, dtype=np.float64))
+    for name, values in m.series.items():
+        g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
     g.attrs["kind"] = m.kind
     g.attrs["content_json"] = json.dumps(m.content, sort_keys=True)
     g.attrs["ranks"] = np.asarray(m.ranks, dtype=np.int64)
@@ -69,7 +75,8 @@ def _read_measurement(eid: str, g: h5py.Group) -> Measurement:
     return Measurement(id=eid, kind=str(g.attrs["kind"]), content=json.loads(g.attrs["content_json"]),
                        samples_s=g["samples_s"][()], ranks=[int(r) for r in g.attrs["ranks"]],
                        env_key=str(g.attrs["env_key"]),
-                       attrs={k: v for k, v in g.attrs.items() if k not in reserved})
+                       attrs={k: v for k, v in g.attrs.items() if k not in reserved},
+                       series={name: g[name][()] for name in SERIES if name in g})
 
 
 def write_rank_file(path: str | Path, rank: int, measurements: Iterable[Measurement],

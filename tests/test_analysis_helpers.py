@@ -7,14 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from harness.events import Event, build_plan, event_id
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
-from harness.store import Measurement, write_profile
+from harness.store import SENDER_BUSY_SERIES, Measurement, write_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,10 @@ def comm_point(kind: str, nbytes: int, placement: str, seconds: float, group: in
 def write_handmade_profile(path: str | Path, spec: JobSpec,
                            durations: Callable[[Event], float | None] | Mapping[str, float],
                            extra: Iterable[Measurement] = (), world_size: int = 2, samples: int = 3,
-                           layers: list[LayerDesc] | None = None) -> Path:
+                           layers: list[LayerDesc] | None = None, sender_busy: Sequence[float] = ()) -> Path:
     """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
-    which it returns None are left unmeasured (and listed so). A user model needs its `layers`."""
+    which it returns None are left unmeasured (and listed so). A user model needs its `layers`. P2P events
+    get `sender_busy` as their samples timed with the sender computing (none when empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = build_plan(spec, layers)
@@ -69,8 +70,10 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
             continue
         attrs = {} if event.kind == "compute" else {"bytes": event.bytes, "group_size": event.group_size,
                                                     "placement": event.placement, "backend": "test"}
+        series = {SENDER_BUSY_SERIES: np.asarray(sender_busy, dtype=float)} if event.kind == "p2p" and len(
+            sender_busy) else {}
         measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),
-                                        [0], "test", attrs))
+                                        [0], "test", attrs, series))
     measurements += list(extra)
     return write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
                          events=plan.table(), measurements=measurements, unmeasured=unmeasured,

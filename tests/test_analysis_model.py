@@ -54,15 +54,46 @@ def test_p2p_delays_shift_dependent_steps_by_exactly_their_time(tmp_path):
     assert last.usage.comm_s == pytest.approx(0.6)
 
 
-def test_asynchronous_send_does_not_block_the_sender(tmp_path):
+def test_a_send_does_not_block_the_sender_and_a_transfer_starts_when_both_sides_are_ready(tmp_path):
     timeline = simulated(tmp_path, make_spec(pp=2, micro_batches=4, schedule="gpipe"), uniform({"p2p": 0.5}))
-    first = timeline.pipeline[0]
+    first, last = timeline.pipeline
     forwards = [s for s in first.steps if s.phase == "F"]
     assert [s.start_s for s in forwards] == pytest.approx([i * T_F for i in range(4)])
-    # Sends of micro-batches 0-2 overlap the next forward, receives of gradients 1-3 the previous backward;
-    # the last send and the first receive happen while the device waits: exposed.
-    assert first.usage.overlapped_comm_s == pytest.approx(6 * 0.5)
-    assert first.usage.comm_s == pytest.approx(2 * 0.5)
+    # The last stage posts its first receive at once: the data arrives 0.5 after it was sent. It reaches every
+    # later forward after the data was sent: that transfer starts then (rendezvous), 0.5 after its last step.
+    last_forwards = [s for s in last.steps if s.phase == "F"]
+    assert last_forwards[0].start_s == pytest.approx(T_F + 0.5)
+    for before, after in zip(last_forwards, last_forwards[1:]):
+        assert after.start_s == pytest.approx(before.end_s + 0.5)
+    # likewise the first stage's backwards: the critical path is F0, the last stage's 4 forwards and its first
+    # backward, the first stage's 4 backwards: 5 (T_F + T_B), and 8 transfers of 0.5
+    assert timeline.batch_time_s == pytest.approx(5 * (T_F + T_B) + 8 * 0.5)
+    # Activations 0 and 1 travel while the first stage computes, 2 half of it; the rest is exposed.
+    assert first.usage.overlapped_comm_s == pytest.approx(0.5 + 0.5 + 0.25)
+    assert first.usage.comm_s == pytest.approx(8 * 0.5 - 1.25)
+
+
+def test_a_transfer_waiting_on_a_computing_sender_pays_the_sender_busy_extra(tmp_path):
+    # samples with the sender busy: mean 0.5 + 0.25 -> an extra 0.25 over the P2P's 0.5
+    spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(uniform({"p2p": 0.5})),
+                                  sender_busy=[0.5, 0.75, 1.0])
+    timeline = predict(path).timeline
+    assert list(timeline.costs.sender_busy_extra.values()) == pytest.approx([0.25])
+    first, last = timeline.pipeline
+    last_forwards = [s for s in last.steps if s.phase == "F"]
+    # the first stage computes until 4 T_F = 5.0: receives the last stage posts before then wait 0.75
+    gaps = [after.start_s - before.end_s for before, after in zip(last_forwards, last_forwards[1:])]
+    posts = [before.end_s for before in last_forwards[:-1]]
+    assert gaps == pytest.approx([0.75 if post < 4 * T_F else 0.5 for post in posts])
+    assert posts[0] < 4 * T_F <= posts[-1]  # both cases occur
+    # the first stage's backwards wait on a last stage that computes its next backward: 0.75 each but the last
+    first_backwards = [s for s in first.steps if s.phase == "B"]
+    busy = [s for s in last.steps if s.phase == "B"]
+    computing = [any(b.start_s <= before.end_s < b.end_s for b in busy) for before in first_backwards[:-1]]
+    gaps = [after.start_s - before.end_s for before, after in zip(first_backwards, first_backwards[1:])]
+    assert gaps == pytest.approx([0.75 if c else 0.5 for c in computing])
+    assert True in computing and False in computing
 
 
 @pytest.mark.parametrize("pp", [1, 2])

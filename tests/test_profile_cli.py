@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 
 from tests.conftest import ROOT
@@ -28,7 +29,9 @@ def spec_file(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi4py"])
-def test_profile_under_mpirun_and_show(tmp_path, spec_file, project_env, backend):
+def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
+    spec_file = write_spec(tmp_path / "job.toml", layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2,
+                           pp=2, global_batch=8, micro=2, warmup=1, repeats=2)
     out = tmp_path / "out"
     result = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet", "--backend", backend], project_env)
     assert result.returncode == 0, result.stderr
@@ -40,6 +43,9 @@ def test_profile_under_mpirun_and_show(tmp_path, spec_file, project_env, backend
     expected = "torch-gloo" if backend == "torch" else "mpi4py"
     assert summary["environment"]["backend"] == expected
     assert any(m["kind"] == "allreduce" and m["needed"] for m in summary["measurements"])
+    with h5py.File(out / "profile.h5") as f:  # P2P also with the sender computing, on either backend
+        p2p = [g for g in f["measurements"].values() if g.attrs["kind"] == "p2p"]
+        assert p2p and all((g["sender_busy_samples_s"][()] > 0).all() for g in p2p)
 
 
 def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, project_env):

@@ -62,6 +62,12 @@ def test_end_to_end_profile_then_resume(tmp_path):
             for eid in plan.events:
                 samples = f[f"measurements/{eid}/samples_s"][()]
                 assert samples.shape == (2,) and (samples > 0).all()
+            for eid, g in f["measurements"].items():  # the receive timed by the receiver, kept by the sender
+                if g.attrs["kind"] == "p2p":
+                    busy = g["sender_busy_samples_s"][()]
+                    assert busy.shape == (2,) and (busy > 0).all() and (busy < 1.0).all()
+                else:
+                    assert "sender_busy_samples_s" not in g
             assert f["environment"].attrs["world_size"] == comm.size
         assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
     again = run_profile(spec, outdir, comm=comm, show_progress=False)

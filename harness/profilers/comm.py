@@ -1,4 +1,10 @@
-"""Communication events: P2P pairs (ping-pong, half the round trip) and all-reduce groups (max over the group).
+"""Communication events: P2P pairs and all-reduce groups (max over the group).
+
+A P2P pair is measured twice: by ping-pong (half the round trip: both sides waiting, as when the receiver
+posted its receive first), and with the sender busy computing when the receiver posts (as in a pipeline's
+steady state, where the data waits for the receiver while the sender has gone on to its next step). The
+second matters where the transfer needs the sender's CPU: gloo's (or MPI's) progress thread has to preempt
+the compute thread, which costs milliseconds on a fully used core; on a GPU with NCCL it costs nothing.
 
 Backends: torch.distributed (gloo on CPU, NCCL on GPU; the default, as training uses it) or mpi4py.
 Every rank of the world calls `measure_comm` for every task in the same order (group creation is
@@ -7,6 +13,7 @@ collective); ranks outside a task's group wait at the barrier that separates tas
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,6 +22,17 @@ import torch.distributed as dist
 from harness.models import TORCH_DTYPES
 from harness.profilers.timer import synchronize
 from launcher.placement import CommTask
+
+
+SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
+RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
+
+
+class CommSamples(NamedTuple):
+    """One communication task's samples (seconds); `sender_busy_s` only for P2P, empty otherwise."""
+
+    samples_s: np.ndarray
+    sender_busy_s: np.ndarray
 
 
 class CommProfiler:
@@ -60,7 +78,7 @@ class CommProfiler:
         elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())
         return torch.ones(elements, dtype=dtype, device=self.device)
 
-    def measure(self, task: CommTask, warmup: int, repeats: int) -> np.ndarray | None:
+    def measure(self, task: CommTask, warmup: int, repeats: int) -> CommSamples | None:
         """Samples (seconds) on the task's first rank, None elsewhere. Collective over the world."""
         members = task.ranks
         group = self._torch_group(members) if self.backend == "torch" else None
@@ -76,9 +94,10 @@ class CommProfiler:
         if self.rank in members:
             buffer = self._buffer(task)
             if task.kind == "p2p":
-                samples = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
+                samples = CommSamples(self._p2p(buffer, members, group, mpi_group, warmup, repeats),
+                                      self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats))
             else:
-                samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
+                samples = CommSamples(self._allreduce(buffer, group, mpi_group, warmup, repeats), np.empty(0))
         if mpi_group is not None:
             mpi_group.Free()
         self.comm.Barrier()
@@ -114,6 +133,49 @@ class CommProfiler:
             if i >= warmup:
                 samples[i - warmup] = elapsed
         return samples
+
+    def _p2p_sender_busy(self, buffer, members, group, mpi_group, warmup, repeats) -> np.ndarray:
+        """Per repeat: barrier; the sender posts its send and computes for SENDER_BUSY_S; the receiver posts its
+        receive RECEIVER_DELAY_S later and times it until the data is there. Samples on both members (the
+        receiver's, sent to the sender) so that the task's first rank holds them."""
+        sender, receiver = members
+        samples = np.empty(repeats, dtype=np.float64)
+        host = buffer.cpu().numpy() if mpi_group is not None else None
+        work_a = torch.ones(256, 256, device=self.device)
+        work_b = torch.ones(256, 256, device=self.device)
+        for i in range(warmup + repeats):
+            if mpi_group is not None:
+                mpi_group.Barrier()
+            else:
+                dist.barrier(group=group)
+                synchronize(self.device)
+            if self.rank == sender:
+                if mpi_group is not None:
+                    request = mpi_group.Isend(host, dest=1)
+                    complete = request.Wait
+                else:
+                    complete = dist.isend(buffer, receiver, group=group).wait
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < SENDER_BUSY_S:
+                    torch.mm(work_a, work_b)
+                synchronize(self.device)
+                complete()
+            else:
+                time.sleep(RECEIVER_DELAY_S)
+                t0 = time.perf_counter_ns()
+                if mpi_group is not None:
+                    mpi_group.Recv(host, source=0)
+                else:
+                    dist.recv(buffer, sender, group=group)
+                synchronize(self.device)
+                if i >= warmup:
+                    samples[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+        # the receiver timed it; the sender (the task's first rank) stores it
+        if mpi_group is not None:
+            return mpi_group.bcast(samples if self.rank == receiver else None, root=1)
+        shared = torch.from_numpy(samples).to(self.device)
+        dist.broadcast(shared, receiver, group=group)
+        return shared.cpu().numpy()
 
     def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> np.ndarray:
         """Per repeat: barrier, all-reduce timed on every member; a sample is the max over the group."""
