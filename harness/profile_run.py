@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UserError
+from harness.host_memory import retain_freed_host_memory
 from harness.events import EventPlan, build_plan
 from harness.progress import Progress
 from harness.spec import JobSpec
@@ -175,6 +176,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         watchdog.start(phase)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         device = pick_device(topology, spec.profile.device)
+        host_memory = "retained" if device.type == "cpu" and retain_freed_host_memory() else "default"
         outdir.mkdir(parents=True, exist_ok=True)
         plan = plan or build_plan(spec)
         comm_backend = spec.profile.backend
@@ -315,7 +317,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         "mpi_library": _mpi_library(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
-        "warmup": warmup, "repeats": repeats,
+        "warmup": warmup, "repeats": repeats, "host_memory": host_memory,
     }
     path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
                          layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),

@@ -249,6 +249,7 @@ def test_training_run_traces_the_schedule_and_matches_a_single_process(config, s
             assert trace.spec_json == spec.to_json()
             assert trace.environment["world_size"] == comm.Get_size()
             assert trace.environment["backend"] == "torch-gloo"
+            assert trace.environment["host_memory"] == "retained"
             _check_trace(spec, trace, options)
             losses = trace.iterations["loss"]
             assert np.all(np.isfinite(losses))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from harness.errors import UserError
+from harness.host_memory import retain_freed_host_memory
 from harness.spec import JobSpec
 
 DEFAULT_ITERATIONS = 5
@@ -165,6 +166,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     engine = None
     try:
         dev = pick_device(topology, device or spec.profile.device)
+        host_memory = "retained" if dev.type == "cpu" and retain_freed_host_memory() else "default"
         timeout = timeout_s or spec.profile.timeout_s
         start_time = time.time()
         backend = init_process_group(comm, topology, dev, timeout)
@@ -206,7 +208,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                                      iterations=its)
         result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
                              backend=f"torch-{backend}", device=str(dev))
-        env = _environment(topology, dev, backend, threads, start_time, end_time)
+        env = dict(_environment(topology, dev, backend, threads, start_time, end_time), host_memory=host_memory)
         yielding_barrier(comm)  # every rank file is complete
         if rank == 0:
             loss_ranks = [plan.rank_of(d, 0, s.pp - 1) for d in range(s.dp)]
