@@ -44,3 +44,18 @@ def test_backward_samples_accumulate_gradients():
     runner.sample()
     assert any(not torch.allclose(a, p.grad) for a, p in zip(first, runner.layers[0].parameters()))
     assert np.isfinite(runner.sample())
+
+
+def test_a_backward_sample_consumes_the_forward_run_at_the_previous_sample():
+    """As in a pipeline, other work runs between a micro-batch's forward and its backward: the runner runs
+    the copy's next forward right after timing a backward, so the next backward finds its activations cold."""
+    plan = _plan()
+    (bwd,) = [e for e in plan.events.values() if e.name == "gpt2.block.bwd"]
+    runner = ComputeRunner(plan.spec, bwd.content, torch.device("cpu"), copies=1)
+    order = []
+    layer = runner.layers[0]
+    layer.register_forward_hook(lambda *_: order.append("F"))
+    layer.register_full_backward_hook(lambda *_: order.append("B"))
+    runner.sample()
+    runner.sample()
+    assert order == ["F", "B", "F", "B", "F"]

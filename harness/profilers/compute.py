@@ -82,7 +82,9 @@ class ComputeRunner:
 
     On a CPU the runner rotates over several copies of the layer whose weights together exceed the last-level
     cache: a real stage streams through many distinct layers, so a single copy kept warm in cache would be
-    measured faster than any layer of a real iteration runs.
+    measured faster than any layer of a real iteration runs. A backward sample consumes a forward run at the
+    copy's previous sample, not just before: with the forward's activations still in cache, profiled
+    backwards of pipeline stages came out 15-25% faster than the real ones.
     """
 
     def __init__(self, spec: JobSpec, content: dict, device: torch.device, group=None, copies: int | None = None):
@@ -102,6 +104,7 @@ class ComputeRunner:
                 for p in layer.parameters():
                     p.grad = torch.randn_like(p)
         self._next = 0
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # backward: copy -> its forward
 
     def _cold_cache_copies(self, layer: torch.nn.Module) -> int:
         if self.device.type != "cpu":
@@ -126,14 +129,25 @@ class ComputeRunner:
         layer = self.layers[index]
         if self.optimizers:
             return time_region(self.optimizers[index].step, self.device)
-        x = self.make_input()
         if self.phase == "fwd":
+            x = self.make_input()
             return time_region(lambda: _forward(self.spec, layer, x, self.content), self.device)
+        pending = self._pending.pop(index, None)
+        out, grad = pending if pending is not None else self._forward_for_backward(layer, self.make_input())
+        # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
+        seconds = time_region(lambda: out.backward(grad), self.device)
+        self._pending[index] = self._forward_for_backward(layer, self.make_input())
+        return seconds
+
+    def _forward_for_backward(self, layer: torch.nn.Module,
+                              x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The untimed forward whose graph a later backward sample consumes: run at the copy's previous
+        sample, so that every other copy and event runs in between and, as in a pipeline, where a
+        micro-batch's backward comes long after its forward, the saved activations are no longer in cache."""
         out = _forward(self.spec, layer, x, self.content)
         grad = None if out.dim() == 0 else torch.randn_like(out)
         synchronize(self.device)
-        # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
-        return time_region(lambda: out.backward(grad), self.device)
+        return out, grad
 
 
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
