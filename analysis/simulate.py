@@ -19,6 +19,7 @@ timeline files. A device's rank is (pp_i * dp + dp_i) * tp + tp_i.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
@@ -204,8 +205,10 @@ class _Schedule(NamedTuple):
     sender_busy: frozenset  # the (direction, src stage, micro) transfers costed with the sender computing
 
 
-def _computing(steps: Sequence[StepRecord], t: float) -> bool:
-    return any(r.start_s <= t < r.end_s for r in steps)
+def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -> bool:
+    """Whether a device runs a step at time t (`steps` in start order, `starts` their start times)."""
+    i = bisect_right(starts, t) - 1
+    return i >= 0 and t < steps[i].end_s
 
 
 def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
@@ -225,6 +228,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     sender_busy: set = set()
     free = [0.0] * pp
     position = [0] * pp
+    previous_starts = [[r.start_s for r in steps] for steps in previous] if previous is not None else None
 
     def arrival(direction: str, src: int, dst_device: int, micro: int, sent: float, event: str | None,
                 duration: float) -> float:
@@ -235,7 +239,8 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
         else:  # the data waited at the sender for this receive
             start = posted
             extra = costs.sender_busy_extra.get(event, 0.0) if event else 0.0
-            if extra and previous is not None and _computing(previous[src_device], posted):
+            if extra and previous is not None and _computing(previous[src_device], previous_starts[src_device],
+                                                             posted):
                 duration += extra
                 sender_busy.add((direction, src, micro))
         transfers[(direction, src, micro)] = (start, start + duration)

@@ -29,7 +29,11 @@ def jobs(draw):
     free_comm = draw(st.booleans())
     seconds = {eid: 0.0 if free_comm and e.kind != "compute" else float(rng.uniform(0.0, 1.0))
                for eid, e in plan.events.items()}
-    return plan, Costs.from_seconds(plan, seconds)
+    costs = Costs.from_seconds(plan, seconds)
+    if draw(st.booleans()):  # P2P transfers that wait on a computing sender take longer (several passes)
+        costs.sender_busy_extra.update({eid: float(rng.uniform(0.0, 1.0)) for eid, e in plan.events.items()
+                                        if e.kind == "p2p"})
+    return plan, costs
 
 
 def covered(intervals, start, end):
@@ -99,6 +103,17 @@ def test_timeline_invariants(job):
                 assert backward_start[vs, i] >= backward_end[vs + 1, i] + p2p - EPS
             assert backward_start[vs, i] >= forward_end[vs, i] - EPS
             assert abs(forward_end[vs, i] - forward_start[vs, i] - sum(costs.seconds(e) for e in program.forward)) < 1e-9
+    # a transfer leaves after its step, takes its P2P time (plus at most the sender-busy extra), and the
+    # step that needs it starts after it arrives
+    for device in timeline.pipeline:
+        for t in device.sends:
+            table_end, table_start = (forward_end, forward_start) if t.direction == "activation" else (
+                backward_end, backward_start)
+            assert t.start_s >= table_end[t.src_stage, t.micro] - EPS
+            assert table_start[t.dst_stage, t.micro] >= t.end_s - EPS
+            duration = t.end_s - t.start_s
+            p2p, extra = costs.seconds(t.event), costs.sender_busy_extra.get(t.event, 0.0)
+            assert abs(duration - p2p) <= EPS or abs(duration - p2p - extra) <= EPS
     # the iteration ends when the last device does
     assert abs(T - max(d.end_s for d in timeline.pipeline)) <= EPS
     assert 0 <= timeline.bubble_fraction < 1 or T == 0
