@@ -220,9 +220,10 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
         if eid in table:
             out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path)
         else:
+            busy = g[SENDER_BUSY][()] if SENDER_BUSY in g else None
             out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
                                                   [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
-                                                  _text(g.attrs.get("env_key", "")))
+                                                  _text(g.attrs.get("env_key", "")), sender_busy_samples_s=busy)
             out[eid].source = path
     return out
 

@@ -10,6 +10,7 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
+from harness.store import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
@@ -153,3 +154,25 @@ def test_missing_or_foreign_files_are_refused_with_exit_2(tmp_path, capsys):
     (tmp_path / "text.h5").write_text("not hdf5")
     assert main(["simulate", str(tmp_path / "text.h5")]) == 2
     assert "not a readable HDF5 file" in capsys.readouterr().err
+
+
+def test_sender_busy_extra_is_the_mean_excess_and_unmeasured_p2p_take_the_largest_at_their_placement(tmp_path):
+    spec = make_spec(pp=2, micro_batches=2)  # one node: the stage-to-stage P2P is intra
+    points = []
+    for nbytes, busy in ((2**10, [0.001, 0.003]), (2**12, [0.004, 0.006])):
+        point = comm_point("p2p", nbytes, "intra", 0.001)
+        point.series[SENDER_BUSY_SERIES] = np.array(busy)
+        points.append(point)
+    inter = comm_point("p2p", 2**14, "inter", 0.001)
+    inter.series[SENDER_BUSY_SERIES] = np.array([0.101])
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"p2p": None}, default=0.5),
+                                  points + [inter])
+    plan = build_plan(spec)
+    costs = estimate_costs(plan, load_profile(path))
+    p2p = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
+    # the largest mean excess measured intra: (0.004 + 0.006) / 2 - 0.001, not the inter one
+    assert p2p and all(costs.sender_busy_extra[eid] == pytest.approx(0.004) for eid in p2p)
+    # measured with its own samples: mean 0.02 over a P2P of 0.5 s gives no extra
+    measured = write_handmade_profile(tmp_path / "measured.h5", spec, by_name({"p2p": 0.5}, default=0.5),
+                                      sender_busy=[0.01, 0.03])
+    assert estimate_costs(plan, load_profile(measured)).sender_busy_extra == {}
