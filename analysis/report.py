@@ -63,6 +63,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "unmeasured": list(costs.unmeasured),
         "fits": [{**fit.to_dict(), "mean_rel_error": finite(fit.mean_rel_error),
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
+        "p2p_sender_busy_extra": [{"id": eid, "name": timeline.plan.events[eid].name, "extra_s": extra}
+                                  for eid, extra in sorted(costs.sender_busy_extra.items())],
         "warnings": list(costs.warnings),
     }
 
@@ -106,6 +108,10 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                 for f in costs.fits.values()]
         out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err",
                                   "max err"), rows, title="communication fits (relative error on measured points):")]
+    if costs.sender_busy_extra:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(extra)) for eid, extra in sorted(costs.sender_busy_extra.items())]
+        out += ["", format_table(("id", "event", "extra ms"), rows,
+                                 title="P2P that waits for its receiver while the sender computes takes longer by:")]
     for warning in costs.warnings:
         out += ["", f"WARNING: {warning}"]
     return "\n".join(out)

@@ -6,16 +6,18 @@ import json
 import textwrap
 from collections import defaultdict
 
+import numpy as np
 import pytest
 
 from analysis.cli import main
 from analysis.profile import parse_spec_offline
 from analysis.timeline_store import read_timeline
 from harness.layers import LayerDesc
+from harness.store import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
-             "devices", "stages", "extrapolated", "unmeasured", "fits", "warnings"}
+             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra", "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
 
@@ -26,6 +28,7 @@ def hybrid_profile(tmp_path_factory):
     times = {"gpt2.block.fwd": 2e-3, "gpt2.block.bwd": 4e-3, "gpt2.embedding.fwd": 5e-4, "gpt2.head.fwd": 1e-3,
              "p2p": None, "allreduce": 1e-4}
     extra = [comm_point("p2p", n, "inter", 2e-5 + n * 1e-10) for n in (2**10, 2**16, 2**20)]
+    extra[0].series[SENDER_BUSY_SERIES] = np.array([1e-4, 3e-4])  # 2e-4 - 2.01e-5 beyond its own time
     return write_handmade_profile(tmp_path_factory.mktemp("hybrid") / "profile.h5", spec, by_name(times, 2e-4),
                                   extra, world_size=4)
 
@@ -85,10 +88,12 @@ def test_table_output_and_device_selection(hybrid_profile, capsys):
     assert main(["simulate", str(hybrid_profile), "--no-overlap"]) == 0
     out = capsys.readouterr().out
     for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "per device",
-                 "extrapolated", "communication fits", "after the backward"):
+                 "extrapolated", "communication fits", "after the backward", "while the sender computes"):
         assert text in out
     assert main(["simulate", str(hybrid_profile), "--json", "--devices", "stages"]) == 0
     report = json.loads(capsys.readouterr().out)
+    (busy,) = report["p2p_sender_busy_extra"]  # the one P2P event of the job, unmeasured: the inter extra
+    assert busy["name"].startswith("p2p") and busy["extra_s"] == pytest.approx(2e-4 - (2e-5 + 2**10 * 1e-10))
     assert [d["rank"] for d in report["devices"]] == [0, 4] and report["devices_selection"] == "stages"
     assert main(["simulate", str(hybrid_profile), "--json", "--devices", "1,5-6"]) == 0
     assert [d["rank"] for d in json.loads(capsys.readouterr().out)["devices"]] == [1, 5, 6]

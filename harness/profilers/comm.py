@@ -141,8 +141,9 @@ class CommProfiler:
         sender, receiver = members
         samples = np.empty(repeats, dtype=np.float64)
         host = buffer.cpu().numpy() if mpi_group is not None else None
-        work_a = torch.ones(256, 256, device=self.device)
-        work_b = torch.ones(256, 256, device=self.device)
+        # the sender's load: products of a few ms each on a CPU core, like a layer's, not a tight loop of tiny ones
+        work_a = torch.ones(512, 512, device=self.device)
+        work_b = torch.ones(512, 512, device=self.device)
         for i in range(warmup + repeats):
             if mpi_group is not None:
                 mpi_group.Barrier()
