@@ -99,15 +99,20 @@ def rank_file(outdir: Path, rank: int) -> Path:
     return outdir / f"rank-{rank:05d}.h5"
 
 
+def _complete(m: Measurement) -> bool:
+    """Whether a stored measurement has everything this version measures (P2P: its sender-busy samples)."""
+    return m.kind != "p2p" or SENDER_BUSY_SERIES in m.series
+
+
 def _stored(outdir: Path, env_key: str) -> dict[str, Measurement]:
-    """Measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment."""
+    """Complete measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment."""
     found: dict[str, Measurement] = {}
     paths = sorted(outdir.glob("rank-*.h5"))
     if (outdir / "profile.h5").exists():
         paths.insert(0, outdir / "profile.h5")
     for path in paths:
         try:
-            found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key})
+            found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key and _complete(m)})
         except OSError:
             print(f"harness profile: ignoring unreadable {path}", file=sys.stderr)
     return found

@@ -73,6 +73,19 @@ def test_end_to_end_profile_then_resume(tmp_path):
     again = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         assert again.measured == 0 and again.skipped >= len(plan.events)
+        # a P2P measured before sender-busy samples existed is measured again on resume
+        for path in [outdir / "profile.h5", *outdir.glob("rank-*.h5")]:
+            with h5py.File(path, "r+") as f:
+                for g in f["measurements"].values():
+                    if "sender_busy_samples_s" in g:
+                        del g["sender_busy_samples_s"]
+    comm.Barrier()
+    third = run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        p2p = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
+        assert p2p and third.measured >= len(p2p)
+        with h5py.File(outdir / "profile.h5") as f:
+            assert all("sender_busy_samples_s" in f["measurements"][eid] for eid in p2p)
 
 
 @pytest.mark.mpi(min_size=4)
