@@ -109,7 +109,8 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err",
                                   "max err"), rows, title="communication fits (relative error on measured points):")]
     if costs.sender_busy_extra:
-        rows = [(eid, timeline.plan.events[eid].name, _ms(extra)) for eid, extra in sorted(costs.sender_busy_extra.items())]
+        rows = [(eid, timeline.plan.events[eid].name, _ms(extra))
+                for eid, extra in sorted(costs.sender_busy_extra.items())]
         out += ["", format_table(("id", "event", "extra ms"), rows,
                                  title="P2P that waits for its receiver while the sender computes takes longer by:")]
     for warning in costs.warnings:

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -81,10 +82,8 @@ def measure_trials(name: str, config: tuple, args: argparse.Namespace, env: dict
     before they profile: whatever the first command leaves behind (a warmer or a throttled machine) then
     weighs on both sides instead of always on the run."""
     slug = name.replace(" ", "_").replace("=", "")
-    if args.keep:
-        return [measure(config, args, env, Path(args.keep) / f"{slug}-t{t}", t % 2 == 1) for t in range(args.trials)]
-    with tempfile.TemporaryDirectory() as tmp:
-        return [measure(config, args, env, Path(tmp) / f"{slug}-t{t}", t % 2 == 1) for t in range(args.trials)]
+    with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as root:
+        return [measure(config, args, env, Path(root) / f"{slug}-t{t}", t % 2 == 1) for t in range(args.trials)]
 
 
 def pooled(trials: list[dict]) -> dict:
@@ -99,7 +98,8 @@ def pooled(trials: list[dict]) -> dict:
         p = float(np.median([d["predicted_busy_s"] for d in busy]))
         device_errors.append(abs(p - m) / m * 100.0)
     per_trial = [t["measured_batch_time_s"] for t in trials]
-    return {"measured_s": measured, "predicted_s": predicted, "batch_error_pct": (predicted - measured) / measured * 100,
+    return {"measured_s": measured, "predicted_s": predicted,
+            "batch_error_pct": (predicted - measured) / measured * 100,
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
             # how far the run's own median moved between trials: what a perfect model would still see

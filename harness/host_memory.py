@@ -17,6 +17,11 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 
 
+def prepare_host_memory(device_type: str) -> str:
+    """On a CPU keep freed memory in the process; the label recorded in the environment (`host_memory`)."""
+    return "retained" if device_type == "cpu" and retain_freed_host_memory() else "default"
+
+
 def retain_freed_host_memory() -> bool:
     """Make glibc serve every block from its heap (no mmap) and never return the heap's top to the kernel.
     Returns False where this is not glibc (the call then changes nothing)."""

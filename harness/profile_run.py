@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UserError
-from harness.host_memory import retain_freed_host_memory
 from harness.events import EventPlan, build_plan
+from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.store import SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile, write_rank_file
@@ -104,15 +104,17 @@ def _complete(m: Measurement) -> bool:
     return m.kind != "p2p" or SENDER_BUSY_SERIES in m.series
 
 
-def _stored(outdir: Path, env_key: str) -> dict[str, Measurement]:
-    """Complete measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment."""
+def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str, Measurement]:
+    """Measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment; with
+    `complete_only` those that need no measuring again."""
     found: dict[str, Measurement] = {}
     paths = sorted(outdir.glob("rank-*.h5"))
     if (outdir / "profile.h5").exists():
         paths.insert(0, outdir / "profile.h5")
     for path in paths:
         try:
-            found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key and _complete(m)})
+            found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key
+                          and (_complete(m) or not complete_only)})
         except OSError:
             print(f"harness profile: ignoring unreadable {path}", file=sys.stderr)
     return found
@@ -181,7 +183,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         watchdog.start(phase)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         device = pick_device(topology, spec.profile.device)
-        host_memory = "retained" if device.type == "cpu" and retain_freed_host_memory() else "default"
+        host_memory = prepare_host_memory(device.type)
         outdir.mkdir(parents=True, exist_ok=True)
         plan = plan or build_plan(spec)
         comm_backend = spec.profile.backend
@@ -195,7 +197,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
         # Set-up on rank 0: what is stored already, and the placement; everyone gets the same answer.
         if rank == 0:
-            stored = {} if force else _stored(outdir, env_key)
+            stored = {} if force else _stored(outdir, env_key, complete_only=True)
             placement = place(plan, topology, skip=set(stored))
             setup = (sorted(stored), placement)
         else:

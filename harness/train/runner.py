@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from harness.errors import UserError
-from harness.host_memory import retain_freed_host_memory
+from harness.host_memory import prepare_host_memory
 from harness.spec import JobSpec
 
 DEFAULT_ITERATIONS = 5
@@ -166,7 +166,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     engine = None
     try:
         dev = pick_device(topology, device or spec.profile.device)
-        host_memory = "retained" if dev.type == "cpu" and retain_freed_host_memory() else "default"
+        host_memory = prepare_host_memory(dev.type)
         timeout = timeout_s or spec.profile.timeout_s
         start_time = time.time()
         backend = init_process_group(comm, topology, dev, timeout)
