@@ -28,7 +28,7 @@ from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.store import SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile, write_rank_file
 from launcher.placement import Placement, place
-from launcher.topology import Topology, discover
+from launcher.topology import Topology, discover, mpi_library_version
 
 FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises during the compute phase
 PROGRESS_TAG = 7701
@@ -321,7 +321,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
         "launcher": topology.launcher, "device": name, "backend": backend_label, "env_key": env_key,
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
-        "mpi_library": _mpi_library(), "python_version": platform.python_version(),
+        "mpi_library": mpi_library_version(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
         "warmup": warmup, "repeats": repeats, "host_memory": host_memory,
@@ -362,12 +362,6 @@ def _version(module: str) -> str:
         return __import__(module).__version__
     except Exception:  # a missing module is simply not recorded
         return "unknown"
-
-
-def _mpi_library() -> str:
-    from mpi4py import MPI
-
-    return MPI.Get_library_version().splitlines()[0].strip()
 
 
 def check_outdir(outdir: Path) -> None:

@@ -139,6 +139,16 @@ def check_world_size(size: int, environ: dict[str, str] | None = None) -> None:
             "--mpi plugin (pmi2 for MPICH, pmix for Open MPI).")
 
 
+def mpi_library_version(text: str | None = None) -> str:
+    """The first line of the MPI library's version string (Open MPI ends it with a NUL, which HDF5 refuses)."""
+    if text is None:
+        from mpi4py import MPI
+
+        text = MPI.Get_library_version()
+    lines = text.replace("\x00", "").strip().splitlines()
+    return lines[0].strip() if lines else "unknown"
+
+
 def discover(comm) -> Topology:
     """Discover the topology collectively over an mpi4py communicator (every rank must call it)."""
     from mpi4py import MPI

@@ -4,7 +4,7 @@ from __future__ import annotations
 from harness.events import build_plan
 from harness.spec import loads_spec
 from launcher.placement import balance, place
-from launcher.topology import LaunchError, Topology, check_world_size, promised_world_size
+from launcher.topology import LaunchError, Topology, check_world_size, mpi_library_version, promised_world_size
 from tests.helpers import tiny_spec_text
 
 import pytest
@@ -90,3 +90,13 @@ def test_srun_task_layout_must_match_mpi():
     check_slurm_task(1, 2, 0, 1, hydra)
     check_slurm_task(1, 2, 0, 1, dict(hydra, MPI_LOCALRANKID="1"))
     assert slurm_context(srun)["SLURM_JOB_NODELIST"] == "node[01-02]"
+
+
+def test_mpi_library_version_drops_open_mpis_trailing_nul():
+    # Open MPI 4.1's MPI_Get_library_version counts the terminating NUL, which HDF5 string attributes refuse
+    text = "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, Sep 30, 2023\x00"
+    assert mpi_library_version(text) == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, Sep 30, 2023"
+    assert mpi_library_version("MPICH Version:      5.0.2\nMPICH Release date: x\n") == "MPICH Version:      5.0.2"
+    assert mpi_library_version("\x00") == "unknown"
+    assert "\x00" not in mpi_library_version()  # the library this suite runs on
+

@@ -19,6 +19,7 @@ import numpy as np
 from harness.errors import UserError
 from harness.host_memory import prepare_host_memory
 from harness.spec import JobSpec
+from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
 DEFAULT_WARMUP = 1
@@ -69,7 +70,6 @@ def _environment(topology, device, backend: str, threads: int, start: float, end
     import h5py
     import mpi4py
     import torch
-    from mpi4py import MPI
 
     if device.type == "cuda":
         device_name = f"cuda:{torch.cuda.get_device_name(device)}"
@@ -79,7 +79,7 @@ def _environment(topology, device, backend: str, threads: int, start: float, end
         "hosts": topology.hosts(), "world_size": topology.size, "ranks_per_node": topology.ranks_per_node,
         "device": device_name, "backend": f"torch-{backend}", "torch_version": torch.__version__,
         "mpi4py_version": mpi4py.__version__, "h5py_version": h5py.__version__, "numpy_version": np.__version__,
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0].strip(),
+        "mpi_library": mpi_library_version(),
         "python_version": platform.python_version(), "start_time": start, "end_time": end,
         "topology_source": topology.source, "launcher": topology.launcher, "torch_threads": threads,
     }
