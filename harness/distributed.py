@@ -16,10 +16,23 @@ import torch.distributed as dist
 from launcher.topology import Topology
 
 
+def check_devices_per_node(local_size: int, device_count: int, host: str) -> None:
+    """Refuse more ranks on a node than it has GPUs: NCCL fails at the first collective with "Duplicate GPU
+    detected", and ranks sharing a GPU would time each other's kernels."""
+    if local_size > device_count:
+        from harness.errors import UserError
+
+        raise UserError(f"{local_size} ranks run on {host}, but torch sees {device_count} CUDA device(s) there; "
+                        "every rank needs its own GPU (NCCL refuses two ranks on one device). Start at most "
+                        f"{device_count} rank(s) per node (mpirun --map-by ppr:{device_count}:node, or Slurm "
+                        f"--ntasks-per-node={device_count}), or set profile.device = 'cpu' (train: --device cpu)")
+
+
 def pick_device(topology: Topology, wanted: str = "auto") -> torch.device:
     """One device per local rank when CUDA is present (and wanted), else the CPU."""
     if wanted in ("auto", "cuda") and torch.cuda.is_available():
-        index = topology.local_rank % torch.cuda.device_count()
+        check_devices_per_node(topology.local_size, torch.cuda.device_count(), topology.hosts()[topology.node])
+        index = topology.local_rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     if wanted == "cuda":

@@ -100,3 +100,16 @@ def test_mpi_library_version_drops_open_mpis_trailing_nul():
     assert mpi_library_version("\x00") == "unknown"
     assert "\x00" not in mpi_library_version()  # the library this suite runs on
 
+
+def test_more_ranks_than_gpus_on_a_node_is_refused_before_nccl():
+    from harness.distributed import check_devices_per_node
+    from harness.errors import UserError
+
+    check_devices_per_node(4, 4, "gpu01")
+    check_devices_per_node(2, 8, "gpu01")
+    with pytest.raises(UserError) as refused:
+        check_devices_per_node(2, 1, "gpu01")
+    message = str(refused.value)
+    assert "2 ranks run on gpu01" in message and "1 CUDA device" in message
+    assert "--ntasks-per-node=1" in message and "device = 'cpu'" in message
+    assert refused.value.exit_status == 2
