@@ -1,7 +1,9 @@
 """The duration of every event of a plan, from a profile's measurements.
 
 - compute: the median of its samples; a compute event the profile lacks is an error (UserError, exit 2)
-  that lists the missing events and the command that profiles them.
+  that lists the missing events and the command that profiles them. A GPU forward or backward was timed
+  with the host ahead of the device (its device time alone); the median of the host's issue times is its
+  `host_issue` (the timeline runs a step's layers as a host issuing them and a device running them).
 - P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
 - P2P with the sender busy: where the profile timed the receive while the sender computed, the mean of
   those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
@@ -139,6 +141,8 @@ class Costs:
     composites: dict[str, float] = field(default_factory=dict)
     # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
+    # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
+    host_issue: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
 
@@ -210,8 +214,11 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
     no_comm_events: list[str] = []
     for eid, event in plan.events.items():
         if measured(eid):
-            seconds = representative_seconds(profile.measurements[eid])
-            costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, MEASURED)
+            measurement = profile.measurements[eid]
+            costs.events[eid] = EventCost(eid, event.name, event.kind, representative_seconds(measurement),
+                                          MEASURED)
+            if event.kind == "compute" and measurement.host_issue_samples_s.size:
+                costs.host_issue[eid] = float(np.median(measurement.host_issue_samples_s))
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})

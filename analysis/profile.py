@@ -20,6 +20,8 @@ from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_override
 
 PROFILE_SCHEMA_VERSIONS = (1,)
 SENDER_BUSY = "sender_busy_samples_s"  # an optional dataset of a P2P measurement (docs/hdf5.md)
+HOST_ISSUE = "host_issue_samples_s"  # an optional dataset of a GPU forward or backward (docs/hdf5.md)
+OPTIONAL_SERIES = (SENDER_BUSY, HOST_ISSUE)
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
                    "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
@@ -42,13 +44,15 @@ class MeasuredEvent(CommunicationFields):
     @classmethod
     def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
                      ranks: list[int] | None = None, env_key: str = "", attrs: dict[str, Any] | None = None,
-                     sender_busy_samples_s: np.ndarray | None = None) -> "MeasuredEvent":
+                     sender_busy_samples_s: np.ndarray | None = None,
+                     host_issue_samples_s: np.ndarray | None = None) -> "MeasuredEvent":
         samples = np.asarray(samples_s, dtype=np.float64)
-        busy = np.asarray(sender_busy_samples_s if sender_busy_samples_s is not None else [], dtype=np.float64)
+        series = {name: np.asarray(values if values is not None else [], dtype=np.float64)
+                  for name, values in ((SENDER_BUSY, sender_busy_samples_s), (HOST_ISSUE, host_issue_samples_s))}
         return cls(eid, kind, content, float(np.median(samples)) if samples.size else float("nan"),
                    float(samples.min()) if samples.size else float("nan"), int(samples.size),
                    _details={"samples_s": samples, "ranks": list(ranks or []), "env_key": env_key,
-                             "attrs": dict(attrs or {}), SENDER_BUSY: busy})
+                             "attrs": dict(attrs or {}), **series})
 
     def _detail(self, key: str) -> Any:
         if self._details is None:
@@ -57,8 +61,7 @@ class MeasuredEvent(CommunicationFields):
             with h5py.File(self.source, "r") as f:
                 g = f["measurements"][self.id]
                 self._details = {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
-                                 SENDER_BUSY: np.asarray(g[SENDER_BUSY][()] if SENDER_BUSY in g else [],
-                                                         dtype=np.float64),
+                                 **_optional_series(g),
                                  "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
                                  "env_key": _text(g.attrs.get("env_key", "")),
                                  "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in _RESERVED_ATTRS}}
@@ -72,6 +75,11 @@ class MeasuredEvent(CommunicationFields):
     def sender_busy_samples_s(self) -> np.ndarray:
         """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
         return self._detail(SENDER_BUSY)
+
+    @property
+    def host_issue_samples_s(self) -> np.ndarray:
+        """GPU forwards and backwards: the host's time to issue each sample (empty where the profile has none)."""
+        return self._detail(HOST_ISSUE)
 
     @property
     def ranks(self) -> list[int]:
@@ -220,12 +228,19 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
         if eid in table:
             out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path)
         else:
-            busy = g[SENDER_BUSY][()] if SENDER_BUSY in g else None
+            series = _optional_series(g)
             out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
                                                   [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
-                                                  _text(g.attrs.get("env_key", "")), sender_busy_samples_s=busy)
+                                                  _text(g.attrs.get("env_key", "")),
+                                                  sender_busy_samples_s=series[SENDER_BUSY],
+                                                  host_issue_samples_s=series[HOST_ISSUE])
             out[eid].source = path
     return out
+
+
+def _optional_series(g: h5py.Group) -> dict[str, np.ndarray]:
+    """A measurement's optional sample series (empty where the file has none)."""
+    return {name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in OPTIONAL_SERIES}
 
 
 def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str]:

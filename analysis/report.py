@@ -65,6 +65,9 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
         "p2p_sender_busy_extra": [{"id": eid, "name": timeline.plan.events[eid].name, "extra_s": extra}
                                   for eid, extra in sorted(costs.sender_busy_extra.items())],
+        "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
+                                "device_s": costs.seconds(eid), "host_issue_s": host}
+                               for eid, host in sorted(costs.host_issue.items())],
         "warnings": list(costs.warnings),
     }
 
@@ -113,6 +116,12 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                 for eid, extra in sorted(costs.sender_busy_extra.items())]
         out += ["", format_table(("id", "event", "extra ms"), rows,
                                  title="P2P that waits for its receiver while the sender computes takes longer by:")]
+    if costs.host_issue:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(costs.seconds(eid)), _ms(host))
+                for eid, host in sorted(costs.host_issue.items(), key=lambda kv: timeline.plan.events[kv[0]].name)]
+        out += ["", format_table(("id", "event", "device ms", "host issue ms"), rows,
+                                 title="GPU compute: a step runs as its host issues these layers and its device "
+                                       "runs them (device time alone, host issue time):")]
     for warning in costs.warnings:
         out += ["", f"WARNING: {warning}"]
     return "\n".join(out)

@@ -26,7 +26,8 @@ from harness.events import EventPlan, build_plan
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile, write_rank_file
+from harness.store import (HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile,
+                           write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -100,8 +101,14 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 
 def _complete(m: Measurement) -> bool:
-    """Whether a stored measurement has everything this version measures (P2P: its sender-busy samples)."""
-    return m.kind != "p2p" or SENDER_BUSY_SERIES in m.series
+    """Whether a stored measurement has everything this version measures: a P2P its sender-busy samples, a
+    GPU forward or backward the host's issue times."""
+    if m.kind == "p2p":
+        return SENDER_BUSY_SERIES in m.series
+    if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
+            and m.content.get("phase") in ("fwd", "bwd"):
+        return HOST_ISSUE_SERIES in m.series
+    return True
 
 
 def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str, Measurement]:
@@ -235,10 +242,11 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         t0 = time.perf_counter()
         measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done)
         busy_s += time.perf_counter() - t0
-        for eid, samples in measured.items():
+        for eid, taken in measured.items():
             event = plan.events[eid]
-            recorder.add(Measurement(eid, "compute", event.content, samples, [rank], env_key,
-                                     {"name": event.name, "warmup": warmup, "device": name}))
+            series = {HOST_ISSUE_SERIES: taken.host_issue_s} if taken.host_issue_s is not None else {}
+            recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key,
+                                     {"name": event.name, "warmup": warmup, "device": name}, series))
         if rank == 0:
             _drain_progress(comm, progress, total_compute * repeats)
             progress.close()

@@ -20,7 +20,9 @@ PROFILE_KIND = "distsim-profile"
 STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
 # P2P only: the receive timed while the sender computes (harness.profilers.comm), next to samples_s
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
-SERIES = (SENDER_BUSY_SERIES,)
+# GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
+HOST_ISSUE_SERIES = "host_issue_samples_s"
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES)
 
 
 @dataclass

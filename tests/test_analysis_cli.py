@@ -17,7 +17,8 @@ from harness.store import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
-             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra", "warnings"}
+             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
+             "compute_host_issue", "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
 
@@ -163,3 +164,22 @@ def test_unwritable_outputs_are_bad_input(tmp_path):
         result = run_python(f"import sys; from analysis.cli import main; "
                             f"sys.exit(main(['simulate', {str(profile_path)!r}, {option!r}, {str(blocker / 'x')!r}]))")
         assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsys):
+    spec = make_spec(micro_batches=2, layers=2)
+    durations = by_name({}, default=1e-3)
+    plain = write_handmade_profile(tmp_path / "plain.h5", spec, durations)
+    gpu = write_handmade_profile(tmp_path / "gpu.h5", spec, durations, host_issue={"gpt2.head.bwd": [3e-3]})
+    assert main(["simulate", str(plain), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert before["compute_host_issue"] == []
+    assert main(["simulate", str(gpu), "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    (row,) = after["compute_host_issue"]
+    assert row["name"] == "gpt2.head.bwd" and row["host_issue_s"] == pytest.approx(3e-3)
+    assert row["device_s"] == pytest.approx(1e-3)
+    # the head's backward opens each of the 2 backward steps: the device waits 2 ms for its issue each time
+    assert after["batch_time_s"] == pytest.approx(before["batch_time_s"] + 2 * 2e-3)
+    assert main(["simulate", str(gpu)]) == 0
+    assert "host issue ms" in capsys.readouterr().out

@@ -176,3 +176,16 @@ def test_sender_busy_extra_is_the_mean_excess_and_unmeasured_p2p_take_the_larges
     measured = write_handmade_profile(tmp_path / "measured.h5", spec, by_name({"p2p": 0.5}, default=0.5),
                                       sender_busy=[0.01, 0.03])
     assert estimate_costs(plan, load_profile(measured)).sender_busy_extra == {}
+
+
+def test_gpu_host_issue_times_are_read_as_their_median_and_reported(tmp_path):
+    spec = make_spec(micro_batches=2)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3),
+                                  host_issue={"gpt2.block.bwd": [2e-3, 4e-3, 9e-3], "gpt2.block.fwd": [1e-4]})
+    plan = build_plan(spec)
+    costs = estimate_costs(plan, load_profile(path))
+    names = {plan.events[eid].name: host for eid, host in costs.host_issue.items()}
+    assert names == {"gpt2.block.bwd": pytest.approx(4e-3), "gpt2.block.fwd": pytest.approx(1e-4)}
+    assert all(costs.seconds(eid) == pytest.approx(1e-3) for eid in costs.host_issue)  # device time unchanged
+    cpu = write_handmade_profile(tmp_path / "cpu.h5", spec, by_name({}, default=1e-3))
+    assert estimate_costs(plan, load_profile(cpu)).host_issue == {}

@@ -165,3 +165,34 @@ def test_composite_replaces_a_tensor_parallel_layer_and_its_all_reduces():
     # two blocks: each was 1 + 2 x 0.5 = 2 ms, now 4 ms
     assert after.forward_s == pytest.approx(before + 2 * 2e-3)
     assert after.forward_comm_s == pytest.approx(2 * 3e-3)
+
+
+def test_a_gpu_step_runs_as_the_host_issues_its_layers():
+    """Device time alone where the host runs ahead; where issuing takes longer (a backward's first layer,
+    small layers), the device waits for it; an item never takes less than its device time."""
+    from analysis.simulate import _issued
+
+    # host 3 ms ahead of a 1 ms first layer: the device waits for the issue, then the host stays ahead
+    assert _issued([1e-3, 4e-3, 4e-3], [3e-3, 1e-3, 1e-3]) == pytest.approx([3e-3, 4e-3, 4e-3])
+    # a small last layer issued slower than it runs: covered by the slack the big layers left
+    assert _issued([4e-3, 4e-3, 1e-4], [1e-3, 1e-3, 2e-3]) == pytest.approx([4e-3, 4e-3, 1e-4])
+    # a host-bound step takes the host's total
+    assert sum(_issued([1e-4] * 4, [1e-3] * 4)) == pytest.approx(4e-3)
+
+
+def test_gpu_profiles_compose_steps_from_device_and_host_times():
+    from analysis.costs import Costs
+    from analysis.simulate import stage_costs
+    from harness.events import build_plan
+
+    spec = make_spec(micro_batches=1, layers=2)
+    plan = build_plan(spec)
+    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    before = stage_costs(plan, costs)[0]
+    program = plan.stages[0]
+    first, *rest = program.backward
+    costs.host_issue.update({first: 2.5e-3, **{eid: 1e-4 for eid in rest}})  # a backward's slow start
+    after = stage_costs(plan, costs)[0]
+    assert after.forward_s == pytest.approx(before.forward_s)  # no host times: the plain sum
+    assert after.backward_s == pytest.approx(before.backward_s + 1.5e-3)
+    assert after.backward_offsets[1] == pytest.approx(2.5e-3)  # buckets see the later end of the first layer

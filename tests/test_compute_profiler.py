@@ -21,7 +21,8 @@ def test_round_robin_samples_every_event():
     samples = measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=1, repeats=3,
                                     on_round=rounds.append)
     assert set(samples) == set(contents)
-    assert all(s.shape == (3,) and (s > 0).all() for s in samples.values())
+    assert all(s.samples_s.shape == (3,) and (s.samples_s > 0).all() for s in samples.values())
+    assert all(s.host_issue_s is None for s in samples.values())  # on a CPU the host is the device
     assert rounds == [len(contents)] * 3  # one sample of every event per round
 
 

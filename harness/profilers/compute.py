@@ -5,14 +5,14 @@ The layer runs alone: a tensor-parallel shard's collectives are measured as thei
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from harness.models import TORCH_DTYPES, build_layer
 from harness.models.transformer import Head
-from harness.profilers.timer import synchronize, time_region
+from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
 from harness.spec import JobSpec
 
 
@@ -75,6 +75,20 @@ def last_level_cache_bytes() -> int:
 
 MAX_COPIES = 16
 MAX_COPY_BYTES = 512 * 2**20
+MIN_LEAD_S = 1e-3  # how long the GPU is held busy before a sample, at least (see timer.time_issued)
+LEAD_TRIES = 4  # a sample whose issue outlasted the lead is taken again with twice the lead, this many times
+# On a GPU a sample issues the layer this many times back to back and counts the mean: a stage issues its
+# layers one after another, with the host's code paths warm (issued one at a time, layers took the host 1.5
+# to 1.7 times as long on an H200 as in the training run; docs/profiling.md)
+ISSUE_CHAIN = 4
+
+
+class ComputeSamples(NamedTuple):
+    """The samples of one compute event (seconds) and, for forwards and backwards on a GPU, the host's time
+    to issue each (None where the host and the device are one: on a CPU, and for optimizer steps)."""
+
+    samples_s: np.ndarray
+    host_issue_s: np.ndarray | None = None
 
 
 class ComputeRunner:
@@ -104,7 +118,14 @@ class ComputeRunner:
                 for p in layer.parameters():
                     p.grad = torch.randn_like(p)
         self._next = 0
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # backward: copy -> its forward
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # backward: copy -> forwards
+        # On a GPU, forwards and backwards are timed with the host ahead (as in a training step, where one
+        # layer is issued while the GPU runs the previous one); an optimizer step is timed on its own, as
+        # the trainer synchronizes around each.
+        self.issued = can_time_issued(device) and self.phase in ("fwd", "bwd")
+        self.chain = ISSUE_CHAIN if self.issued else 1
+        self.last_host_s: float | None = None
+        self._lead_s = MIN_LEAD_S
 
     def _cold_cache_copies(self, layer: torch.nn.Module) -> int:
         if self.device.type != "cpu":
@@ -123,36 +144,52 @@ class ComputeRunner:
 
     def sample(self) -> float:
         """One timed run (seconds) of the next copy: a forward, a backward after an untimed forward, or an
-        optimizer step."""
+        optimizer step (on a GPU the mean of `chain` forwards or backwards issued back to back)."""
         index = self._next
         self._next = (index + 1) % len(self.layers)
         layer = self.layers[index]
         if self.optimizers:
             return time_region(self.optimizers[index].step, self.device)
         if self.phase == "fwd":
-            x = self.make_input()
-            return time_region(lambda: _forward(self.spec, layer, x, self.content), self.device)
-        pending = self._pending.pop(index, None)
-        out, grad = pending if pending is not None else self._forward_for_backward(layer, self.make_input())
+            xs = [self.make_input() for _ in range(self.chain)]
+            return self._time(lambda: [_forward(self.spec, layer, x, self.content) for x in xs])
+        graphs = self._pending.pop(index, None) or self._forwards_for_backward(layer)
         # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
-        seconds = time_region(lambda: out.backward(grad), self.device)
-        self._pending[index] = self._forward_for_backward(layer, self.make_input())
+        seconds = self._time(lambda: [out.backward(grad) for out, grad in graphs], retry=False)
+        del graphs
+        self._pending[index] = self._forwards_for_backward(layer)
         return seconds
 
-    def _forward_for_backward(self, layer: torch.nn.Module,
-                              x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The untimed forward whose graph a later backward sample consumes: run at the copy's previous
+    def _time(self, run: Callable[[], object], retry: bool = True) -> float:
+        """Device seconds of `run()`; on a GPU also notes the host's issue time in `last_host_s`. A sample
+        whose issue outlasted the GPU's lead is taken again with a longer lead (a backward, which consumes
+        its graph, only lengthens the lead for the next sample)."""
+        if not self.issued:
+            return time_region(run, self.device)
+        for _ in range(LEAD_TRIES if retry else 1):
+            sample = time_issued(run, self.device, self._lead_s)
+            self._lead_s = max(MIN_LEAD_S, 2 * sample.host_s) if sample.ahead else 2 * max(self._lead_s,
+                                                                                          sample.host_s)
+            if sample.ahead:
+                break
+        self.last_host_s = sample.host_s / self.chain
+        return sample.device_s / self.chain
+
+    def _forwards_for_backward(self, layer: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The untimed forwards whose graphs a later backward sample consumes: run at the copy's previous
         sample, so that every other copy and event runs in between and, as in a pipeline, where a
         micro-batch's backward comes long after its forward, the saved activations are no longer in cache."""
-        out = _forward(self.spec, layer, x, self.content)
-        grad = None if out.dim() == 0 else torch.randn_like(out)
+        graphs = []
+        for _ in range(self.chain):
+            out = _forward(self.spec, layer, self.make_input(), self.content)
+            graphs.append((out, None if out.dim() == 0 else torch.randn_like(out)))
         synchronize(self.device)
-        return out, grad
+        return graphs
 
 
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
                           repeats: int, on_round: Callable[[int], None] | None = None,
-                          max_parameters: int = 2**28) -> dict[str, np.ndarray]:
+                          max_parameters: int = 2**28) -> dict[str, ComputeSamples]:
     """Samples of several compute events, taken round-robin: one sample of each event per round.
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
@@ -161,6 +198,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     `on_round(n)` is called after each timed round with the number of events sampled in it.
     """
     samples = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
+    host: dict[str, np.ndarray] = {}
     pending = list(contents)
     while pending:
         runners: dict[str, ComputeRunner] = {}
@@ -172,13 +210,18 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         for _ in range(warmup):
             for runner in runners.values():
                 runner.sample()
+        for eid, runner in runners.items():
+            if runner.issued:
+                host[eid] = np.empty(repeats, dtype=np.float64)
         for i in range(repeats):
             for eid, runner in runners.items():
                 samples[eid][i] = runner.sample()
+                if eid in host:
+                    host[eid][i] = runner.last_host_s
             if on_round is not None:
                 on_round(len(runners))
         del runners
-    return samples
+    return {eid: ComputeSamples(samples[eid], host.get(eid)) for eid in contents}
 
 
 def _is_last_user_layer(spec: JobSpec, content: dict) -> bool:

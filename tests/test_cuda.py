@@ -1,0 +1,72 @@
+"""The GPU paths: CUDA-event timing with the host ahead, the runner's host issue times, a one-GPU profile
+end to end. They run where torch sees a CUDA device (bench/gpu_check.sh runs them there) and skip elsewhere."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import h5py
+import pytest
+import torch
+
+from harness.events import build_plan
+from harness.profilers.compute import ComputeRunner
+from harness.profilers.timer import can_time_issued, time_issued, time_region
+from harness.spec import loads_spec
+from harness.store import HOST_ISSUE_SERIES
+from tests.helpers import tiny_spec_text, write_spec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_time_issued_times_the_device_alone_with_the_host_ahead():
+    device = torch.device("cuda", 0)
+    assert can_time_issued(device)
+    x = torch.randn(256, 256, device=device)
+    run = lambda: [x.mul_(1.0) for _ in range(200)]  # noqa: E731 (many tiny kernels: launch-bound alone)
+    for _ in range(3):
+        run()
+    issued = [time_issued(run, device, lead_s=0.05) for _ in range(5)]
+    isolated = sorted(time_region(run, device) for _ in range(5))[2]
+    assert all(s.ahead for s in issued)
+    device_s = sorted(s.device_s for s in issued)[2]
+    host_s = sorted(s.host_s for s in issued)[2]
+    assert 0 < device_s < isolated  # the launch gaps are gone
+    assert host_s > device_s  # 200 launches take the host longer than the GPU needs for them
+    assert not time_issued(run, device, lead_s=1e-7).ahead  # too short a lead is noticed
+
+
+def test_gpu_runner_notes_host_issue_for_forward_and_backward_only():
+    spec = loads_spec(tiny_spec_text(hidden=64, ffn=128, seq=32))
+    plan = build_plan(spec)
+    device = torch.device("cuda", 0)
+    for event in plan.events.values():
+        runner = ComputeRunner(spec, event.content, device)
+        seconds = [runner.sample() for _ in range(3)]
+        assert all(s > 0 for s in seconds), event.name
+        if event.content["phase"] == "optimizer":
+            assert not runner.issued and runner.last_host_s is None
+        else:
+            assert runner.issued and runner.chain > 1 and runner.last_host_s > 0, event.name
+
+
+def test_one_gpu_profile_stores_host_issue_and_the_prediction_uses_it(tmp_path, project_env):
+    spec = write_spec(tmp_path / "job.toml", hidden=64, ffn=128, seq=32, repeats=3,
+                      extra='device = "cuda"\n')
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "harness", "profile", str(spec), "-o", str(out), "--quiet"],
+                         env=project_env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    with h5py.File(out / "profile.h5") as f:
+        assert f["environment"].attrs["device"].startswith("cuda:")
+        for eid, g in f["measurements"].items():
+            phase = json.loads(g.attrs["content_json"])["phase"]
+            assert (HOST_ISSUE_SERIES in g) == (phase in ("fwd", "bwd")), eid
+            if HOST_ISSUE_SERIES in g:
+                assert g[HOST_ISSUE_SERIES].shape == g["samples_s"].shape
+    report = subprocess.run([sys.executable, "-m", "analysis", "simulate", str(out / "profile.h5"), "--json"],
+                            env=project_env, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)["compute_host_issue"]
+    assert rows and all(r["host_issue_s"] > 0 and r["device_s"] > 0 for r in rows)
