@@ -83,3 +83,25 @@ def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
     result = mpirun(2, ["profile", str(spec_file), "-o", str(blocker / "out")], project_env)
     assert result.returncode == 2 and "cannot create the output folder" in result.stderr
     assert "Traceback" not in result.stderr and "MPI_Abort" not in result.stderr
+
+
+def test_resume_measures_again_what_this_version_measures_more_of():
+    """A P2P without sender-busy samples and a GPU forward or backward without host issue times are
+    incomplete; everything else stored is reused."""
+    import numpy as np
+
+    from harness.profile_run import _complete
+    from harness.store import HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement
+
+    def measurement(kind, phase=None, device="cpu:x", series=()):
+        content = {"phase": phase} if phase else {}
+        return Measurement("id", kind, content, np.ones(3), [0], "env", {"device": device},
+                           {name: np.ones(3) for name in series})
+
+    assert _complete(measurement("compute", "fwd"))  # a CPU profile has no host issue times
+    assert not _complete(measurement("compute", "bwd", "cuda:NVIDIA H200"))
+    assert _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", [HOST_ISSUE_SERIES]))
+    assert _complete(measurement("compute", "optimizer", "cuda:NVIDIA H200"))  # timed alone, no issue times
+    assert not _complete(measurement("p2p"))
+    assert _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))
+    assert _complete(measurement("allreduce"))
