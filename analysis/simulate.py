@@ -163,21 +163,26 @@ def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -
     Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`)."""
     out = _composite_split(costs, items, layers)
     if any(e in costs.host_issue for e in items):
-        out = _issued(out, [costs.host_issue.get(e, 0.0) for e in items])
+        out = _issued(out, [costs.host_issue.get(e, 0.0) for e in items], [layer == -1 for layer in layers])
     return out
 
 
-def _issued(device_s: Sequence[float], host_s: Sequence[float]) -> list[float]:
+def _issued(device_s: Sequence[float], host_s: Sequence[float],
+            host_waits: Sequence[bool] | None = None) -> list[float]:
     """Item durations of a step on a GPU that starts idle: the host issues item i in host_s[i] after the
     previous ones, the device runs it in device_s[i] after the previous item and cannot finish it before its
-    last kernel was issued. An item's duration is how much later the device finishes it than the one before:
-    a host-bound start (a backward's first layer, small layers) shows, a host running ahead costs nothing."""
+    last kernel was issued; after an item with host_waits[i] (an inline collective: harness train times
+    each between two synchronizations) the host goes on only once the device is done. An item's duration is
+    how much later the device finishes it than the one before: a host-bound start (a backward's first
+    layer, small layers) shows, a host running ahead costs nothing."""
     out, host_end, device_end = [], 0.0, 0.0
-    for device, host in zip(device_s, host_s):
+    for i, (device, host) in enumerate(zip(device_s, host_s)):
         host_end += host
         end = max(device_end + device, host_end)
         out.append(end - device_end)
         device_end = end
+        if host_waits is not None and host_waits[i]:
+            host_end = device_end
     return out
 
 

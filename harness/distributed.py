@@ -16,31 +16,49 @@ import torch.distributed as dist
 from launcher.topology import Topology
 
 
-def check_devices_per_node(local_size: int, device_count: int, host: str) -> None:
-    """Refuse more ranks on a node than it has GPUs: NCCL fails at the first collective with "Duplicate GPU
-    detected", and ranks sharing a GPU would time each other's kernels."""
-    if local_size > device_count:
-        from harness.errors import UserError
+def check_one_rank_per_gpu(gpus: list[tuple[str, str | None]]) -> None:
+    """Refuse two ranks on one GPU. `gpus[r]` is rank r's (host, GPU identity), None off a GPU. NCCL fails at
+    the first collective with "Duplicate GPU detected", and ranks sharing a GPU would time each other."""
+    first: dict[tuple[str, str], int] = {}
+    for rank, (host, gpu) in enumerate(gpus):
+        if gpu is None:
+            continue
+        other = first.setdefault((host, gpu), rank)
+        if other != rank:
+            from harness.errors import UserError
 
-        raise UserError(f"{local_size} ranks run on {host}, but torch sees {device_count} CUDA device(s) there; "
-                        "every rank needs its own GPU (NCCL refuses two ranks on one device). Start at most "
-                        f"{device_count} rank(s) per node (mpirun --map-by ppr:{device_count}:node, or Slurm "
-                        f"--ntasks-per-node={device_count}), or set profile.device = 'cpu' (train: --device cpu)")
+            count = len({g for h, g in gpus if h == host and g is not None})
+            on_host = sum(1 for h, g in gpus if h == host and g is not None)
+            raise UserError(f"ranks {other} and {rank} on {host} share one GPU ({gpu}): {on_host} ranks run there "
+                            f"on {count} GPU(s), and every rank needs its own (NCCL refuses two ranks on one "
+                            f"device). Start at most {count} rank(s) per node (mpirun --map-by ppr:{count}:node, "
+                            f"or Slurm --ntasks-per-node={count} or --gpus-per-task=1), or set profile.device = "
+                            "'cpu' (train: --device cpu)")
 
 
-def pick_device(topology: Topology, wanted: str = "auto") -> torch.device:
-    """One device per local rank when CUDA is present (and wanted), else the CPU."""
+def _gpu_identity(index: int) -> str | None:
+    """A GPU's UUID (the same whichever CUDA_VISIBLE_DEVICES numbering a rank sees it under)."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else None
+
+
+def pick_device(topology: Topology, wanted: str = "auto", comm=None) -> torch.device:
+    """One device per local rank when CUDA is present (and wanted), else the CPU. With `comm` (collective
+    over it) two ranks that would share one GPU are refused."""
+    device = torch.device("cpu")
+    gpu = None
     if wanted in ("auto", "cuda") and torch.cuda.is_available():
-        check_devices_per_node(topology.local_size, torch.cuda.device_count(), topology.hosts()[topology.node])
-        index = topology.local_rank
+        index = topology.local_rank % torch.cuda.device_count()  # Slurm may show each rank only its own GPU
         torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if wanted == "cuda":
+        device, gpu = torch.device("cuda", index), _gpu_identity(index)
+    elif wanted == "cuda":
         from harness.errors import UserError
 
         raise UserError("profile.device = 'cuda' but torch sees no CUDA device on "
                         f"{topology.hostnames[topology.rank]}; use device = 'auto' or 'cpu'")
-    return torch.device("cpu")
+    if comm is not None:
+        check_one_rank_per_gpu(comm.allgather((topology.hostnames[topology.rank], gpu)))
+    return device
 
 
 def _rendezvous_host(topology: Topology) -> str:

@@ -189,7 +189,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     try:
         watchdog.start(phase)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        device = pick_device(topology, spec.profile.device)
+        device = pick_device(topology, spec.profile.device, comm)
         host_memory = prepare_host_memory(device.type)
         outdir.mkdir(parents=True, exist_ok=True)
         plan = plan or build_plan(spec)

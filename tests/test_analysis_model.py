@@ -196,3 +196,12 @@ def test_gpu_profiles_compose_steps_from_device_and_host_times():
     assert after.forward_s == pytest.approx(before.forward_s)  # no host times: the plain sum
     assert after.backward_s == pytest.approx(before.backward_s + 1.5e-3)
     assert after.backward_offsets[1] == pytest.approx(2.5e-3)  # buckets see the later end of the first layer
+
+
+def test_after_an_inline_collective_the_host_issues_from_where_the_device_is():
+    from analysis.simulate import _issued
+
+    # layer (host ahead by 2 ms), collective, layer: the second layer's issue starts after the collective
+    device, host = [1e-3, 2e-3, 1e-3], [3e-3, 0.0, 1.5e-3]
+    assert _issued(device, host) == pytest.approx([3e-3, 2e-3, 1e-3])  # host far ahead after the collective
+    assert _issued(device, host, [False, True, False]) == pytest.approx([3e-3, 2e-3, 1.5e-3])

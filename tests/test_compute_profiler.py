@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from harness.events import build_plan
@@ -60,3 +61,66 @@ def test_a_backward_sample_consumes_the_forward_run_at_the_previous_sample():
     runner.sample()
     runner.sample()
     assert order == ["F", "B", "F", "B", "F"]
+
+
+class _FakeIssue:
+    """Stands in for timer.time_issued on a CPU: the host needs `host_s` to issue a chain; a lead shorter
+    than that (or any lead, for a layer that synchronizes) leaves the sample not ahead."""
+
+    def __init__(self, host_s: float, synchronizes: bool = False):
+        self.host_s, self.synchronizes, self.leads = host_s, synchronizes, []
+
+    def __call__(self, run, device, lead_s):
+        from harness.profilers.timer import IssuedSample
+
+        self.leads.append(lead_s)
+        run()
+        ahead = lead_s > self.host_s and not self.synchronizes
+        waited = lead_s if self.synchronizes else 0.0  # a synchronizing layer waits out the spin
+        return IssuedSample(device_s=0.004, host_s=self.host_s + waited, ahead=ahead)
+
+
+def _gpu_like_runner(monkeypatch, phase: str, fake: _FakeIssue) -> ComputeRunner:
+    import harness.profilers.compute as compute
+
+    plan = _plan()
+    (event,) = [e for e in plan.events.values() if e.name == f"gpt2.block.{phase}"]
+    runner = ComputeRunner(plan.spec, event.content, torch.device("cpu"), copies=1)
+    monkeypatch.setattr(compute, "time_issued", fake)
+    runner.issued, runner.chain = True, 4
+    return runner
+
+
+def test_issued_forward_is_retaken_with_a_longer_lead_and_counted_per_layer(monkeypatch):
+    from harness.profilers.compute import MIN_LEAD_S
+
+    fake = _FakeIssue(host_s=0.003)
+    runner = _gpu_like_runner(monkeypatch, "fwd", fake)
+    assert runner.sample() == pytest.approx(0.001)  # 4 ms for a chain of 4
+    assert fake.leads == pytest.approx([MIN_LEAD_S, 0.006])  # retaken with twice the issue time
+    assert runner.last_host_s == pytest.approx(0.003 / 4)
+    runner.sample()
+    assert fake.leads[-1] == pytest.approx(0.006)  # twice the last issue time, no retry needed
+
+
+def test_issued_backward_is_never_retaken(monkeypatch):
+    fake = _FakeIssue(host_s=0.003)
+    runner = _gpu_like_runner(monkeypatch, "bwd", fake)
+    runner.sample()
+    assert len(fake.leads) == 1  # the graph is consumed: only the next sample gets the longer lead
+    runner.sample()
+    assert fake.leads[1] > fake.leads[0]
+
+
+def test_a_layer_that_synchronizes_is_timed_alone_and_the_lead_stays_bounded(monkeypatch):
+    from harness.profilers.compute import MAX_LEAD_S
+
+    fake = _FakeIssue(host_s=0.003, synchronizes=True)
+    runner = _gpu_like_runner(monkeypatch, "fwd", fake)
+    for _ in range(6):
+        runner.sample()
+    assert max(fake.leads) <= MAX_LEAD_S
+    assert runner.waits_for_device and not runner.issued and runner.chain == 1
+    calls = len(fake.leads)
+    seconds = runner.sample()  # timed alone now
+    assert len(fake.leads) == calls and runner.last_host_s == seconds > 0

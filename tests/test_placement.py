@@ -101,15 +101,17 @@ def test_mpi_library_version_drops_open_mpis_trailing_nul():
     assert "\x00" not in mpi_library_version()  # the library this suite runs on
 
 
-def test_more_ranks_than_gpus_on_a_node_is_refused_before_nccl():
-    from harness.distributed import check_devices_per_node
+def test_two_ranks_on_one_gpu_are_refused_before_nccl():
+    from harness.distributed import check_one_rank_per_gpu
     from harness.errors import UserError
 
-    check_devices_per_node(4, 4, "gpu01")
-    check_devices_per_node(2, 8, "gpu01")
+    check_one_rank_per_gpu([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a"), ("n2", "GPU-b")])
+    check_one_rank_per_gpu([("n1", None), ("n1", None)])  # CPU ranks
+    # Slurm --gpus-per-task=1: every rank sees one device, cuda:0, but each a different GPU
+    check_one_rank_per_gpu([("n1", "GPU-a"), ("n1", "GPU-b"), ("n1", "GPU-c")])
     with pytest.raises(UserError) as refused:
-        check_devices_per_node(2, 1, "gpu01")
+        check_one_rank_per_gpu([("gpu01", "GPU-a"), ("gpu01", "GPU-b"), ("gpu01", "GPU-a")])
     message = str(refused.value)
-    assert "2 ranks run on gpu01" in message and "1 CUDA device" in message
-    assert "--ntasks-per-node=1" in message and "device = 'cpu'" in message
+    assert "ranks 0 and 2 on gpu01 share one GPU (GPU-a)" in message and "3 ranks run there on 2 GPU(s)" in message
+    assert "--ntasks-per-node=2" in message and "device = 'cpu'" in message
     assert refused.value.exit_status == 2

@@ -76,7 +76,8 @@ def last_level_cache_bytes() -> int:
 MAX_COPIES = 16
 MAX_COPY_BYTES = 512 * 2**20
 MIN_LEAD_S = 1e-3  # how long the GPU is held busy before a sample, at least (see timer.time_issued)
-LEAD_TRIES = 4  # a sample whose issue outlasted the lead is taken again with twice the lead, this many times
+MAX_LEAD_S = 0.5  # and at most: a layer whose issue outlasts this waits for its device (it synchronizes)
+LEAD_TRIES = 4  # a forward whose issue outlasted the lead is taken again with twice the lead, this many times
 # On a GPU a sample issues the layer this many times back to back and counts the mean: a stage issues its
 # layers one after another, with the host's code paths warm (issued one at a time, layers took the host 1.5
 # to 1.7 times as long on an H200 as in the training run; docs/profiling.md)
@@ -121,10 +122,12 @@ class ComputeRunner:
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # backward: copy -> forwards
         # On a GPU, forwards and backwards are timed with the host ahead (as in a training step, where one
         # layer is issued while the GPU runs the previous one); an optimizer step is timed on its own, as
-        # the trainer synchronizes around each.
-        self.issued = can_time_issued(device) and self.phase in ("fwd", "bwd")
+        # the trainer synchronizes around each; so is a composite, whose ranks must run the same number of
+        # all-reduces in step (a per-rank retry or lead would desynchronize them).
+        self.issued = can_time_issued(device) and self.phase in ("fwd", "bwd") and group is None
         self.chain = ISSUE_CHAIN if self.issued else 1
         self.last_host_s: float | None = None
+        self.waits_for_device = False  # found to synchronize: timed alone, host time = its time
         self._lead_s = MIN_LEAD_S
 
     def _cold_cache_copies(self, layer: torch.nn.Module) -> int:
@@ -150,6 +153,19 @@ class ComputeRunner:
         layer = self.layers[index]
         if self.optimizers:
             return time_region(self.optimizers[index].step, self.device)
+        try:
+            return self._sample(index, layer)
+        except torch.cuda.OutOfMemoryError:
+            if self.chain == 1:
+                raise
+            # 4 graphs of this layer at once do not fit: issue one at a time (the host time is then
+            # that of a layer issued alone, an overestimate; docs/profiling.md)
+            self.chain = 1
+            self._pending.clear()
+            torch.cuda.empty_cache()
+            return self._sample(index, layer)
+
+    def _sample(self, index: int, layer: torch.nn.Module) -> float:
         if self.phase == "fwd":
             xs = [self.make_input() for _ in range(self.chain)]
             return self._time(lambda: [_forward(self.spec, layer, x, self.content) for x in xs])
@@ -161,19 +177,33 @@ class ComputeRunner:
         return seconds
 
     def _time(self, run: Callable[[], object], retry: bool = True) -> float:
-        """Device seconds of `run()`; on a GPU also notes the host's issue time in `last_host_s`. A sample
-        whose issue outlasted the GPU's lead is taken again with a longer lead (a backward, which consumes
-        its graph, only lengthens the lead for the next sample)."""
+        """Device seconds of `run()` (per layer of the chain); on a GPU also notes the host's issue time in
+        `last_host_s`.
+
+        A forward whose issue outlasted the GPU's lead is taken again with twice the lead (a backward, which
+        consumes its graph, only lengthens the lead for the next sample). A layer whose issue outlasts even
+        the longest lead makes its host wait for its device (it synchronizes, e.g. `.item()` in a factory
+        model): the host cannot run ahead of it, so from then on it is timed alone and its host time is
+        its whole time."""
         if not self.issued:
-            return time_region(run, self.device)
+            seconds = time_region(run, self.device)
+            if self.waits_for_device:
+                self.last_host_s = seconds
+            return seconds
+        chain = self.chain
         for _ in range(LEAD_TRIES if retry else 1):
             sample = time_issued(run, self.device, self._lead_s)
-            self._lead_s = max(MIN_LEAD_S, 2 * sample.host_s) if sample.ahead else 2 * max(self._lead_s,
-                                                                                          sample.host_s)
             if sample.ahead:
+                self._lead_s = min(MAX_LEAD_S, max(MIN_LEAD_S, 2 * sample.host_s))
+                self.last_host_s = sample.host_s / chain
+                return sample.device_s / chain
+            if self._lead_s >= MAX_LEAD_S:
+                self.issued, self.waits_for_device, self.chain = False, True, 1
                 break
-        self.last_host_s = sample.host_s / self.chain
-        return sample.device_s / self.chain
+            self._lead_s = min(MAX_LEAD_S, 2 * max(self._lead_s, sample.host_s))
+        # not ahead: the device time holds the gaps where the GPU waited for the host, as a layer run alone
+        self.last_host_s = sample.device_s / chain if self.waits_for_device else sample.host_s / chain
+        return sample.device_s / chain
 
     def _forwards_for_backward(self, layer: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The untimed forwards whose graphs a later backward sample consumes: run at the copy's previous
@@ -211,7 +241,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             for runner in runners.values():
                 runner.sample()
         for eid, runner in runners.items():
-            if runner.issued:
+            if runner.issued or runner.waits_for_device:
                 host[eid] = np.empty(repeats, dtype=np.float64)
         for i in range(repeats):
             for eid, runner in runners.items():

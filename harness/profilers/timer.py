@@ -12,13 +12,16 @@ def time_region(run: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        result = run()
         end.record()
         end.synchronize()
+        del result
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter_ns()
-    run()
-    return (time.perf_counter_ns() - t0) / 1e9
+    result = run()  # held: freeing a forward's graph is not part of the forward (training frees it in backward)
+    seconds = (time.perf_counter_ns() - t0) / 1e9
+    del result
+    return seconds
 
 
 def synchronize(device: torch.device) -> None:
@@ -71,9 +74,10 @@ def time_issued(run: Callable[[], object], device: torch.device, lead_s: float) 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter_ns()
-    run()
+    result = run()  # held until the host time is read: freeing the graphs is not issuing
     host_s = (time.perf_counter_ns() - t0) / 1e9
     ahead = not start.query()  # the GPU is still spinning: every kernel of run() was queued before it began
     end.record()
     end.synchronize()
+    del result
     return IssuedSample(start.elapsed_time(end) / 1e3, host_s, ahead)

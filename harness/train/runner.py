@@ -165,7 +165,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     sys.setswitchinterval(2e-4)  # watcher threads note completions promptly
     engine = None
     try:
-        dev = pick_device(topology, device or spec.profile.device)
+        dev = pick_device(topology, device or spec.profile.device, comm)
         host_memory = prepare_host_memory(dev.type)
         timeout = timeout_s or spec.profile.timeout_s
         start_time = time.time()
