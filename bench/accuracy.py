@@ -67,7 +67,8 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
     launch = [mpirun, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "harness"]
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "job.toml").write_text(spec_text(*config, repeats=args.repeats))
-    profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet"]
+    # --force: a kept folder from an earlier bench would otherwise be resumed, its old measurements reused
+    profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet", "--force"]
     train = launch + ["train", str(workdir / "job.toml"), "-o", str(workdir / "run"), "--iterations",
                       str(args.iterations), "--warmup", "2"]
     for command in ((train, profile) if run_first else (profile, train)):
