@@ -86,6 +86,22 @@ class Validation:
         }
 
 
+def environment_differences(profiled: dict[str, Any], ran: dict[str, Any]) -> list[str]:
+    """Warnings where the profile and the run were taken in different conditions (a compared pair then
+    measures the difference as much as the model)."""
+    def kind(device: Any) -> str:  # a CPU profile names the processor, a run says "cpu"
+        text = str(device)
+        return "cpu" if text.startswith("cpu") else text
+
+    out = []
+    checks = (("device", kind), ("host_memory", str), ("torch_version", str), ("backend", str))
+    for key, norm in checks:
+        if key in profiled and key in ran and norm(profiled[key]) != norm(ran[key]):
+            out.append(f"the profile and the run differ in {key}: {profiled[key]} (profile) against {ran[key]} "
+                       "(run); profile and run in the same conditions to compare the model alone")
+    return out
+
+
 def _predicted_busy(timeline: Timeline, stage: int) -> float:
     device = timeline.pipeline[stage]
     steps = sum(r.end_s - r.start_s for r in device.steps)
@@ -98,6 +114,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> 
     layers = [LayerDesc.from_dict(d) for d in trace.layers] if spec.model.family == "user" else None
     plan = build_plan(spec, layers)
     costs = estimate_costs(plan, profile)
+    costs.warnings.extend(environment_differences(profile.environment, trace.environment))
     timeline = simulate(plan, costs, dp_overlap)
     measured = [float(t) for t in trace.iteration_times()]
     if not measured:

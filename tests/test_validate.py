@@ -13,7 +13,7 @@ import pytest
 
 from analysis.predict import predict
 from analysis.runtrace import read_trace
-from analysis.validate import validate
+from analysis.validate import environment_differences, validate
 from analysis.profile import load_profile
 from harness.train.trace import merge_traces, write_rank_trace
 from tests.conftest import ROOT
@@ -97,6 +97,7 @@ def test_real_run_validates_end_to_end(tmp_path, project_env):
     assert m > 0 and p > 0
     assert report["batch_time_error_pct"] == pytest.approx((p - m) / m * 100)
     assert len(report["devices"]) == 2 and report["measured_iterations"] == 2
+    assert not [w for w in report["warnings"] if "differ in" in w]  # profiled and run in the same conditions
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]
     pids = {e["pid"] for e in events if e.get("ph") == "X"}
@@ -124,3 +125,14 @@ def test_json_report_with_extrapolated_events(tmp_path):
     report = validate(trace, load_profile(profile_path)).to_dict()
     assert report["extrapolated"] and all("id" in item for item in report["extrapolated"])
     json.loads(json.dumps(report, allow_nan=False))
+
+
+def test_a_profile_and_a_run_taken_in_different_conditions_are_flagged():
+    same = {"device": "cpu:AMD EPYC 7B13", "host_memory": "retained", "torch_version": "2.13.0+cpu",
+            "backend": "torch-gloo"}
+    assert environment_differences(same, dict(same, device="cpu")) == []  # a run names no processor
+    assert environment_differences(same, {"world_size": 2}) == []  # older files lack the keys
+    (warning,) = environment_differences(same, dict(same, host_memory="default"))
+    assert "host_memory: retained (profile) against default (run)" in warning
+    gpu = dict(same, device="cuda:NVIDIA H200", backend="torch-nccl")
+    assert len(environment_differences(gpu, same)) == 2  # device and backend
