@@ -19,9 +19,11 @@ from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
 PROFILE_SCHEMA_VERSIONS = (1,)
-SENDER_BUSY = "sender_busy_samples_s"  # an optional dataset of a P2P measurement (docs/hdf5.md)
-HOST_ISSUE = "host_issue_samples_s"  # an optional dataset of a GPU forward or backward (docs/hdf5.md)
-OPTIONAL_SERIES = (SENDER_BUSY, HOST_ISSUE)
+# A measurement's optional sample series (docs/hdf5.md), the names harness.store writes; the analysis reads
+# profile.h5 without importing the profiling side.
+SENDER_BUSY_SERIES = "sender_busy_samples_s"  # P2P: the receive timed while the sender computes
+HOST_ISSUE_SERIES = "host_issue_samples_s"  # GPU forwards and backwards: the host's issue time
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES)
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
                    "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
@@ -44,11 +46,11 @@ class MeasuredEvent(CommunicationFields):
     @classmethod
     def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
                      ranks: list[int] | None = None, env_key: str = "", attrs: dict[str, Any] | None = None,
-                     sender_busy_samples_s: np.ndarray | None = None,
-                     host_issue_samples_s: np.ndarray | None = None) -> "MeasuredEvent":
+                     series: dict[str, np.ndarray] | None = None) -> "MeasuredEvent":
+        """`series`: the optional sample series (SERIES) by name; missing ones are empty."""
         samples = np.asarray(samples_s, dtype=np.float64)
-        series = {name: np.asarray(values if values is not None else [], dtype=np.float64)
-                  for name, values in ((SENDER_BUSY, sender_busy_samples_s), (HOST_ISSUE, host_issue_samples_s))}
+        given = series or {}
+        series = {name: np.asarray(given.get(name, []), dtype=np.float64) for name in SERIES}
         return cls(eid, kind, content, float(np.median(samples)) if samples.size else float("nan"),
                    float(samples.min()) if samples.size else float("nan"), int(samples.size),
                    _details={"samples_s": samples, "ranks": list(ranks or []), "env_key": env_key,
@@ -74,12 +76,12 @@ class MeasuredEvent(CommunicationFields):
     @property
     def sender_busy_samples_s(self) -> np.ndarray:
         """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
-        return self._detail(SENDER_BUSY)
+        return self._detail(SENDER_BUSY_SERIES)
 
     @property
     def host_issue_samples_s(self) -> np.ndarray:
         """GPU forwards and backwards: the host's time to issue each sample (empty where the profile has none)."""
-        return self._detail(HOST_ISSUE)
+        return self._detail(HOST_ISSUE_SERIES)
 
     @property
     def ranks(self) -> list[int]:
@@ -228,19 +230,16 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
         if eid in table:
             out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path)
         else:
-            series = _optional_series(g)
             out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
                                                   [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
-                                                  _text(g.attrs.get("env_key", "")),
-                                                  sender_busy_samples_s=series[SENDER_BUSY],
-                                                  host_issue_samples_s=series[HOST_ISSUE])
+                                                  _text(g.attrs.get("env_key", "")), series=_optional_series(g))
             out[eid].source = path
     return out
 
 
 def _optional_series(g: h5py.Group) -> dict[str, np.ndarray]:
     """A measurement's optional sample series (empty where the file has none)."""
-    return {name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in OPTIONAL_SERIES}
+    return {name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in SERIES}
 
 
 def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str]:

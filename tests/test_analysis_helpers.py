@@ -105,3 +105,11 @@ def test_handmade_profile_round_trips(tmp_path):
     block = next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
     assert profile.measurements[block.id].median_s == 1.5
     assert profile.world_size == 2
+
+
+def test_the_analysis_reads_the_series_the_store_writes():
+    """analysis/profile.py names the optional series itself (it must not import the profiling side)."""
+    from analysis import profile
+    from harness import store
+
+    assert profile.SERIES == store.SERIES

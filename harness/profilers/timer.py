@@ -67,7 +67,7 @@ def time_issued(run: Callable[[], object], device: torch.device, lead_s: float) 
     A synchronized sample starts on an idle GPU whose kernels then wait for their own launches; in training
     the host issues a layer while the GPU still runs earlier work. So a spin kernel holds the GPU busy for
     `lead_s` while the host issues `run()`: the CUDA events then time the device's work alone, and the
-    host's issue time is returned beside it (a step of several layers takes whichever of the two is longer).
+    host's issue time is returned beside it (the analysis composes a step from both, docs/analysis.md).
     """
     torch.cuda.synchronize(device)
     torch.cuda._sleep(max(1, int(lead_s * _spin_cycles_per_s(device))))
