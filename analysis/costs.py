@@ -1,14 +1,21 @@
 """The duration of every event of a plan, from a profile's measurements.
 
-- compute: the median of its samples; a compute event the profile lacks is an error (UserError, exit 2)
-  that lists the missing events and the command that profiles them. A GPU forward or backward was timed
-  with the host ahead of the device (its device time alone); the median of the host's issue times is its
-  `host_issue` (the timeline runs a step's layers as a host issuing them and a device running them).
+- compute (and a tensor-parallel layer's composite): the mean of its samples by default, or the median
+  (`compute_stat`, DistSim's choice). An iteration sums many compute events, so its time follows their
+  means: the slow samples of a shared machine (preemption, frequency dips) come at a rate that the real
+  steps meet too, and the median leaves them out (on the 2-core CPU machine the samples' mean is 4-16%
+  above their median; docs/benchmarks.md). A compute event the profile lacks is an error (UserError,
+  exit 2) that lists the missing events and the command that profiles them. A GPU forward or backward
+  was timed with the host ahead of the device (its device time alone); the same statistic of the host's
+  issue times is its `host_issue` (the timeline runs a step's layers as a host issuing them and a device
+  running them).
 - P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
 - P2P with the sender busy: where the profile timed the receive while the sender computed, the mean of
   those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
   transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
   placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
+- data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
+  (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
   measured points of the same kind and placement,
       p2p        t = alpha + bytes * beta
@@ -29,6 +36,7 @@ from harness.errors import UserError
 from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 
 from analysis.profile import MeasuredEvent, Profile
+from analysis.skew import ReplicaSkew, replica_skew
 
 COMM_KINDS = ("p2p", "allreduce")
 PLACEMENTS = (INTRA, INTER)
@@ -105,9 +113,23 @@ def fit_alpha_beta(kind: str, placement: str, points: Iterable[tuple[float, int,
                    best[2])
 
 
-def representative_seconds(measurement: MeasuredEvent) -> float:
-    """The time that stands for a measurement: min for P2P (no queueing), median otherwise."""
-    return measurement.min_s if measurement.kind == "p2p" else measurement.median_s
+COMPUTE_STATS = ("mean", "median")
+
+
+def representative_seconds(measurement: MeasuredEvent, compute_stat: str = "mean") -> float:
+    """The time that stands for a measurement: min for P2P (no queueing), median for an all-reduce,
+    `compute_stat` (mean or median) for compute and composites."""
+    if measurement.kind == "p2p":
+        return measurement.min_s
+    if measurement.kind in COMM_KINDS:
+        return measurement.median_s
+    return _statistic(compute_stat, measurement.mean_s, measurement.median_s)
+
+
+def _statistic(name: str, mean: float, median: float) -> float:
+    if name not in COMPUTE_STATS:
+        raise ValueError(f"unknown compute statistic {name!r}; known: {', '.join(COMPUTE_STATS)}")
+    return mean if name == "mean" else median
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,9 @@ class Costs:
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
+    # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
+    replica_skew: ReplicaSkew | None = None
+    compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
 
@@ -161,7 +186,7 @@ class Costs:
         if missing:
             raise ValueError(f"no duration for {len(missing)} events: {', '.join(missing[:5])}")
         return cls({eid: EventCost(eid, e.name, e.kind, float(seconds[eid]), GIVEN)
-                    for eid, e in plan.events.items()})
+                    for eid, e in plan.events.items()}, compute_stat=GIVEN)
 
 
 class MissingComputeError(UserError):
@@ -195,12 +220,14 @@ def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[f
     return points
 
 
-def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -> Costs:
+def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean") -> Costs:
     """The duration of every event of `plan` from `profile` (rules in the module docstring).
 
     Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
-    is the spec path to show in the command that profiles them.
+    is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
     """
+    if compute_stat not in COMPUTE_STATS:
+        raise ValueError(f"unknown compute statistic {compute_stat!r}; known: {', '.join(COMPUTE_STATS)}")
     def measured(eid: str) -> bool:
         measurement = profile.measurements.get(eid)
         return measurement is not None and measurement.count > 0
@@ -210,15 +237,16 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
     if missing:
         raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
     fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(measured_comm_points(profile).items())}
-    costs = Costs(events={}, fits=fits)
+    costs = Costs(events={}, fits=fits, compute_stat=compute_stat)
     no_comm_events: list[str] = []
     for eid, event in plan.events.items():
         if measured(eid):
             measurement = profile.measurements[eid]
-            costs.events[eid] = EventCost(eid, event.name, event.kind, representative_seconds(measurement),
-                                          MEASURED)
-            if event.kind == "compute" and measurement.host_issue_samples_s.size:
-                costs.host_issue[eid] = float(np.median(measurement.host_issue_samples_s))
+            costs.events[eid] = EventCost(eid, event.name, event.kind,
+                                          representative_seconds(measurement, compute_stat), MEASURED)
+            host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
+            if host.size:
+                costs.host_issue[eid] = _statistic(compute_stat, float(host.mean()), float(np.median(host)))
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
@@ -231,10 +259,12 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC") -
         seconds = fit.predict(event.kind, event.bytes, event.group_size)
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
     _sender_busy_extras(plan, profile, costs)
+    if plan.spec.strategy.dp > 1:
+        costs.replica_skew = replica_skew(profile)
     for eid, event in plan.events.items():
         composite = profile.measurements.get(event_id(composite_content(event.content)))
         if event.kind == "compute" and composite is not None and composite.count:
-            costs.composites[eid] = representative_seconds(composite)
+            costs.composites[eid] = representative_seconds(composite, compute_stat)
     if no_comm_events:
         costs.warnings.append(
             f"NO COMMUNICATION WAS MEASURED in {profile.path.name} (a {profile.world_size}-rank profile): "

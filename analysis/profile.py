@@ -23,7 +23,8 @@ PROFILE_SCHEMA_VERSIONS = (1,)
 # profile.h5 without importing the profiling side.
 SENDER_BUSY_SERIES = "sender_busy_samples_s"  # P2P: the receive timed while the sender computes
 HOST_ISSUE_SERIES = "host_issue_samples_s"  # GPU forwards and backwards: the host's issue time
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES)
+SAMPLE_END_SERIES = "sample_end_s"  # compute: when each sample ended, after the compute phase's start
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES)
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
                    "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
@@ -42,6 +43,7 @@ class MeasuredEvent(CommunicationFields):
     count: int
     source: Path | None = None  # the profile to read samples and attributes from
     _details: dict[str, Any] | None = field(default=None, repr=False)
+    _mean_s: float | None = field(default=None, repr=False)  # from the summary table, else from the samples
 
     @classmethod
     def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
@@ -74,6 +76,13 @@ class MeasuredEvent(CommunicationFields):
         return self._detail("samples_s")
 
     @property
+    def mean_s(self) -> float:
+        if self._mean_s is None:
+            samples = self.samples_s
+            self._mean_s = float(samples.mean()) if samples.size else float("nan")
+        return self._mean_s
+
+    @property
     def sender_busy_samples_s(self) -> np.ndarray:
         """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
         return self._detail(SENDER_BUSY_SERIES)
@@ -82,6 +91,12 @@ class MeasuredEvent(CommunicationFields):
     def host_issue_samples_s(self) -> np.ndarray:
         """GPU forwards and backwards: the host's time to issue each sample (empty where the profile has none)."""
         return self._detail(HOST_ISSUE_SERIES)
+
+    @property
+    def sample_end_s(self) -> np.ndarray:
+        """Compute: when each sample ended, seconds after its profiling run's compute phase began (attribute
+        `compute_phase` names that run); empty where the profile has none."""
+        return self._detail(SAMPLE_END_SERIES)
 
     @property
     def ranks(self) -> list[int]:
@@ -220,15 +235,19 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
     """Kind, content and statistics of every measurement; the statistics from the /summary table (one read
     instead of one per measurement: an HDF5 attribute or small dataset costs about 0.3 ms)."""
     table: dict[str, tuple[float, float, int]] = {}
+    means: dict[str, float] = {}
     if "summary" in f and all(k in f["summary"] for k in ("id", "median_s", "min_s", "count")):
         g = f["summary"]
+        ids = _strings(g["id"])
         table = {eid: (float(median), float(low), int(count)) for eid, median, low, count
-                 in zip(_strings(g["id"]), g["median_s"][()], g["min_s"][()], g["count"][()])}
+                 in zip(ids, g["median_s"][()], g["min_s"][()], g["count"][()])}
+        if "mean_s" in g:
+            means = {eid: float(mean) for eid, mean in zip(ids, g["mean_s"][()])}
     out: dict[str, MeasuredEvent] = {}
     for eid, g in f.get("measurements", {}).items():
         kind, content = _text(g.attrs["kind"]), json.loads(_text(g.attrs["content_json"]))
         if eid in table:
-            out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path)
+            out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path, _mean_s=means.get(eid))
         else:
             out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
                                                   [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],

@@ -52,6 +52,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "global_batch": spec.batch.global_size,
         "seq_len": spec.model.seq_len,
         "batch_time_s": timeline.batch_time_s,
+        "compute_statistic": costs.compute_stat,
         "throughput_samples_s": finite(timeline.throughput_samples_s),
         "throughput_tokens_s": finite(timeline.throughput_tokens_s),
         "bubble_fraction": timeline.bubble_fraction,
@@ -68,8 +69,22 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
                                 "device_s": costs.seconds(eid), "host_issue_s": host}
                                for eid, host in sorted(costs.host_issue.items())],
+        "replica_skew": replica_skew_summary(timeline),
         "warnings": list(costs.warnings),
     }
+
+
+def replica_skew_summary(timeline: Timeline) -> dict[str, Any] | None:
+    """dp > 1 with a skew in the profile: per stage, how far the slowest replica is expected to lag."""
+    skew, replicas = timeline.costs.replica_skew, timeline.spec.strategy.dp
+    if skew is None or replicas <= 1:
+        return None
+    stages = []
+    for device in timeline.pipeline:
+        sigma, positions = skew.spread(device.replica_window_s)
+        stages.append({"stage": device.stage, "window_s": device.replica_window_s, "sigma": sigma,
+                       "positions": positions, "lag_s": device.replica_lag_s})
+    return {"replicas": replicas, "profile_ranks": skew.ranks, "stages": stages}
 
 
 def _ms(seconds: float) -> float:
@@ -122,6 +137,14 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", format_table(("id", "event", "device ms", "host issue ms"), rows,
                                  title="GPU compute: a step runs as its host issues these layers and its device "
                                        "runs them (device time alone, host issue time):")]
+    skew = replica_skew_summary(timeline)
+    if skew is not None:
+        rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}", r["positions"], _ms(r["lag_s"]))
+                for r in skew["stages"]]
+        out += ["", format_table(("stage", "compute span ms", "sigma", "windows", "lag ms"), rows,
+                                 title=f"the slowest of {skew['replicas']} data-parallel replicas lags (sigma: how "
+                                       f"the speeds of the profile's ranks {','.join(map(str, skew['profile_ranks']))} "
+                                       "differed over such a span):")]
     for warning in costs.warnings:
         out += ["", f"WARNING: {warning}"]
     return "\n".join(out)

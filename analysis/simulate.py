@@ -11,6 +11,8 @@ Hierarchy (docs/analysis.md):
 - data parallel: gradient buckets all-reduced in order on the device's communication track, either as
   they become ready during the last micro-batch's backward (dp_overlap, as DDP) or all after the
   device's whole backward (as DistSim); then the optimizer step once compute and all-reduces are done.
+  A bucket is ready once the slowest replica has its gradients: where the profile shows how the ranks'
+  speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done.
 
 Data-parallel replicas and tensor-parallel ranks are identical, so one pipeline replica (pp devices
 holding `chunks` virtual stages each) is simulated step by step, with each step's events summed into one
@@ -151,6 +153,10 @@ class PipelineDevice:
     optimizer_start_s: float
     optimizer_end_s: float
     usage: Usage
+    # dp > 1: how far behind this device the slowest of its data-parallel replicas is expected to finish its
+    # backward (analysis.skew); its gradient all-reduces wait for it
+    replica_lag_s: float = 0.0
+    replica_window_s: float = 0.0  # the compute span whose speed the lag is taken over (first step to last)
 
     @property
     def end_s(self) -> float:
@@ -362,6 +368,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
     pipeline = []
     for d in range(pp):
         compute_end = free[d]
+        lag, window = _replica_lag(records[d], costs, s.dp)
         pending = []
         for chunk in range(s.chunks):
             vs = chunk * pp + d
@@ -370,8 +377,9 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
                 gradients_ready = backward_start[vs][m - 1] + offsets[bucket.ready_after + 1]
                 pending.append((gradients_ready, vs, index, bucket))
         pending.sort(key=lambda item: item[:3])
-        buckets, comm_free = [], 0.0 if overlap else compute_end
+        buckets, comm_free = [], 0.0 if overlap else compute_end + lag(compute_end)
         for ready, vs, index, bucket in pending:
+            ready += lag(ready)  # the slowest replica's gradients, which the all-reduce waits for
             start = max(ready, comm_free)
             comm_free = start + costs.seconds(bucket.event)
             buckets.append(BucketRecord(vs, index, bucket.event, bucket.nbytes, ready, start, comm_free))
@@ -379,12 +387,37 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
         optimizer_s = sum(per_stage[chunk * pp + d].optimizer_s for chunk in range(s.chunks))
         receives[d].sort(key=lambda t: t.start_s)
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
-                                       optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0)))
+                                       optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0),
+                                       lag(compute_end), window))
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
         device.usage = _usage(device, per_stage, batch_time)
     return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time, pipeline=pipeline,
                     stage_costs=per_stage)
+
+
+def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
+    """(t -> how far the slowest of `replicas` data-parallel replicas of this device is expected to lag at
+    time t, the window): the skew's lag fraction over the device's compute span (the window), times the
+    compute done before t."""
+    skew = costs.replica_skew
+    if replicas <= 1 or skew is None or not steps:
+        return (lambda t: 0.0), 0.0
+    window = max(r.end_s for r in steps) - min(r.start_s for r in steps)
+    fraction = skew.lag_fraction(replicas, window)
+    if fraction <= 0:
+        return (lambda t: 0.0), window
+    spans = sorted((r.start_s, r.end_s) for r in steps)
+    starts = [a for a, _ in spans]
+    done = list(accumulate((b - a for a, b in spans), initial=0.0))
+
+    def lag(t: float) -> float:
+        i = bisect_right(starts, t)  # steps that started by t; the last of them may still run
+        if i == 0:
+            return 0.0
+        a, b = spans[i - 1]
+        return fraction * (done[i - 1] + min(t, b) - a)
+    return lag, window
 
 
 def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:

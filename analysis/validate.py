@@ -4,7 +4,9 @@ Compared, per measured iteration and then as medians:
 - the iteration (batch) time;
 - each device's busy time: its forward and backward steps (tensor-parallel all-reduces inside them
   included, as the real run cannot separate them from the step) plus its optimizer step;
-- each virtual stage's forward and backward step per micro-batch.
+- each virtual stage's forward and backward step per micro-batch;
+- with data parallelism, per pipeline stage: how far the slowest replica finished its compute behind the
+  replicas' mean (analysis.skew predicts it from the profile).
 Errors are (predicted - measured) / measured in percent; `device_error_pct` is the largest absolute
 device error.
 """
@@ -43,6 +45,7 @@ class Validation:
     iterations: list[float]
     devices: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
+    replica_lag: list[dict[str, Any]] = field(default_factory=list)  # dp > 1: per pipeline stage
     representative_iteration: int = 0
 
     @property
@@ -76,11 +79,13 @@ class Validation:
             "measured_iteration_s": self.iterations,
             "measured_batch_time_s": self.measured_batch_s,
             "predicted_batch_time_s": self.predicted_batch_s,
+            "compute_statistic": self.timeline.costs.compute_stat,
             "batch_time_error_pct": self.batch_time_error_pct,
             "device_error_pct": self.device_error_pct,
             "devices": self.devices,
             "stages": self.stage_rows(),
             "steps": self.steps,
+            "replica_lag": self.replica_lag,
             "extrapolated": [c.to_dict() for c in self.timeline.costs.extrapolated],
             "warnings": list(self.timeline.costs.warnings),
         }
@@ -108,12 +113,14 @@ def _predicted_busy(timeline: Timeline, stage: int) -> float:
     return steps + device.optimizer_end_s - device.optimizer_start_s
 
 
-def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> Validation:
-    """Predict the traced run's spec from `profile` and compare it with what the run measured."""
+def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
+             compute_stat: str = "mean") -> Validation:
+    """Predict the traced run's spec from `profile` (compute by `compute_stat`, analysis.costs) and compare
+    it with what the run measured."""
     spec = parse_spec_offline(trace.spec, source=f"{trace.path}:spec_json")
     layers = [LayerDesc.from_dict(d) for d in trace.layers] if spec.model.family == "user" else None
     plan = build_plan(spec, layers)
-    costs = estimate_costs(plan, profile)
+    costs = estimate_costs(plan, profile, compute_stat=compute_stat)
     costs.warnings.extend(environment_differences(profile.environment, trace.environment))
     timeline = simulate(plan, costs, dp_overlap)
     measured = [float(t) for t in trace.iteration_times()]
@@ -136,6 +143,8 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> 
         result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp,
                                "measured_busy_s": measured_busy, "predicted_busy_s": predicted_busy,
                                "error_pct": _pct(predicted_busy, measured_busy)})
+    if s.dp > 1:
+        result.replica_lag = _replica_lag_rows(trace, timeline, kept)
     predicted_steps: dict[tuple[int, str, int], float] = {}
     for device in timeline.pipeline:
         for r in device.steps:
@@ -155,6 +164,31 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None) -> 
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
     return result
+
+
+def _replica_lag_rows(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[dict[str, Any]]:
+    """Per pipeline stage: the median over measured iterations (and tensor-parallel ranks) of how far the
+    last of the stage's dp replicas to end its compute ended behind their mean, against the prediction."""
+    replicas: dict[tuple[int, int], list[int]] = {}
+    for rank, device in trace.devices.items():
+        replicas.setdefault((device.pp, device.tp), []).append(rank)
+    lags: dict[int, list[float]] = {}
+    for (stage, _), ranks in sorted(replicas.items()):
+        for i in kept:
+            ends = []
+            for rank in ranks:
+                cols = trace.devices[rank].select(iteration=int(i), kind="compute")
+                if cols["end_s"].size:
+                    ends.append(float(cols["end_s"].max()))
+            if len(ends) > 1:
+                lags.setdefault(stage, []).append(max(ends) - float(np.mean(ends)))
+    rows = []
+    for stage, values in sorted(lags.items()):
+        measured = float(np.median(values))
+        predicted = timeline.pipeline[stage].replica_lag_s
+        rows.append({"stage": stage, "measured_s": measured, "predicted_s": predicted,
+                     "error_pct": _pct(predicted, measured)})
+    return rows
 
 
 def measured_intervals(trace: Trace, rank: int, iteration: int) -> list[tuple[float, float, str, str, str]]:

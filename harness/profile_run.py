@@ -26,8 +26,8 @@ from harness.events import EventPlan, build_plan
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import (HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile,
-                           write_rank_file)
+from harness.store import (HOST_ISSUE_SERIES, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, Measurement,
+                           read_measurements, write_profile, write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -221,6 +221,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         # ---- compute: every rank its own share, all at once
         phase = "compute"
         watchdog.start(phase)
+        compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)  # names this run's phase
         comm.Barrier()
         phase_start = time.perf_counter()
         total_compute = sum(len(ids) for ids in placement.compute.values())
@@ -240,13 +241,17 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
         share = {eid: plan.events[eid].content for eid in placement.compute.get(rank, [])}
         t0 = time.perf_counter()
-        measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done)
+        measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done,
+                                         origin_s=phase_start)
         busy_s += time.perf_counter() - t0
         for eid, taken in measured.items():
             event = plan.events[eid]
-            series = {HOST_ISSUE_SERIES: taken.host_issue_s} if taken.host_issue_s is not None else {}
+            series = {SAMPLE_END_SERIES: taken.end_s}
+            if taken.host_issue_s is not None:
+                series[HOST_ISSUE_SERIES] = taken.host_issue_s
             recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key,
-                                     {"name": event.name, "warmup": warmup, "device": name}, series))
+                                     {"name": event.name, "warmup": warmup, "device": name,
+                                      "compute_phase": compute_phase}, series))
         if rank == 0:
             _drain_progress(comm, progress, total_compute * repeats)
             progress.close()

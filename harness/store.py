@@ -22,7 +22,10 @@ STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
 # GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
 HOST_ISSUE_SERIES = "host_issue_samples_s"
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES)
+# compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
+# `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
+SAMPLE_END_SERIES = "sample_end_s"
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_pyth
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
-             "compute_host_issue", "warnings"}
+             "compute_host_issue", "compute_statistic", "replica_skew", "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
 
@@ -41,6 +41,8 @@ def test_simulate_writes_trace_png_timeline_and_json(hybrid_profile, tmp_path, c
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert JSON_KEYS <= set(report) and report["schema_version"] == 1
+    assert report["compute_statistic"] == "mean"
+    assert report["replica_skew"] is None  # a hand-made profile has no sample end times
     assert len(report["devices"]) == 8 and all(DEVICE_KEYS <= set(d) for d in report["devices"])
     T = report["batch_time_s"]
     assert T > 0 and report["throughput_samples_s"] == pytest.approx(8 / T)
@@ -183,3 +185,8 @@ def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsy
     assert after["batch_time_s"] == pytest.approx(before["batch_time_s"] + 2 * 2e-3)
     assert main(["simulate", str(gpu)]) == 0
     assert "host issue ms" in capsys.readouterr().out
+
+
+def test_simulate_takes_the_median_when_asked(hybrid_profile, capsys):
+    assert main(["simulate", str(hybrid_profile), "--json", "--compute-stat", "median"]) == 0
+    assert json.loads(capsys.readouterr().out)["compute_statistic"] == "median"

@@ -10,7 +10,7 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
-from harness.store import SENDER_BUSY_SERIES
+from harness.store import SENDER_BUSY_SERIES, Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
@@ -178,14 +178,36 @@ def test_sender_busy_extra_is_the_mean_excess_and_unmeasured_p2p_take_the_larges
     assert estimate_costs(plan, load_profile(measured)).sender_busy_extra == {}
 
 
-def test_gpu_host_issue_times_are_read_as_their_median_and_reported(tmp_path):
+def test_gpu_host_issue_times_are_read_with_the_compute_statistic(tmp_path):
     spec = make_spec(micro_batches=2)
     path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3),
                                   host_issue={"gpt2.block.bwd": [2e-3, 4e-3, 9e-3], "gpt2.block.fwd": [1e-4]})
     plan = build_plan(spec)
-    costs = estimate_costs(plan, load_profile(path))
-    names = {plan.events[eid].name: host for eid, host in costs.host_issue.items()}
-    assert names == {"gpt2.block.bwd": pytest.approx(4e-3), "gpt2.block.fwd": pytest.approx(1e-4)}
+    for stat, bwd in (("mean", 5e-3), ("median", 4e-3)):
+        costs = estimate_costs(plan, load_profile(path), compute_stat=stat)
+        names = {plan.events[eid].name: host for eid, host in costs.host_issue.items()}
+        assert names == {"gpt2.block.bwd": pytest.approx(bwd), "gpt2.block.fwd": pytest.approx(1e-4)}
     assert all(costs.seconds(eid) == pytest.approx(1e-3) for eid in costs.host_issue)  # device time unchanged
     cpu = write_handmade_profile(tmp_path / "cpu.h5", spec, by_name({}, default=1e-3))
     assert estimate_costs(plan, load_profile(cpu)).host_issue == {}
+
+
+def test_compute_takes_the_mean_of_its_samples_or_the_median_and_communication_keeps_its_rule(tmp_path):
+    spec = make_spec(dp=2, micro_batches=2)
+    plan = build_plan(spec)
+    block = next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
+    skewed = Measurement(block.id, "compute", block.content, np.array([1e-3, 1e-3, 1e-3, 5e-3]), [0], "test")
+    path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  lambda e: None if e.id == block.id else (2e-3 if e.kind == "allreduce" else 1e-3),
+                                  extra=[skewed])
+    profile = load_profile(path)
+    mean = estimate_costs(plan, profile)
+    median = estimate_costs(plan, profile, compute_stat="median")
+    assert mean.compute_stat == "mean" and median.compute_stat == "median"
+    assert mean.seconds(block.id) == pytest.approx(2e-3)
+    assert median.seconds(block.id) == pytest.approx(1e-3)
+    for eid, event in plan.events.items():
+        if eid != block.id:
+            assert mean.seconds(eid) == median.seconds(eid)
+    with pytest.raises(ValueError, match="unknown compute statistic"):
+        estimate_costs(plan, profile, compute_stat="mode")

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", metavar="all|stages|RANKS",
                         help="devices to report, trace, draw and store: all, one per pipeline stage, or ranks like "
                              "0,3,8-11 (default: all up to 1024 devices, else stages; the chart: up to 16 rows)")
+    parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
+                        help="the statistic of a compute event's samples that stands for it: mean (default: an "
+                             "iteration sums many events) or median (DistSim's)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--trace", metavar="FILE.json[.gz]", help="write a Chrome/Perfetto trace")
     parser.add_argument("--png", metavar="FILE.png", help="write a Gantt chart")
@@ -31,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prediction = predict(args.profile, args.spec, args.strategy, dp_overlap=False if args.no_overlap else None)
+    prediction = predict(args.profile, args.spec, args.strategy, dp_overlap=False if args.no_overlap else None,
+                         compute_stat=args.compute_stat)
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     report = summary(timeline, ranks, selection, args.profile)

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace.h5 written by `python -m harness train` (or its RUNDIR)")
     parser.add_argument("profile", help="profile.h5 written by `python -m harness profile` (or its OUTDIR)")
     parser.add_argument("--no-overlap", action="store_true", help="predict with the all-reduce after the backward")
+    parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
+                        help="the statistic of a compute event's samples that stands for it: mean (default: an "
+                             "iteration sums many events) or median (DistSim's)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
     parser.add_argument("--trace-out", "--perfetto", dest="trace_out", metavar="FILE.json[.gz]",
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, OSError) as exc:
         raise UserError(str(exc))
     profile = load_profile(_file(args.profile, "profile.h5"))
-    result = validate(trace, profile, dp_overlap=False if args.no_overlap else None)
+    result = validate(trace, profile, dp_overlap=False if args.no_overlap else None,
+                      compute_stat=args.compute_stat)
     written = []
     if args.png:
         from analysis.compare import write_comparison_png
@@ -69,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
                        [(r["virtual_stage"], r["phase"], ms(r["measured_s"]), ms(r["predicted_s"]), r["error_pct"],
                          r["max_micro_error_pct"]) for r in result.stage_rows()],
                        title="per stage step (median over micro-batches)"))
+    if result.replica_lag:
+        print()
+        print(format_table(("stage", "measured ms", "predicted ms", "error %"),
+                           [(r["stage"], ms(r["measured_s"]), ms(r["predicted_s"]), r["error_pct"])
+                            for r in result.replica_lag],
+                           title="slowest data-parallel replica's compute end behind the replicas' mean "
+                                 "(median over iterations)"))
     for warning in result.timeline.costs.warnings:
         print(f"WARNING: {warning}")
     for what, path in written:

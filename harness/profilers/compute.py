@@ -4,6 +4,7 @@ The layer runs alone: a tensor-parallel shard's collectives are measured as thei
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -85,11 +86,14 @@ ISSUE_CHAIN = 4
 
 
 class ComputeSamples(NamedTuple):
-    """The samples of one compute event (seconds) and, for forwards and backwards on a GPU, the host's time
-    to issue each (None where the host and the device are one: on a CPU, and for optimizer steps)."""
+    """The samples of one compute event (seconds); for forwards and backwards on a GPU, the host's time to
+    issue each (None where the host and the device are one: on a CPU, and for optimizer steps); and when
+    each sample ended on the host's clock, in seconds after `origin_s` of measure_compute_share (how fast
+    this rank ran over time: the analysis compares ranks measuring at the same moment)."""
 
     samples_s: np.ndarray
     host_issue_s: np.ndarray | None = None
+    end_s: np.ndarray | None = None
 
 
 class ComputeRunner:
@@ -219,15 +223,18 @@ class ComputeRunner:
 
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
                           repeats: int, on_round: Callable[[int], None] | None = None,
-                          max_parameters: int = 2**28) -> dict[str, ComputeSamples]:
+                          max_parameters: int = 2**28, origin_s: float | None = None) -> dict[str, ComputeSamples]:
     """Samples of several compute events, taken round-robin: one sample of each event per round.
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
     take all its repeats in a slow moment (on shared machines this halves the spread between runs).
     Events are held in memory together up to `max_parameters` parameters, in batches beyond that.
-    `on_round(n)` is called after each timed round with the number of events sampled in it.
+    `on_round(n)` is called after each timed round with the number of events sampled in it. Each sample's
+    end is noted in seconds after `origin_s` (a time.perf_counter() value; default: this call's start).
     """
+    origin_s = time.perf_counter() if origin_s is None else origin_s
     samples = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
+    ends = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
     host: dict[str, np.ndarray] = {}
     pending = list(contents)
     while pending:
@@ -246,12 +253,13 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         for i in range(repeats):
             for eid, runner in runners.items():
                 samples[eid][i] = runner.sample()
+                ends[eid][i] = time.perf_counter() - origin_s
                 if eid in host:
                     host[eid][i] = runner.last_host_s
             if on_round is not None:
                 on_round(len(runners))
         del runners
-    return {eid: ComputeSamples(samples[eid], host.get(eid)) for eid in contents}
+    return {eid: ComputeSamples(samples[eid], host.get(eid), ends[eid]) for eid in contents}
 
 
 def _is_last_user_layer(spec: JobSpec, content: dict) -> bool:
