@@ -114,5 +114,6 @@ else
     done
 fi
 echo; cat "$SUMMARY"
-# One archive of the logs and small results (copying many files off a lent machine can hit a file count).
-tar -czf "$OUTDIR.logs.tar.gz" -C "$OUTDIR" --exclude='*.h5' --exclude='*.json.gz' . 2>/dev/null || true
+# One archive of the logs, profiles and traces (copying many files off a lent machine can hit a file count),
+# so that the pairs can be validated again offline.
+tar -czf "$OUTDIR.tar.gz" -C "$OUTDIR" --exclude='rank-*' --exclude='*.json.gz' . 2>/dev/null || true

@@ -77,6 +77,37 @@ def test_errors_are_computed_right(tmp_path, factor):
     assert report["measured_iterations"] == 2  # warm-up excluded
 
 
+def test_replica_lag_is_the_last_replicas_compute_end_behind_their_mean(tmp_path):
+    spec = make_spec(dp=2, micro_batches=2, layers=2)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"compute": 1e-3}, default=0.0))
+    timeline = predict(profile_path).timeline
+    device, T = timeline.pipeline[0], timeline.batch_time_s
+    stretch = {0: 1.0, 1: 1.2}  # replica 1 computes 20% slower in every iteration
+    rank_files = []
+    for rank, factor in stretch.items():
+        rows = [(it * 2 * T + r.start_s * factor, it * 2 * T + r.end_s * factor, 0.0, "compute", "step", r.phase, "",
+                 0, r.micro, it, -1) for it in range(3) for r in device.steps]
+        starts = np.arange(3) * 2 * T
+        rank_files.append(write_rank_trace(tmp_path / f"rank-{rank:05d}.trace.h5", rank=rank, columns=_columns(rows),
+                                           attrs={"dp": rank, "tp": 0, "pp": 0},
+                                           iterations={"start_s": starts, "end_s": starts + 1.2 * T,
+                                                       "loss": np.zeros(3)}))
+    path = merge_traces(tmp_path / "trace.h5", rank_files,
+                        root_attrs={"spec_json": spec.to_json(),
+                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
+                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[0])
+    result = validate(read_trace(path), load_profile(profile_path))
+    compute_end = max(r.end_s for r in device.steps)
+    assert result.replica_lag == [{"stage": 0, "measured_s": pytest.approx(0.1 * compute_end),
+                                   "predicted_s": 0.0, "error_pct": pytest.approx(-100.0)}]
+    assert result.to_dict()["replica_lag"] == result.replica_lag
+    single = make_spec(micro_batches=2, layers=2)
+    path = write_handmade_profile(tmp_path / "single" / "profile.h5", single, by_name({"compute": 1e-3}, default=0.0))
+    one = predict(path).timeline
+    assert validate(read_trace(write_scaled_trace(tmp_path / "single" / "trace.h5", one, 1.0)),
+                    load_profile(path)).replica_lag == []
+
+
 def test_real_run_validates_end_to_end(tmp_path, project_env):
     """profile under mpirun, train under mpirun, validate: the whole chain with real MPI, gloo and HDF5."""
     spec = write_spec(tmp_path / "job.toml", layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, pp=2,
