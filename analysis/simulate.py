@@ -14,10 +14,10 @@ Hierarchy (docs/analysis.md):
   A bucket is ready once the slowest replica has its gradients: where the profile shows how the ranks'
   speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done.
 
-Data-parallel replicas and tensor-parallel ranks are identical, so one pipeline replica (pp devices
-holding `chunks` virtual stages each) is simulated step by step, with each step's events summed into one
-duration; per-event intervals are only expanded on demand (Timeline.intervals) for traces, plots and
-timeline files. A device's rank is (pp_i * dp + dp_i) * tp + tp_i.
+Data-parallel replicas (but for that lag) and tensor-parallel ranks are identical, so one pipeline replica
+(pp devices holding `chunks` virtual stages each) is simulated step by step, with each step's events
+summed into one duration; per-event intervals are only expanded on demand (Timeline.intervals) for
+traces, plots and timeline files. A device's rank is (pp_i * dp + dp_i) * tp + tp_i.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Replica skew: how far the slowest of k data-parallel replicas is expected to fall behind, from the profile.
 
 Data-parallel replicas run the same work, but each at the speed its device has at that moment; the
-gradient all-reduce waits for the slowest. A model that gives every replica the profile's median times
-misses that wait (docs/benchmarks.md: on the 2-core CPU machine two replicas finished their backward a
+gradient all-reduce waits for the slowest. A model that gives every replica the same times misses that
+wait (docs/benchmarks.md: on the 2-core CPU machine two replicas finished their backward a
 median 51 ms apart in a 600 ms iteration, and dp=2 was predicted short in every trial).
 
 The profile shows the spread: every rank measures its own share of the compute events at the same time
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+
 import numpy as np
 
 from analysis.profile import Profile
