@@ -261,6 +261,12 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     _sender_busy_extras(plan, profile, costs)
     if plan.spec.strategy.dp > 1:
         costs.replica_skew = replica_skew(profile)
+        if costs.replica_skew is None:
+            costs.warnings.append(
+                f"{profile.path.name} does not show how its ranks' speeds differ (no compute sample times from "
+                "two ranks at the same moments: a profile written before they were recorded, one rank, or too "
+                "few repeats), so the prediction has no wait for the slowest data-parallel replica; profile "
+                "again on 2 or more ranks with more repeats to include it")
     for eid, event in plan.events.items():
         composite = profile.measurements.get(event_id(composite_content(event.content)))
         if event.kind == "compute" and composite is not None and composite.count:

@@ -139,8 +139,8 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                                        "runs them (device time alone, host issue time):")]
     skew = replica_skew_summary(timeline)
     if skew is not None:
-        rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}", r["positions"], _ms(r["lag_s"]))
-                for r in skew["stages"]]
+        rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],
+                 _ms(r["lag_s"])) for r in skew["stages"]]
         out += ["", format_table(("stage", "compute span ms", "sigma", "windows", "lag ms"), rows,
                                  title=f"the slowest of {skew['replicas']} data-parallel replicas lags (sigma: how "
                                        f"the speeds of the profile's ranks {','.join(map(str, skew['profile_ranks']))} "

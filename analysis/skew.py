@@ -19,8 +19,8 @@ independently of the others; the slowest of k is then expected
 
 behind their mean, e_k the expected maximum of k standard normal variables (0.56 for 2, 1.03 for 4, 1.42
 for 8). The timeline (analysis.simulate) delays each gradient bucket by that fraction of the compute done
-before it. Profiles without sample end times (written before they existed), or with fewer than two ranks
-measuring compute, give no skew.
+before it. Profiles without sample end times (written before they existed), with fewer than two ranks
+measuring compute, or whose ranks never measured at the same moment (a few repeats) give no skew.
 """
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ class ReplicaSkew:
 
 
 def replica_skew(profile: Profile) -> ReplicaSkew | None:
-    """The speed series of the profile's compute samples (None with fewer than two ranks timed)."""
+    """The speed series of the profile's compute samples (None with fewer than two ranks timed, or ranks that
+    never measured at the same time)."""
     by_run: dict[float, dict[int, list[tuple[np.ndarray, np.ndarray, float]]]] = {}
     for m in profile.measurements.values():
         if m.kind != "compute" or not m.count or not m.ranks:
@@ -143,5 +144,8 @@ def replica_skew(profile: Profile) -> ReplicaSkew | None:
         order = np.argsort(ends, kind="stable")
         if medians.sum() > 0:
             series.append(RankSpeedSeries(rank, ends[order], samples[order], medians[order]))
-    return ReplicaSkew(series) if len(series) >= 2 else None
+    if len(series) < 2:
+        return None
+    skew = ReplicaSkew(series)
+    return skew if skew.span_s > 0 else None  # the ranks never measured at the same time (few repeats)
 

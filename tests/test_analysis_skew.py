@@ -100,7 +100,23 @@ def test_a_profile_without_sample_times_or_with_one_rank_has_no_skew(tmp_path):
     assert replica_skew(load_profile(plain)) is None
     one = skewed_profile(tmp_path, spec, 1e-3, {0: np.linspace(1.0, 2.0, 50)})
     assert replica_skew(load_profile(one)) is None
-    assert predict(one).timeline.pipeline[0].replica_lag_s == 0.0
+    prediction = predict(one)
+    assert prediction.timeline.pipeline[0].replica_lag_s == 0.0
+    assert any("no wait for the slowest data-parallel replica" in w for w in prediction.costs.warnings)
+    assert not any("slowest data-parallel" in w for w in predict(plain, strategy="dp=1").costs.warnings)
+
+
+def test_ranks_that_never_measured_at_the_same_time_give_no_skew(tmp_path):
+    spec = make_spec(dp=2, layers=4)
+    compute = [e for e in build_plan(spec).events.values() if e.kind == "compute"]
+    extra = []
+    for i, event in enumerate(compute):  # rank 1 starts after rank 0 is done (a few repeats each)
+        ends = (np.arange(1, 6) + 100.0 * (i % 2)) * 1e-3
+        extra.append(Measurement(event.id, "compute", event.content, np.full(5, 1e-3), [i % 2], "test",
+                                 {"compute_phase": 1.0}, {SAMPLE_END_SERIES: ends}))
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, lambda e: None if e.kind == "compute" else 0.0,
+                                  extra=extra)
+    assert replica_skew(load_profile(path)) is None
 
 
 def test_two_profiling_runs_are_not_compared_with_each_other(tmp_path):
