@@ -99,7 +99,11 @@ def pooled(trials: list[dict]) -> dict:
         p = float(np.median([d["predicted_busy_s"] for d in busy]))
         device_errors.append(abs(p - m) / m * 100.0)
     per_trial = [t["measured_batch_time_s"] for t in trials]
-    return {"measured_s": measured, "predicted_s": predicted,
+    # data parallel: the slowest replica's lag (stage 0), median over trials, measured and predicted
+    lags = [t["replica_lag"][0] for t in trials if t.get("replica_lag")]
+    lag = {"replica_lag_measured_s": float(np.median([r["measured_s"] for r in lags])),
+           "replica_lag_predicted_s": float(np.median([r["predicted_s"] for r in lags]))} if lags else {}
+    return {"measured_s": measured, "predicted_s": predicted, **lag,
             "batch_error_pct": (predicted - measured) / measured * 100,
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
@@ -130,6 +134,12 @@ def main() -> None:
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
                   f"{row['batch_error_pct']:>+12.1f} {row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}"
                   f"  {trial_errors}", flush=True)
+    lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
+    if lagged and not args.json:
+        print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")
+        for name, row in lagged.items():
+            print(f"{name:<16} measured {row['replica_lag_measured_s'] * 1e3:.1f} ms, "
+                  f"predicted {row['replica_lag_predicted_s'] * 1e3:.1f} ms")
     if args.json:
         print(json.dumps(rows, indent=2))
 

@@ -40,6 +40,17 @@ def test_pooled_compares_all_measured_iterations_with_the_median_prediction():
                                                      (1.3 - 1.25) / 1.25 * 100])
     # the trials' own medians 1.1, 1.4, 1.25 spread by 0.3 over the pooled 1.25
     assert row["run_spread_pct"] == pytest.approx(24.0)
+    assert "replica_lag_measured_s" not in row  # no data parallelism
+
+
+def test_pooled_reports_the_replica_lag_of_data_parallel_trials():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
+    for trial, (measured, predicted) in zip(trials, [(0.01, 0.03), (0.04, 0.02), (0.02, 0.05)]):
+        trial["replica_lag"] = [{"stage": 0, "measured_s": measured, "predicted_s": predicted}]
+    row = pooled(trials)
+    assert row["replica_lag_measured_s"] == pytest.approx(0.02)
+    assert row["replica_lag_predicted_s"] == pytest.approx(0.03)
 
 
 def test_trials_alternate_which_command_runs_first(tmp_path, monkeypatch):
