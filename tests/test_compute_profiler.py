@@ -98,9 +98,27 @@ def test_issued_forward_is_retaken_with_a_longer_lead_and_counted_per_layer(monk
     runner = _gpu_like_runner(monkeypatch, "fwd", fake)
     assert runner.sample() == pytest.approx(0.001)  # 4 ms for a chain of 4
     assert fake.leads == pytest.approx([MIN_LEAD_S, 0.006])  # retaken with twice the issue time
-    assert runner.last_host_s == pytest.approx(0.003 / 4)
+    first, last = runner._issue_marks_ns  # the host time per layer is that of the chain's later issues
+    assert last > first and runner.last_host_s == pytest.approx((last - first) / 1e9 / 3)
     runner.sample()
     assert fake.leads[-1] == pytest.approx(0.006)  # twice the last issue time, no retry needed
+
+
+def test_a_chained_samples_host_time_leaves_out_its_cold_first_issue(monkeypatch):
+    import harness.profilers.compute as compute
+
+    runner = _gpu_like_runner(monkeypatch, "fwd", _FakeIssue(host_s=0.003))
+    clock = [0]
+    monkeypatch.setattr(compute.time, "perf_counter_ns", lambda: clock[0])
+
+    def issue(nanoseconds):  # issuing takes this long on the (fake) host clock
+        clock[0] += nanoseconds
+        return nanoseconds
+
+    run = runner._chained([9_000_000, 1_000_000, 2_000_000, 3_000_000], issue)
+    assert run() == [9_000_000, 1_000_000, 2_000_000, 3_000_000]
+    assert runner._host_issue_s(0.015, chain=4) == pytest.approx(0.002)  # (1 + 2 + 3) ms / 3, not 15 / 4
+    assert runner._host_issue_s(0.015, chain=1) == 0.015  # one issue: its own time
 
 
 def test_issued_backward_is_never_retaken(monkeypatch):
