@@ -126,9 +126,13 @@ def representative_seconds(measurement: MeasuredEvent, compute_stat: str = "mean
     return _statistic(compute_stat, measurement.mean_s, measurement.median_s)
 
 
-def _statistic(name: str, mean: float, median: float) -> float:
+def _check_statistic(name: str) -> None:
     if name not in COMPUTE_STATS:
         raise ValueError(f"unknown compute statistic {name!r}; known: {', '.join(COMPUTE_STATS)}")
+
+
+def _statistic(name: str, mean: float, median: float) -> float:
+    _check_statistic(name)
     return mean if name == "mean" else median
 
 
@@ -226,8 +230,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
     is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
     """
-    if compute_stat not in COMPUTE_STATS:
-        raise ValueError(f"unknown compute statistic {compute_stat!r}; known: {', '.join(COMPUTE_STATS)}")
+    _check_statistic(compute_stat)
+
     def measured(eid: str) -> bool:
         measurement = profile.measurements.get(eid)
         return measurement is not None and measurement.count > 0
