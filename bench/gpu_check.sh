@@ -7,7 +7,8 @@
 #   GPU_CHECK_DEVICE=cpu bench/gpu_check.sh # the same steps on the CPU (a dry run of this script)
 #
 # Every step runs even when an earlier one fails; each step's log is OUTDIR/NN-name.log and the summary
-# (one line per step: ok or FAILED) is OUTDIR/summary.txt. Figures are recorded in docs/benchmarks.md.
+# (one line per step: ok or FAILED) is OUTDIR/summary.txt; OUTDIR.tar.gz packs the logs, profiles and traces
+# (no per-rank files) to take off the machine and validate again offline. Figures are in docs/benchmarks.md.
 set -u
 OUTDIR=${1:-gpu-check}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}

@@ -79,9 +79,10 @@ MAX_COPY_BYTES = 512 * 2**20
 MIN_LEAD_S = 1e-3  # how long the GPU is held busy before a sample, at least (see timer.time_issued)
 MAX_LEAD_S = 0.5  # and at most: a layer whose issue outlasts this waits for its device (it synchronizes)
 LEAD_TRIES = 4  # a forward whose issue outlasted the lead is taken again with twice the lead, this many times
-# On a GPU a sample issues the layer this many times back to back and counts the mean: a stage issues its
-# layers one after another, with the host's code paths warm (issued one at a time, layers took the host 1.5
-# to 1.7 times as long on an H200 as in the training run; docs/profiling.md)
+# On a GPU a sample issues the layer this many times back to back and counts the mean device time (and the
+# host's mean over the later issues, ComputeRunner._host_issue_s): a stage issues its layers one after
+# another, with the host's code paths warm (issued one at a time, layers took the host 1.5 to 1.7 times as
+# long on an H200 as in the training run; docs/profiling.md)
 ISSUE_CHAIN = 4
 
 
