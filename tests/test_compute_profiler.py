@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from harness.events import build_plan
-from harness.profilers.compute import ComputeRunner, last_level_cache_bytes, measure_compute_share
+from harness.profilers.compute import (ComputeRunner, heavy_light_order, last_level_cache_bytes,
+                                       measure_compute_share)
 from harness.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
@@ -142,3 +143,30 @@ def test_a_layer_that_synchronizes_is_timed_alone_and_the_lead_stays_bounded(mon
     calls = len(fake.leads)
     seconds = runner.sample()  # timed alone now
     assert len(fake.leads) == calls and runner.last_host_s == seconds > 0
+
+
+def test_heavy_light_order_puts_every_short_event_after_a_long_one():
+    assert heavy_light_order({"a": 5.0, "b": 1.0, "c": 3.0, "d": 2.0}) == ["a", "b", "c", "d"]
+    assert heavy_light_order({"x": 1.0, "y": 9.0, "z": 4.0}) == ["y", "x", "z"]
+    assert heavy_light_order({"only": 2.0}) == ["only"]
+    assert heavy_light_order({"p": 0.0, "q": 0.0}) == ["p", "q"]  # no warm-up: the given order
+
+
+def test_rounds_sample_in_heavy_light_order_of_the_warm_up(monkeypatch):
+    plan = _plan()
+    contents = {eid: e.content for eid, e in plan.events.items() if e.kind == "compute"}
+    sampled = []
+    real_sample = ComputeRunner.sample
+
+    def spy(runner):
+        seconds = real_sample(runner)
+        sampled.append((runner, seconds))
+        return seconds
+
+    monkeypatch.setattr(ComputeRunner, "sample", spy)
+    measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=1, repeats=1)
+    ids = {id(runner): eid for eid, runner in zip(contents, [r for r, _ in sampled[:len(contents)]])}
+    warm = {ids[id(runner)]: seconds for runner, seconds in sampled[:len(contents)]}
+    timed = [ids[id(runner)] for runner, _ in sampled[len(contents):]]
+    assert timed == heavy_light_order(warm)
+    assert warm[timed[1]] == min(warm.values())  # the shortest runs right after the longest
