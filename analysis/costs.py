@@ -9,6 +9,11 @@
   was timed with the host ahead of the device (its device time alone); the same statistic of the host's
   issue times is its `host_issue` (the timeline runs a step's layers as a host issuing them and a device
   running them).
+- a backward's call: each backward sample paid the autograd engine's start once (its own `backward()`
+  call), which a training step pays once per stage. The profile measures what each further call costs
+  (attribute `backward_call_s` of a backward's measurement); the timeline takes it off every backward of
+  a step but the first (off the host's issue time on a GPU; on an H200 0.22-0.25 ms per call, a small
+  model's block backward issues in 1.1 ms).
 - P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
 - P2P with the sender busy: where the profile timed the receive while the sender computed, the mean of
   those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
@@ -35,7 +40,7 @@ import numpy as np
 from harness.errors import UserError
 from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 
-from analysis.profile import MeasuredEvent, Profile
+from analysis.profile import BACKWARD_CALL_ATTR, MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
 COMM_KINDS = ("p2p", "allreduce")
@@ -169,6 +174,9 @@ class Costs:
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
+    # backward compute event id -> the host's seconds of one backward() call that its samples paid and a
+    # step pays once per stage (profiles from before it was measured have none: 0)
+    backward_call: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None
     compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
@@ -251,6 +259,9 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
             if host.size:
                 costs.host_issue[eid] = _statistic(compute_stat, float(host.mean()), float(np.median(host)))
+            call = measurement.attrs.get(BACKWARD_CALL_ATTR) if event.kind == "compute" else None
+            if call is not None and np.isfinite(call):
+                costs.backward_call[eid] = float(call)
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})

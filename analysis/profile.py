@@ -25,6 +25,7 @@ SENDER_BUSY_SERIES = "sender_busy_samples_s"  # P2P: the receive timed while the
 HOST_ISSUE_SERIES = "host_issue_samples_s"  # GPU forwards and backwards: the host's issue time
 SAMPLE_END_SERIES = "sample_end_s"  # compute: when each sample ended, after the compute phase's start
 SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES)
+BACKWARD_CALL_ATTR = "backward_call_s"  # compute backwards: the host's cost of one backward() call
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
                    "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}

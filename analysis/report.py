@@ -69,6 +69,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
                                 "device_s": costs.seconds(eid), "host_issue_s": host}
                                for eid, host in sorted(costs.host_issue.items())],
+        "compute_backward_call": [{"id": eid, "name": timeline.plan.events[eid].name, "call_s": call}
+                                  for eid, call in sorted(costs.backward_call.items())],
         "replica_skew": replica_skew_summary(timeline),
         "warnings": list(costs.warnings),
     }
@@ -137,6 +139,11 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", format_table(("id", "event", "device ms", "host issue ms"), rows,
                                  title="GPU compute: a step runs as its host issues these layers and its device "
                                        "runs them (device time alone, host issue time):")]
+    if costs.backward_call:
+        calls = sorted(costs.backward_call.values())
+        out += ["", f"a backward step is one backward() call: every backward but its first sheds the "
+                    f"{_ms(calls[len(calls) // 2]):.3f} ms call its sample paid"
+                    + (" (off the host's issue time)" if costs.host_issue else "")]
     skew = replica_skew_summary(timeline)
     if skew is not None:
         rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],

@@ -166,10 +166,24 @@ class PipelineDevice:
 def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -> list[float]:
     """Durations of a step's items. A tensor-parallel layer profiled as a composite (with its all-reduces, on a
     real group) takes the composite's time: its compute as profiled alone, its all-reduces share the rest.
-    Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`)."""
+    Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`).
+    A backward step is one backward() call: every backward but the first sheds the call's start that its
+    own sample paid (`Costs.backward_call`), from the host's issue time on a GPU, from its time on a CPU."""
     out = _composite_split(costs, items, layers)
-    if any(e in costs.host_issue for e in items):
-        out = _issued(out, [costs.host_issue.get(e, 0.0) for e in items], [layer == -1 for layer in layers])
+    host = [costs.host_issue.get(e) for e in items]
+    called = False
+    for i, eid in enumerate(items):
+        call = costs.backward_call.get(eid)
+        if call is None or layers[i] == -1:
+            continue
+        if called:
+            if host[i] is not None:
+                host[i] = max(0.0, host[i] - call)
+            else:
+                out[i] = max(0.0, out[i] - call)
+        called = True
+    if any(h is not None for h in host):
+        out = _issued(out, [h or 0.0 for h in host], [layer == -1 for layer in layers])
     return out
 
 

@@ -88,7 +88,10 @@ step 02-cuda-tests $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py
 for size in $SIZES; do
     name=${size%%:*}
     spec "$OUTDIR/$name.toml" "${size#*:}" 1 1
-    if [ "$DEVICE" = cuda ]; then step "03-$name-timing" $PY bench/gpu_timing.py "$OUTDIR/$name.toml"; fi
+    if [ "$DEVICE" = cuda ]; then
+        step "03-$name-timing" $PY bench/gpu_timing.py "$OUTDIR/$name.toml"
+        step "03-$name-backward-call" $PY bench/backward_call.py "$OUTDIR/$name.toml"
+    fi
     step "04-$name-profile" $PY -m harness profile "$OUTDIR/$name.toml" -o "$OUTDIR/$name"
     step "05-$name-train" $PY -m harness train "$OUTDIR/$name.toml" -o "$OUTDIR/$name-run" \
         --iterations $ITER --warmup 3

@@ -26,7 +26,7 @@ from harness.events import EventPlan, build_plan
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import (HOST_ISSUE_SERIES, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, Measurement,
+from harness.store import (BACKWARD_CALL_ATTR, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, Measurement,
                            read_measurements, write_profile, write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
@@ -249,9 +249,11 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             series = {SAMPLE_END_SERIES: taken.end_s}
             if taken.host_issue_s is not None:
                 series[HOST_ISSUE_SERIES] = taken.host_issue_s
-            recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key,
-                                     {"name": event.name, "warmup": warmup, "device": name,
-                                      "compute_phase": compute_phase}, series))
+            attrs = {"name": event.name, "warmup": warmup, "device": name, "compute_phase": compute_phase}
+            if taken.backward_call_s is not None:
+                attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
+            recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key, attrs,
+                                     series))
         if rank == 0:
             _drain_progress(comm, progress, total_compute * repeats)
             progress.close()

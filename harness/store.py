@@ -26,6 +26,9 @@ HOST_ISSUE_SERIES = "host_issue_samples_s"
 # `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
 SAMPLE_END_SERIES = "sample_end_s"
 SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES)
+# compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
+# (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
+BACKWARD_CALL_ATTR = "backward_call_s"
 
 
 @dataclass

@@ -192,6 +192,17 @@ def test_gpu_host_issue_times_are_read_with_the_compute_statistic(tmp_path):
     assert estimate_costs(plan, load_profile(cpu)).host_issue == {}
 
 
+def test_a_backward_call_is_read_for_backwards_only_and_old_profiles_have_none(tmp_path):
+    spec = make_spec(micro_batches=2)
+    plan = build_plan(spec)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3), backward_call_s=2e-4)
+    costs = estimate_costs(plan, load_profile(path))
+    backwards = {eid for eid, e in plan.events.items() if e.kind == "compute" and e.content["phase"] == "bwd"}
+    assert backwards and costs.backward_call == {eid: pytest.approx(2e-4) for eid in backwards}
+    old = write_handmade_profile(tmp_path / "old.h5", spec, by_name({}, default=1e-3))
+    assert estimate_costs(plan, load_profile(old)).backward_call == {}
+
+
 def test_compute_takes_the_mean_of_its_samples_or_the_median_and_communication_keeps_its_rule(tmp_path):
     spec = make_spec(dp=2, micro_batches=2)
     plan = build_plan(spec)

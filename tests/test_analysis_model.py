@@ -205,3 +205,46 @@ def test_after_an_inline_collective_the_host_issues_from_where_the_device_is():
     device, host = [1e-3, 2e-3, 1e-3], [3e-3, 0.0, 1.5e-3]
     assert _issued(device, host) == pytest.approx([3e-3, 2e-3, 1e-3])  # host far ahead after the collective
     assert _issued(device, host, [False, True, False]) == pytest.approx([3e-3, 2e-3, 1.5e-3])
+
+
+def test_a_backward_step_pays_one_backward_call_on_a_cpu():
+    """Each profiled backward paid its own backward() call; a step's one call: all but the first shed it."""
+    from analysis.costs import Costs
+    from analysis.simulate import stage_costs
+    from harness.events import build_plan
+
+    spec = make_spec(micro_batches=1, layers=2)
+    plan = build_plan(spec)
+    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    before = stage_costs(plan, costs)[0]
+    program = plan.stages[0]
+    computes = [eid for eid, layer in zip(program.backward, program.backward_layers) if layer != -1]
+    costs.backward_call.update({eid: 2e-4 for eid in computes})
+    after = stage_costs(plan, costs)[0]
+    assert len(computes) >= 3
+    assert after.backward_s == pytest.approx(before.backward_s - (len(computes) - 1) * 2e-4)
+    assert after.backward_offsets[1] == pytest.approx(1e-3)  # the first keeps the call it pays
+    assert after.forward_s == pytest.approx(before.forward_s)
+
+
+def test_on_a_gpu_the_backward_call_comes_off_the_hosts_issue_time():
+    from analysis.costs import Costs
+    from analysis.simulate import stage_costs
+    from harness.events import build_plan
+
+    spec = make_spec(micro_batches=1, layers=2)
+    plan = build_plan(spec)
+    program = plan.stages[0]
+    costs = Costs.from_seconds(plan, {eid: 1e-4 for eid in plan.events})  # host-bound: device 0.1 ms
+    costs.host_issue.update({eid: 1e-3 for eid in program.backward})
+    before = stage_costs(plan, costs)[0]
+    costs.backward_call.update({eid: 3e-4 for eid in program.backward})
+    after = stage_costs(plan, costs)[0]
+    layers = len(program.backward)
+    assert before.backward_s == pytest.approx(layers * 1e-3)
+    assert after.backward_s == pytest.approx(1e-3 + (layers - 1) * 7e-4)
+    # a device-bound step is not shortened by the host's savings
+    costs = Costs.from_seconds(plan, {eid: 2e-3 for eid in plan.events})
+    costs.host_issue.update({eid: 1e-3 for eid in program.backward})
+    costs.backward_call.update({eid: 3e-4 for eid in program.backward})
+    assert stage_costs(plan, costs)[0].backward_s == pytest.approx(layers * 2e-3)

@@ -7,7 +7,7 @@ import torch
 
 from harness.events import build_plan
 from harness.profilers.compute import (ComputeRunner, heavy_light_order, last_level_cache_bytes,
-                                       measure_compute_share)
+                                       measure_backward_call, measure_compute_share)
 from harness.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
@@ -170,3 +170,18 @@ def test_rounds_sample_in_heavy_light_order_of_the_warm_up(monkeypatch):
     timed = [ids[id(runner)] for runner, _ in sampled[len(contents):]]
     assert timed == heavy_light_order(warm)
     assert warm[timed[1]] == min(warm.values())  # the shortest runs right after the longest
+
+
+def test_backward_samples_carry_the_cost_of_one_backward_call():
+    plan = _plan()
+    contents = {eid: e.content for eid, e in plan.events.items() if e.kind == "compute"}
+    samples = measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=1, repeats=2)
+    calls = {contents[eid]["phase"]: s.backward_call_s for eid, s in samples.items()}
+    assert calls["fwd"] is None and calls["optimizer"] is None
+    assert 0.0 <= calls["bwd"] < 0.05  # tens of microseconds on a CPU
+    assert len({s.backward_call_s for eid, s in samples.items() if contents[eid]["phase"] == "bwd"}) == 1
+
+
+def test_measure_backward_call_is_a_small_nonnegative_time():
+    seconds = measure_backward_call(torch.device("cpu"), repeats=5)
+    assert np.isfinite(seconds) and 0.0 <= seconds < 0.05

@@ -90,11 +90,14 @@ class ComputeSamples(NamedTuple):
     """The samples of one compute event (seconds); for forwards and backwards on a GPU, the host's time to
     issue each (None where the host and the device are one: on a CPU, and for optimizer steps); and when
     each sample ended on the host's clock, in seconds after `origin_s` of measure_compute_share (how fast
-    this rank ran over time: the analysis compares ranks measuring at the same moment)."""
+    this rank ran over time: the analysis compares ranks measuring at the same moment); for backwards, what
+    each further backward() call cost this rank's host (measure_backward_call): every sample paid it once,
+    a training step's stage pays it once in all."""
 
     samples_s: np.ndarray
     host_issue_s: np.ndarray | None = None
     end_s: np.ndarray | None = None
+    backward_call_s: float | None = None
 
 
 class ComputeRunner:
@@ -263,6 +266,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     ends = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
     host: dict[str, np.ndarray] = {}
     pending = list(contents)
+    backward_call: float | None = None
     while pending:
         runners: dict[str, ComputeRunner] = {}
         total = 0
@@ -275,6 +279,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             for eid, runner in runners.items():
                 warm_s[eid] = runner.sample()
         runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
+        if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
+            backward_call = measure_backward_call(device)
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = np.empty(repeats, dtype=np.float64)
@@ -287,7 +293,51 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             if on_round is not None:
                 on_round(len(runners))
         del runners
-    return {eid: ComputeSamples(samples[eid], host.get(eid), ends[eid]) for eid in contents}
+    return {eid: ComputeSamples(samples[eid], host.get(eid), ends[eid],
+                                backward_call if contents[eid]["phase"] == "bwd" else None) for eid in contents}
+
+
+def measure_backward_call(device: torch.device, repeats: int = 30, layers: int = 4) -> float:
+    """The host's seconds that each further `backward()` call costs (median of `repeats`): `layers` tiny
+    linear layers' backwards, one call per layer on its own graph with a leaf input (as a profiled backward
+    sample), against one call over the same layers chained (as a training step's backward of a stage),
+    the difference over `layers - 1`. It is the autograd engine's start (on a GPU it hands the graph task
+    to the device's worker thread and waits for it) and the gradient of the leaf input: every profiled
+    backward pays it, a step once (bench/backward_call.py measures the same on a model's own layers)."""
+    modules = [torch.nn.Linear(8, 8).to(device) for _ in range(layers)]
+
+    def per_layer() -> float:
+        graphs, x = [], torch.randn(4, 8, device=device)
+        for module in modules:
+            out = module(x.detach().requires_grad_(True))
+            graphs.append((out, torch.ones_like(out)))
+            x = out
+        synchronize(device)
+        start = time.perf_counter()
+        for out, grad in reversed(graphs):
+            out.backward(grad)
+        return time.perf_counter() - start
+
+    def chained() -> float:
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        out = x
+        for module in modules:
+            out = module(out)
+        grad = torch.ones_like(out)
+        synchronize(device)
+        start = time.perf_counter()
+        out.backward(grad)
+        return time.perf_counter() - start
+
+    excess = []
+    for i in range(repeats + 3):
+        many = per_layer()
+        synchronize(device)
+        one = chained()
+        synchronize(device)
+        if i >= 3:
+            excess.append((many - one) / (layers - 1))
+    return max(0.0, float(np.median(excess)))
 
 
 def heavy_light_order(seconds: dict[str, float]) -> list[str]:
