@@ -26,8 +26,8 @@ from harness.events import EventPlan, build_plan
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import (BACKWARD_CALL_ATTR, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, Measurement,
-                           read_measurements, write_profile, write_rank_file)
+from harness.store import (BACKWARD_CALL_ATTR, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, SENDER_BUSY_SERIES,
+                           Measurement, read_measurements, write_profile, write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
