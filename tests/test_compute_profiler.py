@@ -185,3 +185,12 @@ def test_backward_samples_carry_the_cost_of_one_backward_call():
 def test_measure_backward_call_is_a_small_nonnegative_time():
     seconds = measure_backward_call(torch.device("cpu"), repeats=5)
     assert np.isfinite(seconds) and 0.0 <= seconds < 0.05
+
+
+def test_a_composite_sample_starts_when_the_last_member_started():
+    """Member A leaves the barrier at 0 and waits 2 ms for B at the first all-reduce (its own time 11 ms);
+    B starts at 2 and takes 9 ms: the layer, as in a step where both arrive together, takes 9 ms."""
+    from harness.profilers.comm import composite_samples
+
+    starts, ends = np.array([[0.0, 5.0], [2.0, 5.5]]), np.array([[11.0, 12.0], [11.0, 13.0]])
+    assert composite_samples(starts.max(axis=0), ends.max(axis=0)) == pytest.approx([9.0, 7.5])

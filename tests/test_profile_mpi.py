@@ -117,7 +117,8 @@ def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
-    """tp=2 blocks run with their all-reduces on a real group of 2 ranks; the sample is the max over the group."""
+    """tp=2 blocks run with their all-reduces on a real group of 2 ranks; a sample runs from the last
+    member's start to the last member's end."""
     from harness.events import composite_content, event_id
     from harness.profile_run import run_profile
 

@@ -52,8 +52,9 @@ class CommProfiler:
 
     def measure_composite(self, task: CommTask, spec, warmup: int, repeats: int) -> np.ndarray | None:
         """A tensor-parallel layer with its all-reduces on the task's real group: per repeat, barrier, then the
-        layer's forward (or backward) timed on every member; a sample is the max over the group. Collective
-        over the world (the group is created by all ranks); samples on the task's first rank, None elsewhere."""
+        layer's forward (or backward) timed on every member. A sample runs from when the last member started
+        to when the last one finished (composite_samples). Collective over the world (the group is created
+        by all ranks); samples on the task's first rank, None elsewhere."""
         from harness.profilers.compute import ComputeRunner
 
         members = task.ranks
@@ -61,15 +62,17 @@ class CommProfiler:
         samples = None
         if self.rank in members:
             runner = ComputeRunner(spec, {**task.content, "kind": "compute"}, self.device, group=group)
-            local = np.empty(repeats, dtype=np.float64)
+            starts = np.empty(repeats, dtype=np.float64)
+            ends = np.empty(repeats, dtype=np.float64)
             for i in range(warmup + repeats):
                 dist.barrier(group=group)
-                t = runner.sample()
+                start = time.perf_counter()
+                seconds = runner.sample()
                 if i >= warmup:
-                    local[i - warmup] = t
-            worst = torch.from_numpy(local).to(self.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-            samples = worst.cpu().numpy()
+                    starts[i - warmup], ends[i - warmup] = start, start + seconds
+            last = torch.from_numpy(np.stack([starts, ends])).to(self.device)
+            dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
+            samples = composite_samples(*last.cpu().numpy())
         self.comm.Barrier()
         return samples if self.rank == members[0] else None
 
@@ -206,3 +209,16 @@ class CommProfiler:
         worst = torch.from_numpy(local).to(self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         return worst.cpu().numpy()
+
+
+def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.ndarray:
+    """A composite's samples from the group's latest start and latest end per repeat (the members' clock:
+    the group is on one node, where time.perf_counter is one clock for all processes).
+
+    The members leave the barrier before a sample at different moments; the first one out waits for the
+    others at the layer's first all-reduce, and its own time counts that wait. In a training step the
+    layer follows the previous layer's all-reduces, which have just brought the members together. So the
+    sample starts when the last member started; it ends when the last one is done, which keeps the waits
+    for the slower member at the later all-reduces and the slower tail. On the 2-core CPU the max over the
+    members' own times had predicted tp=2's backward steps 6-11% long (docs/benchmarks.md, run 14)."""
+    return np.asarray(last_end_s, dtype=np.float64) - np.asarray(last_start_s, dtype=np.float64)
