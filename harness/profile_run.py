@@ -175,7 +175,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     import torch
 
     from harness.distributed import destroy_process_group, init_process_group, pick_device
-    from harness.profilers.comm import CommProfiler
+    from harness.profilers.comm import COMPOSITE_SAMPLE, CommProfiler
     from harness.profilers.compute import measure_compute_share
 
     started = time.time()
@@ -277,7 +277,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             if samples is not None:
                 recorder.add(Measurement(task.id, "composite", task.content, samples, list(task.ranks), env_key,
                                          {"group_size": len(task.ranks), "placement": "intra",
-                                          "backend": backend_label, "warmup": warmup}))
+                                          "backend": backend_label, "warmup": warmup,
+                                          "composite_sample": COMPOSITE_SAMPLE}))
             if rank == 0:
                 progress.advance()
         if rank == 0:

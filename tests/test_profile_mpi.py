@@ -133,4 +133,5 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
             for block in blocks:
                 g = f["measurements"][event_id(composite_content(block.content))]
                 assert g.attrs["kind"] == "composite" and list(g.attrs["ranks"]) == [0, 1]
+                assert g.attrs["composite_sample"] == "last_start_to_last_end"
                 assert (g["samples_s"][()] > 0).all()

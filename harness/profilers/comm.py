@@ -211,6 +211,10 @@ class CommProfiler:
         return worst.cpu().numpy()
 
 
+# how a composite's sample is taken (stored as its attribute `composite_sample`; docs/hdf5.md)
+COMPOSITE_SAMPLE = "last_start_to_last_end"
+
+
 def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.ndarray:
     """A composite's samples from the group's latest start and latest end per repeat (the members' clock:
     the group is on one node, where time.perf_counter is one clock for all processes).
