@@ -180,16 +180,20 @@ def test_a_gpu_step_runs_as_the_host_issues_its_layers():
     assert sum(_issued([1e-4] * 4, [1e-3] * 4)) == pytest.approx(4e-3)
 
 
-def test_gpu_profiles_compose_steps_from_device_and_host_times():
+def one_stage(seconds: float):
+    """A 2-block, 1-stage plan with every event costed `seconds`: (plan, its first stage, costs)."""
     from analysis.costs import Costs
-    from analysis.simulate import stage_costs
     from harness.events import build_plan
 
-    spec = make_spec(micro_batches=1, layers=2)
-    plan = build_plan(spec)
-    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    plan = build_plan(make_spec(micro_batches=1, layers=2))
+    return plan, plan.stages[0], Costs.from_seconds(plan, {eid: seconds for eid in plan.events})
+
+
+def test_gpu_profiles_compose_steps_from_device_and_host_times():
+    from analysis.simulate import stage_costs
+
+    plan, program, costs = one_stage(1e-3)
     before = stage_costs(plan, costs)[0]
-    program = plan.stages[0]
     first, *rest = program.backward
     costs.host_issue.update({first: 2.5e-3, **{eid: 1e-4 for eid in rest}})  # a backward's slow start
     after = stage_costs(plan, costs)[0]
@@ -209,15 +213,10 @@ def test_after_an_inline_collective_the_host_issues_from_where_the_device_is():
 
 def test_a_backward_step_pays_one_backward_call_on_a_cpu():
     """Each profiled backward paid its own backward() call; a step's one call: all but the first shed it."""
-    from analysis.costs import Costs
     from analysis.simulate import stage_costs
-    from harness.events import build_plan
 
-    spec = make_spec(micro_batches=1, layers=2)
-    plan = build_plan(spec)
-    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    plan, program, costs = one_stage(1e-3)
     before = stage_costs(plan, costs)[0]
-    program = plan.stages[0]
     computes = [eid for eid, layer in zip(program.backward, program.backward_layers) if layer != -1]
     costs.backward_call.update({eid: 2e-4 for eid in computes})
     after = stage_costs(plan, costs)[0]
@@ -228,14 +227,9 @@ def test_a_backward_step_pays_one_backward_call_on_a_cpu():
 
 
 def test_on_a_gpu_the_backward_call_comes_off_the_hosts_issue_time():
-    from analysis.costs import Costs
     from analysis.simulate import stage_costs
-    from harness.events import build_plan
 
-    spec = make_spec(micro_batches=1, layers=2)
-    plan = build_plan(spec)
-    program = plan.stages[0]
-    costs = Costs.from_seconds(plan, {eid: 1e-4 for eid in plan.events})  # host-bound: device 0.1 ms
+    plan, program, costs = one_stage(1e-4)  # host-bound: device 0.1 ms
     costs.host_issue.update({eid: 1e-3 for eid in program.backward})
     before = stage_costs(plan, costs)[0]
     costs.backward_call.update({eid: 3e-4 for eid in program.backward})
@@ -244,7 +238,7 @@ def test_on_a_gpu_the_backward_call_comes_off_the_hosts_issue_time():
     assert before.backward_s == pytest.approx(layers * 1e-3)
     assert after.backward_s == pytest.approx(1e-3 + (layers - 1) * 7e-4)
     # a device-bound step is not shortened by the host's savings
-    costs = Costs.from_seconds(plan, {eid: 2e-3 for eid in plan.events})
+    plan, program, costs = one_stage(2e-3)
     costs.host_issue.update({eid: 1e-3 for eid in program.backward})
     costs.backward_call.update({eid: 3e-4 for eid in program.backward})
     assert stage_costs(plan, costs)[0].backward_s == pytest.approx(layers * 2e-3)
