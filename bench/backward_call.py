@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from harness.models import build_layer
 from harness.models.transformer import Head
-from harness.profilers.compute import measure_backward_call
-from harness.profilers.timer import synchronize
+from harness.profilers.compute import backward_call_times, measure_backward_call
 from harness.spec import load_spec
 
 
@@ -45,42 +43,14 @@ def main() -> None:
     def ids() -> torch.Tensor:
         return torch.randint(0, model.vocab, shape, device=device)
 
-    def one_call() -> float:
-        x = ids()
-        for layer in layers:
-            x = layer(x)
-        loss = Head.loss(x, ids())
-        synchronize(device)
-        start = time.perf_counter()
-        loss.backward()
-        host = time.perf_counter() - start
-        synchronize(device)
-        return host
-
-    def per_layer() -> float:
-        graphs = []
-        x = ids()
-        for i, layer in enumerate(layers):
-            inp = x if i == 0 else x.detach().requires_grad_(True)
-            out = layer(inp)
-            if i == len(layers) - 1:
-                graphs.append((Head.loss(out, ids()), None))
-            else:
-                graphs.append((out, torch.randn_like(out)))
-            x = out
-        synchronize(device)
-        host = 0.0
-        for out, grad in reversed(graphs):
-            start = time.perf_counter()
-            out.backward(grad)
-            host += time.perf_counter() - start
-        synchronize(device)
-        return host
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return Head.loss(logits, ids())
 
     for _ in range(3):
-        one_call(), per_layer()
-    whole = statistics.median(one_call() for _ in range(args.repeats))
-    summed = statistics.median(per_layer() for _ in range(args.repeats))
+        backward_call_times(layers, ids, device, loss)
+    taken = [backward_call_times(layers, ids, device, loss) for _ in range(args.repeats)]
+    summed = statistics.median(many for many, _ in taken)
+    whole = statistics.median(one for _, one in taken)
     tiny = measure_backward_call(device, args.repeats)
     extra = (summed - whole) / (len(layers) - 1)
     print(f"{model.name} hidden {model.hidden} seq {model.seq_len} micro {spec.batch.micro} {model.dtype} "

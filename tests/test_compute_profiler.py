@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.events import build_plan
-from harness.profilers.compute import (ComputeRunner, heavy_light_order, last_level_cache_bytes,
+from harness.profilers.compute import (ComputeRunner, backward_call_times, heavy_light_order, last_level_cache_bytes,
                                        measure_backward_call, measure_compute_share)
 from harness.spec import loads_spec
 from tests.helpers import tiny_spec_text
@@ -194,3 +194,13 @@ def test_a_composite_sample_starts_when_the_last_member_started():
 
     starts, ends = np.array([[0.0, 5.0], [2.0, 5.5]]), np.array([[11.0, 12.0], [11.0, 13.0]])
     assert composite_samples(starts.max(axis=0), ends.max(axis=0)) == pytest.approx([9.0, 7.5])
+
+
+def test_backward_call_times_run_both_ways_over_the_same_layers():
+    """Both timings run over every layer: each layer's parameters get gradients."""
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(8, 8) for _ in range(3)]
+    many, one = backward_call_times(modules, lambda: torch.randn(4, 8, requires_grad=True), torch.device("cpu"),
+                                    loss=lambda out: out.square().mean())
+    assert many > 0 and one > 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for m in modules for p in m.parameters())

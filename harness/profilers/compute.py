@@ -297,44 +297,51 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                                 backward_call if contents[eid]["phase"] == "bwd" else None) for eid in contents}
 
 
-def measure_backward_call(device: torch.device, repeats: int = 30, layers: int = 4) -> float:
-    """The host's seconds that each further `backward()` call costs (median of `repeats`): `layers` tiny
-    linear layers' backwards, one call per layer on its own graph with a leaf input (as a profiled backward
-    sample), against one call over the same layers chained (as a training step's backward of a stage),
-    the difference over `layers - 1`. It is the autograd engine's start (on a GPU it hands the graph task
-    to the device's worker thread and waits for it) and the gradient of the leaf input: every profiled
-    backward pays it, a step once (bench/backward_call.py measures the same on a model's own layers)."""
-    modules = [torch.nn.Linear(8, 8).to(device) for _ in range(layers)]
-
-    def per_layer() -> float:
-        graphs, x = [], torch.randn(4, 8, device=device)
+def backward_call_times(modules: list[torch.nn.Module], make_input: Callable[[], torch.Tensor],
+                        device: torch.device, loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> tuple[float, float]:
+    """The host's seconds for the backwards of `modules` chained (the last output through `loss` when given):
+    (one call per module on its own graph with a leaf input, as profiled backward samples run, summed; one
+    call over the whole chain, as a training step's stage runs)."""
+    def outputs(x: torch.Tensor, per_layer: bool) -> list[torch.Tensor]:
+        outs = []
         for module in modules:
-            out = module(x.detach().requires_grad_(True))
-            graphs.append((out, torch.ones_like(out)))
-            x = out
-        synchronize(device)
-        start = time.perf_counter()
-        for out, grad in reversed(graphs):
-            out.backward(grad)
-        return time.perf_counter() - start
+            if per_layer and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            x = module(x)
+            outs.append(x)
+        if loss is not None:
+            outs[-1] = loss(outs[-1])
+        return outs
 
-    def chained() -> float:
-        x = torch.randn(4, 8, device=device, requires_grad=True)
-        out = x
-        for module in modules:
-            out = module(out)
-        grad = torch.ones_like(out)
+    def backward(out: torch.Tensor) -> float:
+        grad = None if out.dim() == 0 else torch.ones_like(out)
         synchronize(device)
         start = time.perf_counter()
         out.backward(grad)
         return time.perf_counter() - start
 
+    many = sum(backward(out) for out in reversed(outputs(make_input(), per_layer=True)))
+    synchronize(device)
+    one = backward(outputs(make_input(), per_layer=False)[-1])
+    synchronize(device)
+    return many, one
+
+
+def measure_backward_call(device: torch.device, repeats: int = 30, layers: int = 4) -> float:
+    """The host's seconds that each further `backward()` call costs (median of `repeats`): on `layers` tiny
+    linear layers, backward_call_times' per-layer calls against its one call, the difference over
+    `layers - 1`. It is the autograd engine's start (on a GPU it hands the graph task to the device's worker
+    thread and waits for it) and the gradient of the leaf input: every profiled backward pays it, a step
+    once (bench/backward_call.py measures the same on a model's own layers)."""
+    modules = [torch.nn.Linear(8, 8).to(device) for _ in range(layers)]
+
+    def make_input() -> torch.Tensor:
+        return torch.randn(4, 8, device=device, requires_grad=True)
+
     excess = []
     for i in range(repeats + 3):
-        many = per_layer()
-        synchronize(device)
-        one = chained()
-        synchronize(device)
+        many, one = backward_call_times(modules, make_input, device)
         if i >= 3:
             excess.append((many - one) / (layers - 1))
     return max(0.0, float(np.median(excess)))
