@@ -19,6 +19,12 @@
   those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
   transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
   placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
+- a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
+  replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
+  division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
+  `bucket_divide`, which the timeline runs before the bucket's all-reduce. A bucket whose all-reduce has
+  no such samples takes the division rate (seconds per byte) of the largest all-reduce that has them;
+  profiles from before they were measured have none (no division).
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -177,6 +183,8 @@ class Costs:
     # backward compute event id -> the host's seconds of one backward() call that its samples paid and a
     # step pays once per stage (profiles from before it was measured have none: 0)
     backward_call: dict[str, float] = field(default_factory=dict)
+    # data-parallel bucket all-reduce event id -> seconds to divide the bucket by the replica count first
+    bucket_divide: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None
     compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
@@ -275,6 +283,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
     _sender_busy_extras(plan, profile, costs)
     if plan.spec.strategy.dp > 1:
+        _bucket_divides(plan, profile, costs)
         costs.replica_skew = replica_skew(profile)
         if costs.replica_skew is None:
             costs.warnings.append(
@@ -316,6 +325,23 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
         extra = measured_extra.get(eid, by_placement.get(event.placement or INTER))
         if extra:
             costs.sender_busy_extra[eid] = extra
+
+
+def _bucket_divides(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """Fill costs.bucket_divide for the plan's gradient-bucket all-reduces (rules in the module docstring)."""
+    divides = {eid: _statistic(costs.compute_stat, float(m.divide_samples_s.mean()),
+                               float(np.median(m.divide_samples_s)))
+               for eid, m in profile.measurements.items()
+               if m.kind == "allreduce" and m.count and m.divide_samples_s.size}
+    rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in divides.items()
+             if profile.measurements[eid].bytes > 0]
+    largest_bytes, largest_s = max(rated, default=(0, 0.0))
+    for program in plan.stages:
+        for bucket in program.buckets:
+            if bucket.event in divides:
+                costs.bucket_divide[bucket.event] = divides[bucket.event]
+            elif largest_bytes:
+                costs.bucket_divide[bucket.event] = largest_s / largest_bytes * plan.events[bucket.event].bytes
 
 
 def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:

@@ -71,6 +71,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                                for eid, host in sorted(costs.host_issue.items())],
         "compute_backward_call": [{"id": eid, "name": timeline.plan.events[eid].name, "call_s": call}
                                   for eid, call in sorted(costs.backward_call.items())],
+        "dp_bucket_divide": [{"id": eid, "name": timeline.plan.events[eid].name, "divide_s": divide}
+                             for eid, divide in sorted(costs.bucket_divide.items())],
         "replica_skew": replica_skew_summary(timeline),
         "warnings": list(costs.warnings),
     }
@@ -144,6 +146,12 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", f"a backward step is one backward() call: every backward but its first sheds the "
                     f"{_ms(calls[len(calls) // 2]):.3f} ms call its sample paid"
                     + (" (off the host's issue time)" if costs.host_issue else "")]
+    if costs.bucket_divide:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(divide))
+                for eid, divide in sorted(costs.bucket_divide.items())]
+        out += ["", format_table(("id", "event", "divide ms"), rows,
+                                 title="a data-parallel replica averages each gradient bucket (divides it by the "
+                                       "replica count) before its all-reduce:")]
     skew = replica_skew_summary(timeline)
     if skew is not None:
         rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],

@@ -12,7 +12,9 @@ Hierarchy (docs/analysis.md):
   they become ready during the last micro-batch's backward (dp_overlap, as DDP) or all after the
   device's whole backward (as DistSim); then the optimizer step once compute and all-reduces are done.
   A bucket is ready once the slowest replica has its gradients: where the profile shows how the ranks'
-  speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done.
+  speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done. A
+  bucket's interval holds its averaging (the division by the replica count, Costs.bucket_divide) and then
+  its all-reduce;
 
 Data-parallel replicas (but for that lag) and tensor-parallel ranks are identical, so one pipeline replica
 (pp devices holding `chunks` virtual stages each) is simulated step by step, with each step's events
@@ -395,7 +397,8 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "
         for ready, vs, index, bucket in pending:
             ready += lag(ready)  # the slowest replica's gradients, which the all-reduce waits for
             start = max(ready, comm_free)
-            comm_free = start + costs.seconds(bucket.event)
+            # the bucket's interval covers its averaging (divided by the replica count) and its all-reduce
+            comm_free = start + costs.bucket_divide.get(bucket.event, 0.0) + costs.seconds(bucket.event)
             buckets.append(BucketRecord(vs, index, bucket.event, bucket.nbytes, ready, start, comm_free))
         optimizer_start = max([compute_end] + [b.end_s for b in buckets])
         optimizer_s = sum(per_stage[chunk * pp + d].optimizer_s for chunk in range(s.chunks))

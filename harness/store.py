@@ -25,7 +25,10 @@ HOST_ISSUE_SERIES = "host_issue_samples_s"
 # compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
 # `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
 SAMPLE_END_SERIES = "sample_end_s"
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES)
+# all-reduces only: the in-place division of the buffer by the group size that came before each all-reduce
+# (harness.profilers.comm: how a data-parallel replica averages its gradient bucket)
+DIVIDE_SERIES = "divide_samples_s"
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES)
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"

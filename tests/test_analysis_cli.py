@@ -18,7 +18,8 @@ from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_pyth
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
-             "compute_host_issue", "compute_statistic", "replica_skew", "warnings"}
+             "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "compute_statistic", "replica_skew",
+             "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
 
@@ -102,6 +103,16 @@ def test_table_output_and_device_selection(hybrid_profile, capsys):
     assert [d["rank"] for d in json.loads(capsys.readouterr().out)["devices"]] == [1, 5, 6]
     assert main(["simulate", str(hybrid_profile), "--devices", "3-8"]) == 2
     assert "outside the job's ranks 0..7" in capsys.readouterr().err
+
+
+def test_the_report_shows_how_long_a_replica_averages_its_gradient_buckets(tmp_path, capsys):
+    spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), divide=[2e-3, 2e-3])
+    assert main(["simulate", str(path)]) == 0
+    assert "averages each gradient bucket" in capsys.readouterr().out
+    assert main(["simulate", str(path), "--json"]) == 0
+    (divide,) = json.loads(capsys.readouterr().out)["dp_bucket_divide"]
+    assert divide["name"].startswith("allreduce") and divide["divide_s"] == pytest.approx(2e-3)
 
 
 def test_large_worlds_default_to_one_device_per_stage(tmp_path, capsys):

@@ -10,7 +10,7 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
-from harness.store import SENDER_BUSY_SERIES, Measurement
+from harness.store import DIVIDE_SERIES, SENDER_BUSY_SERIES, Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
@@ -201,6 +201,30 @@ def test_a_backward_call_is_read_for_backwards_only_and_old_profiles_have_none(t
     assert backwards and costs.backward_call == {eid: pytest.approx(2e-4) for eid in backwards}
     old = write_handmade_profile(tmp_path / "old.h5", spec, by_name({}, default=1e-3))
     assert estimate_costs(plan, load_profile(old)).backward_call == {}
+
+
+def test_a_gradient_bucket_is_divided_before_its_all_reduce_and_old_profiles_have_no_division(tmp_path):
+    spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
+    plan = build_plan(spec)
+    bucket = plan.stages[0].buckets[0].event
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3), divide=[1e-4, 3e-4])
+    assert estimate_costs(plan, load_profile(path)).bucket_divide == {bucket: pytest.approx(2e-4)}
+    assert estimate_costs(plan, load_profile(path), compute_stat="median").bucket_divide == {
+        bucket: pytest.approx(2e-4)}
+    # a bucket the profile did not measure is divided at the rate of the largest all-reduce that was
+    points = [comm_point("allreduce", nbytes, "intra", 1e-3) for nbytes in (1000, 4000)]
+    for point, seconds in zip(points, (5e-6, 8e-6)):
+        point.series[DIVIDE_SERIES] = np.full(3, seconds)
+    unmeasured = write_handmade_profile(tmp_path / "unmeasured.h5", spec,
+                                        by_name({"allreduce": None}, default=1e-3), extra=points)
+    assert estimate_costs(plan, load_profile(unmeasured)).bucket_divide == {
+        bucket: pytest.approx(8e-6 / 4000 * plan.events[bucket].bytes)}
+    old = write_handmade_profile(tmp_path / "old.h5", spec, by_name({}, default=1e-3))
+    assert estimate_costs(plan, load_profile(old)).bucket_divide == {}
+    no_dp = make_spec(micro_batches=2)
+    assert estimate_costs(build_plan(no_dp), load_profile(
+        write_handmade_profile(tmp_path / "no_dp.h5", no_dp, by_name({}, default=1e-3), divide=[1e-4]))
+    ).bucket_divide == {}
 
 
 def test_compute_takes_the_mean_of_its_samples_or_the_median_and_communication_keeps_its_rule(tmp_path):

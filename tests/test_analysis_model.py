@@ -106,6 +106,17 @@ def test_data_parallel_allreduce_after_backward_adds_exactly_its_time(tmp_path, 
     assert free.batch_time_s == pytest.approx((4 + pp - 1) * (T_F + T_B))
 
 
+def test_a_gradient_bucket_is_averaged_before_its_all_reduce(tmp_path):
+    spec = make_spec(dp=2, micro_batches=4, dp_overlap=False, bucket_mb=1000)
+    times = uniform({"allreduce": 0.7})
+    plain = simulated(tmp_path / "plain", spec, times)
+    path = write_handmade_profile(tmp_path / "divided" / "profile.h5", spec, by_name(times), divide=[0.125])
+    divided = predict(path).timeline
+    assert divided.batch_time_s - plain.batch_time_s == pytest.approx(0.125, rel=1e-12)
+    bucket = divided.pipeline[0].buckets[0]
+    assert bucket.end_s - bucket.start_s == pytest.approx(0.7 + 0.125)
+
+
 def test_overlapped_buckets_hide_all_but_the_last(tmp_path):
     layers, allreduce, optimizer, embedding = 3, 0.5, 0.0625, 0.75
     # The embedding's backward outlasts an all-reduce, so only the embedding's own bucket is left at the end.

@@ -86,12 +86,12 @@ def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
 
 
 def test_resume_measures_again_what_this_version_measures_more_of():
-    """A P2P without sender-busy samples and a GPU forward or backward without host issue times are
-    incomplete; everything else stored is reused."""
+    """A P2P without sender-busy samples, an all-reduce without its division's samples and a GPU forward or
+    backward without host issue times are incomplete; everything else stored is reused."""
     import numpy as np
 
     from harness.profile_run import _complete
-    from harness.store import HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement
+    from harness.store import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=()):
         content = {"phase": phase} if phase else {}
@@ -104,4 +104,5 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     assert _complete(measurement("compute", "optimizer", "cuda:NVIDIA H200"))  # timed alone, no issue times
     assert not _complete(measurement("p2p"))
     assert _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))
-    assert _complete(measurement("allreduce"))
+    assert not _complete(measurement("allreduce"))  # measured before its division was timed
+    assert _complete(measurement("allreduce", series=[DIVIDE_SERIES]))

@@ -68,24 +68,33 @@ def test_end_to_end_profile_then_resume(tmp_path):
                     assert busy.shape == (2,) and (busy > 0).all() and (busy < 1.0).all()
                 else:
                     assert "sender_busy_samples_s" not in g
+                if g.attrs["kind"] == "allreduce":  # the division by the group size before each all-reduce
+                    divide = g["divide_samples_s"][()]
+                    assert divide.shape == (2,) and (divide > 0).all() and (divide < 1.0).all()
+                else:
+                    assert "divide_samples_s" not in g
             assert f["environment"].attrs["world_size"] == comm.size
         assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
     again = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         assert again.measured == 0 and again.skipped >= len(plan.events)
-        # a P2P measured before sender-busy samples existed is measured again on resume
+        # a P2P measured before sender-busy samples existed, or an all-reduce before its division was timed,
+        # is measured again on resume
         for path in [outdir / "profile.h5", *outdir.glob("rank-*.h5")]:
             with h5py.File(path, "r+") as f:
                 for g in f["measurements"].values():
-                    if "sender_busy_samples_s" in g:
-                        del g["sender_busy_samples_s"]
+                    for series in ("sender_busy_samples_s", "divide_samples_s"):
+                        if series in g:
+                            del g[series]
     comm.Barrier()
     third = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         p2p = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
-        assert p2p and third.measured >= len(p2p)
+        allreduces = [eid for eid, e in plan.events.items() if e.kind == "allreduce"]
+        assert p2p and allreduces and third.measured >= len(p2p) + len(allreduces)
         with h5py.File(outdir / "profile.h5") as f:
             assert all("sender_busy_samples_s" in f["measurements"][eid] for eid in p2p)
+            assert all("divide_samples_s" in f["measurements"][eid] for eid in allreduces)
 
 
 @pytest.mark.mpi(min_size=4)

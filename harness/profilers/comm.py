@@ -29,10 +29,12 @@ RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the 
 
 
 class CommSamples(NamedTuple):
-    """One communication task's samples (seconds); `sender_busy_s` only for P2P, empty otherwise."""
+    """One communication task's samples (seconds); `sender_busy_s` only for P2P, `divide_s` only for
+    all-reduces (the in-place division by the group size before each all-reduce), empty otherwise."""
 
     samples_s: np.ndarray
     sender_busy_s: np.ndarray
+    divide_s: np.ndarray = np.empty(0)
 
 
 class CommProfiler:
@@ -100,7 +102,7 @@ class CommProfiler:
                 samples = CommSamples(self._p2p(buffer, members, group, mpi_group, warmup, repeats),
                                       self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats))
             else:
-                samples = CommSamples(self._allreduce(buffer, group, mpi_group, warmup, repeats), np.empty(0))
+                samples = CommSamples(*self._allreduce(buffer, group, mpi_group, warmup, repeats))
         if mpi_group is not None:
             mpi_group.Free()
         self.comm.Barrier()
@@ -181,34 +183,46 @@ class CommProfiler:
         dist.broadcast(shared, receiver, group=group)
         return shared.cpu().numpy()
 
-    def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> np.ndarray:
-        """Per repeat: barrier, all-reduce timed on every member; a sample is the max over the group."""
-        local = np.empty(repeats, dtype=np.float64)
+    def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per repeat: barrier, the buffer divided in place by the group size, then the all-reduce (a sum, which
+        restores the values), both timed on every member; a sample is the max over the group. Returns (the
+        all-reduce's samples, no sender-busy samples, the division's samples).
+
+        The division is how a data-parallel replica averages its gradient bucket before the all-reduce (as
+        DDP does with gradients as bucket views, and `harness train`): a pass over the bucket on the
+        replica's device, about 2 ms for 16 MiB on the 2-core CPU machine (docs/benchmarks.md)."""
+        local = np.empty((2, repeats), dtype=np.float64)  # all-reduce, division
+        size = mpi_group.Get_size() if mpi_group is not None else dist.get_world_size(group)
         if mpi_group is not None:
             from mpi4py import MPI
 
             host = buffer.cpu().numpy()
-            out = np.empty_like(host)
             for i in range(warmup + repeats):
                 mpi_group.Barrier()
                 t0 = time.perf_counter_ns()
-                mpi_group.Allreduce(host, out, op=MPI.SUM)
+                np.divide(host, size, out=host)
+                t1 = time.perf_counter_ns()
+                mpi_group.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
                 if i >= warmup:
-                    local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+                    local[:, i - warmup] = (time.perf_counter_ns() - t1) / 1e9, (t1 - t0) / 1e9
             worst = np.empty_like(local)
             mpi_group.Allreduce(local, worst, op=MPI.MAX)
-            return worst
+            return worst[0], np.empty(0), worst[1]
         for i in range(warmup + repeats):
             dist.barrier(group=group)
             synchronize(self.device)
             t0 = time.perf_counter_ns()
+            buffer.div_(size)
+            synchronize(self.device)
+            t1 = time.perf_counter_ns()
             dist.all_reduce(buffer, group=group)
             synchronize(self.device)
             if i >= warmup:
-                local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+                local[:, i - warmup] = (time.perf_counter_ns() - t1) / 1e9, (t1 - t0) / 1e9
         worst = torch.from_numpy(local).to(self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        return worst.cpu().numpy()
+        worst = worst.cpu().numpy()
+        return worst[0], np.empty(0), worst[1]
 
 
 # how a composite's sample is taken (stored as its attribute `composite_sample`; docs/hdf5.md)
