@@ -144,3 +144,37 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
                 assert g.attrs["kind"] == "composite" and list(g.attrs["ranks"]) == [0, 1]
                 assert g.attrs["composite_sample"] == "last_start_to_last_end"
                 assert (g["samples_s"][()] > 0).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["torch", "mpi4py"])
+def test_an_all_reduce_sample_divides_its_buffer_first_and_restores_it(backend):
+    """Each repeat divides the buffer by the group size (timed apart, as a replica averages its gradient
+    bucket) and all-reduces it: the sum gives the values back, so many repeats never shrink them."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.distributed import destroy_process_group, init_process_group
+    from harness.profilers.comm import CommProfiler
+    from launcher.topology import discover
+
+    comm = _world()
+    pair = comm.Split(0 if comm.rank < 2 else 1, key=comm.rank)
+    cpu = torch.device("cpu")
+    started_here = backend == "torch" and not dist.is_initialized()
+    if started_here:
+        init_process_group(comm, discover(comm), cpu)
+    try:
+        group = dist.new_group([0, 1]) if backend == "torch" else None  # collective over the world
+        if comm.rank < 2:
+            buffer = torch.ones(4096)
+            samples, busy, divide = CommProfiler(comm, backend, cpu)._allreduce(
+                buffer, group, pair if backend == "mpi4py" else None, warmup=2, repeats=150)
+            assert samples.shape == divide.shape == (150,) and busy.size == 0
+            assert (samples > 0).all() and (divide > 0).all()
+            assert torch.equal(buffer, torch.ones(4096))
+        comm.Barrier()
+    finally:
+        pair.Free()
+        if started_here:
+            destroy_process_group()
