@@ -102,7 +102,7 @@ class CommProfiler:
                 samples = CommSamples(self._p2p(buffer, members, group, mpi_group, warmup, repeats),
                                       self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats))
             else:
-                samples = CommSamples(*self._allreduce(buffer, group, mpi_group, warmup, repeats))
+                samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
         if mpi_group is not None:
             mpi_group.Free()
         self.comm.Barrier()
@@ -183,10 +183,9 @@ class CommProfiler:
         dist.broadcast(shared, receiver, group=group)
         return shared.cpu().numpy()
 
-    def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> CommSamples:
         """Per repeat: barrier, the buffer divided in place by the group size, then the all-reduce (a sum, which
-        restores the values), both timed on every member; a sample is the max over the group. Returns (the
-        all-reduce's samples, no sender-busy samples, the division's samples).
+        restores the values), both timed on every member; a sample is the max over the group, of each.
 
         The division is how a data-parallel replica averages its gradient bucket before the all-reduce (as
         DDP does with gradients as bucket views, and `harness train`): a pass over the bucket on the
@@ -207,7 +206,7 @@ class CommProfiler:
                     local[:, i - warmup] = (time.perf_counter_ns() - t1) / 1e9, (t1 - t0) / 1e9
             worst = np.empty_like(local)
             mpi_group.Allreduce(local, worst, op=MPI.MAX)
-            return worst[0], np.empty(0), worst[1]
+            return CommSamples(worst[0], np.empty(0), worst[1])
         for i in range(warmup + repeats):
             dist.barrier(group=group)
             synchronize(self.device)
@@ -222,7 +221,7 @@ class CommProfiler:
         worst = torch.from_numpy(local).to(self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         worst = worst.cpu().numpy()
-        return worst[0], np.empty(0), worst[1]
+        return CommSamples(worst[0], np.empty(0), worst[1])
 
 
 # how a composite's sample is taken (stored as its attribute `composite_sample`; docs/hdf5.md)
