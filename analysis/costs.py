@@ -22,9 +22,12 @@
 - a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
   replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
   division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
-  `bucket_divide`, which the timeline runs before the bucket's all-reduce. A bucket whose all-reduce has
-  no such samples takes the division rate (seconds per byte) of the largest all-reduce that has them;
-  profiles from before they were measured have none (no division).
+  `bucket_divide`, which the timeline runs before the bucket's all-reduce. The replica also zeroes the
+  bucket for the next iteration's gradients (as Megatron-LM zeroes its gradient buffer); the profiler
+  times that after each all-reduce sample (`zero_samples_s`), its statistic is the bucket's `bucket_zero`,
+  which the timeline adds to the stage's optimizer phase. A bucket whose all-reduce has no such samples
+  takes the rate (seconds per byte) of the largest all-reduce that has them; profiles from before they
+  were measured have none (no division, no zeroing).
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -185,6 +188,8 @@ class Costs:
     backward_call: dict[str, float] = field(default_factory=dict)
     # data-parallel bucket all-reduce event id -> seconds to divide the bucket by the replica count first
     bucket_divide: dict[str, float] = field(default_factory=dict)
+    # data-parallel bucket all-reduce event id -> seconds to zero the bucket for the next iteration
+    bucket_zero: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None
     compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
@@ -283,7 +288,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
     _sender_busy_extras(plan, profile, costs)
     if plan.spec.strategy.dp > 1:
-        _bucket_divides(plan, profile, costs)
+        _bucket_passes(plan, profile, costs)
         costs.replica_skew = replica_skew(profile)
         if costs.replica_skew is None:
             costs.warnings.append(
@@ -327,21 +332,22 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
             costs.sender_busy_extra[eid] = extra
 
 
-def _bucket_divides(plan: EventPlan, profile: Profile, costs: Costs) -> None:
-    """Fill costs.bucket_divide for the plan's gradient-bucket all-reduces (rules in the module docstring)."""
-    divides = {eid: _statistic(costs.compute_stat, float(m.divide_samples_s.mean()),
-                               float(np.median(m.divide_samples_s)))
-               for eid, m in profile.measurements.items()
-               if m.kind == "allreduce" and m.count and m.divide_samples_s.size}
-    rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in divides.items()
-             if profile.measurements[eid].bytes > 0]
-    largest_bytes, largest_s = max(rated, default=(0, 0.0))
-    for program in plan.stages:
-        for bucket in program.buckets:
-            if bucket.event in divides:
-                costs.bucket_divide[bucket.event] = divides[bucket.event]
-            elif largest_bytes:
-                costs.bucket_divide[bucket.event] = largest_s / largest_bytes * plan.events[bucket.event].bytes
+def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """Fill costs.bucket_divide and costs.bucket_zero for the plan's gradient-bucket all-reduces (rules in
+    the module docstring)."""
+    for series, target in (("divide_samples_s", costs.bucket_divide), ("zero_samples_s", costs.bucket_zero)):
+        measured = {eid: _statistic(costs.compute_stat, float(samples.mean()), float(np.median(samples)))
+                    for eid, m in profile.measurements.items()
+                    if m.kind == "allreduce" and m.count and (samples := getattr(m, series)).size}
+        rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in measured.items()
+                 if profile.measurements[eid].bytes > 0]
+        largest_bytes, largest_s = max(rated, default=(0, 0.0))
+        for program in plan.stages:
+            for bucket in program.buckets:
+                if bucket.event in measured:
+                    target[bucket.event] = measured[bucket.event]
+                elif largest_bytes:
+                    target[bucket.event] = largest_s / largest_bytes * plan.events[bucket.event].bytes
 
 
 def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:

@@ -25,7 +25,8 @@ SENDER_BUSY_SERIES = "sender_busy_samples_s"  # P2P: the receive timed while the
 HOST_ISSUE_SERIES = "host_issue_samples_s"  # GPU forwards and backwards: the host's issue time
 SAMPLE_END_SERIES = "sample_end_s"  # compute: when each sample ended, after the compute phase's start
 DIVIDE_SERIES = "divide_samples_s"  # all-reduces: the buffer's division by the group size before each
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES)
+ZERO_SERIES = "zero_samples_s"  # all-reduces: the buffer's zeroing after each
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
 BACKWARD_CALL_ATTR = "backward_call_s"  # compute backwards: the host's cost of one backward() call
 PROFILE_KIND = "distsim-profile"
 _RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
@@ -99,6 +100,12 @@ class MeasuredEvent(CommunicationFields):
         """All-reduces: the in-place division of the buffer by the group size timed before each all-reduce
         (a data-parallel replica averaging its gradient bucket); empty where the profile has none."""
         return self._detail(DIVIDE_SERIES)
+
+    @property
+    def zero_samples_s(self) -> np.ndarray:
+        """All-reduces: the buffer's zeroing timed after each all-reduce (a data-parallel replica clearing its
+        gradient bucket for the next iteration); empty where the profile has none."""
+        return self._detail(ZERO_SERIES)
 
     @property
     def sample_end_s(self) -> np.ndarray:

@@ -73,6 +73,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                                   for eid, call in sorted(costs.backward_call.items())],
         "dp_bucket_divide": [{"id": eid, "name": timeline.plan.events[eid].name, "divide_s": divide}
                              for eid, divide in sorted(costs.bucket_divide.items())],
+        "dp_bucket_zero": [{"id": eid, "name": timeline.plan.events[eid].name, "zero_s": zero}
+                           for eid, zero in sorted(costs.bucket_zero.items())],
         "replica_skew": replica_skew_summary(timeline),
         "warnings": list(costs.warnings),
     }
@@ -93,6 +95,10 @@ def replica_skew_summary(timeline: Timeline) -> dict[str, Any] | None:
 
 def _ms(seconds: float) -> float:
     return seconds * 1e3
+
+
+def _ms_or_dash(seconds: float | None) -> float | str:
+    return "-" if seconds is None else _ms(seconds)
 
 
 def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str:
@@ -146,12 +152,14 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", f"a backward step is one backward() call: every backward but its first sheds the "
                     f"{_ms(calls[len(calls) // 2]):.3f} ms call its sample paid"
                     + (" (off the host's issue time)" if costs.host_issue else "")]
-    if costs.bucket_divide:
-        rows = [(eid, timeline.plan.events[eid].name, _ms(divide))
-                for eid, divide in sorted(costs.bucket_divide.items())]
-        out += ["", format_table(("id", "event", "divide ms"), rows,
+    if costs.bucket_divide or costs.bucket_zero:
+        rows = [(eid, timeline.plan.events[eid].name, _ms_or_dash(costs.bucket_divide.get(eid)),
+                 _ms_or_dash(costs.bucket_zero.get(eid)))
+                for eid in sorted(set(costs.bucket_divide) | set(costs.bucket_zero))]
+        out += ["", format_table(("id", "event", "divide ms", "zero ms"), rows,
                                  title="a data-parallel replica averages each gradient bucket (divides it by the "
-                                       "replica count) before its all-reduce:")]
+                                       "replica count) before its all-reduce, and zeroes it after the optimizer "
+                                       "step:")]
     skew = replica_skew_summary(timeline)
     if skew is not None:
         rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],

@@ -14,7 +14,8 @@ Hierarchy (docs/analysis.md):
   A bucket is ready once the slowest replica has its gradients: where the profile shows how the ranks'
   speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done. A
   bucket's interval holds its averaging (the division by the replica count, Costs.bucket_divide) and then
-  its all-reduce;
+  its all-reduce; the optimizer phase ends with each bucket zeroed for the next iteration
+  (Costs.bucket_zero);
 
 Data-parallel replicas (but for that lag) and tensor-parallel ranks are identical, so one pipeline replica
 (pp devices holding `chunks` virtual stages each) is simulated step by step, with each step's events
@@ -237,7 +238,8 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
             forward_s=forward_offsets[-1], forward_comm_s=fwd_comm,
             backward_s=backward_offsets[-1], backward_comm_s=bwd_comm,
             forward_offsets=forward_offsets, backward_offsets=backward_offsets,
-            optimizer_s=sum(costs.seconds(e) for e in program.optimizer),
+            optimizer_s=(sum(costs.seconds(e) for e in program.optimizer)
+                         + sum(costs.bucket_zero.get(b.event, 0.0) for b in program.buckets)),
             send_forward_s=costs.seconds(program.send_forward) if program.send_forward else 0.0,
             send_backward_s=costs.seconds(program.send_backward) if program.send_backward else 0.0))
     return out
@@ -583,5 +585,11 @@ class Timeline:
                 out.append(Interval(t, end, COMPUTE_TRACK, OPTIMIZER, eid,
                                     f"opt {plan.events[eid].name} L{layer} s{vs}", vs, -1, layer))
                 t = end
+            for index, bucket in enumerate(program.buckets):
+                zero = self.costs.bucket_zero.get(bucket.event)
+                if zero is not None:  # the bucket's gradients cleared for the next iteration
+                    out.append(Interval(t, t + zero, COMPUTE_TRACK, OPTIMIZER, "", f"zero bucket {index} s{vs}",
+                                        vs, -1, -1))
+                    t += zero
         out.sort(key=lambda i: (i.start_s, i.track != COMPUTE_TRACK, i.end_s))
         return out

@@ -3,7 +3,8 @@
 Compared, per measured iteration and then as medians:
 - the iteration (batch) time;
 - each device's busy time: its forward and backward steps (tensor-parallel all-reduces inside them
-  included, as the real run cannot separate them from the step) plus its optimizer step;
+  included, as the real run cannot separate them from the step) plus its optimizer step (and, with data
+  parallelism, the zeroing of its gradient buckets that follows);
 - each virtual stage's forward and backward step per micro-batch;
 - with data parallelism, per pipeline stage: how far the slowest replica finished its compute behind the
   replicas' mean (analysis.skew predicts it from the profile).

@@ -27,7 +27,8 @@ from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES,
-                           SENDER_BUSY_SERIES, Measurement, read_measurements, write_profile, write_rank_file)
+                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_measurements, write_profile,
+                           write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -102,11 +103,11 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 def _complete(m: Measurement) -> bool:
     """Whether a stored measurement has everything this version measures: a P2P its sender-busy samples, an
-    all-reduce its division's samples, a GPU forward or backward the host's issue times."""
+    all-reduce its division's and zeroing's samples, a GPU forward or backward the host's issue times."""
     if m.kind == "p2p":
         return SENDER_BUSY_SERIES in m.series
     if m.kind == "allreduce":
-        return DIVIDE_SERIES in m.series
+        return DIVIDE_SERIES in m.series and ZERO_SERIES in m.series
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
             and m.content.get("phase") in ("fwd", "bwd"):
         return HOST_ISSUE_SERIES in m.series
@@ -300,7 +301,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             if measured is not None:
                 content = task.content
                 series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
-                                                            (DIVIDE_SERIES, measured.divide_s)) if values.size}
+                                                            (DIVIDE_SERIES, measured.divide_s),
+                                                            (ZERO_SERIES, measured.zero_s)) if values.size}
                 recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks), env_key,
                                          {"bytes": content["bytes"], "group_size": len(task.ranks),
                                           "placement": content["placement"], "backend": backend_label,

@@ -28,7 +28,10 @@ SAMPLE_END_SERIES = "sample_end_s"
 # all-reduces only: the in-place division of the buffer by the group size that came before each all-reduce
 # (harness.profilers.comm: how a data-parallel replica averages its gradient bucket)
 DIVIDE_SERIES = "divide_samples_s"
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES)
+# all-reduces only: the buffer's zeroing that came after each all-reduce (how a replica clears its gradient
+# bucket for the next iteration)
+ZERO_SERIES = "zero_samples_s"
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"

@@ -18,7 +18,7 @@ from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_pyth
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
-             "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "compute_statistic", "replica_skew",
+             "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic", "replica_skew",
              "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
@@ -105,14 +105,18 @@ def test_table_output_and_device_selection(hybrid_profile, capsys):
     assert "outside the job's ranks 0..7" in capsys.readouterr().err
 
 
-def test_the_report_shows_how_long_a_replica_averages_its_gradient_buckets(tmp_path, capsys):
+def test_the_report_shows_how_long_a_replica_averages_and_zeroes_its_gradient_buckets(tmp_path, capsys):
     spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
-    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), divide=[2e-3, 2e-3])
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), divide=[2e-3, 2e-3],
+                                  zero=[1.5e-3, 1.5e-3])
     assert main(["simulate", str(path)]) == 0
-    assert "averages each gradient bucket" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "averages each gradient bucket" in out and "zero ms" in out
     assert main(["simulate", str(path), "--json"]) == 0
-    (divide,) = json.loads(capsys.readouterr().out)["dp_bucket_divide"]
+    report = json.loads(capsys.readouterr().out)
+    (divide,), (zero,) = report["dp_bucket_divide"], report["dp_bucket_zero"]
     assert divide["name"].startswith("allreduce") and divide["divide_s"] == pytest.approx(2e-3)
+    assert zero["id"] == divide["id"] and zero["zero_s"] == pytest.approx(1.5e-3)
 
 
 def test_large_worlds_default_to_one_device_per_stage(tmp_path, capsys):

@@ -10,7 +10,7 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
-from harness.store import DIVIDE_SERIES, SENDER_BUSY_SERIES, Measurement
+from harness.store import DIVIDE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES, Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
@@ -203,29 +203,33 @@ def test_a_backward_call_is_read_for_backwards_only_and_old_profiles_have_none(t
     assert estimate_costs(plan, load_profile(old)).backward_call == {}
 
 
-def test_a_gradient_bucket_is_divided_before_its_all_reduce_and_old_profiles_have_no_division(tmp_path):
+def test_a_gradient_bucket_is_divided_and_zeroed_and_old_profiles_have_neither(tmp_path):
     spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
     plan = build_plan(spec)
     bucket = plan.stages[0].buckets[0].event
     path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3),
-                                  divide=[1e-4, 1e-4, 4e-4])
-    assert estimate_costs(plan, load_profile(path)).bucket_divide == {bucket: pytest.approx(2e-4)}
-    assert estimate_costs(plan, load_profile(path), compute_stat="median").bucket_divide == {
-        bucket: pytest.approx(1e-4)}
-    # a bucket the profile did not measure is divided at the rate of the largest all-reduce that was
+                                  divide=[1e-4, 1e-4, 4e-4], zero=[3e-4, 3e-4, 6e-4])
+    mean, median = estimate_costs(plan, load_profile(path)), estimate_costs(plan, load_profile(path),
+                                                                            compute_stat="median")
+    assert mean.bucket_divide == {bucket: pytest.approx(2e-4)} and mean.bucket_zero == {bucket: pytest.approx(4e-4)}
+    assert median.bucket_divide == {bucket: pytest.approx(1e-4)}
+    assert median.bucket_zero == {bucket: pytest.approx(3e-4)}
+    # a bucket the profile did not measure takes the rate of the largest all-reduce that was
     points = [comm_point("allreduce", nbytes, "intra", 1e-3) for nbytes in (1000, 4000)]
     for point, seconds in zip(points, (5e-6, 8e-6)):
         point.series[DIVIDE_SERIES] = np.full(3, seconds)
-    unmeasured = write_handmade_profile(tmp_path / "unmeasured.h5", spec,
-                                        by_name({"allreduce": None}, default=1e-3), extra=points)
-    assert estimate_costs(plan, load_profile(unmeasured)).bucket_divide == {
-        bucket: pytest.approx(8e-6 / 4000 * plan.events[bucket].bytes)}
-    old = write_handmade_profile(tmp_path / "old.h5", spec, by_name({}, default=1e-3))
-    assert estimate_costs(plan, load_profile(old)).bucket_divide == {}
+        point.series[ZERO_SERIES] = np.full(3, seconds / 2)
+    unmeasured = estimate_costs(plan, load_profile(write_handmade_profile(
+        tmp_path / "unmeasured.h5", spec, by_name({"allreduce": None}, default=1e-3), extra=points)))
+    assert unmeasured.bucket_divide == {bucket: pytest.approx(8e-6 / 4000 * plan.events[bucket].bytes)}
+    assert unmeasured.bucket_zero == {bucket: pytest.approx(4e-6 / 4000 * plan.events[bucket].bytes)}
+    old = estimate_costs(plan, load_profile(write_handmade_profile(tmp_path / "old.h5", spec,
+                                                                   by_name({}, default=1e-3))))
+    assert old.bucket_divide == {} and old.bucket_zero == {}
     no_dp = make_spec(micro_batches=2)
-    assert estimate_costs(build_plan(no_dp), load_profile(
-        write_handmade_profile(tmp_path / "no_dp.h5", no_dp, by_name({}, default=1e-3), divide=[1e-4]))
-    ).bucket_divide == {}
+    no_dp_costs = estimate_costs(build_plan(no_dp), load_profile(write_handmade_profile(
+        tmp_path / "no_dp.h5", no_dp, by_name({}, default=1e-3), divide=[1e-4], zero=[1e-4])))
+    assert no_dp_costs.bucket_divide == {} and no_dp_costs.bucket_zero == {}
 
 
 def test_compute_takes_the_mean_of_its_samples_or_the_median_and_communication_keeps_its_rule(tmp_path):

@@ -14,8 +14,8 @@ import numpy as np
 from harness.events import Event, build_plan, event_id
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
-from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement,
-                           write_profile)
+from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
+                           Measurement, write_profile)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,13 +55,15 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                            extra: Iterable[Measurement] = (), world_size: int = 2, samples: int = 3,
                            layers: list[LayerDesc] | None = None, sender_busy: Sequence[float] = (),
                            host_issue: Mapping[str, Sequence[float]] | None = None,
-                           backward_call_s: float | None = None, divide: Sequence[float] = ()) -> Path:
+                           backward_call_s: float | None = None, divide: Sequence[float] = (),
+                           zero: Sequence[float] = ()) -> Path:
     """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
     which it returns None are left unmeasured (and listed so). A user model needs its `layers`. P2P events
     get `sender_busy` as their samples timed with the sender computing (none when empty); compute events
     named in `host_issue` get those samples as the host's issue times (as a GPU profile has them); backward
     compute events get `backward_call_s` as the cost of one backward() call (as profiles measure it);
-    all-reduces get `divide` as their samples of the buffer's division by the group size (none when empty)."""
+    all-reduces get `divide` as their samples of the buffer's division by the group size and `zero` as those
+    of its zeroing (none when empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = build_plan(spec, layers)
@@ -80,6 +82,8 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
             sender_busy) else {}
         if event.kind == "allreduce" and len(divide):
             series[DIVIDE_SERIES] = np.asarray(divide, dtype=float)
+        if event.kind == "allreduce" and len(zero):
+            series[ZERO_SERIES] = np.asarray(zero, dtype=float)
         if backward_call_s is not None and event.kind == "compute" and event.content.get("phase") == "bwd":
             attrs[BACKWARD_CALL_ATTR] = backward_call_s
         if host_issue and event.name in host_issue:

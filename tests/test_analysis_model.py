@@ -117,6 +117,22 @@ def test_a_gradient_bucket_is_averaged_before_its_all_reduce(tmp_path):
     assert bucket.end_s - bucket.start_s == pytest.approx(0.7 + 0.125)
 
 
+def test_a_gradient_bucket_is_zeroed_at_the_end_of_the_optimizer_phase(tmp_path):
+    spec = make_spec(dp=2, micro_batches=4, dp_overlap=False, bucket_mb=1000)
+    times = uniform({"allreduce": 0.7})
+    plain = simulated(tmp_path / "plain", spec, times)
+    path = write_handmade_profile(tmp_path / "zeroed" / "profile.h5", spec, by_name(times), zero=[0.25])
+    zeroed = predict(path).timeline
+    assert zeroed.batch_time_s - plain.batch_time_s == pytest.approx(0.25, rel=1e-12)
+    device = zeroed.pipeline[0]
+    assert device.optimizer_end_s - device.optimizer_start_s == pytest.approx(
+        plain.pipeline[0].optimizer_end_s - plain.pipeline[0].optimizer_start_s + 0.25)
+    last = max(zeroed.intervals(0), key=lambda iv: iv.end_s)
+    assert last.name == "zero bucket 0 s0" and last.category == "optimizer"
+    assert (last.start_s, last.end_s) == (pytest.approx(device.optimizer_end_s - 0.25),
+                                          pytest.approx(device.optimizer_end_s))
+
+
 def test_overlapped_buckets_hide_all_but_the_last(tmp_path):
     layers, allreduce, optimizer, embedding = 3, 0.5, 0.0625, 0.75
     # The embedding's backward outlasts an all-reduce, so only the embedding's own bucket is left at the end.

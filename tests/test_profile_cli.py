@@ -91,7 +91,7 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     import numpy as np
 
     from harness.profile_run import _complete
-    from harness.store import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, Measurement
+    from harness.store import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES, Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=()):
         content = {"phase": phase} if phase else {}
@@ -105,4 +105,5 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     assert not _complete(measurement("p2p"))
     assert _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))
     assert not _complete(measurement("allreduce"))  # measured before its division was timed
-    assert _complete(measurement("allreduce", series=[DIVIDE_SERIES]))
+    assert not _complete(measurement("allreduce", series=[DIVIDE_SERIES]))  # before its zeroing was timed
+    assert _complete(measurement("allreduce", series=[DIVIDE_SERIES, ZERO_SERIES]))

@@ -68,11 +68,12 @@ def test_end_to_end_profile_then_resume(tmp_path):
                     assert busy.shape == (2,) and (busy > 0).all() and (busy < 1.0).all()
                 else:
                     assert "sender_busy_samples_s" not in g
-                if g.attrs["kind"] == "allreduce":  # the division by the group size before each all-reduce
-                    divide = g["divide_samples_s"][()]
-                    assert divide.shape == (2,) and (divide > 0).all() and (divide < 1.0).all()
-                else:
-                    assert "divide_samples_s" not in g
+                for series in ("divide_samples_s", "zero_samples_s"):  # the bucket's division and zeroing
+                    if g.attrs["kind"] == "allreduce":
+                        passes = g[series][()]
+                        assert passes.shape == (2,) and (passes > 0).all() and (passes < 1.0).all()
+                    else:
+                        assert series not in g
             assert f["environment"].attrs["world_size"] == comm.size
         assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
     again = run_profile(spec, outdir, comm=comm, show_progress=False)
@@ -83,7 +84,7 @@ def test_end_to_end_profile_then_resume(tmp_path):
         for path in [outdir / "profile.h5", *outdir.glob("rank-*.h5")]:
             with h5py.File(path, "r+") as f:
                 for g in f["measurements"].values():
-                    for series in ("sender_busy_samples_s", "divide_samples_s"):
+                    for series in ("sender_busy_samples_s", "divide_samples_s", "zero_samples_s"):
                         if series in g:
                             del g[series]
     comm.Barrier()
@@ -94,7 +95,8 @@ def test_end_to_end_profile_then_resume(tmp_path):
         assert p2p and allreduces and third.measured >= len(p2p) + len(allreduces)
         with h5py.File(outdir / "profile.h5") as f:
             assert all("sender_busy_samples_s" in f["measurements"][eid] for eid in p2p)
-            assert all("divide_samples_s" in f["measurements"][eid] for eid in allreduces)
+            assert all("divide_samples_s" in f["measurements"][eid] and "zero_samples_s" in f["measurements"][eid]
+                       for eid in allreduces)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -148,9 +150,10 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["torch", "mpi4py"])
-def test_an_all_reduce_sample_divides_its_buffer_first_and_restores_it(backend):
+def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(backend):
     """Each repeat divides the buffer by the group size (timed apart, as a replica averages its gradient
-    bucket) and all-reduces it: the sum gives the values back, so many repeats never shrink them."""
+    bucket), all-reduces it (the sum gives the values back) and zeroes it (timed apart, as a replica clears
+    its bucket) before refilling it: many repeats leave the values as they were."""
     import torch
     import torch.distributed as dist
 
@@ -168,10 +171,10 @@ def test_an_all_reduce_sample_divides_its_buffer_first_and_restores_it(backend):
         group = dist.new_group([0, 1]) if backend == "torch" else None  # collective over the world
         if comm.rank < 2:
             buffer = torch.ones(4096)
-            samples, busy, divide = CommProfiler(comm, backend, cpu)._allreduce(
+            samples, busy, divide, zero = CommProfiler(comm, backend, cpu)._allreduce(
                 buffer, group, pair if backend == "mpi4py" else None, warmup=2, repeats=150)
-            assert samples.shape == divide.shape == (150,) and busy.size == 0
-            assert (samples > 0).all() and (divide > 0).all()
+            assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == 0
+            assert (samples > 0).all() and (divide > 0).all() and (zero > 0).all()
             assert torch.equal(buffer, torch.ones(4096))
         comm.Barrier()
     finally:

@@ -178,9 +178,22 @@ def _check_trace(spec, trace, options):
                 compute_at[(iteration, int(v), int(mb), str(p), rank)] = (float(a), float(b), rank)
             # Every communication and optimizer event of the plan's flow, as often as the plan says.
             other = device.select(iteration=iteration, kind=("p2p", "allreduce", "optimizer"))
-            counts = Counter((str(ph), str(e), int(v)) for ph, e, v in zip(other["phase"], other["event_id"],
-                                                                         other["virtual_stage"]))
+            zeroing = np.char.startswith(other["name"].astype(str), "zero.bucket")
+            counts = Counter((str(ph), str(e), int(v)) for ph, e, v, z in zip(other["phase"], other["event_id"],
+                                                                            other["virtual_stage"], zeroing) if not z)
             assert counts == flow, f"rank {rank} iteration {iteration}: {counts} != {flow}"
+            # A data-parallel replica zeroes each of its stages' buckets once, after that stage's optimizer steps.
+            local_vs = sorted({v for _, v, _ in expected_steps})
+            zeros = [(str(n), int(v), float(a)) for n, v, a, z in zip(other["name"], other["virtual_stage"],
+                                                                      other["start_s"], zeroing) if z]
+            expected_zeros = [(f"zero.bucket{i}", v) for v in local_vs for i in range(len(plan.stages[v].buckets))] \
+                if s.dp > 1 else []
+            assert sorted((n, v) for n, v, _ in zeros) == sorted(expected_zeros)
+            for name, v, a in zeros:
+                steps_of_vs = [float(e) for e, ph, vv, z in zip(other["end_s"], other["phase"],
+                                                                other["virtual_stage"], zeroing)
+                               if ph == "opt" and int(vv) == v and not z]
+                assert all(a >= e for e in steps_of_vs), f"rank {rank}: {name} before its stage's optimizer step"
             # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
             tp_rows = device.select(iteration=iteration, phase="tp")
             for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],

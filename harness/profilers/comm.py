@@ -29,12 +29,14 @@ RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the 
 
 
 class CommSamples(NamedTuple):
-    """One communication task's samples (seconds); `sender_busy_s` only for P2P, `divide_s` only for
-    all-reduces (the in-place division by the group size before each all-reduce), empty otherwise."""
+    """One communication task's samples (seconds); `sender_busy_s` only for P2P; `divide_s` and `zero_s` only
+    for all-reduces (the in-place division by the group size before each all-reduce, and the buffer's
+    zeroing after it), empty otherwise."""
 
     samples_s: np.ndarray
     sender_busy_s: np.ndarray
     divide_s: np.ndarray = np.empty(0)
+    zero_s: np.ndarray = np.empty(0)
 
 
 class CommProfiler:
@@ -184,13 +186,16 @@ class CommProfiler:
         return shared.cpu().numpy()
 
     def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> CommSamples:
-        """Per repeat: barrier, the buffer divided in place by the group size, then the all-reduce (a sum, which
-        restores the values), both timed on every member; a sample is the max over the group, of each.
+        """Per repeat: barrier, the buffer divided in place by the group size, the all-reduce (a sum, which
+        restores the values), then the buffer zeroed, each timed on every member; a sample is the max over
+        the group, of each. The buffer holds ones (`_buffer`), and holds them again after every repeat.
 
         The division is how a data-parallel replica averages its gradient bucket before the all-reduce (as
         DDP does with gradients as bucket views, and `harness train`): a pass over the bucket on the
-        replica's device, about 2 ms for 16 MiB on the 2-core CPU machine (docs/benchmarks.md)."""
-        local = np.empty((2, repeats), dtype=np.float64)  # all-reduce, division
+        replica's device, about 2 ms for 16 MiB on the 2-core CPU machine (docs/benchmarks.md). The zeroing
+        is how the replica clears the bucket for the next iteration's gradients (as Megatron-LM zeroes its
+        gradient buffer, and `harness train`): one more pass, about 1.8 ms there."""
+        local = np.empty((3, repeats), dtype=np.float64)  # all-reduce, division, zeroing
         size = mpi_group.Get_size() if mpi_group is not None else dist.get_world_size(group)
         if mpi_group is not None:
             from mpi4py import MPI
@@ -202,11 +207,15 @@ class CommProfiler:
                 np.divide(host, size, out=host)
                 t1 = time.perf_counter_ns()
                 mpi_group.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+                t2 = time.perf_counter_ns()
+                host.fill(0)
+                t3 = time.perf_counter_ns()
+                host.fill(1)
                 if i >= warmup:
-                    local[:, i - warmup] = (time.perf_counter_ns() - t1) / 1e9, (t1 - t0) / 1e9
+                    local[:, i - warmup] = (t2 - t1) / 1e9, (t1 - t0) / 1e9, (t3 - t2) / 1e9
             worst = np.empty_like(local)
             mpi_group.Allreduce(local, worst, op=MPI.MAX)
-            return CommSamples(worst[0], np.empty(0), worst[1])
+            return CommSamples(worst[0], np.empty(0), worst[1], worst[2])
         for i in range(warmup + repeats):
             dist.barrier(group=group)
             synchronize(self.device)
@@ -216,12 +225,17 @@ class CommProfiler:
             t1 = time.perf_counter_ns()
             dist.all_reduce(buffer, group=group)
             synchronize(self.device)
+            t2 = time.perf_counter_ns()
+            buffer.zero_()
+            synchronize(self.device)
+            t3 = time.perf_counter_ns()
+            buffer.fill_(1)
             if i >= warmup:
-                local[:, i - warmup] = (time.perf_counter_ns() - t1) / 1e9, (t1 - t0) / 1e9
+                local[:, i - warmup] = (t2 - t1) / 1e9, (t1 - t0) / 1e9, (t3 - t2) / 1e9
         worst = torch.from_numpy(local).to(self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         worst = worst.cpu().numpy()
-        return CommSamples(worst[0], np.empty(0), worst[1])
+        return CommSamples(worst[0], np.empty(0), worst[1], worst[2])
 
 
 # how a composite's sample is taken (stored as its attribute `composite_sample`; docs/hdf5.md)

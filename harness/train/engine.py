@@ -358,10 +358,11 @@ class PipelineEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def _zero_grads(self) -> None:
+        """Ready the gradients for an iteration. A data-parallel bucket's buffer was zeroed at the end of the
+        last one (_optimizer_steps, where the trace shows it) or was allocated zeroed."""
         if self.dp > 1:
             for vs in self.local_vs:
                 for bucket in self.buckets[vs]:
-                    bucket.buffer.zero_()
                     bucket.remaining = len(bucket.params)
                     bucket.ready = bucket.launched = False
                     bucket.pending = None
@@ -393,6 +394,12 @@ class PipelineEngine:
                     optimizer.step()
                 end = self.now()
                 self.rec.add(start, end, 0, "optimizer", self.plan.events[event].name, "opt", event, vs, -1)
+            if self.dp > 1:  # clear the buckets for the next iteration's gradients, as Megatron-LM does
+                for bucket in self.buckets[vs]:
+                    start = self.now()
+                    bucket.buffer.zero_()
+                    end = self.now()
+                    self.rec.add(start, end, 0, "optimizer", f"zero.bucket{bucket.index}", "opt", "", vs, -1)
 
     def run_iteration(self, iteration: int, tokens: torch.Tensor) -> float:
         """One training iteration of this rank; returns its replica's mean loss (NaN off the last stage)."""
