@@ -5,12 +5,15 @@ profile the unique events (mpirun -n 2 harness profile), run real training (mpir
 validate (analysis validate). One table row per configuration pools its trials: the median of all their
 measured iterations against the median of their predictions, the largest per-device busy-time error
 (medians over trials), how far the run's own median moved between trials (the noise floor: what a perfect
-model would still see in one trial) and each trial's error.
+model would still see in one trial) and each trial's error, with a 90% bootstrap interval of the pooled
+batch-time error (the trials resampled with replacement): whether the row's error is within the goal or
+only this sample of the machine's moods is.
 Pooling trials taken minutes apart averages out this shared machine's drift (bench/machine_noise.py
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
-     [--keep DIR] [--json]
+     [--keep DIR] [--reuse DIR] [--json]
+--reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured).
 """
 from __future__ import annotations
 
@@ -73,25 +76,56 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
                       str(args.iterations), "--warmup", "2"]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
+    return validate(workdir, env)
+
+
+def validate(workdir: Path, env: dict) -> dict:
+    """analysis validate's JSON for one trial's run against its profile."""
     out = run([sys.executable, "-m", "analysis", "validate", str(workdir / "run"), str(workdir / "prof"), "--json"],
               env)
     return json.loads(out.stdout)
+
+
+def slug_of(name: str) -> str:
+    return name.replace(" ", "_").replace("=", "")
+
+
+def kept_trials(root: Path, name: str) -> list[Path]:
+    """The trial folders an earlier --keep left for configuration `name`, in trial order."""
+    found = [p for p in root.glob(f"{slug_of(name)}-t*") if (p / "run").is_dir() and (p / "prof").is_dir()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("-t", 1)[1]))
 
 
 def measure_trials(name: str, config: tuple, args: argparse.Namespace, env: dict) -> list[dict]:
     """Run the configuration's trials, in --keep's folder when given, else in a temporary one. Odd trials run
     before they profile: whatever the first command leaves behind (a warmer or a throttled machine) then
     weighs on both sides instead of always on the run."""
-    slug = name.replace(" ", "_").replace("=", "")
+    slug = slug_of(name)
     with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as root:
         return [measure(config, args, env, Path(root) / f"{slug}-t{t}", t % 2 == 1) for t in range(args.trials)]
+
+
+def pooled_batch_error(trials: list[dict]) -> tuple[float, float, float]:
+    """(pooled measured seconds, median predicted seconds, error %) of a set of trials."""
+    measured = float(np.median(np.concatenate([t["measured_iteration_s"] for t in trials])))
+    predicted = float(np.median([t["predicted_batch_time_s"] for t in trials]))
+    return measured, predicted, (predicted - measured) / measured * 100
+
+
+def bootstrap_interval(trials: list[dict], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """5th and 95th percentiles of the pooled batch-time error over the trials resampled with replacement
+    (fixed seed: the same trials give the same interval)."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(trials), size=(resamples, len(trials)))
+    errors = [pooled_batch_error([trials[i] for i in pick])[2] for pick in picks]
+    low, high = np.percentile(errors, [5, 95])
+    return float(low), float(high)
 
 
 def pooled(trials: list[dict]) -> dict:
     """One row from a configuration's trials: the measured iterations of all trials pooled (their median)
     against the median of the trials' predictions, and per device the medians over trials."""
-    measured = float(np.median(np.concatenate([t["measured_iteration_s"] for t in trials])))
-    predicted = float(np.median([t["predicted_batch_time_s"] for t in trials]))
+    measured, predicted, batch_error = pooled_batch_error(trials)
     device_errors = []
     for rank in range(len(trials[0]["devices"])):
         busy = [t["devices"][rank] for t in trials]
@@ -104,7 +138,8 @@ def pooled(trials: list[dict]) -> dict:
     lag = {"replica_lag_measured_s": float(np.median([r["measured_s"] for r in lags])),
            "replica_lag_predicted_s": float(np.median([r["predicted_s"] for r in lags]))} if lags else {}
     return {"measured_s": measured, "predicted_s": predicted, **lag,
-            "batch_error_pct": (predicted - measured) / measured * 100,
+            "batch_error_pct": batch_error,
+            "batch_error_interval_pct": list(bootstrap_interval(trials)),
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
             # how far the run's own median moved between trials: what a perfect model would still see
@@ -118,22 +153,34 @@ def main() -> None:
     parser.add_argument("--only", help="run one configuration by name")
     parser.add_argument("--trials", type=int, default=4, help="profile + run + validate this many times")
     parser.add_argument("--keep", metavar="DIR", help="keep each trial's spec, profile and run under DIR")
+    parser.add_argument("--reuse", metavar="DIR", help="measure nothing: validate again the trials kept in DIR")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
+    if args.reuse and not Path(args.reuse).is_dir():
+        print(f"bench/accuracy.py: --reuse {args.reuse}: no such folder; give the folder an earlier --keep wrote",
+              file=sys.stderr)
+        sys.exit(2)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     rows = {}
     if not args.json:
         print(f"{'configuration':<16} {'measured ms':>12} {'predicted ms':>13} {'batch err %':>12} "
-              f"{'device err %':>13} {'run spread %':>13}  per-trial batch err %")
+              f"{'90% interval':>14} {'device err %':>13} {'run spread %':>13}  per-trial batch err %")
     for name, config in CONFIGS.items():
         if args.only and name != args.only:
             continue
-        row = rows[name] = pooled(measure_trials(name, config, args, env))
+        if args.reuse:
+            trials = [validate(workdir, env) for workdir in kept_trials(Path(args.reuse), name)]
+            if not trials:
+                continue
+        else:
+            trials = measure_trials(name, config, args, env)
+        row = rows[name] = pooled(trials)
         if not args.json:
             trial_errors = " ".join(f"{e:+.1f}" for e in row["trial_errors_pct"])
+            low, high = row["batch_error_interval_pct"]
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
-                  f"{row['batch_error_pct']:>+12.1f} {row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}"
-                  f"  {trial_errors}", flush=True)
+                  f"{row['batch_error_pct']:>+12.1f} {f'{low:+.1f}..{high:+.1f}':>14} "
+                  f"{row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}  {trial_errors}", flush=True)
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")

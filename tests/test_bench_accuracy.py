@@ -61,3 +61,25 @@ def test_trials_alternate_which_command_runs_first(tmp_path, monkeypatch):
     args = type("Args", (), {"keep": str(tmp_path), "trials": 4})()
     accuracy.measure_trials("dp=2", accuracy.CONFIGS["dp=2"], args, {})
     assert order == [False, True, False, True]
+
+
+def test_the_bootstrap_interval_brackets_the_pooled_error_and_narrows_with_agreeing_trials():
+    accuracy = _accuracy_module()
+    agreeing = [_trial([1.0, 1.0, 1.0], 0.95, [(0.8, 0.8)]) for _ in range(6)]
+    assert accuracy.bootstrap_interval(agreeing) == pytest.approx((-5.0, -5.0))
+    # trials whose runs disagree: the interval is wide, holds the pooled error, and repeats exactly
+    spread = [_trial([m, m, m], 1.0, [(0.8, 0.8)]) for m in (0.8, 0.9, 1.0, 1.1, 1.2, 1.3)]
+    row = accuracy.pooled(spread)
+    low, high = row["batch_error_interval_pct"]
+    assert low < row["batch_error_pct"] < high and high - low > 10.0
+    assert accuracy.bootstrap_interval(spread) == (low, high)
+
+
+def test_reuse_finds_the_kept_trials_of_one_configuration_in_trial_order(tmp_path):
+    accuracy = _accuracy_module()
+    for name in ("pp2_gpipe_m4-t0", "pp2_gpipe_m4-t10", "pp2_gpipe_m4-t2", "pp2_gpipe_m8-t0", "dp2-t0"):
+        for part in ("run", "prof"):
+            (tmp_path / name / part).mkdir(parents=True)
+    (tmp_path / "pp2_gpipe_m4-t3").mkdir()  # a trial that never ran: no run, no profile
+    found = accuracy.kept_trials(tmp_path, "pp=2 gpipe m=4")
+    assert [p.name for p in found] == ["pp2_gpipe_m4-t0", "pp2_gpipe_m4-t2", "pp2_gpipe_m4-t10"]
