@@ -106,23 +106,25 @@ def test_data_parallel_allreduce_after_backward_adds_exactly_its_time(tmp_path, 
     assert free.batch_time_s == pytest.approx((4 + pp - 1) * (T_F + T_B))
 
 
-def test_a_gradient_bucket_is_averaged_before_its_all_reduce(tmp_path):
+def bucket_pass_timelines(tmp_path, **passes):
+    """dp=2 with one bucket whose all-reduce takes 0.7 s: the timeline without the bucket's division and
+    zeroing, and the one with `passes` (divide=[...] and/or zero=[...] samples) in its profile."""
     spec = make_spec(dp=2, micro_batches=4, dp_overlap=False, bucket_mb=1000)
     times = uniform({"allreduce": 0.7})
     plain = simulated(tmp_path / "plain", spec, times)
-    path = write_handmade_profile(tmp_path / "divided" / "profile.h5", spec, by_name(times), divide=[0.125])
-    divided = predict(path).timeline
+    path = write_handmade_profile(tmp_path / "passes" / "profile.h5", spec, by_name(times), **passes)
+    return plain, predict(path).timeline
+
+
+def test_a_gradient_bucket_is_averaged_before_its_all_reduce(tmp_path):
+    plain, divided = bucket_pass_timelines(tmp_path, divide=[0.125])
     assert divided.batch_time_s - plain.batch_time_s == pytest.approx(0.125, rel=1e-12)
     bucket = divided.pipeline[0].buckets[0]
     assert bucket.end_s - bucket.start_s == pytest.approx(0.7 + 0.125)
 
 
 def test_a_gradient_bucket_is_zeroed_at_the_end_of_the_optimizer_phase(tmp_path):
-    spec = make_spec(dp=2, micro_batches=4, dp_overlap=False, bucket_mb=1000)
-    times = uniform({"allreduce": 0.7})
-    plain = simulated(tmp_path / "plain", spec, times)
-    path = write_handmade_profile(tmp_path / "zeroed" / "profile.h5", spec, by_name(times), zero=[0.25])
-    zeroed = predict(path).timeline
+    plain, zeroed = bucket_pass_timelines(tmp_path, zero=[0.25])
     assert zeroed.batch_time_s - plain.batch_time_s == pytest.approx(0.25, rel=1e-12)
     device = zeroed.pipeline[0]
     assert device.optimizer_end_s - device.optimizer_start_s == pytest.approx(
