@@ -23,11 +23,11 @@
   replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
   division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
   `bucket_divide`, which the timeline runs before the bucket's all-reduce. The replica also zeroes the
-  bucket for the next iteration's gradients (as Megatron-LM zeroes its gradient buffer); the profiler
+  bucket for the next iteration's gradients (Megatron-LM zeroes its gradient buffer each step); the profiler
   times that after each all-reduce sample (`zero_samples_s`), its statistic is the bucket's `bucket_zero`,
   which the timeline adds to the stage's optimizer phase. A bucket whose all-reduce has no such samples
   takes the rate (seconds per byte) of the largest all-reduce that has them; profiles from before they
-  were measured have none (no division, no zeroing).
+  were measured have none (no division, no zeroing, and a warning says so).
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -335,7 +335,9 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
 def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     """Fill costs.bucket_divide and costs.bucket_zero for the plan's gradient-bucket all-reduces (rules in
     the module docstring)."""
-    for series, target in (("divide_samples_s", costs.bucket_divide), ("zero_samples_s", costs.bucket_zero)):
+    passes = (("divide_samples_s", costs.bucket_divide, "averaging (the division by the replica count)"),
+              ("zero_samples_s", costs.bucket_zero, "zeroing after the optimizer step"))
+    for series, target, what in passes:
         measured = {eid: _statistic(costs.compute_stat, float(samples.mean()), float(np.median(samples)))
                     for eid, m in profile.measurements.items()
                     if m.kind == "allreduce" and m.count and (samples := getattr(m, series)).size}
@@ -348,6 +350,10 @@ def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
                     target[bucket.event] = measured[bucket.event]
                 elif largest_bytes:
                     target[bucket.event] = largest_s / largest_bytes * plan.events[bucket.event].bytes
+        if not target and any(program.buckets for program in plan.stages):
+            costs.warnings.append(
+                f"{profile.path.name} has no all-reduce with `{series}` (written before they were measured), so "
+                f"the prediction leaves out each gradient bucket's {what}; profile again to include it")
 
 
 def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,8 +93,10 @@ def slug_of(name: str) -> str:
 
 def kept_trials(root: Path, name: str) -> list[Path]:
     """The trial folders an earlier --keep left for configuration `name`, in trial order."""
-    found = [p for p in root.glob(f"{slug_of(name)}-t*") if (p / "run").is_dir() and (p / "prof").is_dir()]
-    return sorted(found, key=lambda p: int(p.name.rsplit("-t", 1)[1]))
+    pattern = re.compile(re.escape(slug_of(name)) + r"-t(\d+)")
+    found = [(int(match[1]), p) for p in root.iterdir() if (match := pattern.fullmatch(p.name))
+             and (p / "run").is_dir() and (p / "prof").is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def measure_trials(name: str, config: tuple, args: argparse.Namespace, env: dict) -> list[dict]:
@@ -153,7 +156,8 @@ def main() -> None:
     parser.add_argument("--only", help="run one configuration by name")
     parser.add_argument("--trials", type=int, default=4, help="profile + run + validate this many times")
     parser.add_argument("--keep", metavar="DIR", help="keep each trial's spec, profile and run under DIR")
-    parser.add_argument("--reuse", metavar="DIR", help="measure nothing: validate again the trials kept in DIR")
+    parser.add_argument("--reuse", metavar="DIR", help="measure nothing: validate again all the trials kept in DIR "
+                        "(--trials does not apply)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     if args.reuse and not Path(args.reuse).is_dir():
@@ -181,6 +185,11 @@ def main() -> None:
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
                   f"{row['batch_error_pct']:>+12.1f} {f'{low:+.1f}..{high:+.1f}':>14} "
                   f"{row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}  {trial_errors}", flush=True)
+    if args.reuse and not rows:
+        print(f"bench/accuracy.py: --reuse {args.reuse}: no kept trials (folders like dp2-t0 holding run/ and "
+              f"prof/){' of ' + repr(args.only) if args.only else ''}; give the folder an earlier --keep wrote",
+              file=sys.stderr)
+        sys.exit(2)
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")

@@ -226,6 +226,8 @@ def test_a_gradient_bucket_is_divided_and_zeroed_and_old_profiles_have_neither(t
     old = estimate_costs(plan, load_profile(write_handmade_profile(tmp_path / "old.h5", spec,
                                                                    by_name({}, default=1e-3))))
     assert old.bucket_divide == {} and old.bucket_zero == {}
+    assert sum("gradient bucket's" in w for w in old.warnings) == 2  # the division and the zeroing left out
+    assert not any("gradient bucket's" in w for w in mean.warnings + unmeasured.warnings)
     no_dp = make_spec(micro_batches=2)
     no_dp_costs = estimate_costs(build_plan(no_dp), load_profile(write_handmade_profile(
         tmp_path / "no_dp.h5", no_dp, by_name({}, default=1e-3), divide=[1e-4], zero=[1e-4])))

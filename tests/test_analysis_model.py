@@ -271,3 +271,24 @@ def test_on_a_gpu_the_backward_call_comes_off_the_hosts_issue_time():
     costs.host_issue.update({eid: 1e-3 for eid in program.backward})
     costs.backward_call.update({eid: 3e-4 for eid in program.backward})
     assert stage_costs(plan, costs)[0].backward_s == pytest.approx(layers * 2e-3)
+
+
+def test_each_virtual_stage_zeroes_its_buckets_after_its_own_optimizer_steps(tmp_path):
+    spec = make_spec(dp=2, pp=2, chunks=2, schedule="interleaved-1f1b", micro_batches=4, bucket_mb=1000)
+    times = uniform({"allreduce": 0.7})
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(times), zero=[0.25])
+    timeline = predict(path).timeline
+    for stage in range(2):
+        device = timeline.pipeline[stage]
+        phase = [iv for iv in timeline.intervals(stage) if iv.category == "optimizer"]
+        # chunk by chunk: the virtual stage's optimizer steps, then its bucket zeroed, back to back
+        assert [iv.virtual_stage for iv in phase] == sorted(iv.virtual_stage for iv in phase)
+        zeros = [iv for iv in phase if iv.name.startswith("zero")]
+        assert [iv.name for iv in zeros] == [f"zero bucket 0 s{stage}", f"zero bucket 0 s{stage + 2}"]
+        for zero in zeros:
+            steps = [iv for iv in phase if iv.virtual_stage == zero.virtual_stage and iv is not zero]
+            assert steps and zero.start_s == pytest.approx(max(iv.end_s for iv in steps))
+            assert zero.end_s - zero.start_s == pytest.approx(0.25)
+        assert phase[-1].end_s == pytest.approx(device.optimizer_end_s)
+        assert sum(iv.end_s - iv.start_s for iv in phase) == pytest.approx(
+            device.optimizer_end_s - device.optimizer_start_s)

@@ -81,5 +81,7 @@ def test_reuse_finds_the_kept_trials_of_one_configuration_in_trial_order(tmp_pat
         for part in ("run", "prof"):
             (tmp_path / name / part).mkdir(parents=True)
     (tmp_path / "pp2_gpipe_m4-t3").mkdir()  # a trial that never ran: no run, no profile
+    for part in ("run", "prof"):  # not a trial folder
+        (tmp_path / "pp2_gpipe_m4-tmp" / part).mkdir(parents=True)
     found = accuracy.kept_trials(tmp_path, "pp=2 gpipe m=4")
     assert [p.name for p in found] == ["pp2_gpipe_m4-t0", "pp2_gpipe_m4-t2", "pp2_gpipe_m4-t10"]

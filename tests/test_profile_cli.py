@@ -86,8 +86,8 @@ def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
 
 
 def test_resume_measures_again_what_this_version_measures_more_of():
-    """A P2P without sender-busy samples, an all-reduce without its division's samples and a GPU forward or
-    backward without host issue times are incomplete; everything else stored is reused."""
+    """A P2P without sender-busy samples, an all-reduce without its division's or its zeroing's samples and a
+    GPU forward or backward without host issue times are incomplete; everything else stored is reused."""
     import numpy as np
 
     from harness.profile_run import _complete

@@ -150,16 +150,43 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["torch", "mpi4py"])
-def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(backend):
+def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(backend, monkeypatch):
     """Each repeat divides the buffer by the group size (timed apart, as a replica averages its gradient
-    bucket), all-reduces it (the sum gives the values back) and zeroes it (timed apart, as a replica clears
-    its bucket) before refilling it: many repeats leave the values as they were."""
+    bucket), all-reduces it, which must give the ones back (the division by the group size undone by the
+    sum), and zeroes it (timed apart, as a replica clears its bucket) before refilling it with ones. What
+    each all-reduce returned is watched on the real group: the refill alone would hide a wrong division."""
+    import numpy as np
     import torch
     import torch.distributed as dist
+    from mpi4py import MPI
 
     from harness.distributed import destroy_process_group, init_process_group
     from harness.profilers.comm import CommProfiler
     from launcher.topology import discover
+
+    after_sum: list[np.ndarray] = []  # the buffer as each summing all-reduce left it
+
+    real_all_reduce = dist.all_reduce
+
+    def watched_all_reduce(tensor, *args, **kwargs):
+        work = real_all_reduce(tensor, *args, **kwargs)
+        if kwargs.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:
+            after_sum.append(tensor.clone().numpy())
+        return work
+
+    class WatchedComm:
+        """The real communicator; its in-place all-reduces are noted."""
+
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def Allreduce(self, sendbuf, recvbuf, op):  # noqa: N802 (mpi4py's name)
+            self.real.Allreduce(sendbuf, recvbuf, op=op)
+            if sendbuf is MPI.IN_PLACE:
+                after_sum.append(np.array(recvbuf, copy=True))
 
     comm = _world()
     pair = comm.Split(0 if comm.rank < 2 else 1, key=comm.rank)
@@ -170,11 +197,15 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
     try:
         group = dist.new_group([0, 1]) if backend == "torch" else None  # collective over the world
         if comm.rank < 2:
+            monkeypatch.setattr(dist, "all_reduce", watched_all_reduce)
             buffer = torch.ones(4096)
             samples, busy, divide, zero = CommProfiler(comm, backend, cpu)._allreduce(
-                buffer, group, pair if backend == "mpi4py" else None, warmup=2, repeats=150)
+                buffer, group, WatchedComm(pair) if backend == "mpi4py" else None, warmup=2, repeats=150)
+            monkeypatch.undo()
             assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == 0
             assert (samples > 0).all() and (divide > 0).all() and (zero > 0).all()
+            assert len(after_sum) == 2 + 150
+            assert all(np.array_equal(values, np.ones(4096, dtype=np.float32)) for values in after_sum)
             assert torch.equal(buffer, torch.ones(4096))
         comm.Barrier()
     finally:

@@ -193,9 +193,10 @@ class CommProfiler:
         The division is how a data-parallel replica averages its gradient bucket before the all-reduce (as
         DDP does with gradients as bucket views, and `harness train`): a pass over the bucket on the
         replica's device, about 2 ms for 16 MiB on the 2-core CPU machine (docs/benchmarks.md). The zeroing
-        is how the replica clears the bucket for the next iteration's gradients (as Megatron-LM zeroes its
-        gradient buffer, and `harness train`): one more pass, about 2 ms there (2.2-3.0 ms timed here,
-        1.7-2.5 ms in the runs)."""
+        is how the replica clears the bucket for the next iteration's gradients (Megatron-LM zeroes its
+        gradient buffer each step, `harness train` after the optimizer step): one more pass, about 2 ms
+        there (2.2-3.0 ms timed here, on a buffer the all-reduce has just written; 1.7-2.5 ms in the runs,
+        after Adam has swept the parameters)."""
         local = np.empty((3, repeats), dtype=np.float64)  # all-reduce, division, zeroing
         size = mpi_group.Get_size() if mpi_group is not None else dist.get_world_size(group)
         if mpi_group is not None:

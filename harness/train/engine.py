@@ -359,7 +359,8 @@ class PipelineEngine:
     # ---- one iteration ------------------------------------------------------------------------
     def _zero_grads(self) -> None:
         """Ready the gradients for an iteration. A data-parallel bucket's buffer was zeroed at the end of the
-        last one (_optimizer_steps, where the trace shows it) or was allocated zeroed."""
+        last one (_optimizer_steps, where the trace shows it) or was allocated zeroed: an iteration that
+        raised before its optimizer steps would leave its gradients in the buckets (the runner stops then)."""
         if self.dp > 1:
             for vs in self.local_vs:
                 for bucket in self.buckets[vs]:
@@ -394,7 +395,7 @@ class PipelineEngine:
                     optimizer.step()
                 end = self.now()
                 self.rec.add(start, end, 0, "optimizer", self.plan.events[event].name, "opt", event, vs, -1)
-            if self.dp > 1:  # clear the buckets for the next iteration's gradients, as Megatron-LM does
+            if self.dp > 1:  # clear the buckets for the next iteration's gradients (Megatron-LM: each step)
                 for bucket in self.buckets[vs]:
                     start = self.now()
                     bucket.buffer.zero_()
