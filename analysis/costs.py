@@ -49,7 +49,7 @@ import numpy as np
 from harness.errors import UserError
 from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 
-from analysis.profile import BACKWARD_CALL_ATTR, MeasuredEvent, Profile
+from analysis.profile import BACKWARD_CALL_ATTR, DIVIDE_SERIES, ZERO_SERIES, MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
 COMM_KINDS = ("p2p", "allreduce")
@@ -335,12 +335,13 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
 def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     """Fill costs.bucket_divide and costs.bucket_zero for the plan's gradient-bucket all-reduces (rules in
     the module docstring)."""
-    passes = (("divide_samples_s", costs.bucket_divide, "averaging (the division by the replica count)"),
-              ("zero_samples_s", costs.bucket_zero, "zeroing after the optimizer step"))
-    for series, target, what in passes:
+    passes = ((DIVIDE_SERIES, MeasuredEvent.divide_samples_s, costs.bucket_divide,
+               "averaging (the division by the replica count)"),
+              (ZERO_SERIES, MeasuredEvent.zero_samples_s, costs.bucket_zero, "zeroing after the optimizer step"))
+    for series, samples_of, target, what in passes:
         measured = {eid: _statistic(costs.compute_stat, float(samples.mean()), float(np.median(samples)))
                     for eid, m in profile.measurements.items()
-                    if m.kind == "allreduce" and m.count and (samples := getattr(m, series)).size}
+                    if m.kind == "allreduce" and m.count and (samples := samples_of.fget(m)).size}
         rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in measured.items()
                  if profile.measurements[eid].bytes > 0]
         largest_bytes, largest_s = max(rated, default=(0, 0.0))

@@ -153,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20, help="training iterations per run (2 are warm-up)")
     parser.add_argument("--repeats", type=int, default=100, help="profile repeats per event")
-    parser.add_argument("--only", help="run one configuration by name")
+    parser.add_argument("--only", choices=list(CONFIGS), help="run one configuration by name")
     parser.add_argument("--trials", type=int, default=4, help="profile + run + validate this many times")
     parser.add_argument("--keep", metavar="DIR", help="keep each trial's spec, profile and run under DIR")
     parser.add_argument("--reuse", metavar="DIR", help="measure nothing: validate again all the trials kept in DIR "
@@ -164,20 +164,25 @@ def main() -> None:
         print(f"bench/accuracy.py: --reuse {args.reuse}: no such folder; give the folder an earlier --keep wrote",
               file=sys.stderr)
         sys.exit(2)
+    names = [name for name in CONFIGS if not args.only or name == args.only]
+    kept = {name: kept_trials(Path(args.reuse), name) for name in names} if args.reuse else {}
+    if args.reuse and not any(kept.values()):
+        print(f"bench/accuracy.py: --reuse {args.reuse}: no kept trials (folders like dp2-t0 holding run/ and "
+              f"prof/){' of ' + repr(args.only) if args.only else ''}; give the folder an earlier --keep wrote",
+              file=sys.stderr)
+        sys.exit(2)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     rows = {}
     if not args.json:
         print(f"{'configuration':<16} {'measured ms':>12} {'predicted ms':>13} {'batch err %':>12} "
               f"{'90% interval':>14} {'device err %':>13} {'run spread %':>13}  per-trial batch err %")
-    for name, config in CONFIGS.items():
-        if args.only and name != args.only:
-            continue
+    for name in names:
         if args.reuse:
-            trials = [validate(workdir, env) for workdir in kept_trials(Path(args.reuse), name)]
+            trials = [validate(workdir, env) for workdir in kept[name]]
             if not trials:
                 continue
         else:
-            trials = measure_trials(name, config, args, env)
+            trials = measure_trials(name, CONFIGS[name], args, env)
         row = rows[name] = pooled(trials)
         if not args.json:
             trial_errors = " ".join(f"{e:+.1f}" for e in row["trial_errors_pct"])
@@ -185,11 +190,6 @@ def main() -> None:
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
                   f"{row['batch_error_pct']:>+12.1f} {f'{low:+.1f}..{high:+.1f}':>14} "
                   f"{row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}  {trial_errors}", flush=True)
-    if args.reuse and not rows:
-        print(f"bench/accuracy.py: --reuse {args.reuse}: no kept trials (folders like dp2-t0 holding run/ and "
-              f"prof/){' of ' + repr(args.only) if args.only else ''}; give the folder an earlier --keep wrote",
-              file=sys.stderr)
-        sys.exit(2)
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")
