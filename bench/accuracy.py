@@ -12,7 +12,9 @@ Pooling trials taken minutes apart averages out this shared machine's drift (ben
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
-     [--keep DIR] [--reuse DIR] [--json]
+     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--json]
+Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
+bind; --bind none shows what unbound ranks cost a pipeline's waiting stage (docs/benchmarks.md, run 18).
 --reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured).
 """
 from __future__ import annotations
@@ -68,7 +70,11 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
     """Profile and run (in that order, or the run first) and validate one configuration in workdir; returns
     validate's JSON."""
     mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
-    launch = [mpirun, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "harness"]
+    # bound to a core each (as HPC launchers do), a rank pays only its own threads; unbound, both ranks'
+    # communication threads (gloo's loop wakes every 10 ms) and the host's tasks settle on whichever core is
+    # idle, the core of the stage that waits, and slow its compute as the profile, every rank busy, never is
+    binding = ["--bind-to", args.bind] if args.bind != "launcher" else []
+    launch = [mpirun, *binding, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "harness"]
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "job.toml").write_text(spec_text(*config, repeats=args.repeats))
     # --force: a kept folder from an earlier bench would otherwise be resumed, its old measurements reused
@@ -158,6 +164,9 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", help="keep each trial's spec, profile and run under DIR")
     parser.add_argument("--reuse", metavar="DIR", help="measure nothing: validate again all the trials kept in DIR "
                         "(--trials does not apply)")
+    parser.add_argument("--bind", choices=("core", "none", "launcher"), default="core",
+                        help="mpirun --bind-to for profile and run (default core: one core per rank; launcher: "
+                        "pass no option, the launcher's default)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     if args.reuse and not Path(args.reuse).is_dir():

@@ -63,6 +63,22 @@ def test_trials_alternate_which_command_runs_first(tmp_path, monkeypatch):
     assert order == [False, True, False, True]
 
 
+@pytest.mark.parametrize("bind, expected", [("core", ["--bind-to", "core"]), ("none", ["--bind-to", "none"]),
+                                            ("launcher", [])])
+def test_profile_and_run_launch_with_the_same_core_binding(tmp_path, monkeypatch, bind, expected):
+    accuracy = _accuracy_module()
+    launched = []
+    monkeypatch.setattr(accuracy, "run", lambda command, env: launched.append(command))
+    monkeypatch.setattr(accuracy, "validate", lambda workdir, env: {})
+    monkeypatch.setenv("DISTSIM_MPIRUN", "mpirun")
+    args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind})()
+    accuracy.measure(accuracy.CONFIGS["pp=2 gpipe m=4"], args, {}, tmp_path, run_first=False)
+    for command in launched:
+        assert command[0] == "mpirun"
+        assert command[1:command.index("-n")] == expected
+    assert [command[command.index("harness") + 1] for command in launched] == ["profile", "train"]
+
+
 def test_the_bootstrap_interval_brackets_the_pooled_error_and_narrows_with_agreeing_trials():
     accuracy = _accuracy_module()
     agreeing = [_trial([1.0, 1.0, 1.0], 0.95, [(0.8, 0.8)]) for _ in range(6)]
