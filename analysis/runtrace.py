@@ -216,7 +216,7 @@ def read_trace(path: str | Path) -> Trace:
         environment = {}
         for key, value in f["environment"].attrs.items():
             value = _attr(value)
-            if key == "hosts" and isinstance(value, str):
+            if key in ("hosts", "cpu_affinity") and isinstance(value, str):
                 value = json.loads(value)
             environment[key] = value
         clock = {key: (ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()])

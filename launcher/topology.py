@@ -31,6 +31,7 @@ class Topology:
     source: str = "mpi"  # mpi | emulated
     launcher: str = "unknown"
     extra: dict = field(default_factory=dict, compare=False)
+    cpus: tuple[tuple[int, ...], ...] = field(default=(), compare=False)  # each rank's CPU affinity
 
     @property
     def node(self) -> int:
@@ -55,6 +56,11 @@ class Topology:
     def ranks_per_node(self) -> int:
         return max(len(self.ranks_on(n)) for n in range(self.nodes))
 
+    @property
+    def cpu_binding(self) -> str:
+        """"bound", "shared" or "unknown" (see cpu_binding)."""
+        return cpu_binding(self.hostnames, self.cpus)
+
     def hosts(self) -> list[str]:
         """One name per node (emulated nodes are named host/nodeN)."""
         names = []
@@ -62,6 +68,23 @@ class Topology:
             first = self.ranks_on(n)[0]
             names.append(self.hostnames[first] + (f"/node{n}" if self.source == "emulated" else ""))
         return names
+
+
+def cpu_binding(hostnames: tuple[str, ...] | list[str], cpus: tuple[tuple[int, ...], ...] | list) -> str:
+    """How the launcher placed the ranks on their hosts' CPUs: "bound" when the ranks of every host run on
+    disjoint CPU sets (mpirun --bind-to core, srun --cpu-bind=cores), "shared" when two ranks of one host may
+    run on the same CPU (unbound ranks, oversubscription), "unknown" without affinities."""
+    if not cpus or len(cpus) != len(hostnames) or not all(cpus):
+        return "unknown"
+    for host in set(hostnames):
+        seen: set[int] = set()
+        for name, rank_cpus in zip(hostnames, cpus):
+            if name != host:
+                continue
+            if seen.intersection(rank_cpus):
+                return "shared"
+            seen.update(rank_cpus)
+    return "bound"
 
 
 def promised_world_size(environ: dict[str, str] | None = None) -> tuple[int, str] | None:
@@ -157,6 +180,7 @@ def discover(comm) -> Topology:
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
     hostnames = tuple(comm.allgather(hostname))
+    cpus = tuple(tuple(c) for c in comm.allgather(sorted(os.sched_getaffinity(0))))
     emulate = os.environ.get(EMULATE_VAR)
     if emulate:
         try:
@@ -166,13 +190,13 @@ def discover(comm) -> Topology:
             raise UserError(f"{EMULATE_VAR}={emulate!r} must be a positive integer (ranks per emulated node)")
         node_of = tuple(r // per_node for r in range(size))
         return Topology(rank, size, node_of, hostnames, source="emulated", launcher=launcher_name(),
-                        extra={"slurm": slurm_context()})
+                        extra={"slurm": slurm_context()}, cpus=cpus)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     leader = local.allreduce(rank, op=MPI.MIN)  # the lowest world rank on my node names the node
     local.Free()
     leaders = comm.allgather(leader)
     order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
     topology = Topology(rank, size, tuple(order[lead] for lead in leaders), hostnames, launcher=launcher_name(),
-                        extra={"slurm": slurm_context()})
+                        extra={"slurm": slurm_context()}, cpus=cpus)
     check_slurm_task(rank, size, topology.node, topology.local_rank)
     return topology

@@ -4,7 +4,8 @@ from __future__ import annotations
 from harness.events import build_plan
 from harness.spec import loads_spec
 from launcher.placement import balance, place
-from launcher.topology import LaunchError, Topology, check_world_size, mpi_library_version, promised_world_size
+from launcher.topology import (LaunchError, Topology, check_world_size, cpu_binding, mpi_library_version,
+                               promised_world_size)
 from tests.helpers import tiny_spec_text
 
 import pytest
@@ -115,3 +116,12 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl():
     assert "ranks 0 and 2 on gpu01 share one GPU (GPU-a)" in message and "3 ranks run there on 2 GPU(s)" in message
     assert "--ntasks-per-node=2" in message and "device = 'cpu'" in message
     assert refused.value.exit_status == 2
+
+
+def test_cpu_binding_tells_bound_ranks_from_ranks_that_share_cores():
+    assert cpu_binding(["a", "a"], [(0,), (1,)]) == "bound"
+    assert cpu_binding(["a", "a", "b", "b"], [(0, 1), (2, 3), (0, 1), (2, 3)]) == "bound"  # per host
+    assert cpu_binding(["a", "a"], [(0, 1), (0, 1)]) == "shared"  # unbound ranks
+    assert cpu_binding(["a", "a"], [(0, 1), (1, 2)]) == "shared"  # overlapping sets
+    assert cpu_binding(["a", "a"], []) == "unknown"  # not gathered
+    assert cpu_binding(["a", "a"], [(0,)]) == "unknown"

@@ -6,6 +6,8 @@ strategy to N (dp x tp x pp = N) and skips the strategies N cannot hold.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 
 from harness.errors import UserError
 from harness.spec import loads_spec
+from launcher.topology import cpu_binding
 from tests.helpers import tiny_spec_text
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -263,6 +266,10 @@ def test_training_run_traces_the_schedule_and_matches_a_single_process(config, s
             assert trace.environment["world_size"] == comm.Get_size()
             assert trace.environment["backend"] == "torch-gloo"
             assert trace.environment["host_memory"] == "retained"
+            affinity = trace.environment["cpu_affinity"]  # each rank's own, as the launcher set it
+            assert len(affinity) == comm.Get_size() and all(affinity)
+            assert affinity[0] == sorted(os.sched_getaffinity(0))
+            assert trace.environment["cpu_binding"] == cpu_binding([socket.gethostname()] * comm.Get_size(), affinity)
             _check_trace(spec, trace, options)
             losses = trace.iterations["loss"]
             assert np.all(np.isfinite(losses))

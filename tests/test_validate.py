@@ -167,3 +167,15 @@ def test_a_profile_and_a_run_taken_in_different_conditions_are_flagged():
     assert "host_memory: retained (profile) against default (run)" in warning
     gpu = dict(same, device="cuda:NVIDIA H200", backend="torch-nccl")
     assert len(environment_differences(gpu, same)) == 2  # device and backend
+
+
+def test_a_profile_and_a_run_bound_differently_to_cores_are_flagged():
+    bound, shared = {"cpu_binding": "bound"}, {"cpu_binding": "shared"}
+    assert environment_differences(bound, dict(bound)) == []
+    assert environment_differences(bound, {"cpu_binding": "unknown"}) == []  # one side could not tell
+    assert environment_differences(bound, {}) == []  # files from before the binding was recorded
+    (warning,) = environment_differences(bound, shared)
+    assert "profile's ranks were bound to cores of their own and the run's free to share cores" in warning
+    assert "--bind-to core" in warning
+    (warning,) = environment_differences(shared, bound)
+    assert "profile's ranks were free to share cores and the run's bound" in warning

@@ -35,7 +35,7 @@ def load_summary(path: Path) -> dict:
             if version != SCHEMA_VERSION:
                 raise UserError(f"{path}: schema_version {version} is not supported (this harness reads "
                                 f"{SCHEMA_VERSION})")
-            environment = {k: (v.item() if hasattr(v, "item") else v) for k, v in f["environment"].attrs.items()}
+            environment = {k: _plain(v) for k, v in f["environment"].attrs.items()}
             spec = json.loads(f.attrs["spec_json"])
             names = dict(zip(f["events/id"].asstr()[()], f["events/name"].asstr()[()]))
     except OSError as exc:
@@ -49,6 +49,17 @@ def load_summary(path: Path) -> dict:
     return {"schema_version": int(version), "path": str(path), "spec": spec, "environment": environment,
             "measurements": rows, "unmeasured": [{"id": k, "name": names.get(k, k), "reason": v}
                                                  for k, v in read_unmeasured(path).items()]}
+
+
+def _plain(value):
+    """An environment attribute as plain data: numpy scalars unwrapped, JSON lists and objects decoded."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _describe(content: dict) -> str:
@@ -66,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     env = summary["environment"]
     print(f"{summary['path']} (schema {summary['schema_version']}): {summary['spec']['model']['name']}, "
-          f"{env.get('world_size')} ranks on {env.get('nodes')} node(s), {env.get('device')}, {env.get('backend')}")
+          f"{env.get('world_size')} ranks on {env.get('nodes')} node(s), {env.get('device')}, {env.get('backend')}"
+          + (f", cpu binding {env['cpu_binding']}" if "cpu_binding" in env else ""))
     rows = [(r["name"], r["kind"], ",".join(map(str, r["ranks"])), format_seconds(r["median_s"]),
              format_seconds(r["p5_s"]), format_seconds(r["p95_s"]), r["count"]) for r in summary["measurements"]]
     print(format_table(("event", "kind", "ranks", "median", "p5", "p95", "n"), rows))
