@@ -106,7 +106,7 @@ def environment_differences(profiled: dict[str, Any], ran: dict[str, Any]) -> li
             out.append(f"the profile and the run differ in {key}: {profiled[key]} (profile) against {ran[key]} "
                        "(run); profile and run in the same conditions to compare the model alone")
     bindings = (str(profiled.get("cpu_binding", "unknown")), str(ran.get("cpu_binding", "unknown")))
-    if "unknown" not in bindings and bindings[0] != bindings[1]:
+    if all(b in _BINDING for b in bindings) and bindings[0] != bindings[1]:
         out.append(f"the profile's ranks were {_BINDING[bindings[0]]} and the run's {_BINDING[bindings[1]]}: ranks "
                    "that share cores take each other's communication threads (and the host's tasks) on whichever "
                    "core is idle, the core of the stage that waits, which slows its compute; launch both alike, "

@@ -166,7 +166,8 @@ def main() -> None:
                         "(--trials does not apply)")
     parser.add_argument("--bind", choices=("core", "none", "launcher"), default="core",
                         help="mpirun --bind-to for profile and run (default core: one core per rank; launcher: "
-                        "pass no option, the launcher's default)")
+                        "pass no option, so the launcher's default or its environment decides; runs 1-17 ran so, "
+                        "unbound under MPICH); ignored with --reuse")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     if args.reuse and not Path(args.reuse).is_dir():

@@ -58,8 +58,8 @@ class Topology:
 
     @property
     def cpu_binding(self) -> str:
-        """"bound", "shared" or "unknown" (see cpu_binding)."""
-        return cpu_binding(self.hostnames, self.cpus)
+        """"bound", "shared", "single" or "unknown" (classify_cpu_binding of the ranks' affinities)."""
+        return classify_cpu_binding(self.hostnames, self.cpus)
 
     def hosts(self) -> list[str]:
         """One name per node (emulated nodes are named host/nodeN)."""
@@ -70,20 +70,21 @@ class Topology:
         return names
 
 
-def cpu_binding(hostnames: tuple[str, ...] | list[str], cpus: tuple[tuple[int, ...], ...] | list) -> str:
+def classify_cpu_binding(hostnames: tuple[str, ...] | list[str], cpus: tuple[tuple[int, ...], ...] | list) -> str:
     """How the launcher placed the ranks on their hosts' CPUs: "bound" when the ranks of every host run on
     disjoint CPU sets (mpirun --bind-to core, srun --cpu-bind=cores), "shared" when two ranks of one host may
-    run on the same CPU (unbound ranks, oversubscription), "unknown" without affinities."""
+    run on the same CPU (unbound ranks, oversubscription), "single" with one rank per host (nothing to
+    share), "unknown" without affinities."""
     if not cpus or len(cpus) != len(hostnames) or not all(cpus):
         return "unknown"
-    for host in set(hostnames):
-        seen: set[int] = set()
-        for name, rank_cpus in zip(hostnames, cpus):
-            if name != host:
-                continue
-            if seen.intersection(rank_cpus):
-                return "shared"
-            seen.update(rank_cpus)
+    by_host: dict[str, list[tuple[int, ...]]] = {}
+    for name, rank_cpus in zip(hostnames, cpus):
+        by_host.setdefault(name, []).append(tuple(rank_cpus))
+    if all(len(sets) == 1 for sets in by_host.values()):
+        return "single"
+    for sets in by_host.values():
+        if sum(len(c) for c in sets) != len(set().union(*sets)):
+            return "shared"
     return "bound"
 
 
@@ -180,7 +181,8 @@ def discover(comm) -> Topology:
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
     hostnames = tuple(comm.allgather(hostname))
-    cpus = tuple(tuple(c) for c in comm.allgather(sorted(os.sched_getaffinity(0))))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere the binding is "unknown"
+    cpus = tuple(tuple(c) for c in comm.allgather(sorted(affinity(0)) if affinity else []))
     emulate = os.environ.get(EMULATE_VAR)
     if emulate:
         try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from harness.events import build_plan
 from harness.spec import loads_spec
 from launcher.placement import balance, place
-from launcher.topology import (LaunchError, Topology, check_world_size, cpu_binding, mpi_library_version,
+from launcher.topology import (LaunchError, Topology, check_world_size, classify_cpu_binding,
+                               mpi_library_version,
                                promised_world_size)
 from tests.helpers import tiny_spec_text
 
@@ -119,9 +120,18 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl():
 
 
 def test_cpu_binding_tells_bound_ranks_from_ranks_that_share_cores():
-    assert cpu_binding(["a", "a"], [(0,), (1,)]) == "bound"
-    assert cpu_binding(["a", "a", "b", "b"], [(0, 1), (2, 3), (0, 1), (2, 3)]) == "bound"  # per host
-    assert cpu_binding(["a", "a"], [(0, 1), (0, 1)]) == "shared"  # unbound ranks
-    assert cpu_binding(["a", "a"], [(0, 1), (1, 2)]) == "shared"  # overlapping sets
-    assert cpu_binding(["a", "a"], []) == "unknown"  # not gathered
-    assert cpu_binding(["a", "a"], [(0,)]) == "unknown"
+    assert classify_cpu_binding(["a", "a"], [(0,), (1,)]) == "bound"
+    assert classify_cpu_binding(["a", "a", "b", "b"], [(0, 1), (2, 3), (0, 1), (2, 3)]) == "bound"  # per host
+    assert classify_cpu_binding(["a", "a"], [(0, 1), (0, 1)]) == "shared"  # unbound ranks
+    assert classify_cpu_binding(["a", "a"], [(0, 1), (1, 2)]) == "shared"  # overlapping sets
+    assert classify_cpu_binding(["a", "b"], [(0, 1), (0, 1)]) == "single"  # one rank per host: nothing shared
+    assert classify_cpu_binding(["a", "a"], []) == "unknown"  # not gathered
+    assert classify_cpu_binding(["a", "a"], [(0,)]) == "unknown"
+
+
+def test_an_emulated_topology_judges_binding_by_the_real_hosts():
+    # two emulated nodes on one machine: their ranks still compete for the same CPUs
+    emulated = Topology(0, 4, (0, 0, 1, 1), ("host",) * 4, source="emulated", cpus=((0,), (1,), (0,), (1,)))
+    assert emulated.cpu_binding == "shared"
+    assert Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0,), (1,))).cpu_binding == "bound"
+    assert topology(2, 2).cpu_binding == "unknown"  # no affinities gathered

@@ -174,6 +174,8 @@ def test_a_profile_and_a_run_bound_differently_to_cores_are_flagged():
     assert environment_differences(bound, dict(bound)) == []
     assert environment_differences(bound, {"cpu_binding": "unknown"}) == []  # one side could not tell
     assert environment_differences(bound, {}) == []  # files from before the binding was recorded
+    assert environment_differences(bound, {"cpu_binding": "single"}) == []  # one rank per host shares nothing
+    assert environment_differences(bound, {"cpu_binding": "numa"}) == []  # a value this reader does not know
     (warning,) = environment_differences(bound, shared)
     assert "profile's ranks were bound to cores of their own and the run's free to share cores" in warning
     assert "--bind-to core" in warning
