@@ -187,7 +187,7 @@ def load_profile(path: str | Path) -> Profile:
         return Profile(path=path, schema_version=int(version), spec=spec, spec_json=spec_json, layers=layers,
                        events=_read_events(f), measurements=_read_measurements(f, path),
                        unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
-                       environment=_read_environment(f),
+                       environment=read_environment(f),
                        placement={eid: [int(r) for r in ranks.split(",") if r]
                                   for eid, ranks in _read_pairs(f, "placement", "id", "ranks").items()})
 
@@ -282,7 +282,8 @@ def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str
     return dict(zip(_strings(f[group][key]), _strings(f[group][value])))
 
 
-def _read_environment(f: h5py.File) -> dict[str, Any]:
+def read_environment(f: h5py.File) -> dict[str, Any]:
+    """A profile's or a trace's /environment attributes as plain data (JSON lists and objects decoded)."""
     env: dict[str, Any] = {}
     if "environment" not in f:
         return env

@@ -20,6 +20,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from analysis.profile import read_environment
+
 SCHEMA_VERSION = 1
 TRACE_KIND = "distsim-trace"
 STRING_COLUMNS = ("kind", "name", "phase", "event_id")
@@ -213,12 +215,7 @@ def read_trace(path: str | Path) -> Trace:
         if version != SCHEMA_VERSION:
             raise TraceError(f"{path}: schema_version {version} is not supported (this reader knows {SCHEMA_VERSION})")
         attrs = {key: _attr(value) for key, value in f.attrs.items()}
-        environment = {}
-        for key, value in f["environment"].attrs.items():
-            value = _attr(value)
-            if key in ("hosts", "cpu_affinity") and isinstance(value, str):
-                value = json.loads(value)
-            environment[key] = value
+        environment = read_environment(f)
         clock = {key: (ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()])
                  for key, ds in f["clock"].items()}
         iterations = {key: ds[()] for key, ds in f["iterations"].items()}

@@ -340,8 +340,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     environment = {
         "hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
         "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
-        "launcher": topology.launcher, "cpu_binding": topology.cpu_binding,
-        "cpu_affinity": [list(c) for c in topology.cpus], "device": name, "backend": backend_label, "env_key": env_key,
+        "launcher": topology.launcher, **topology.cpu_environment(), "device": name, "backend": backend_label, "env_key": env_key,
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
         "mpi_library": mpi_library_version(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,

@@ -61,6 +61,10 @@ class Topology:
         """"bound", "shared", "single" or "unknown" (classify_cpu_binding of the ranks' affinities)."""
         return classify_cpu_binding(self.hostnames, self.cpus)
 
+    def cpu_environment(self) -> dict:
+        """What the profile's and the trace's environment record of the ranks' CPUs."""
+        return {"cpu_binding": self.cpu_binding, "cpu_affinity": [list(c) for c in self.cpus]}
+
     def hosts(self) -> list[str]:
         """One name per node (emulated nodes are named host/nodeN)."""
         names = []

@@ -9,7 +9,7 @@ import h5py
 
 from harness.errors import UserError
 from harness.events import human_bytes
-from harness.store import PROFILE_KIND, SCHEMA_VERSION, read_measurements, read_unmeasured
+from harness.store import PROFILE_KIND, SCHEMA_VERSION, read_environment, read_measurements, read_unmeasured
 from harness.tables import format_seconds, format_table
 
 NAME = "show"
@@ -35,7 +35,7 @@ def load_summary(path: Path) -> dict:
             if version != SCHEMA_VERSION:
                 raise UserError(f"{path}: schema_version {version} is not supported (this harness reads "
                                 f"{SCHEMA_VERSION})")
-            environment = {k: _plain(v) for k, v in f["environment"].attrs.items()}
+            environment = read_environment(f)
             spec = json.loads(f.attrs["spec_json"])
             names = dict(zip(f["events/id"].asstr()[()], f["events/name"].asstr()[()]))
     except OSError as exc:
@@ -49,17 +49,6 @@ def load_summary(path: Path) -> dict:
     return {"schema_version": int(version), "path": str(path), "spec": spec, "environment": environment,
             "measurements": rows, "unmeasured": [{"id": k, "name": names.get(k, k), "reason": v}
                                                  for k, v in read_unmeasured(path).items()]}
-
-
-def _plain(value):
-    """An environment attribute as plain data: numpy scalars unwrapped, JSON lists and objects decoded."""
-    value = value.item() if hasattr(value, "item") else value
-    if isinstance(value, str) and value[:1] in "[{":
-        try:
-            return json.loads(value)
-        except ValueError:
-            pass
-    return value
 
 
 def _describe(content: dict) -> str:

@@ -82,7 +82,7 @@ def _environment(topology, device, backend: str, threads: int, start: float, end
         "mpi_library": mpi_library_version(),
         "python_version": platform.python_version(), "start_time": start, "end_time": end,
         "topology_source": topology.source, "launcher": topology.launcher, "torch_threads": threads,
-        "cpu_binding": topology.cpu_binding, "cpu_affinity": [list(c) for c in topology.cpus],
+        **topology.cpu_environment(),
     }
 
 
