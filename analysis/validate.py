@@ -48,6 +48,7 @@ class Validation:
     steps: list[dict[str, Any]] = field(default_factory=list)
     replica_lag: list[dict[str, Any]] = field(default_factory=list)  # dp > 1: per pipeline stage
     representative_iteration: int = 0
+    cpu_binding: dict[str, str] = field(default_factory=dict)  # "profile" and "run": bound, shared, ...
 
     @property
     def batch_time_error_pct(self) -> float:
@@ -83,6 +84,7 @@ class Validation:
             "compute_statistic": self.timeline.costs.compute_stat,
             "batch_time_error_pct": self.batch_time_error_pct,
             "device_error_pct": self.device_error_pct,
+            "cpu_binding": self.cpu_binding,
             "devices": self.devices,
             "stages": self.stage_rows(),
             "steps": self.steps,
@@ -140,7 +142,9 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     kept = trace.measured()
     median_iteration = int(kept[int(np.argsort(measured)[len(measured) // 2])])
     result = Validation(timeline, trace, float(np.median(measured)), timeline.batch_time_s, measured,
-                        representative_iteration=median_iteration)
+                        representative_iteration=median_iteration,
+                        cpu_binding={side: str(env.get("cpu_binding", "unknown"))
+                                     for side, env in (("profile", profile.environment), ("run", trace.environment))})
     s = spec.strategy
     if trace.world_size != s.world:
         raise UserError(f"{trace.path}: the trace has {trace.world_size} devices but its spec has "

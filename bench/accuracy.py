@@ -151,6 +151,9 @@ def pooled(trials: list[dict]) -> dict:
             "batch_error_interval_pct": list(bootstrap_interval(trials)),
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
+            # how the trials' ranks were bound, as their files recorded it (docs/analysis.md)
+            "cpu_binding": {side: sorted({t.get("cpu_binding", {}).get(side, "unknown") for t in trials})
+                            for side in ("profile", "run")},
             # how far the run's own median moved between trials: what a perfect model would still see
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0}
 

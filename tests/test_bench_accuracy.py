@@ -53,6 +53,16 @@ def test_pooled_reports_the_replica_lag_of_data_parallel_trials():
     assert row["replica_lag_predicted_s"] == pytest.approx(0.03)
 
 
+def test_pooled_rows_say_how_the_trials_ranks_were_bound():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
+    trials[0]["cpu_binding"] = {"profile": "bound", "run": "bound"}
+    trials[1]["cpu_binding"] = {"profile": "bound", "run": "shared"}
+    # trials[2]: validated by an analysis from before the binding was reported
+    row = pooled(trials)
+    assert row["cpu_binding"] == {"profile": ["bound", "unknown"], "run": ["bound", "shared", "unknown"]}
+
+
 def test_trials_alternate_which_command_runs_first(tmp_path, monkeypatch):
     accuracy = _accuracy_module()
     order = []

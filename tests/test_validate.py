@@ -75,6 +75,8 @@ def test_errors_are_computed_right(tmp_path, factor):
     assert all(row["error_pct"] == pytest.approx(expected, abs=1e-6) for row in result.steps)
     report = result.to_dict()
     assert report["measured_iterations"] == 2  # warm-up excluded
+    # neither handmade file recorded how its ranks were bound
+    assert report["cpu_binding"] == {"profile": "unknown", "run": "unknown"}
 
 
 def test_replica_lag_is_the_last_replicas_compute_end_behind_their_mean(tmp_path):
