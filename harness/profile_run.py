@@ -47,6 +47,7 @@ class ProfileResult:
     unmeasured: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
     device_seconds: float = 0.0
+    binding_note: str | None = None  # CPU profiles whose ranks could each have had a core of their own
 
 
 class Watchdog:
@@ -355,7 +356,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
                     + len(placement.composites))
     return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
-                         wall_s=finished - started, device_seconds=float(sum(busy)))
+                         wall_s=finished - started, device_seconds=float(sum(busy)),
+                         binding_note=topology.unbound_note() if device.type == "cpu" else None)
 
 
 def _slurm_environment(topology: Topology) -> dict:

@@ -61,6 +61,20 @@ class Topology:
         """"bound", "shared", "single" or "unknown" (classify_cpu_binding of the ranks' affinities)."""
         return classify_cpu_binding(self.hostnames, self.cpus)
 
+    def unbound_note(self) -> str | None:
+        """For CPU work: a note when ranks may share cores although every host has a CPU for each of its ranks
+        (binding would give each its own); None when bound, oversubscribed, alone on a host, or unknown."""
+        if self.cpu_binding != "shared":
+            return None
+        by_host: dict[str, list[set[int]]] = {}
+        for name, rank_cpus in zip(self.hostnames, self.cpus):
+            by_host.setdefault(name, []).append(set(rank_cpus))
+        if any(len(sets) > len(set().union(*sets)) for sets in by_host.values()):
+            return None  # more ranks than CPUs: they share cores however they are bound
+        return ("the ranks were free to share cores: on a CPU, one rank's communication threads and the host's "
+                "tasks then land on another rank's core and slow its compute; bind each rank to its own core "
+                "(mpirun --bind-to core, srun --cpu-bind=cores) to profile and run alike (docs/train.md)")
+
     def cpu_environment(self) -> dict:
         """What the profile's and the trace's environment record of the ranks' CPUs."""
         return {"cpu_binding": self.cpu_binding, "cpu_affinity": [list(c) for c in self.cpus]}

@@ -135,3 +135,13 @@ def test_an_emulated_topology_judges_binding_by_the_real_hosts():
     assert emulated.cpu_binding == "shared"
     assert Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0,), (1,))).cpu_binding == "bound"
     assert topology(2, 2).cpu_binding == "unknown"  # no affinities gathered
+
+
+def test_a_note_asks_for_binding_only_where_each_rank_could_have_a_core_of_its_own():
+    unbound = Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0, 1), (0, 1)))
+    assert "--bind-to core" in unbound.unbound_note()
+    assert Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0,), (1,))).unbound_note() is None  # bound
+    # four ranks on two CPUs share cores whatever the binding: nothing to advise
+    assert Topology(0, 4, (0,) * 4, ("host",) * 4, cpus=((0, 1),) * 4).unbound_note() is None
+    assert Topology(0, 2, (0, 1), ("a", "b"), cpus=((0, 1), (0, 1))).unbound_note() is None  # one per host
+    assert topology(2, 2).unbound_note() is None  # affinities not gathered

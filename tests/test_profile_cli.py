@@ -48,6 +48,9 @@ def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
     affinity = summary["environment"]["cpu_affinity"]
     expected_binding = "shared" if set(affinity[0]) & set(affinity[1]) else "bound"
     assert summary["environment"]["cpu_binding"] == expected_binding
+    # the summary asks for binding only where the ranks share cores and each could have had its own
+    could_bind = expected_binding == "shared" and len(set(affinity[0]) | set(affinity[1])) >= 2
+    assert ("NOTE: the ranks were free to share cores" in result.stdout) == could_bind
     assert any(m["kind"] == "allreduce" and m["needed"] for m in summary["measurements"])
     with h5py.File(out / "profile.h5") as f:  # P2P also with the sender computing, on either backend
         p2p = [g for g in f["measurements"].values() if g.attrs["kind"] == "p2p"]

@@ -54,6 +54,10 @@ def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
     for rank in range(2):
         phases = set(trace.device(rank).columns["phase"])
         assert {"F", "B", "send", "recv", "opt"} <= phases
+    # the summary asks for binding only where the ranks share cores and each could have had its own
+    affinity = trace.environment["cpu_affinity"]
+    could_bind = trace.environment["cpu_binding"] == "shared" and len(set(affinity[0]) | set(affinity[1])) >= 2
+    assert ("NOTE: the ranks were free to share cores" in proc.stdout) == could_bind, proc.stdout
 
 
 @pytest.mark.parametrize("args, spec_kwargs, message", [

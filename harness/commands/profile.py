@@ -62,5 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  unmeasured {plan.events[eid].name} ({eid}): {why}")
     print(f"wall time {format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
     print(f"profile: {result.path}")
+    if result.binding_note:
+        print(f"NOTE: {result.binding_note}")
     sys.stdout.flush()
     return 0

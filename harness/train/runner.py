@@ -39,6 +39,7 @@ class TrainResult:
     local_losses: list[float] = field(default_factory=list)
     backend: str = ""
     device: str = ""
+    binding_note: str | None = None  # CPU runs whose ranks could each have had a core of their own
 
     @property
     def measured_s(self) -> np.ndarray:
@@ -208,7 +209,8 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
                                      iterations=its)
         result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
-                             backend=f"torch-{backend}", device=str(dev))
+                             backend=f"torch-{backend}", device=str(dev),
+                             binding_note=topology.unbound_note() if dev.type == "cpu" else None)
         env = dict(_environment(topology, dev, backend, threads, start_time, end_time), host_memory=host_memory)
         yielding_barrier(comm)  # every rank file is complete
         if rank == 0:
@@ -267,4 +269,5 @@ def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
            format_seconds(float(measured.min())), format_seconds(float(measured.max())),
            f"{result.losses[0]:.4f}", f"{result.losses[-1]:.4f}")
     table = format_table(("iterations", "warm-up", "median", "min", "max", "loss first", "loss last"), [row])
-    return f"{head}\n{table}\ntrace: {result.trace_path}"
+    note = f"\nNOTE: {result.binding_note}" if result.binding_note else ""
+    return f"{head}\n{table}\ntrace: {result.trace_path}{note}"
