@@ -5,10 +5,12 @@ from typing import Any, Sequence
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
-    """Columns aligned: text left, numbers right."""
+    """Columns aligned: text left, numbers right. A column of numbers may hold gaps (None or "-", shown as
+    "-") and stays right-aligned."""
     cells = [[_cell(value) for value in row] for row in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
-    numeric = [all(_is_number(row[i]) for row in rows) and rows for i in range(len(headers))]
+    numeric = [any(_is_number(row[i]) for row in rows)
+               and all(_is_number(row[i]) or _is_gap(row[i]) for row in rows) for i in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
         return "  ".join(v.rjust(w) if numeric[i] else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
@@ -24,7 +26,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_gap(value: Any) -> bool:
+    """A missing number: None, or the "-" callers put in its place."""
+    return value is None or value == "-"
+
+
 def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         if value == 0:
             return "0"
