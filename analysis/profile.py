@@ -15,22 +15,16 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import CommunicationFields
+# the names harness.store writes, from the one place both sides take them (not from the store itself: the
+# analysis does not import the profiling side)
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND,  # noqa: F401
+                                  PROFILE_SCHEMA_VERSION, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, STATS,
+                                  ZERO_SERIES)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
-PROFILE_SCHEMA_VERSIONS = (1,)
-# A measurement's optional sample series (docs/hdf5.md), the names harness.store writes; the analysis reads
-# profile.h5 without importing the profiling side.
-SENDER_BUSY_SERIES = "sender_busy_samples_s"  # P2P: the receive timed while the sender computes
-HOST_ISSUE_SERIES = "host_issue_samples_s"  # GPU forwards and backwards: the host's issue time
-SAMPLE_END_SERIES = "sample_end_s"  # compute: when each sample ended, after the compute phase's start
-DIVIDE_SERIES = "divide_samples_s"  # all-reduces: the buffer's division by the group size before each
-ZERO_SERIES = "zero_samples_s"  # all-reduces: the buffer's zeroing after each
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
-BACKWARD_CALL_ATTR = "backward_call_s"  # compute backwards: the host's cost of one backward() call
-PROFILE_KIND = "distsim-profile"
-_RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count",
-                   "median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s"}
+PROFILE_SCHEMA_VERSIONS = (PROFILE_SCHEMA_VERSION,)
+_RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count", *STATS}
 
 
 @dataclass

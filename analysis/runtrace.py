@@ -20,13 +20,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from analysis.profile import read_environment
+from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_SCHEMA_VERSION as SCHEMA_VERSION,
+                                  TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
-SCHEMA_VERSION = 1
-TRACE_KIND = "distsim-trace"
-STRING_COLUMNS = ("kind", "name", "phase", "event_id")
-COLUMNS = ("start_s", "end_s", "wait_s", "kind", "name", "phase", "event_id", "virtual_stage", "micro", "iteration",
-           "peer")
+from analysis.profile import read_environment
 
 
 class TraceError(ValueError):

@@ -15,26 +15,10 @@ from typing import Any, Iterable
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
-PROFILE_KIND = "distsim-profile"
-STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
-# P2P only: the receive timed while the sender computes (harness.profilers.comm), next to samples_s
-SENDER_BUSY_SERIES = "sender_busy_samples_s"
-# GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
-HOST_ISSUE_SERIES = "host_issue_samples_s"
-# compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
-# `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
-SAMPLE_END_SERIES = "sample_end_s"
-# all-reduces only: the in-place division of the buffer by the group size that came before each all-reduce
-# (harness.profilers.comm: how a data-parallel replica averages its gradient bucket)
-DIVIDE_SERIES = "divide_samples_s"
-# all-reduces only: the buffer's zeroing that came after each all-reduce (how a replica clears its gradient
-# bucket for the next iteration)
-ZERO_SERIES = "zero_samples_s"
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
-# compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
-# (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
-BACKWARD_CALL_ATTR = "backward_call_s"
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND,  # noqa: F401
+                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, STATS,
+                                  ZERO_SERIES)
+from harness.hdf5_schema import PROFILE_SCHEMA_VERSION as SCHEMA_VERSION
 
 
 @dataclass
@@ -100,7 +84,7 @@ def write_rank_file(path: str | Path, rank: int, measurements: Iterable[Measurem
     tmp = _atomic_path(path)
     with h5py.File(tmp, "w") as f:
         f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["kind"] = "distsim-rank"
+        f.attrs["kind"] = RANK_PROFILE_KIND
         f.attrs["rank"] = rank
         f.attrs["written_at"] = time.time()
         for key, value in (meta or {}).items():

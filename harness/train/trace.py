@@ -13,16 +13,9 @@ from typing import Any, Iterable, Sequence
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
-TRACE_KIND = "distsim-trace"
-RANK_KIND = "distsim-trace-rank"
-
-FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
-STRING_COLUMNS = ("kind", "name", "phase", "event_id")
-INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
-COLUMNS = FLOAT_COLUMNS + STRING_COLUMNS + INT_COLUMNS
-KINDS = ("compute", "p2p", "allreduce", "optimizer")
-PHASES = ("F", "B", "send", "recv", "tp", "dp", "opt")
+from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
+                                  TRACE_RANK_KIND as RANK_KIND, TRACE_SCHEMA_VERSION as SCHEMA_VERSION,
+                                  TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
 
 def rank_file_name(rank: int) -> str:

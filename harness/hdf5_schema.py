@@ -1,0 +1,43 @@
+"""Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
+
+Constants only, importing nothing: the harness writes its files with them (harness.store, harness.train.trace)
+and the analysis reads them with the same names (analysis.profile, analysis.runtrace) without importing the
+writers.
+"""
+
+# ---- profile.h5 and the rank files of `harness profile` (docs/hdf5.md)
+PROFILE_SCHEMA_VERSION = 1
+PROFILE_KIND = "distsim-profile"
+RANK_PROFILE_KIND = "distsim-rank"
+# a measurement's summary attributes, beside `count`
+STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
+# A measurement's optional sample series, next to samples_s:
+# P2P only: the receive timed while the sender computes (harness.profilers.comm)
+SENDER_BUSY_SERIES = "sender_busy_samples_s"
+# GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
+HOST_ISSUE_SERIES = "host_issue_samples_s"
+# compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
+# `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
+SAMPLE_END_SERIES = "sample_end_s"
+# all-reduces only: the in-place division of the buffer by the group size that came before each all-reduce
+# (how a data-parallel replica averages its gradient bucket)
+DIVIDE_SERIES = "divide_samples_s"
+# all-reduces only: the buffer's zeroing that came after each all-reduce (how a replica clears its gradient
+# bucket for the next iteration)
+ZERO_SERIES = "zero_samples_s"
+SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
+# compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
+# (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
+BACKWARD_CALL_ATTR = "backward_call_s"
+
+# ---- trace.h5 and the rank files of `harness train` (docs/train.md)
+TRACE_SCHEMA_VERSION = 1
+TRACE_KIND = "distsim-trace"
+TRACE_RANK_KIND = "distsim-trace-rank"
+# the interval columns of every device, in this order
+TRACE_FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
+TRACE_STRING_COLUMNS = ("kind", "name", "phase", "event_id")
+TRACE_INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
+TRACE_COLUMNS = TRACE_FLOAT_COLUMNS + TRACE_STRING_COLUMNS + TRACE_INT_COLUMNS
+TRACE_KINDS = ("compute", "p2p", "allreduce", "optimizer")
+TRACE_PHASES = ("F", "B", "send", "recv", "tp", "dp", "opt")
