@@ -40,12 +40,15 @@ def composite_content(content: dict[str, Any]) -> dict[str, Any]:
 
 
 def human_bytes(nbytes: float) -> str:
-    """1536 -> '1.5KiB'."""
+    """1536 -> '1.5KiB', 1353216 -> '1.29MiB': three significant digits, so that buckets of nearly the same
+    size (a model's stages differ by a layer's bias or norm) keep names a reader can tell apart."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.1f}{unit}"
+            break
         nbytes /= 1024
-    return f"{nbytes:.1f}GiB"
+    if unit == "B":
+        return f"{nbytes:.0f}B"
+    return f"{nbytes:.3g}{unit}" if abs(nbytes) < 1000 else f"{nbytes:.0f}{unit}"
 
 
 def event_id(content: dict[str, Any]) -> str:
