@@ -142,11 +142,13 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
         out += ["", format_table(("id", "event", "extra ms"), rows,
                                  title="P2P that waits for its receiver while the sender computes takes longer by:")]
     if costs.host_issue:
-        rows = [(eid, timeline.plan.events[eid].name, _ms(costs.seconds(eid)), _ms(host))
-                for eid, host in sorted(costs.host_issue.items(), key=lambda kv: timeline.plan.events[kv[0]].name)]
-        out += ["", format_table(("id", "event", "device ms", "host issue ms"), rows,
+        # the layers whose host issues them slower than the device runs them first (launch-bound), most so first
+        by_excess = sorted(costs.host_issue.items(), key=lambda kv: (costs.seconds(kv[0]) - kv[1], kv[0]))
+        rows = [(eid, timeline.plan.events[eid].name, _ms(costs.seconds(eid)), _ms(host),
+                 "host" if host > costs.seconds(eid) else "device") for eid, host in by_excess]
+        out += ["", format_table(("id", "event", "device ms", "host issue ms", "bound by"), rows,
                                  title="GPU compute: a step runs as its host issues these layers and its device "
-                                       "runs them (device time alone, host issue time):")]
+                                       "runs them (device time alone, host issue time; launch-bound first):")]
     if costs.backward_call:
         calls = sorted(costs.backward_call.values())
         out += ["", f"a backward step is one backward() call: every backward but its first sheds the "

@@ -188,6 +188,8 @@ def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsy
     durations = by_name({}, default=1e-3)
     plain = write_handmade_profile(tmp_path / "plain.h5", spec, durations)
     gpu = write_handmade_profile(tmp_path / "gpu.h5", spec, durations, host_issue={"gpt2.head.bwd": [3e-3]})
+    both = write_handmade_profile(tmp_path / "both.h5", spec, durations,
+                                  host_issue={"gpt2.block.fwd": [0.5e-3], "gpt2.head.bwd": [3e-3]})
     assert main(["simulate", str(plain), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
     assert before["compute_host_issue"] == []
@@ -200,6 +202,12 @@ def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsy
     assert after["batch_time_s"] == pytest.approx(before["batch_time_s"] + 2 * 2e-3)
     assert main(["simulate", str(gpu)]) == 0
     assert "host issue ms" in capsys.readouterr().out
+    # the table lists the launch-bound layer (the host slower than the device) first
+    assert main(["simulate", str(both)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if "host issue ms" in line) + 2:][:2]
+    assert "gpt2.head.bwd" in table[0] and table[0].endswith("host")
+    assert "gpt2.block.fwd" in table[1] and table[1].endswith("device")
 
 
 def test_simulate_takes_the_median_when_asked(hybrid_profile, capsys):
