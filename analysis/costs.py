@@ -28,6 +28,12 @@
   which the timeline adds to the stage's optimizer phase. A bucket whose all-reduce has no such samples
   takes the rate (seconds per byte) of the largest all-reduce that has them; profiles from before they
   were measured have none (no division, no zeroing, and a warning says so).
+- the profiling ranks' speeds: every rank profiles its own share of the compute events, so an event's
+  samples carry the speed of the rank that took them, and ranks differ (one core of the 2-core CPU
+  machine ran 4-19% slower than the other over the same minute; docs/benchmarks.md, run 19). Every rank
+  timed the same speed probe once per round (harness.profilers.probe); a compute event's statistic is
+  divided by its rank's probe median over the ranks' mean (`rank_speed`), so that every event stands for
+  the ranks' mean speed. Profiles without the probe, and `rank_speed=False`, keep the samples as taken.
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -48,6 +54,8 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
+
+from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 
 from analysis.profile import BACKWARD_CALL_ATTR, DIVIDE_SERIES, ZERO_SERIES, MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
@@ -192,6 +200,9 @@ class Costs:
     bucket_zero: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None
+    # per compute phase (profile.h5's key), every profiling rank's speed-probe time over the ranks' mean: the
+    # factor its compute samples were divided by (empty: samples as taken)
+    rank_speed: dict[str, list[float]] = field(default_factory=dict)
     compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
@@ -245,11 +256,43 @@ def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[f
     return points
 
 
-def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean") -> Costs:
+def rank_speed_factors(profile: Profile) -> dict[str, list[float]]:
+    """Per compute phase, each profiling rank's speed-probe median over the ranks' mean (1.1: that rank took
+    10% longer than the ranks' mean); phases with fewer than two usable ranks are left out, and a rank
+    without a usable probe gets 1."""
+    speeds = profile.environment.get(RANK_SPEED_PROBE_ENV)
+    if not isinstance(speeds, dict):
+        return {}
+    out = {}
+    for key, medians in speeds.items():
+        if not isinstance(medians, list):
+            continue
+        values = [float(v) if isinstance(v, (int, float)) and np.isfinite(v) and v > 0 else None for v in medians]
+        usable = [v for v in values if v is not None]
+        if len(usable) < 2:
+            continue
+        mean = sum(usable) / len(usable)
+        out[str(key)] = [v / mean if v is not None else 1.0 for v in values]
+    return out
+
+
+def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]]) -> float:
+    """The speed factor of the rank that took a compute measurement (1 where the profile cannot tell)."""
+    phase = measurement.attrs.get(COMPUTE_PHASE_ATTR)
+    if phase is None or not measurement.ranks:
+        return 1.0
+    per_rank = factors.get(compute_phase_key(phase), [])
+    rank = measurement.ranks[0]
+    return per_rank[rank] if 0 <= rank < len(per_rank) else 1.0
+
+
+def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
+                   rank_speed: bool = True) -> Costs:
     """The duration of every event of `plan` from `profile` (rules in the module docstring).
 
     Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
     is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
+    `rank_speed`: refer each compute event to the profiling ranks' mean speed (where the profile has the probe).
     """
     _check_statistic(compute_stat)
 
@@ -262,13 +305,16 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     if missing:
         raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
     fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(measured_comm_points(profile).items())}
-    costs = Costs(events={}, fits=fits, compute_stat=compute_stat)
+    costs = Costs(events={}, fits=fits, compute_stat=compute_stat,
+                  rank_speed=rank_speed_factors(profile) if rank_speed else {})
     no_comm_events: list[str] = []
     for eid, event in plan.events.items():
         if measured(eid):
             measurement = profile.measurements[eid]
-            costs.events[eid] = EventCost(eid, event.name, event.kind,
-                                          representative_seconds(measurement, compute_stat), MEASURED)
+            seconds = representative_seconds(measurement, compute_stat)
+            if event.kind == "compute":
+                seconds /= _rank_factor(measurement, costs.rank_speed)
+            costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, MEASURED)
             host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
             if host.size:
                 costs.host_issue[eid] = _statistic(compute_stat, float(host.mean()), float(np.median(host)))

@@ -24,14 +24,14 @@ class Prediction:
 
 
 def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
-            dp_overlap: bool | None = None, compute_stat: str = "mean") -> Prediction:
+            dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True) -> Prediction:
     """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
-    (compute by `compute_stat`, analysis.costs) and simulate one iteration. dp_overlap None follows the
-    spec. Raises UserError on bad input."""
+    (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs)
+    and simulate one iteration. dp_overlap None follows the spec. Raises UserError on bad input."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
     spec = resolve_spec(profile, spec_path, strategy)
     plan = build_plan(spec, layers_for(profile, spec))
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
-                           compute_stat=compute_stat)
+                           compute_stat=compute_stat, rank_speed=rank_speed)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap))

@@ -53,6 +53,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "seq_len": spec.model.seq_len,
         "batch_time_s": timeline.batch_time_s,
         "compute_statistic": costs.compute_stat,
+        "rank_speed": costs.rank_speed,
         "throughput_samples_s": finite(timeline.throughput_samples_s),
         "throughput_tokens_s": finite(timeline.throughput_tokens_s),
         "bubble_fraction": timeline.bubble_fraction,
@@ -162,6 +163,11 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                                  title="a data-parallel replica averages each gradient bucket (divides it by the "
                                        "replica count) before its all-reduce, and zeroes it after the optimizer "
                                        "step:")]
+    for phase, factors in sorted(costs.rank_speed.items()):
+        rows = [(rank, factor) for rank, factor in enumerate(factors)]
+        out += ["", format_table(("profiling rank", "probe / ranks' mean"), rows,
+                                 title="the profiling ranks' speeds (speed probe, once per round): each compute "
+                                       "event is divided by its rank's factor, so it stands for the ranks' mean")]
     skew = replica_skew_summary(timeline)
     if skew is not None:
         rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],

@@ -82,6 +82,7 @@ class Validation:
             "measured_batch_time_s": self.measured_batch_s,
             "predicted_batch_time_s": self.predicted_batch_s,
             "compute_statistic": self.timeline.costs.compute_stat,
+            "rank_speed": self.timeline.costs.rank_speed,
             "batch_time_error_pct": self.batch_time_error_pct,
             "device_error_pct": self.device_error_pct,
             "cpu_binding": self.cpu_binding,
@@ -126,13 +127,13 @@ def _predicted_busy(timeline: Timeline, stage: int) -> float:
 
 
 def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
-             compute_stat: str = "mean") -> Validation:
+             compute_stat: str = "mean", rank_speed: bool = True) -> Validation:
     """Predict the traced run's spec from `profile` (compute by `compute_stat`, analysis.costs) and compare
     it with what the run measured."""
     spec = parse_spec_offline(trace.spec, source=f"{trace.path}:spec_json")
     layers = [LayerDesc.from_dict(d) for d in trace.layers] if spec.model.family == "user" else None
     plan = build_plan(spec, layers)
-    costs = estimate_costs(plan, profile, compute_stat=compute_stat)
+    costs = estimate_costs(plan, profile, compute_stat=compute_stat, rank_speed=rank_speed)
     costs.warnings.extend(environment_differences(profile.environment, trace.environment))
     timeline = simulate(plan, costs, dp_overlap)
     measured = [float(t) for t in trace.iteration_times()]

@@ -1,6 +1,6 @@
 """Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
 
-Constants only, importing nothing: the harness writes its files with them (harness.store, harness.train.trace)
+Constants (and one key format), importing nothing: the harness writes its files with them (harness.store, harness.train.trace)
 and the analysis reads them with the same names (analysis.profile, analysis.runtrace) without importing the
 writers.
 """
@@ -29,6 +29,18 @@ SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIE
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"
+# compute only, an attribute: the compute phase that took the samples (its start, Unix time, the same on every
+# rank of one profiling run)
+COMPUTE_PHASE_ATTR = "compute_phase"
+# /environment, JSON: per compute phase (compute_phase_key), every rank's median speed-probe time
+# (harness.profilers.probe), so that the analysis can refer each rank's samples to the ranks' mean speed
+RANK_SPEED_PROBE_ENV = "rank_speed_probe_s"
+SPEED_PROBE_ENV = "speed_probe"  # /environment: what the probe is
+
+
+def compute_phase_key(compute_phase: float) -> str:
+    """The key of a compute phase in RANK_SPEED_PROBE_ENV: its attribute's value, written exactly."""
+    return repr(float(compute_phase))
 
 # ---- trace.h5 and the rank files of `harness train` (docs/train.md)
 TRACE_SCHEMA_VERSION = 1

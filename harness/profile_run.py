@@ -21,14 +21,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
+
 from harness.errors import UserError
 from harness.events import EventPlan, build_plan
+from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, SPEED_PROBE_ENV, compute_phase_key
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES,
-                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_measurements, write_profile,
-                           write_rank_file)
+                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_environment, read_measurements,
+                           write_profile, write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -181,6 +184,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     from harness.distributed import destroy_process_group, init_process_group, pick_device
     from harness.profilers.comm import COMPOSITE_SAMPLE, CommProfiler
     from harness.profilers.compute import measure_compute_share
+    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION, SpeedProbe
 
     started = time.time()
     topology: Topology = discover(comm)
@@ -189,6 +193,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     watchdog = Watchdog(comm, rank, spec.profile.timeout_s)
     recorder: RankRecorder | None = None
     busy_s = 0.0
+    probe: SpeedProbe | None = None
     phase = "set-up"
     try:
         watchdog.start(phase)
@@ -238,7 +243,10 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
         reports: list = []
 
+        probe = SpeedProbe(device)  # every rank times it once per round: the ranks' speeds side by side
+
         def round_done(count: int) -> None:
+            probe.sample()
             _report_progress(comm, rank, progress, count, reports)
             if rank == 0:
                 _poll_progress(comm, progress)
@@ -253,7 +261,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             series = {SAMPLE_END_SERIES: taken.end_s}
             if taken.host_issue_s is not None:
                 series[HOST_ISSUE_SERIES] = taken.host_issue_s
-            attrs = {"name": event.name, "warmup": warmup, "device": name, "compute_phase": compute_phase}
+            attrs = {"name": event.name, "warmup": warmup, "device": name, COMPUTE_PHASE_ATTR: compute_phase}
             if taken.backward_call_s is not None:
                 attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
             recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key, attrs,
@@ -325,6 +333,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         raise
 
     busy = comm.gather(busy_s, root=0)
+    probe_medians = comm.gather(probe.median_s(), root=0)
     comm.Barrier()
     comm_wall_s = time.perf_counter() - phase_start
     destroy_process_group()
@@ -337,6 +346,11 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     for r in range(topology.size):
         merged.update(read_measurements(rank_file(outdir, r)))
     unmeasured = {eid: why for eid, why in placement.unmeasured.items() if eid not in merged}
+    # every rank's probe, per compute phase; a resumed profile keeps those of the phases its measurements came from
+    speeds = {} if force else _stored_rank_speeds(outdir)
+    speeds[compute_phase_key(compute_phase)] = probe_medians
+    phases = {compute_phase_key(m.attrs[COMPUTE_PHASE_ATTR]) for m in merged.values() if COMPUTE_PHASE_ATTR in m.attrs}
+    speeds = {key: value for key, value in speeds.items() if key in phases}
     owners = placement.owner_of()
     environment = {
         "hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
@@ -347,6 +361,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
         "warmup": warmup, "repeats": repeats, "host_memory": host_memory,
+        SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
     path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
                          layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),
@@ -368,6 +383,19 @@ def _slurm_environment(topology: Topology) -> dict:
     if "SLURM_JOB_NODELIST" in slurm:
         slurm["nodes"] = expand_nodelist(slurm["SLURM_JOB_NODELIST"])
     return slurm
+
+
+def _stored_rank_speeds(outdir: Path) -> dict[str, list[float]]:
+    """The speed probes an earlier profile.h5 in OUTDIR recorded, per compute phase (none if unreadable)."""
+    path = outdir / "profile.h5"
+    if not path.exists():
+        return {}
+    try:
+        with h5py.File(path, "r") as f:
+            speeds = read_environment(f).get(RANK_SPEED_PROBE_ENV, {}) if "environment" in f else {}
+    except OSError:
+        return {}
+    return speeds if isinstance(speeds, dict) else {}
 
 
 def _own_previous(outdir: Path, rank: int) -> dict[str, Measurement]:

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
                         help="the statistic of a compute event's samples that stands for it: mean (default: an "
                              "iteration sums many events) or median (DistSim's)")
+    parser.add_argument("--no-rank-speed", action="store_true",
+                        help="keep every compute sample as its profiling rank took it, instead of referring it to the "
+                             "ranks' mean speed by the profile's speed probe")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--trace", metavar="FILE.json[.gz]", help="write a Chrome/Perfetto trace")
     parser.add_argument("--png", metavar="FILE.png", help="write a Gantt chart")
@@ -35,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prediction = predict(args.profile, args.spec, args.strategy, dp_overlap=False if args.no_overlap else None,
-                         compute_stat=args.compute_stat)
+                         compute_stat=args.compute_stat, rank_speed=not args.no_rank_speed)
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     report = summary(timeline, ranks, selection, args.profile)

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
                         help="the statistic of a compute event's samples that stands for it: mean (default: an "
                              "iteration sums many events) or median (DistSim's)")
+    parser.add_argument("--no-rank-speed", action="store_true",
+                        help="keep every compute sample as its profiling rank took it, instead of referring it to the "
+                             "ranks' mean speed by the profile's speed probe")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
     parser.add_argument("--trace-out", "--perfetto", dest="trace_out", metavar="FILE.json[.gz]",
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc))
     profile = load_profile(_file(args.profile, "profile.h5"))
     result = validate(trace, profile, dp_overlap=False if args.no_overlap else None,
-                      compute_stat=args.compute_stat)
+                      compute_stat=args.compute_stat, rank_speed=not args.no_rank_speed)
     written = []
     if args.png:
         from analysis.compare import write_comparison_png
