@@ -253,3 +253,39 @@ def test_compute_takes_the_mean_of_its_samples_or_the_median_and_communication_k
             assert mean.seconds(eid) == median.seconds(eid)
     with pytest.raises(ValueError, match="unknown compute statistic"):
         estimate_costs(plan, profile, compute_stat="mode")
+
+
+def test_compute_events_stand_for_the_profiling_ranks_mean_speed(tmp_path, capsys):
+    spec = make_spec(pp=2, micro_batches=2, layers=2)
+    plan = build_plan(spec)
+    # rank 1 measured the blocks' forward; its probe took 1.5 ms against rank 0's 1.0 ms (mean 1.25 ms)
+    path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({"p2p": 2e-4}, default=1e-3),
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3])
+    profile = load_profile(path)
+    costs = estimate_costs(plan, profile)
+    (factors,) = costs.rank_speed.values()
+    assert factors == pytest.approx([0.8, 1.2])
+    for eid, event in plan.events.items():
+        if event.kind == "compute":
+            expected = 1e-3 / (1.2 if event.name == "gpt2.block.fwd" else 0.8)
+            assert costs.seconds(eid) == pytest.approx(expected), event.name
+        else:
+            assert costs.seconds(eid) == pytest.approx(2e-4)  # communication is not a rank's compute speed
+    raw = estimate_costs(plan, profile, rank_speed=False)
+    assert raw.rank_speed == {}
+    assert all(raw.seconds(eid) == pytest.approx(1e-3) for eid, e in plan.events.items() if e.kind == "compute")
+    assert main(["simulate", str(path)]) == 0
+    assert "probe / ranks' mean" in capsys.readouterr().out
+    assert main(["simulate", str(path), "--json", "--no-rank-speed"]) == 0
+    assert '"rank_speed": {}' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("probe", [None, [1.0e-3], [1.0e-3, float("nan")]])
+def test_without_two_usable_probes_the_samples_stay_as_taken(tmp_path, probe):
+    spec = make_spec(pp=2, micro_batches=2, layers=2)
+    plan = build_plan(spec)
+    path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3),
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=probe)
+    costs = estimate_costs(plan, load_profile(path))
+    assert costs.rank_speed == {}
+    assert all(costs.seconds(eid) == pytest.approx(1e-3) for eid, e in plan.events.items() if e.kind == "compute")

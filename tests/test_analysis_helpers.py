@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from harness.events import Event, build_plan, event_id
+from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
 from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
@@ -56,14 +57,17 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                            layers: list[LayerDesc] | None = None, sender_busy: Sequence[float] = (),
                            host_issue: Mapping[str, Sequence[float]] | None = None,
                            backward_call_s: float | None = None, divide: Sequence[float] = (),
-                           zero: Sequence[float] = ()) -> Path:
+                           zero: Sequence[float] = (), measuring_rank: Mapping[str, int] | None = None,
+                           speed_probe: Sequence[float] | None = None) -> Path:
     """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
     which it returns None are left unmeasured (and listed so). A user model needs its `layers`. P2P events
     get `sender_busy` as their samples timed with the sender computing (none when empty); compute events
     named in `host_issue` get those samples as the host's issue times (as a GPU profile has them); backward
     compute events get `backward_call_s` as the cost of one backward() call (as profiles measure it);
     all-reduces get `divide` as their samples of the buffer's division by the group size and `zero` as those
-    of its zeroing (none when empty)."""
+    of its zeroing (none when empty). Compute events named in `measuring_rank` were measured by that rank
+    (else rank 0); with `speed_probe`, the profiling ranks' speed-probe medians, all compute events come from
+    one compute phase whose probe the environment records (as harness profile writes it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = build_plan(spec, layers)
@@ -71,6 +75,7 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
         table = dict(durations)
         durations = lambda event: table.get(event.id)  # noqa: E731
     measurements, unmeasured = [], {}
+    phase = 1.7e9  # a compute phase's start, Unix time
     for event in plan.events.values():
         seconds = durations(event)
         if seconds is None:
@@ -88,14 +93,19 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
             attrs[BACKWARD_CALL_ATTR] = backward_call_s
         if host_issue and event.name in host_issue:
             series[HOST_ISSUE_SERIES] = np.asarray(host_issue[event.name], dtype=float)
+        if speed_probe is not None and event.kind == "compute":
+            attrs[COMPUTE_PHASE_ATTR] = phase
+        rank = (measuring_rank or {}).get(event.name, 0) if event.kind == "compute" else 0
         measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),
-                                        [0], "test", attrs, series))
+                                        [rank], "test", attrs, series))
     measurements += list(extra)
     return write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
                          events=plan.table(), measurements=measurements, unmeasured=unmeasured,
                          environment={"world_size": world_size, "device": "cpu", "backend": "test",
-                                      "hosts": ["test"]},
-                         placement={m.id: [0] for m in measurements})
+                                      "hosts": ["test"],
+                                      **({RANK_SPEED_PROBE_ENV: {compute_phase_key(phase): list(speed_probe)}}
+                                         if speed_probe is not None else {})},
+                         placement={m.id: m.ranks for m in measurements})
 
 
 def run_python(script: str, cwd: str | Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:

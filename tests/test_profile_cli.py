@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 from tests.conftest import ROOT
 from tests.helpers import write_spec
 
@@ -55,6 +56,13 @@ def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
     with h5py.File(out / "profile.h5") as f:  # P2P also with the sender computing, on either backend
         p2p = [g for g in f["measurements"].values() if g.attrs["kind"] == "p2p"]
         assert p2p and all((g["sender_busy_samples_s"][()] > 0).all() for g in p2p)
+        # every rank timed the speed probe in the compute phase that took the compute samples
+        phases = {compute_phase_key(g.attrs[COMPUTE_PHASE_ATTR]) for g in f["measurements"].values()
+                  if g.attrs["kind"] == "compute"}
+    probes = summary["environment"][RANK_SPEED_PROBE_ENV]
+    assert set(probes) == phases and len(phases) == 1
+    (medians,) = probes.values()
+    assert len(medians) == 2 and all(m > 0 for m in medians)
 
 
 def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, project_env):

@@ -8,6 +8,7 @@ import pytest
 
 from harness.events import build_plan
 from harness.spec import loads_spec
+from harness.store import read_environment
 from tests.helpers import tiny_spec_text
 
 
@@ -75,10 +76,14 @@ def test_end_to_end_profile_then_resume(tmp_path):
                     else:
                         assert series not in g
             assert f["environment"].attrs["world_size"] == comm.size
+            first_probes = read_environment(f)["rank_speed_probe_s"]  # every rank's, for the one compute phase
+            assert len(first_probes) == 1 and all(len(m) == comm.size and min(m) > 0 for m in first_probes.values())
         assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
     again = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         assert again.measured == 0 and again.skipped >= len(plan.events)
+        with h5py.File(outdir / "profile.h5") as f:  # every sample is the first run's: so is the probe kept
+            assert read_environment(f)["rank_speed_probe_s"] == first_probes
         # a P2P measured before sender-busy samples existed, or an all-reduce before its division was timed,
         # is measured again on resume
         for path in [outdir / "profile.h5", *outdir.glob("rank-*.h5")]:
