@@ -4,9 +4,9 @@ Every rank profiles its own share of the compute events, so an event's samples c
 that took them. Ranks differ: on a shared machine one core ran 4-19% slower than the other over the same
 profiling minute (docs/benchmarks.md, run 19), and on a cluster nodes throttle differently. Timed by all
 ranks in the same rounds, the probe tells the ranks' speeds apart; the analysis refers every compute sample
-to the ranks' mean speed (analysis.costs). The work has a transformer MLP's shape, float32, on the rank's
-device: an untimed run (what ran before it was the round's last event, different on every rank), then a
-timed one.
+to the ranks' mean speed (analysis.costs). The work has a transformer MLP's shape, on the rank's
+device (SHAPES): an untimed run (what ran before it was the round's last event, different on every rank),
+then a timed one.
 """
 from __future__ import annotations
 
@@ -14,21 +14,25 @@ import torch
 
 from harness.profilers.timer import time_region
 
-ROWS, WIDTH, HIDDEN = 64, 256, 1024
 MIN_SAMPLES = 10  # a rank with few or no rounds still gets a median worth the name
-DESCRIPTION = (f"float32 ({ROWS}x{WIDTH}) @ ({WIDTH}x{HIDDEN}), GELU, @ ({HIDDEN}x{WIDTH}), once untimed then "
-               f"timed, after every round of the compute phase (at least {MIN_SAMPLES} times); median per rank")
+# (rows, width, hidden, dtype) per device type: about 1 ms a run on a CPU core; on a GPU large enough to time
+# the device's arithmetic rather than a kernel launch (about half a millisecond on an H200)
+SHAPES = {"cpu": (64, 256, 1024, torch.float32), "cuda": (4096, 4096, 8192, torch.bfloat16)}
+DESCRIPTION = ("x (rows x width) @ (width x hidden), GELU, @ (hidden x width): float32 64 x 256 x 1024 on a CPU, "
+               "bfloat16 4096 x 4096 x 8192 on a GPU; once untimed then timed, after every round of the compute "
+               f"phase (at least {MIN_SAMPLES} times); median per rank")
 
 
 class SpeedProbe:
     """The fixed work on `device` (weights from a fixed seed: every rank runs the same) and its samples."""
 
     def __init__(self, device: torch.device):
+        rows, width, hidden, dtype = SHAPES["cuda" if device.type == "cuda" else "cpu"]
         generator = torch.Generator().manual_seed(0)
         self.device = device
-        self.x = torch.randn(ROWS, WIDTH, generator=generator).to(device)
-        self.w1 = (torch.randn(WIDTH, HIDDEN, generator=generator) / WIDTH ** 0.5).to(device)
-        self.w2 = (torch.randn(HIDDEN, WIDTH, generator=generator) / HIDDEN ** 0.5).to(device)
+        self.x = torch.randn(rows, width, generator=generator).to(device, dtype)
+        self.w1 = (torch.randn(width, hidden, generator=generator) / width ** 0.5).to(device, dtype)
+        self.w2 = (torch.randn(hidden, width, generator=generator) / hidden ** 0.5).to(device, dtype)
         self.samples_s: list[float] = []
 
     def _run(self) -> torch.Tensor:
