@@ -31,9 +31,14 @@
 - the profiling ranks' speeds: every rank profiles its own share of the compute events, so an event's
   samples carry the speed of the rank that took them, and ranks differ (one core of the 2-core CPU
   machine ran 4-19% slower than the other over the same minute; docs/benchmarks.md, run 19). Every rank
-  timed the same speed probe once per round (harness.profilers.probe); a compute event's statistic is
-  divided by its rank's probe median over the ranks' mean (`rank_speed`), so that every event stands for
-  the ranks' mean speed. Profiles without the probe, and `rank_speed=False`, keep the samples as taken.
+  timed the same speed probe once per round (harness.profilers.probe); a compute event's statistic, and
+  its backward call, are divided by its rank's probe median over the ranks' mean (`rank_speed`: above 1
+  for a rank slower than the mean), so that every event stands for the ranks' mean. A tensor-parallel shard
+  measured with its composite is left as taken: the composite, measured by a group, splits into the shard
+  and its all-reduces, and correcting one side only would move the rank's slowness into the all-reduces.
+  Profiles without the probe, and `rank_speed=False`, keep the samples as taken; compute events from a
+  profiling run whose ranks the profile cannot compare (it stopped before its end, or fewer than two of its
+  ranks measured compute) stay as taken, with a warning when others were corrected.
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -276,14 +281,21 @@ def rank_speed_factors(profile: Profile) -> dict[str, list[float]]:
     return out
 
 
-def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]]) -> float:
-    """The speed factor of the rank that took a compute measurement (1 where the profile cannot tell)."""
+def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]]) -> float | None:
+    """The speed factor of the rank that took a compute measurement: 1 where its rank had no usable probe,
+    None where its profiling run has no probe in the profile at all."""
     phase = measurement.attrs.get(COMPUTE_PHASE_ATTR)
-    if phase is None or not measurement.ranks:
-        return 1.0
-    per_rank = factors.get(compute_phase_key(phase), [])
+    per_rank = factors.get(compute_phase_key(phase)) if phase is not None else None
+    if per_rank is None or not measurement.ranks:
+        return None
     rank = measurement.ranks[0]
     return per_rank[rank] if 0 <= rank < len(per_rank) else 1.0
+
+
+def _has_composite(profile: Profile, event: Any) -> bool:
+    """Whether a tensor-parallel shard was also measured with its all-reduces, as a composite."""
+    composite = profile.measurements.get(event_id(composite_content(event.content)))
+    return composite is not None and composite.count > 0
 
 
 def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
@@ -308,19 +320,24 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     costs = Costs(events={}, fits=fits, compute_stat=compute_stat,
                   rank_speed=rank_speed_factors(profile) if rank_speed else {})
     no_comm_events: list[str] = []
+    uncorrected: list[str] = []  # compute events from a profiling run without a probe, where others have one
     for eid, event in plan.events.items():
         if measured(eid):
             measurement = profile.measurements[eid]
             seconds = representative_seconds(measurement, compute_stat)
-            if event.kind == "compute":
-                seconds /= _rank_factor(measurement, costs.rank_speed)
-            costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, MEASURED)
+            factor = 1.0
+            if event.kind == "compute" and costs.rank_speed and not _has_composite(profile, event):
+                factor = _rank_factor(measurement, costs.rank_speed)
+                if factor is None:
+                    uncorrected.append(event.name)
+                    factor = 1.0
+            costs.events[eid] = EventCost(eid, event.name, event.kind, seconds / factor, MEASURED)
             host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
             if host.size:
                 costs.host_issue[eid] = _statistic(compute_stat, float(host.mean()), float(np.median(host)))
             call = measurement.attrs.get(BACKWARD_CALL_ATTR) if event.kind == "compute" else None
             if call is not None and np.isfinite(call):
-                costs.backward_call[eid] = float(call)
+                costs.backward_call[eid] = float(call) / factor
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
@@ -332,6 +349,12 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             continue
         seconds = fit.predict(event.kind, event.bytes, event.group_size)
         costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
+    if uncorrected:
+        costs.warnings.append(
+            f"{len(uncorrected)} compute event(s) ({', '.join(sorted(set(uncorrected)))}) come from a profiling run "
+            f"whose ranks' speeds {profile.path.name} cannot compare (it stopped before its end, or fewer than two "
+            "of its ranks measured compute), so they keep their rank's speed while the others stand for the "
+            "ranks' mean; profile again with --force to measure them alike")
     _sender_busy_extras(plan, profile, costs)
     if plan.spec.strategy.dp > 1:
         _bucket_passes(plan, profile, costs)

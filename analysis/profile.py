@@ -17,14 +17,15 @@ from harness.errors import UserError
 from harness.events import CommunicationFields
 # the names harness.store writes, from the one place both sides take them (not from the store itself: the
 # analysis does not import the profiling side)
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND,  # noqa: F401
-                                  PROFILE_SCHEMA_VERSION, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, STATS,
-                                  ZERO_SERIES)
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,  # noqa: F401
+                                  MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, RANK_PROFILE_KIND, SAMPLE_END_SERIES,
+                                  SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
-PROFILE_SCHEMA_VERSIONS = (PROFILE_SCHEMA_VERSION,)
-_RESERVED_ATTRS = {"kind", "content_json", "ranks", "env_key", "count", *STATS}
+# the versions this reader understands, kept apart from the version the harness writes now, so that a new
+# writer version does not silently stop older files from loading
+PROFILE_SCHEMA_VERSIONS = (1,)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class MeasuredEvent(CommunicationFields):
                                  **_optional_series(g),
                                  "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
                                  "env_key": _text(g.attrs.get("env_key", "")),
-                                 "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in _RESERVED_ATTRS}}
+                                 "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in MEASUREMENT_FIELD_ATTRS}}
         return self._details[key]
 
     @property
@@ -167,7 +168,7 @@ def load_profile(path: str | Path) -> Profile:
             raise UserError(f"{path}: unsupported schema_version {_plain(version)!r}; this analysis reads "
                             f"version {', '.join(map(str, PROFILE_SCHEMA_VERSIONS))} (docs/hdf5.md)")
         if kind != PROFILE_KIND:
-            hint = " (a per-rank file: give the merged profile.h5)" if kind == "distsim-rank" else ""
+            hint = " (a per-rank file: give the merged profile.h5)" if kind == RANK_PROFILE_KIND else ""
             raise UserError(f"{path}: kind is {kind!r}, expected {PROFILE_KIND!r}{hint}")
         if "spec_json" not in f.attrs:
             raise UserError(f"{path}: no spec_json attribute; the profile is incomplete")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -9,6 +10,8 @@ from harness.events import human_bytes
 from harness.tables import format_seconds, format_table
 
 from analysis.simulate import Timeline
+
+RANK_SPEED_ROWS = 16  # beyond this many profiling ranks, the table shows the fastest and slowest half each
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_KIND = "distsim-simulation"
@@ -164,10 +167,16 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                                        "replica count) before its all-reduce, and zeroes it after the optimizer "
                                        "step:")]
     for phase, factors in sorted(costs.rank_speed.items()):
-        rows = [(rank, factor) for rank, factor in enumerate(factors)]
+        order = sorted(range(len(factors)), key=lambda r: factors[r])
+        shown = order if len(order) <= RANK_SPEED_ROWS else order[:RANK_SPEED_ROWS // 2] + order[-RANK_SPEED_ROWS // 2:]
+        rows = [(rank, factors[rank]) for rank in shown]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(phase)))
         out += ["", format_table(("profiling rank", "probe / ranks' mean"), rows,
-                                 title="the profiling ranks' speeds (speed probe, once per round): each compute "
-                                       "event is divided by its rank's factor, so it stands for the ranks' mean")]
+                                 title=f"the profiling ranks' speeds in the compute phase of {when} UTC (speed probe, "
+                                       "once per round; above 1: slower than the ranks' mean); each compute event "
+                                       "is divided by its rank's factor"
+                                       + (f"; the {len(shown)} fastest and slowest of {len(order)} ranks"
+                                          if len(shown) < len(order) else ""))]
     skew = replica_skew_summary(timeline)
     if skew is not None:
         rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],

@@ -20,10 +20,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_SCHEMA_VERSION as SCHEMA_VERSION,
-                                  TRACE_STRING_COLUMNS as STRING_COLUMNS)
+from harness.hdf5_schema import TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_STRING_COLUMNS as STRING_COLUMNS
 
 from analysis.profile import read_environment
+
+# the trace versions this reader understands (not tied to the version `harness train` writes now)
+SCHEMA_VERSIONS = (1,)
 
 
 class TraceError(ValueError):
@@ -209,8 +211,9 @@ def read_trace(path: str | Path) -> Trace:
         version = _attr(f.attrs.get("schema_version", -1))
         if kind != TRACE_KIND:
             raise TraceError(f"{path}: not a trace of `harness train` (kind {kind!r}, expected {TRACE_KIND!r})")
-        if version != SCHEMA_VERSION:
-            raise TraceError(f"{path}: schema_version {version} is not supported (this reader knows {SCHEMA_VERSION})")
+        if version not in SCHEMA_VERSIONS:
+            raise TraceError(f"{path}: schema_version {version} is not supported (this reader knows "
+                             f"{', '.join(map(str, SCHEMA_VERSIONS))})")
         attrs = {key: _attr(value) for key, value in f.attrs.items()}
         environment = read_environment(f)
         clock = {key: (ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()])

@@ -30,6 +30,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from harness.hdf5_schema import COMPUTE_PHASE_ATTR
+
 from analysis.profile import Profile
 
 WINDOW_STEP = 0.25  # window positions every quarter window
@@ -131,7 +133,7 @@ def replica_skew(profile: Profile) -> ReplicaSkew | None:
         ends = m.sample_end_s
         if ends.size != m.count:
             continue
-        run = float(m.attrs.get("compute_phase", 0.0))
+        run = float(m.attrs.get(COMPUTE_PHASE_ATTR, 0.0))
         by_run.setdefault(run, {}).setdefault(m.ranks[0], []).append((ends, m.samples_s, m.median_s))
     if not by_run:
         return None

@@ -48,7 +48,8 @@ class Validation:
     steps: list[dict[str, Any]] = field(default_factory=list)
     replica_lag: list[dict[str, Any]] = field(default_factory=list)  # dp > 1: per pipeline stage
     representative_iteration: int = 0
-    cpu_binding: dict[str, str] = field(default_factory=dict)  # "profile" and "run": bound, shared, ...
+    # each side's binding: bound, shared, single or unknown
+    cpu_binding: dict[str, str] = field(default_factory=lambda: {"profile": "unknown", "run": "unknown"})
 
     @property
     def batch_time_error_pct(self) -> float:

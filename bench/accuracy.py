@@ -12,10 +12,12 @@ Pooling trials taken minutes apart averages out this shared machine's drift (ben
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
-     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--json]
+     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
 bind; --bind none shows what unbound ranks cost a pipeline's waiting stage (docs/benchmarks.md, run 18).
---reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured).
+--reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured);
+with --no-rank-speed, without referring compute events to the profiling ranks' mean speed (docs/benchmarks.md,
+run 20). --json rows also carry each stage's median error (stage_error_pct).
 """
 from __future__ import annotations
 
@@ -83,13 +85,13 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
                       str(args.iterations), "--warmup", "2"]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
-    return validate(workdir, env)
+    return validate(workdir, env, args.no_rank_speed)
 
 
-def validate(workdir: Path, env: dict) -> dict:
+def validate(workdir: Path, env: dict, no_rank_speed: bool = False) -> dict:
     """analysis validate's JSON for one trial's run against its profile."""
-    out = run([sys.executable, "-m", "analysis", "validate", str(workdir / "run"), str(workdir / "prof"), "--json"],
-              env)
+    out = run([sys.executable, "-m", "analysis", "validate", str(workdir / "run"), str(workdir / "prof"), "--json",
+               *(["--no-rank-speed"] if no_rank_speed else [])], env)
     return json.loads(out.stdout)
 
 
@@ -151,11 +153,23 @@ def pooled(trials: list[dict]) -> dict:
             "batch_error_interval_pct": list(bootstrap_interval(trials)),
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
+            # per virtual stage and phase ("0F", "1B", ...): the median over trials of validate's stage error
+            "stage_error_pct": {key: float(np.median(values)) for key, values in sorted(stage_errors(trials).items())},
             # how the trials' ranks were bound, as their files recorded it (docs/analysis.md)
             "cpu_binding": {side: sorted({t.get("cpu_binding", {}).get(side, "unknown") for t in trials})
                             for side in ("profile", "run")},
             # how far the run's own median moved between trials: what a perfect model would still see
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0}
+
+
+def stage_errors(trials: list[dict]) -> dict[str, list[float]]:
+    """Every trial's error per virtual stage and phase, keyed "0F", "0B", "1F", ..."""
+    out: dict[str, list[float]] = {}
+    for trial in trials:
+        for row in trial.get("stages", []):
+            if row.get("error_pct") is not None:
+                out.setdefault(f"{row['virtual_stage']}{row['phase']}", []).append(row["error_pct"])
+    return out
 
 
 def main() -> None:
@@ -171,6 +185,9 @@ def main() -> None:
                         help="mpirun --bind-to for profile and run (default core: one core per rank; launcher: "
                         "pass no option, so the launcher's default or its environment decides; runs 1-17 ran so, "
                         "unbound under MPICH); ignored with --reuse")
+    parser.add_argument("--no-rank-speed", action="store_true",
+                        help="validate without referring compute events to the profiling ranks' mean speed (analysis "
+                        "validate --no-rank-speed); with --reuse, the same trials both ways")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     if args.reuse and not Path(args.reuse).is_dir():
@@ -191,7 +208,7 @@ def main() -> None:
               f"{'90% interval':>14} {'device err %':>13} {'run spread %':>13}  per-trial batch err %")
     for name in names:
         if args.reuse:
-            trials = [validate(workdir, env) for workdir in kept[name]]
+            trials = [validate(workdir, env, args.no_rank_speed) for workdir in kept[name]]
             if not trials:
                 continue
         else:

@@ -48,7 +48,8 @@ def human_bytes(nbytes: float) -> str:
         nbytes /= 1024
     if unit == "B":
         return f"{nbytes:.0f}B"
-    return f"{nbytes:.3g}{unit}" if abs(nbytes) < 1000 else f"{nbytes:.0f}{unit}"
+    text = f"{nbytes:.3g}"
+    return f"{text if 'e' not in text else f'{nbytes:.0f}'}{unit}"  # 999.7 rounds to 1e+03 in .3g
 
 
 def event_id(content: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ PROFILE_KIND = "distsim-profile"
 RANK_PROFILE_KIND = "distsim-rank"
 # a measurement's summary attributes, beside `count`
 STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
+# a measurement's attributes that are its own fields; the rest are free-form (name, warmup, bytes, ...)
+MEASUREMENT_FIELD_ATTRS = frozenset({"kind", "content_json", "ranks", "env_key", "count", *STATS})
 # A measurement's optional sample series, next to samples_s:
 # P2P only: the receive timed while the sender computes (harness.profilers.comm)
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
@@ -51,5 +53,3 @@ TRACE_FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
 TRACE_STRING_COLUMNS = ("kind", "name", "phase", "event_id")
 TRACE_INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
 TRACE_COLUMNS = TRACE_FLOAT_COLUMNS + TRACE_STRING_COLUMNS + TRACE_INT_COLUMNS
-TRACE_KINDS = ("compute", "p2p", "allreduce", "optimizer")
-TRACE_PHASES = ("F", "B", "send", "recv", "tp", "dp", "opt")

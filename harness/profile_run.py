@@ -231,6 +231,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         phase = "compute"
         watchdog.start(phase)
         compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)  # names this run's phase
+        probe = SpeedProbe(device)  # ranks with a share time it once per round: their speeds side by side
         comm.Barrier()
         phase_start = time.perf_counter()
         total_compute = sum(len(ids) for ids in placement.compute.values())
@@ -243,8 +244,6 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
 
         reports: list = []
 
-        probe = SpeedProbe(device)  # every rank times it once per round: the ranks' speeds side by side
-
         def round_done(count: int) -> None:
             probe.sample()
             _report_progress(comm, rank, progress, count, reports)
@@ -255,6 +254,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         t0 = time.perf_counter()
         measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done,
                                          origin_s=phase_start)
+        probe.top_up()
         busy_s += time.perf_counter() - t0
         for eid, taken in measured.items():
             event = plan.events[eid]

@@ -15,9 +15,9 @@ from typing import Any, Iterable
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND,  # noqa: F401
-                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, STATS,
-                                  ZERO_SERIES)
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,  # noqa: F401
+                                  MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, RANK_PROFILE_KIND, SAMPLE_END_SERIES,
+                                  SENDER_BUSY_SERIES, SERIES, STATS, ZERO_SERIES)
 from harness.hdf5_schema import PROFILE_SCHEMA_VERSION as SCHEMA_VERSION
 
 
@@ -69,11 +69,10 @@ def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float
 
 
 def _read_measurement(eid: str, g: h5py.Group) -> Measurement:
-    reserved = {"kind", "content_json", "ranks", "env_key", "count", *STATS}
     return Measurement(id=eid, kind=str(g.attrs["kind"]), content=json.loads(g.attrs["content_json"]),
                        samples_s=g["samples_s"][()], ranks=[int(r) for r in g.attrs["ranks"]],
                        env_key=str(g.attrs["env_key"]),
-                       attrs={k: v for k, v in g.attrs.items() if k not in reserved},
+                       attrs={k: v for k, v in g.attrs.items() if k not in MEASUREMENT_FIELD_ATTRS},
                        series={name: g[name][()] for name in SERIES if name in g})
 
 

@@ -260,11 +260,14 @@ def test_compute_events_stand_for_the_profiling_ranks_mean_speed(tmp_path, capsy
     plan = build_plan(spec)
     # rank 1 measured the blocks' forward; its probe took 1.5 ms against rank 0's 1.0 ms (mean 1.25 ms)
     path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({"p2p": 2e-4}, default=1e-3),
-                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3])
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3],
+                                  backward_call_s=1e-4)
     profile = load_profile(path)
     costs = estimate_costs(plan, profile)
     (factors,) = costs.rank_speed.values()
     assert factors == pytest.approx([0.8, 1.2])
+    # a backward's call was part of every sample, taken at the same speed
+    assert all(call == pytest.approx(1e-4 / 0.8) for call in costs.backward_call.values())
     for eid, event in plan.events.items():
         if event.kind == "compute":
             expected = 1e-3 / (1.2 if event.name == "gpt2.block.fwd" else 0.8)
@@ -280,8 +283,9 @@ def test_compute_events_stand_for_the_profiling_ranks_mean_speed(tmp_path, capsy
     assert '"rank_speed": {}' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("probe", [None, [1.0e-3], [1.0e-3, float("nan")]])
+@pytest.mark.parametrize("probe", [None, [1.0e-3], [1.0e-3, float("nan")], [1.0e-3, None]])
 def test_without_two_usable_probes_the_samples_stay_as_taken(tmp_path, probe):
+    """None: a profile from before the probe; one rank; a rank whose probe is unusable or that had no share."""
     spec = make_spec(pp=2, micro_batches=2, layers=2)
     plan = build_plan(spec)
     path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3),
@@ -289,3 +293,48 @@ def test_without_two_usable_probes_the_samples_stay_as_taken(tmp_path, probe):
     costs = estimate_costs(plan, load_profile(path))
     assert costs.rank_speed == {}
     assert all(costs.seconds(eid) == pytest.approx(1e-3) for eid, e in plan.events.items() if e.kind == "compute")
+
+
+def test_a_rank_without_a_share_is_left_out_of_the_mean(tmp_path):
+    spec = make_spec(pp=2, micro_batches=2, layers=2)
+    plan = build_plan(spec)
+    # rank 2 had no compute share (no probe); ranks 0 and 1 make the mean
+    path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3), world_size=3,
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3, None])
+    costs = estimate_costs(plan, load_profile(path))
+    (factors,) = costs.rank_speed.values()
+    assert factors == pytest.approx([0.8, 1.2, 1.0])
+
+
+def test_events_of_a_run_without_a_probe_stay_as_taken_and_say_so(tmp_path):
+    spec = make_spec(pp=2, micro_batches=2, layers=2)
+    plan = build_plan(spec)
+    path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3),
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3])
+    with h5py.File(path, "r+") as f:  # the block's forward came from an earlier run that stopped before its end
+        block_fwd = next(eid for eid, e in plan.events.items() if e.name == "gpt2.block.fwd")
+        f["measurements"][block_fwd].attrs["compute_phase"] = 1.6e9
+    costs = estimate_costs(plan, load_profile(path))
+    assert costs.seconds(block_fwd) == pytest.approx(1e-3)
+    assert any("gpt2.block.fwd" in w and "--force" in w for w in costs.warnings)
+    others = [eid for eid, e in plan.events.items() if e.kind == "compute" and eid != block_fwd]
+    assert all(costs.seconds(eid) == pytest.approx(1e-3 / 0.8) for eid in others)
+
+
+def test_a_tensor_parallel_shard_with_its_composite_is_left_as_taken(tmp_path):
+    from harness.events import composite_content, event_id
+
+    spec = make_spec(tp=2, micro_batches=2, layers=1)
+    plan = build_plan(spec)
+    shard = next(e for e in plan.events.values() if e.kind == "compute" and e.name == "gpt2.block.fwd")
+    composite = Measurement(event_id(composite_content(shard.content)), "composite", composite_content(shard.content),
+                            np.full(3, 3e-3), [0, 1], "test", {"group_size": 2})
+    path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3), extra=[composite],
+                                  measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3])
+    costs = estimate_costs(plan, load_profile(path))
+    # the composite splits into the shard and its all-reduces: correcting the shard alone would move its
+    # rank's slowness into the all-reduces
+    assert costs.seconds(shard.id) == pytest.approx(1e-3)
+    assert costs.composites[shard.id] == pytest.approx(3e-3)
+    head = next(eid for eid, e in plan.events.items() if e.name == "gpt2.head.fwd")
+    assert costs.seconds(head) == pytest.approx(1e-3 / 0.8)  # rank 0's other events are corrected

@@ -66,8 +66,9 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
     compute events get `backward_call_s` as the cost of one backward() call (as profiles measure it);
     all-reduces get `divide` as their samples of the buffer's division by the group size and `zero` as those
     of its zeroing (none when empty). Compute events named in `measuring_rank` were measured by that rank
-    (else rank 0); with `speed_probe`, the profiling ranks' speed-probe medians, all compute events come from
-    one compute phase whose probe the environment records (as harness profile writes it)."""
+    (else rank 0). All compute events come from one compute phase; with `speed_probe` (the profiling ranks'
+    speed-probe medians, None for a rank without a share) the environment records its probe, as harness
+    profile writes it; without, the profile is one from before the probe existed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = build_plan(spec, layers)
@@ -93,7 +94,7 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
             attrs[BACKWARD_CALL_ATTR] = backward_call_s
         if host_issue and event.name in host_issue:
             series[HOST_ISSUE_SERIES] = np.asarray(host_issue[event.name], dtype=float)
-        if speed_probe is not None and event.kind == "compute":
+        if event.kind == "compute":  # harness profile names the compute phase of every compute measurement
             attrs[COMPUTE_PHASE_ATTR] = phase
         rank = (measuring_rank or {}).get(event.name, 0) if event.kind == "compute" else 0
         measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),

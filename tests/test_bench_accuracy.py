@@ -53,6 +53,15 @@ def test_pooled_reports_the_replica_lag_of_data_parallel_trials():
     assert row["replica_lag_predicted_s"] == pytest.approx(0.03)
 
 
+def test_pooled_rows_give_each_stages_median_error():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
+    for trial, errors in zip(trials, [(-4.0, 2.0), (-6.0, 1.0), (-5.0, None)]):
+        trial["stages"] = [{"virtual_stage": 0, "phase": "F", "error_pct": errors[0]},
+                           {"virtual_stage": 1, "phase": "B", "error_pct": errors[1]}]
+    assert pooled(trials)["stage_error_pct"] == {"0F": pytest.approx(-5.0), "1B": pytest.approx(1.5)}
+
+
 def test_pooled_rows_say_how_the_trials_ranks_were_bound():
     pooled = _accuracy_module().pooled
     trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
@@ -79,14 +88,17 @@ def test_profile_and_run_launch_with_the_same_core_binding(tmp_path, monkeypatch
     accuracy = _accuracy_module()
     launched = []
     monkeypatch.setattr(accuracy, "run", lambda command, env: launched.append(command))
-    monkeypatch.setattr(accuracy, "validate", lambda workdir, env: {})
+    validated = []
+    monkeypatch.setattr(accuracy, "validate", lambda workdir, env, no_rank_speed: validated.append(no_rank_speed)
+                        or {})
     monkeypatch.setenv("DISTSIM_MPIRUN", "mpirun")
-    args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind})()
+    args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind, "no_rank_speed": False})()
     accuracy.measure(accuracy.CONFIGS["pp=2 gpipe m=4"], args, {}, tmp_path, run_first=False)
     for command in launched:
         assert command[0] == "mpirun"
         assert command[1:command.index("-n")] == expected
     assert [command[command.index("harness") + 1] for command in launched] == ["profile", "train"]
+    assert validated == [False]  # validated with the rank-speed correction unless --no-rank-speed
 
 
 def test_the_bootstrap_interval_brackets_the_pooled_error_and_narrows_with_agreeing_trials():

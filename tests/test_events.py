@@ -151,3 +151,12 @@ def test_user_model_pipeline_transfers_carry_the_stage_output():
     plan = build_plan(loads_spec(text))
     (p2p,) = [e for e in plan.events.values() if e.kind == "p2p"]
     assert p2p.bytes == 2 * 16 * 32 * 4  # micro x seq x width (the factory's default 32) x float32
+
+
+def test_byte_sizes_keep_three_significant_digits():
+    from harness.events import human_bytes
+
+    assert [human_bytes(n) for n in (512, 1536, 65536, 1321472, 1353216)] == \
+        ["512B", "1.5KiB", "64KiB", "1.26MiB", "1.29MiB"]  # two gradient buckets keep apart
+    assert human_bytes(1023692) == "1000KiB"  # 999.7 KiB: never "1e+03KiB"
+    assert human_bytes(5 * 2**40) == "5120GiB"
