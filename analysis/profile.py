@@ -66,7 +66,8 @@ class MeasuredEvent(CommunicationFields):
                                  **_optional_series(g),
                                  "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
                                  "env_key": _text(g.attrs.get("env_key", "")),
-                                 "attrs": {k: _plain(v) for k, v in g.attrs.items() if k not in MEASUREMENT_FIELD_ATTRS}}
+                                 "attrs": {k: _plain(v) for k, v in g.attrs.items()
+                                           if k not in MEASUREMENT_FIELD_ATTRS}}
         return self._details[key]
 
     @property

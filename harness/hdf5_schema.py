@@ -1,8 +1,8 @@
 """Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
 
-Constants (and one key format), importing nothing: the harness writes its files with them (harness.store, harness.train.trace)
-and the analysis reads them with the same names (analysis.profile, analysis.runtrace) without importing the
-writers.
+Constants (and one key format), importing nothing: the harness writes its files with them (harness.store,
+harness.train.trace) and the analysis reads them with the same names (analysis.profile, analysis.runtrace)
+without importing the writers.
 """
 
 # ---- profile.h5 and the rank files of `harness profile` (docs/hdf5.md)
