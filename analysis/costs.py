@@ -30,7 +30,7 @@
   were measured have none (no division, no zeroing, and a warning says so).
 - the profiling ranks' speeds: every rank profiles its own share of the compute events, so an event's
   samples carry the speed of the rank that took them, and ranks differ (the two cores of the 2-core CPU
-  machine, profiling at the same time, differed by up to 25% either way; docs/benchmarks.md, run 20). Every rank
+  machine, profiling at the same time, differed by up to 38% either way; docs/benchmarks.md, run 20). Every rank
   timed the same speed probe once per round (harness.profilers.probe); a compute event's statistic, and
   its backward call, are divided by its rank's probe median over the ranks' mean (`rank_speed`: above 1
   for a rank slower than the mean), so that every event stands for the ranks' mean. A tensor-parallel shard
