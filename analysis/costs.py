@@ -292,12 +292,6 @@ def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]])
     return per_rank[rank] if 0 <= rank < len(per_rank) else 1.0
 
 
-def _has_composite(profile: Profile, event: Any) -> bool:
-    """Whether a tensor-parallel shard was also measured with its all-reduces, as a composite."""
-    composite = profile.measurements.get(event_id(composite_content(event.content)))
-    return composite is not None and composite.count > 0
-
-
 def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
                    rank_speed: bool = True) -> Costs:
     """The duration of every event of `plan` from `profile` (rules in the module docstring).
@@ -319,6 +313,10 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(measured_comm_points(profile).items())}
     costs = Costs(events={}, fits=fits, compute_stat=compute_stat,
                   rank_speed=rank_speed_factors(profile) if rank_speed else {})
+    # tensor-parallel shards also measured with their all-reduces, as composites
+    composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
+                  and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
+                  and m.count}
     no_comm_events: list[str] = []
     uncorrected: list[str] = []  # compute events from a profiling run without a probe, where others have one
     for eid, event in plan.events.items():
@@ -326,7 +324,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             measurement = profile.measurements[eid]
             seconds = representative_seconds(measurement, compute_stat)
             factor = 1.0
-            if event.kind == "compute" and costs.rank_speed and not _has_composite(profile, event):
+            if event.kind == "compute" and costs.rank_speed and eid not in composites:
                 factor = _rank_factor(measurement, costs.rank_speed)
                 if factor is None:
                     uncorrected.append(event.name)
@@ -365,10 +363,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                 "two ranks at the same moments: a profile written before they were recorded, one rank, or too "
                 "few repeats), so the prediction has no wait for the slowest data-parallel replica; profile "
                 "again on 2 or more ranks with more repeats to include it")
-    for eid, event in plan.events.items():
-        composite = profile.measurements.get(event_id(composite_content(event.content)))
-        if event.kind == "compute" and composite is not None and composite.count:
-            costs.composites[eid] = representative_seconds(composite, compute_stat)
+    for eid, composite in composites.items():
+        costs.composites[eid] = representative_seconds(composite, compute_stat)
     if no_comm_events:
         costs.warnings.append(
             f"NO COMMUNICATION WAS MEASURED in {profile.path.name} (a {profile.world_size}-rank profile): "

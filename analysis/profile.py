@@ -19,7 +19,7 @@ from harness.events import CommunicationFields
 # analysis does not import the profiling side)
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,  # noqa: F401
                                   MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, RANK_PROFILE_KIND, SAMPLE_END_SERIES,
-                                  SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
+                                  SENDER_BUSY_SERIES, SERIES, ZERO_SERIES, read_environment)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
@@ -276,21 +276,3 @@ def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str
     if group not in f or key not in f[group]:
         return {}
     return dict(zip(_strings(f[group][key]), _strings(f[group][value])))
-
-
-def read_environment(f: h5py.File) -> dict[str, Any]:
-    """A profile's or a trace's /environment attributes as plain data (JSON lists and objects decoded)."""
-    env: dict[str, Any] = {}
-    if "environment" not in f:
-        return env
-    for key, value in f["environment"].attrs.items():
-        value = _plain(value)
-        if isinstance(value, bytes):
-            value = value.decode()
-        if isinstance(value, str) and value[:1] in "[{":
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-        env[key] = value
-    return env

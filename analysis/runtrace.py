@@ -20,9 +20,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_STRING_COLUMNS as STRING_COLUMNS
-
-from analysis.profile import read_environment
+from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_STRING_COLUMNS as STRING_COLUMNS,
+                                  read_environment)
 
 # the trace versions this reader understands (not tied to the version `harness train` writes now)
 SCHEMA_VERSIONS = (1,)

@@ -1,9 +1,12 @@
 """Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
 
-Constants (and one key format), importing nothing: the harness writes its files with them (harness.store,
-harness.train.trace) and the analysis reads them with the same names (analysis.profile, analysis.runtrace)
-without importing the writers.
+Constants, one key format and the /environment decoding, importing only json: the harness writes its files
+with them (harness.store, harness.train.trace) and the analysis reads them with the same names and the same
+decoding (analysis.profile, analysis.runtrace) without importing the writers.
 """
+import json
+from typing import Any
+
 
 # ---- profile.h5 and the rank files of `harness profile` (docs/hdf5.md)
 PROFILE_SCHEMA_VERSION = 1
@@ -43,6 +46,26 @@ SPEED_PROBE_ENV = "speed_probe"  # /environment: what the probe is
 def compute_phase_key(compute_phase: float) -> str:
     """The key of a compute phase in RANK_SPEED_PROBE_ENV: its attribute's value, written exactly."""
     return repr(float(compute_phase))
+
+
+def read_environment(f: Any) -> dict[str, Any]:
+    """An open profile's or trace's /environment attributes (an h5py File) as plain data: numpy scalars
+    unwrapped, bytes decoded, the values the writers stored as JSON (lists, objects) decoded; {} without it."""
+    environment: dict[str, Any] = {}
+    if "environment" not in f:
+        return environment
+    for key, value in f["environment"].attrs.items():
+        value = value.item() if hasattr(value, "item") else value
+        if isinstance(value, bytes):
+            value = value.decode()
+        if isinstance(value, str) and value[:1] in "[{":
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        environment[key] = value
+    return environment
+
 
 # ---- trace.h5 and the rank files of `harness train` (docs/train.md)
 TRACE_SCHEMA_VERSION = 1

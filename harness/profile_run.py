@@ -25,12 +25,13 @@ import h5py
 
 from harness.errors import UserError
 from harness.events import EventPlan, build_plan
-from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, SPEED_PROBE_ENV, compute_phase_key
+from harness.hdf5_schema import (COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, SPEED_PROBE_ENV, compute_phase_key,
+                                  read_environment)
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES,
-                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_environment, read_measurements,
+                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_measurements,
                            write_profile, write_rank_file)
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
@@ -355,7 +356,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     environment = {
         "hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
         "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
-        "launcher": topology.launcher, **topology.cpu_environment(), "device": name, "backend": backend_label, "env_key": env_key,
+        "launcher": topology.launcher, **topology.cpu_environment(), "device": name, "backend": backend_label,
+        "env_key": env_key,
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
         "mpi_library": mpi_library_version(), "python_version": platform.python_version(),
         "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
@@ -392,7 +394,7 @@ def _stored_rank_speeds(outdir: Path) -> dict[str, list[float]]:
         return {}
     try:
         with h5py.File(path, "r") as f:
-            speeds = read_environment(f).get(RANK_SPEED_PROBE_ENV, {}) if "environment" in f else {}
+            speeds = read_environment(f).get(RANK_SPEED_PROBE_ENV, {})
     except OSError:
         return {}
     return speeds if isinstance(speeds, dict) else {}

@@ -110,21 +110,6 @@ def read_measurements(path: str | Path) -> dict[str, Measurement]:
         return {eid: _read_measurement(eid, g) for eid, g in f.get("measurements", {}).items()}
 
 
-def read_environment(f: h5py.File) -> dict[str, Any]:
-    """The /environment attributes as write_profile was given them: numpy scalars unwrapped, the values it
-    stored as JSON (lists, objects) decoded."""
-    environment = {}
-    for key, value in f["environment"].attrs.items():
-        value = value.item() if hasattr(value, "item") else value
-        if isinstance(value, str) and value[:1] in "[{":
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass
-        environment[key] = value
-    return environment
-
-
 def read_unmeasured(path: str | Path) -> dict[str, str]:
     with h5py.File(path, "r") as f:
         if "unmeasured" not in f:

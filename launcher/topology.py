@@ -66,10 +66,7 @@ class Topology:
         (binding would give each its own); None when bound, oversubscribed, alone on a host, or unknown."""
         if self.cpu_binding != "shared":
             return None
-        by_host: dict[str, list[set[int]]] = {}
-        for name, rank_cpus in zip(self.hostnames, self.cpus):
-            by_host.setdefault(name, []).append(set(rank_cpus))
-        if any(len(sets) > len(set().union(*sets)) for sets in by_host.values()):
+        if any(len(sets) > len(set().union(*sets)) for sets in _cpu_sets_by_host(self.hostnames, self.cpus)):
             return None  # more ranks than CPUs: they share cores however they are bound
         return ("the ranks were free to share cores: on a CPU, one rank's communication threads and the host's "
                 "tasks then land on another rank's core and slow its compute; bind each rank to its own core "
@@ -95,15 +92,20 @@ def classify_cpu_binding(hostnames: tuple[str, ...] | list[str], cpus: tuple[tup
     share), "unknown" without affinities."""
     if not cpus or len(cpus) != len(hostnames) or not all(cpus):
         return "unknown"
-    by_host: dict[str, list[tuple[int, ...]]] = {}
-    for name, rank_cpus in zip(hostnames, cpus):
-        by_host.setdefault(name, []).append(tuple(rank_cpus))
-    if all(len(sets) == 1 for sets in by_host.values()):
+    by_host = _cpu_sets_by_host(hostnames, cpus)
+    if all(len(sets) == 1 for sets in by_host):
         return "single"
-    for sets in by_host.values():
-        if sum(len(c) for c in sets) != len(set().union(*sets)):
-            return "shared"
+    if any(sum(len(c) for c in sets) != len(set().union(*sets)) for sets in by_host):
+        return "shared"
     return "bound"
+
+
+def _cpu_sets_by_host(hostnames, cpus) -> list[list[set[int]]]:
+    """The ranks' CPU sets, grouped by host."""
+    by_host: dict[str, list[set[int]]] = {}
+    for name, rank_cpus in zip(hostnames, cpus):
+        by_host.setdefault(name, []).append(set(rank_cpus))
+    return list(by_host.values())
 
 
 def promised_world_size(environ: dict[str, str] | None = None) -> tuple[int, str] | None:

@@ -8,7 +8,7 @@ import pytest
 
 from harness.events import build_plan
 from harness.spec import loads_spec
-from harness.store import read_environment
+from harness.hdf5_schema import read_environment
 from tests.helpers import tiny_spec_text
 
 
