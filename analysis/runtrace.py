@@ -9,6 +9,7 @@ The analysis owns reading real-run traces, as it owns reading profiles; `harness
     trace.step_times(2)                           # (rank, F|B, stage, micro) -> (start, end), relative
     trace.event_durations()                       # event id -> durations of every interval of that plan event
     trace.p2p_transfers()                         # every send matched with its receive
+    trace.layer_durations()                       # (stage, F|B, event id) -> each layer's own time (--layer-times)
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_STRING_COLUMNS as STRING_COLUMNS,
+from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP,
+                                  TRACE_LAYER_STRING_COLUMNS, TRACE_STRING_COLUMNS as STRING_COLUMNS,
                                   read_environment)
 
 # the trace versions this reader understands (not tied to the version `harness train` writes now)
@@ -49,6 +51,7 @@ class DeviceTrace:
     pp: int
     columns: dict[str, np.ndarray]
     attrs: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, np.ndarray] | None = None  # every layer of every step, where traced with --layer-times
 
     def __len__(self) -> int:
         return len(self.columns["start_s"])
@@ -195,6 +198,25 @@ class Trace:
                                  (np.float64 if name.endswith("_s") else np.int64))
         return out
 
+    def layer_durations(self, include_warmup: bool = False) -> dict[tuple[int, str, str], np.ndarray]:
+        """(virtual stage, "F"|"B", plan event id) -> the time of every traced layer that is that event, over all
+        devices and the measured iterations; tensor-parallel all-reduces inside a layer are taken off it, as they
+        are events of their own. Empty for a trace without --layer-times."""
+        out: dict[tuple[int, str, str], list[float]] = {}
+        keep_iterations = self.iterations["index"] if include_warmup else self.measured()
+        for device in self.devices.values():
+            if device.layers is None:
+                continue
+            layers = device.layers
+            collectives = device.select(phase="tp")
+            for i in np.flatnonzero(np.isin(layers["iteration"], keep_iterations)):
+                start, end = float(layers["start_s"][i]), float(layers["end_s"][i])
+                inside = np.clip(np.minimum(collectives["end_s"], end) - np.maximum(collectives["start_s"], start),
+                                 0.0, None).sum() if len(collectives["start_s"]) else 0.0
+                key = (int(layers["virtual_stage"][i]), str(layers["phase"][i]), str(layers["event_id"][i]))
+                out.setdefault(key, []).append(end - start - float(inside))
+        return {key: np.array(values) for key, values in sorted(out.items())}
+
     def busy_time(self, rank: int, iteration: int, kind: str | tuple[str, ...] = ("compute", "optimizer")) -> float:
         """Seconds device `rank` spent in intervals of `kind` during `iteration` (intervals of one kind on
         one device do not overlap for compute and optimizer; communication may overlap compute)."""
@@ -224,9 +246,15 @@ def read_trace(path: str | Path) -> Trace:
             for key in COLUMNS:
                 ds = group[key]
                 cols[key] = ds.asstr()[()].astype(object) if key in STRING_COLUMNS else ds[()]
+            layers = None
+            if TRACE_LAYER_GROUP in group:
+                layers = {key: (group[TRACE_LAYER_GROUP][key].asstr()[()].astype(object)
+                                if key in TRACE_LAYER_STRING_COLUMNS else group[TRACE_LAYER_GROUP][key][()])
+                          for key in TRACE_LAYER_COLUMNS}
             dattrs = {key: _attr(value) for key, value in group.attrs.items()}
             rank = int(dattrs["rank"])
-            devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs)
+            devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs,
+                                        layers)
     spec_json = attrs.pop("spec_json")
     layers = json.loads(attrs.pop("layers_json"))
     return Trace(path=path, spec=json.loads(spec_json), spec_json=spec_json, layers=layers, attrs=attrs,

@@ -7,7 +7,9 @@ Compared, per measured iteration and then as medians:
   parallelism, the zeroing of its gradient buckets that follows);
 - each virtual stage's forward and backward step per micro-batch;
 - with data parallelism, per pipeline stage: how far the slowest replica finished its compute behind the
-  replicas' mean (analysis.skew predicts it from the profile).
+  replicas' mean (analysis.skew predicts it from the profile);
+- for a run traced with `harness train --layer-times`, per virtual stage and phase each layer event: the
+  median of its layers' own times (tensor-parallel all-reduces taken off) against the event's cost.
 Errors are (predicted - measured) / measured in percent; `device_error_pct` is the largest absolute
 device error.
 """
@@ -47,6 +49,7 @@ class Validation:
     devices: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     replica_lag: list[dict[str, Any]] = field(default_factory=list)  # dp > 1: per pipeline stage
+    layers: list[dict[str, Any]] = field(default_factory=list)  # runs traced with --layer-times
     representative_iteration: int = 0
     # each side's binding: bound, shared, single or unknown
     cpu_binding: dict[str, str] = field(default_factory=lambda: {"profile": "unknown", "run": "unknown"})
@@ -91,6 +94,7 @@ class Validation:
             "stages": self.stage_rows(),
             "steps": self.steps,
             "replica_lag": self.replica_lag,
+            "layers": self.layers,
             "extrapolated": [c.to_dict() for c in self.timeline.costs.extrapolated],
             "warnings": list(self.timeline.costs.warnings),
         }
@@ -179,7 +183,23 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         p = predicted_steps[key]
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
+    result.layers = _layer_rows(trace, plan, costs)
     return result
+
+
+def _layer_rows(trace: Trace, plan, costs) -> list[dict[str, Any]]:
+    """Per virtual stage, phase and layer event of a --layer-times trace: the median of the layers' own times
+    against the event's cost (the step's one backward() call is not spread over its layers)."""
+    rows = []
+    for (vs, phase, eid), durations in trace.layer_durations().items():
+        if eid not in costs.events or not durations.size:
+            continue
+        measured = float(np.median(durations))
+        predicted = costs.seconds(eid)
+        rows.append({"virtual_stage": vs, "phase": phase, "event_id": eid, "name": plan.events[eid].name,
+                     "samples": int(durations.size), "measured_s": measured, "predicted_s": predicted,
+                     "error_pct": _pct(predicted, measured)})
+    return rows
 
 
 def _replica_lag_rows(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[dict[str, Any]]:

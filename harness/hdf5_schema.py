@@ -76,3 +76,9 @@ TRACE_FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
 TRACE_STRING_COLUMNS = ("kind", "name", "phase", "event_id")
 TRACE_INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
 TRACE_COLUMNS = TRACE_FLOAT_COLUMNS + TRACE_STRING_COLUMNS + TRACE_INT_COLUMNS
+# optional (harness train --layer-times): every layer of every compute step, in a subgroup of the device's group
+TRACE_LAYER_GROUP = "layers"
+TRACE_LAYER_FLOAT_COLUMNS = ("start_s", "end_s")
+TRACE_LAYER_STRING_COLUMNS = ("phase", "event_id")
+TRACE_LAYER_INT_COLUMNS = ("layer", "virtual_stage", "micro", "iteration")
+TRACE_LAYER_COLUMNS = TRACE_LAYER_FLOAT_COLUMNS + TRACE_LAYER_STRING_COLUMNS + TRACE_LAYER_INT_COLUMNS

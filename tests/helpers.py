@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 TINY_MODEL = """
 [model]
 name = "{name}"
@@ -32,3 +34,34 @@ def tiny_spec_text(*, name="gpt2-small", layers=4, hidden=32, heads=4, ffn=64, s
 def write_spec(path: Path, **kwargs) -> Path:
     path.write_text(tiny_spec_text(**kwargs))
     return path
+
+
+def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
+    """What a trace of `harness train --layer-times` must hold: for every compute step, one interval per module
+    of its stage, inside the step, named by the plan's event of that module and phase, and a forward's layers
+    back to back in the stage's order."""
+    from harness.events import build_plan
+
+    plan = build_plan(spec)
+    for rank, device in trace.devices.items():
+        assert device.layers is not None, f"rank {rank} has no layer intervals"
+        layers = device.layers
+        steps = device.select(kind="compute")
+        assert len(steps["start_s"]) > 0
+        for start, end, phase, vs, micro, iteration in zip(steps["start_s"], steps["end_s"], steps["phase"],
+                                                           steps["virtual_stage"], steps["micro"],
+                                                           steps["iteration"]):
+            mine = ((layers["iteration"] == iteration) & (layers["virtual_stage"] == vs) & (layers["micro"] == micro)
+                    & (layers["phase"] == phase))
+            program = plan.stages[int(vs)]
+            order = program.forward_layers if phase == "F" else program.backward_layers
+            events = program.forward if phase == "F" else program.backward
+            expected = {p: events[order.index(p)] for p in program.layers}
+            got = dict(zip(layers["layer"][mine].tolist(), layers["event_id"][mine].tolist()))
+            assert got == expected, (rank, phase, int(vs), int(micro), int(iteration))
+            assert np.all(layers["start_s"][mine] >= start - slack_s) and np.all(layers["end_s"][mine] <= end + slack_s)
+            assert np.all(layers["end_s"][mine] >= layers["start_s"][mine])
+            if phase == "F":  # back to back, in the stage's order
+                by_start = np.argsort(layers["start_s"][mine])
+                assert layers["layer"][mine][by_start].tolist() == list(program.layers)
+                np.testing.assert_allclose(layers["start_s"][mine][by_start][1:], layers["end_s"][mine][by_start][:-1])

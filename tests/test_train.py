@@ -18,7 +18,7 @@ import pytest
 from harness.errors import UserError
 from harness.spec import loads_spec
 from launcher.topology import classify_cpu_binding
-from tests.helpers import tiny_spec_text
+from tests.helpers import check_layer_rows, tiny_spec_text
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -87,10 +87,10 @@ CONFIGS = {
     "dp-after-backward": (lambda n: {**_dp(n), "dp_overlap": False}, {}),
     "pp-gpipe": (lambda n: _pp(n, "gpipe"), {}),
     "pp-1f1b-free-running": (lambda n: _pp(n, "1f1b"), {"barrier": False}),
-    "pp-interleaved": (_interleaved, {}),
+    "pp-interleaved": (_interleaved, {"layer_times": True}),
     # The NCCL way (no tags: one FIFO group per kind, sender and receiver), exercised on gloo.
     "pp-interleaved-fifo-channels": (_interleaved, {"p2p_channels": True}),
-    "tp-gpt2": (_tp, {}),
+    "tp-gpt2": (_tp, {"layer_times": True}),
     "tp-llama-gqa": (lambda n: _tp(n, "llama-1b"), {}),
     "tp-bert-pp": (lambda n: None if n % 2 or n < 4 else
                    dict(name="bert-base", tp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=4), {}),
@@ -133,6 +133,10 @@ def _check_trace(spec, trace, options):
     assert np.all(trace.iterations["end_s"] > trace.iterations["start_s"])
     assert np.all(trace.iterations["start_s"][1:] >= trace.iterations["start_s"][:-1])
     known = set(plan.events)
+    if options.get("layer_times"):
+        check_layer_rows(spec, trace)
+    else:
+        assert all(device.layers is None for device in trace.devices.values())
     flow_phase = {"F": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt"}
     # The clock uncertainty between two ranks (zero on one host with a shared clock).
     rtt = trace.clock["rtt_s"]

@@ -79,6 +79,60 @@ def test_errors_are_computed_right(tmp_path, factor):
     assert report["cpu_binding"] == {"profile": "unknown", "run": "unknown"}
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_layer_errors_are_computed_right_with_collectives_taken_off(tmp_path, factor):
+    spec = make_spec(pp=2, micro_batches=2, layers=4)
+    cost = 1e-3
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                          by_name({"compute": cost, "p2p": 2e-4}, default=5e-4))
+    timeline = predict(profile_path).timeline
+    plan, iterations, collective = timeline.plan, 3, 4e-4
+    rank_files = []
+    for stage, device in enumerate(timeline.pipeline):
+        rows, layer_rows = [], []
+        for it in range(iterations):
+            zero = it * 10 * timeline.batch_time_s
+            for step, r in enumerate(device.steps):
+                rows.append((zero + r.start_s, zero + r.end_s, 0.0, "compute", "step", r.phase, "", r.virtual_stage,
+                             r.micro, it, -1))
+                at = 100.0 + it + step * 0.1  # each step's layers (longer than the step here) apart from the others
+                for index, layer in enumerate(plan.stages[r.virtual_stage].layers):
+                    program = plan.stages[r.virtual_stage]
+                    events, order = ((program.forward, program.forward_layers) if r.phase == "F"
+                                     else (program.backward, program.backward_layers))
+                    length = cost * factor + (collective if index == 0 else 0.0)
+                    if index == 0:  # an all-reduce inside the layer, which the layer's time leaves out
+                        rows.append((at + 1e-5, at + 1e-5 + collective, collective, "allreduce", "tp", "tp", "",
+                                     r.virtual_stage, r.micro, it, -1))
+                    layer_rows.append((at, at + length, r.phase, events[order.index(layer)], layer, r.virtual_stage,
+                                       r.micro, it))
+                    at += length
+        starts = np.arange(iterations) * 10 * timeline.batch_time_s
+        layers = {n: np.array([row[i] for row in layer_rows], dtype=object if n in ("phase", "event_id") else None)
+                  for i, n in enumerate(("start_s", "end_s", "phase", "event_id", "layer", "virtual_stage", "micro",
+                                         "iteration"))}
+        rank_files.append(write_rank_trace(tmp_path / f"rank-{stage:05d}.trace.h5", rank=stage, columns=_columns(rows),
+                                           attrs={"dp": 0, "tp": 0, "pp": stage},
+                                           iterations={"start_s": starts, "end_s": starts + timeline.batch_time_s,
+                                                       "loss": np.zeros(iterations)}, layers=layers))
+    path = merge_traces(tmp_path / "trace.h5", rank_files,
+                        root_attrs={"spec_json": spec.to_json(), "layers_json": json.dumps([l.to_dict() for l in plan.layers])},
+                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[1])
+    result = validate(read_trace(path), load_profile(profile_path))
+    expected = (1 / factor - 1) * 100
+    keys = {(row["virtual_stage"], row["phase"], row["event_id"]) for row in result.layers}
+    assert keys == {(vs, phase, eid) for vs, program in enumerate(plan.stages)
+                    for phase, events in (("F", program.forward), ("B", program.backward)) for eid in events}
+    for row in result.layers:
+        layers_of_event = sum(1 for eid in (plan.stages[row["virtual_stage"]].forward if row["phase"] == "F"
+                                            else plan.stages[row["virtual_stage"]].backward) if eid == row["event_id"])
+        assert row["samples"] == layers_of_event * 2 * (iterations - 1)  # micro-batches x measured iterations
+        assert row["measured_s"] == pytest.approx(cost * factor)
+        assert row["predicted_s"] == pytest.approx(cost)
+        assert row["error_pct"] == pytest.approx(expected, abs=1e-6)
+    assert result.to_dict()["layers"] == result.layers
+
+
 def test_replica_lag_is_the_last_replicas_compute_end_behind_their_mean(tmp_path):
     spec = make_spec(dp=2, micro_batches=2, layers=2)
     profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"compute": 1e-3}, default=0.0))
@@ -118,7 +172,8 @@ def test_real_run_validates_end_to_end(tmp_path, project_env):
                                        capture_output=True, text=True, env=project_env, timeout=300, cwd=ROOT)
     profiled = run("profile", str(spec), "-o", str(tmp_path / "prof"), "--quiet")
     assert profiled.returncode == 0, profiled.stderr
-    trained = run("train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3", "--warmup", "1")
+    trained = run("train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3", "--warmup", "1",
+                  "--layer-times")
     assert trained.returncode == 0, trained.stderr
     png, perfetto = tmp_path / "cmp.png", tmp_path / "cmp.json.gz"
     result = subprocess.run([sys.executable, "-m", "analysis", "validate", str(tmp_path / "run"),
@@ -130,6 +185,9 @@ def test_real_run_validates_end_to_end(tmp_path, project_env):
     assert m > 0 and p > 0
     assert report["batch_time_error_pct"] == pytest.approx((p - m) / m * 100)
     assert len(report["devices"]) == 2 and report["measured_iterations"] == 2
+    # every layer event of both stages, measured and predicted (--layer-times)
+    assert {(r["virtual_stage"], r["phase"]) for r in report["layers"]} == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 and r["samples"] >= 2 for r in report["layers"])
     assert not [w for w in report["warnings"] if "differ in" in w]  # profiled and run in the same conditions
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]

@@ -83,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
                             for r in result.replica_lag],
                            title="slowest data-parallel replica's compute end behind the replicas' mean "
                                  "(median over iterations)"))
+    if result.layers:
+        print()
+        print(format_table(("virtual stage", "phase", "event", "layers", "measured ms", "predicted ms", "error %"),
+                           [(r["virtual_stage"], r["phase"], r["name"], r["samples"], ms(r["measured_s"]),
+                             ms(r["predicted_s"]), r["error_pct"]) for r in result.layers],
+                           title="per layer event (harness train --layer-times; median over its layers)"))
     for warning in result.timeline.costs.warnings:
         print(f"WARNING: {warning}")
     for what, path in written:

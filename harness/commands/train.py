@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                         help="where to run (default: the spec's profile.device)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--layer-times", action="store_true",
+                        help="also trace every layer of every forward and backward step, for analysis validate's "
+                             "per-layer table (on a GPU with CUDA events)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="communication timeout in seconds (default: the spec's profile.timeout_s)")
 
@@ -75,5 +78,5 @@ def run(args: argparse.Namespace) -> int:
     assert spec is not None
     run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
                  fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
-                 timeout_s=args.timeout_s, threads=args.threads, report=True)
+                 timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times)
     return 0

@@ -9,6 +9,7 @@ interval when it reaps it, with how long it had to block for it (`wait`).
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -33,12 +34,38 @@ class Recorder:
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
+        self.layer_rows: list[tuple] = []  # (start_ns, end_ns, phase, event_id, layer, vs, micro, iteration)
         self.iteration = -1
 
     def add(self, start_ns: int, end_ns: int, wait_ns: int, kind: str, name: str, phase: str, event_id: str = "",
             vs: int = -1, micro: int = -1, peer: int = -1) -> None:
         self.rows.append((start_ns, end_ns, wait_ns, kind, name, phase, event_id or "", vs, micro, self.iteration,
                           peer))
+
+    def add_layer(self, start_ns: int, end_ns: int, phase: str, event_id: str, layer: int, vs: int,
+                  micro: int) -> None:
+        self.layer_rows.append((start_ns, end_ns, phase, event_id, layer, vs, micro, self.iteration))
+
+
+class LayerClock:
+    """Marks within a compute step, for `--layer-times`: on a CPU the host clock (ns); on a GPU CUDA events,
+    read once the step has synchronized, as offsets from an event recorded at the step's (synchronized) start."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def to_ns(self, anchor_ns: int, anchor: Any, mark: Any) -> int:
+        """A mark on the host clock, given the anchor mark taken at host time `anchor_ns` (the device idle)."""
+        if not self.cuda:
+            return mark
+        return anchor_ns + int(anchor.elapsed_time(mark) * 1e6)
 
 
 @dataclass(eq=False)
@@ -143,7 +170,8 @@ class PipelineEngine:
 
     def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
                  modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None, lr: float = 1e-3,
-                 timeout_s: float = 600.0, recorder: Recorder | None = None):
+                 timeout_s: float = 600.0, recorder: Recorder | None = None, layer_times: bool = False):
+        """`layer_times`: also time every layer of every step (recorder.layer_rows)."""
         self.spec, self.plan, self.rank, self.device = spec, plan, rank, device
         s = spec.strategy
         self.dp, self.tp, self.pp, self.chunks = s.dp, s.tp, s.pp, s.chunks
@@ -183,6 +211,15 @@ class PipelineEngine:
         self.sends: list[Pending] = []
         self.finished: list[int] = []
         self.losses: list[torch.Tensor] = []
+        self.layer_clock = LayerClock(device) if layer_times else None
+        # per virtual stage, each module's (layer position, forward event, backward event)
+        self.layer_events: dict[int, list[tuple[int, str, str]]] = {}
+        for vs in self.local_vs:
+            program = plan.stages[vs]
+            self.layer_events[vs] = [(p, program.forward[program.forward_layers.index(p)],
+                                      program.backward[program.backward_layers.index(p)]) for p in program.layers]
+        # (vs, micro) -> when the gradient reached each module's output (index) and the stage's input (-1)
+        self.gradient_marks: dict[tuple[int, int], dict[int, Any]] = {}
 
     # ---- helpers ------------------------------------------------------------------------------
     def now(self) -> int:
@@ -320,15 +357,25 @@ class PipelineEngine:
         if vs == self.last_vs:
             targets = micro_batch(tokens, self.spec, self.dp_i, micro)[1].to(self.device)
         self.ctx = ("F", vs, micro)
+        clock = self.layer_clock
         start = self.now()
+        anchor = clock.mark() if clock else None
+        marks, outputs = [], []
         out = x
         for module in self.stage_modules[vs]:
             out = module(out)
+            if clock:
+                marks.append(clock.mark())
+                outputs.append(out)
         if targets is not None:
             out = loss_of(out, targets)
             self.losses.append(out.detach())
+            if clock:  # the last layer's event includes the loss
+                marks[-1] = clock.mark()
         end = self.now()
         self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
+        if clock:
+            self._record_layer_forwards(vs, micro, start, anchor, marks, outputs, x)
         self.saved[(vs, micro)] = (x, out)
         if vs < self.last_vs:
             self._send(out, vs, micro, ACT)
@@ -339,12 +386,17 @@ class PipelineEngine:
         last_micro = micro == self.m - 1
         self.armed = vs if last_micro else None
         self.ctx = ("B", vs, micro)
+        clock = self.layer_clock
         start = self.now()
+        anchor = clock.mark() if clock else None
         if grad is None:
             (out / self.m).backward()
         else:
             out.backward(grad)
+        tail = clock.mark() if clock else None
         end = self.now()
+        if clock:
+            self._record_layer_backwards(vs, micro, start, anchor, tail)
         self.armed = None
         self.rec.add(start, end, 0, "compute", "backward", "B", "", vs, micro)
         if last_micro and self.dp > 1:
@@ -355,6 +407,51 @@ class PipelineEngine:
                 self._launch_ready(vs)
         if vs > 0:
             self._send(x.grad, vs, micro, GRAD)
+
+    # ---- per-layer times (--layer-times) ------------------------------------------------------
+    def _record_layer_forwards(self, vs: int, micro: int, start_ns: int, anchor: Any, marks: list,
+                               outputs: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Record each module's forward (the last stage's last module with the loss) and hook the module
+        outputs, so that the backward notes when its gradient reaches each of them."""
+        clock = self.layer_clock
+        ends = [clock.to_ns(start_ns, anchor, m) for m in marks]
+        begin = start_ns
+        for (layer, forward_event, _), end in zip(self.layer_events[vs], ends):
+            self.rec.add_layer(begin, end, "F", forward_event, layer, vs, micro)
+            begin = end
+        arrivals: dict[int, Any] = {}
+        self.gradient_marks[(vs, micro)] = arrivals
+        for index, output in enumerate(outputs):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(functools.partial(self._note_gradient, arrivals, index))
+        if x.requires_grad:
+            x.register_hook(functools.partial(self._note_gradient, arrivals, -1))
+
+    def _note_gradient(self, arrivals: dict[int, Any], index: int, _grad: torch.Tensor) -> None:
+        arrivals[index] = self.layer_clock.mark()
+
+    def _record_layer_backwards(self, vs: int, micro: int, start_ns: int, anchor: Any, tail: Any) -> None:
+        """Record each module's backward: from its output's gradient (the step's start for the stage's last
+        module, whose event includes the loss) to its input's (the step's end for the first module whose
+        input has no gradient, e.g. an embedding)."""
+        clock = self.layer_clock
+        arrivals = self.gradient_marks.pop((vs, micro), {})
+        layers = self.layer_events[vs]
+        last = len(layers) - 1
+
+        def at(index: int) -> int | None:
+            mark = arrivals.get(index)
+            return None if mark is None else clock.to_ns(start_ns, anchor, mark)
+
+        for index in range(last, -1, -1):
+            begin = start_ns if index == last else at(index)
+            end = at(index - 1) if index > 0 else at(-1)
+            if index == 0 and end is None:
+                end = clock.to_ns(start_ns, anchor, tail)
+            if begin is None or end is None:
+                continue  # a module whose output or input carries no gradient: no boundary to time it by
+            layer, _, backward_event = layers[index]
+            self.rec.add_layer(begin, end, "B", backward_event, layer, vs, micro)
 
     # ---- one iteration ------------------------------------------------------------------------
     def _zero_grads(self) -> None:

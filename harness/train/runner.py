@@ -126,7 +126,8 @@ def _make_groups(plan, p2p_channels: bool):
 def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
                  warmup: int = DEFAULT_WARMUP, *, seed: int = 0, lr: float = 1e-3, fresh_data: bool = False,
                  barrier: bool = True, device: str | None = None, timeout_s: float | None = None, threads: int = 1,
-                 clock_samples: int = 20, report: bool = False, p2p_channels: bool | None = None) -> TrainResult:
+                 clock_samples: int = 20, report: bool = False, p2p_channels: bool | None = None,
+                 layer_times: bool = False) -> TrainResult:
     """Train `iterations` iterations of `spec` on the ranks of `comm` and trace them into RUNDIR/trace.h5.
 
     dp x tp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
@@ -134,6 +135,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     batch every iteration instead of training on one fixed batch. `report` prints the summary on rank 0.
     `p2p_channels` sends P2P over one process group per (kind, sender, receiver) in FIFO order instead of
     tagged messages on the world group (default: only with NCCL, which has no tags; True tests it on gloo).
+    `layer_times` also traces every layer of every compute step (docs/train.md).
     """
     check_run(spec, comm.Get_size(), iterations, warmup)
     import torch
@@ -144,7 +146,8 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     from harness.train.clock import Timebase, sync_clocks
     from harness.train.engine import PipelineEngine, Recorder
     from harness.train.model import build_layers, make_tokens
-    from harness.train.trace import columns_from_rows, merge_traces, rank_file_name, write_rank_trace
+    from harness.train.trace import (columns_from_rows, layer_columns_from_rows, merge_traces, rank_file_name,
+                                     write_rank_trace)
     from launcher.topology import discover
 
     rank = comm.Get_rank()
@@ -182,7 +185,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         recorder = Recorder()
         engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
                                 dp_group=dp_group, p2p_groups=p2p_groups, lr=lr, timeout_s=timeout,
-                                recorder=recorder)
+                                recorder=recorder, layer_times=layer_times)
         first_sync = sync_clocks(comm, clock_samples)
         starts, ends, losses = [], [], []
         fixed = make_tokens(spec, seed, 0)
@@ -206,8 +209,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
                "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
                "loss": np.array(losses, dtype=np.float64)}
+        layers = layer_columns_from_rows(recorder.layer_rows, timebase.seconds) if layer_times else None
         rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
-                                     iterations=its)
+                                     iterations=its, layers=layers)
         result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
                              backend=f"torch-{backend}", device=str(dev),
                              binding_note=topology.unbound_note() if dev.type == "cpu" else None)

@@ -14,8 +14,9 @@ import h5py
 import numpy as np
 
 from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
-                                  TRACE_RANK_KIND as RANK_KIND, TRACE_SCHEMA_VERSION as SCHEMA_VERSION,
-                                  TRACE_STRING_COLUMNS as STRING_COLUMNS)
+                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
+                                  TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
+                                  TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
 
 def rank_file_name(rank: int) -> str:
@@ -58,19 +59,37 @@ def columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray
     return cols
 
 
-def _write_columns(group: h5py.Group, columns: dict[str, np.ndarray]) -> None:
+def layer_columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray]:
+    """Layer rows (start_ns, end_ns, phase, event_id, layer, virtual_stage, micro, iteration), times on this
+    rank's clock, into the columns of the device's `layers` group on the common timebase."""
+    rows = sorted(rows, key=lambda r: (r[0], r[1]))
+    n = len(rows)
+    cols: dict[str, np.ndarray] = {}
+    for i, name in enumerate(("start_s", "end_s")):
+        cols[name] = np.asarray(to_seconds(np.array([r[i] for r in rows], dtype=np.int64).reshape(n)),
+                                dtype=np.float64).reshape(n)
+    for i, name in enumerate(TRACE_LAYER_STRING_COLUMNS):
+        cols[name] = np.array([str(r[2 + i]) for r in rows], dtype=object).reshape(n)
+    for i, name in enumerate(TRACE_LAYER_INT_COLUMNS):
+        cols[name] = np.array([int(r[4 + i]) for r in rows], dtype=np.int64).reshape(n)
+    return cols
+
+
+def _write_columns(group: h5py.Group, columns: dict[str, np.ndarray], names: Sequence[str] = COLUMNS,
+                   strings: Sequence[str] = STRING_COLUMNS) -> None:
     string = h5py.string_dtype()
-    for name in COLUMNS:
+    for name in names:
         data = columns[name]
-        if name in STRING_COLUMNS:
+        if name in strings:
             group.create_dataset(name, data=data, dtype=string)
         else:
             group.create_dataset(name, data=data)
 
 
 def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarray], attrs: dict[str, Any],
-                     iterations: dict[str, np.ndarray]) -> Path:
-    """One rank's intervals (common timebase) and its own iteration bounds and losses."""
+                     iterations: dict[str, np.ndarray], layers: dict[str, np.ndarray] | None = None) -> Path:
+    """One rank's intervals (common timebase), its own iteration bounds and losses, and (with
+    --layer-times) its layer intervals."""
     path = Path(path)
     tmp = _tmp(path)
     with h5py.File(tmp, "w") as f:
@@ -80,7 +99,11 @@ def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarr
         f.attrs["written_at"] = time.time()
         for key, value in attrs.items():
             f.attrs[key] = _attr(value)
-        _write_columns(f.create_group("intervals"), columns)
+        intervals = f.create_group("intervals")
+        _write_columns(intervals, columns)
+        if layers is not None:
+            _write_columns(intervals.create_group(TRACE_LAYER_GROUP), layers, TRACE_LAYER_COLUMNS,
+                           TRACE_LAYER_STRING_COLUMNS)
         it = f.create_group("iterations")
         for key, value in iterations.items():
             it.create_dataset(key, data=value)
