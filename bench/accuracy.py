@@ -12,12 +12,14 @@ Pooling trials taken minutes apart averages out this shared machine's drift (ben
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
-     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--json]
+     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
 bind; --bind none shows what unbound ranks cost a pipeline's waiting stage (docs/benchmarks.md, run 18).
 --reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured);
 with --no-rank-speed, without referring compute events to the profiling ranks' mean speed (docs/benchmarks.md,
-run 20). --json rows also carry each stage's median error (stage_error_pct).
+run 20). --json rows also carry each stage's median error (stage_error_pct) and, as the runs trace every
+layer (harness train --layer-times; --no-layer-times leaves that out), each layer event's (layer_error_pct),
+which the table prints below the rows.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
     # --force: a kept folder from an earlier bench would otherwise be resumed, its old measurements reused
     profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet", "--force"]
     train = launch + ["train", str(workdir / "job.toml"), "-o", str(workdir / "run"), "--iterations",
-                      str(args.iterations), "--warmup", "2"]
+                      str(args.iterations), "--warmup", "2", *([] if args.no_layer_times else ["--layer-times"])]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
     return validate(workdir, env, args.no_rank_speed)
@@ -155,6 +157,8 @@ def pooled(trials: list[dict]) -> dict:
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
             # per virtual stage and phase ("0F", "1B", ...): the median over trials of validate's stage error
             "stage_error_pct": {key: float(np.median(values)) for key, values in sorted(stage_errors(trials).items())},
+            # per virtual stage, phase and layer event ("0B gpt2.block.bwd", ...), where the runs traced layers
+            "layer_error_pct": {key: float(np.median(values)) for key, values in sorted(layer_errors(trials).items())},
             # how the trials' ranks were bound, as their files recorded it (docs/analysis.md)
             "cpu_binding": {side: sorted({t.get("cpu_binding", {}).get(side, "unknown") for t in trials})
                             for side in ("profile", "run")},
@@ -169,6 +173,17 @@ def stage_errors(trials: list[dict]) -> dict[str, list[float]]:
         for row in trial.get("stages", []):
             if row.get("error_pct") is not None:
                 out.setdefault(f"{row['virtual_stage']}{row['phase']}", []).append(row["error_pct"])
+    return out
+
+
+def layer_errors(trials: list[dict]) -> dict[str, list[float]]:
+    """Every trial's error per virtual stage, phase and layer event, keyed "0B gpt2.block.bwd", ... (runs traced
+    with --layer-times only)."""
+    out: dict[str, list[float]] = {}
+    for trial in trials:
+        for row in trial.get("layers", []):
+            if row.get("error_pct") is not None:
+                out.setdefault(f"{row['virtual_stage']}{row['phase']} {row['name']}", []).append(row["error_pct"])
     return out
 
 
@@ -188,6 +203,8 @@ def main() -> None:
     parser.add_argument("--no-rank-speed", action="store_true",
                         help="validate without referring compute events to the profiling ranks' mean speed (analysis "
                         "validate --no-rank-speed); with --reuse, the same trials both ways")
+    parser.add_argument("--no-layer-times", action="store_true",
+                        help="run without harness train --layer-times (no per-layer errors); ignored with --reuse")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     if args.reuse and not Path(args.reuse).is_dir():
@@ -226,6 +243,11 @@ def main() -> None:
         for name, row in lagged.items():
             print(f"{name:<16} measured {row['replica_lag_measured_s'] * 1e3:.1f} ms, "
                   f"predicted {row['replica_lag_predicted_s'] * 1e3:.1f} ms")
+    layered = {name: row for name, row in rows.items() if row["layer_error_pct"]}
+    if layered and not args.json:
+        print("\nper layer event, median error % over trials (stage, phase, event):")
+        for name, row in layered.items():
+            print(f"{name:<16} " + "  ".join(f"{key} {error:+.1f}" for key, error in row["layer_error_pct"].items()))
     if args.json:
         print(json.dumps(rows, indent=2))
 

@@ -92,13 +92,16 @@ def test_profile_and_run_launch_with_the_same_core_binding(tmp_path, monkeypatch
     monkeypatch.setattr(accuracy, "validate", lambda workdir, env, no_rank_speed: validated.append(no_rank_speed)
                         or {})
     monkeypatch.setenv("DISTSIM_MPIRUN", "mpirun")
-    args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind, "no_rank_speed": False})()
+    args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind, "no_rank_speed": False,
+                             "no_layer_times": bind == "none"})()
     accuracy.measure(accuracy.CONFIGS["pp=2 gpipe m=4"], args, {}, tmp_path, run_first=False)
     for command in launched:
         assert command[0] == "mpirun"
         assert command[1:command.index("-n")] == expected
     assert [command[command.index("harness") + 1] for command in launched] == ["profile", "train"]
     assert validated == [False]  # validated with the rank-speed correction unless --no-rank-speed
+    # the run traces its layers unless --no-layer-times
+    assert ("--layer-times" in launched[1]) == (bind != "none")
 
 
 def test_the_bootstrap_interval_brackets_the_pooled_error_and_narrows_with_agreeing_trials():
@@ -123,3 +126,14 @@ def test_reuse_finds_the_kept_trials_of_one_configuration_in_trial_order(tmp_pat
         (tmp_path / "pp2_gpipe_m4-tmp" / part).mkdir(parents=True)
     found = accuracy.kept_trials(tmp_path, "pp=2 gpipe m=4")
     assert [p.name for p in found] == ["pp2_gpipe_m4-t0", "pp2_gpipe_m4-t2", "pp2_gpipe_m4-t10"]
+
+
+def test_pooled_rows_give_each_layer_events_median_error():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
+    for trial, errors in zip(trials, [(-10.0, 3.0), (-12.0, 5.0), (-14.0, None)]):
+        trial["layers"] = [{"virtual_stage": 0, "phase": "B", "name": "gpt2.block.bwd", "error_pct": errors[0]},
+                           {"virtual_stage": 1, "phase": "F", "name": "gpt2.head.fwd", "error_pct": errors[1]}]
+    assert pooled(trials)["layer_error_pct"] == {"0B gpt2.block.bwd": pytest.approx(-12.0),
+                                                 "1F gpt2.head.fwd": pytest.approx(4.0)}
+    assert pooled([_trial([1.0], 1.0, [(0.8, 0.8)])])["layer_error_pct"] == {}  # a run without --layer-times
