@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from harness.errors import UserError
-from harness.events import build_plan
+from harness.events import EventPlan, build_plan
 from harness.layers import LayerDesc
 
-from analysis.costs import estimate_costs
+from analysis.costs import Costs, estimate_costs
 from analysis.profile import Profile, parse_spec_offline
 from analysis.runtrace import Trace
 from analysis.simulate import Timeline, simulate
@@ -187,9 +187,9 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     return result
 
 
-def _layer_rows(trace: Trace, plan, costs) -> list[dict[str, Any]]:
+def _layer_rows(trace: Trace, plan: EventPlan, costs: Costs) -> list[dict[str, Any]]:
     """Per virtual stage, phase and layer event of a --layer-times trace: the median of the layers' own times
-    against the event's cost (the step's one backward() call is not spread over its layers)."""
+    against the event's cost (the backward_call that a step's later backwards shed is not taken off)."""
     rows = []
     for (vs, phase, eid), durations in trace.layer_durations().items():
         if eid not in costs.events or not durations.size:
