@@ -156,9 +156,10 @@ def pooled(trials: list[dict]) -> dict:
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
             # per virtual stage and phase ("0F", "1B", ...): the median over trials of validate's stage error
-            "stage_error_pct": {key: float(np.median(values)) for key, values in sorted(stage_errors(trials).items())},
+            "stage_error_pct": median_errors(trials, "stages", lambda r: f"{r['virtual_stage']}{r['phase']}"),
             # per virtual stage, phase and layer event ("0B gpt2.block.bwd", ...), where the runs traced layers
-            "layer_error_pct": {key: float(np.median(values)) for key, values in sorted(layer_errors(trials).items())},
+            "layer_error_pct": median_errors(trials, "layers",
+                                             lambda r: f"{r['virtual_stage']}{r['phase']} {r['name']}"),
             # how the trials' ranks were bound, as their files recorded it (docs/analysis.md)
             "cpu_binding": {side: sorted({t.get("cpu_binding", {}).get(side, "unknown") for t in trials})
                             for side in ("profile", "run")},
@@ -166,25 +167,15 @@ def pooled(trials: list[dict]) -> dict:
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0}
 
 
-def stage_errors(trials: list[dict]) -> dict[str, list[float]]:
-    """Every trial's error per virtual stage and phase, keyed "0F", "0B", "1F", ..."""
+def median_errors(trials: list[dict], section: str, key_of) -> dict[str, float]:
+    """The median over trials of validate's error_pct in rows of `section` ("stages", "layers"), grouped by
+    key_of(row)."""
     out: dict[str, list[float]] = {}
     for trial in trials:
-        for row in trial.get("stages", []):
+        for row in trial.get(section, []):
             if row.get("error_pct") is not None:
-                out.setdefault(f"{row['virtual_stage']}{row['phase']}", []).append(row["error_pct"])
-    return out
-
-
-def layer_errors(trials: list[dict]) -> dict[str, list[float]]:
-    """Every trial's error per virtual stage, phase and layer event, keyed "0B gpt2.block.bwd", ... (runs traced
-    with --layer-times only)."""
-    out: dict[str, list[float]] = {}
-    for trial in trials:
-        for row in trial.get("layers", []):
-            if row.get("error_pct") is not None:
-                out.setdefault(f"{row['virtual_stage']}{row['phase']} {row['name']}", []).append(row["error_pct"])
-    return out
+                out.setdefault(key_of(row), []).append(row["error_pct"])
+    return {key: float(np.median(values)) for key, values in sorted(out.items())}
 
 
 def main() -> None:
