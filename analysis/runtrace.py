@@ -208,13 +208,17 @@ class Trace:
             if device.layers is None:
                 continue
             layers = device.layers
-            collectives = device.select(phase="tp")
+            collectives = device.select(phase="tp")  # one device's block its main thread: they never overlap
+            by_start = np.argsort(collectives["start_s"], kind="stable")
+            starts, ends = collectives["start_s"][by_start], collectives["end_s"][by_start]
             for i in np.flatnonzero(np.isin(layers["iteration"], keep_iterations)):
                 start, end = float(layers["start_s"][i]), float(layers["end_s"][i])
-                inside = np.clip(np.minimum(collectives["end_s"], end) - np.maximum(collectives["start_s"], start),
-                                 0.0, None).sum() if len(collectives["start_s"]) else 0.0
+                # only the collectives that end after the layer starts and start before it ends can overlap it
+                lo, hi = np.searchsorted(ends, start, "right"), np.searchsorted(starts, end, "left")
+                inside = float(np.clip(np.minimum(ends[lo:hi], end) - np.maximum(starts[lo:hi], start), 0.0,
+                                       None).sum())
                 key = (int(layers["virtual_stage"][i]), str(layers["phase"][i]), str(layers["event_id"][i]))
-                out.setdefault(key, []).append(end - start - float(inside))
+                out.setdefault(key, []).append(end - start - inside)
         return {key: np.array(values) for key, values in sorted(out.items())}
 
     def busy_time(self, rank: int, iteration: int, kind: str | tuple[str, ...] = ("compute", "optimizer")) -> float:

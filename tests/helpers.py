@@ -38,8 +38,8 @@ def write_spec(path: Path, **kwargs) -> Path:
 
 def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
     """What a trace of `harness train --layer-times` must hold: for every compute step, one interval per module
-    of its stage, inside the step, named by the plan's event of that module and phase, and a forward's layers
-    back to back in the stage's order."""
+    of its stage, inside the step, named by the plan's event of that module and phase, back to back in the
+    stage's order (a backward's in reverse)."""
     from harness.events import build_plan
 
     plan = build_plan(spec)
@@ -54,14 +54,16 @@ def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
             mine = ((layers["iteration"] == iteration) & (layers["virtual_stage"] == vs) & (layers["micro"] == micro)
                     & (layers["phase"] == phase))
             program = plan.stages[int(vs)]
-            order = program.forward_layers if phase == "F" else program.backward_layers
+            positions = program.forward_layers if phase == "F" else program.backward_layers
             events = program.forward if phase == "F" else program.backward
-            expected = {p: events[order.index(p)] for p in program.layers}
+            expected = {p: events[positions.index(p)] for p in program.layers}
+            assert int(mine.sum()) == len(program.layers), (rank, phase, int(vs), int(micro), int(iteration))
             got = dict(zip(layers["layer"][mine].tolist(), layers["event_id"][mine].tolist()))
             assert got == expected, (rank, phase, int(vs), int(micro), int(iteration))
             assert np.all(layers["start_s"][mine] >= start - slack_s) and np.all(layers["end_s"][mine] <= end + slack_s)
             assert np.all(layers["end_s"][mine] >= layers["start_s"][mine])
-            if phase == "F":  # back to back, in the stage's order
-                by_start = np.argsort(layers["start_s"][mine])
-                assert layers["layer"][mine][by_start].tolist() == list(program.layers)
-                np.testing.assert_allclose(layers["start_s"][mine][by_start][1:], layers["end_s"][mine][by_start][:-1])
+            # back to back: forwards in the stage's order, backwards in reverse
+            by_start = np.argsort(layers["start_s"][mine], kind="stable")
+            order = list(program.layers) if phase == "F" else list(reversed(program.layers))
+            assert layers["layer"][mine][by_start].tolist() == order
+            np.testing.assert_allclose(layers["start_s"][mine][by_start][1:], layers["end_s"][mine][by_start][:-1])

@@ -83,7 +83,7 @@ def _tp(n, family="gpt2-small"):
 
 
 CONFIGS = {
-    "dp-overlap": (_dp, {}),
+    "dp-overlap": (_dp, {"layer_times": True}),
     "dp-after-backward": (lambda n: {**_dp(n), "dp_overlap": False}, {}),
     "pp-gpipe": (lambda n: _pp(n, "gpipe"), {}),
     "pp-1f1b-free-running": (lambda n: _pp(n, "1f1b"), {"barrier": False}),

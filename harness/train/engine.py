@@ -218,7 +218,7 @@ class PipelineEngine:
             program = plan.stages[vs]
             self.layer_events[vs] = [(p, program.forward[program.forward_layers.index(p)],
                                       program.backward[program.backward_layers.index(p)]) for p in program.layers]
-        # (vs, micro) -> when the gradient reached each module's output (index) and the stage's input (-1)
+        # (vs, micro) -> when the gradient reached each module's output (by the module's index in the stage)
         self.gradient_marks: dict[tuple[int, int], dict[int, Any]] = {}
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -374,11 +374,11 @@ class PipelineEngine:
                 marks[-1] = clock.mark()
         end = self.now()
         self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
-        if clock:
-            self._record_layer_forwards(vs, micro, start, anchor, marks, outputs, x)
         self.saved[(vs, micro)] = (x, out)
         if vs < self.last_vs:
             self._send(out, vs, micro, ACT)
+        if clock:  # after the send, which the bookkeeping would delay
+            self._record_layer_forwards(vs, micro, start, anchor, marks, outputs)
 
     def _backward(self, vs: int, micro: int) -> None:
         grad = self._recv(vs, micro, GRAD) if vs < self.last_vs else None
@@ -395,8 +395,6 @@ class PipelineEngine:
             out.backward(grad)
         tail = clock.mark() if clock else None
         end = self.now()
-        if clock:
-            self._record_layer_backwards(vs, micro, start, anchor, tail)
         self.armed = None
         self.rec.add(start, end, 0, "compute", "backward", "B", "", vs, micro)
         if last_micro and self.dp > 1:
@@ -407,10 +405,12 @@ class PipelineEngine:
                 self._launch_ready(vs)
         if vs > 0:
             self._send(x.grad, vs, micro, GRAD)
+        if clock:
+            self._record_layer_backwards(vs, micro, start, anchor, tail)
 
     # ---- per-layer times (--layer-times) ------------------------------------------------------
     def _record_layer_forwards(self, vs: int, micro: int, start_ns: int, anchor: Any, marks: list,
-                               outputs: list[torch.Tensor], x: torch.Tensor) -> None:
+                               outputs: list[torch.Tensor]) -> None:
         """Record each module's forward (the last stage's last module with the loss) and hook the module
         outputs, so that the backward notes when its gradient reaches each of them."""
         clock = self.layer_clock
@@ -421,19 +421,18 @@ class PipelineEngine:
             begin = end
         arrivals: dict[int, Any] = {}
         self.gradient_marks[(vs, micro)] = arrivals
-        for index, output in enumerate(outputs):
+        for index, output in enumerate(outputs[:-1]):  # the last module's backward starts with the step
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(functools.partial(self._note_gradient, arrivals, index))
-        if x.requires_grad:
-            x.register_hook(functools.partial(self._note_gradient, arrivals, -1))
 
     def _note_gradient(self, arrivals: dict[int, Any], index: int, _grad: torch.Tensor) -> None:
         arrivals[index] = self.layer_clock.mark()
 
     def _record_layer_backwards(self, vs: int, micro: int, start_ns: int, anchor: Any, tail: Any) -> None:
         """Record each module's backward: from its output's gradient (the step's start for the stage's last
-        module, whose event includes the loss) to its input's (the step's end for the first module whose
-        input has no gradient, e.g. an embedding)."""
+        module, whose event includes the loss) to its input's; the first module's runs to the step's end,
+        since autograd may accumulate some of its weight gradients (and launch a data-parallel bucket) after
+        the stage input's gradient is out."""
         clock = self.layer_clock
         arrivals = self.gradient_marks.pop((vs, micro), {})
         layers = self.layer_events[vs]
@@ -445,9 +444,7 @@ class PipelineEngine:
 
         for index in range(last, -1, -1):
             begin = start_ns if index == last else at(index)
-            end = at(index - 1) if index > 0 else at(-1)
-            if index == 0 and end is None:
-                end = clock.to_ns(start_ns, anchor, tail)
+            end = at(index - 1) if index > 0 else clock.to_ns(start_ns, anchor, tail)
             if begin is None or end is None:
                 continue  # a module whose output or input carries no gradient: no boundary to time it by
             layer, _, backward_event = layers[index]
