@@ -1,10 +1,12 @@
-"""The GPU paths: CUDA-event timing with the host ahead, the runner's host issue times, a one-GPU profile
-end to end. They run where torch sees a CUDA device (bench/gpu_check.sh runs them there) and skip elsewhere."""
+"""The GPU paths: CUDA-event timing with the host ahead, the runner's host issue times, the layer clock of
+`harness train --layer-times`, a one-GPU profile end to end. They run where torch sees a CUDA device
+(bench/gpu_check.sh runs them there) and skip elsewhere."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 import h5py
 import pytest
@@ -70,3 +72,18 @@ def test_one_gpu_profile_stores_host_issue_and_the_prediction_uses_it(tmp_path, 
     assert report.returncode == 0, report.stderr
     rows = json.loads(report.stdout)["compute_host_issue"]
     assert rows and all(r["host_issue_s"] > 0 and r["device_s"] > 0 for r in rows)
+
+
+def test_layer_clock_reads_cuda_events_as_host_nanoseconds():
+    from harness.train.engine import LayerClock
+
+    clock = LayerClock(torch.device("cuda"))
+    torch.cuda.synchronize()
+    start_ns = time.perf_counter_ns()
+    anchor = clock.mark()
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time, whatever the clock rate
+    mark = clock.mark()
+    torch.cuda.synchronize()
+    host_ns = time.perf_counter_ns() - start_ns
+    gpu_ns = clock.to_ns(start_ns, anchor, mark) - start_ns
+    assert 0 < gpu_ns <= host_ns + 1_000_000
