@@ -188,8 +188,9 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
 
 
 def _layer_rows(trace: Trace, plan: EventPlan, costs: Costs) -> list[dict[str, Any]]:
-    """Per virtual stage, phase and layer event of a --layer-times trace: the median of the layers' own times
-    against the event's cost (the backward_call that a step's later backwards shed is not taken off)."""
+    """Per virtual stage, phase and layer event of a --layer-times trace, in the order the stage runs them: the
+    median of the layers' own times against the event's cost (the backward_call that a step's later backwards
+    shed is not taken off)."""
     rows = []
     for (vs, phase, eid), durations in trace.layer_durations().items():
         if eid not in costs.events or not durations.size:
@@ -199,7 +200,13 @@ def _layer_rows(trace: Trace, plan: EventPlan, costs: Costs) -> list[dict[str, A
         rows.append({"virtual_stage": vs, "phase": phase, "event_id": eid, "name": plan.events[eid].name,
                      "samples": int(durations.size), "measured_s": measured, "predicted_s": predicted,
                      "error_pct": _pct(predicted, measured)})
-    return rows
+
+    def in_stage_order(row: dict[str, Any]) -> tuple:
+        program = plan.stages[row["virtual_stage"]]
+        events = program.forward if row["phase"] == "F" else program.backward
+        return row["virtual_stage"], row["phase"], events.index(row["event_id"]) if row["event_id"] in events else 0
+
+    return sorted(rows, key=in_stage_order)
 
 
 def _replica_lag_rows(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[dict[str, Any]]:

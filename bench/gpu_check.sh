@@ -86,6 +86,7 @@ assert device.type == 'cpu' or abs(timed / wall - 1) < 0.1, 'the timer and the w
 step 02-cuda-tests $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py
 
 # One GPU per size: profile, train, validate (no communication: the compute model alone).
+first_name=${SIZES%% *}; first_name=${first_name%%:*}
 for size in $SIZES; do
     name=${size%%:*}
     spec "$OUTDIR/$name.toml" "${size#*:}" 1 1
@@ -100,6 +101,10 @@ for size in $SIZES; do
         --trace-out "$OUTDIR/$name-validate.json.gz"
     $PY -m analysis validate --json "$OUTDIR/$name-run" "$OUTDIR/$name" >"$OUTDIR/$name-validate.json" 2>/dev/null
 done
+# The per-layer trace on the GPU (CUDA events), on the first size: its own run, so that the runs above are
+# timed without the backward hooks.
+step "06-$first_name-layer-times" bash -c "$PY -m harness train $OUTDIR/$first_name.toml -o $OUTDIR/$first_name-layers \
+    --iterations $ITER --warmup 3 --layer-times && $PY -m analysis validate $OUTDIR/$first_name-layers $OUTDIR/$first_name"
 
 # Two ranks need two GPUs (NCCL refuses two ranks on one device); with fewer, the refusal must be clear.
 first=${SIZES%% *}
