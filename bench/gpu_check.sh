@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU paths end to end on a machine with CUDA: CUDA-event timing, the GPU tests, then per model size how a
 # layer's time depends on how it is timed (gpu_timing.py) and what a backward() call costs (backward_call.py), a
-# one-GPU profile, real training and the validation of the prediction against it; then two ranks (NCCL, one
+# one-GPU profile, real training and the validation of the prediction against it (for the first size also a
+# run traced layer by layer with CUDA events, --layer-times); then two ranks (NCCL, one
 # device per local rank) where there are two GPUs, or the clear refusal where there is one.
 #
 #   bench/gpu_check.sh [OUTDIR]             # on a GPU machine, with the project's Python as python3
