@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 
 from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
-                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
-                                  TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
+                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_FLOAT_COLUMNS, TRACE_LAYER_GROUP,
+                                  TRACE_LAYER_INT_COLUMNS, TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
                                   TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
 
@@ -65,7 +65,7 @@ def layer_columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.n
     rows = sorted(rows, key=lambda r: (r[0], r[1]))
     n = len(rows)
     cols: dict[str, np.ndarray] = {}
-    for i, name in enumerate(("start_s", "end_s")):
+    for i, name in enumerate(TRACE_LAYER_FLOAT_COLUMNS):
         cols[name] = np.asarray(to_seconds(np.array([r[i] for r in rows], dtype=np.int64).reshape(n)),
                                 dtype=np.float64).reshape(n)
     for i, name in enumerate(TRACE_LAYER_STRING_COLUMNS):
