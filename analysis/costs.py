@@ -60,9 +60,10 @@ import numpy as np
 from harness.errors import UserError
 from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 
-from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
+                                  ZERO_SERIES, compute_phase_key)
 
-from analysis.profile import BACKWARD_CALL_ATTR, DIVIDE_SERIES, ZERO_SERIES, MeasuredEvent, Profile
+from analysis.profile import MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
 COMM_KINDS = ("p2p", "allreduce")

@@ -17,9 +17,9 @@ from harness.errors import UserError
 from harness.events import CommunicationFields
 # the names harness.store writes, from the one place both sides take them (not from the store itself: the
 # analysis does not import the profiling side)
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,  # noqa: F401
-                                  MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, RANK_PROFILE_KIND, SAMPLE_END_SERIES,
-                                  SENDER_BUSY_SERIES, SERIES, ZERO_SERIES, read_environment)
+from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, MEASUREMENT_FIELD_ATTRS, PROFILE_KIND,
+                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES,
+                                  read_environment)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 

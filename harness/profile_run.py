@@ -25,14 +25,13 @@ import h5py
 
 from harness.errors import UserError
 from harness.events import EventPlan, build_plan
-from harness.hdf5_schema import (COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, SPEED_PROBE_ENV, compute_phase_key,
-                                  read_environment)
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
+                                  RANK_SPEED_PROBE_ENV, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV,
+                                  ZERO_SERIES, compute_phase_key, read_environment)
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES,
-                           SENDER_BUSY_SERIES, ZERO_SERIES, Measurement, read_measurements,
-                           write_profile, write_rank_file)
+from harness.store import Measurement, read_measurements, write_profile, write_rank_file
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 

@@ -15,10 +15,8 @@ from typing import Any, Iterable
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,  # noqa: F401
-                                  MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, RANK_PROFILE_KIND, SAMPLE_END_SERIES,
-                                  SENDER_BUSY_SERIES, SERIES, STATS, ZERO_SERIES)
-from harness.hdf5_schema import PROFILE_SCHEMA_VERSION as SCHEMA_VERSION
+from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION,
+                                  RANK_PROFILE_KIND, SERIES, STATS)
 
 
 @dataclass

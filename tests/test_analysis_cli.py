@@ -13,7 +13,7 @@ from analysis.cli import main
 from analysis.profile import parse_spec_offline
 from analysis.timeline_store import read_timeline
 from harness.layers import LayerDesc
-from harness.store import SENDER_BUSY_SERIES
+from harness.hdf5_schema import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",

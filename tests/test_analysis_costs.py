@@ -10,7 +10,8 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
-from harness.store import DIVIDE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES, Measurement
+from harness.hdf5_schema import DIVIDE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+from harness.store import Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links

@@ -12,11 +12,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from harness.events import Event, build_plan, event_id
-from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
+from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
+                                  RANK_SPEED_PROBE_ENV, SENDER_BUSY_SERIES, ZERO_SERIES, compute_phase_key)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
-from harness.store import (BACKWARD_CALL_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
-                           Measurement, write_profile)
+from harness.store import Measurement, write_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

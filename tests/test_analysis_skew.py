@@ -13,7 +13,8 @@ from analysis.profile import load_profile
 from analysis.simulate import simulate
 from analysis.skew import RankSpeedSeries, ReplicaSkew, expected_max_of_normals, replica_skew
 from harness.events import build_plan
-from harness.store import SAMPLE_END_SERIES, Measurement
+from harness.hdf5_schema import SAMPLE_END_SERIES
+from harness.store import Measurement
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 
 STEP = 0.01  # seconds between sample ends, and every event's median

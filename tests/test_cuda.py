@@ -16,7 +16,7 @@ from harness.events import build_plan
 from harness.profilers.compute import ComputeRunner
 from harness.profilers.timer import can_time_issued, time_issued, time_region
 from harness.spec import loads_spec
-from harness.store import HOST_ISSUE_SERIES
+from harness.hdf5_schema import HOST_ISSUE_SERIES
 from tests.helpers import tiny_spec_text, write_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

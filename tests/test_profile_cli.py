@@ -107,7 +107,8 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     import numpy as np
 
     from harness.profile_run import _complete
-    from harness.store import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES, Measurement
+    from harness.hdf5_schema import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+    from harness.store import Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=()):
         content = {"phase": phase} if phase else {}

@@ -9,8 +9,8 @@ import h5py
 
 from harness.errors import UserError
 from harness.events import human_bytes
-from harness.hdf5_schema import read_environment
-from harness.store import PROFILE_KIND, SCHEMA_VERSION, read_measurements, read_unmeasured
+from harness.hdf5_schema import PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION, read_environment
+from harness.store import read_measurements, read_unmeasured
 from harness.tables import format_seconds, format_table
 
 NAME = "show"
