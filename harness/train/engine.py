@@ -212,9 +212,9 @@ class PipelineEngine:
         self.finished: list[int] = []
         self.losses: list[torch.Tensor] = []
         self.layer_clock = LayerClock(device) if layer_times else None
-        # per virtual stage, each module's (layer position, forward event, backward event)
+        # with layer times, per virtual stage, each module's (layer position, forward event, backward event)
         self.layer_events: dict[int, list[tuple[int, str, str]]] = {}
-        for vs in self.local_vs:
+        for vs in self.local_vs if layer_times else ():
             program = plan.stages[vs]
             self.layer_events[vs] = [(p, program.forward[program.forward_layers.index(p)],
                                       program.backward[program.backward_layers.index(p)]) for p in program.layers]
