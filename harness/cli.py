@@ -1,12 +1,14 @@
 """`python -m harness`: a registry of subcommands (events, profile, show, train), each a thin front end.
 
 Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int. Bad input
-(UserError) becomes one message on stderr and exit status 2, never a traceback.
+(UserError) becomes one message on stderr and exit status 2, never a traceback; output cut short by its
+reader (`| head`) ends quietly with status 141, as a tool killed by SIGPIPE.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from importlib import resources
 
@@ -34,13 +36,20 @@ def build_parser(prog: str, package: str, names: tuple[str, ...], description: s
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, where a reader gone away is caught, not in the interpreter's exit
+        return status
     except UserError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt:
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of our output went away (`... | head`): stop quietly, with the status a SIGPIPE'd tool
+        # has; stdout now points at /dev/null so that the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 def main(argv: list[str] | None = None) -> int:

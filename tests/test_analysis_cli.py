@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from collections import defaultdict
 
@@ -14,7 +17,7 @@ from analysis.profile import parse_spec_offline
 from analysis.timeline_store import read_timeline
 from harness.layers import LayerDesc
 from harness.hdf5_schema import SENDER_BUSY_SERIES
-from tests.test_analysis_helpers import by_name, comm_point, make_spec, run_python, write_handmade_profile
+from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
@@ -213,3 +216,15 @@ def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsy
 def test_simulate_takes_the_median_when_asked(hybrid_profile, capsys):
     assert main(["simulate", str(hybrid_profile), "--json", "--compute-stat", "median"]) == 0
     assert json.loads(capsys.readouterr().out)["compute_statistic"] == "median"
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(hybrid_profile):
+    """`python -m analysis simulate ... | head`: the reader goes away, the tool stops with SIGPIPE's status and
+    no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen([sys.executable, "-m", "analysis", "simulate", str(hybrid_profile), "--json"],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # gone before the first line is written
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, stderr
+    assert stderr == ""
