@@ -348,13 +348,18 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy))
 
 
-def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> "Timeline":
-    """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap."""
+def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
+             per_stage: Sequence[StageCosts] | None = None) -> "Timeline":
+    """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap.
+    `per_stage` replaces the step durations that stage_costs sums from `costs` (`analysis validate` replays
+    a run's own compute so); the transfers and buckets still take their costs from `costs`."""
     spec = plan.spec
     s = spec.strategy
     overlap = s.dp_overlap if dp_overlap is None else dp_overlap
     pp, m = s.pp, spec.micro_batches
-    per_stage = stage_costs(plan, costs)
+    per_stage = list(per_stage) if per_stage is not None else stage_costs(plan, costs)
+    if len(per_stage) != s.virtual_stages:
+        raise ValueError(f"{len(per_stage)} stage costs for {s.virtual_stages} virtual stages")
     # Which senders compute when their receivers post depends on the schedule it shapes: redo the schedule
     # with the previous pass's timelines until that stops changing (at once without sender-busy extras).
     schedule = _schedule(plan, per_stage, costs, None)

@@ -9,13 +9,16 @@ Compared, per measured iteration and then as medians:
 - with data parallelism, per pipeline stage: how far the slowest replica finished its compute behind the
   replicas' mean (analysis.skew predicts it from the profile);
 - for a run traced with `harness train --layer-times`, per virtual stage and phase each layer event: the
-  median of its layers' own times (tensor-parallel all-reduces taken off) against the event's cost.
+  median of its layers' own times (tensor-parallel all-reduces taken off) against the event's cost;
+- the replay: the same simulation with every stage's compute steps and optimizer step as the run measured
+  them, so that its error against the run is the timeline model's own (schedule, transfers, buckets,
+  replica lag) and the rest of the batch-time error is the profile's compute costs.
 Errors are (predicted - measured) / measured in percent; `device_error_pct` is the largest absolute
 device error.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,7 @@ from harness.layers import LayerDesc
 from analysis.costs import Costs, estimate_costs
 from analysis.profile import Profile, parse_spec_offline
 from analysis.runtrace import Trace
-from analysis.simulate import Timeline, simulate
+from analysis.simulate import StageCosts, Timeline, simulate
 
 REPORT_VERSION = 1
 
@@ -53,6 +56,18 @@ class Validation:
     representative_iteration: int = 0
     # each side's binding: bound, shared, single or unknown
     cpu_binding: dict[str, str] = field(default_factory=lambda: {"profile": "unknown", "run": "unknown"})
+    replay_batch_s: float | None = None  # the prediction with the run's own compute (replay_stage_costs)
+
+    @property
+    def replay_error_pct(self) -> float | None:
+        """The timeline model's own error: the replay against the run."""
+        return None if self.replay_batch_s is None else _pct(self.replay_batch_s, self.measured_batch_s)
+
+    @property
+    def compute_cost_error_pct(self) -> float | None:
+        """The part of the batch-time error that the profile's compute costs make: prediction minus replay."""
+        return None if self.replay_batch_s is None else _pct(self.predicted_batch_s, self.measured_batch_s) - \
+            self.replay_error_pct
 
     @property
     def batch_time_error_pct(self) -> float:
@@ -89,6 +104,9 @@ class Validation:
             "rank_speed": self.timeline.costs.rank_speed,
             "batch_time_error_pct": self.batch_time_error_pct,
             "device_error_pct": self.device_error_pct,
+            "replay_batch_time_s": self.replay_batch_s,
+            "replay_error_pct": self.replay_error_pct,
+            "compute_cost_error_pct": self.compute_cost_error_pct,
             "cpu_binding": self.cpu_binding,
             "devices": self.devices,
             "stages": self.stage_rows(),
@@ -184,7 +202,64 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
     result.layers = _layer_rows(trace, plan, costs)
+    replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept))
+    result.replay_batch_s = replayed.batch_time_s
     return result
+
+
+def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[StageCosts]:
+    """The timeline's stage costs with each virtual stage's compute as the run measured it: per phase, the
+    mean over micro-batches of each micro-batch's median step (over the measured iterations and the
+    stage's devices; tensor-parallel all-reduces inside included, and measured alike for the
+    communication part), the step's items stretched to it in proportion; the optimizer step (with
+    its buckets' zeroing) the median per iteration and device. A stage or phase the run did not
+    measure keeps its predicted costs."""
+    steps: dict[tuple[int, str, int], list[float]] = {}
+    inline: dict[tuple[int, str, int], list[float]] = {}
+    optimizer: dict[int, list[float]] = {}
+    for device in trace.devices.values():
+        cols = device.select()
+        ok = np.isin(cols["iteration"], kept)
+        per_step_comm: dict[tuple, float] = {}
+        per_iteration_opt: dict[tuple[int, int], float] = {}
+        for kind, phase, name, vs, micro, iteration, duration in zip(
+                cols["kind"][ok], cols["phase"][ok], cols["name"][ok], cols["virtual_stage"][ok], cols["micro"][ok],
+                cols["iteration"][ok], (cols["end_s"] - cols["start_s"])[ok]):
+            vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
+            if kind == "compute":
+                steps.setdefault((vs, str(phase), micro), []).append(duration)
+            elif kind == "optimizer":
+                per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
+            elif phase == "tp":
+                step_phase = "F" if str(name).endswith(".fwd") else "B"
+                key = (vs, step_phase, micro, iteration)
+                per_step_comm[key] = per_step_comm.get(key, 0.0) + duration
+        for (vs, step_phase, micro, _), duration in per_step_comm.items():
+            inline.setdefault((vs, step_phase, micro), []).append(duration)
+        for (vs, _), duration in per_iteration_opt.items():
+            optimizer.setdefault(vs, []).append(duration)
+
+    def measured(vs: int, phase: str, table: dict) -> float | None:
+        medians = [float(np.median(v)) for (s, p, _), v in table.items() if s == vs and p == phase]
+        return float(np.mean(medians)) if medians else None
+
+    out = []
+    for vs, c in enumerate(timeline.stage_costs):
+        changes: dict[str, Any] = {}
+        for phase, step, comm, offsets in (("F", "forward_s", "forward_comm_s", "forward_offsets"),
+                                           ("B", "backward_s", "backward_comm_s", "backward_offsets")):
+            seconds = measured(vs, phase, steps)
+            if seconds is None:
+                continue
+            scale = seconds / getattr(c, step) if getattr(c, step) > 0 else 0.0
+            changes[step] = seconds
+            changes[offsets] = tuple(o * scale for o in getattr(c, offsets))
+            comm_s = measured(vs, phase, inline)
+            changes[comm] = min(seconds, comm_s) if comm_s is not None else getattr(c, comm) * scale
+        if optimizer.get(vs):
+            changes["optimizer_s"] = float(np.median(optimizer[vs]))
+        out.append(replace(c, **changes))
+    return out
 
 
 def _layer_rows(trace: Trace, plan: EventPlan, costs: Costs) -> list[dict[str, Any]]:

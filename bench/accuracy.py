@@ -7,7 +7,9 @@ measured iterations against the median of their predictions, the largest per-dev
 (medians over trials), how far the run's own median moved between trials (the noise floor: what a perfect
 model would still see in one trial) and each trial's error, with a 90% bootstrap interval of the pooled
 batch-time error (the trials resampled with replacement): whether the row's error is within the goal or
-only this sample of the machine's moods is.
+only this sample of the machine's moods is. The replay error (median over trials) is the timeline model's
+own: validate's replay of each run's own compute against that run, which the machine's drift between a
+profile and its run does not touch.
 Pooling trials taken minutes apart averages out this shared machine's drift (bench/machine_noise.py
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
@@ -155,6 +157,10 @@ def pooled(trials: list[dict]) -> dict:
             "batch_error_interval_pct": list(bootstrap_interval(trials)),
             "device_error_pct": max(device_errors),
             "trial_errors_pct": [t["batch_time_error_pct"] for t in trials],
+            # the timeline model's own error: each trial's replay of its run's compute against the run (median
+            # over trials); the rest of a trial's batch-time error is the profile's compute costs
+            "replay_error_pct": median_of(t.get("replay_error_pct") for t in trials),
+            "compute_cost_error_pct": median_of(t.get("compute_cost_error_pct") for t in trials),
             # per virtual stage and phase ("0F", "1B", ...): the median over trials of validate's stage error
             "stage_error_pct": median_errors(trials, "stages", lambda r: f"{r['virtual_stage']}{r['phase']}"),
             # per virtual stage, phase and layer event ("0B gpt2.block.bwd", ...), where the runs traced layers
@@ -165,6 +171,12 @@ def pooled(trials: list[dict]) -> dict:
                             for side in ("profile", "run")},
             # how far the run's own median moved between trials: what a perfect model would still see
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0}
+
+
+def median_of(values) -> float | None:
+    """The median of the values that are not None (None if none is)."""
+    kept = [v for v in values if v is not None]
+    return float(np.median(kept)) if kept else None
 
 
 def median_errors(trials: list[dict], section: str, key_of) -> dict[str, float]:
@@ -213,7 +225,7 @@ def main() -> None:
     rows = {}
     if not args.json:
         print(f"{'configuration':<16} {'measured ms':>12} {'predicted ms':>13} {'batch err %':>12} "
-              f"{'90% interval':>14} {'device err %':>13} {'run spread %':>13}  per-trial batch err %")
+              f"{'90% interval':>14} {'device err %':>13} {'replay err %':>13} {'run spread %':>13}  per-trial batch err %")
     for name in names:
         if args.reuse:
             trials = [validate(workdir, env, args.no_rank_speed) for workdir in kept[name]]
@@ -225,9 +237,11 @@ def main() -> None:
         if not args.json:
             trial_errors = " ".join(f"{e:+.1f}" for e in row["trial_errors_pct"])
             low, high = row["batch_error_interval_pct"]
+            replay = f"{row['replay_error_pct']:+.1f}" if row["replay_error_pct"] is not None else "-"
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
                   f"{row['batch_error_pct']:>+12.1f} {f'{low:+.1f}..{high:+.1f}':>14} "
-                  f"{row['device_error_pct']:>13.1f} {row['run_spread_pct']:>13.1f}  {trial_errors}", flush=True)
+                  f"{row['device_error_pct']:>13.1f} {replay:>13} {row['run_spread_pct']:>13.1f}  {trial_errors}",
+                  flush=True)
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")

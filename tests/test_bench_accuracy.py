@@ -137,3 +137,15 @@ def test_pooled_rows_give_each_layer_events_median_error():
     assert pooled(trials)["layer_error_pct"] == {"0B gpt2.block.bwd": pytest.approx(-12.0),
                                                  "1F gpt2.head.fwd": pytest.approx(4.0)}
     assert pooled([_trial([1.0], 1.0, [(0.8, 0.8)])])["layer_error_pct"] == {}  # a run without --layer-times
+
+
+def test_pooled_rows_give_the_median_replay_error_of_the_trials_that_have_one():
+    pooled = _accuracy_module().pooled
+    trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(4)]
+    for trial, (replay, cost) in zip(trials, [(-2.0, 5.0), (1.0, -3.0), (-1.0, 2.0), (None, None)]):
+        trial["replay_error_pct"], trial["compute_cost_error_pct"] = replay, cost
+    row = pooled(trials)
+    assert row["replay_error_pct"] == pytest.approx(-1.0)
+    assert row["compute_cost_error_pct"] == pytest.approx(2.0)
+    # trials validated before the replay existed
+    assert pooled([_trial([1.0], 1.0, [(0.8, 0.8)])])["replay_error_pct"] is None

@@ -13,7 +13,7 @@ import pytest
 
 from analysis.predict import predict
 from analysis.runtrace import read_trace
-from analysis.validate import environment_differences, validate
+from analysis.validate import environment_differences, replay_stage_costs, validate
 from analysis.profile import load_profile
 from harness.train.trace import merge_traces, write_rank_trace
 from tests.conftest import ROOT
@@ -77,6 +77,71 @@ def test_errors_are_computed_right(tmp_path, factor):
     assert report["measured_iterations"] == 2  # warm-up excluded
     # neither handmade file recorded how its ranks were bound
     assert report["cpu_binding"] == {"profile": "unknown", "run": "unknown"}
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25, 0.8])
+def test_the_replay_of_a_runs_own_compute_leaves_the_timeline_models_own_error(tmp_path, factor):
+    """Without communication between steps, a run that is the prediction stretched is replayed exactly from
+    its own compute: the timeline model's error is nil and the whole batch-time error is the compute costs'."""
+    spec = make_spec(pp=2, micro_batches=4, layers=4)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"compute": 1e-3}, default=0.0))
+    timeline = predict(profile_path).timeline
+    result = validate(read_trace(write_scaled_trace(tmp_path / "trace.h5", timeline, factor)),
+                      load_profile(profile_path))
+    assert result.replay_batch_s == pytest.approx(timeline.batch_time_s * factor)
+    assert result.replay_error_pct == pytest.approx(0.0, abs=1e-6)
+    assert result.compute_cost_error_pct == pytest.approx(result.batch_time_error_pct, abs=1e-6)
+    report = result.to_dict()
+    assert report["replay_batch_time_s"] == result.replay_batch_s
+    assert report["replay_error_pct"] + report["compute_cost_error_pct"] == pytest.approx(
+        report["batch_time_error_pct"])
+
+
+def test_the_replay_takes_each_stages_steps_and_optimizer_as_the_run_measured_them(tmp_path):
+    spec = make_spec(pp=2, micro_batches=2, layers=4)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                          by_name({"compute": 1e-3, "p2p": 2e-4}, default=5e-4))
+    timeline = predict(profile_path).timeline
+    slower = {0: 1.0, 1: 2.0}  # stage 1 ran its steps and its optimizer twice as long as predicted
+    inline = 1e-4  # a tensor-parallel all-reduce inside each of stage 0's forward steps
+    iterations, rank_files = 3, []
+    for stage, device in enumerate(timeline.pipeline):
+        rows, f = [], slower[stage]
+        for it in range(iterations):
+            zero = it * 10 * timeline.batch_time_s
+            for r in device.steps:
+                start = zero + r.start_s
+                rows.append((start, start + (r.end_s - r.start_s) * f, 0.0, "compute", "step", r.phase, "",
+                             r.virtual_stage, r.micro, it, -1))
+                if stage == 0 and r.phase == "F":
+                    rows.append((start + 1e-5, start + 1e-5 + inline, inline, "allreduce", "tp.allreduce.fwd", "tp",
+                                 "", r.virtual_stage, r.micro, it, -1))
+            opt = zero + device.optimizer_start_s
+            rows.append((opt, opt + (device.optimizer_end_s - device.optimizer_start_s) * f, 0.0, "optimizer",
+                         "optimizer", "opt", "", stage, -1, it, -1))
+        starts = np.arange(iterations) * 10 * timeline.batch_time_s
+        rank_files.append(write_rank_trace(tmp_path / f"rank-{stage:05d}.trace.h5", rank=stage, columns=_columns(rows),
+                                           attrs={"dp": 0, "tp": 0, "pp": stage},
+                                           iterations={"start_s": starts, "end_s": starts + timeline.batch_time_s,
+                                                       "loss": np.zeros(iterations)}))
+    path = merge_traces(tmp_path / "trace.h5", rank_files,
+                        root_attrs={"spec_json": spec.to_json(),
+                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
+                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[1])
+    trace = read_trace(path)
+    replayed = replay_stage_costs(trace, timeline, trace.measured())
+    for vs, (before, after) in enumerate(zip(timeline.stage_costs, replayed)):
+        f = slower[vs]
+        assert after.forward_s == pytest.approx(before.forward_s * f)
+        assert after.backward_s == pytest.approx(before.backward_s * f)
+        assert after.forward_offsets == pytest.approx([o * f for o in before.forward_offsets])
+        assert after.backward_offsets == pytest.approx([o * f for o in before.backward_offsets])
+        assert after.optimizer_s == pytest.approx(before.optimizer_s * f)
+        assert after.forward_comm_s == pytest.approx(inline if vs == 0 else before.forward_comm_s * f)
+        # what passes between the steps stays as the profile has it
+        assert (after.send_forward_s, after.send_backward_s) == (before.send_forward_s, before.send_backward_s)
+    result = validate(trace, load_profile(profile_path))
+    assert result.replay_batch_s > timeline.batch_time_s  # stage 1, the pipeline's last, got slower
 
 
 @pytest.mark.parametrize("factor", [1.0, 1.5])
@@ -184,6 +249,8 @@ def test_real_run_validates_end_to_end(tmp_path, project_env):
     m, p = report["measured_batch_time_s"], report["predicted_batch_time_s"]
     assert m > 0 and p > 0
     assert report["batch_time_error_pct"] == pytest.approx((p - m) / m * 100)
+    assert report["replay_batch_time_s"] > 0
+    assert report["replay_error_pct"] == pytest.approx((report["replay_batch_time_s"] - m) / m * 100)
     assert len(report["devices"]) == 2 and report["measured_iterations"] == 2
     # every layer event of both stages, measured and predicted (--layer-times)
     assert {(r["virtual_stage"], r["phase"]) for r in report["layers"]} == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}

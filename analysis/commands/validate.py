@@ -65,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{trace.spec['model']['name']}: {len(result.iterations)} measured iterations")
     print(format_table(("", "measured ms", "predicted ms", "error %"),
                        [("batch time (median)", ms(result.measured_batch_s), ms(result.predicted_batch_s),
-                         result.batch_time_error_pct)]))
+                         result.batch_time_error_pct)]
+                       + ([("replay: the run's own compute", ms(result.measured_batch_s), ms(result.replay_batch_s),
+                            result.replay_error_pct)] if result.replay_batch_s is not None else [])))
+    if result.replay_batch_s is not None:
+        print(f"of the batch-time error, {result.replay_error_pct:+.1f} points are the timeline model's (the replay) "
+              f"and {result.compute_cost_error_pct:+.1f} the profile's compute costs")
     print()
     print(format_table(("rank", "stage", "dp", "tp", "measured busy ms", "predicted busy ms", "error %"),
                        [(d["rank"], d["stage"], d["dp"], d["tp"], ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]),
