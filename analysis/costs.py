@@ -19,6 +19,11 @@
   those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
   transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
   placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
+- P2P's post: the profile timed the sender's call that posts the send (`send_post_samples_s`, the receiver
+  waiting); the mean is the event's `send_post`, the host time a step that sends pays before its device can
+  start the next one (gloo on a CPU writes the data in that call: 0.2-0.3 ms for the bench's 256 KiB
+  activations, docs/benchmarks.md, run 23). An unmeasured P2P takes the post measured at its placement for
+  the size nearest its own; profiles from before it was measured have none (0).
 - a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
   replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
   division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
@@ -52,6 +57,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -195,6 +201,8 @@ class Costs:
     composites: dict[str, float] = field(default_factory=dict)
     # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
+    # P2P event id -> the sender's host seconds to post the send, before its next step can start
+    send_post: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
     # backward compute event id -> the host's seconds of one backward() call that its samples paid and a
@@ -355,6 +363,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             "of its ranks measured compute), so they keep their rank's speed while the others stand for the "
             "ranks' mean; profile again with --force to measure them alike")
     _sender_busy_extras(plan, profile, costs)
+    _send_posts(plan, profile, costs)
     if plan.spec.strategy.dp > 1:
         _bucket_passes(plan, profile, costs)
         costs.replica_skew = replica_skew(profile)
@@ -396,6 +405,27 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
         extra = measured_extra.get(eid, by_placement.get(event.placement or INTER))
         if extra:
             costs.sender_busy_extra[eid] = extra
+
+
+def _send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """Fill costs.send_post for the plan's P2P events (rules in the module docstring)."""
+    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, mean post
+    for eid, m in profile.measurements.items():
+        posts = m.send_post_samples_s if m.kind == "p2p" and m.count else np.empty(0)
+        posts = posts[np.isfinite(posts)]
+        if posts.size:
+            measured[eid] = (m.placement, m.bytes, float(posts.mean()))
+    for eid, event in plan.events.items():
+        if event.kind != "p2p":
+            continue
+        if eid in measured:
+            costs.send_post[eid] = measured[eid][2]
+            continue
+        placement = event.placement or INTER
+        peers = [(abs(math.log(max(nbytes, 1) / max(event.bytes, 1))), post)
+                 for p, nbytes, post in measured.values() if p == placement]
+        if peers:
+            costs.send_post[eid] = min(peers)[1]
 
 
 def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:

@@ -18,7 +18,8 @@ from harness.events import CommunicationFields
 # the names harness.store writes, from the one place both sides take them (not from the store itself: the
 # analysis does not import the profiling side)
 from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, MEASUREMENT_FIELD_ATTRS, PROFILE_KIND,
-                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES,
+                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES,
+                                  ZERO_SERIES,
                                   read_environment)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
@@ -85,6 +86,11 @@ class MeasuredEvent(CommunicationFields):
     def sender_busy_samples_s(self) -> np.ndarray:
         """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
         return self._detail(SENDER_BUSY_SERIES)
+
+    @property
+    def send_post_samples_s(self) -> np.ndarray:
+        """P2P only: the sender's time in the call that posted its send (empty where the profile has none)."""
+        return self._detail(SEND_POST_SERIES)
 
     @property
     def host_issue_samples_s(self) -> np.ndarray:

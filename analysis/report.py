@@ -70,6 +70,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
         "p2p_sender_busy_extra": [{"id": eid, "name": timeline.plan.events[eid].name, "extra_s": extra}
                                   for eid, extra in sorted(costs.sender_busy_extra.items())],
+        "p2p_send_post": [{"id": eid, "name": timeline.plan.events[eid].name, "post_s": post}
+                          for eid, post in sorted(costs.send_post.items())],
         "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
                                 "device_s": costs.seconds(eid), "host_issue_s": host}
                                for eid, host in sorted(costs.host_issue.items())],
@@ -145,6 +147,10 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                 for eid, extra in sorted(costs.sender_busy_extra.items())]
         out += ["", format_table(("id", "event", "extra ms"), rows,
                                  title="P2P that waits for its receiver while the sender computes takes longer by:")]
+    if costs.send_post:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(post)) for eid, post in sorted(costs.send_post.items())]
+        out += ["", format_table(("id", "event", "post ms"), rows,
+                                 title="a step that sends holds its device to post the send for:")]
     if costs.host_issue:
         # the layers whose host issues them slower than the device runs them first (launch-bound), most so first
         by_excess = sorted(costs.host_issue.items(), key=lambda kv: (costs.seconds(kv[0]) - kv[1], kv[0]))

@@ -265,9 +265,10 @@ def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -
 def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
               previous: list[list[StepRecord]] | None) -> _Schedule:
     """One pass of list scheduling: every device runs its steps in the schedule's order, each when the device
-    is free and its input has arrived. A P2P transfer starts once the sender has finished the step and the
-    receiver has posted its receive (when it reaches the step): a transfer that waits for its receiver pays
-    the P2P's sender-busy extra if the sender computes at that moment in the `previous` pass."""
+    is free and its input has arrived; a step that sends keeps its device for the send's post after it. A P2P
+    transfer starts once the sender has finished the step and the receiver has posted its receive (when it
+    reaches the step): a transfer that waits for its receiver pays the P2P's sender-busy extra if the sender
+    computes at that moment in the `previous` pass."""
     s = plan.spec.strategy
     pp, V, m = s.pp, s.virtual_stages, plan.spec.micro_batches
     schedules = [device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
@@ -280,6 +281,11 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     free = [0.0] * pp
     position = [0] * pp
     previous_starts = [[r.start_s for r in steps] for steps in previous] if previous is not None else None
+    # the sender's host time to post a step's send to another device (Costs.send_post)
+    post_after = {"F": [costs.send_post.get(plan.stages[vs].send_forward, 0.0)
+                        if vs < V - 1 and (vs + 1) % pp != vs % pp else 0.0 for vs in range(V)],
+                  "B": [costs.send_post.get(plan.stages[vs].send_backward, 0.0)
+                        if vs > 0 and (vs - 1) % pp != vs % pp else 0.0 for vs in range(V)]}
 
     def arrival(direction: str, src: int, dst_device: int, micro: int, sent: float, event: str | None,
                 duration: float) -> float:
@@ -336,7 +342,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                     backward_end[vs][micro] = end
                     backward_start[vs][micro] = start
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
-                free[d] = end
+                free[d] = end + post_after[phase][vs]  # a step that sends posts its send before the next
                 k += 1
             if k > position[d]:
                 progressed = True

@@ -19,6 +19,8 @@ MEASUREMENT_FIELD_ATTRS = frozenset({"kind", "content_json", "ranks", "env_key",
 # A measurement's optional sample series, next to samples_s:
 # P2P only: the receive timed while the sender computes (harness.profilers.comm)
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
+# P2P only: the sender's time in the call that posted its send (the receiver waiting), per ping-pong sample
+SEND_POST_SERIES = "send_post_samples_s"
 # GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
 HOST_ISSUE_SERIES = "host_issue_samples_s"
 # compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
@@ -30,7 +32,7 @@ DIVIDE_SERIES = "divide_samples_s"
 # all-reduces only: the buffer's zeroing that came after each all-reduce (how a replica clears its gradient
 # bucket for the next iteration)
 ZERO_SERIES = "zero_samples_s"
-SERIES = (SENDER_BUSY_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
+SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"

@@ -26,8 +26,8 @@ import h5py
 from harness.errors import UserError
 from harness.events import EventPlan, build_plan
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  RANK_SPEED_PROBE_ENV, SAMPLE_END_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV,
-                                  ZERO_SERIES, compute_phase_key, read_environment)
+                                  RANK_SPEED_PROBE_ENV, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
+                                  SPEED_PROBE_ENV, ZERO_SERIES, compute_phase_key, read_environment)
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
@@ -106,10 +106,11 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 
 def _complete(m: Measurement) -> bool:
-    """Whether a stored measurement has everything this version measures: a P2P its sender-busy samples, an
-    all-reduce its division's and zeroing's samples, a GPU forward or backward the host's issue times."""
+    """Whether a stored measurement has everything this version measures: a P2P its sender-busy and send-post
+    samples, an all-reduce its division's and zeroing's samples, a GPU forward or backward the host's issue
+    times."""
     if m.kind == "p2p":
-        return SENDER_BUSY_SERIES in m.series
+        return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
     if m.kind == "allreduce":
         return DIVIDE_SERIES in m.series and ZERO_SERIES in m.series
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
@@ -310,6 +311,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
             if measured is not None:
                 content = task.content
                 series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
+                                                            (SEND_POST_SERIES, measured.send_post_s),
                                                             (DIVIDE_SERIES, measured.divide_s),
                                                             (ZERO_SERIES, measured.zero_s)) if values.size}
                 recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks), env_key,

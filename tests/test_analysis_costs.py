@@ -10,7 +10,7 @@ from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile import load_profile
 from harness.events import build_plan
-from harness.hdf5_schema import DIVIDE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+from harness.hdf5_schema import DIVIDE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
 from harness.store import Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
@@ -177,6 +177,30 @@ def test_sender_busy_extra_is_the_mean_excess_and_unmeasured_p2p_take_the_larges
     measured = write_handmade_profile(tmp_path / "measured.h5", spec, by_name({"p2p": 0.5}, default=0.5),
                                       sender_busy=[0.01, 0.03])
     assert estimate_costs(plan, load_profile(measured)).sender_busy_extra == {}
+
+
+def test_send_post_is_the_mean_and_unmeasured_p2p_take_the_nearest_size_at_their_placement(tmp_path):
+    spec = make_spec(pp=2, micro_batches=2)  # one node: the stage-to-stage P2P is intra
+    plan = build_plan(spec)
+    p2p = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
+    measured = write_handmade_profile(tmp_path / "measured.h5", spec, by_name({"p2p": 0.5}, default=0.5),
+                                      send_post=[0.001, 0.003])
+    assert estimate_costs(plan, load_profile(measured)).send_post == {eid: pytest.approx(0.002) for eid in p2p}
+    nbytes = plan.events[p2p[0]].bytes
+    points = []
+    for size, post in ((nbytes // 8, 0.001), (nbytes * 2, 0.004), (nbytes * 64, 0.05)):
+        point = comm_point("p2p", size, "intra", 0.001)
+        point.series[SEND_POST_SERIES] = np.array([post])
+        points.append(point)
+    inter = comm_point("p2p", nbytes, "inter", 0.001)
+    inter.series[SEND_POST_SERIES] = np.array([0.5])
+    swept = write_handmade_profile(tmp_path / "swept.h5", spec, by_name({"p2p": None}, default=0.5),
+                                   points + [inter])
+    # twice its size is nearer than an eighth of it; the inter point, of its very size, is at another placement
+    assert estimate_costs(plan, load_profile(swept)).send_post == {eid: pytest.approx(0.004) for eid in p2p}
+    # a profile from before the post was measured
+    older = write_handmade_profile(tmp_path / "older.h5", spec, by_name({"p2p": 0.5}, default=0.5))
+    assert estimate_costs(plan, load_profile(older)).send_post == {}
 
 
 def test_gpu_host_issue_times_are_read_with_the_compute_statistic(tmp_path):

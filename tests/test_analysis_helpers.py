@@ -13,7 +13,8 @@ import numpy as np
 
 from harness.events import Event, build_plan, event_id
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  RANK_SPEED_PROBE_ENV, SENDER_BUSY_SERIES, ZERO_SERIES, compute_phase_key)
+                                  RANK_SPEED_PROBE_ENV, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
+                                  compute_phase_key)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
 from harness.store import Measurement, write_profile
@@ -58,10 +59,11 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                            host_issue: Mapping[str, Sequence[float]] | None = None,
                            backward_call_s: float | None = None, divide: Sequence[float] = (),
                            zero: Sequence[float] = (), measuring_rank: Mapping[str, int] | None = None,
-                           speed_probe: Sequence[float] | None = None) -> Path:
+                           speed_probe: Sequence[float] | None = None, send_post: Sequence[float] = ()) -> Path:
     """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
     which it returns None are left unmeasured (and listed so). A user model needs its `layers`. P2P events
-    get `sender_busy` as their samples timed with the sender computing (none when empty); compute events
+    get `sender_busy` as their samples timed with the sender computing and `send_post` as their sender's
+    post times (none when empty); compute events
     named in `host_issue` get those samples as the host's issue times (as a GPU profile has them); backward
     compute events get `backward_call_s` as the cost of one backward() call (as profiles measure it);
     all-reduces get `divide` as their samples of the buffer's division by the group size and `zero` as those
@@ -86,6 +88,8 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                                                     "placement": event.placement, "backend": "test"}
         series = {SENDER_BUSY_SERIES: np.asarray(sender_busy, dtype=float)} if event.kind == "p2p" and len(
             sender_busy) else {}
+        if event.kind == "p2p" and len(send_post):
+            series[SEND_POST_SERIES] = np.asarray(send_post, dtype=float)
         if event.kind == "allreduce" and len(divide):
             series[DIVIDE_SERIES] = np.asarray(divide, dtype=float)
         if event.kind == "allreduce" and len(zero):

@@ -33,6 +33,9 @@ def jobs(draw):
     if draw(st.booleans()):  # P2P transfers that wait on a computing sender take longer (several passes)
         costs.sender_busy_extra.update({eid: float(rng.uniform(0.0, 1.0)) for eid, e in plan.events.items()
                                         if e.kind == "p2p"})
+    if draw(st.booleans()):  # a step that sends holds its device to post the send
+        costs.send_post.update({eid: float(rng.uniform(0.0, 0.5)) for eid, e in plan.events.items()
+                                if e.kind == "p2p"})
     return plan, costs
 
 

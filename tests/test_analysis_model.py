@@ -73,6 +73,39 @@ def test_a_send_does_not_block_the_sender_and_a_transfer_starts_when_both_sides_
     assert first.usage.comm_s == pytest.approx(8 * 0.5 - 1.25)
 
 
+def test_a_step_that_sends_holds_its_device_for_the_sends_post(tmp_path):
+    spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")
+    plain = predict(write_handmade_profile(tmp_path / "plain.h5", spec, by_name(uniform({"p2p": 0.5})))).timeline
+    path = write_handmade_profile(tmp_path / "posted.h5", spec, by_name(uniform({"p2p": 0.5})),
+                                  send_post=[0.1, 0.2, 0.3])
+    timeline = predict(path).timeline
+    assert list(timeline.costs.send_post.values()) == pytest.approx([0.2])  # the mean
+    first, last = timeline.pipeline
+    # the first stage's forwards send: each starts 0.2 after the one before ended; its transfer at that end
+    forwards = [s for s in first.steps if s.phase == "F"]
+    assert [s.start_s for s in forwards] == pytest.approx([i * (T_F + 0.2) for i in range(4)])
+    assert last.steps[0].start_s == pytest.approx(T_F + 0.5)  # the receiver waited: the data left at T_F
+    # the last stage's forwards send nothing (the backward follows on the device): no post between them
+    last_forwards = [s for s in last.steps if s.phase == "F"]
+    assert all(b.start_s >= a.end_s for a, b in zip(last_forwards, last_forwards[1:]))
+    # its backwards send gradients: one post after each, and none after the first stage's (nothing to send)
+    last_backwards = [s for s in last.steps if s.phase == "B"]
+    assert all(b.start_s == pytest.approx(a.end_s + 0.2) for a, b in zip(last_backwards, last_backwards[1:]))
+    first_backwards = [s for s in first.steps if s.phase == "B"]
+    assert first.optimizer_start_s == pytest.approx(first_backwards[-1].end_s)
+    assert last.optimizer_start_s == pytest.approx(last_backwards[-1].end_s + 0.2)
+    # the steps themselves, and so the devices' busy time, are as without posts
+    assert [s.end_s - s.start_s for s in first.steps] == pytest.approx(
+        [s.end_s - s.start_s for s in plain.pipeline[0].steps])
+    # here every post hides behind a transfer that its receiver waits for anyway; with instant transfers the
+    # last stage waits for the first stage's forwards, which the posts delay
+    assert timeline.batch_time_s == pytest.approx(plain.batch_time_s)
+    instant = write_handmade_profile(tmp_path / "instant.h5", spec, by_name(uniform({"p2p": 0.0})),
+                                     send_post=[0.2])
+    unposted = write_handmade_profile(tmp_path / "unposted.h5", spec, by_name(uniform({"p2p": 0.0})))
+    assert predict(instant).timeline.batch_time_s > predict(unposted).timeline.batch_time_s + 0.2
+
+
 def test_a_transfer_waiting_on_a_computing_sender_pays_the_sender_busy_extra(tmp_path):
     # samples with the sender busy: mean 0.5 + 0.25 -> an extra 0.25 over the P2P's 0.5
     spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")

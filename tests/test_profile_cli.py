@@ -56,6 +56,9 @@ def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
     with h5py.File(out / "profile.h5") as f:  # P2P also with the sender computing, on either backend
         p2p = [g for g in f["measurements"].values() if g.attrs["kind"] == "p2p"]
         assert p2p and all((g["sender_busy_samples_s"][()] > 0).all() for g in p2p)
+        # and the sender's post of each send, shorter than the whole ping-pong's round trip
+        assert all((g["send_post_samples_s"][()] > 0).all()
+                   and (g["send_post_samples_s"][()] < 2 * g["samples_s"][()]).all() for g in p2p)
         # every rank timed the speed probe in the compute phase that took the compute samples
         phases = {compute_phase_key(g.attrs[COMPUTE_PHASE_ATTR]) for g in f["measurements"].values()
                   if g.attrs["kind"] == "compute"}
@@ -107,7 +110,8 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     import numpy as np
 
     from harness.profile_run import _complete
-    from harness.hdf5_schema import DIVIDE_SERIES, HOST_ISSUE_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+    from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
+                                      ZERO_SERIES)
     from harness.store import Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=()):
@@ -120,7 +124,8 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     assert _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", [HOST_ISSUE_SERIES]))
     assert _complete(measurement("compute", "optimizer", "cuda:NVIDIA H200"))  # timed alone, no issue times
     assert not _complete(measurement("p2p"))
-    assert _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))
+    assert not _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))  # before its post was timed
+    assert _complete(measurement("p2p", series=[SENDER_BUSY_SERIES, SEND_POST_SERIES]))
     assert not _complete(measurement("allreduce"))  # measured before its division was timed
     assert not _complete(measurement("allreduce", series=[DIVIDE_SERIES]))  # before its zeroing was timed
     assert _complete(measurement("allreduce", series=[DIVIDE_SERIES, ZERO_SERIES]))

@@ -67,8 +67,10 @@ def test_end_to_end_profile_then_resume(tmp_path):
                 if g.attrs["kind"] == "p2p":
                     busy = g["sender_busy_samples_s"][()]
                     assert busy.shape == (2,) and (busy > 0).all() and (busy < 1.0).all()
+                    posts = g["send_post_samples_s"][()]  # the sender's own, one per ping-pong repeat
+                    assert posts.shape == (2,) and (posts > 0).all() and (posts < 2 * g["samples_s"][()]).all()
                 else:
-                    assert "sender_busy_samples_s" not in g
+                    assert "sender_busy_samples_s" not in g and "send_post_samples_s" not in g
                 for series in ("divide_samples_s", "zero_samples_s"):  # the bucket's division and zeroing
                     if g.attrs["kind"] == "allreduce":
                         passes = g[series][()]
@@ -99,7 +101,8 @@ def test_end_to_end_profile_then_resume(tmp_path):
         allreduces = [eid for eid, e in plan.events.items() if e.kind == "allreduce"]
         assert p2p and allreduces and third.measured >= len(p2p) + len(allreduces)
         with h5py.File(outdir / "profile.h5") as f:
-            assert all("sender_busy_samples_s" in f["measurements"][eid] for eid in p2p)
+            assert all("sender_busy_samples_s" in f["measurements"][eid] and "send_post_samples_s" in
+                       f["measurements"][eid] for eid in p2p)
             assert all("divide_samples_s" in f["measurements"][eid] and "zero_samples_s" in f["measurements"][eid]
                        for eid in allreduces)
 
@@ -204,10 +207,10 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
         if comm.rank < 2:
             monkeypatch.setattr(dist, "all_reduce", watched_all_reduce)
             buffer = torch.ones(4096)
-            samples, busy, divide, zero = CommProfiler(comm, backend, cpu)._allreduce(
+            samples, busy, divide, zero, posts = CommProfiler(comm, backend, cpu)._allreduce(
                 buffer, group, WatchedComm(pair) if backend == "mpi4py" else None, warmup=2, repeats=150)
             monkeypatch.undo()
-            assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == 0
+            assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == posts.size == 0
             assert (samples > 0).all() and (divide > 0).all() and (zero > 0).all()
             assert len(after_sum) == 2 + 150
             assert all(np.array_equal(values, np.ones(4096, dtype=np.float32)) for values in after_sum)

@@ -29,14 +29,16 @@ RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the 
 
 
 class CommSamples(NamedTuple):
-    """One communication task's samples (seconds); `sender_busy_s` only for P2P; `divide_s` and `zero_s` only
-    for all-reduces (the in-place division by the group size before each all-reduce, and the buffer's
-    zeroing after it), empty otherwise."""
+    """One communication task's samples (seconds); `sender_busy_s` and `send_post_s` only for P2P (the latter:
+    the sender's time in the call that posts its send); `divide_s` and `zero_s` only for all-reduces (the
+    in-place division by the group size before each all-reduce, and the buffer's zeroing after it), empty
+    otherwise."""
 
     samples_s: np.ndarray
     sender_busy_s: np.ndarray
     divide_s: np.ndarray = np.empty(0)
     zero_s: np.ndarray = np.empty(0)
+    send_post_s: np.ndarray = np.empty(0)
 
 
 class CommProfiler:
@@ -101,8 +103,10 @@ class CommProfiler:
         if self.rank in members:
             buffer = self._buffer(task)
             if task.kind == "p2p":
-                samples = CommSamples(self._p2p(buffer, members, group, mpi_group, warmup, repeats),
-                                      self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats))
+                round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
+                samples = CommSamples(round_trips,
+                                      self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats),
+                                      send_post_s=posts)
             else:
                 samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
         if mpi_group is not None:
@@ -110,17 +114,24 @@ class CommProfiler:
         self.comm.Barrier()
         return samples if self.rank == members[0] else None
 
-    def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> np.ndarray:
-        """Ping-pong between the pair: a sample is half the round trip (send and receive timed together)."""
+    def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray]:
+        """Ping-pong between the pair: a sample is half the round trip (send and receive timed together). Also,
+        on the sender, the time its call that posts the first send took (the receiver waiting for it, as a
+        pipeline's receiver mostly is): the host time a training step that sends pays before the next step can
+        start (gloo on a CPU writes the data in that call). (round trips, posts), NaN posts on the receiver."""
         sender, receiver = members
         samples = np.empty(repeats, dtype=np.float64)
+        posts = np.full(repeats, np.nan)
         host = buffer.cpu().numpy() if mpi_group is not None else None
         for i in range(warmup + repeats):
+            post_ns = 0
             if mpi_group is not None:
                 mpi_group.Barrier()
                 t0 = time.perf_counter_ns()
                 if self.rank == sender:
-                    mpi_group.Send(host, dest=1)
+                    request = mpi_group.Isend(host, dest=1)
+                    post_ns = time.perf_counter_ns() - t0
+                    request.Wait()
                     mpi_group.Recv(host, source=1)
                 else:
                     mpi_group.Recv(host, source=0)
@@ -130,7 +141,9 @@ class CommProfiler:
                 synchronize(self.device)
                 t0 = time.perf_counter_ns()
                 if self.rank == sender:
-                    dist.send(buffer, receiver, group=group)
+                    work = dist.isend(buffer, receiver, group=group)
+                    post_ns = time.perf_counter_ns() - t0
+                    work.wait()
                     dist.recv(buffer, receiver, group=group)
                 else:
                     dist.recv(buffer, sender, group=group)
@@ -139,7 +152,9 @@ class CommProfiler:
             elapsed = (time.perf_counter_ns() - t0) / 2e9
             if i >= warmup:
                 samples[i - warmup] = elapsed
-        return samples
+                if self.rank == sender:
+                    posts[i - warmup] = post_ns / 1e9
+        return samples, posts
 
     def _p2p_sender_busy(self, buffer, members, group, mpi_group, warmup, repeats) -> np.ndarray:
         """Per repeat: barrier; the sender posts its send and computes for SENDER_BUSY_S; the receiver posts its
