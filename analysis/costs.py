@@ -21,7 +21,7 @@
   placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
 - P2P's post: the profile timed the sender's call that posts the send (`send_post_samples_s`, the receiver
   waiting); the mean is the event's `send_post`, the host time a step that sends pays before its device can
-  start the next one (gloo on a CPU writes the data in that call: 0.2-0.3 ms for the bench's 256 KiB
+  start the next one (gloo on a CPU writes the data in that call: 0.3-0.6 ms for the bench's 256 KiB
   activations, docs/benchmarks.md, run 23). An unmeasured P2P takes the post measured at its placement for
   the size nearest its own; profiles from before it was measured have none (0).
 - a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the

@@ -66,8 +66,9 @@ class Validation:
     @property
     def compute_cost_error_pct(self) -> float | None:
         """The part of the batch-time error that the profile's compute costs make: prediction minus replay."""
-        return None if self.replay_batch_s is None else _pct(self.predicted_batch_s, self.measured_batch_s) - \
-            self.replay_error_pct
+        if self.replay_batch_s is None:
+            return None
+        return self.batch_time_error_pct - self.replay_error_pct
 
     @property
     def batch_time_error_pct(self) -> float:
