@@ -20,10 +20,11 @@
   transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
   placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
 - P2P's post: the profile timed the sender's call that posts the send (`send_post_samples_s`, the receiver
-  waiting); the mean is the event's `send_post`, the host time a step that sends pays before its device can
-  start the next one (gloo on a CPU writes the data in that call: 0.3-0.6 ms for the bench's 256 KiB
-  activations, docs/benchmarks.md, run 23). An unmeasured P2P takes the post measured at its placement for
-  the size nearest its own; profiles from before it was measured have none (0).
+  waiting); the median is the event's `send_post` (the median: a first repeat without warm-up also sets up
+  the pair's connection), the host time a step that sends pays before its device goes on (gloo on a CPU
+  writes the data in that call: 0.33-0.63 ms for the bench's 256 KiB activations in the profiles of
+  docs/benchmarks.md, run 23). An unmeasured P2P takes the post measured at its placement for the size
+  nearest its own; profiles from before it was measured have none (0).
 - a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
   replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
   division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
@@ -414,7 +415,7 @@ def _send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
         posts = m.send_post_samples_s if m.kind == "p2p" and m.count else np.empty(0)
         posts = posts[np.isfinite(posts)]
         if posts.size:
-            measured[eid] = (m.placement, m.bytes, float(posts.mean()))
+            measured[eid] = (m.placement, m.bytes, float(np.median(posts)))
     for eid, event in plan.events.items():
         if event.kind != "p2p":
             continue

@@ -25,7 +25,7 @@ traces, plots and timeline files. A device's rank is (pp_i * dp + dp_i) * tp + t
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
@@ -38,7 +38,8 @@ from analysis.costs import Costs
 COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
 FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
 P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER = "p2p-send", "p2p-recv", "dp-allreduce", "optimizer"
-CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER)
+P2P_POST = "p2p-post"  # the host posting a send after a step (Costs.send_post), on the compute track
+CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST)
 
 
 class StepRecord(NamedTuple):
@@ -51,6 +52,16 @@ class StepRecord(NamedTuple):
     ready_s: float  # when its input was available (P2P arrival, or its own forward for the last stage)
     start_s: float
     end_s: float
+
+
+class Post(NamedTuple):
+    """The sender's host posting a send right after the step that produced its data (Costs.send_post)."""
+
+    start_s: float
+    end_s: float
+    event: str  # the P2P event
+    virtual_stage: int  # of the step that sends
+    micro: int
 
 
 class Transfer(NamedTuple):
@@ -160,6 +171,8 @@ class PipelineDevice:
     # backward (analysis.skew); its gradient all-reduces wait for it
     replica_lag_s: float = 0.0
     replica_window_s: float = 0.0  # the compute span whose speed the lag is taken over (first step to last)
+    # the host's posts of sends after steps (Costs.send_post): communication on the device's compute track
+    posts: list[Post] = field(default_factory=list)
 
     @property
     def end_s(self) -> float:
@@ -254,6 +267,7 @@ class _Schedule(NamedTuple):
     free: list[float]
     backward_start: list[list[float]]
     sender_busy: frozenset  # the (direction, src stage, micro) transfers costed with the sender computing
+    posts: list[list[Post]]  # per device, its host's posts of sends after steps
 
 
 def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -> bool:
@@ -279,13 +293,14 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     transfers: dict[tuple[str, int, int], tuple[float, float]] = {}
     sender_busy: set = set()
     free = [0.0] * pp
+    posts: list[list[Post]] = [[] for _ in range(pp)]
     position = [0] * pp
     previous_starts = [[r.start_s for r in steps] for steps in previous] if previous is not None else None
     # the sender's host time to post a step's send to another device (Costs.send_post)
-    post_after = {"F": [costs.send_post.get(plan.stages[vs].send_forward, 0.0)
-                        if vs < V - 1 and (vs + 1) % pp != vs % pp else 0.0 for vs in range(V)],
-                  "B": [costs.send_post.get(plan.stages[vs].send_backward, 0.0)
-                        if vs > 0 and (vs - 1) % pp != vs % pp else 0.0 for vs in range(V)]}
+    post_after = {"F": [(plan.stages[vs].send_forward, costs.send_post.get(plan.stages[vs].send_forward, 0.0))
+                        if vs < V - 1 and (vs + 1) % pp != vs % pp else (None, 0.0) for vs in range(V)],
+                  "B": [(plan.stages[vs].send_backward, costs.send_post.get(plan.stages[vs].send_backward, 0.0))
+                        if vs > 0 and (vs - 1) % pp != vs % pp else (None, 0.0) for vs in range(V)]}
 
     def arrival(direction: str, src: int, dst_device: int, micro: int, sent: float, event: str | None,
                 duration: float) -> float:
@@ -342,7 +357,10 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                     backward_end[vs][micro] = end
                     backward_start[vs][micro] = start
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
-                free[d] = end + post_after[phase][vs]  # a step that sends posts its send before the next
+                event, post = post_after[phase][vs]  # a step that sends posts its send before the device goes on
+                if post:
+                    posts[d].append(Post(end, end + post, event, vs, micro))
+                free[d] = end + post
                 k += 1
             if k > position[d]:
                 progressed = True
@@ -351,14 +369,16 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
         if not progressed:
             stuck = {d: schedules[d][position[d]] for d in range(pp) if position[d] < len(schedules[d])}
             raise RuntimeError(f"schedule {s.schedule!r} deadlocks: devices wait on {stuck}")
-    return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy))
+    return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy), posts)
 
 
 def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
              per_stage: Sequence[StageCosts] | None = None) -> "Timeline":
     """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap.
     `per_stage` replaces the step durations that stage_costs sums from `costs` (`analysis validate` replays
-    a run's own compute so); the transfers and buckets still take their costs from `costs`."""
+    a run's own compute so); the transfers, posts and buckets still take their costs from `costs`. Such a
+    timeline is for its batch time and usage: its `intervals()` still lay out the optimizer's events at
+    their costs."""
     spec = plan.spec
     s = spec.strategy
     overlap = s.dp_overlap if dp_overlap is None else dp_overlap
@@ -418,7 +438,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         receives[d].sort(key=lambda t: t.start_s)
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
                                        optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0),
-                                       lag(compute_end), window))
+                                       lag(compute_end), window, schedule.posts[d]))
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
         device.usage = _usage(device, per_stage, batch_time)
@@ -491,7 +511,8 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
     busy.append((device.optimizer_start_s, device.optimizer_end_s))
     busy = _merged(busy)
     asynchronous = _merged([(t.start_s, t.end_s) for t in device.sends + device.receives]
-                           + [(b.start_s, b.end_s) for b in device.buckets])
+                           + [(b.start_s, b.end_s) for b in device.buckets]
+                           + [(p.start_s, p.end_s) for p in device.posts])
     hidden = _overlap(asynchronous, busy)
     exposed = tp_comm + sum(end - start for start, end in asynchronous) - hidden
     # idle is what is left: the three parts sum to the batch time (a rounding-level negative becomes 0)
@@ -577,6 +598,10 @@ class Timeline:
                 else:
                     out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
                                         f"{r.phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))
+        for p in device.posts:
+            out.append(Interval(p.start_s, p.end_s, COMPUTE_TRACK, P2P_POST, p.event,
+                                f"post {plan.events[p.event].name} s{p.virtual_stage} mb{p.micro}", p.virtual_stage,
+                                p.micro, -1))
         for t in device.sends:
             out.append(Interval(t.start_s, t.end_s, COMM_TRACK, P2P_SEND, t.event, transfer_name(t, "send"),
                                 t.src_stage, t.micro, -1))

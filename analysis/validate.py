@@ -66,12 +66,11 @@ class Validation:
     @property
     def compute_cost_error_pct(self) -> float | None:
         """The part of the batch-time error that the profile's compute costs make: prediction minus replay."""
-        if self.replay_batch_s is None:
-            return None
-        return self.batch_time_error_pct - self.replay_error_pct
+        batch, replay = self.batch_time_error_pct, self.replay_error_pct
+        return None if batch is None or replay is None else batch - replay
 
     @property
-    def batch_time_error_pct(self) -> float:
+    def batch_time_error_pct(self) -> float | None:
         return _pct(self.predicted_batch_s, self.measured_batch_s)
 
     @property
@@ -212,8 +211,10 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> li
     """The timeline's stage costs with each virtual stage's compute as the run measured it: per phase, the
     mean over micro-batches of each micro-batch's median step (over the measured iterations and the
     stage's devices; tensor-parallel all-reduces inside included, and measured alike for the
-    communication part), the step's items stretched to it in proportion; the optimizer step (with
-    its buckets' zeroing) the median per iteration and device. A stage or phase the run did not
+    communication part; with the data-parallel all-reduce overlapped, less the buckets' division that
+    the last micro-batch's backward holds in the run and the timeline runs with the buckets), the step's
+    items stretched to it in proportion (spread evenly where the prediction is 0); the optimizer step
+    (with its buckets' zeroing) the median per iteration and device. A stage or phase the run did not
     measure keeps its predicted costs."""
     steps: dict[tuple[int, str, int], list[float]] = {}
     inline: dict[tuple[int, str, int], list[float]] = {}
@@ -240,8 +241,16 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> li
         for (vs, _), duration in per_iteration_opt.items():
             optimizer.setdefault(vs, []).append(duration)
 
-    def measured(vs: int, phase: str, table: dict) -> float | None:
-        medians = [float(np.median(v)) for (s, p, _), v in table.items() if s == vs and p == phase]
+    plan, costs, m = timeline.plan, timeline.costs, timeline.spec.micro_batches
+    # With the all-reduce overlapped, the trainer divides each bucket by the replica count in a gradient hook,
+    # inside the last micro-batch's backward step, while the timeline runs the division with the bucket.
+    inside_last_backward = {vs: sum(costs.bucket_divide.get(b.event, 0.0) for b in program.buckets)
+                            if timeline.dp_overlap and timeline.spec.strategy.dp > 1 else 0.0
+                            for vs, program in enumerate(plan.stages)}
+
+    def measured(vs: int, phase: str, table: dict, less_last: float = 0.0) -> float | None:
+        medians = [max(0.0, float(np.median(v)) - (less_last if micro == m - 1 else 0.0))
+                   for (s, p, micro), v in table.items() if s == vs and p == phase]
         return float(np.mean(medians)) if medians else None
 
     out = []
@@ -249,14 +258,18 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> li
         changes: dict[str, Any] = {}
         for phase, step, comm, offsets in (("F", "forward_s", "forward_comm_s", "forward_offsets"),
                                            ("B", "backward_s", "backward_comm_s", "backward_offsets")):
-            seconds = measured(vs, phase, steps)
+            seconds = measured(vs, phase, steps, inside_last_backward[vs] if phase == "B" else 0.0)
             if seconds is None:
                 continue
-            scale = seconds / getattr(c, step) if getattr(c, step) > 0 else 0.0
+            predicted = getattr(c, offsets)
+            if getattr(c, step) > 0:
+                changes[offsets] = tuple(o * seconds / getattr(c, step) for o in predicted)
+            else:  # costed 0 (no measurement): the measured time spread evenly over the step's items
+                changes[offsets] = tuple(seconds * k / max(1, len(predicted) - 1) for k in range(len(predicted)))
             changes[step] = seconds
-            changes[offsets] = tuple(o * scale for o in getattr(c, offsets))
             comm_s = measured(vs, phase, inline)
-            changes[comm] = min(seconds, comm_s) if comm_s is not None else getattr(c, comm) * scale
+            changes[comm] = (min(seconds, comm_s) if comm_s is not None
+                             else getattr(c, comm) * seconds / getattr(c, step) if getattr(c, step) > 0 else 0.0)
         if optimizer.get(vs):
             changes["optimizer_s"] = float(np.median(optimizer[vs]))
         out.append(replace(c, **changes))

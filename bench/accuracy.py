@@ -8,8 +8,9 @@ measured iterations against the median of their predictions, the largest per-dev
 model would still see in one trial) and each trial's error, with a 90% bootstrap interval of the pooled
 batch-time error (the trials resampled with replacement): whether the row's error is within the goal or
 only this sample of the machine's moods is. The replay error (median over trials) is the timeline model's
-own: validate's replay of each run's own compute against that run, which the machine's drift between a
-profile and its run does not touch.
+own: validate's replay of each run's own compute against that run, which the machine's compute drift
+between a profile and its run does not touch. It and `compute_cost_error_pct` are medians of the trials'
+own, the batch-time error is pooled: the three need not add up.
 Pooling trials taken minutes apart averages out this shared machine's drift (bench/machine_noise.py
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from importlib import resources
 
@@ -46,10 +47,26 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # the reader of our output went away (`... | head`): stop quietly, with the status a SIGPIPE'd tool
-        # has; stdout now points at /dev/null so that the interpreter's final flush cannot fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13
+        if not _stdout_is_gone():
+            raise  # a pipe of the subcommand's own, not its output
+        return 128 + 13  # the reader of our output went away (`... | head`): stop as a SIGPIPE'd tool does
+
+
+def _stdout_is_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone away (poll reports an error on its end); if so, stdout now
+    points at /dev/null, so that the interpreter's final flush cannot fail again."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return True
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured), or no poll
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from harness.hdf5_schema import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
-             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra",
+             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra", "p2p_send_post",
              "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic", "replica_skew",
              "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
@@ -120,6 +120,16 @@ def test_the_report_shows_how_long_a_replica_averages_and_zeroes_its_gradient_bu
     (divide,), (zero,) = report["dp_bucket_divide"], report["dp_bucket_zero"]
     assert divide["name"].startswith("allreduce") and divide["divide_s"] == pytest.approx(2e-3)
     assert zero["id"] == divide["id"] and zero["zero_s"] == pytest.approx(1.5e-3)
+
+
+def test_the_report_shows_how_long_a_sending_step_posts_its_send(tmp_path, capsys):
+    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2, micro_batches=2), by_name({}, 1e-3),
+                                  send_post=[3e-4, 5e-4])
+    assert main(["simulate", str(path)]) == 0
+    assert "post the send for" in capsys.readouterr().out
+    assert main(["simulate", str(path), "--json"]) == 0
+    (post,) = json.loads(capsys.readouterr().out)["p2p_send_post"]
+    assert post["name"].startswith("p2p") and post["post_s"] == pytest.approx(4e-4)
 
 
 def test_large_worlds_default_to_one_device_per_stage(tmp_path, capsys):

@@ -84,12 +84,19 @@ def test_timeline_invariants(job):
         assert all(iv.start_s >= max([last_step] + [b.end_s for b in buckets]) - EPS for iv in optimizer)
         assert len([iv for iv in details if iv.category == DP_ALLREDUCE]) == (
             sum(len(plan.stages[c * s.pp + device.stage].buckets) for c in range(s.chunks)))
+        # a step that sends holds its device for the send's post: the next step, or the optimizer, starts after it
+        for post in device.posts:
+            assert abs(post.end_s - post.start_s - costs.send_post[post.event]) <= EPS
+            later = [r.start_s for r in device.steps if r.start_s >= post.start_s - EPS]
+            assert all(start >= post.end_s - EPS for start in later)
+            assert device.optimizer_start_s >= post.end_s - EPS
         # compute + exposed comm + idle = batch time, and each part matches the intervals
         u = device.usage
         assert abs(u.compute_s + u.comm_s + u.idle_s - T) <= EPS * max(1.0, T)
         compute_busy = [(iv.start_s, iv.end_s) for iv in details
                         if iv.track == COMPUTE_TRACK and plan.events[iv.event_id].kind == "compute"]
-        comm = [(iv.start_s, iv.end_s) for iv in details if iv.track == COMM_TRACK or iv.category == "tp-allreduce"]
+        comm = [(iv.start_s, iv.end_s) for iv in details
+                if iv.track == COMM_TRACK or iv.category in ("tp-allreduce", "p2p-post")]
         busy = covered(compute_busy + comm, 0.0, T)
         assert abs(u.compute_s - covered(compute_busy, 0.0, T)) <= 1e-7
         assert abs(u.idle_s - (T - busy)) <= 1e-7

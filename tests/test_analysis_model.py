@@ -85,9 +85,12 @@ def test_a_step_that_sends_holds_its_device_for_the_sends_post(tmp_path):
     forwards = [s for s in first.steps if s.phase == "F"]
     assert [s.start_s for s in forwards] == pytest.approx([i * (T_F + 0.2) for i in range(4)])
     assert last.steps[0].start_s == pytest.approx(T_F + 0.5)  # the receiver waited: the data left at T_F
-    # the last stage's forwards send nothing (the backward follows on the device): no post between them
-    last_forwards = [s for s in last.steps if s.phase == "F"]
-    assert all(b.start_s >= a.end_s for a, b in zip(last_forwards, last_forwards[1:]))
+    # the last stage's forwards send nothing (its backwards follow on the device): each step starts when the one
+    # before ended or its input arrived, with no post between
+    assert all(b.start_s == pytest.approx(max(a.end_s, b.ready_s)) for a, b in zip(last.steps, last.steps[1:])
+               if a.phase == "F")
+    assert [(p.virtual_stage, p.micro) for p in first.posts] == [(0, i) for i in range(4)]
+    assert all(p.end_s - p.start_s == pytest.approx(0.2) for p in first.posts + last.posts)
     # its backwards send gradients: one post after each, and none after the first stage's (nothing to send)
     last_backwards = [s for s in last.steps if s.phase == "B"]
     assert all(b.start_s == pytest.approx(a.end_s + 0.2) for a, b in zip(last_backwards, last_backwards[1:]))

@@ -144,6 +144,35 @@ def test_the_replay_takes_each_stages_steps_and_optimizer_as_the_run_measured_th
     assert result.replay_batch_s > timeline.batch_time_s  # stage 1, the pipeline's last, got slower
 
 
+def test_the_replay_leaves_the_buckets_division_to_the_buckets(tmp_path):
+    """With the all-reduce overlapped, the trainer divides the buckets inside the last micro-batch's backward;
+    the timeline divides them with the buckets, so the replay takes the division off that step."""
+    spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), divide=[2e-3, 2e-3])
+    timeline = predict(profile_path).timeline
+    divide = sum(timeline.costs.bucket_divide.values())
+    assert divide == pytest.approx(2e-3) and timeline.dp_overlap
+    rows = []
+    for it in range(3):
+        zero = it * 10.0
+        for r in timeline.pipeline[0].steps:
+            longer = divide if (r.phase, r.micro) == ("B", 1) else 0.0  # as harness train times it
+            rows.append((zero + r.start_s, zero + r.end_s + longer, 0.0, "compute", "step", r.phase, "",
+                         r.virtual_stage, r.micro, it, -1))
+    rank = write_rank_trace(tmp_path / "rank-00000.trace.h5", rank=0, columns=_columns(rows),
+                            attrs={"dp": 0, "tp": 0, "pp": 0},
+                            iterations={"start_s": np.arange(3) * 10.0, "end_s": np.arange(3) * 10.0 + 1.0,
+                                        "loss": np.zeros(3)})
+    path = merge_traces(tmp_path / "trace.h5", [rank],
+                        root_attrs={"spec_json": spec.to_json(),
+                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
+                        environment={"world_size": 1}, clock={"rank": np.arange(1)}, warmup=1, loss_ranks=[0])
+    trace = read_trace(path)
+    (replayed,) = replay_stage_costs(trace, timeline, trace.measured())
+    assert replayed.backward_s == pytest.approx(timeline.stage_costs[0].backward_s)
+    assert replayed.forward_s == pytest.approx(timeline.stage_costs[0].forward_s)
+
+
 @pytest.mark.parametrize("factor", [1.0, 1.5])
 def test_layer_errors_are_computed_right_with_collectives_taken_off(tmp_path, factor):
     spec = make_spec(pp=2, micro_batches=2, layers=4)
@@ -250,6 +279,7 @@ def test_real_run_validates_end_to_end(tmp_path, project_env):
     assert m > 0 and p > 0
     assert report["batch_time_error_pct"] == pytest.approx((p - m) / m * 100)
     assert report["replay_batch_time_s"] > 0
+    assert report["replay_batch_time_s"] != report["predicted_batch_time_s"]  # the run's compute, not the profile's
     assert report["replay_error_pct"] == pytest.approx((report["replay_batch_time_s"] - m) / m * 100)
     assert len(report["devices"]) == 2 and report["measured_iterations"] == 2
     # every layer event of both stages, measured and predicted (--layer-times)

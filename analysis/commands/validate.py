@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                          result.batch_time_error_pct)]
                        + ([("replay: the run's own compute", ms(result.measured_batch_s), ms(result.replay_batch_s),
                             result.replay_error_pct)] if result.replay_batch_s is not None else [])))
-    if result.replay_batch_s is not None:
+    if result.replay_error_pct is not None and result.compute_cost_error_pct is not None:
         print(f"of the batch-time error, {result.replay_error_pct:+.1f} points are the timeline model's (the replay) "
               f"and {result.compute_cost_error_pct:+.1f} the profile's compute costs")
     print()

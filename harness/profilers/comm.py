@@ -26,6 +26,7 @@ from launcher.placement import CommTask
 
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
+POST_DELAY_S = 0.001  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
 
 
 class CommSamples(NamedTuple):
@@ -115,10 +116,11 @@ class CommProfiler:
         return samples if self.rank == members[0] else None
 
     def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray]:
-        """Ping-pong between the pair: a sample is half the round trip (send and receive timed together). Also,
-        on the sender, the time its call that posts the first send took (the receiver waiting for it, as a
-        pipeline's receiver mostly is): the host time a training step that sends pays before the next step can
-        start (gloo on a CPU writes the data in that call). (round trips, posts), NaN posts on the receiver."""
+        """Ping-pong between the pair: a sample is half the round trip (send and receive timed together), the
+        sender starting POST_DELAY_S after the barrier, once the receiver waits in its receive. Also, on the
+        sender, the time its call that posts the first send took (the receiver waiting for it, as a pipeline's
+        receiver mostly is): the host time a training step that sends pays before its device goes on (gloo on
+        a CPU writes the data in that call). (round trips, posts), NaN posts on the receiver."""
         sender, receiver = members
         samples = np.empty(repeats, dtype=np.float64)
         posts = np.full(repeats, np.nan)
@@ -127,6 +129,8 @@ class CommProfiler:
             post_ns = 0
             if mpi_group is not None:
                 mpi_group.Barrier()
+                if self.rank == sender:
+                    time.sleep(POST_DELAY_S)
                 t0 = time.perf_counter_ns()
                 if self.rank == sender:
                     request = mpi_group.Isend(host, dest=1)
@@ -139,6 +143,8 @@ class CommProfiler:
             else:
                 dist.barrier(group=group)
                 synchronize(self.device)
+                if self.rank == sender:
+                    time.sleep(POST_DELAY_S)
                 t0 = time.perf_counter_ns()
                 if self.rank == sender:
                     work = dist.isend(buffer, receiver, group=group)
