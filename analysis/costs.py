@@ -22,9 +22,9 @@
 - P2P's post: the profile timed the sender's call that posts the send (`send_post_samples_s`, the receiver
   waiting); the median is the event's `send_post` (the median: a first repeat without warm-up also sets up
   the pair's connection), the host time a step that sends pays before its device goes on (gloo on a CPU
-  writes the data in that call: 0.33-0.63 ms for the bench's 256 KiB activations in the profiles of
-  docs/benchmarks.md, run 23). An unmeasured P2P takes the post measured at its placement for the size
-  nearest its own; profiles from before it was measured have none (0).
+  writes the data in that call: 0.09-0.27 ms for the bench's 256 KiB activations in the profiles of
+  docs/benchmarks.md, run 24, 0.27-0.28 ms inside the trainer). An unmeasured P2P takes the post measured
+  at its placement for the size nearest its own; profiles from before it was measured have none (0).
 - a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
   replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
   division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
