@@ -202,7 +202,7 @@ class Costs:
     composites: dict[str, float] = field(default_factory=dict)
     # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
-    # P2P event id -> the sender's host seconds to post the send, before its next step can start
+    # P2P event id -> the sender's host seconds to post the send, before its device goes on
     send_post: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
@@ -410,7 +410,7 @@ def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None
 
 def _send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     """Fill costs.send_post for the plan's P2P events (rules in the module docstring)."""
-    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, mean post
+    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, median post
     for eid, m in profile.measurements.items():
         posts = m.send_post_samples_s if m.kind == "p2p" and m.count else np.empty(0)
         posts = posts[np.isfinite(posts)]
