@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
-                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_FLOAT_COLUMNS, TRACE_LAYER_GROUP,
+                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP,
                                   TRACE_LAYER_INT_COLUMNS, TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
                                   TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
@@ -41,38 +41,38 @@ def _attr(value: Any) -> Any:
     return json.dumps(value)
 
 
-def columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray]:
-    """Rows (start_ns, end_ns, wait_ns, kind, name, phase, event_id, virtual_stage, micro, iteration, peer),
-    times on this rank's clock, into columns on the common timebase (`to_seconds` maps ns arrays)."""
+def _columns(rows: Sequence[tuple], to_seconds, names: Sequence[str], strings: Sequence[str],
+             ints: Sequence[str]) -> dict[str, np.ndarray]:
+    """Rows whose fields are `names` in order, sorted by start then end, into columns: `start_s` and `end_s`
+    (ns on this rank's clock) through `to_seconds` onto the common timebase, other `_s` fields from ns to
+    seconds, `strings` as str, `ints` as int."""
     rows = sorted(rows, key=lambda r: (r[0], r[1]))
     n = len(rows)
     cols: dict[str, np.ndarray] = {}
-    start = np.array([r[0] for r in rows], dtype=np.int64).reshape(n)
-    end = np.array([r[1] for r in rows], dtype=np.int64).reshape(n)
-    cols["start_s"] = np.asarray(to_seconds(start), dtype=np.float64).reshape(n)
-    cols["end_s"] = np.asarray(to_seconds(end), dtype=np.float64).reshape(n)
-    cols["wait_s"] = np.array([r[2] for r in rows], dtype=np.float64).reshape(n) / 1e9
-    for i, name in enumerate(STRING_COLUMNS):
-        cols[name] = np.array([str(r[3 + i]) for r in rows], dtype=object).reshape(n)
-    for i, name in enumerate(INT_COLUMNS):
-        cols[name] = np.array([int(r[7 + i]) for r in rows], dtype=np.int64).reshape(n)
+    for i, name in enumerate(names):
+        values = [r[i] for r in rows]
+        if name in ("start_s", "end_s"):
+            cols[name] = np.asarray(to_seconds(np.array(values, dtype=np.int64).reshape(n)),
+                                    dtype=np.float64).reshape(n)
+        elif name in strings:
+            cols[name] = np.array([str(v) for v in values], dtype=object).reshape(n)
+        elif name in ints:
+            cols[name] = np.array([int(v) for v in values], dtype=np.int64).reshape(n)
+        else:
+            cols[name] = np.array(values, dtype=np.float64).reshape(n) / 1e9
     return cols
+
+
+def columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray]:
+    """Rows (start_ns, end_ns, wait_ns, kind, name, phase, event_id, virtual_stage, micro, iteration, peer),
+    times on this rank's clock, into columns on the common timebase (`to_seconds` maps ns arrays)."""
+    return _columns(rows, to_seconds, COLUMNS, STRING_COLUMNS, INT_COLUMNS)
 
 
 def layer_columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.ndarray]:
     """Layer rows (start_ns, end_ns, phase, event_id, layer, virtual_stage, micro, iteration), times on this
     rank's clock, into the columns of the device's `layers` group on the common timebase."""
-    rows = sorted(rows, key=lambda r: (r[0], r[1]))
-    n = len(rows)
-    cols: dict[str, np.ndarray] = {}
-    for i, name in enumerate(TRACE_LAYER_FLOAT_COLUMNS):
-        cols[name] = np.asarray(to_seconds(np.array([r[i] for r in rows], dtype=np.int64).reshape(n)),
-                                dtype=np.float64).reshape(n)
-    for i, name in enumerate(TRACE_LAYER_STRING_COLUMNS):
-        cols[name] = np.array([str(r[2 + i]) for r in rows], dtype=object).reshape(n)
-    for i, name in enumerate(TRACE_LAYER_INT_COLUMNS):
-        cols[name] = np.array([int(r[4 + i]) for r in rows], dtype=np.int64).reshape(n)
-    return cols
+    return _columns(rows, to_seconds, TRACE_LAYER_COLUMNS, TRACE_LAYER_STRING_COLUMNS, TRACE_LAYER_INT_COLUMNS)
 
 
 def _write_columns(group: h5py.Group, columns: dict[str, np.ndarray], names: Sequence[str] = COLUMNS,
