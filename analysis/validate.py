@@ -187,13 +187,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     for device in timeline.pipeline:
         for r in device.steps:
             predicted_steps[(r.virtual_stage, r.phase, r.micro)] = r.end_s - r.start_s
-    measured_steps: dict[tuple[int, str, int], list[float]] = {}
-    for device in trace.devices.values():
-        cols = device.select(kind="compute")
-        ok = np.isin(cols["iteration"], kept)
-        for vs, phase, micro, dur in zip(cols["virtual_stage"][ok], cols["phase"][ok], cols["micro"][ok],
-                                         (cols["end_s"] - cols["start_s"])[ok]):
-            measured_steps.setdefault((int(vs), str(phase), int(micro)), []).append(float(dur))
+    measured_steps = _measured_steps(trace, kept)
     for key in sorted(predicted_steps):
         if key not in measured_steps:
             continue
@@ -202,12 +196,26 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
     result.layers = _layer_rows(trace, plan, costs)
-    replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept))
+    replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept, measured_steps))
     result.replay_batch_s = replayed.batch_time_s
     return result
 
 
-def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[StageCosts]:
+def _measured_steps(trace: Trace, kept: np.ndarray) -> dict[tuple[int, str, int], list[float]]:
+    """(virtual stage, F|B, micro-batch) -> the duration of that compute step on every device and kept
+    iteration."""
+    out: dict[tuple[int, str, int], list[float]] = {}
+    for device in trace.devices.values():
+        cols = device.select(kind="compute")
+        ok = np.isin(cols["iteration"], kept)
+        for vs, phase, micro, dur in zip(cols["virtual_stage"][ok], cols["phase"][ok], cols["micro"][ok],
+                                         (cols["end_s"] - cols["start_s"])[ok]):
+            out.setdefault((int(vs), str(phase), int(micro)), []).append(float(dur))
+    return out
+
+
+def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
+                       steps: dict[tuple[int, str, int], list[float]] | None = None) -> list[StageCosts]:
     """The timeline's stage costs with each virtual stage's compute as the run measured it: per phase, the
     mean over micro-batches of each micro-batch's median step (over the measured iterations and the
     stage's devices; tensor-parallel all-reduces inside included, and measured alike for the
@@ -215,8 +223,8 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> li
     the last micro-batch's backward holds in the run and the timeline runs with the buckets), the step's
     items stretched to it in proportion (spread evenly where the prediction is 0); the optimizer step
     (with its buckets' zeroing) the median per iteration and device. A stage or phase the run did not
-    measure keeps its predicted costs."""
-    steps: dict[tuple[int, str, int], list[float]] = {}
+    measure keeps its predicted costs. `steps`: _measured_steps(trace, kept), where the caller has them."""
+    steps = _measured_steps(trace, kept) if steps is None else steps
     inline: dict[tuple[int, str, int], list[float]] = {}
     optimizer: dict[int, list[float]] = {}
     for device in trace.devices.values():
@@ -228,9 +236,7 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray) -> li
                 cols["kind"][ok], cols["phase"][ok], cols["name"][ok], cols["virtual_stage"][ok], cols["micro"][ok],
                 cols["iteration"][ok], (cols["end_s"] - cols["start_s"])[ok]):
             vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
-            if kind == "compute":
-                steps.setdefault((vs, str(phase), micro), []).append(duration)
-            elif kind == "optimizer":
+            if kind == "optimizer":
                 per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
             elif phase == "tp":
                 step_phase = "F" if str(name).endswith(".fwd") else "B"
