@@ -33,11 +33,24 @@ def _columns(rows):
     return cols
 
 
+def write_trace(path: Path, timeline, per_rank: dict, starts: np.ndarray, length: float, loss_rank: int) -> Path:
+    """trace.h5 of `timeline`'s spec: `per_rank` maps rank -> (interval rows, (dp, tp, pp), layer columns or
+    None); every rank's iterations start at `starts` and last `length`; iteration 0 is warm-up."""
+    files = [write_rank_trace(path.parent / f"rank-{rank:05d}.trace.h5", rank=rank, columns=_columns(rows),
+                              attrs={"dp": dp, "tp": tp, "pp": pp},
+                              iterations={"start_s": starts, "end_s": starts + length, "loss": np.zeros(len(starts))},
+                              layers=layers)
+             for rank, (rows, (dp, tp, pp), layers) in per_rank.items()]
+    layers_json = json.dumps([layer.to_dict() for layer in timeline.plan.layers])
+    return merge_traces(path, files, root_attrs={"spec_json": timeline.spec.to_json(), "layers_json": layers_json},
+                        environment={"world_size": len(per_rank)}, clock={"rank": np.arange(len(per_rank))},
+                        warmup=1, loss_ranks=[loss_rank])
+
+
 def write_scaled_trace(path: Path, timeline, factor: float, iterations: int = 3) -> Path:
     """A trace whose every iteration is the predicted one stretched by `factor` (iteration 0 is warm-up)."""
-    spec = timeline.spec
     period = timeline.batch_time_s * factor * 1.5
-    rank_files = []
+    per_rank = {}
     for stage, device in enumerate(timeline.pipeline):
         rows = []
         for it in range(iterations):
@@ -47,16 +60,9 @@ def write_scaled_trace(path: Path, timeline, factor: float, iterations: int = 3)
                              f"{r.phase} s{r.virtual_stage} mb{r.micro}", r.phase, "", r.virtual_stage, r.micro, it, -1))
             rows.append((zero + device.optimizer_start_s * factor, zero + device.optimizer_end_s * factor, 0.0,
                          "optimizer", "optimizer", "opt", "", stage, -1, it, -1))
-        starts = np.array([it * period for it in range(iterations)])
-        ends = starts + timeline.batch_time_s * factor
-        rank_files.append(write_rank_trace(path.parent / f"rank-{stage:05d}.trace.h5", rank=stage,
-                                           columns=_columns(rows), attrs={"dp": 0, "tp": 0, "pp": stage},
-                                           iterations={"start_s": starts, "end_s": ends,
-                                                       "loss": np.zeros(iterations)}))
-    return merge_traces(path, rank_files, root_attrs={"spec_json": spec.to_json(),
-                                                      "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
-                        environment={"world_size": spec.strategy.world}, clock={"rank": np.arange(spec.strategy.pp)},
-                        warmup=1, loss_ranks=[spec.strategy.pp - 1])
+        per_rank[stage] = (rows, (0, 0, stage), None)
+    return write_trace(path, timeline, per_rank, np.arange(iterations) * period, timeline.batch_time_s * factor,
+                       loss_rank=len(per_rank) - 1)
 
 
 @pytest.mark.parametrize("factor", [1.0, 1.25, 0.8])
@@ -104,7 +110,7 @@ def test_the_replay_takes_each_stages_steps_and_optimizer_as_the_run_measured_th
     timeline = predict(profile_path).timeline
     slower = {0: 1.0, 1: 2.0}  # stage 1 ran its steps and its optimizer twice as long as predicted
     inline = 1e-4  # a tensor-parallel all-reduce inside each of stage 0's forward steps
-    iterations, rank_files = 3, []
+    iterations, per_rank = 3, {}
     for stage, device in enumerate(timeline.pipeline):
         rows, f = [], slower[stage]
         for it in range(iterations):
@@ -119,16 +125,9 @@ def test_the_replay_takes_each_stages_steps_and_optimizer_as_the_run_measured_th
             opt = zero + device.optimizer_start_s
             rows.append((opt, opt + (device.optimizer_end_s - device.optimizer_start_s) * f, 0.0, "optimizer",
                          "optimizer", "opt", "", stage, -1, it, -1))
-        starts = np.arange(iterations) * 10 * timeline.batch_time_s
-        rank_files.append(write_rank_trace(tmp_path / f"rank-{stage:05d}.trace.h5", rank=stage, columns=_columns(rows),
-                                           attrs={"dp": 0, "tp": 0, "pp": stage},
-                                           iterations={"start_s": starts, "end_s": starts + timeline.batch_time_s,
-                                                       "loss": np.zeros(iterations)}))
-    path = merge_traces(tmp_path / "trace.h5", rank_files,
-                        root_attrs={"spec_json": spec.to_json(),
-                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
-                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[1])
-    trace = read_trace(path)
+        per_rank[stage] = (rows, (0, 0, stage), None)
+    trace = read_trace(write_trace(tmp_path / "trace.h5", timeline, per_rank,
+                                   np.arange(iterations) * 10 * timeline.batch_time_s, timeline.batch_time_s, 1))
     replayed = replay_stage_costs(trace, timeline, trace.measured())
     for vs, (before, after) in enumerate(zip(timeline.stage_costs, replayed)):
         f = slower[vs]
@@ -159,15 +158,8 @@ def test_the_replay_leaves_the_buckets_division_to_the_buckets(tmp_path):
             longer = divide if (r.phase, r.micro) == ("B", 1) else 0.0  # as harness train times it
             rows.append((zero + r.start_s, zero + r.end_s + longer, 0.0, "compute", "step", r.phase, "",
                          r.virtual_stage, r.micro, it, -1))
-    rank = write_rank_trace(tmp_path / "rank-00000.trace.h5", rank=0, columns=_columns(rows),
-                            attrs={"dp": 0, "tp": 0, "pp": 0},
-                            iterations={"start_s": np.arange(3) * 10.0, "end_s": np.arange(3) * 10.0 + 1.0,
-                                        "loss": np.zeros(3)})
-    path = merge_traces(tmp_path / "trace.h5", [rank],
-                        root_attrs={"spec_json": spec.to_json(),
-                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
-                        environment={"world_size": 1}, clock={"rank": np.arange(1)}, warmup=1, loss_ranks=[0])
-    trace = read_trace(path)
+    trace = read_trace(write_trace(tmp_path / "trace.h5", timeline, {0: (rows, (0, 0, 0), None)},
+                                   np.arange(3) * 10.0, 1.0, 0))
     (replayed,) = replay_stage_costs(trace, timeline, trace.measured())
     assert replayed.backward_s == pytest.approx(timeline.stage_costs[0].backward_s)
     assert replayed.forward_s == pytest.approx(timeline.stage_costs[0].forward_s)
@@ -181,7 +173,7 @@ def test_layer_errors_are_computed_right_with_collectives_taken_off(tmp_path, fa
                                           by_name({"compute": cost, "p2p": 2e-4}, default=5e-4))
     timeline = predict(profile_path).timeline
     plan, iterations, collective = timeline.plan, 3, 4e-4
-    rank_files = []
+    per_rank = {}
     for stage, device in enumerate(timeline.pipeline):
         rows, layer_rows = [], []
         for it in range(iterations):
@@ -201,17 +193,12 @@ def test_layer_errors_are_computed_right_with_collectives_taken_off(tmp_path, fa
                     layer_rows.append((at, at + length, r.phase, events[order.index(layer)], layer, r.virtual_stage,
                                        r.micro, it))
                     at += length
-        starts = np.arange(iterations) * 10 * timeline.batch_time_s
         layers = {n: np.array([row[i] for row in layer_rows], dtype=object if n in ("phase", "event_id") else None)
                   for i, n in enumerate(("start_s", "end_s", "phase", "event_id", "layer", "virtual_stage", "micro",
                                          "iteration"))}
-        rank_files.append(write_rank_trace(tmp_path / f"rank-{stage:05d}.trace.h5", rank=stage, columns=_columns(rows),
-                                           attrs={"dp": 0, "tp": 0, "pp": stage},
-                                           iterations={"start_s": starts, "end_s": starts + timeline.batch_time_s,
-                                                       "loss": np.zeros(iterations)}, layers=layers))
-    path = merge_traces(tmp_path / "trace.h5", rank_files,
-                        root_attrs={"spec_json": spec.to_json(), "layers_json": json.dumps([l.to_dict() for l in plan.layers])},
-                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[1])
+        per_rank[stage] = (rows, (0, 0, stage), layers)
+    path = write_trace(tmp_path / "trace.h5", timeline, per_rank, np.arange(iterations) * 10 * timeline.batch_time_s,
+                       timeline.batch_time_s, 1)
     result = validate(read_trace(path), load_profile(profile_path))
     expected = (1 / factor - 1) * 100
     keys = {(row["virtual_stage"], row["phase"], row["event_id"]) for row in result.layers}
@@ -233,19 +220,10 @@ def test_replica_lag_is_the_last_replicas_compute_end_behind_their_mean(tmp_path
     timeline = predict(profile_path).timeline
     device, T = timeline.pipeline[0], timeline.batch_time_s
     stretch = {0: 1.0, 1: 1.2}  # replica 1 computes 20% slower in every iteration
-    rank_files = []
-    for rank, factor in stretch.items():
-        rows = [(it * 2 * T + r.start_s * factor, it * 2 * T + r.end_s * factor, 0.0, "compute", "step", r.phase, "",
-                 0, r.micro, it, -1) for it in range(3) for r in device.steps]
-        starts = np.arange(3) * 2 * T
-        rank_files.append(write_rank_trace(tmp_path / f"rank-{rank:05d}.trace.h5", rank=rank, columns=_columns(rows),
-                                           attrs={"dp": rank, "tp": 0, "pp": 0},
-                                           iterations={"start_s": starts, "end_s": starts + 1.2 * T,
-                                                       "loss": np.zeros(3)}))
-    path = merge_traces(tmp_path / "trace.h5", rank_files,
-                        root_attrs={"spec_json": spec.to_json(),
-                                    "layers_json": json.dumps([l.to_dict() for l in timeline.plan.layers])},
-                        environment={"world_size": 2}, clock={"rank": np.arange(2)}, warmup=1, loss_ranks=[0])
+    per_rank = {rank: ([(it * 2 * T + r.start_s * factor, it * 2 * T + r.end_s * factor, 0.0, "compute", "step",
+                         r.phase, "", 0, r.micro, it, -1) for it in range(3) for r in device.steps], (rank, 0, 0), None)
+                for rank, factor in stretch.items()}
+    path = write_trace(tmp_path / "trace.h5", timeline, per_rank, np.arange(3) * 2 * T, 1.2 * T, 0)
     result = validate(read_trace(path), load_profile(profile_path))
     compute_end = max(r.end_s for r in device.steps)
     assert result.replica_lag == [{"stage": 0, "measured_s": pytest.approx(0.1 * compute_end),
