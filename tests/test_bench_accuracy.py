@@ -43,6 +43,30 @@ def test_pooled_compares_all_measured_iterations_with_the_median_prediction():
     assert "replica_lag_measured_s" not in row  # no data parallelism
 
 
+def test_run_vs_run_takes_one_half_of_the_trials_runs_as_the_others_prediction():
+    accuracy = _accuracy_module()
+    # even trials (profiled first) ran 1.0 s iterations, odd ones (run first) 1.25 s; device 1 busy 0.5 / 0.6 s
+    trials = [_trial([1.0, 1.0], 9.9, [(0.8, 9.9), (0.5, 9.9)]),
+              _trial([1.25, 1.25], 9.9, [(1.0, 9.9), (0.6, 9.9)]),
+              _trial([1.0, 1.0], 9.9, [(0.8, 9.9), (0.5, 9.9)]),
+              _trial([1.25, 1.25], 9.9, [(1.0, 9.9), (0.6, 9.9)])]
+    floor = accuracy.run_vs_run(trials)  # the predictions (9.9) play no part
+    # evens predicting odds: (1.0 - 1.25) / 1.25 = -20%; odds predicting evens: +25%; the larger is kept
+    assert floor["batch_error_pct"] == pytest.approx(25.0)
+    # device 0: 0.8 against 1.0 is -20% one way and +25% the other; device 1: 0.5 / 0.6, -16.7% and +20%
+    assert floor["device_error_pct"] == pytest.approx(25.0)
+    assert accuracy.run_vs_run(trials[:1]) is None  # one trial has no other half
+    assert accuracy.pooled(trials)["run_vs_run"] == floor
+
+
+def test_within_goal_needs_both_errors_within_five_percent():
+    within_goal = _accuracy_module().within_goal
+    assert within_goal({"batch_error_pct": -4.9, "device_error_pct": 5.0})
+    assert not within_goal({"batch_error_pct": -5.1, "device_error_pct": 1.0})
+    assert not within_goal({"batch_error_pct": 0.0, "device_error_pct": 5.2})
+    assert not within_goal(None)
+
+
 def test_pooled_reports_the_replica_lag_of_data_parallel_trials():
     pooled = _accuracy_module().pooled
     trials = [_trial([1.0], 1.0, [(0.8, 0.8)]) for _ in range(3)]
