@@ -180,12 +180,12 @@ def pooled(trials: list[dict]) -> dict:
 
 
 def run_vs_run(trials: list[dict]) -> dict | None:
-    """The row's two errors with real runs as the prediction: the even trials' runs (profiled first) predict
-    the odd trials' (run first), and the other way round, with the statistics of pooled() (pooled iterations
-    against the median of the other half's run medians; per device the medians over trials). A model cannot be
-    judged finer than this: it is what the machine's drift alone gives a prediction from other minutes. Each
-    half has half the trials, so the row itself (all trials) is somewhat steadier. The larger of the two
-    directions; None with fewer than 2 trials."""
+    """The row's two errors with real runs as the prediction: the runs of the trials at even positions (in a
+    fresh bench, those that profiled first) predict the others' (those that ran first), and the other way
+    round, with the statistics of pooled() (pooled iterations against the median of the other half's run
+    medians; per device the medians over trials). A model cannot be judged finer than this: it is what the
+    machine's drift alone gives a prediction from other minutes. Each half has half the trials, so the row
+    itself (all trials) is somewhat steadier. The larger of the two directions; None with fewer than 2 trials."""
     halves = trials[0::2], trials[1::2]
     if not all(halves):
         return None
