@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 
@@ -31,11 +32,12 @@ from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import Measurement, read_measurements, write_profile, write_rank_file
+from harness.store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
-FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises during the compute phase
+FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase,
+FAIL_PHASE_VAR = "DISTSIM_FAIL_PHASE"  # test-only: that phase ("compute" unless set)
 PROGRESS_TAG = 7701
 FLUSH_EVERY_S = 10.0
 
@@ -136,12 +138,21 @@ def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str
 
 
 class RankRecorder:
-    """This rank's measurements, rewritten to its rank file now and then and at every phase end."""
+    """This rank's measurements, rewritten to its rank file now and then and at every phase end, with its
+    speed-probe median of every compute phase they came from: a run that stops before its merge keeps both."""
 
-    def __init__(self, path: Path, rank: int, meta: dict, previous: dict[str, Measurement]):
+    def __init__(self, path: Path, rank: int, meta: dict, previous: dict[str, Measurement],
+                 previous_probes: dict[str, float | None] | None = None):
         self.path, self.rank, self.meta = path, rank, meta
         self.measurements: dict[str, Measurement] = dict(previous)
+        self.probes: dict[str, float | None] = dict(previous_probes or {})
+        self._probe: tuple[str, Any] | None = None
         self._last_flush = time.monotonic()
+
+    def track_probe(self, phase_key: str, probe: Any) -> None:
+        """Write `probe`'s median so far (SpeedProbe.median_s) as this rank's for that compute phase at every
+        flush."""
+        self._probe = (phase_key, probe)
 
     def add(self, m: Measurement) -> None:
         self.measurements[m.id] = m
@@ -149,7 +160,11 @@ class RankRecorder:
             self.flush()
 
     def flush(self) -> None:
-        write_rank_file(self.path, self.rank, self.measurements.values(), meta=self.meta)
+        if self._probe is not None:
+            key, probe = self._probe
+            self.probes[key] = probe.median_s()
+        meta = {**self.meta, RANK_SPEED_PROBE_ENV: json.dumps(self.probes)} if self.probes else self.meta
+        write_rank_file(self.path, self.rank, self.measurements.values(), meta=meta)
         self._last_flush = time.monotonic()
 
 
@@ -223,7 +238,8 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         placement: Placement
         previous = {} if force else {k: m for k, m in _own_previous(outdir, rank).items() if m.env_key == env_key}
         meta = {"env_key": env_key, "hostname": socket.gethostname(), "device": name}
-        recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous)
+        recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous,
+                                {} if force else _own_previous_probes(outdir, rank))
 
         # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
         torch.optim.Adam([torch.zeros(1, requires_grad=True)])
@@ -233,15 +249,14 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         watchdog.start(phase)
         compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)  # names this run's phase
         probe = SpeedProbe(device)  # ranks with a share time it once per round: their speeds side by side
+        recorder.track_probe(compute_phase_key(compute_phase), probe)
         comm.Barrier()
         phase_start = time.perf_counter()
         total_compute = sum(len(ids) for ids in placement.compute.values())
         # progress counts timed samples: every rank samples its whole share once per round
         progress = Progress("compute", total_compute * repeats, enabled=show_progress,
                             unit="sample") if rank == 0 else None
-        fail_rank = os.environ.get(FAIL_RANK_VAR)
-        if fail_rank is not None and int(fail_rank) == rank:
-            raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank}")
+        _fail_if_asked(rank, phase)
 
         reports: list = []
 
@@ -301,6 +316,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         # ---- communication: one group at a time, every rank in step
         phase = "communication"
         watchdog.start(phase)
+        _fail_if_asked(rank, phase)
         phase_start = time.perf_counter()
         progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
         for task in placement.comm:
@@ -348,8 +364,9 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     for r in range(topology.size):
         merged.update(read_measurements(rank_file(outdir, r)))
     unmeasured = {eid: why for eid, why in placement.unmeasured.items() if eid not in merged}
-    # every rank's probe, per compute phase; a resumed profile keeps those of the phases its measurements came from
-    speeds = {} if force else _stored_rank_speeds(outdir)
+    # every rank's probe, per compute phase; a resumed profile keeps those of the phases its measurements came
+    # from, from the last profile.h5 or, for a run that stopped before its merge, from the rank files
+    speeds = {} if force else {**_rank_file_speeds(outdir), **_stored_rank_speeds(outdir)}
     speeds[compute_phase_key(compute_phase)] = probe_medians
     phases = {compute_phase_key(m.attrs[COMPUTE_PHASE_ATTR]) for m in merged.values() if COMPUTE_PHASE_ATTR in m.attrs}
     speeds = {key: value for key, value in speeds.items() if key in phases}
@@ -399,6 +416,32 @@ def _stored_rank_speeds(outdir: Path) -> dict[str, list[float]]:
     except OSError:
         return {}
     return speeds if isinstance(speeds, dict) else {}
+
+
+def _rank_file_speeds(outdir: Path) -> dict[str, list[float | None]]:
+    """Per compute phase found in OUTDIR's rank files, every rank's probe median, by rank (None where a rank's
+    file has none for that phase, or there is no file)."""
+    ranks = [int(p.stem.split("-")[1]) for p in outdir.glob("rank-*.h5") if p.stem.split("-")[1].isdigit()]
+    per_rank = [_own_previous_probes(outdir, r) for r in range(max(ranks, default=-1) + 1)]
+    keys = {key for probes in per_rank for key in probes}
+    return {key: [probes.get(key) for probes in per_rank] for key in keys}
+
+
+def _own_previous_probes(outdir: Path, rank: int) -> dict[str, float | None]:
+    path = rank_file(outdir, rank)
+    if not path.exists():
+        return {}
+    try:
+        return read_rank_probes(path)
+    except (OSError, ValueError):
+        return {}
+
+
+def _fail_if_asked(rank: int, phase: str) -> None:
+    """Test-only: raise on the rank FAIL_RANK_VAR names at the start of the phase FAIL_PHASE_VAR names."""
+    fail_rank = os.environ.get(FAIL_RANK_VAR)
+    if fail_rank is not None and int(fail_rank) == rank and os.environ.get(FAIL_PHASE_VAR, "compute") == phase:
+        raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank} in phase '{phase}'")
 
 
 def _own_previous(outdir: Path, rank: int) -> dict[str, Measurement]:

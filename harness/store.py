@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION,
-                                  RANK_PROFILE_KIND, SERIES, STATS)
+                                  RANK_PROFILE_KIND, RANK_SPEED_PROBE_ENV, SERIES, STATS)
 
 
 @dataclass
@@ -106,6 +106,16 @@ def read_measurements(path: str | Path) -> dict[str, Measurement]:
     """All measurements in a rank file or a merged profile."""
     with h5py.File(path, "r") as f:
         return {eid: _read_measurement(eid, g) for eid, g in f.get("measurements", {}).items()}
+
+
+def read_rank_probes(path: str | Path) -> dict[str, float | None]:
+    """A rank file's own speed-probe medians, per compute phase (compute_phase_key); {} in files without."""
+    with h5py.File(path, "r") as f:
+        text = f.attrs.get(RANK_SPEED_PROBE_ENV)
+    if text is None:
+        return {}
+    probes = json.loads(text)
+    return {str(key): value for key, value in probes.items()} if isinstance(probes, dict) else {}
 
 
 def read_unmeasured(path: str | Path) -> dict[str, str]:

@@ -77,6 +77,31 @@ def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, projec
     assert time.monotonic() - started < 120
 
 
+def test_a_run_stopped_before_its_merge_keeps_its_speed_probe_for_the_resume(tmp_path, spec_file, project_env):
+    from harness.store import read_rank_probes
+
+    out = tmp_path / "out"
+    stopped = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"],
+                     dict(project_env, DISTSIM_FAIL_RANK="1", DISTSIM_FAIL_PHASE="communication"), timeout=120)
+    assert stopped.returncode != 0 and "failed in phase 'communication'" in stopped.stderr
+    assert not (out / "profile.h5").exists()
+    # each rank file holds its compute samples and, for the phase that took them, the rank's own probe median
+    kept = [read_rank_probes(out / f"rank-{r:05d}.h5") for r in range(2)]
+    assert all(len(probes) == 1 and min(probes.values()) > 0 for probes in kept) and kept[0].keys() == kept[1].keys()
+    resumed = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"], project_env, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    with h5py.File(out / "profile.h5") as f:
+        from harness.hdf5_schema import read_environment
+
+        probes = read_environment(f)[RANK_SPEED_PROBE_ENV]
+        phases = {compute_phase_key(g.attrs[COMPUTE_PHASE_ATTR]) for g in f["measurements"].values()
+                  if g.attrs["kind"] == "compute"}
+    # the compute samples are the stopped run's, and so are the probes that refer them to the ranks' mean speed
+    (stopped_phase,) = kept[0]
+    assert phases == {stopped_phase} and set(probes) == phases
+    assert probes[stopped_phase] == [kept[0][stopped_phase], kept[1][stopped_phase]]
+
+
 def test_world_size_mismatch_is_caught(tmp_path, spec_file, project_env):
     env = dict(project_env, SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2")
     for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"):
@@ -129,3 +154,26 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     assert not _complete(measurement("allreduce"))  # measured before its division was timed
     assert not _complete(measurement("allreduce", series=[DIVIDE_SERIES]))  # before its zeroing was timed
     assert _complete(measurement("allreduce", series=[DIVIDE_SERIES, ZERO_SERIES]))
+
+
+def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
+    from harness.profile_run import RankRecorder, _rank_file_speeds
+    from harness.store import read_rank_probes, write_rank_file
+
+    class Probe:
+        def __init__(self, median):
+            self.median = median
+
+        def median_s(self):
+            return self.median
+
+    older = write_rank_file(tmp_path / "rank-00002.h5", 2, [])  # written before rank files kept their probe
+    assert read_rank_probes(older) == {}
+    recorder = RankRecorder(tmp_path / "rank-00000.h5", 0, {"env_key": "e"}, {}, {"1.5": 0.002})
+    probe = Probe(None)
+    recorder.track_probe("2.5", probe)
+    probe.median = 0.003  # the median as of each flush, not as of tracking
+    recorder.flush()
+    assert read_rank_probes(tmp_path / "rank-00000.h5") == {"1.5": 0.002, "2.5": 0.003}
+    # per phase, by rank: rank 1 has no file and rank 2's has no probe
+    assert _rank_file_speeds(tmp_path) == {"1.5": [0.002, None, None], "2.5": [0.003, None, None]}
