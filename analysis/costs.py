@@ -43,8 +43,9 @@
   measured with its composite is left as taken: the composite, measured by a group, splits into the shard
   and its all-reduces, and correcting one side only would move the rank's slowness into the all-reduces.
   Profiles without the probe, and `rank_speed=False`, keep the samples as taken; compute events from a
-  profiling run whose ranks the profile cannot compare (it stopped before its end, or fewer than two of its
-  ranks measured compute) stay as taken, with a warning when others were corrected.
+  profiling run whose ranks the profile cannot compare (some rank stopped before its compute samples were
+  written, an older version stopped before its merge, or fewer than two of its ranks measured compute) stay
+  as taken, with a warning when others were corrected.
 - data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
   (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
 - communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
@@ -360,8 +361,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     if uncorrected:
         costs.warnings.append(
             f"{len(uncorrected)} compute event(s) ({', '.join(sorted(set(uncorrected)))}) come from a profiling run "
-            f"whose ranks' speeds {profile.path.name} cannot compare (it stopped before its end, or fewer than two "
-            "of its ranks measured compute), so they keep their rank's speed while the others stand for the "
+            f"whose ranks' speeds {profile.path.name} cannot compare (it stopped before all its ranks had written "
+            "their speed probe, or fewer than two of its ranks measured compute), so they keep their rank's speed while the others stand for the "
             "ranks' mean; profile again with --force to measure them alike")
     _sender_busy_extras(plan, profile, costs)
     _send_posts(plan, profile, costs)

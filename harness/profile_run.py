@@ -38,6 +38,7 @@ from launcher.topology import Topology, discover, mpi_library_version
 
 FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase,
 FAIL_PHASE_VAR = "DISTSIM_FAIL_PHASE"  # test-only: that phase ("compute" unless set)
+FAILABLE_PHASES = ("compute", "tensor-parallel composites", "communication")
 PROGRESS_TAG = 7701
 FLUSH_EVERY_S = 10.0
 
@@ -295,6 +296,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         # ---- tensor-parallel layers as composites on real tp groups, one group at a time
         phase = "tensor-parallel composites"
         watchdog.start(phase)
+        _fail_if_asked(rank, phase)
         profiler = CommProfiler(comm, comm_backend, device)
         progress = Progress(phase, len(placement.composites), enabled=show_progress) if rank == 0 else None
         for task in placement.composites:
@@ -427,30 +429,35 @@ def _rank_file_speeds(outdir: Path) -> dict[str, list[float | None]]:
     return {key: [probes.get(key) for probes in per_rank] for key in keys}
 
 
-def _own_previous_probes(outdir: Path, rank: int) -> dict[str, float | None]:
-    path = rank_file(outdir, rank)
-    if not path.exists():
-        return {}
-    try:
-        return read_rank_probes(path)
-    except (OSError, ValueError):
-        return {}
-
-
 def _fail_if_asked(rank: int, phase: str) -> None:
     """Test-only: raise on the rank FAIL_RANK_VAR names at the start of the phase FAIL_PHASE_VAR names."""
     fail_rank = os.environ.get(FAIL_RANK_VAR)
-    if fail_rank is not None and int(fail_rank) == rank and os.environ.get(FAIL_PHASE_VAR, "compute") == phase:
+    fail_phase = os.environ.get(FAIL_PHASE_VAR, "compute")
+    if fail_rank is None:
+        return
+    if fail_phase not in FAILABLE_PHASES:  # a misspelt phase would otherwise never fail, and a test pass
+        raise RuntimeError(f"{FAIL_PHASE_VAR}={fail_phase!r}: not one of {', '.join(FAILABLE_PHASES)}")
+    if int(fail_rank) == rank and fail_phase == phase:
         raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank} in phase '{phase}'")
 
 
 def _own_previous(outdir: Path, rank: int) -> dict[str, Measurement]:
+    """What this rank's file from an earlier run holds ({} without a readable one)."""
+    return _read_own_file(outdir, rank, read_measurements)
+
+
+def _own_previous_probes(outdir: Path, rank: int) -> dict[str, float | None]:
+    """The speed-probe medians this rank's file from an earlier run holds ({} without a readable one)."""
+    return _read_own_file(outdir, rank, read_rank_probes)
+
+
+def _read_own_file(outdir: Path, rank: int, reader):
     path = rank_file(outdir, rank)
     if not path.exists():
         return {}
     try:
-        return read_measurements(path)
-    except OSError:
+        return reader(path)
+    except (OSError, ValueError):  # a file cut short, or a probe attribute that is not JSON
         return {}
 
 

@@ -336,7 +336,7 @@ def test_events_of_a_run_without_a_probe_stay_as_taken_and_say_so(tmp_path):
     plan = build_plan(spec)
     path = write_handmade_profile(tmp_path / "p.h5", spec, by_name({}, default=1e-3),
                                   measuring_rank={"gpt2.block.fwd": 1}, speed_probe=[1.0e-3, 1.5e-3])
-    with h5py.File(path, "r+") as f:  # the block's forward came from an earlier run that stopped before its end
+    with h5py.File(path, "r+") as f:  # the block's forward came from an earlier run that left no probe
         block_fwd = next(eid for eid, e in plan.events.items() if e.name == "gpt2.block.fwd")
         f["measurements"][block_fwd].attrs["compute_phase"] = 1.6e9
     costs = estimate_costs(plan, load_profile(path))

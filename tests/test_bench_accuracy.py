@@ -45,18 +45,34 @@ def test_pooled_compares_all_measured_iterations_with_the_median_prediction():
 
 def test_run_vs_run_takes_one_half_of_the_trials_runs_as_the_others_prediction():
     accuracy = _accuracy_module()
-    # even trials (profiled first) ran 1.0 s iterations, odd ones (run first) 1.25 s; device 1 busy 0.5 / 0.6 s
-    trials = [_trial([1.0, 1.0], 9.9, [(0.8, 9.9), (0.5, 9.9)]),
-              _trial([1.25, 1.25], 9.9, [(1.0, 9.9), (0.6, 9.9)]),
-              _trial([1.0, 1.0], 9.9, [(0.8, 9.9), (0.5, 9.9)]),
-              _trial([1.25, 1.25], 9.9, [(1.0, 9.9), (0.6, 9.9)])]
-    floor = accuracy.run_vs_run(trials)  # the predictions (9.9) play no part
-    # evens predicting odds: (1.0 - 1.25) / 1.25 = -20%; odds predicting evens: +25%; the larger is kept
-    assert floor["batch_error_pct"] == pytest.approx(25.0)
-    # device 0: 0.8 against 1.0 is -20% one way and +25% the other; device 1: 0.5 / 0.6, -16.7% and +20%
-    assert floor["device_error_pct"] == pytest.approx(25.0)
-    assert accuracy.run_vs_run(trials[:1]) is None  # one trial has no other half
+    # halves in pairs: trials 0, 1, 4 (A) against 2, 3 (B), so each half holds both orders; the predictions
+    # (9.9) play no part. A's iterations pool to a median of 1.0 while its trials' own medians are 0.9, 0.9
+    # and 1.2; B's pool to 1.5 (medians 1.4 and 1.6)
+    trials = [_trial([0.8, 0.9, 1.0], 9.9, [(0.8, 9.9), (0.50, 9.9)]),
+              _trial([0.9, 0.9, 1.0], 9.9, [(0.9, 9.9), (0.40, 9.9)]),
+              _trial([1.4, 1.4, 1.5], 9.9, [(1.2, 9.9), (0.60, 9.9)]),
+              _trial([1.5, 1.6, 1.6], 9.9, [(1.4, 9.9), (0.60, 9.9)]),
+              _trial([1.0, 1.2, 1.3], 9.9, [(1.0, 9.9), (0.45, 9.9)])]
+    floor = accuracy.run_vs_run(trials)
+    # A predicting B: A's median run 0.9 against B's pooled 1.5, -40%; B predicting A: 1.5 against A's pooled
+    # 1.0, +50%: the larger in size is kept, here the second direction
+    assert floor["batch_error_pct"] == pytest.approx(50.0)
+    # device 0: A's medians over trials 0.9, B's 1.3: 30.8% one way, 44.4% the other; device 1: A 0.45, B 0.6:
+    # 25% and 33.3%
+    assert floor["device_error_pct"] == pytest.approx(0.4 / 0.9 * 100)
     assert accuracy.pooled(trials)["run_vs_run"] == floor
+    assert accuracy.run_vs_run(trials[:2]) is None  # two trials: the second half would be empty
+
+
+def test_run_vs_run_keeps_the_sign_of_the_larger_error():
+    run_vs_run = _accuracy_module().run_vs_run
+    # A (trials 0, 1, 4): median runs 0.5, 0.5, 2.0 -> 0.5, but its iterations pool to 2.0; B: 1.1 either way
+    trials = [_trial([0.4, 0.5, 2.0], 9.9, [(1.0, 9.9)]), _trial([0.4, 0.5, 2.0], 9.9, [(1.0, 9.9)]),
+              _trial([1.1, 1.1, 1.1], 9.9, [(1.0, 9.9)]), _trial([1.1, 1.1, 1.1], 9.9, [(1.0, 9.9)]),
+              _trial([2.0, 2.0, 2.0], 9.9, [(1.0, 9.9)])]
+    # A predicting B: 0.5 against 1.1, -54.5%; B predicting A: 1.1 against 2.0, -45%
+    assert run_vs_run(trials)["batch_error_pct"] == pytest.approx((0.5 - 1.1) / 1.1 * 100)
+    assert run_vs_run(trials)["device_error_pct"] == pytest.approx(0.0)
 
 
 def test_within_goal_needs_both_errors_within_five_percent():

@@ -177,3 +177,16 @@ def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
     assert read_rank_probes(tmp_path / "rank-00000.h5") == {"1.5": 0.002, "2.5": 0.003}
     # per phase, by rank: rank 1 has no file and rank 2's has no probe
     assert _rank_file_speeds(tmp_path) == {"1.5": [0.002, None, None], "2.5": [0.003, None, None]}
+
+
+def test_the_failure_hook_refuses_a_phase_it_does_not_know(monkeypatch):
+    from harness.profile_run import _fail_if_asked
+
+    monkeypatch.setenv("DISTSIM_FAIL_RANK", "1")
+    monkeypatch.setenv("DISTSIM_FAIL_PHASE", "tensor-parallel composites")
+    _fail_if_asked(0, "tensor-parallel composites")  # another rank's failure
+    with pytest.raises(RuntimeError, match="injected"):
+        _fail_if_asked(1, "tensor-parallel composites")
+    monkeypatch.setenv("DISTSIM_FAIL_PHASE", "comunication")
+    with pytest.raises(RuntimeError, match="not one of"):
+        _fail_if_asked(0, "compute")
