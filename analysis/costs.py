@@ -362,8 +362,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
         costs.warnings.append(
             f"{len(uncorrected)} compute event(s) ({', '.join(sorted(set(uncorrected)))}) come from a profiling run "
             f"whose ranks' speeds {profile.path.name} cannot compare (it stopped before all its ranks had written "
-            "their speed probe, or fewer than two of its ranks measured compute), so they keep their rank's speed while the others stand for the "
-            "ranks' mean; profile again with --force to measure them alike")
+            "their speed probe, or fewer than two of its ranks measured compute), so they keep their rank's speed "
+            "while the others stand for the ranks' mean; profile again with --force to measure them alike")
     _sender_busy_extras(plan, profile, costs)
     _send_posts(plan, profile, costs)
     if plan.spec.strategy.dp > 1:

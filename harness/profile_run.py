@@ -36,7 +36,7 @@ from harness.store import Measurement, read_measurements, read_rank_probes, writ
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
-FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase,
+FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase:
 FAIL_PHASE_VAR = "DISTSIM_FAIL_PHASE"  # test-only: that phase ("compute" unless set)
 FAILABLE_PHASES = ("compute", "tensor-parallel composites", "communication")
 PROGRESS_TAG = 7701
