@@ -19,8 +19,7 @@ from harness.events import CommunicationFields
 # analysis does not import the profiling side)
 from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, MEASUREMENT_FIELD_ATTRS, PROFILE_KIND,
                                   RANK_PROFILE_KIND, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES,
-                                  ZERO_SERIES,
-                                  read_environment)
+                                  ZERO_SERIES, read_environment)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 

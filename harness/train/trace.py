@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 
 from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
-                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP,
-                                  TRACE_LAYER_INT_COLUMNS, TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
+                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
+                                  TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
                                   TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
 
