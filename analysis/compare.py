@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from analysis.simulate import COMPUTE_TRACK
-from analysis.trace import trace_events
+from analysis.intervals import lanes
+from analysis.perfetto import trace_events
+from analysis.plot import add_legend, draw_row, label_rows, measured_category, pyplot, save, timeline_bars
 from analysis.validate import Validation, measured_intervals
 
 MEASURED_PID_OFFSET = 100_000  # measured device r is process 100000 + r; predicted device r is process r
-KIND_COLOURS = {"compute": "#55A868", "optimizer": "#8C613C", "allreduce": "#C44E52", "p2p": "#8C8C8C"}
-PHASE_COLOURS = {"F": "#4C72B0", "B": "#55A868"}
 
 
 def _ranks(validation: Validation) -> list[int]:
@@ -20,21 +19,13 @@ def _ranks(validation: Validation) -> list[int]:
     return sorted(r for r, d in validation.trace.devices.items() if d.dp == 0 and d.tp == 0)
 
 
-def _lanes(intervals: list[tuple[float, float, str, str, str]]) -> list[int]:
+def _threads(intervals: list[tuple[float, float, str, str, str]]) -> list[int]:
     """Thread 0 for compute and optimizer; communication on threads 1.. so that nothing overlaps in a thread."""
-    ends: list[float] = []
-    out = []
-    for start, end, kind, _, _ in intervals:
-        if kind in ("compute", "optimizer"):
-            out.append(0)
-            continue
-        lane = next((k for k, e in enumerate(ends) if e <= start), None)
-        if lane is None:
-            ends.append(end)
-            lane = len(ends) - 1
-        else:
-            ends[lane] = end
-        out.append(lane + 1)
+    comm = [i for i, iv in enumerate(intervals) if iv[2] not in ("compute", "optimizer")]
+    rows = lanes([intervals[i][0] for i in comm], [intervals[i][1] for i in comm])
+    out = [0] * len(intervals)
+    for i, row in zip(comm, rows):
+        out[i] = row + 1
     return out
 
 
@@ -53,7 +44,7 @@ def write_comparison_trace(path: str | Path, validation: Validation) -> Path:
                        "args": {"name": f"measured rank {rank} (stage {device.pp}), iteration {iteration}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         intervals = sorted(measured_intervals(validation.trace, rank, iteration), key=lambda iv: (iv[0], iv[1]))
-        for (start, end, kind, _, name), tid in zip(intervals, _lanes(intervals)):
+        for (start, end, kind, _, name), tid in zip(intervals, _threads(intervals)):
             ts = round(start * 1e6, 3)
             events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": tid, "ts": ts,
                            "dur": round(end * 1e6 - ts, 3)})
@@ -66,52 +57,26 @@ def write_comparison_trace(path: str | Path, validation: Validation) -> Path:
 
 def write_comparison_png(path: str | Path, validation: Validation) -> Path:
     """Two Gantt panels sharing the time axis: measured (one iteration, the median) above, predicted below."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
+    plt = pyplot()
     ranks = _ranks(validation)
     iteration = validation.representative_iteration
     timeline = validation.timeline
     fig, axes = plt.subplots(2, 1, figsize=(14, 2.2 + 1.1 * len(ranks)), sharex=True)
-    for panel, ax in enumerate(axes):
-        for row, rank in enumerate(ranks):
-            y = len(ranks) - 1 - row
-            if panel == 0:
-                for start, end, kind, phase, name in measured_intervals(validation.trace, rank, iteration):
-                    comm = kind == "p2p" or phase == "dp"  # asynchronous: the communication row
-                    colour = KIND_COLOURS.get(kind, "#999999")
-                    if kind == "compute":
-                        colour = PHASE_COLOURS.get(phase, colour)
-                    ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (y + (0.08 if comm else 0.38), 0.26 if comm
-                                   else 0.5), facecolors=colour, edgecolor="white", linewidth=0.3)
-            else:
-                stage = timeline.stage_dp_tp(rank)[0]
-                for iv in timeline.intervals(stage):
-                    compute = iv.track == COMPUTE_TRACK
-                    kind = "compute" if iv.category in ("forward", "backward") else (
-                        "optimizer" if iv.category == "optimizer" else ("p2p" if "p2p" in iv.category else "allreduce"))
-                    colour = PHASE_COLOURS[iv.name[0]] if kind == "compute" else KIND_COLOURS[kind]
-                    ax.broken_barh([(iv.start_s * 1e3, (iv.end_s - iv.start_s) * 1e3)],
-                                   (y + (0.38 if compute else 0.08), 0.5 if compute else 0.26), facecolors=colour,
-                                   edgecolor="none")
-        ax.set_ylim(0, len(ranks))
-        ax.set_yticks([len(ranks) - 1 - row + 0.5 for row in range(len(ranks))])
-        ax.set_yticklabels([f"rank {r} (stage {validation.trace.devices[r].pp})" for r in ranks], fontsize=8)
-        ax.grid(axis="x", linestyle=":", linewidth=0.5)
+    used: set[str] = set()
+    for row, rank in enumerate(ranks):
+        y = len(ranks) - 1 - row
+        measured: dict[str, list[tuple[float, float]]] = {}
+        for start, end, kind, phase, _ in measured_intervals(validation.trace, rank, iteration):
+            measured.setdefault(measured_category(kind, phase), []).append((start, end))
+        used |= draw_row(axes[0], y, measured)
+        used |= draw_row(axes[1], y, timeline_bars(timeline, timeline.stage_dp_tp(rank)[0]))
+    labels = [f"rank {r} (stage {validation.trace.devices[r].pp})" for r in ranks]
+    for ax in axes:
+        label_rows(ax, labels)
     axes[0].set_title(f"measured (iteration {iteration}): {validation.measured_batch_s * 1e3:.2f} ms median", fontsize=10)
     axes[1].set_title(f"predicted: {validation.predicted_batch_s * 1e3:.2f} ms "
                       f"(error {validation.batch_time_error_pct:+.1f}%)", fontsize=10)
     axes[1].set_xlabel("time (ms)")
-    handles = [Patch(color=PHASE_COLOURS["F"], label="forward"), Patch(color=PHASE_COLOURS["B"], label="backward"),
-               Patch(color=KIND_COLOURS["allreduce"], label="all-reduce"), Patch(color=KIND_COLOURS["p2p"], label="P2P"),
-               Patch(color=KIND_COLOURS["optimizer"], label="optimizer")]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    add_legend(fig, used)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -71,7 +71,7 @@ from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
 
-from analysis.profile import MeasuredEvent, Profile
+from analysis.profile_reader import MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
 COMM_KINDS = ("p2p", "allreduce")

@@ -1,12 +1,14 @@
-"""Gantt chart of a simulated iteration (PNG, matplotlib's Agg backend: no display needed).
+"""Gantt charts (PNG, matplotlib's Agg backend: no display needed), drawn one way for every chart.
 
-One row per device: the compute stream above (forward, backward, tensor-parallel all-reduces, optimizer),
-communication below (P2P transfers, data-parallel all-reduces); time in milliseconds.
+One row per device: the compute stream above (forward and backward steps, one bar per micro-batch, with
+tensor-parallel all-reduces and the optimizer), communication below (P2P transfers, data-parallel
+all-reduces); time in milliseconds. A predicted timeline (`write_gantt`) and a measured one
+(`analysis.compare`) are drawn with the same categories, colours and bar geometry (`draw_row`).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from analysis.report import strategy_label
 from analysis.simulate import (BACKWARD, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV, P2P_SEND,
@@ -17,59 +19,107 @@ COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPT
 LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-parallel all-reduce",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
           DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send"}
+COMMUNICATION_ROW = frozenset({P2P_SEND, P2P_RECV, DP_ALLREDUCE})  # drawn below the compute stream
 COMPUTE_BAR = (0.38, 0.5)  # (bottom offset, height) within a row of height 1
 COMM_BAR = (0.08, 0.26)
+SEPARATE_STEPS_UP_TO = 256  # steps of a row drawn with a white edge between them up to this many
+
+Bars = Mapping[str, Sequence[tuple[float, float]]]  # category -> (start_s, end_s) of each bar
 
 
-def write_gantt(path: str | Path, timeline: Timeline, ranks: Sequence[int], note: str | None = None) -> Path:
-    """Draw one row per rank in `ranks` (top to bottom) and save a PNG to `path`."""
-    import matplotlib
+def timeline_bars(timeline: Timeline, stage: int) -> dict[str, list[tuple[float, float]]]:
+    """A simulated pipeline device's bars: whole steps, and every interval that is not a step's compute."""
+    bars: dict[str, list[tuple[float, float]]] = {FORWARD: [], BACKWARD: []}
+    for step in timeline.pipeline[stage].steps:
+        bars[FORWARD if step.phase == "F" else BACKWARD].append((step.start_s, step.end_s))
+    for iv in timeline.intervals(stage):
+        if iv.category not in (FORWARD, BACKWARD):
+            bars.setdefault(iv.category, []).append((iv.start_s, iv.end_s))
+    return bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    path = Path(path)
-    rows = len(ranks)
-    height_in = 1.6 + 0.55 * rows
-    fig, ax = plt.subplots(figsize=(14, height_in))
-    used: set[str] = set()
-    details = {}
-    for row, rank in enumerate(ranks):
-        stage = timeline.stage_dp_tp(rank)[0]
-        if stage not in details:
-            details[stage] = timeline.intervals(stage)
-        y = rows - 1 - row
-        by_category: dict[str, list[tuple[float, float]]] = {FORWARD: [], BACKWARD: []}
-        for step in timeline.pipeline[stage].steps:  # whole steps: one bar per micro-batch
-            by_category[FORWARD if step.phase == "F" else BACKWARD].append(
-                (step.start_s * 1e3, (step.end_s - step.start_s) * 1e3))
-        for iv in details[stage]:  # tensor-parallel all-reduces drawn over their steps
-            if iv.category not in (FORWARD, BACKWARD):
-                by_category.setdefault(iv.category, []).append((iv.start_s * 1e3, (iv.end_s - iv.start_s) * 1e3))
-        separate = len(timeline.pipeline[stage].steps) <= 256
-        for category in sorted(by_category, key=list(COLOURS).index):
-            spans = by_category[category]
-            offset, height = COMM_BAR if category in (P2P_SEND, P2P_RECV, DP_ALLREDUCE) else COMPUTE_BAR
-            steps = category in (FORWARD, BACKWARD)
-            ax.broken_barh(spans, (y + offset, height), facecolors=COLOURS[category],
-                           edgecolor="white" if steps and separate else "none", linewidth=0.4)
-            if any(width > 0 for _, width in spans):
-                used.add(category)
+def measured_category(kind: str, phase: str) -> str:
+    """The timeline category of a row of a real run's trace (docs/train.md: its kind and phase)."""
+    if kind == "compute":
+        return FORWARD if phase == "F" else BACKWARD
+    if kind == "p2p":
+        return P2P_SEND if phase == "send" else P2P_RECV
+    if kind == "allreduce":
+        return TP_ALLREDUCE if phase == "tp" else DP_ALLREDUCE
+    return OPTIMIZER
+
+
+def draw_row(ax, y: float, bars: Bars) -> set[str]:
+    """Draw one device's bars in the row whose bottom is `y`; returns the categories it drew."""
+    used = set()
+    separate = len(bars.get(FORWARD, ())) + len(bars.get(BACKWARD, ())) <= SEPARATE_STEPS_UP_TO
+    for category in sorted(bars, key=list(COLOURS).index):
+        spans = [(start * 1e3, (end - start) * 1e3) for start, end in bars[category]]
+        offset, height = COMM_BAR if category in COMMUNICATION_ROW else COMPUTE_BAR
+        steps = category in (FORWARD, BACKWARD)
+        ax.broken_barh(spans, (y + offset, height), facecolors=COLOURS[category],
+                       edgecolor="white" if steps and separate else "none", linewidth=0.4)
+        if any(width > 0 for _, width in spans):
+            used.add(category)
+    return used
+
+
+def label_rows(ax, labels: Sequence[str]) -> None:
+    """Row labels top to bottom (row 0 at the top), a dotted time grid."""
+    rows = len(labels)
     ax.set_ylim(0, rows)
     ax.set_yticks([rows - 1 - row + 0.5 for row in range(rows)])
-    ax.set_yticklabels([f"rank {r} (stage {timeline.stage_dp_tp(r)[0]})" for r in ranks], fontsize=8)
-    ax.set_xlim(0, max(timeline.batch_time_s * 1e3, 1e-9) * 1.01)
-    ax.set_xlabel("time (ms)")
+    ax.set_yticklabels(labels, fontsize=8)
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
-    spec = timeline.spec
-    title = (f"{spec.model.name}  {strategy_label(timeline)}  ({timeline.world:,} devices)  "
-             f"batch time {timeline.batch_time_s * 1e3:.3f} ms, bubble {timeline.bubble_fraction:.1%}")
-    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=10)
+
+
+def add_legend(fig, used: set[str]) -> None:
+    from matplotlib.patches import Patch
+
     handles = [Patch(color=COLOURS[c], label=LABELS[c]) for c in COLOURS if c in used]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.3 / height_in, 1, 1))
+
+
+def save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_gantt(path: str | Path, timeline: Timeline, ranks: Sequence[int], note: str | None = None) -> Path:
+    """Draw one row per rank in `ranks` (top to bottom) and save a PNG to `path`."""
+    plt = pyplot()
+    rows = len(ranks)
+    height_in = 1.6 + 0.55 * rows
+    fig, ax = plt.subplots(figsize=(14, height_in))
+    used: set[str] = set()
+    bars = {}
+    for row, rank in enumerate(ranks):
+        stage = timeline.stage_dp_tp(rank)[0]
+        if stage not in bars:
+            bars[stage] = timeline_bars(timeline, stage)
+        used |= draw_row(ax, rows - 1 - row, bars[stage])
+    label_rows(ax, [f"rank {r} (stage {timeline.stage_dp_tp(r)[0]})" for r in ranks])
+    ax.set_xlim(0, max(timeline.batch_time_s * 1e3, 1e-9) * 1.01)
+    ax.set_xlabel("time (ms)")
+    spec = timeline.spec
+    title = (f"{spec.model.name}  {strategy_label(timeline)}  ({timeline.world:,} devices)  "
+             f"batch time {timeline.batch_time_s * 1e3:.3f} ms, bubble {timeline.bubble_fraction:.1%}")
+    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=10)
+    add_legend(fig, used)
+    fig.tight_layout(rect=(0, 0.3 / height_in, 1, 1))
+    return save(fig, path)

@@ -8,7 +8,7 @@ from harness.events import EventPlan, build_plan
 from harness.spec import JobSpec
 
 from analysis.costs import Costs, estimate_costs
-from analysis.profile import Profile, layers_for, load_profile, resolve_spec
+from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harness.events import human_bytes
-from harness.tables import format_seconds, format_table
+from harness.output import format_seconds, format_table
 
 from analysis.simulate import Timeline
 

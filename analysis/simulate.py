@@ -34,6 +34,7 @@ from harness.schedules import device_steps
 from harness.spec import JobSpec
 
 from analysis.costs import Costs
+from analysis.intervals import spans
 
 COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
 FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
@@ -457,45 +458,17 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     fraction = skew.lag_fraction(replicas, window)
     if fraction <= 0:
         return (lambda t: 0.0), window
-    spans = sorted((r.start_s, r.end_s) for r in steps)
-    starts = [a for a, _ in spans]
-    done = list(accumulate((b - a for a, b in spans), initial=0.0))
+    step_spans = sorted((r.start_s, r.end_s) for r in steps)
+    starts = [a for a, _ in step_spans]
+    done = list(accumulate((b - a for a, b in step_spans), initial=0.0))
 
     def lag(t: float) -> float:
         i = bisect_right(starts, t)  # steps that started by t; the last of them may still run
         if i == 0:
             return 0.0
-        a, b = spans[i - 1]
+        a, b = step_spans[i - 1]
         return fraction * (done[i - 1] + min(t, b) - a)
     return lag, window
-
-
-def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def _overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sorted lists of disjoint intervals."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if high > low:
-            total += high - low
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: float) -> Usage:
@@ -509,12 +482,11 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
         busy.append((r.start_s, r.end_s))
     compute += device.optimizer_end_s - device.optimizer_start_s
     busy.append((device.optimizer_start_s, device.optimizer_end_s))
-    busy = _merged(busy)
-    asynchronous = _merged([(t.start_s, t.end_s) for t in device.sends + device.receives]
-                           + [(b.start_s, b.end_s) for b in device.buckets]
-                           + [(p.start_s, p.end_s) for p in device.posts])
-    hidden = _overlap(asynchronous, busy)
-    exposed = tp_comm + sum(end - start for start, end in asynchronous) - hidden
+    asynchronous = spans([(t.start_s, t.end_s) for t in device.sends + device.receives]
+                         + [(b.start_s, b.end_s) for b in device.buckets]
+                         + [(p.start_s, p.end_s) for p in device.posts])
+    hidden = (asynchronous & spans(busy)).length
+    exposed = tp_comm + asynchronous.length - hidden
     # idle is what is left: the three parts sum to the batch time (a rounding-level negative becomes 0)
     return Usage(compute, exposed, hidden, max(0.0, batch_time - compute - exposed))
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from harness.hdf5_schema import COMPUTE_PHASE_ATTR
 
-from analysis.profile import Profile
+from analysis.profile_reader import Profile
 
 WINDOW_STEP = 0.25  # window positions every quarter window
 MIN_COVERAGE = 0.25  # a rank counts at a position when its samples there add up to this share of the window

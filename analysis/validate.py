@@ -28,8 +28,8 @@ from harness.events import EventPlan, build_plan
 from harness.layers import LayerDesc
 
 from analysis.costs import Costs, estimate_costs
-from analysis.profile import Profile, parse_spec_offline
-from analysis.runtrace import Trace
+from analysis.profile_reader import Profile, parse_spec_offline
+from analysis.trace_reader import Trace
 from analysis.simulate import StageCosts, Timeline, simulate
 
 REPORT_VERSION = 1

@@ -2,7 +2,7 @@
 
 dp=256 x tp=8 x pp=8 on 2,048 nodes of 8 GPUs; 96 layers, hidden 12288, 96 heads, ffn 49152, seq 2048,
 micro-batch 1, global batch 16384 (64 micro-batches per pipeline). The synthetic profile.h5 is written with
-harness.store.write_profile: compute times from FLOPs at a plausible bf16 rate, communication measured as a
+harness.profile_store.write_profile: compute times from FLOPs at a plausible bf16 rate, communication measured as a
 2-node profile would (all-reduce sweeps over 2..16 ranks, P2P sweeps, intra and inter node), so the
 data-parallel all-reduce over 256 ranks is extrapolated by the alpha-beta fit.
 
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.events import build_plan, event_id  # noqa: E402
 from harness.spec import parse_spec  # noqa: E402
-from harness.store import Measurement, write_profile  # noqa: E402
+from harness.profile_store import Measurement, write_profile  # noqa: E402
 
 from analysis.costs import estimate_costs  # noqa: E402
 from analysis.devices import select_devices  # noqa: E402
-from analysis.profile import layers_for, load_profile, resolve_spec  # noqa: E402
+from analysis.profile_reader import layers_for, load_profile, resolve_spec  # noqa: E402
 from analysis.report import summary  # noqa: E402
 from analysis.simulate import simulate  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
 
 Constants, one key format and the /environment decoding, importing only json: the harness writes its files
-with them (harness.store, harness.train.trace) and the analysis reads them with the same names and the same
-decoding (analysis.profile, analysis.runtrace) without importing the writers.
+with them (harness.profile_store, harness.train.trace) and the analysis reads them with the same names and the same
+decoding (analysis.profile, analysis.trace_reader) without importing the writers.
 """
 import json
 from typing import Any

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from analysis.cli import main
-from analysis.profile import parse_spec_offline
-from analysis.timeline_store import read_timeline
+from analysis.profile_reader import parse_spec_offline
+from analysis.timeline_file import read_timeline
 from harness.layers import LayerDesc
 from harness.hdf5_schema import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_python, write_handmade_profile
@@ -164,7 +164,7 @@ def test_offline_run_loads_neither_torch_nor_mpi4py(tmp_path):
             runpy.run_module("analysis", run_name="__main__", alter_sys=True)
         except SystemExit as exit:
             status = exit.code
-        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.store")
+        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.profile_store")
                         if m in sys.modules)
         print("LOADED", loaded, file=sys.stderr)
         sys.exit(status or (3 if loaded else 0))

@@ -8,10 +8,10 @@ import pytest
 from analysis.cli import main
 from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
-from analysis.profile import load_profile
+from analysis.profile_reader import load_profile
 from harness.events import build_plan
 from harness.hdf5_schema import DIVIDE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
-from harness.store import Measurement
+from harness.profile_store import Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links

@@ -1,5 +1,5 @@
 """Hand-made profiles for the analysis tests: a plan's events with chosen durations, written with
-harness.store.write_profile exactly as the harness writes a merged profile.h5."""
+harness.profile_store.write_profile exactly as the harness writes a merged profile.h5."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_
                                   compute_phase_key)
 from harness.layers import LayerDesc
 from harness.spec import JobSpec, parse_spec
-from harness.store import Measurement, write_profile
+from harness.profile_store import Measurement, write_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def run_python(script: str, cwd: str | Path = REPO, timeout: float = 120) -> sub
 
 
 def test_handmade_profile_round_trips(tmp_path):
-    from analysis.profile import load_profile
+    from analysis.profile_reader import load_profile
 
     spec = make_spec(pp=2, dp=2, micro_batches=2)
     path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"gpt2.block.fwd": 1.5}, default=0.5))
@@ -132,11 +132,3 @@ def test_handmade_profile_round_trips(tmp_path):
     block = next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
     assert profile.measurements[block.id].median_s == 1.5
     assert profile.world_size == 2
-
-
-def test_the_analysis_reads_the_series_the_store_writes():
-    """analysis/profile.py names the optional series itself (it must not import the profiling side)."""
-    from analysis import profile
-    from harness import store
-
-    assert profile.SERIES == store.SERIES

@@ -78,7 +78,7 @@ def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, projec
 
 
 def test_a_run_stopped_before_its_merge_keeps_its_speed_probe_for_the_resume(tmp_path, spec_file, project_env):
-    from harness.store import read_rank_probes
+    from harness.profile_store import read_rank_probes
 
     out = tmp_path / "out"
     stopped = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"],
@@ -134,10 +134,10 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     GPU forward or backward without host issue times are incomplete; everything else stored is reused."""
     import numpy as np
 
-    from harness.profile_run import _complete
+    from harness.profiling import _complete
     from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
                                       ZERO_SERIES)
-    from harness.store import Measurement
+    from harness.profile_store import Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=()):
         content = {"phase": phase} if phase else {}
@@ -157,8 +157,8 @@ def test_resume_measures_again_what_this_version_measures_more_of():
 
 
 def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
-    from harness.profile_run import RankRecorder, _rank_file_speeds
-    from harness.store import read_rank_probes, write_rank_file
+    from harness.profiling import RankRecorder, _rank_file_speeds
+    from harness.profile_store import read_rank_probes, write_rank_file
 
     class Probe:
         def __init__(self, median):
@@ -180,7 +180,7 @@ def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
 
 
 def test_the_failure_hook_refuses_a_phase_it_does_not_know(monkeypatch):
-    from harness.profile_run import _fail_if_asked
+    from harness.profiling import _fail_if_asked
 
     monkeypatch.setenv("DISTSIM_FAIL_RANK", "1")
     monkeypatch.setenv("DISTSIM_FAIL_PHASE", "tensor-parallel composites")

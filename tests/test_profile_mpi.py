@@ -46,7 +46,7 @@ def test_placement_disjoint_and_complete():
 
 @pytest.mark.mpi(min_size=2)
 def test_end_to_end_profile_then_resume(tmp_path):
-    from harness.profile_run import run_profile
+    from harness.profiling import run_profile
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "profile"
@@ -110,7 +110,7 @@ def test_end_to_end_profile_then_resume(tmp_path):
 @pytest.mark.mpi(min_size=4)
 def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
     """4 ranks as 2 nodes of 2 (test-only setting): inter-node P2P and intra-node groups are measured."""
-    from harness.profile_run import run_profile
+    from harness.profiling import run_profile
 
     comm = _world()
     monkeypatch.setenv("DISTSIM_EMULATE_RANKS_PER_NODE", str(comm.size // 2))
@@ -139,7 +139,7 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
     """tp=2 blocks run with their all-reduces on a real group of 2 ranks; a sample runs from the last
     member's start to the last member's end."""
     from harness.events import composite_content, event_id
-    from harness.profile_run import run_profile
+    from harness.profiling import run_profile
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "tp"

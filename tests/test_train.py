@@ -256,7 +256,7 @@ def _check_trace(spec, trace, options):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_training_run_traces_the_schedule_and_matches_a_single_process(config, shared_dir):
     from harness.train.model import reference_losses
-    from analysis.runtrace import read_trace
+    from analysis.trace_reader import read_trace
 
     comm = _comm()
     spec, result, options = _run(config, shared_dir / config)

@@ -38,7 +38,7 @@ def train(tmp_path: Path, project_env, spec_text: str, *args: str, ranks: int = 
 
 
 def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
-    from analysis.runtrace import read_trace
+    from analysis.trace_reader import read_trace
 
     proc = train(tmp_path, project_env, tiny_spec_text(pp=2, layers=2, micro=1, global_batch=2), "--iterations",
                  "2", "--warmup", "1")
@@ -130,7 +130,7 @@ def test_tensor_parallel_shards_are_cut_from_the_whole_layer(family, kv_heads):
 
 
 def test_reader_refuses_other_files(tmp_path):
-    from analysis.runtrace import TraceError, read_trace
+    from analysis.trace_reader import TraceError, read_trace
 
     path = tmp_path / "profile.h5"
     with h5py.File(path, "w") as f:

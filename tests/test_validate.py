@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from analysis.predict import predict
-from analysis.runtrace import read_trace
+from analysis.trace_reader import read_trace
 from analysis.validate import environment_differences, replay_stage_costs, validate
-from analysis.profile import load_profile
-from harness.train.trace import merge_traces, write_rank_trace
+from analysis.profile_reader import load_profile
+from harness.train.trace_writer import merge_traces, write_rank_trace
 from tests.conftest import ROOT
 from tests.helpers import write_spec
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile

@@ -6,7 +6,7 @@ import json
 import sys
 
 from analysis.devices import plot_devices, select_devices
-from analysis.outputs import writable
+from harness.output import writable
 from analysis.predict import predict
 from analysis.report import format_report, summary
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     report = summary(timeline, ranks, selection, args.profile)
     written = []
     if args.trace:
-        from analysis.trace import write_trace
+        from analysis.perfetto import write_trace
 
         written.append(("trace", writable(args.trace, lambda: write_trace(args.trace, timeline, ranks))))
     if args.png:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         rows, note = plot_devices(prediction.spec, ranks if args.devices else None)
         written.append(("chart", writable(args.png, lambda: write_gantt(args.png, timeline, rows, note))))
     if args.out:
-        from analysis.timeline_store import write_timeline
+        from analysis.timeline_file import write_timeline
 
         written.append(("timeline", writable(args.out, lambda: write_timeline(args.out, timeline, ranks, report))))
     if args.json:

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 from harness.errors import UserError
-from harness.tables import format_table
+from harness.output import format_table
 
-from analysis.outputs import writable
-from analysis.profile import load_profile
-from analysis.runtrace import TraceError, read_trace
+from harness.output import writable
+from analysis.profile_reader import load_profile
+from analysis.trace_reader import TraceError, read_trace
 from analysis.validate import validate
 
 NAME = "validate"

@@ -8,7 +8,7 @@ from harness.cli import default_spec_path
 from harness.errors import UserError
 from harness.events import build_plan, human_bytes
 from harness.spec import load_spec
-from harness.tables import format_table
+from harness.output import format_table
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
-from harness.mpi_input import stop_on_error
+from harness.mpi_errors import stop_on_error
 from harness.events import build_plan
 from harness.spec import load_spec
-from harness.tables import format_seconds, format_table
+from harness.output import format_seconds, format_table
 
 NAME = "profile"
 HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from harness.profile_run import check_outdir, run_profile
+    from harness.profiling import check_outdir, run_profile
 
     comm = MPI.COMM_WORLD
     spec = plan = None

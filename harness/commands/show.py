@@ -10,8 +10,8 @@ import h5py
 from harness.errors import UserError
 from harness.events import human_bytes
 from harness.hdf5_schema import PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION, read_environment
-from harness.store import read_measurements, read_unmeasured
-from harness.tables import format_seconds, format_table
+from harness.profile_store import read_measurements, read_unmeasured
+from harness.output import format_seconds, format_table
 
 NAME = "show"
 HELP = "summarise a profile.h5: environment, measured events with statistics, what is unmeasured"

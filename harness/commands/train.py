@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
-from harness.mpi_input import stop_on_error
+from harness.mpi_errors import stop_on_error
 
 NAME = "train"
 HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"

@@ -2,7 +2,7 @@
 
 The package imports nothing heavy at import time: `harness.train.trace` (the writer, pure h5py/numpy)
 can be used without torch or MPI; `run_training` (torch, mpi4py) is loaded lazily. Traces are read by
-`analysis.runtrace`.
+`analysis.trace_reader`.
 """
 from __future__ import annotations
 

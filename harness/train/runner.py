@@ -146,7 +146,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     from harness.train.clock import Timebase, sync_clocks
     from harness.train.engine import PipelineEngine, Recorder
     from harness.train.model import build_layers, make_tokens
-    from harness.train.trace import (columns_from_rows, layer_columns_from_rows, merge_traces, rank_file_name,
+    from harness.train.trace_writer import (columns_from_rows, layer_columns_from_rows, merge_traces, rank_file_name,
                                      write_rank_trace)
     from launcher.topology import discover
 
@@ -262,7 +262,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
 
 
 def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
-    from harness.tables import format_seconds, format_table
+    from harness.output import format_seconds, format_table
 
     s = spec.strategy
     measured = result.measured_s

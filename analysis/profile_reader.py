@@ -15,7 +15,7 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import CommunicationFields
-# the names harness.store writes, from the one place both sides take them (not from the store itself: the
+# the names harness.profile_store writes, from the one place both sides take them (not from the store itself: the
 # analysis does not import the profiling side)
 from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, MEASUREMENT_FIELD_ATTRS, PROFILE_KIND,
                                   RANK_PROFILE_KIND, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES,

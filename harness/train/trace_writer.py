@@ -1,6 +1,6 @@
 """Writing traces of real runs: one file per rank, merged into trace.h5 (layout in docs/train.md).
 
-h5py and numpy only. Files are written to a temporary name and renamed, as in harness.store.
+h5py and numpy only. Files are written to a temporary name and renamed, as in harness.profile_store.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
-from harness.store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
+from harness.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 

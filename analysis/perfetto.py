@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from analysis.intervals import lanes
 from analysis.report import strategy_label
 from analysis.simulate import COMM_TRACK, Interval, Timeline, transfer_name
 
@@ -26,20 +27,9 @@ def _microseconds(seconds: float) -> float:
 
 def comm_lanes(intervals: Sequence[Interval]) -> dict[int, int]:
     """Thread id (1, 2, ...) for each communication interval (by index), so none overlap within a thread."""
-    lane_ends: list[float] = []
-    lanes: dict[int, int] = {}
-    order = sorted((i for i, iv in enumerate(intervals) if iv.track == COMM_TRACK),
-                   key=lambda i: (intervals[i].start_s, intervals[i].end_s))
-    for i in order:
-        iv = intervals[i]
-        lane = next((k for k, end in enumerate(lane_ends) if end <= iv.start_s), None)
-        if lane is None:
-            lane = len(lane_ends)
-            lane_ends.append(iv.end_s)
-        else:
-            lane_ends[lane] = iv.end_s
-        lanes[i] = lane + 1
-    return lanes
+    comm = [i for i, iv in enumerate(intervals) if iv.track == COMM_TRACK]
+    rows = lanes([intervals[i].start_s for i in comm], [intervals[i].end_s for i in comm])
+    return {i: row + 1 for i, row in zip(comm, rows)}
 
 
 def trace_events(timeline: Timeline, ranks: Sequence[int]) -> list[dict[str, Any]]:

@@ -1,0 +1,97 @@
+"""What the commands print and write: aligned terminal tables, CSV files, seconds in words, writable paths.
+
+Pure Python (the analysis front ends use it too). Rules:
+- a table aligns text left and numbers right; a number column has one format: every float in it gets the
+  decimals that give its largest value four significant digits (at most 3, none from 1,000 up), integers
+  get thousands separators; a gap (None or "-") shows as "-" and keeps the column a number column;
+- a CSV file holds the same rows at full precision (gaps empty), for spreadsheets;
+- an output path that cannot be written is bad input (one message, exit 2), not a traceback.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+from harness.errors import UserError
+
+T = TypeVar("T")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """Columns aligned: text left, numbers right, one number format per column (module docstring)."""
+    columns = list(zip(*rows)) if rows else [() for _ in headers]
+    numeric = [any(_is_number(v) for v in column) and all(_is_number(v) or _is_gap(v) for v in column)
+               for column in columns]
+    decimals = [_decimals(column) for column in columns]
+    cells = [[_cell(value, decimals[i] if numeric[i] else None) for i, value in enumerate(row)] for row in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if numeric[i] else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    out = [title] if title else []
+    out.append(line(list(headers)).rstrip())
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(row).rstrip() for row in cells)
+    return "\n".join(out)
+
+
+def write_csv(path: str | Path, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Path:
+    """The rows of a table as CSV (full precision; None and "-" empty); an unwritable path is a UserError."""
+    path = Path(path)
+
+    def write() -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(headers)
+            writer.writerows([["" if _is_gap(v) else v for v in row] for row in rows])
+        return path
+    return writable(path, write)
+
+
+def writable(path: str | Path, write: Callable[[], T]) -> T:
+    """Run `write()` (which writes `path`); an OSError becomes a UserError naming the path."""
+    try:
+        return write()
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}; give a path in a writable folder")
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_gap(value: Any) -> bool:
+    """A missing number: None, or the "-" callers put in its place."""
+    return value is None or value == "-"
+
+
+def _decimals(column: Sequence[Any]) -> int:
+    """Decimals for a column's floats: four significant digits for its largest finite value, 0 to 3."""
+    largest = max((abs(v) for v in column if isinstance(v, float) and math.isfinite(v)), default=0.0)
+    if largest == 0:
+        return 0 if not any(isinstance(v, float) for v in column) else 3
+    return min(3, max(0, 3 - math.floor(math.log10(largest))))
+
+
+def _cell(value: Any, decimals: int | None) -> str:
+    if _is_gap(value):
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.{decimals if decimals is not None else 3}f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)

@@ -1,0 +1,51 @@
+"""Terminal tables and CSV: text left, numbers right, one format per number column, gaps shown as "-"."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from harness.errors import UserError
+from harness.output import format_table, write_csv
+
+
+def test_numbers_align_right_and_text_left():
+    table = format_table(("name", "ms"), [("block", 1.5), ("embedding", 12.25)]).splitlines()
+    assert table[0] == "name          ms"
+    assert table[2] == "block       1.50"
+    assert table[3] == "embedding  12.25"
+
+
+def test_a_number_column_has_one_format():
+    # the largest value gets four significant digits and every other float in the column the same decimals
+    table = format_table(("what", "ms"), [("a", 38.8), ("b", 0.3895), ("c", 0.0004)]).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == ["38.80", "0.39", "0.00"]
+    table = format_table(("what", "ms"), [("a", 0.3895), ("b", 0.0123)]).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == ["0.390", "0.012"]
+    table = format_table(("what", "ms"), [("a", 12345.6), ("b", 2.25)]).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == ["12,346", "2"]
+    table = format_table(("what", "n"), [("a", 1234567), ("b", 2)]).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == ["1,234,567", "2"]
+
+
+def test_a_number_column_with_gaps_stays_right_aligned():
+    table = format_table(("stage", "error %"), [(0, 12.5), (1, None), (2, "-")]).splitlines()
+    assert [line[-7:] for line in table[2:]] == ["  12.50", "      -", "      -"]
+
+
+def test_a_column_of_gaps_or_words_is_text():
+    table = format_table(("what", "value"), [("a", "-"), ("b", None)]).splitlines()
+    assert table[2] == "a     -" and table[3] == "b     -"
+    table = format_table(("what", "value"), [("a", 1), ("b", "n/a")]).splitlines()
+    assert table[2] == "a     1" and table[3] == "b     n/a"  # a word in it: the column is text, left-aligned
+
+
+def test_csv_keeps_full_precision_and_leaves_gaps_empty(tmp_path):
+    path = write_csv(tmp_path / "sub" / "t.csv", ("stage", "ms"), [(0, 0.123456789), (1, None)])
+    assert list(csv.reader(path.open())) == [["stage", "ms"], ["0", "0.123456789"], ["1", ""]]
+
+
+def test_an_unwritable_csv_is_bad_input(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot write"):
+        write_csv(tmp_path / "file" / "t.csv", ("a",), [(1,)])
