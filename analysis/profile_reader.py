@@ -1,7 +1,8 @@
 """Load a merged profile.h5 (layout in docs/hdf5.md) into a typed Profile, with h5py only.
 
-The analysis runs offline: it never imports torch, MPI or the harness's store and profilers, and it
-does not import a user model's factory module either (only its "module:function" form is checked).
+The analysis runs offline: it never imports torch, MPI or the profilers, and it does not import a user
+model's factory module either (only its "module:function" form is checked). The file is opened, checked and
+verified by harness.hdf5_io; a measurement's samples are read from it on first use.
 """
 from __future__ import annotations
 
@@ -15,17 +16,12 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import CommunicationFields
-# the names harness.profile_store writes, from the one place both sides take them (not from the store itself: the
-# analysis does not import the profiling side)
-from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, MEASUREMENT_FIELD_ATTRS, PROFILE_KIND,
-                                  RANK_PROFILE_KIND, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES,
-                                  ZERO_SERIES, read_environment)
+from harness.hdf5_io import open_file, plain, read_attrs, read_environment, read_text, reading
+from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
+                                  SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.layers import LayerDesc
+from harness.profile_store import measurement_details
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
-
-# the versions this reader understands, kept apart from the version the harness writes now, so that a new
-# writer version does not silently stop older files from loading
-PROFILE_SCHEMA_VERSIONS = (1,)
 
 
 @dataclass
@@ -60,14 +56,8 @@ class MeasuredEvent(CommunicationFields):
         if self._details is None:
             if self.source is None:
                 raise ValueError(f"measurement {self.id} has no samples and no file to read them from")
-            with h5py.File(self.source, "r") as f:
-                g = f["measurements"][self.id]
-                self._details = {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
-                                 **_optional_series(g),
-                                 "ranks": [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
-                                 "env_key": _text(g.attrs.get("env_key", "")),
-                                 "attrs": {k: _plain(v) for k, v in g.attrs.items()
-                                           if k not in MEASUREMENT_FIELD_ATTRS}}
+            with reading(self.source, PROFILE_KIND), h5py.File(self.source, "r") as f:
+                self._details = measurement_details(f["measurements"][self.id])
         return self._details[key]
 
     @property
@@ -156,37 +146,24 @@ class Profile:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read profile.h5; UserError if it is missing, not a merged profile, or of an unknown schema_version."""
+    """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.hdf5_io.open_file);
+    UserError if it is missing, damaged, not a merged profile, or of a schema this version does not read."""
     path = Path(path)
     if path.is_dir():  # an OUTDIR of `harness profile`
         path = path / "profile.h5"
-    if not path.exists():
-        raise UserError(f"{path}: profile not found; give the profile.h5 written by "
-                        "`mpirun -n N python -m harness profile SPEC -o OUTDIR`")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise UserError(f"{path}: not a readable HDF5 file ({exc})")
-    with f:
-        version = _plain(f.attrs.get("schema_version"))
-        kind = _text(f.attrs.get("kind", ""))
-        if not isinstance(version, (int, np.integer)) or int(version) not in PROFILE_SCHEMA_VERSIONS:
-            raise UserError(f"{path}: unsupported schema_version {_plain(version)!r}; this analysis reads "
-                            f"version {', '.join(map(str, PROFILE_SCHEMA_VERSIONS))} (docs/hdf5.md)")
-        if kind != PROFILE_KIND:
-            hint = " (a per-rank file: give the merged profile.h5)" if kind == RANK_PROFILE_KIND else ""
-            raise UserError(f"{path}: kind is {kind!r}, expected {PROFILE_KIND!r}{hint}")
-        if "spec_json" not in f.attrs:
-            raise UserError(f"{path}: no spec_json attribute; the profile is incomplete")
-        spec_json = _text(f.attrs["spec_json"])
+    with open_file(path, PROFILE_KIND, READ_VERSIONS) as f:
+        attrs = read_attrs(f)
+        if "spec_json" not in attrs:
+            raise UserError(f"{path}: no spec_json attribute; the profile is incomplete; {REMEDIES[PROFILE_KIND]}")
+        spec_json = str(attrs["spec_json"])
         try:
             spec_data = json.loads(spec_json)
-            layers = [LayerDesc.from_dict(d) for d in json.loads(_text(f.attrs.get("layers_json", "[]")))]
+            layers = [LayerDesc.from_dict(d) for d in json.loads(str(attrs.get("layers_json", "[]")))]
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})")
         spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
-        return Profile(path=path, schema_version=int(version), spec=spec, spec_json=spec_json, layers=layers,
-                       events=_read_events(f), measurements=_read_measurements(f, path),
+        return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
+                       layers=layers, events=_read_events(f), measurements=_read_measurements(f, path),
                        unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
                        environment=read_environment(f),
                        placement={eid: [int(r) for r in ranks.split(",") if r]
@@ -222,24 +199,12 @@ def parse_spec_offline(data: dict, source: str) -> JobSpec:
     return parse_spec(data, source=source, import_factory=False)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _strings(dataset: h5py.Dataset) -> list[str]:
-    return [str(s) for s in dataset.asstr()[()]]
-
-
 def _read_events(f: h5py.File) -> dict[str, dict[str, Any]]:
     if "events" not in f or "id" not in f["events"]:
         return {}
     g = f["events"]
-    ids, kinds, names = _strings(g["id"]), _strings(g["kind"]), _strings(g["name"])
-    contents = [json.loads(s) for s in _strings(g["content_json"])]
+    ids, kinds, names = read_text(g["id"]), read_text(g["kind"]), read_text(g["name"])
+    contents = [json.loads(s) for s in read_text(g["content_json"])]
     multiplicity = g["multiplicity"][()] if "multiplicity" in g else np.zeros(len(ids), dtype=np.int64)
     cost = g["cost"][()] if "cost" in g else np.zeros(len(ids))
     return {eid: {"id": eid, "kind": kind, "name": name, "content": content, "multiplicity": int(mult),
@@ -254,30 +219,26 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
     means: dict[str, float] = {}
     if "summary" in f and all(k in f["summary"] for k in ("id", "median_s", "min_s", "count")):
         g = f["summary"]
-        ids = _strings(g["id"])
+        ids = read_text(g["id"])
         table = {eid: (float(median), float(low), int(count)) for eid, median, low, count
                  in zip(ids, g["median_s"][()], g["min_s"][()], g["count"][()])}
         if "mean_s" in g:
             means = {eid: float(mean) for eid, mean in zip(ids, g["mean_s"][()])}
     out: dict[str, MeasuredEvent] = {}
     for eid, g in f.get("measurements", {}).items():
-        kind, content = _text(g.attrs["kind"]), json.loads(_text(g.attrs["content_json"]))
+        kind, content = str(plain(g.attrs["kind"])), json.loads(plain(g.attrs["content_json"]))
         if eid in table:
             out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path, _mean_s=means.get(eid))
         else:
-            out[eid] = MeasuredEvent.from_samples(eid, kind, content, g["samples_s"][()],
-                                                  [int(r) for r in np.atleast_1d(g.attrs.get("ranks", []))],
-                                                  _text(g.attrs.get("env_key", "")), series=_optional_series(g))
+            details = measurement_details(g)
+            out[eid] = MeasuredEvent.from_samples(eid, kind, content, details["samples_s"], details["ranks"],
+                                                  details["env_key"], details["attrs"],
+                                                  {name: details[name] for name in SERIES})
             out[eid].source = path
     return out
-
-
-def _optional_series(g: h5py.Group) -> dict[str, np.ndarray]:
-    """A measurement's optional sample series (empty where the file has none)."""
-    return {name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in SERIES}
 
 
 def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str]:
     if group not in f or key not in f[group]:
         return {}
-    return dict(zip(_strings(f[group][key]), _strings(f[group][value])))
+    return dict(zip(read_text(f[group][key]), read_text(f[group][value])))

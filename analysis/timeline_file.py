@@ -6,7 +6,6 @@ Replicas of a pipeline stage have identical timelines, so each stage's columns a
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,13 +13,13 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-from harness.errors import UserError
+from harness.hdf5_io import (GROUP_CREATION, create, create_group, open_file, read_attrs, read_column, write_dataset,
+                             write_text)
+from harness.hdf5_schema import READ_VERSIONS, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION
 
 from analysis.report import strategy_label
 from analysis.simulate import Timeline
 
-TIMELINE_SCHEMA_VERSION = 1
-TIMELINE_KIND = "distsim-timeline"
 COLUMNS = ("start_s", "end_s", "track", "kind", "name", "event_id", "stage", "micro", "layer")
 USAGE = ("compute_s", "comm_s", "overlapped_comm_s", "idle_s")
 
@@ -30,36 +29,25 @@ def write_timeline(path: str | Path, timeline: Timeline, ranks: Sequence[int],
     """Write the timelines of `ranks` and the summary numbers atomically to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    string = h5py.string_dtype()
-    with h5py.File(tmp, "w") as f:
-        f.attrs["schema_version"] = TIMELINE_SCHEMA_VERSION
-        f.attrs["kind"] = TIMELINE_KIND
-        f.attrs["written_at"] = time.time()
-        f.attrs["spec_json"] = timeline.spec.to_json()
-        f.attrs["model"] = timeline.spec.model.name
-        f.attrs["strategy"] = strategy_label(timeline)
-        f.attrs["world"] = timeline.world
-        f.attrs["dp_overlap"] = timeline.dp_overlap
-        f.attrs["batch_time_s"] = timeline.batch_time_s
-        f.attrs["throughput_samples_s"] = timeline.throughput_samples_s
-        f.attrs["throughput_tokens_s"] = timeline.throughput_tokens_s
-        f.attrs["bubble_fraction"] = timeline.bubble_fraction
-        if report is not None:
-            f.attrs["report_json"] = json.dumps(report)
-        stages = f.create_group("stages")
-        devices = f.create_group("devices")
+    root = {"written_at": time.time(), "spec_json": timeline.spec.to_json(), "model": timeline.spec.model.name,
+            "strategy": strategy_label(timeline), "world": timeline.world, "dp_overlap": timeline.dp_overlap,
+            "batch_time_s": timeline.batch_time_s, "throughput_samples_s": timeline.throughput_samples_s,
+            "throughput_tokens_s": timeline.throughput_tokens_s, "bubble_fraction": timeline.bubble_fraction}
+    if report is not None:
+        root["report_json"] = json.dumps(report)
+    with create(path, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION, root) as f:
+        stages = create_group(f, "stages")
+        devices = create_group(f, "devices")
         summary = timeline.devices(ranks)
         for stage in sorted({d.stage for d in summary}):
-            g = stages.create_group(f"stage-{stage:05d}")
+            g = create_group(stages, f"stage-{stage:05d}")
             intervals = timeline.intervals(stage)
-            g.create_dataset("start_s", data=np.array([iv.start_s for iv in intervals], dtype=np.float64))
-            g.create_dataset("end_s", data=np.array([iv.end_s for iv in intervals], dtype=np.float64))
+            write_dataset(g, "start_s", [iv.start_s for iv in intervals], np.float64)
+            write_dataset(g, "end_s", [iv.end_s for iv in intervals], np.float64)
             for column, attr in (("track", "track"), ("kind", "category"), ("name", "name"), ("event_id", "event_id")):
-                g.create_dataset(column, data=np.array([getattr(iv, attr) for iv in intervals], dtype=object),
-                                 dtype=string)
+                write_text(g, column, [getattr(iv, attr) for iv in intervals])
             for column, attr in (("stage", "virtual_stage"), ("micro", "micro"), ("layer", "layer")):
-                g.create_dataset(column, data=np.array([getattr(iv, attr) for iv in intervals], dtype=np.int32))
+                write_dataset(g, column, [getattr(iv, attr) for iv in intervals], np.int32)
             device = timeline.pipeline[stage]
             g.attrs["stage"] = stage
             g.attrs["end_s"] = device.end_s
@@ -67,17 +55,16 @@ def write_timeline(path: str | Path, timeline: Timeline, ranks: Sequence[int],
                 g.attrs[key] = value
         for d in summary:
             # Low-level calls: h5py's high-level links and attributes cost ~0.3 ms each, too slow for 16k devices.
-            gid = h5py.h5g.create(devices.id, f"rank-{d.rank:05d}".encode())
+            gid = h5py.h5g.create(devices.id, f"rank-{d.rank:05d}".encode(), gcpl=GROUP_CREATION)
             source = stages[f"stage-{d.stage:05d}"].id
             for column in COLUMNS:
                 gid.links.create_hard(column.encode(), source, column.encode())  # the replica's columns are its stage's
             _write_scalar_attrs(gid, d.to_dict())
-        table = f.create_group("summary")
+        table = create_group(f, "summary")
         for key in ("rank", "stage", "dp", "tp"):
-            table.create_dataset(key, data=np.array([getattr(d, key) for d in summary], dtype=np.int64))
+            write_dataset(table, key, [getattr(d, key) for d in summary], np.int64)
         for key in USAGE:
-            table.create_dataset(key, data=np.array([getattr(d, key) for d in summary], dtype=np.float64))
-    os.replace(tmp, path)
+            write_dataset(table, key, [getattr(d, key) for d in summary], np.float64)
     return path
 
 
@@ -90,21 +77,13 @@ def _write_scalar_attrs(gid: h5py.h5g.GroupID, values: dict[str, int | float]) -
 
 
 def read_timeline(path: str | Path) -> dict[str, Any]:
-    """Read a timeline file: {"attrs": root attributes, "summary": columns, "devices": {rank: {"attrs", columns}}}."""
-    path = Path(path)
-    try:
-        f = h5py.File(path, "r")
-    except (FileNotFoundError, OSError) as exc:
-        raise UserError(f"{path}: cannot read timeline file ({exc})")
-    with f:
-        version = f.attrs.get("schema_version")
-        if version is None or int(version) != TIMELINE_SCHEMA_VERSION or f.attrs.get("kind") != TIMELINE_KIND:
-            raise UserError(f"{path}: not a {TIMELINE_KIND} file of schema_version {TIMELINE_SCHEMA_VERSION}")
-        attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+    """Read a timeline file: {"attrs": root attributes, "summary": columns, "devices": {rank: {"attrs", columns}}};
+    checked and verified (harness.hdf5_io.open_file)."""
+    with open_file(path, TIMELINE_KIND, READ_VERSIONS) as f:
+        attrs = read_attrs(f)
         summary = {k: f["summary"][k][()] for k in f["summary"]}
         devices = {}
-        for name, g in f["devices"].items():
-            columns = {c: (g[c].asstr()[()] if g[c].dtype.kind == "O" else g[c][()]) for c in COLUMNS}
-            devices[int(g.attrs["rank"])] = {"attrs": {k: v.item() if isinstance(v, np.generic) else v
-                                                       for k, v in g.attrs.items()}, **columns}
+        for g in f["devices"].values():
+            device_attrs = read_attrs(g)
+            devices[int(device_attrs["rank"])] = {"attrs": device_attrs, **{c: read_column(g[c]) for c in COLUMNS}}
         return {"attrs": attrs, "summary": summary, "devices": devices}

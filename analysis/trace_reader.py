@@ -18,27 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
-from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP,
-                                  TRACE_LAYER_STRING_COLUMNS, TRACE_STRING_COLUMNS as STRING_COLUMNS,
-                                  read_environment)
-
-# the trace versions this reader understands (not tied to the version `harness train` writes now)
-SCHEMA_VERSIONS = (1,)
+from harness.hdf5_io import open_file, plain, read_attrs, read_column, read_environment
+from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS,
+                                  TRACE_LAYER_GROUP)
 
 
 class TraceError(ValueError):
-    """Not a trace this reader understands."""
-
-
-def _attr(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+    """A trace whose contents do not hold together (a send without its receive)."""
 
 
 @dataclass
@@ -76,7 +64,7 @@ class DeviceTrace:
 
     def rows(self, **where: Any) -> list[dict[str, Any]]:
         cols = self.select(**where)
-        return [{key: _attr(cols[key][i]) for key in cols} for i in range(len(cols["start_s"]))]
+        return [{key: plain(cols[key][i]) for key in cols} for i in range(len(cols["start_s"]))]
 
 
 @dataclass
@@ -229,33 +217,23 @@ class Trace:
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Load a whole trace.h5 into memory (a few MB for realistic runs)."""
+    """Load a whole trace.h5 into memory (a few MB for realistic runs), checked and verified
+    (harness.hdf5_io.open_file); UserError if it is missing, damaged or not a merged trace."""
     path = Path(path)
-    with h5py.File(path, "r") as f:
-        kind = _attr(f.attrs.get("kind", ""))
-        version = _attr(f.attrs.get("schema_version", -1))
-        if kind != TRACE_KIND:
-            raise TraceError(f"{path}: not a trace of `harness train` (kind {kind!r}, expected {TRACE_KIND!r})")
-        if version not in SCHEMA_VERSIONS:
-            raise TraceError(f"{path}: schema_version {version} is not supported (this reader knows "
-                             f"{', '.join(map(str, SCHEMA_VERSIONS))})")
-        attrs = {key: _attr(value) for key, value in f.attrs.items()}
+    if path.is_dir():  # a RUNDIR of `harness train`
+        path = path / "trace.h5"
+    with open_file(path, TRACE_KIND, READ_VERSIONS) as f:
+        attrs = read_attrs(f)
         environment = read_environment(f)
-        clock = {key: (ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()])
-                 for key, ds in f["clock"].items()}
+        clock = {key: read_column(ds) for key, ds in f["clock"].items()}
         iterations = {key: ds[()] for key, ds in f["iterations"].items()}
         devices = {}
-        for name, group in f["devices"].items():
-            cols = {}
-            for key in COLUMNS:
-                ds = group[key]
-                cols[key] = ds.asstr()[()].astype(object) if key in STRING_COLUMNS else ds[()]
+        for group in f["devices"].values():
+            cols = {key: read_column(group[key]) for key in COLUMNS}
             layers = None
             if TRACE_LAYER_GROUP in group:
-                layers = {key: (group[TRACE_LAYER_GROUP][key].asstr()[()].astype(object)
-                                if key in TRACE_LAYER_STRING_COLUMNS else group[TRACE_LAYER_GROUP][key][()])
-                          for key in TRACE_LAYER_COLUMNS}
-            dattrs = {key: _attr(value) for key, value in group.attrs.items()}
+                layers = {key: read_column(group[TRACE_LAYER_GROUP][key]) for key in TRACE_LAYER_COLUMNS}
+            dattrs = read_attrs(group)
             rank = int(dattrs["rank"])
             devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs,
                                         layers)

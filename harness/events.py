@@ -15,7 +15,7 @@ import math
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from harness.layers import LayerDesc, describe, split_into_stages
 from harness.schedules import device_steps, virtual_stage
@@ -80,13 +80,50 @@ class CommunicationFields:
 
 @dataclass(frozen=True)
 class Event(CommunicationFields):
-    """A unique event: `cost` is estimated FLOPs for compute events and bytes for communication."""
+    """A unique event: `cost` is estimated FLOPs for compute events and bytes for communication; `traffic`
+    a compute event's estimated memory traffic in bytes (parameters, activations in and out; a backward
+    twice its forward's; an optimizer step every parameter's state), for balancing the profile's shares."""
 
     id: str
     kind: str  # compute | p2p | allreduce
     name: str
     content: dict = field(hash=False, compare=False)
     cost: float = 0.0
+    traffic: float = 0.0
+
+
+OPTIMIZER_BYTES_PER_PARAMETER = 32  # Adam reads and writes parameter, gradient and two moments
+
+
+@dataclass
+class UniqueEvents:
+    """What a profile measures: the unique events of one plan, or the union of several (a search), with
+    how often each occurs in all of them, and the model's layer descriptions (stored for the analysis)."""
+
+    events: dict[str, Event]
+    multiplicity: Counter
+    layers: list[LayerDesc]
+
+    @classmethod
+    def union(cls, plans: "Iterable[EventPlan]") -> "UniqueEvents":
+        plans = list(plans)
+        if not plans:
+            raise ValueError("a union of no plans")
+        events: dict[str, Event] = {}
+        multiplicity: Counter = Counter()
+        for plan in plans:
+            events.update(plan.events)
+            multiplicity.update(plan.multiplicity)
+        return cls(events, multiplicity, plans[0].layers)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per unique event, sorted by kind then name."""
+        rows = [{"id": e.id, "kind": e.kind, "name": e.name, "multiplicity": self.multiplicity[e.id],
+                 "cost": e.cost, "content": e.content} for e in self.events.values()]
+        return sorted(rows, key=lambda r: (r["kind"], r["name"], r["id"]))
 
 
 @dataclass
@@ -126,11 +163,12 @@ class EventPlan:
         self._build()
 
     # ---- construction -------------------------------------------------------------------------
-    def _add(self, kind: str, name: str, content: dict[str, Any], cost: float, count: int) -> str:
+    def _add(self, kind: str, name: str, content: dict[str, Any], cost: float, count: int,
+             traffic: float = 0.0) -> str:
         content = {"kind": kind, **content}
         eid = event_id(content)
         if eid not in self.events:
-            self.events[eid] = Event(eid, kind, name, content, cost)
+            self.events[eid] = Event(eid, kind, name, content, cost, traffic)
         self.multiplicity[eid] += count
         return eid
 
@@ -183,6 +221,7 @@ class EventPlan:
                               for p in range(s.pp)]
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
+        traffic: dict[int, float] = {}
         for vs, stage_layers in enumerate(stages):
             fwd, bwd, fwd_layers, bwd_layers, opt = [], [], [], [], []
             tp_groups = tp_groups_of_stage[vs % s.pp]
@@ -192,8 +231,9 @@ class EventPlan:
                 compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
                 f_flops = layer.fwd_flops(micro, seq)
                 label = layer_label(layer)
+                traffic[id(layer)] = self._traffic(layer, index_of[id(layer)], micro * seq)
                 fwd.append(self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, f_flops,
-                                     m * devices_per_stage))
+                                     m * devices_per_stage, traffic[id(layer)]))
                 fwd_layers.append(index_of[id(layer)])
                 for _ in range(layer.tp_allreduces):
                     fwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
@@ -201,13 +241,15 @@ class EventPlan:
                     fwd_layers.append(-1)
                 opt.append(self._add("compute", f"{label}.optimizer",
                                      {"layer": layer.kind, "signature": sig, "phase": "optimizer",
-                                      "params": layer.params}, 12.0 * layer.params, devices_per_stage))
+                                      "params": layer.params}, 12.0 * layer.params, devices_per_stage,
+                                     float(layer.params * OPTIMIZER_BYTES_PER_PARAMETER)))
             for layer in reversed(stage_layers):
                 sig = dict(layer.signature)
                 label = layer_label(layer)
                 compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
                 bwd.append(self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"},
-                                     2.0 * layer.fwd_flops(micro, seq), m * devices_per_stage))
+                                     2.0 * layer.fwd_flops(micro, seq), m * devices_per_stage,
+                                     2.0 * traffic[id(layer)]))
                 bwd_layers.append(index_of[id(layer)])
                 for _ in range(layer.tp_allreduces):
                     bwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
@@ -229,6 +271,12 @@ class EventPlan:
             what = f"pipeline pairs {vs}->{vs + 1}"
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
+
+    def _traffic(self, layer: LayerDesc, index: int, tokens: int) -> float:
+        """A forward's memory traffic: its parameters and its activations in and out, in bytes."""
+        in_features = self.layers[index - 1].out_features if index > 0 else ()
+        return float((layer.params + tokens * (math.prod(in_features) + math.prod(layer.out_features)))
+                     * self.spec.model.dtype_bytes)
 
     def _buckets(self, vs: int, grads: list[tuple[int, int]]) -> list[Bucket]:
         """DDP-style buckets: layers' gradients in backward order, a bucket closing once it holds bucket_mb."""
@@ -282,9 +330,11 @@ class EventPlan:
 
     def table(self) -> list[dict[str, Any]]:
         """One row per unique event, sorted by kind then name."""
-        rows = [{"id": e.id, "kind": e.kind, "name": e.name, "multiplicity": self.multiplicity[e.id],
-                 "cost": e.cost, "content": e.content} for e in self.events.values()]
-        return sorted(rows, key=lambda r: (r["kind"], r["name"], r["id"]))
+        return self.unique().table()
+
+    def unique(self) -> UniqueEvents:
+        """This plan's unique events, as a profile measures them."""
+        return UniqueEvents(self.events, self.multiplicity, self.layers)
 
     def device_flow(self, rank: int) -> Iterator[tuple[str, str, int, int]]:
         """Materialise one device's iteration: (event id, phase, virtual stage, micro-batch) in order.

@@ -1,15 +1,17 @@
-"""Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md).
+"""Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md,
+docs/timeline.md).
 
-Constants, one key format and the /environment decoding, importing only json: the harness writes its files
-with them (harness.profile_store, harness.train.trace) and the analysis reads them with the same names and the same
-decoding (analysis.profile, analysis.trace_reader) without importing the writers.
+Constants and one key format, importing nothing: the writers (harness.profile_store, harness.train.trace_writer,
+analysis.timeline_file) and the readers (analysis.profile_reader, analysis.trace_reader, analysis.timeline_file)
+take the same names from here; harness.hdf5_io writes and reads them.
 """
-import json
-from typing import Any
 
+# Version 2: every dataset checksummed (fletcher32), text fixed-length UTF-8, HDF5's newest format
+# (harness.hdf5_io); version 1 files hold the same layout without checksums and are still read.
+READ_VERSIONS = (1, 2)
 
 # ---- profile.h5 and the rank files of `harness profile` (docs/hdf5.md)
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 PROFILE_KIND = "distsim-profile"
 RANK_PROFILE_KIND = "distsim-rank"
 # a measurement's summary attributes, beside `count`
@@ -50,27 +52,8 @@ def compute_phase_key(compute_phase: float) -> str:
     return repr(float(compute_phase))
 
 
-def read_environment(f: Any) -> dict[str, Any]:
-    """An open profile's or trace's /environment attributes (an h5py File) as plain data: numpy scalars
-    unwrapped, bytes decoded, the values the writers stored as JSON (lists, objects) decoded; {} without it."""
-    environment: dict[str, Any] = {}
-    if "environment" not in f:
-        return environment
-    for key, value in f["environment"].attrs.items():
-        value = value.item() if hasattr(value, "item") else value
-        if isinstance(value, bytes):
-            value = value.decode()
-        if isinstance(value, str) and value[:1] in "[{":
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass
-        environment[key] = value
-    return environment
-
-
 # ---- trace.h5 and the rank files of `harness train` (docs/train.md)
-TRACE_SCHEMA_VERSION = 1
+TRACE_SCHEMA_VERSION = 2
 TRACE_KIND = "distsim-trace"
 TRACE_RANK_KIND = "distsim-trace-rank"
 # the interval columns of every device, in this order
@@ -84,3 +67,30 @@ TRACE_LAYER_FLOAT_COLUMNS = ("start_s", "end_s")
 TRACE_LAYER_STRING_COLUMNS = ("phase", "event_id")
 TRACE_LAYER_INT_COLUMNS = ("layer", "virtual_stage", "micro", "iteration")
 TRACE_LAYER_COLUMNS = TRACE_LAYER_FLOAT_COLUMNS + TRACE_LAYER_STRING_COLUMNS + TRACE_LAYER_INT_COLUMNS
+
+# ---- timeline.h5 of `analysis simulate --out` (docs/timeline.md)
+TIMELINE_SCHEMA_VERSION = 2
+TIMELINE_KIND = "distsim-timeline"
+
+# what each kind is, in the words of error messages
+KIND_DESCRIPTIONS = {
+    PROFILE_KIND: "a merged profile (profile.h5 of `harness profile`)",
+    RANK_PROFILE_KIND: "a per-rank file of `harness profile` (rank-NNNNN.h5)",
+    TRACE_KIND: "a real run's trace (trace.h5 of `harness train`)",
+    TRACE_RANK_KIND: "a per-rank file of `harness train` (rank-NNNNN.trace.h5)",
+    TIMELINE_KIND: "a simulated timeline (timeline.h5 of `analysis simulate --out`)",
+}
+
+# what to do about a missing or damaged file of each kind, in the words of error messages
+_PROFILE = "profile again: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR"
+_TRACE = "run the training again: mpirun -n N python -m mpi4py -m harness train SPEC -o RUNDIR"
+REMEDIES = {
+    PROFILE_KIND: _PROFILE,
+    RANK_PROFILE_KIND: _PROFILE,
+    TRACE_KIND: _TRACE,
+    TRACE_RANK_KIND: _TRACE,
+    TIMELINE_KIND: "write it again: python -m analysis simulate PROFILE.h5 --out TIMELINE.h5",
+}
+# what to say to a user who gave a per-rank file where the merged one belongs
+MERGED_FILE_HINTS = {RANK_PROFILE_KIND: "give the merged profile.h5 of its folder",
+                     TRACE_RANK_KIND: "give the merged trace.h5 of its folder"}

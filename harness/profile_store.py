@@ -1,12 +1,12 @@
-"""The HDF5 store: one file per rank while profiling, merged into profile.h5 (layout in docs/hdf5.md).
+"""profile.h5 and the rank files of `harness profile` (layout in docs/hdf5.md), written and read through
+harness.hdf5_io. h5py and numpy only: the analysis reads measurements with the same functions.
 
-Files are written to a temporary name and renamed, so a reader never sees half a file and a run stopped
-half-way keeps every file that was finished. Needs h5py and numpy only (no MPI, no torch).
+Each rank writes its measurements to its own file, rewritten whole now and then; rank 0 merges them into
+profile.h5. A file is renamed into place only when complete (harness.hdf5_io.create).
 """
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +15,10 @@ from typing import Any, Iterable
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION,
-                                  RANK_PROFILE_KIND, RANK_SPEED_PROBE_ENV, SERIES, STATS)
-
+from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_text, set_attrs, write_dataset,
+                             write_text)
+from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION, RANK_PROFILE_KIND,
+                                  RANK_SPEED_PROBE_ENV, READ_VERSIONS, SERIES, STATS)
 
 @dataclass
 class Measurement:
@@ -47,71 +48,69 @@ def summarize(samples: np.ndarray) -> dict[str, float]:
             "p95_s": float(np.percentile(x, 95)), "count": int(x.size)}
 
 
-def _atomic_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float] | None = None) -> None:
-    g = group.create_group(m.id)
-    g.create_dataset("samples_s", data=np.asarray(m.samples_s, dtype=np.float64))
+    g = create_group(group, m.id)
+    write_dataset(g, "samples_s", m.samples_s, np.float64)
     for name, values in m.series.items():
-        g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-    g.attrs["kind"] = m.kind
-    g.attrs["content_json"] = json.dumps(m.content, sort_keys=True)
-    g.attrs["ranks"] = np.asarray(m.ranks, dtype=np.int64)
-    g.attrs["env_key"] = m.env_key
-    for key, value in (stats or m.stats()).items():
-        g.attrs[key] = value
-    for key, value in m.attrs.items():
-        g.attrs[key] = value
+        write_dataset(g, name, values, np.float64)
+    set_attrs(g, {"kind": m.kind, "content_json": json.dumps(m.content, sort_keys=True),
+                  "ranks": np.asarray(m.ranks, dtype=np.int64), "env_key": m.env_key, **(stats or m.stats()),
+                  **m.attrs})
+
+
+def measurement_details(g: h5py.Group) -> dict[str, Any]:
+    """A measurement group's samples, optional series (empty where absent), ranks, env_key and free-form attrs."""
+    attrs = read_attrs(g)
+    return {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
+            **{name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in SERIES},
+            "ranks": [int(r) for r in np.atleast_1d(attrs.get("ranks", []))],
+            "env_key": str(attrs.get("env_key", "")),
+            "attrs": {k: v for k, v in attrs.items() if k not in MEASUREMENT_FIELD_ATTRS}}
 
 
 def _read_measurement(eid: str, g: h5py.Group) -> Measurement:
-    return Measurement(id=eid, kind=str(g.attrs["kind"]), content=json.loads(g.attrs["content_json"]),
-                       samples_s=g["samples_s"][()], ranks=[int(r) for r in g.attrs["ranks"]],
-                       env_key=str(g.attrs["env_key"]),
-                       attrs={k: v for k, v in g.attrs.items() if k not in MEASUREMENT_FIELD_ATTRS},
-                       series={name: g[name][()] for name in SERIES if name in g})
+    attrs = read_attrs(g)
+    details = measurement_details(g)
+    return Measurement(id=eid, kind=str(attrs["kind"]), content=json.loads(attrs["content_json"]),
+                       samples_s=details["samples_s"], ranks=details["ranks"], env_key=details["env_key"],
+                       attrs=details["attrs"], series={name: g[name][()] for name in SERIES if name in g})
+
+
+def _write_unmeasured(f: h5py.File, unmeasured: dict[str, str]) -> None:
+    g = create_group(f, "unmeasured")
+    ids = sorted(unmeasured)
+    write_text(g, "id", ids)
+    write_text(g, "reason", [unmeasured[i] for i in ids])
 
 
 def write_rank_file(path: str | Path, rank: int, measurements: Iterable[Measurement],
                     unmeasured: dict[str, str] | None = None, meta: dict[str, Any] | None = None) -> Path:
     """Write one rank's measurements atomically to `path` (rank-NNNNN.h5)."""
     path = Path(path)
-    tmp = _atomic_path(path)
-    with h5py.File(tmp, "w") as f:
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["kind"] = RANK_PROFILE_KIND
-        f.attrs["rank"] = rank
-        f.attrs["written_at"] = time.time()
-        for key, value in (meta or {}).items():
-            f.attrs[key] = value
-        group = f.create_group("measurements")
+    with create(path, RANK_PROFILE_KIND, PROFILE_SCHEMA_VERSION,
+                {"rank": rank, "written_at": time.time(), **(meta or {})}) as f:
+        group = create_group(f, "measurements")
         for m in measurements:
             _write_measurement(group, m)
         _write_unmeasured(f, unmeasured or {})
-    os.replace(tmp, path)
     return path
 
 
-def _write_unmeasured(f: h5py.File, unmeasured: dict[str, str]) -> None:
-    string = h5py.string_dtype()
-    g = f.create_group("unmeasured")
-    ids = sorted(unmeasured)
-    g.create_dataset("id", data=np.array(ids, dtype=object), dtype=string)
-    g.create_dataset("reason", data=np.array([unmeasured[i] for i in ids], dtype=object), dtype=string)
+def _open(path: str | Path):
+    return open_file(path, (PROFILE_KIND, RANK_PROFILE_KIND), READ_VERSIONS)
 
 
 def read_measurements(path: str | Path) -> dict[str, Measurement]:
-    """All measurements in a rank file or a merged profile."""
-    with h5py.File(path, "r") as f:
-        return {eid: _read_measurement(eid, g) for eid, g in f.get("measurements", {}).items()}
+    """All measurements in a rank file or a merged profile (UserError if it is damaged or foreign)."""
+    with _open(path) as f:
+        return {eid: _read_measurement(eid, g) for eid, g in f["measurements"].items()} \
+            if "measurements" in f else {}
 
 
 def read_rank_probes(path: str | Path) -> dict[str, float | None]:
     """A rank file's own speed-probe medians, per compute phase (compute_phase_key); {} in files without."""
-    with h5py.File(path, "r") as f:
-        text = f.attrs.get(RANK_SPEED_PROBE_ENV)
+    with _open(path) as f:
+        text = read_attrs(f).get(RANK_SPEED_PROBE_ENV)
     if text is None:
         return {}
     probes = json.loads(text)
@@ -119,11 +118,11 @@ def read_rank_probes(path: str | Path) -> dict[str, float | None]:
 
 
 def read_unmeasured(path: str | Path) -> dict[str, str]:
-    with h5py.File(path, "r") as f:
+    with _open(path) as f:
         if "unmeasured" not in f:
             return {}
         g = f["unmeasured"]
-        return dict(zip(g["id"].asstr()[()], g["reason"].asstr()[()]))
+        return dict(zip(read_text(g["id"]), read_text(g["reason"])))
 
 
 def write_profile(path: str | Path, *, spec_json: str, layers_json: str, events: list[dict[str, Any]],
@@ -132,44 +131,28 @@ def write_profile(path: str | Path, *, spec_json: str, layers_json: str, events:
     """Write the merged profile.h5 atomically: spec, layers, event table, environment, placement,
     measurements with raw samples and summaries, and what stayed unmeasured with the reason."""
     path = Path(path)
-    tmp = _atomic_path(path)
-    string = h5py.string_dtype()
     measurements = sorted(measurements, key=lambda m: m.id)
-    with h5py.File(tmp, "w") as f:
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["kind"] = PROFILE_KIND
-        f.attrs["spec_json"] = spec_json
-        f.attrs["layers_json"] = layers_json
-        f.attrs["written_at"] = time.time()
-        env = f.create_group("environment")
-        for key, value in environment.items():
-            if isinstance(value, str):
-                value = str(value)  # str subclasses (torch's version string) have no HDF5 type
-            elif not isinstance(value, (int, float)):
-                value = json.dumps(value)
-            env.attrs[key] = value
-        ev = f.create_group("events")
-        ev.create_dataset("id", data=np.array([e["id"] for e in events], dtype=object), dtype=string)
-        ev.create_dataset("kind", data=np.array([e["kind"] for e in events], dtype=object), dtype=string)
-        ev.create_dataset("name", data=np.array([e["name"] for e in events], dtype=object), dtype=string)
-        ev.create_dataset("content_json", data=np.array([json.dumps(e["content"], sort_keys=True) for e in events],
-                                                        dtype=object), dtype=string)
-        ev.create_dataset("multiplicity", data=np.array([e["multiplicity"] for e in events], dtype=np.int64))
-        ev.create_dataset("cost", data=np.array([e["cost"] for e in events], dtype=np.float64))
+    with create(path, PROFILE_KIND, PROFILE_SCHEMA_VERSION,
+                {"spec_json": spec_json, "layers_json": layers_json, "written_at": time.time()}) as f:
+        set_attrs(create_group(f, "environment"), environment)
+        ev = create_group(f, "events")
+        write_text(ev, "id", [e["id"] for e in events])
+        write_text(ev, "kind", [e["kind"] for e in events])
+        write_text(ev, "name", [e["name"] for e in events])
+        write_text(ev, "content_json", [json.dumps(e["content"], sort_keys=True) for e in events])
+        write_dataset(ev, "multiplicity", [e["multiplicity"] for e in events], np.int64)
+        write_dataset(ev, "cost", [e["cost"] for e in events], np.float64)
         stats = [m.stats() for m in measurements]
-        group = f.create_group("measurements")
+        group = create_group(f, "measurements")
         for m, m_stats in zip(measurements, stats):
             _write_measurement(group, m, m_stats)
-        summary = f.create_group("summary")
-        summary.create_dataset("id", data=np.array([m.id for m in measurements], dtype=object), dtype=string)
+        summary = create_group(f, "summary")
+        write_text(summary, "id", [m.id for m in measurements])
         for key in (*STATS, "count"):
-            summary.create_dataset(key, data=np.array([s[key] for s in stats],
-                                                      dtype=np.int64 if key == "count" else np.float64))
+            write_dataset(summary, key, [s[key] for s in stats], np.int64 if key == "count" else np.float64)
         _write_unmeasured(f, unmeasured)
-        pl = f.create_group("placement")
+        pl = create_group(f, "placement")
         ids = sorted(placement)
-        pl.create_dataset("id", data=np.array(ids, dtype=object), dtype=string)
-        pl.create_dataset("ranks", data=np.array([",".join(map(str, placement[i])) for i in ids], dtype=object),
-                          dtype=string)
-    os.replace(tmp, path)
+        write_text(pl, "id", ids)
+        write_text(pl, "ranks", [",".join(map(str, placement[i])) for i in ids])
     return path

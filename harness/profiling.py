@@ -1,10 +1,11 @@
 """`harness profile`: every rank profiles its share of the unique events, then rank 0 merges profile.h5.
 
-Phases, separated by barriers so that measurements do not disturb each other:
-  1. set-up: topology, device, plan, what is already stored (resume), placement (rank 0, broadcast);
-  2. compute: every rank its own share at once;
-  3. communication: one P2P pair or all-reduce group at a time, every rank in step;
-  4. merge: rank files -> OUTDIR/profile.h5.
+One function per phase over a ProfileRun, separated by barriers so that measurements do not disturb each other:
+  1. set-up (`_set_up`): device, process group, what is already stored (resume), placement (rank 0, broadcast);
+  2. compute (`_profile_compute`): every rank its own share at once;
+  3. tensor-parallel composites (`_profile_composites`): one tp group at a time;
+  4. communication (`_profile_communication`): one P2P pair or all-reduce group at a time, every rank in step;
+  5. merge (`_merge`): rank files -> OUTDIR/profile.h5.
 A watchdog ends the whole job if a phase outlives profile.timeout_s; an exception on any rank ends the
 job at once with that rank's message (MPI_Abort), so nothing hangs.
 """
@@ -22,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
-
 from harness.errors import UserError
-from harness.events import EventPlan, build_plan
+from harness.events import UniqueEvents, build_plan
+from harness.hdf5_io import open_file, read_environment
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  RANK_SPEED_PROBE_ENV, SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
-                                  SPEED_PROBE_ENV, ZERO_SERIES, compute_phase_key, read_environment)
+                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
+                                  SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
+                                  compute_phase_key)
 from harness.host_memory import prepare_host_memory
 from harness.progress import Progress
 from harness.spec import JobSpec
@@ -133,8 +134,8 @@ def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str
         try:
             found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key
                           and (_complete(m) or not complete_only)})
-        except OSError:
-            print(f"harness profile: ignoring unreadable {path}", file=sys.stderr)
+        except UserError as exc:  # damaged or foreign: what it held is measured again
+            print(f"harness profile: ignoring {exc}", file=sys.stderr)
     return found
 
 
@@ -193,208 +194,274 @@ def _poll_progress(comm, progress: Progress) -> None:
         progress.advance(comm.recv(source=status.Get_source(), tag=PROGRESS_TAG))
 
 
-def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_progress: bool = True,
-                plan: EventPlan | None = None) -> ProfileResult | None:
-    """Profile `spec` on the ranks of `comm` into `outdir`; rank 0 returns the result, others None."""
-    import torch
+@dataclass
+class ProfileRun:
+    """One profiling job as every rank holds it: what to measure, where, and what the phases found so far."""
 
-    from harness.distributed import destroy_process_group, init_process_group, pick_device
-    from harness.profilers.comm import COMPOSITE_SAMPLE, CommProfiler
-    from harness.profilers.compute import measure_compute_share
-    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION, SpeedProbe
-
-    started = time.time()
-    topology: Topology = discover(comm)
-    rank = topology.rank
-    warmup, repeats = spec.profile.warmup, spec.profile.repeats
-    watchdog = Watchdog(comm, rank, spec.profile.timeout_s)
+    spec: JobSpec
+    unique: UniqueEvents
+    outdir: Path
+    comm: Any
+    topology: Topology
+    watchdog: Watchdog
+    force: bool = False
+    show_progress: bool = True
+    started: float = field(default_factory=time.time)
+    phase: str = "set-up"
+    device: Any = None
+    host_memory: str = "default"
+    backend_label: str = ""
+    device_name: str = ""
+    env_key: str = ""
+    stored_ids: list[str] = field(default_factory=list)
+    placement: Placement | None = None
     recorder: RankRecorder | None = None
-    busy_s = 0.0
-    probe: SpeedProbe | None = None
-    phase = "set-up"
+    probe: Any = None  # harness.profilers.probe.SpeedProbe, from the compute phase on
+    compute_phase: float = 0.0  # rank 0's Unix time at the compute phase's start: names this run's phase
+    profiler: Any = None  # harness.profilers.comm.CommProfiler
+    busy_s: float = 0.0  # this rank's time spent measuring
+    compute_wall_s: float = 0.0
+    comm_start: float = 0.0  # perf_counter at the communication phase's start
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def warmup(self) -> int:
+        return self.spec.profile.warmup
+
+    @property
+    def repeats(self) -> int:
+        return self.spec.profile.repeats
+
+    def begin(self, phase: str) -> None:
+        """Enter a phase: its watchdog, and (test-only) the failure asked for in it."""
+        self.phase = phase
+        self.watchdog.start(phase)
+        _fail_if_asked(self.rank, phase)
+
+    def progress(self, what: str, total: int, unit: str = "event") -> Progress | None:
+        return Progress(what, total, enabled=self.show_progress, unit=unit) if self.rank == 0 else None
+
+
+def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_progress: bool = True,
+                events: UniqueEvents | None = None) -> ProfileResult | None:
+    """Profile the unique `events` (default: those of `spec`'s plan) on the ranks of `comm` into `outdir`, one
+    phase after another; rank 0 returns the result, others None."""
+    topology = discover(comm)
+    run = ProfileRun(spec, events if events is not None else build_plan(spec).unique(), outdir, comm, topology,
+                     Watchdog(comm, topology.rank, spec.profile.timeout_s), force=force, show_progress=show_progress)
     try:
-        watchdog.start(phase)
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        device = pick_device(topology, spec.profile.device, comm)
-        host_memory = prepare_host_memory(device.type)
-        outdir.mkdir(parents=True, exist_ok=True)
-        plan = plan or build_plan(spec)
-        comm_backend = spec.profile.backend
-        if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
-            init_process_group(comm, topology, device, spec.profile.timeout_s)
-        # the label names the backend that measured, whatever the world size (resume compares it)
-        backend_label = f"torch-{'nccl' if device.type == 'cuda' else 'gloo'}" if comm_backend == "torch" \
-            else comm_backend
-        name = device_name(device)
-        env_key = environment_key(name, backend_label)
-
-        # Set-up on rank 0: what is stored already, and the placement; everyone gets the same answer.
-        if rank == 0:
-            stored = {} if force else _stored(outdir, env_key, complete_only=True)
-            placement = place(plan, topology, skip=set(stored))
-            setup = (sorted(stored), placement)
-        else:
-            setup = None
-        stored_ids, placement = comm.bcast(setup, root=0)
-        placement: Placement
-        previous = {} if force else {k: m for k, m in _own_previous(outdir, rank).items() if m.env_key == env_key}
-        meta = {"env_key": env_key, "hostname": socket.gethostname(), "device": name}
-        recorder = RankRecorder(rank_file(outdir, rank), rank, meta, previous,
-                                {} if force else _own_previous_probes(outdir, rank))
-
-        # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
-        torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-
-        # ---- compute: every rank its own share, all at once
-        phase = "compute"
-        watchdog.start(phase)
-        compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)  # names this run's phase
-        probe = SpeedProbe(device)  # ranks with a share time it once per round: their speeds side by side
-        recorder.track_probe(compute_phase_key(compute_phase), probe)
-        comm.Barrier()
-        phase_start = time.perf_counter()
-        total_compute = sum(len(ids) for ids in placement.compute.values())
-        # progress counts timed samples: every rank samples its whole share once per round
-        progress = Progress("compute", total_compute * repeats, enabled=show_progress,
-                            unit="sample") if rank == 0 else None
-        _fail_if_asked(rank, phase)
-
-        reports: list = []
-
-        def round_done(count: int) -> None:
-            probe.sample()
-            _report_progress(comm, rank, progress, count, reports)
-            if rank == 0:
-                _poll_progress(comm, progress)
-
-        share = {eid: plan.events[eid].content for eid in placement.compute.get(rank, [])}
-        t0 = time.perf_counter()
-        measured = measure_compute_share(spec, share, device, warmup, repeats, on_round=round_done,
-                                         origin_s=phase_start)
-        probe.top_up()
-        busy_s += time.perf_counter() - t0
-        for eid, taken in measured.items():
-            event = plan.events[eid]
-            series = {SAMPLE_END_SERIES: taken.end_s}
-            if taken.host_issue_s is not None:
-                series[HOST_ISSUE_SERIES] = taken.host_issue_s
-            attrs = {"name": event.name, "warmup": warmup, "device": name, COMPUTE_PHASE_ATTR: compute_phase}
-            if taken.backward_call_s is not None:
-                attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
-            recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], env_key, attrs,
-                                     series))
-        if rank == 0:
-            _drain_progress(comm, progress, total_compute * repeats)
-            progress.close()
-        from mpi4py import MPI
-
-        MPI.Request.Waitall(reports)
-        recorder.flush()
-        comm.Barrier()
-        compute_wall_s = time.perf_counter() - phase_start
-
-        # ---- tensor-parallel layers as composites on real tp groups, one group at a time
-        phase = "tensor-parallel composites"
-        watchdog.start(phase)
-        _fail_if_asked(rank, phase)
-        profiler = CommProfiler(comm, comm_backend, device)
-        progress = Progress(phase, len(placement.composites), enabled=show_progress) if rank == 0 else None
-        for task in placement.composites:
-            t0 = time.perf_counter()
-            samples = profiler.measure_composite(task, spec, warmup, repeats)
-            if rank in task.ranks:
-                busy_s += time.perf_counter() - t0
-            if samples is not None:
-                recorder.add(Measurement(task.id, "composite", task.content, samples, list(task.ranks), env_key,
-                                         {"group_size": len(task.ranks), "placement": "intra",
-                                          "backend": backend_label, "warmup": warmup,
-                                          "composite_sample": COMPOSITE_SAMPLE}))
-            if rank == 0:
-                progress.advance()
-        if rank == 0:
-            progress.close()
-        recorder.flush()
-
-        # ---- communication: one group at a time, every rank in step
-        phase = "communication"
-        watchdog.start(phase)
-        _fail_if_asked(rank, phase)
-        phase_start = time.perf_counter()
-        progress = Progress("communication", len(placement.comm), enabled=show_progress) if rank == 0 else None
-        for task in placement.comm:
-            t0 = time.perf_counter()
-            measured = profiler.measure(task, warmup, repeats)
-            if rank in task.ranks:
-                busy_s += time.perf_counter() - t0
-            if measured is not None:
-                content = task.content
-                series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
-                                                            (SEND_POST_SERIES, measured.send_post_s),
-                                                            (DIVIDE_SERIES, measured.divide_s),
-                                                            (ZERO_SERIES, measured.zero_s)) if values.size}
-                recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks), env_key,
-                                         {"bytes": content["bytes"], "group_size": len(task.ranks),
-                                          "placement": content["placement"], "backend": backend_label,
-                                          "needed": task.needed, "warmup": warmup}, series))
-            if rank == 0:
-                progress.advance()
-        if rank == 0:
-            progress.close()
-        recorder.flush()
-        watchdog.stop()
+        run.begin("set-up")
+        _set_up(run)
+        run.begin("compute")
+        _profile_compute(run)
+        run.begin("tensor-parallel composites")
+        _profile_composites(run)
+        run.begin("communication")
+        _profile_communication(run)
+        run.watchdog.stop()
     except Exception as exc:  # any failure ends every rank now, with this rank's message
-        print(f"harness profile: rank {rank} ({topology.hostnames[rank]}) failed in phase '{phase}': "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"harness profile: rank {run.rank} ({run.topology.hostnames[run.rank]}) failed in phase "
+              f"'{run.phase}': {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         try:
-            if recorder is not None:
-                recorder.flush()  # keep what this rank finished
+            if run.recorder is not None:
+                run.recorder.flush()  # keep what this rank finished
         finally:
             comm.Abort(exc.exit_status if isinstance(exc, UserError) else 1)  # bad input keeps its status 2
         raise
+    return _merge(run)
 
-    busy = comm.gather(busy_s, root=0)
-    probe_medians = comm.gather(probe.median_s(), root=0)
+
+def _set_up(run: ProfileRun) -> None:
+    """Device, process group, what is stored already, placement (rank 0 decides, everyone gets its answer)."""
+    import torch
+
+    from harness.distributed import init_process_group, pick_device
+    from harness.profilers.comm import CommProfiler
+
+    comm, topology = run.comm, run.topology
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    run.device = pick_device(topology, run.spec.profile.device, comm)
+    run.host_memory = prepare_host_memory(run.device.type)
+    run.outdir.mkdir(parents=True, exist_ok=True)
+    if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
+        init_process_group(comm, topology, run.device, run.spec.profile.timeout_s)
+    comm_backend = run.spec.profile.backend
+    # the label names the backend that measured, whatever the world size (resume compares it)
+    run.backend_label = (f"torch-{'nccl' if run.device.type == 'cuda' else 'gloo'}" if comm_backend == "torch"
+                         else comm_backend)
+    run.device_name = device_name(run.device)
+    run.env_key = environment_key(run.device_name, run.backend_label)
+    if run.rank == 0:
+        stored = {} if run.force else _stored(run.outdir, run.env_key, complete_only=True)
+        setup = (sorted(stored), place(run.unique, topology, skip=set(stored)))
+    else:
+        setup = None
+    run.stored_ids, run.placement = comm.bcast(setup, root=0)
+    previous = {} if run.force else {k: m for k, m in _own_previous(run.outdir, run.rank).items()
+                                     if m.env_key == run.env_key}
+    meta = {"env_key": run.env_key, "hostname": socket.gethostname(), "device": run.device_name}
+    run.recorder = RankRecorder(rank_file(run.outdir, run.rank), run.rank, meta, previous,
+                                {} if run.force else _own_previous_probes(run.outdir, run.rank))
+    run.profiler = CommProfiler(comm, comm_backend, run.device)
+    # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
+
+def _profile_compute(run: ProfileRun) -> None:
+    """Every rank its own share of the compute events, all at once, round-robin; the speed probe once a round."""
+    from mpi4py import MPI
+
+    from harness.profilers.compute import measure_compute_share
+    from harness.profilers.probe import SpeedProbe
+
+    comm, rank, placement = run.comm, run.rank, run.placement
+    run.compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)
+    run.probe = SpeedProbe(run.device)  # ranks with a share time it once per round: their speeds side by side
+    run.recorder.track_probe(compute_phase_key(run.compute_phase), run.probe)
     comm.Barrier()
-    comm_wall_s = time.perf_counter() - phase_start
-    destroy_process_group()
-    if rank != 0:
-        return None
+    phase_start = time.perf_counter()
+    total = sum(len(ids) for ids in placement.compute.values())
+    # progress counts timed samples: every rank samples its whole share once per round
+    progress = run.progress("compute", total * run.repeats, unit="sample")
+    reports: list = []
 
-    # ---- merge on rank 0
+    def round_done(count: int) -> None:
+        run.probe.sample()
+        _report_progress(comm, rank, progress, count, reports)
+        if rank == 0:
+            _poll_progress(comm, progress)
+
+    share = {eid: run.unique.events[eid].content for eid in placement.compute.get(rank, [])}
+    t0 = time.perf_counter()
+    measured = measure_compute_share(run.spec, share, run.device, run.warmup, run.repeats, on_round=round_done,
+                                     origin_s=phase_start)
+    run.probe.top_up()
+    run.busy_s += time.perf_counter() - t0
+    for eid, taken in measured.items():
+        event = run.unique.events[eid]
+        series = {SAMPLE_END_SERIES: taken.end_s}
+        if taken.host_issue_s is not None:
+            series[HOST_ISSUE_SERIES] = taken.host_issue_s
+        attrs = {"name": event.name, "warmup": run.warmup, "device": run.device_name,
+                 COMPUTE_PHASE_ATTR: run.compute_phase}
+        if taken.backward_call_s is not None:
+            attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
+        run.recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs,
+                                     series))
+    if rank == 0:
+        _drain_progress(comm, progress, total * run.repeats)
+        progress.close()
+    MPI.Request.Waitall(reports)
+    run.recorder.flush()
+    comm.Barrier()
+    run.compute_wall_s = time.perf_counter() - phase_start
+
+
+def _profile_composites(run: ProfileRun) -> None:
+    """Tensor-parallel layers with their all-reduces on real tp groups, one group at a time."""
+    from harness.profilers.comm import COMPOSITE_SAMPLE
+
+    tasks = run.placement.composites
+    progress = run.progress(run.phase, len(tasks))
+    for task in tasks:
+        t0 = time.perf_counter()
+        samples = run.profiler.measure_composite(task, run.spec, run.warmup, run.repeats)
+        if run.rank in task.ranks:
+            run.busy_s += time.perf_counter() - t0
+        if samples is not None:
+            run.recorder.add(Measurement(task.id, "composite", task.content, samples, list(task.ranks), run.env_key,
+                                         {"group_size": len(task.ranks), "placement": "intra",
+                                          "backend": run.backend_label, "warmup": run.warmup,
+                                          "composite_sample": COMPOSITE_SAMPLE}))
+        if progress is not None:
+            progress.advance()
+    if progress is not None:
+        progress.close()
+    run.recorder.flush()
+
+
+def _profile_communication(run: ProfileRun) -> None:
+    """P2P pairs and all-reduce groups, one at a time, every rank in step."""
+    run.comm_start = time.perf_counter()
+    tasks = run.placement.comm
+    progress = run.progress("communication", len(tasks))
+    for task in tasks:
+        t0 = time.perf_counter()
+        measured = run.profiler.measure(task, run.warmup, run.repeats)
+        if run.rank in task.ranks:
+            run.busy_s += time.perf_counter() - t0
+        if measured is not None:
+            content = task.content
+            series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
+                                                        (SEND_POST_SERIES, measured.send_post_s),
+                                                        (DIVIDE_SERIES, measured.divide_s),
+                                                        (ZERO_SERIES, measured.zero_s)) if values.size}
+            run.recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks),
+                                         run.env_key, {"bytes": content["bytes"], "group_size": len(task.ranks),
+                                                       "placement": content["placement"],
+                                                       "backend": run.backend_label, "needed": task.needed,
+                                                       "warmup": run.warmup}, series))
+        if progress is not None:
+            progress.advance()
+    if progress is not None:
+        progress.close()
+    run.recorder.flush()
+
+
+def _merge(run: ProfileRun) -> ProfileResult | None:
+    """Every rank's time and probe to rank 0, which merges the rank files (and what was stored) into
+    profile.h5; rank 0 returns the result."""
+    import torch
+
+    from harness.distributed import destroy_process_group
+    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION
+
+    comm, topology, outdir = run.comm, run.topology, run.outdir
+    busy = comm.gather(run.busy_s, root=0)
+    probe_medians = comm.gather(run.probe.median_s(), root=0)
+    comm.Barrier()
+    comm_wall_s = time.perf_counter() - run.comm_start
+    destroy_process_group()
+    if run.rank != 0:
+        return None
     finished = time.time()
-    merged = _stored(outdir, env_key) if not force else {}
+    merged = _stored(outdir, run.env_key) if not run.force else {}
     for r in range(topology.size):
         merged.update(read_measurements(rank_file(outdir, r)))
-    unmeasured = {eid: why for eid, why in placement.unmeasured.items() if eid not in merged}
+    unmeasured = {eid: why for eid, why in run.placement.unmeasured.items() if eid not in merged}
     # every rank's probe, per compute phase; a resumed profile keeps those of the phases its measurements came
     # from, from the last profile.h5 or, for a run that stopped before its merge, from the rank files
-    speeds = {} if force else {**_rank_file_speeds(outdir), **_stored_rank_speeds(outdir)}
-    speeds[compute_phase_key(compute_phase)] = probe_medians
-    phases = {compute_phase_key(m.attrs[COMPUTE_PHASE_ATTR]) for m in merged.values() if COMPUTE_PHASE_ATTR in m.attrs}
+    speeds = {} if run.force else {**_rank_file_speeds(outdir), **_stored_rank_speeds(outdir)}
+    speeds[compute_phase_key(run.compute_phase)] = probe_medians
+    phases = {compute_phase_key(m.attrs[COMPUTE_PHASE_ATTR]) for m in merged.values()
+              if COMPUTE_PHASE_ATTR in m.attrs}
     speeds = {key: value for key, value in speeds.items() if key in phases}
-    owners = placement.owner_of()
     environment = {
         "hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
         "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
-        "launcher": topology.launcher, **topology.cpu_environment(), "device": name, "backend": backend_label,
-        "env_key": env_key,
+        "launcher": topology.launcher, **topology.cpu_environment(), "device": run.device_name,
+        "backend": run.backend_label, "env_key": run.env_key,
         "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
         "mpi_library": mpi_library_version(), "python_version": platform.python_version(),
-        "start_time": started, "end_time": finished, "profiling_wall_s": finished - started,
-        "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)), "compute_wall_s": compute_wall_s, "comm_wall_s": comm_wall_s,
-        "warmup": warmup, "repeats": repeats, "host_memory": host_memory,
+        "start_time": run.started, "end_time": finished, "profiling_wall_s": finished - run.started,
+        "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)),
+        "compute_wall_s": run.compute_wall_s, "comm_wall_s": comm_wall_s,
+        "warmup": run.warmup, "repeats": run.repeats, "host_memory": run.host_memory,
         SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
-    path = write_profile(outdir / "profile.h5", spec_json=spec.to_json(),
-                         layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),
-                         events=plan.table(),
-                         measurements=merged.values(), unmeasured=unmeasured, environment=environment,
-                         placement={eid: ranks for eid, ranks in owners.items()})
+    path = write_profile(outdir / "profile.h5", spec_json=run.spec.to_json(),
+                         layers_json=json.dumps([layer.to_dict() for layer in run.unique.layers]),
+                         events=run.unique.table(), measurements=merged.values(), unmeasured=unmeasured,
+                         environment=environment, placement=run.placement.owner_of())
+    placement = run.placement
     measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
                     + len(placement.composites))
-    return ProfileResult(path=path, measured=measured_now, skipped=len(stored_ids), unmeasured=unmeasured,
-                         wall_s=finished - started, device_seconds=float(sum(busy)),
-                         binding_note=topology.unbound_note() if device.type == "cpu" else None)
+    return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
+                         wall_s=finished - run.started, device_seconds=float(sum(busy)),
+                         binding_note=topology.unbound_note() if run.device.type == "cpu" else None)
 
 
 def _slurm_environment(topology: Topology) -> dict:
@@ -413,9 +480,9 @@ def _stored_rank_speeds(outdir: Path) -> dict[str, list[float]]:
     if not path.exists():
         return {}
     try:
-        with h5py.File(path, "r") as f:
+        with open_file(path, PROFILE_KIND, READ_VERSIONS) as f:
             speeds = read_environment(f).get(RANK_SPEED_PROBE_ENV, {})
-    except OSError:
+    except UserError:
         return {}
     return speeds if isinstance(speeds, dict) else {}
 
@@ -457,7 +524,7 @@ def _read_own_file(outdir: Path, rank: int, reader):
         return {}
     try:
         return reader(path)
-    except (OSError, ValueError):  # a file cut short, or a probe attribute that is not JSON
+    except (UserError, ValueError):  # a damaged file, or a probe attribute that is not JSON
         return {}
 
 

@@ -12,7 +12,9 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
+from typing import Mapping
+
+from harness.events import INTER, INTRA, Event, UniqueEvents, composite_content, event_id
 from launcher.topology import Topology
 
 SWEEP_DIVISOR = 16  # the extra, smaller message of every communication need
@@ -20,7 +22,6 @@ MIN_SWEEP_BYTES = 1024
 # A roofline for balancing only: FLOPs per byte moved at which a device turns from memory- to compute-bound.
 # Optimizer steps and embeddings do few FLOPs but move every parameter several times.
 FLOPS_PER_BYTE = 10.0
-OPTIMIZER_BYTES_PER_PARAMETER = 32  # Adam reads and writes parameter, gradient and two moments
 
 
 @dataclass(frozen=True)
@@ -54,30 +55,10 @@ class Placement:
         return owners
 
 
-def balancing_cost(plan: EventPlan, event) -> float:
+def balancing_cost(event: Event) -> float:
     """A compute event's estimated cost in FLOP-equivalents: the larger of its FLOPs and its memory traffic
-    (parameters, and activations in and out) times FLOPS_PER_BYTE."""
-    content = event.content
-    dtype_bytes = plan.spec.model.dtype_bytes
-    if content["phase"] == "optimizer":
-        moved = content["params"] * OPTIMIZER_BYTES_PER_PARAMETER
-    else:
-        index = next((i for i, layer in enumerate(plan.layers) if dict(layer.signature) == content["signature"]), 0)
-        layer = plan.layers[index]
-        features = plan.layers[index - 1].out_features if index > 0 else ()
-        tokens = content["micro"] * content["seq"]
-        activations = tokens * (_prod(features) + _prod(layer.out_features)) * dtype_bytes
-        moved = layer.params * dtype_bytes + activations
-        if content["phase"] == "bwd":
-            moved *= 2
-    return max(event.cost, moved * FLOPS_PER_BYTE)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out if shape else 1
+    times FLOPS_PER_BYTE."""
+    return max(event.cost, event.traffic * FLOPS_PER_BYTE)
 
 
 def balance(costs: dict[str, float], ranks: int) -> dict[int, list[str]]:
@@ -127,9 +108,11 @@ def _largest_feasible(topology: Topology, size: int, placement: str) -> int:
     return 0
 
 
-def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> Placement:
-    """Place the plan's events over the ranks of `topology`; ids in `skip` are already measured."""
-    costs = {eid: balancing_cost(plan, e) for eid, e in plan.events.items() if e.kind == "compute" and eid not in skip}
+def place(unique: UniqueEvents, topology: Topology, skip: set[str] = frozenset()) -> Placement:
+    """Place unique events (one plan's or a search's union) over the ranks of `topology`; ids in `skip` are
+    already measured."""
+    events = unique.events
+    costs = {eid: balancing_cost(e) for eid, e in events.items() if e.kind == "compute" and eid not in skip}
     compute = balance(costs, topology.size)
     tasks: dict[str, CommTask] = {}
     unmeasured: dict[str, str] = {}
@@ -139,7 +122,7 @@ def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> 
         if eid not in skip and eid not in tasks:
             tasks[eid] = CommTask(eid, content["kind"], content, ranks, needed)
 
-    for eid, event in sorted(plan.events.items(), key=lambda item: (item[1].kind, item[1].cost, item[0])):
+    for eid, event in sorted(events.items(), key=lambda item: (item[1].kind, item[1].cost, item[0])):
         if event.kind == "compute":
             continue
         size = event.group_size
@@ -162,14 +145,14 @@ def place(plan: EventPlan, topology: Topology, skip: set[str] = frozenset()) -> 
     comm = sorted(tasks.values(), key=lambda t: (t.kind, t.content.get("placement", ""),
                                                  t.content.get("group", 2), t.content["bytes"], t.id))
     return Placement(compute=compute, comm=comm, unmeasured=unmeasured,
-                     composites=_composites(plan, topology, skip))
+                     composites=_composites(events, topology, skip))
 
 
-def _composites(plan: EventPlan, topology: Topology, skip: set[str]) -> list[CommTask]:
+def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str]) -> list[CommTask]:
     """Each tensor-parallel layer's forward and backward, to run with its all-reduces on tp ranks of one node
     (DistSim's composite events: they catch the skew between the ranks that separate events miss)."""
     out = []
-    for eid, event in sorted(plan.events.items()):
+    for eid, event in sorted(events.items()):
         tp = int(event.content.get("signature", {}).get("tp", 1))
         if event.kind != "compute" or tp < 2 or event.content.get("phase") not in ("fwd", "bwd"):
             continue

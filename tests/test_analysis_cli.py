@@ -83,7 +83,7 @@ def test_simulate_writes_trace_png_timeline_and_json(hybrid_profile, tmp_path, c
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     timeline = read_timeline(out)
-    assert timeline["attrs"]["schema_version"] == 1 and timeline["attrs"]["kind"] == "distsim-timeline"
+    assert timeline["attrs"]["schema_version"] == 2 and timeline["attrs"]["kind"] == "distsim-timeline"
     assert timeline["attrs"]["batch_time_s"] == pytest.approx(T)
     assert sorted(timeline["devices"]) == list(range(8))
     rank5 = timeline["devices"][5]
@@ -164,7 +164,8 @@ def test_offline_run_loads_neither_torch_nor_mpi4py(tmp_path):
             runpy.run_module("analysis", run_name="__main__", alter_sys=True)
         except SystemExit as exit:
             status = exit.code
-        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.profile_store")
+        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.profilers",
+                                  "harness.train", "launcher")
                         if m in sys.modules)
         print("LOADED", loaded, file=sys.stderr)
         sys.exit(status or (3 if loaded else 0))

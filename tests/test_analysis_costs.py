@@ -138,25 +138,6 @@ def test_missing_compute_is_a_user_error_in_the_api(tmp_path):
     assert info.value.exit_status == 2 and "profile job.toml -o OUTDIR" in str(info.value)
 
 
-@pytest.mark.parametrize("attribute,value,message", [("schema_version", 99, "unsupported schema_version 99"),
-                                                     ("kind", "distsim-rank", "give the merged profile.h5")])
-def test_unknown_files_are_refused_with_exit_2(tmp_path, capsys, attribute, value, message):
-    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(), by_name({}))
-    with h5py.File(path, "a") as f:
-        f.attrs[attribute] = value
-    assert main(["simulate", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-
-
-def test_missing_or_foreign_files_are_refused_with_exit_2(tmp_path, capsys):
-    assert main(["simulate", str(tmp_path / "nowhere.h5")]) == 2
-    assert "profile not found" in capsys.readouterr().err
-    (tmp_path / "text.h5").write_text("not hdf5")
-    assert main(["simulate", str(tmp_path / "text.h5")]) == 2
-    assert "not a readable HDF5 file" in capsys.readouterr().err
-
-
 def test_sender_busy_extra_is_the_mean_excess_and_unmeasured_p2p_take_the_largest_at_their_placement(tmp_path):
     spec = make_spec(pp=2, micro_batches=2)  # one node: the stage-to-stage P2P is intra
     points = []

@@ -38,7 +38,7 @@ def plan_two_nodes():
 
 def test_inter_and_intra_groups_on_two_emulated_nodes():
     plan = plan_two_nodes()
-    placement = place(plan, topology(4, 2))
+    placement = place(plan.unique(), topology(4, 2))
     nodes = lambda ranks: {r // 2 for r in ranks}  # noqa: E731
     assert not placement.unmeasured
     for task in placement.comm:
@@ -52,11 +52,11 @@ def test_inter_and_intra_groups_on_two_emulated_nodes():
 
 def test_unmeetable_needs_are_recorded_with_a_reason_and_a_stand_in():
     plan = plan_two_nodes()
-    placement = place(plan, topology(2, 2))  # one node: no inter-node pair
+    placement = place(plan.unique(), topology(2, 2))  # one node: no inter-node pair
     reasons = list(placement.unmeasured.values())
     assert reasons and all("2 or more nodes" in why for why in reasons)
     big = build_plan(loads_spec(tiny_spec_text(layers=2, dp=8, global_batch=16, micro=2)))
-    placement = place(big, topology(4, 4))
+    placement = place(big.unique(), topology(4, 4))
     assert any("larger than the 4 ranks" in why for why in placement.unmeasured.values())
     stand_ins = [t for t in placement.comm if t.kind == "allreduce" and not t.needed]
     assert stand_ins and max(len(t.ranks) for t in stand_ins) == 4
@@ -64,9 +64,9 @@ def test_unmeetable_needs_are_recorded_with_a_reason_and_a_stand_in():
 
 def test_already_measured_events_are_skipped():
     plan = plan_two_nodes()
-    everything = place(plan, topology(4, 2))
+    everything = place(plan.unique(), topology(4, 2))
     done = {e for ids in everything.compute.values() for e in ids} | {t.id for t in everything.comm}
-    again = place(plan, topology(4, 2), skip=done)
+    again = place(plan.unique(), topology(4, 2), skip=done)
     assert not any(again.compute.values()) and not again.comm
 
 

@@ -275,7 +275,7 @@ def test_validate_refuses_a_profile_as_trace(tmp_path, project_env):
     profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3))
     result = subprocess.run([sys.executable, "-m", "analysis", "validate", str(profile_path), str(profile_path)],
                             capture_output=True, text=True, env=project_env, timeout=60, cwd=ROOT)
-    assert result.returncode == 2 and "not a trace" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "not a real run's trace" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_json_report_with_extrapolated_events(tmp_path):

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from harness.errors import UserError
 from harness.output import format_table
 
 from harness.output import writable
 from analysis.profile_reader import load_profile
-from analysis.trace_reader import TraceError, read_trace
+from analysis.trace_reader import read_trace
 from analysis.validate import validate
 
 NAME = "validate"
@@ -33,20 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one Perfetto trace holding the measured and the predicted timelines")
 
 
-def _file(path: str, name: str) -> Path:
-    p = Path(path)
-    p = p / name if p.is_dir() else p
-    if not p.exists():
-        raise UserError(f"{p}: no such file")
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
-    try:
-        trace = read_trace(_file(args.trace, "trace.h5"))
-    except (TraceError, OSError) as exc:
-        raise UserError(str(exc))
-    profile = load_profile(_file(args.profile, "profile.h5"))
+    trace = read_trace(args.trace)
+    profile = load_profile(args.profile)
     result = validate(trace, profile, dp_overlap=False if args.no_overlap else None,
                       compute_stat=args.compute_stat, rank_speed=not args.no_rank_speed)
     written = []

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     status = stop_on_error(comm, error)  # any rank's bad input stops every rank; rank 0 says what is wrong
     if status is not None:
         return status
-    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet, plan=plan)
+    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet,
+                         events=plan.unique())
     if result is None:
         return 0
     rows = [("measured now", result.measured), ("already stored (skipped)", result.skipped),

@@ -1,55 +1,40 @@
-"""`python -m harness show OUTDIR/profile.h5`: what a profile holds (table, or --json)."""
+"""`python -m harness show OUTDIR/profile.h5`: what a profile holds (table, --json, --csv).
+
+The profile is read by the analysis's own reader (analysis.profile_reader), checked and verified.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-import h5py
-
-from harness.errors import UserError
 from harness.events import human_bytes
-from harness.hdf5_schema import PROFILE_KIND, PROFILE_SCHEMA_VERSION as SCHEMA_VERSION, read_environment
-from harness.profile_store import read_measurements, read_unmeasured
-from harness.output import format_seconds, format_table
+from harness.output import format_seconds, format_table, write_csv
+from harness.profile_store import summarize
 
 NAME = "show"
 HELP = "summarise a profile.h5: environment, measured events with statistics, what is unmeasured"
+COLUMNS = ("id", "kind", "name", "needed", "ranks", "median_s", "p5_s", "p95_s", "mean_s", "min_s", "max_s", "count")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", help="a profile.h5 written by `harness profile` (or its folder)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
+    parser.add_argument("--csv", metavar="FILE", help="write the measurements table as CSV")
 
 
-def load_summary(path: Path) -> dict:
+def load_summary(path: str) -> dict:
     """The profile as plain data: schema version, environment, measurements with statistics, unmeasured."""
-    if path.is_dir():
-        path = path / "profile.h5"
-    if not path.exists():
-        raise UserError(f"{path}: no such profile; run `python -m harness profile SPEC -o OUTDIR` first")
-    try:
-        with h5py.File(path, "r") as f:
-            kind, version = f.attrs.get("kind"), f.attrs.get("schema_version")
-            if kind != PROFILE_KIND:
-                raise UserError(f"{path}: not a distsim profile (kind={kind!r})")
-            if version != SCHEMA_VERSION:
-                raise UserError(f"{path}: schema_version {version} is not supported (this harness reads "
-                                f"{SCHEMA_VERSION})")
-            environment = read_environment(f)
-            spec = json.loads(f.attrs["spec_json"])
-            names = dict(zip(f["events/id"].asstr()[()], f["events/name"].asstr()[()]))
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read as HDF5 ({exc})")
-    measurements = read_measurements(path)
+    from analysis.profile_reader import load_profile
+
+    profile = load_profile(path)
     rows = []
-    for eid, m in sorted(measurements.items(), key=lambda item: (item[1].kind, item[0])):
-        stats = m.stats()
-        rows.append({"id": eid, "kind": m.kind, "name": names.get(eid, _describe(m.content)),
-                     "needed": eid in names, "ranks": m.ranks, **stats})
-    return {"schema_version": int(version), "path": str(path), "spec": spec, "environment": environment,
-            "measurements": rows, "unmeasured": [{"id": k, "name": names.get(k, k), "reason": v}
-                                                 for k, v in read_unmeasured(path).items()]}
+    for eid, m in sorted(profile.measurements.items(), key=lambda item: (item[1].kind, item[0])):
+        rows.append({"id": eid, "kind": m.kind, "name": profile.events.get(eid, {}).get("name", _describe(m.content)),
+                     "needed": eid in profile.events, "ranks": m.ranks, **summarize(m.samples_s)})
+    return {"schema_version": profile.schema_version, "path": str(profile.path), "spec": json.loads(profile.spec_json),
+            "environment": profile.environment, "measurements": rows,
+            "unmeasured": [{"id": k, "name": profile.event_name(k), "reason": v}
+                           for k, v in profile.unmeasured.items()]}
 
 
 def _describe(content: dict) -> str:
@@ -61,7 +46,10 @@ def _describe(content: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = load_summary(Path(args.profile))
+    summary = load_summary(args.profile)
+    if args.csv:
+        write_csv(args.csv, COLUMNS, [[",".join(map(str, r[c])) if c == "ranks" else r[c] for c in COLUMNS]
+                                      for r in summary["measurements"]])
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -74,4 +62,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(("event", "kind", "ranks", "median", "p5", "p95", "n"), rows))
     for item in summary["unmeasured"]:
         print(f"unmeasured: {item['name']}: {item['reason']}")
+    if args.csv:
+        print(f"wrote {args.csv}")
     return 0

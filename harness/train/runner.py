@@ -233,9 +233,10 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                                       [rundir / rank_file_name(r) for r in range(comm.Get_size())],
                                       root_attrs=root, environment=env, clock=clock, warmup=warmup,
                                       loss_ranks=loss_ranks)
-            import h5py
+            from harness.hdf5_io import open_file
+            from harness.hdf5_schema import READ_VERSIONS, TRACE_KIND
 
-            with h5py.File(trace_path, "r") as f:
+            with open_file(trace_path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f:
                 result.iteration_s = f["iterations/end_s"][()] - f["iterations/start_s"][()]
                 result.losses = f["iterations/loss"][()]
             result.trace_path = trace_path

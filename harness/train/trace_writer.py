@@ -1,11 +1,9 @@
 """Writing traces of real runs: one file per rank, merged into trace.h5 (layout in docs/train.md).
 
-h5py and numpy only. Files are written to a temporary name and renamed, as in harness.profile_store.
+h5py and numpy only, through harness.hdf5_io (atomic, checksummed files).
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -13,8 +11,10 @@ from typing import Any, Iterable, Sequence
 import h5py
 import numpy as np
 
-from harness.hdf5_schema import (TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS, TRACE_KIND,
-                                  TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
+from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_column, set_attrs, write_dataset,
+                             write_text)
+from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS,
+                                  TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
                                   TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
                                   TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
 
@@ -25,20 +25,6 @@ def rank_file_name(rank: int) -> str:
 
 def device_group_name(rank: int) -> str:
     return f"rank-{rank:05d}"
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _attr(value: Any) -> Any:
-    if isinstance(value, (bool, np.bool_)):
-        return int(value)
-    if isinstance(value, str):
-        return str(value)  # not numpy's fixed-width str_, which h5py cannot store
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return value
-    return json.dumps(value)
 
 
 def _columns(rows: Sequence[tuple], to_seconds, names: Sequence[str], strings: Sequence[str],
@@ -77,13 +63,11 @@ def layer_columns_from_rows(rows: Sequence[tuple], to_seconds) -> dict[str, np.n
 
 def _write_columns(group: h5py.Group, columns: dict[str, np.ndarray], names: Sequence[str] = COLUMNS,
                    strings: Sequence[str] = STRING_COLUMNS) -> None:
-    string = h5py.string_dtype()
     for name in names:
-        data = columns[name]
         if name in strings:
-            group.create_dataset(name, data=data, dtype=string)
+            write_text(group, name, columns[name])
         else:
-            group.create_dataset(name, data=data)
+            write_dataset(group, name, columns[name])
 
 
 def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarray], attrs: dict[str, Any],
@@ -91,24 +75,27 @@ def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarr
     """One rank's intervals (common timebase), its own iteration bounds and losses, and (with
     --layer-times) its layer intervals."""
     path = Path(path)
-    tmp = _tmp(path)
-    with h5py.File(tmp, "w") as f:
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["kind"] = RANK_KIND
-        f.attrs["rank"] = rank
-        f.attrs["written_at"] = time.time()
-        for key, value in attrs.items():
-            f.attrs[key] = _attr(value)
-        intervals = f.create_group("intervals")
+    with create(path, RANK_KIND, SCHEMA_VERSION, {"rank": rank, "written_at": time.time(), **attrs}) as f:
+        intervals = create_group(f, "intervals")
         _write_columns(intervals, columns)
         if layers is not None:
-            _write_columns(intervals.create_group(TRACE_LAYER_GROUP), layers, TRACE_LAYER_COLUMNS,
+            _write_columns(create_group(intervals, TRACE_LAYER_GROUP), layers, TRACE_LAYER_COLUMNS,
                            TRACE_LAYER_STRING_COLUMNS)
-        it = f.create_group("iterations")
+        it = create_group(f, "iterations")
         for key, value in iterations.items():
-            it.create_dataset(key, data=value)
-    os.replace(tmp, path)
+            write_dataset(it, key, value)
     return path
+
+
+def _copy_columns(src: h5py.Group, dst: h5py.Group) -> None:
+    """Every dataset of `src` into `dst` (subgroups too), rewritten with the checksums of harness.hdf5_io."""
+    for name, obj in src.items():
+        if isinstance(obj, h5py.Group):
+            _copy_columns(obj, create_group(dst, name))
+        elif h5py.check_string_dtype(obj.dtype) is not None:
+            write_text(dst, name, read_column(obj))
+        else:
+            write_dataset(dst, name, obj[()])
 
 
 def merge_traces(out: str | Path, rank_files: Iterable[str | Path], *, root_attrs: dict[str, Any],
@@ -117,51 +104,40 @@ def merge_traces(out: str | Path, rank_files: Iterable[str | Path], *, root_attr
     """Merge the rank files into trace.h5: devices, iterations (start = first rank's start, end = last rank's
     end), the mean loss over `loss_ranks` (one rank per data-parallel replica's last stage), clocks."""
     out = Path(out)
-    tmp = _tmp(out)
     rank_files = [Path(p) for p in rank_files]
     starts, ends, losses = [], [], []
-    with h5py.File(tmp, "w") as f:
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["kind"] = TRACE_KIND
-        for key, value in root_attrs.items():
-            f.attrs[key] = _attr(value)
-        f.attrs["written_at"] = time.time()
-        env = f.create_group("environment")
-        for key, value in environment.items():
-            env.attrs[key] = _attr(value)
-        cg = f.create_group("clock")
-        string = h5py.string_dtype()
+    with create(out, TRACE_KIND, SCHEMA_VERSION, {**root_attrs, "written_at": time.time()}) as f:
+        set_attrs(create_group(f, "environment"), environment)
+        cg = create_group(f, "clock")
         for key, value in clock.items():
             value = np.asarray(value)
             if value.dtype.kind in "OUS":
-                cg.create_dataset(key, data=value.astype(object), dtype=string)
+                write_text(cg, key, value)
             else:
-                cg.create_dataset(key, data=value)
-        devices = f.create_group("devices")
+                write_dataset(cg, key, value)
+        devices = create_group(f, "devices")
         for index, path in enumerate(rank_files):
-            with h5py.File(path, "r") as src:
-                rank = int(src.attrs["rank"])
+            with open_file(path, RANK_KIND, READ_VERSIONS) as src:
+                attrs = read_attrs(src)
+                rank = int(attrs["rank"])
                 if rank != index:
                     raise ValueError(f"{path} holds rank {rank}; expected rank {index} (give the files in rank order)")
-                name = device_group_name(rank)
-                src.copy(src["intervals"], devices, name=name)
-                for key, value in src.attrs.items():
-                    if key not in ("schema_version", "kind", "written_at"):
-                        devices[name].attrs[key] = value
+                device = create_group(devices, device_group_name(rank))
+                _copy_columns(src["intervals"], device)
+                set_attrs(device, {k: v for k, v in attrs.items() if k not in ("schema_version", "kind", "written_at")})
                 starts.append(src["iterations/start_s"][()])
                 ends.append(src["iterations/end_s"][()])
                 losses.append(src["iterations/loss"][()])
         rank_start = np.stack(starts, axis=1) if starts else np.zeros((0, 0))
         rank_end = np.stack(ends, axis=1) if ends else np.zeros((0, 0))
         n = rank_start.shape[0]
-        it = f.create_group("iterations")
-        it.create_dataset("index", data=np.arange(n, dtype=np.int64))
-        it.create_dataset("start_s", data=rank_start.min(axis=1) if n else np.zeros(0))
-        it.create_dataset("end_s", data=rank_end.max(axis=1) if n else np.zeros(0))
-        it.create_dataset("warmup", data=(np.arange(n) < warmup).astype(np.uint8))
+        it = create_group(f, "iterations")
+        write_dataset(it, "index", np.arange(n, dtype=np.int64))
+        write_dataset(it, "start_s", rank_start.min(axis=1) if n else np.zeros(0))
+        write_dataset(it, "end_s", rank_end.max(axis=1) if n else np.zeros(0))
+        write_dataset(it, "warmup", (np.arange(n) < warmup).astype(np.uint8))
         loss = np.stack(losses, axis=1)[:, list(loss_ranks)].mean(axis=1) if n and loss_ranks else np.full(n, np.nan)
-        it.create_dataset("loss", data=loss.astype(np.float64))
-        it.create_dataset("rank_start_s", data=rank_start.astype(np.float64))
-        it.create_dataset("rank_end_s", data=rank_end.astype(np.float64))
-    os.replace(tmp, out)
+        write_dataset(it, "loss", loss.astype(np.float64))
+        write_dataset(it, "rank_start_s", rank_start.astype(np.float64))
+        write_dataset(it, "rank_end_s", rank_end.astype(np.float64))
     return out
