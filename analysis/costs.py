@@ -1,61 +1,19 @@
-"""The duration of every event of a plan, from a profile's measurements.
+"""The duration of every event of a plan, from a profile's measurements. The rules, one per kind of event,
+with their reasons, are in docs/analysis.md ("Where durations come from"):
 
-- compute (and a tensor-parallel layer's composite): the mean of its samples by default, or the median
-  (`compute_stat`, DistSim's choice). An iteration sums many compute events, so its time follows their
-  means: the slow samples of a shared machine (preemption, frequency dips) come at a rate that the real
-  steps meet too, and the median leaves them out (on the 2-core CPU machine the samples' mean is 4-16%
-  above their median; docs/benchmarks.md). A compute event the profile lacks is an error (UserError,
-  exit 2) that lists the missing events and the command that profiles them. A GPU forward or backward
-  was timed with the host ahead of the device (its device time alone); the same statistic of the host's
-  issue times is its `host_issue` (the timeline runs a step's layers as a host issuing them and a device
-  running them).
-- a backward's call: each backward sample paid the autograd engine's start once (its own `backward()`
-  call), which a training step pays once per stage. The profile measures what each further call costs
-  (attribute `backward_call_s` of a backward's measurement); the timeline takes it off every backward of
-  a step but the first (off the host's issue time on a GPU, where the profiler measured 0.07-0.11 ms per
-  call on an H200 and a small model's block backward issues in 1.1-1.3 ms; about 0.1 ms on a CPU).
-- P2P: the minimum over samples (DistSim: it drops queueing); all-reduce: the median.
-- P2P with the sender busy: where the profile timed the receive while the sender computed, the mean of
-  those samples beyond the P2P's own time is its `sender_busy_extra` (the mean: an iteration sums many
-  transfers, and the samples are heavy-tailed); an unmeasured P2P takes the largest extra measured at its
-  placement. The timeline adds it to a transfer that waited for its receiver while the sender computed.
-- P2P's post: the profile timed the sender's call that posts the send (`send_post_samples_s`, the receiver
-  waiting); the median is the event's `send_post` (the median: a first repeat without warm-up also sets up
-  the pair's connection), the host time a step that sends pays before its device goes on (gloo on a CPU
-  writes the data in that call: 0.09-0.27 ms for the bench's 256 KiB activations in the profiles of
-  docs/benchmarks.md, run 24, 0.27-0.28 ms inside the trainer). An unmeasured P2P takes the post measured
-  at its placement for the size nearest its own; profiles from before it was measured have none (0).
-- a gradient bucket's averaging (dp > 1): before its all-reduce a replica divides the bucket in place by the
-  replica count (as DDP does with gradients as bucket views, and `harness train`). The profiler times that
-  division before each all-reduce sample (`divide_samples_s`); its `compute_stat` is the bucket's
-  `bucket_divide`, which the timeline runs before the bucket's all-reduce. The replica also zeroes the
-  bucket for the next iteration's gradients (Megatron-LM zeroes its gradient buffer each step); the profiler
-  times that after each all-reduce sample (`zero_samples_s`), its statistic is the bucket's `bucket_zero`,
-  which the timeline adds to the stage's optimizer phase. A bucket whose all-reduce has no such samples
-  takes the rate (seconds per byte) of the largest all-reduce that has them; profiles from before they
-  were measured have none (no division, no zeroing, and a warning says so).
-- the profiling ranks' speeds: every rank profiles its own share of the compute events, so an event's
-  samples carry the speed of the rank that took them, and ranks differ (the two cores of the 2-core CPU
-  machine, profiling at the same time, differed by up to 38% either way; docs/benchmarks.md, run 20). Every rank
-  timed the same speed probe once per round (harness.profilers.probe); a compute event's statistic, and
-  its backward call, are divided by its rank's probe median over the ranks' mean (`rank_speed`: above 1
-  for a rank slower than the mean), so that every event stands for the ranks' mean. A tensor-parallel shard
-  measured with its composite is left as taken: the composite, measured by a group, splits into the shard
-  and its all-reduces, and correcting one side only would move the rank's slowness into the all-reduces.
-  Profiles without the probe, and `rank_speed=False`, keep the samples as taken; compute events from a
-  profiling run whose ranks the profile cannot compare (some rank stopped before its compute samples were
-  written, an older version stopped before its merge, or fewer than two of its ranks measured compute) stay
-  as taken, with a warning when others were corrected.
-- data-parallel replica skew (dp > 1): the ranks' speeds over time in the profile's compute phase
-  (analysis.skew); the timeline delays each gradient bucket by the slowest replica's expected lag.
-- communication not measured at that size, group or placement: an alpha-beta (ring) model fitted to the
-  measured points of the same kind and placement,
-      p2p        t = alpha + bytes * beta
-      all-reduce t = 2 (n - 1) alpha + 2 (n - 1) / n * bytes * beta
-  by least squares on the relative error, with alpha, beta >= 0. Such predictions are marked extrapolated.
-  Without points of that kind and placement, the other placement's fit is used, then the other kind's
-  (alpha and beta are per-link in both formulas), and the output says so. Without any communication
-  measured (a 1-rank profile), communication costs 0 and a warning says what the prediction lacks.
+- compute and tensor-parallel composites: the mean of the samples (`compute_stat`: or the median), a compute
+  event divided by its measuring rank's speed factor (`rank_speed`: its speed-probe median over the ranks'
+  mean); a compute event the profile lacks is a UserError listing it and the command that profiles it;
+- GPU forwards and backwards: the same statistic of the host's issue times (`host_issue`); backwards: what
+  each further backward() call costs (`backward_call`), which a step pays once;
+- P2P: the minimum sample; its post (`send_post`): the median; with the sender computing
+  (`sender_busy_extra`): the mean excess over its own time;
+- all-reduce: the median; a gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`): the
+  compute statistic of their samples, else the rate of the largest all-reduce that has them;
+- communication not measured at its size, group or placement: an alpha-beta (ring) model fitted to the
+  measured points of its kind and placement (`fit_alpha_beta`; `_choose_fit` for the fallbacks), marked
+  extrapolated;
+- data-parallel replica skew (dp > 1): analysis.skew.
 """
 from __future__ import annotations
 

@@ -107,26 +107,45 @@ def _ms_or_dash(seconds: float | None) -> float | str:
     return "-" if seconds is None else _ms(seconds)
 
 
-def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str:
-    """The terminal report: headline numbers, per stage and (if `ranks`) per device usage, extrapolations,
-    fits, what is unmeasured and warnings."""
+def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False) -> str:
+    """The terminal report, the answer first: batch time, throughput, bubble and the per-stage table; the
+    per-device table for `ranks` (devices of one stage are alike, so only where asked); a line on what was
+    extrapolated; warnings. With `details` also the model's corrections (rules in docs/analysis.md)."""
     spec, costs = timeline.spec, timeline.costs
     T = timeline.batch_time_s
-    out = [f"{spec.model.name}: {strategy_label(timeline)} on {timeline.world:,} devices, "
-           f"data-parallel all-reduce {'overlapped with the backward' if timeline.dp_overlap else 'after the backward'}",
-           f"batch time  {format_seconds(T)}",
-           f"throughput  {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
-           f"bubble      {timeline.bubble_fraction:.1%} of device time idle (mean over devices)", ""]
-    rows = [(r["stage"], r["devices"], ",".join(map(str, r["virtual_stages"])), _ms(r["compute_s"]), _ms(r["comm_s"]),
-             _ms(r["overlapped_comm_s"]), _ms(r["idle_s"]), f"{r['idle_s'] / T:.1%}" if T > 0 else "-")
-            for r in stage_rows(timeline)]
-    out.append(format_table(("stage", "devices", "virtual", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle"),
-                            rows, title="per pipeline stage (every dp x tp replica alike):"))
+    s = spec.strategy
+    exposed = sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T) if T > 0 else 0.0
+    out = [f"{spec.model.name}: {strategy_label(timeline)} on {timeline.world:,} devices "
+           f"({spec.cluster.nodes:,} x {spec.cluster.gpus_per_node}), global batch {spec.batch.global_size:,}",
+           f"batch time   {format_seconds(T)}",
+           f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
+           f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
+           "computing", ""]
+    rows = [(r["stage"], r["devices"], _ms(r["compute_s"]), _ms(r["comm_s"]), _ms(r["overlapped_comm_s"]),
+             _ms(r["idle_s"]), 100.0 * r["idle_s"] / T if T > 0 else None) for r in stage_rows(timeline)]
+    out.append(format_table(("stage", "devices", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle %"), rows,
+                            title=f"per pipeline stage (its {s.dp} x {s.tp} dp x tp devices alike; data-parallel "
+                                  f"all-reduce {'during' if timeline.dp_overlap else 'after'} the backward):"))
     if ranks:
         rows = [(d.rank, d.stage, d.dp, d.tp, _ms(d.compute_s), _ms(d.comm_s), _ms(d.overlapped_comm_s), _ms(d.idle_s))
                 for d in timeline.devices(ranks)]
         out += ["", format_table(("rank", "stage", "dp", "tp", "compute ms", "comm ms", "overlapped ms", "idle ms"),
                                  rows, title="per device:")]
+    extrapolated = costs.extrapolated
+    if extrapolated and not details:
+        out += ["", f"{len(extrapolated)} communication event(s) the profile did not measure are costed by a fit "
+                    "(--details)"]
+    if details:
+        out += _details(timeline)
+    for warning in costs.warnings:
+        out += ["", f"WARNING: {warning}"]
+    return "\n".join(out)
+
+
+def _details(timeline: Timeline) -> list[str]:
+    """The model's corrections and the communication fits, one table each (docs/analysis.md)."""
+    costs = timeline.costs
+    out: list[str] = []
     extrapolated = costs.extrapolated
     if extrapolated:
         plan = timeline.plan
@@ -138,10 +157,10 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,
                  f.bandwidth_bytes_s / 1e9 if math.isfinite(f.bandwidth_bytes_s) else "-",
-                 f"{f.mean_rel_error:.1%}" if f.points else "-", f"{f.max_rel_error:.1%}" if f.points else "-")
+                 100.0 * f.mean_rel_error if f.points else "-", 100.0 * f.max_rel_error if f.points else "-")
                 for f in costs.fits.values()]
-        out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err",
-                                  "max err"), rows, title="communication fits (relative error on measured points):")]
+        out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err %",
+                                  "max err %"), rows, title="communication fits (relative error on measured points):")]
     if costs.sender_busy_extra:
         rows = [(eid, timeline.plan.events[eid].name, _ms(extra))
                 for eid, extra in sorted(costs.sender_busy_extra.items())]
@@ -185,12 +204,10 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None) -> str
                                           if len(shown) < len(order) else ""))]
     skew = replica_skew_summary(timeline)
     if skew is not None:
-        rows = [(r["stage"], _ms(r["window_s"]), f"{r['sigma']:.1%}" if r["positions"] else "-", r["positions"],
+        rows = [(r["stage"], _ms(r["window_s"]), 100.0 * r["sigma"] if r["positions"] else "-", r["positions"],
                  _ms(r["lag_s"])) for r in skew["stages"]]
-        out += ["", format_table(("stage", "compute span ms", "sigma", "windows", "lag ms"), rows,
+        out += ["", format_table(("stage", "compute span ms", "sigma %", "windows", "lag ms"), rows,
                                  title=f"the slowest of {skew['replicas']} data-parallel replicas lags (sigma: how "
                                        f"the speeds of the profile's ranks {','.join(map(str, skew['profile_ranks']))} "
                                        "differed over such a span):")]
-    for warning in costs.warnings:
-        out += ["", f"WARNING: {warning}"]
-    return "\n".join(out)
+    return out

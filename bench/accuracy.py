@@ -20,10 +20,9 @@ at most 5% in every row (DistSim reports under 4% and 5% on GPUs).
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
      [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
-bind; --bind none shows what unbound ranks cost a pipeline's waiting stage (docs/benchmarks.md, run 18).
+bind; --bind none shows what unbound ranks cost a pipeline's waiting stage.
 --reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured);
-with --no-rank-speed, without referring compute events to the profiling ranks' mean speed (docs/benchmarks.md,
-run 20). --json rows also carry each stage's median error (stage_error_pct) and, as the runs trace every
+with --no-rank-speed, without referring compute events to the profiling ranks' mean speed. --json rows also carry each stage's median error (stage_error_pct) and, as the runs trace every
 layer (harness train --layer-times; --no-layer-times leaves that out), each layer event's (layer_error_pct),
 which the table prints below the rows.
 """
@@ -238,8 +237,8 @@ def main() -> None:
                         "(--trials does not apply)")
     parser.add_argument("--bind", choices=("core", "none", "launcher"), default="core",
                         help="mpirun --bind-to for profile and run (default core: one core per rank; launcher: "
-                        "pass no option, so the launcher's default or its environment decides; runs 1-17 ran so, "
-                        "unbound under MPICH); ignored with --reuse")
+                        "pass no option, so the launcher's default or its environment decides: unbound under MPICH); "
+                        "ignored with --reuse")
     parser.add_argument("--no-rank-speed", action="store_true",
                         help="validate without referring compute events to the profiling ranks' mean speed (analysis "
                         "validate --no-rank-speed); with --reuse, the same trials both ways")

@@ -1,6 +1,9 @@
-"""Event generation at scale: a 16,384-GPU job (dp=256, tp=8, pp=8, 96 layers, 64 micro-batches).
+"""Event generation at scale: a 16,384-GPU job (dp=256, tp=8, pp=8, 96 layers, 64 micro-batches), and the
+same job with ever more identical layers.
 
-Prints the time to build the unique-event table and the de-duplication ratio. Target: well under 1 s.
+Prints the time to build the unique-event table and the de-duplication ratio (target: well under 1 s), then
+the build time per layer as the layer count grows to the spec's limit (identical layers share their events:
+it should stay flat, a few microseconds).
 Run: .venv/bin/python bench/events_scale.py
 """
 from __future__ import annotations
@@ -54,6 +57,14 @@ def main() -> None:
     t0 = time.perf_counter()
     flow = sum(1 for _ in plan.device_flow(spec.strategy.world - 1))
     print(f"materialising one device's flow on demand: {flow} events in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    print(f"\n{'layers':>8} {'build (ms)':>11} {'us per layer':>13} {'unique':>7}")
+    for layers in (96, 1_024, 8_192, 65_536):
+        text = SPEC.format(schedule="1f1b", chunks="").replace("layers = 96", f"layers = {layers}")
+        spec = loads_spec(text)
+        t0 = time.perf_counter()
+        plan = build_plan(spec)
+        elapsed = time.perf_counter() - t0
+        print(f"{layers:>8,} {elapsed * 1e3:>11.1f} {elapsed / layers * 1e6:>13.2f} {plan.unique_events:>7}")
 
 
 if __name__ == "__main__":

@@ -221,40 +221,36 @@ class EventPlan:
                               for p in range(s.pp)]
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
-        traffic: dict[int, float] = {}
+        per_layer: dict[tuple, tuple[str, str, str]] = {}  # identical layers share their events (ids cost a hash)
         for vs, stage_layers in enumerate(stages):
             fwd, bwd, fwd_layers, bwd_layers, opt = [], [], [], [], []
             tp_groups = tp_groups_of_stage[vs % s.pp]
             grads: list[tuple[int, int]] = []  # (layer index, gradient bytes) in backward order
+            # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
+            calls = sum(layer.tp_allreduces for layer in stage_layers)
+            tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, 2 * m * calls,
+                                            "tensor-parallel groups") if calls else ""
+            events = []
             for layer in stage_layers:
-                sig = dict(layer.signature)
-                compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
-                f_flops = layer.fwd_flops(micro, seq)
-                label = layer_label(layer)
-                traffic[id(layer)] = self._traffic(layer, index_of[id(layer)], micro * seq)
-                fwd.append(self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, f_flops,
-                                     m * devices_per_stage, traffic[id(layer)]))
-                fwd_layers.append(index_of[id(layer)])
-                for _ in range(layer.tp_allreduces):
-                    fwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
-                                                "tensor-parallel groups"))
-                    fwd_layers.append(-1)
-                opt.append(self._add("compute", f"{label}.optimizer",
-                                     {"layer": layer.kind, "signature": sig, "phase": "optimizer",
-                                      "params": layer.params}, 12.0 * layer.params, devices_per_stage,
-                                     float(layer.params * OPTIMIZER_BYTES_PER_PARAMETER)))
-            for layer in reversed(stage_layers):
-                sig = dict(layer.signature)
-                label = layer_label(layer)
-                compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
-                bwd.append(self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"},
-                                     2.0 * layer.fwd_flops(micro, seq), m * devices_per_stage,
-                                     2.0 * traffic[id(layer)]))
+                index = index_of[id(layer)]
+                key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else ())
+                if key not in per_layer:
+                    per_layer[key] = self._layer_events(layer, index, micro, seq)
+                events.append(per_layer[key])
+                f_id, b_id, o_id = per_layer[key]
+                self.multiplicity[f_id] += m * devices_per_stage
+                self.multiplicity[b_id] += m * devices_per_stage
+                self.multiplicity[o_id] += devices_per_stage
+                fwd.append(f_id)
+                fwd_layers.append(index)
+                fwd += [tp_allreduce] * layer.tp_allreduces
+                fwd_layers += [-1] * layer.tp_allreduces
+                opt.append(o_id)
+            for layer, (_, b_id, _) in zip(reversed(stage_layers), reversed(events)):
+                bwd.append(b_id)
                 bwd_layers.append(index_of[id(layer)])
-                for _ in range(layer.tp_allreduces):
-                    bwd.append(self._collective("allreduce", activation, s.tp, tp_groups, m,
-                                                "tensor-parallel groups"))
-                    bwd_layers.append(-1)
+                bwd += [tp_allreduce] * layer.tp_allreduces
+                bwd_layers += [-1] * layer.tp_allreduces
                 grads.append((len(bwd) - 1, layer.params * dtype_bytes))
             buckets = self._buckets(vs, grads) if s.dp > 1 else []
             self.stages.append(StageProgram(
@@ -271,6 +267,19 @@ class EventPlan:
             what = f"pipeline pairs {vs}->{vs + 1}"
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
+
+    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str, str]:
+        """The forward, backward and optimizer events of a layer (multiplicities left to the caller)."""
+        sig = dict(layer.signature)
+        label = layer_label(layer)
+        compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
+        flops = layer.fwd_flops(micro, seq)
+        traffic = self._traffic(layer, index, micro * seq)
+        return (self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic),
+                self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic),
+                self._add("compute", f"{label}.optimizer", {"layer": layer.kind, "signature": sig,
+                                                             "phase": "optimizer", "params": layer.params},
+                          12.0 * layer.params, 0, float(layer.params * OPTIMIZER_BYTES_PER_PARAMETER)))
 
     def _traffic(self, layer: LayerDesc, index: int, tokens: int) -> float:
         """A forward's memory traffic: its parameters and its activations in and out, in bytes."""

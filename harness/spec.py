@@ -208,14 +208,42 @@ def loads_spec(text: str, source: str = "<spec>", import_factory: bool = True) -
     return parse_spec(data, source=source, import_factory=import_factory)
 
 
+# Sizes beyond any real job: what events, profiles and timelines are made of grows with them, so a value past
+# these (a typo, a million layers) is refused at once instead of running for hours.
+LIMITS = {
+    "model.layers": (100_000, "the largest models have a few hundred layers"),
+    "model.hidden": (1_000_000, "the largest models' hidden size is tens of thousands"),
+    "model.ffn": (10_000_000, "the largest models' feed-forward size is a few hundred thousand"),
+    "model.heads": (100_000, "the largest models have a few hundred heads"),
+    "model.kv_heads": (100_000, "the largest models have a few hundred heads"),
+    "model.seq_len": (10_000_000, "the longest contexts trained are a few million tokens"),
+    "model.vocab": (100_000_000, "the largest vocabularies have a few hundred thousand tokens"),
+    "batch.global": (1_000_000_000, "no job trains on a billion samples per iteration"),
+    "batch.micro": (1_000_000, "a micro-batch is a few to a few thousand samples"),
+    "strategy.dp": (1_048_576, "2^20 devices are more than any cluster has"),
+    "strategy.tp": (1_024, "tensor parallelism spans a node or a few"),
+    "strategy.pp": (65_536, "a pipeline stage needs at least one layer"),
+    "strategy.chunks": (1_024, "interleaved schedules use a few chunks per device"),
+    "cluster.nodes": (1_048_576, "2^20 nodes are more than any cluster has"),
+    "cluster.gpus_per_node": (4_096, "a node holds a few to a few hundred devices"),
+}
+MAX_DEVICES = 1_048_576
+MAX_MICRO_BATCHES = 100_000  # per pipeline per iteration: the timeline simulates each one
+
+
 def _int(section: dict, key: str, where: str, default: Any = None, minimum: int = 1) -> int:
     value = section.get(key, default)
+    field = f"{where}.{key}"
     if value is None:
-        raise SpecError("is required", field=f"{where}.{key}")
+        raise SpecError("is required", field=field)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"must be an integer, got {value!r}", field=f"{where}.{key}")
+        raise SpecError(f"must be an integer, got {value!r}", field=field)
     if value < minimum:
-        raise SpecError(f"must be >= {minimum}, got {value}", field=f"{where}.{key}")
+        raise SpecError(f"must be >= {minimum}, got {value}", field=field)
+    if field in LIMITS and value > LIMITS[field][0]:
+        limit, why = LIMITS[field]
+        raise SpecError(f"{value:,} is more than this tool models (at most {limit:,}: {why}); give the job's real "
+                        "size", field=field)
     return value
 
 
@@ -389,6 +417,13 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
         raise SpecError(f"global ({batch.global_size}) must be divisible by dp x micro = "
                         f"{strategy.dp} x {batch.micro} = {strategy.dp * batch.micro}", field="batch.global")
     micro_batches = batch.global_size // (strategy.dp * batch.micro)
+    if strategy.world > MAX_DEVICES:
+        raise SpecError(f"dp x tp x pp = {strategy.world:,} devices is more than this tool models (at most "
+                        f"{MAX_DEVICES:,})", field="strategy")
+    if micro_batches > MAX_MICRO_BATCHES:
+        raise SpecError(f"{micro_batches:,} micro-batches per pipeline (global / (dp x micro)) is more than the "
+                        f"timeline simulates (at most {MAX_MICRO_BATCHES:,}); raise batch.micro or dp",
+                        field="batch.global")
     if schedule == "interleaved-1f1b" and micro_batches % strategy.pp:
         raise SpecError(f"interleaved-1f1b needs the micro-batch count ({micro_batches} = global / (dp x micro)) "
                         f"to be a multiple of pp ({strategy.pp})", field="batch.global")

@@ -94,8 +94,16 @@ def test_simulate_writes_trace_png_timeline_and_json(hybrid_profile, tmp_path, c
 def test_table_output_and_device_selection(hybrid_profile, capsys):
     assert main(["simulate", str(hybrid_profile), "--no-overlap"]) == 0
     out = capsys.readouterr().out
-    for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "per device",
-                 "extrapolated", "communication fits", "after the backward", "while the sender computes"):
+    # the answer first, the model's corrections only on request
+    for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "after the backward",
+                 "costed by a fit (--details)"):
+        assert text in out
+    for text in ("per device", "communication fits", "while the sender computes", "probe / ranks' mean"):
+        assert text not in out
+    assert out.splitlines()[1].startswith("batch time")
+    assert main(["simulate", str(hybrid_profile), "--no-overlap", "--details", "--devices", "0-1"]) == 0
+    out = capsys.readouterr().out
+    for text in ("per device", "extrapolated", "communication fits", "while the sender computes"):
         assert text in out
     assert main(["simulate", str(hybrid_profile), "--json", "--devices", "stages"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -112,7 +120,7 @@ def test_the_report_shows_how_long_a_replica_averages_and_zeroes_its_gradient_bu
     spec = make_spec(dp=2, micro_batches=2, bucket_mb=1000)
     path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, 1e-3), divide=[2e-3, 2e-3],
                                   zero=[1.5e-3, 1.5e-3])
-    assert main(["simulate", str(path)]) == 0
+    assert main(["simulate", str(path), "--details"]) == 0
     out = capsys.readouterr().out
     assert "averages each gradient bucket" in out and "zero ms" in out
     assert main(["simulate", str(path), "--json"]) == 0
@@ -125,7 +133,7 @@ def test_the_report_shows_how_long_a_replica_averages_and_zeroes_its_gradient_bu
 def test_the_report_shows_how_long_a_sending_step_posts_its_send(tmp_path, capsys):
     path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2, micro_batches=2), by_name({}, 1e-3),
                                   send_post=[3e-4, 5e-4])
-    assert main(["simulate", str(path)]) == 0
+    assert main(["simulate", str(path), "--details"]) == 0
     assert "post the send for" in capsys.readouterr().out
     assert main(["simulate", str(path), "--json"]) == 0
     (post,) = json.loads(capsys.readouterr().out)["p2p_send_post"]
@@ -214,10 +222,10 @@ def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsy
     assert row["device_s"] == pytest.approx(1e-3)
     # the head's backward opens each of the 2 backward steps: the device waits 2 ms for its issue each time
     assert after["batch_time_s"] == pytest.approx(before["batch_time_s"] + 2 * 2e-3)
-    assert main(["simulate", str(gpu)]) == 0
+    assert main(["simulate", str(gpu), "--details"]) == 0
     assert "host issue ms" in capsys.readouterr().out
     # the table lists the launch-bound layer (the host slower than the device) first
-    assert main(["simulate", str(both)]) == 0
+    assert main(["simulate", str(both), "--details"]) == 0
     lines = capsys.readouterr().out.splitlines()
     table = lines[next(i for i, line in enumerate(lines) if "host issue ms" in line) + 2:][:2]
     assert "gpt2.head.bwd" in table[0] and table[0].endswith("host")

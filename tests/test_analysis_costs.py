@@ -283,7 +283,7 @@ def test_compute_events_stand_for_the_profiling_ranks_mean_speed(tmp_path, capsy
     raw = estimate_costs(plan, profile, rank_speed=False)
     assert raw.rank_speed == {}
     assert all(raw.seconds(eid) == pytest.approx(1e-3) for eid, e in plan.events.items() if e.kind == "compute")
-    assert main(["simulate", str(path)]) == 0
+    assert main(["simulate", str(path), "--details"]) == 0
     assert "probe / ranks' mean" in capsys.readouterr().out
     assert main(["simulate", str(path), "--json", "--no-rank-speed"]) == 0
     assert '"rank_speed": {}' in capsys.readouterr().out

@@ -164,3 +164,31 @@ def test_switching_to_interleaved_takes_its_default_chunks():
 def test_mpi4py_backend_refuses_bfloat16():
     text = tiny_spec_text(extra='backend = "mpi4py"\n').replace('dtype = "float32"', 'dtype = "bfloat16"')
     assert "[profile.backend]" in _error(text)
+
+
+@pytest.mark.parametrize("old,new,field", [("layers = 4", "layers = 100000000", "[model.layers]"),
+                                           ("seq_len = 16", "seq_len = 1000000000", "[model.seq_len]"),
+                                           ("global = 8", "global = 10000000", "[batch.global]")])
+def test_sizes_past_any_real_job_are_refused_at_once(tmp_path, project_env, old, new, field):
+    """A million layers or a billion-token sequence: one message, exit 2, not hours of event generation."""
+    text = tiny_spec_text(seq=16, global_batch=8)
+    assert old in text
+    path = tmp_path / "huge.toml"
+    path.write_text(text.replace(old, new))
+    result = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
+                            env=project_env, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert field in result.stderr and ("more than this tool models" in result.stderr
+                                       or "more than the timeline simulates" in result.stderr)
+
+
+def test_many_identical_layers_share_their_events():
+    """The events stage is built on unique events: 10,000 identical blocks are still three compute events each
+    for forward, backward and optimizer, with the multiplicities of all of them."""
+    from harness.events import build_plan
+
+    plan = build_plan(loads_spec(tiny_spec_text(layers=10_000)))
+    blocks = [e for e in plan.events.values() if e.name.startswith("gpt2.block")]
+    assert len(blocks) == 3
+    assert {plan.multiplicity[e.id] for e in blocks} == {10_000 * plan.spec.micro_batches,
+                                                         10_000}  # fwd and bwd per micro-batch, optimizer once

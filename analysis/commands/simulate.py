@@ -5,8 +5,9 @@ import argparse
 import json
 import sys
 
+from harness.output import writable, write_csv
+
 from analysis.devices import plot_devices, select_devices
-from harness.output import writable
 from analysis.predict import predict
 from analysis.report import format_report, summary
 
@@ -30,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-rank-speed", action="store_true",
                         help="keep every compute sample as its profiling rank took it, instead of referring it to the "
                              "ranks' mean speed by the profile's speed probe")
+    parser.add_argument("--details", action="store_true",
+                        help="also print the model's corrections and the communication fits (--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
+    parser.add_argument("--csv", metavar="FILE.csv", help="write the chosen devices' usage as CSV (docs/analysis.md)")
     parser.add_argument("--trace", metavar="FILE.json[.gz]", help="write a Chrome/Perfetto trace")
     parser.add_argument("--png", metavar="FILE.png", help="write a Gantt chart")
     parser.add_argument("--out", metavar="TIMELINE.h5", help="write the timeline in HDF5 (docs/timeline.md)")
@@ -52,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
 
         rows, note = plot_devices(prediction.spec, ranks if args.devices else None)
         written.append(("chart", writable(args.png, lambda: write_gantt(args.png, timeline, rows, note))))
+    if args.csv:
+        columns = ("rank", "stage", "dp", "tp", "compute_s", "comm_s", "overlapped_comm_s", "idle_s")
+        rows = [[d.to_dict()[c] for c in columns] + [timeline.batch_time_s] for d in timeline.devices(ranks)]
+        written.append(("table", write_csv(args.csv, (*columns, "batch_time_s"), rows)))
     if args.out:
         from analysis.timeline_file import write_timeline
 
@@ -61,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         for warning in timeline.costs.warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
     else:
-        shown = ranks if args.devices or timeline.world <= 16 else None
-        print(format_report(timeline, shown))
+        print(format_report(timeline, ranks if args.devices else None, details=args.details))
     for what, path in written:
         print(f"wrote {what} {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

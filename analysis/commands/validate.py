@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness.output import format_table
+from harness.output import format_table, writable, write_csv
 
-from harness.output import writable
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import validate
@@ -26,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep every compute sample as its profiling rank took it, instead of referring it to the "
                              "ranks' mean speed by the profile's speed probe")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
+    parser.add_argument("--csv", metavar="FILE.csv", help="write the per-device errors as CSV (docs/analysis.md)")
     parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
     parser.add_argument("--trace-out", "--perfetto", dest="trace_out", metavar="FILE.json[.gz]",
                         help="one Perfetto trace holding the measured and the predicted timelines")
@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         from analysis.compare import write_comparison_trace
 
         written.append(("trace", writable(args.trace_out, lambda: write_comparison_trace(args.trace_out, result))))
+    if args.csv:
+        columns = ("rank", "stage", "dp", "tp", "measured_busy_s", "predicted_busy_s", "error_pct")
+        written.append(("table", write_csv(args.csv, columns, [[d[c] for c in columns] for d in result.devices])))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

@@ -8,7 +8,7 @@ from harness.cli import default_spec_path
 from harness.errors import UserError
 from harness.events import build_plan, human_bytes
 from harness.spec import load_spec
-from harness.output import format_table
+from harness.output import format_table, write_csv
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"
@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object (docs/events.md)")
     parser.add_argument("--list", action="store_true", help="also list every unique event")
     parser.add_argument("--device", type=int, metavar="RANK", help="materialise one device's event flow in order")
+    parser.add_argument("--csv", metavar="FILE.csv", help="write every unique event as CSV (docs/events.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None and not 0 <= args.device < spec.strategy.world:
         raise UserError(f"--device {args.device} is outside the job's ranks 0..{spec.strategy.world - 1}")
     flow = list(plan.device_flow(args.device)) if args.device is not None else None
+    if args.csv:
+        columns = ("id", "kind", "name", "multiplicity", "cost")
+        write_csv(args.csv, (*columns, "content_json"),
+                  [[r[c] for c in columns] + [json.dumps(r["content"], sort_keys=True)] for r in plan.table()])
     if args.json:
         if args.list:
             summary["events"] = plan.table()

@@ -14,7 +14,7 @@ from harness.errors import UserError
 from harness.mpi_errors import stop_on_error
 from harness.events import build_plan
 from harness.spec import load_spec
-from harness.output import format_seconds, format_table
+from harness.output import format_seconds
 
 NAME = "profile"
 HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
@@ -56,12 +56,11 @@ def run(args: argparse.Namespace) -> int:
                          events=plan.unique())
     if result is None:
         return 0
-    rows = [("measured now", result.measured), ("already stored (skipped)", result.skipped),
-            ("unmeasured", len(result.unmeasured))]
-    print(format_table(("events", "count"), rows, title=f"profile of {spec.model.name} on {comm.Get_size()} ranks"))
+    print(f"profiled {spec.model.name} on {comm.Get_size()} ranks: {result.measured} measurements taken, "
+          f"{result.skipped} already stored, {len(result.unmeasured)} unmeasurable here; wall time "
+          f"{format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
     for eid, why in sorted(result.unmeasured.items()):
         print(f"  unmeasured {plan.events[eid].name} ({eid}): {why}")
-    print(f"wall time {format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
     print(f"profile: {result.path}")
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")

@@ -273,6 +273,6 @@ def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.nd
     others at the layer's first all-reduce, and its own time counts that wait. In a training step the
     layer follows the previous layer's all-reduces, which have just brought the members together. So the
     sample starts when the last member started; it ends when the last one is done, which keeps the waits
-    for the slower member at the later all-reduces and the slower tail. On the 2-core CPU the max over the
-    members' own times had predicted tp=2's backward steps 6-11% long (docs/benchmarks.md, run 14)."""
+    for the slower member at the later all-reduces and the slower tail (the max over the members' own times
+    would count the barrier's skew too)."""
     return np.asarray(last_end_s, dtype=np.float64) - np.asarray(last_start_s, dtype=np.float64)

@@ -1,9 +1,8 @@
 """The speed probe: one small fixed piece of work that every profiling rank times once per round.
 
 Every rank profiles its own share of the compute events, so an event's samples carry the speed of the rank
-that took them. Ranks differ: two cores of the 2-core CPU machine, profiling at the same time, differed by
-up to 38% on every event, either way (docs/benchmarks.md, run 20), and on a cluster nodes throttle
-differently. Timed by every rank in the same rounds, the probe tells the ranks' speeds apart; the analysis
+that took them, and ranks differ (cores of a shared machine, nodes that throttle differently). Timed by
+every rank in the same rounds, the probe tells the ranks' speeds apart; the analysis
 refers each compute event to the ranks' mean (analysis.costs). The work has a transformer MLP's shape, on the
 rank's device (SHAPES): an untimed run (what ran before it was the round's last event, different on every
 rank), then a timed one. A rank without a share of the compute events has no rounds and no probe.

@@ -1,0 +1,67 @@
+"""Real data, pinned: the numbers simulate, validate and show give on a profile and a run made by the project
+on its own machines (tests/data/README.md). A change to the timeline model, the costs or the readers changes a
+number here."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from analysis.cli import main as analysis_main
+from harness.cli import main as harness_main
+from tests.conftest import ROOT
+
+DATA = ROOT / "tests" / "data"
+PROFILE, TRACE = DATA / "pp2-profile.h5", DATA / "pp2-trace.h5"
+EXACT = 1e-9
+
+
+def _json(main, capsys, *args) -> dict:
+    assert main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_on_the_real_profile(capsys):
+    report = _json(analysis_main, capsys, "simulate", str(PROFILE), "--json")
+    assert report["batch_time_s"] == pytest.approx(0.3444066012912614, rel=EXACT)
+    assert report["bubble_fraction"] == pytest.approx(0.2880767004435237, rel=EXACT)
+    assert report["throughput_samples_s"] == pytest.approx(23.228358486759888, rel=EXACT)
+    assert report["events"] == {"unique": 10, "total": 62}
+    (s0, s1) = report["stages"]
+    assert s0["compute_s"] == pytest.approx(0.19892499104741213, rel=EXACT)
+    assert s0["idle_s"] == pytest.approx(0.14443575824384924, rel=EXACT)
+    assert s1["compute_s"] == pytest.approx(0.289365472913201, rel=EXACT)
+    assert s1["end_s"] == pytest.approx(0.3035965278576606, rel=EXACT)
+    assert s0["comm_s"] == pytest.approx(0.0010458520000000138, rel=1e-6)
+
+
+def test_validate_on_the_real_run(capsys):
+    result = _json(analysis_main, capsys, "validate", str(TRACE), str(PROFILE), "--json")
+    assert result["measured_batch_time_s"] == pytest.approx(0.22032920150000002, rel=EXACT)
+    assert result["predicted_batch_time_s"] == pytest.approx(0.3444066012912614, rel=EXACT)
+    assert result["batch_time_error_pct"] == pytest.approx(56.31455065717258, rel=EXACT)
+    assert result["replay_error_pct"] == pytest.approx(-2.2381893622938787, rel=EXACT)
+    assert [d["error_pct"] for d in result["devices"]] == pytest.approx([37.17621518955549, 61.795503445024856],
+                                                                        rel=EXACT)
+    assert len(result["layers"]) == 8 and len(result["measured_iteration_s"]) == 6
+
+
+def test_show_on_the_real_profile(capsys, tmp_path):
+    summary = _json(harness_main, capsys, "show", str(PROFILE), "--json", "--csv", str(tmp_path / "m.csv"))
+    assert summary["schema_version"] == 2 and summary["environment"]["cpu_binding"] == "bound"
+    by_name = {m["name"]: m for m in summary["measurements"]}
+    assert len(by_name) == 11 and all(m["count"] == 10 for m in by_name.values())
+    assert by_name["gpt2.block.fwd"]["median_s"] == pytest.approx(0.0057260855, rel=EXACT)
+    assert by_name["gpt2.block.bwd"]["ranks"] == [0]
+    assert by_name["p2p 256KiB intra"]["median_s"] == pytest.approx(0.00018151975, rel=EXACT)
+    rows = list(csv.DictReader((tmp_path / "m.csv").open()))
+    assert {r["name"] for r in rows} == set(by_name)
+    assert float(next(r for r in rows if r["name"] == "gpt2.block.fwd")["median_s"]) == pytest.approx(0.0057260855)
+
+
+def test_the_terminal_report_on_the_real_profile(capsys):
+    assert analysis_main(["simulate", str(PROFILE)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "batch time   344.407 ms"
+    assert len(lines) <= 12
