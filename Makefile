@@ -24,18 +24,22 @@ export DISTSIM_MPIRUN=$(MPIRUN)
 DEMO_OUT ?= demo-out
 DEMO_RANKS ?= 4
 
+# Run a set-up command without its chatter; on failure show everything it printed.
+quietly = out=$$($(1) 2>&1) || { echo "$$out"; exit 1; }
+
 .PHONY: setup demo test test-serial test-mpi test-slurm slurm-deps bench bench-accuracy clean
 
 setup: $(VENV)/.setup-$(MPI)
 
 $(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
-	if [ "$(MPI)" = mpich ]; then $(PY) -m pip install -q --disable-pip-version-check -r requirements-mpich.txt; fi
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	rm -f $(VENV)/.setup-*
-	touch $@
+	@echo "setting up $(VENV): pinned dependencies$(if $(filter mpich,$(MPI)), and MPICH from PyPI), this package (editable)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(call quietly,$(PY) -m pip install --disable-pip-version-check --upgrade pip)
+	@$(call quietly,$(PY) -m pip install --disable-pip-version-check -r requirements.txt)
+	@if [ "$(MPI)" = mpich ]; then $(call quietly,$(PY) -m pip install --disable-pip-version-check -r requirements-mpich.txt); fi
+	@$(call quietly,$(PY) -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e .)
+	@rm -f $(VENV)/.setup-*
+	@touch $@
 
 # The main job end to end on the built-in demo spec: events, a 4-rank profile (as 2 emulated nodes of 2,
 # so inter-node pairs are measured too), then the offline prediction with its trace and picture.
@@ -43,11 +47,7 @@ demo: setup
 	$(PY) -m harness events harness/jobs/demo.toml
 	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/demo.toml -o $(DEMO_OUT)
 	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --trace $(DEMO_OUT)/timeline.json.gz --png $(DEMO_OUT)/timeline.png --out $(DEMO_OUT)/timeline.h5
-	@echo
-	@echo "profile:   $(DEMO_OUT)/profile.h5   (python -m harness show $(DEMO_OUT)/profile.h5)"
-	@echo "trace:     $(DEMO_OUT)/timeline.json.gz   (open in https://ui.perfetto.dev)"
-	@echo "picture:   $(DEMO_OUT)/timeline.png"
-	@echo "timeline:  $(DEMO_OUT)/timeline.h5"
+	@echo "more: python -m harness show $(DEMO_OUT)/profile.h5; python -m analysis simulate $(DEMO_OUT)/profile.h5 --details"
 
 test: setup slurm-deps
 	$(MAKE) --no-print-directory test-serial test-mpi

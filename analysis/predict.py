@@ -1,6 +1,8 @@
-"""From a profile (and optionally another spec or strategy) to a simulated timeline, in one call."""
+"""From a profile (and optionally another spec or strategy) to a simulated timeline, in one call; and the
+command-line options that shape a prediction, shared by every command that predicts."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,3 +37,21 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
                            compute_stat=compute_stat, rank_speed=rank_speed)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap))
+
+
+def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:
+    """--no-overlap, --compute-stat, --no-rank-speed: how events become a prediction (docs/analysis.md)."""
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="all-reduce gradients after the whole backward (DistSim), not during it (DDP)")
+    parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
+                        help="the statistic of a compute event's samples that stands for it: mean (default: an "
+                             "iteration sums many events) or median (DistSim's)")
+    parser.add_argument("--no-rank-speed", action="store_true",
+                        help="keep every compute sample as its profiling rank took it, instead of referring it to the "
+                             "ranks' mean speed by the profile's speed probe")
+
+
+def prediction_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of predict() and validate() that add_prediction_arguments' options give."""
+    return {"dp_overlap": False if args.no_overlap else None, "compute_stat": args.compute_stat,
+            "rank_speed": not args.no_rank_speed}

@@ -8,7 +8,7 @@ import sys
 from harness.output import writable, write_csv
 
 from analysis.devices import plot_devices, select_devices
-from analysis.predict import predict
+from analysis.predict import add_prediction_arguments, predict, prediction_options
 from analysis.report import format_report, summary
 
 NAME = "simulate"
@@ -20,17 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", help="simulate this TOML job spec instead of the profile's own")
     parser.add_argument("--strategy", metavar="K=V,...",
                         help="change the strategy, e.g. dp=4,tp=2,pp=2,micro=1,schedule=interleaved-1f1b,chunks=2")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="all-reduce gradients after the whole backward (DistSim), not during it (DDP)")
     parser.add_argument("--devices", metavar="all|stages|RANKS",
                         help="devices to report, trace, draw and store: all, one per pipeline stage, or ranks like "
                              "0,3,8-11 (default: all up to 1024 devices, else stages; the chart: up to 16 rows)")
-    parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
-                        help="the statistic of a compute event's samples that stands for it: mean (default: an "
-                             "iteration sums many events) or median (DistSim's)")
-    parser.add_argument("--no-rank-speed", action="store_true",
-                        help="keep every compute sample as its profiling rank took it, instead of referring it to the "
-                             "ranks' mean speed by the profile's speed probe")
+    add_prediction_arguments(parser)
     parser.add_argument("--details", action="store_true",
                         help="also print the model's corrections and the communication fits (--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
@@ -41,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prediction = predict(args.profile, args.spec, args.strategy, dp_overlap=False if args.no_overlap else None,
-                         compute_stat=args.compute_stat, rank_speed=not args.no_rank_speed)
+    prediction = predict(args.profile, args.spec, args.strategy, **prediction_options(args))
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     report = summary(timeline, ranks, selection, args.profile)
@@ -50,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from analysis.perfetto import write_trace
 
-        written.append(("trace", writable(args.trace, lambda: write_trace(args.trace, timeline, ranks))))
+        written.append(("trace (open in https://ui.perfetto.dev)",
+                        writable(args.trace, lambda: write_trace(args.trace, timeline, ranks))))
     if args.png:
         from analysis.plot import write_gantt
 
@@ -59,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         columns = ("rank", "stage", "dp", "tp", "compute_s", "comm_s", "overlapped_comm_s", "idle_s")
         rows = [[d.to_dict()[c] for c in columns] + [timeline.batch_time_s] for d in timeline.devices(ranks)]
-        written.append(("table", write_csv(args.csv, (*columns, "batch_time_s"), rows)))
+        written.append(("CSV", write_csv(args.csv, (*columns, "batch_time_s"), rows)))
     if args.out:
         from analysis.timeline_file import write_timeline
 
@@ -71,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(timeline, ranks if args.devices else None, details=args.details))
     for what, path in written:
-        print(f"wrote {what} {path}", file=sys.stderr if args.json else sys.stdout)
+        print(f"wrote {path}: {what}", file=sys.stderr if args.json else sys.stdout)
     return 0

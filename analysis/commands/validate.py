@@ -6,6 +6,7 @@ import json
 
 from harness.output import format_table, writable, write_csv
 
+from analysis.predict import add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import validate
@@ -17,13 +18,7 @@ HELP = "compare a real run (trace.h5 of `harness train`) with the prediction fro
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace.h5 written by `python -m harness train` (or its RUNDIR)")
     parser.add_argument("profile", help="profile.h5 written by `python -m harness profile` (or its OUTDIR)")
-    parser.add_argument("--no-overlap", action="store_true", help="predict with the all-reduce after the backward")
-    parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
-                        help="the statistic of a compute event's samples that stands for it: mean (default: an "
-                             "iteration sums many events) or median (DistSim's)")
-    parser.add_argument("--no-rank-speed", action="store_true",
-                        help="keep every compute sample as its profiling rank took it, instead of referring it to the "
-                             "ranks' mean speed by the profile's speed probe")
+    add_prediction_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the per-device errors as CSV (docs/analysis.md)")
     parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
@@ -34,8 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     profile = load_profile(args.profile)
-    result = validate(trace, profile, dp_overlap=False if args.no_overlap else None,
-                      compute_stat=args.compute_stat, rank_speed=not args.no_rank_speed)
+    result = validate(trace, profile, **prediction_options(args))
     written = []
     if args.png:
         from analysis.compare import write_comparison_png
@@ -47,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         written.append(("trace", writable(args.trace_out, lambda: write_comparison_trace(args.trace_out, result))))
     if args.csv:
         columns = ("rank", "stage", "dp", "tp", "measured_busy_s", "predicted_busy_s", "error_pct")
-        written.append(("table", write_csv(args.csv, columns, [[d[c] for c in columns] for d in result.devices])))
+        written.append(("CSV", write_csv(args.csv, columns, [[d[c] for c in columns] for d in result.devices])))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -87,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
     for warning in result.timeline.costs.warnings:
         print(f"WARNING: {warning}")
     for what, path in written:
-        print(f"wrote {what} {path}")
+        print(f"wrote {path}: {what}")
     return 0
