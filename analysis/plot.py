@@ -123,3 +123,39 @@ def write_gantt(path: str | Path, timeline: Timeline, ranks: Sequence[int], note
     add_legend(fig, used)
     fig.tight_layout(rect=(0, 0.3 / height_in, 1, 1))
     return save(fig, path)
+
+
+def write_search_chart(path: str | Path, result) -> Path:
+    """Throughput against peak memory per device, one point per predicted candidate (filled where it fits),
+    the feasible Pareto front joined, the memory limit as a line, the best candidate named."""
+    from harness.output import byte_unit
+
+    from analysis.search import pareto_front
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 6))
+    predicted = [c for c in result.candidates if c.predicted]
+    unit, GB = byte_unit([c.peak_memory_bytes for c in predicted] + [result.capacity_bytes or 0])
+    for feasible, marker in ((True, "o"), (False, "x")):
+        points = [c for c in predicted if c.feasible == feasible]
+        if points:
+            ax.scatter([c.peak_memory_bytes / GB for c in points], [c.throughput_samples_s for c in points],
+                       marker=marker, s=28, color="#4C72B0" if feasible else "#C44E52",
+                       label="fits" if feasible else "does not fit")
+    front = pareto_front(result.candidates)
+    if front:
+        ax.plot([c.peak_memory_bytes / GB for c in front], [c.throughput_samples_s for c in front], color="#55A868",
+                linewidth=1.5, label="Pareto front (fits)")
+    if result.capacity_bytes:
+        ax.axvline(result.capacity_bytes / GB, color="#8C8C8C", linestyle="--", label="device memory")
+    best = result.best
+    if best is not None:
+        ax.annotate(best.label, (best.peak_memory_bytes / GB, best.throughput_samples_s), fontsize=8,
+                    xytext=(6, 6), textcoords="offset points")
+    ax.set_xlabel(f"peak memory per device ({unit})")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{result.spec.model.name}: {len(predicted)} candidates", fontsize=10)
+    ax.grid(linestyle=":", linewidth=0.5)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save(fig, path)

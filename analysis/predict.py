@@ -10,6 +10,7 @@ from harness.events import EventPlan, build_plan
 from harness.spec import JobSpec
 
 from analysis.costs import Costs, estimate_costs
+from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
 
@@ -23,6 +24,7 @@ class Prediction:
     plan: EventPlan
     costs: Costs
     timeline: Timeline
+    memory: MemoryEstimate
 
 
 def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
@@ -36,7 +38,8 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
     plan = build_plan(spec, layers_for(profile, spec))
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
                            compute_stat=compute_stat, rank_speed=rank_speed)
-    return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap))
+    return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
+                      estimate_memory(plan, activation_bytes(profile)))
 
 
 def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:

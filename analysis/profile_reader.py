@@ -144,6 +144,17 @@ class Profile:
     def event_name(self, eid: str) -> str:
         return str(self.events.get(eid, {}).get("name", eid))
 
+    def read_details(self) -> None:
+        """Read every measurement's samples and attributes now, in one pass over the file (before many
+        predictions, or before forking workers that would each read them)."""
+        pending = [m for m in self.measurements.values() if m._details is None and m.source is not None]
+        if not pending:
+            return
+        with reading(self.path, PROFILE_KIND), h5py.File(self.path, "r") as f:
+            group = f["measurements"]
+            for m in pending:
+                m._details = measurement_details(group[m.id])
+
 
 def load_profile(path: str | Path) -> Profile:
     """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.hdf5_io.open_file);

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harness.events import human_bytes
-from harness.output import format_seconds, format_table
+from harness.output import byte_unit, format_bytes, format_seconds, format_table
 
+from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline
 
 RANK_SPEED_ROWS = 16  # beyond this many profiling ranks, the table shows the fastest and slowest half each
@@ -38,7 +39,7 @@ def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
 
 
 def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_path: str | Path | None = None,
-            ) -> dict[str, Any]:
+            memory: MemoryEstimate | None = None) -> dict[str, Any]:
     """The JSON document of `simulate --json` (schema_version 1, docs/analysis.md)."""
     spec, s, costs = timeline.spec, timeline.spec.strategy, timeline.costs
     finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 (JSON has no NaN or infinity)
@@ -82,6 +83,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "dp_bucket_zero": [{"id": eid, "name": timeline.plan.events[eid].name, "zero_s": zero}
                            for eid, zero in sorted(costs.bucket_zero.items())],
         "replica_skew": replica_skew_summary(timeline),
+        "memory": memory.to_dict() if memory is not None else None,
         "warnings": list(costs.warnings),
     }
 
@@ -107,7 +109,8 @@ def _ms_or_dash(seconds: float | None) -> float | str:
     return "-" if seconds is None else _ms(seconds)
 
 
-def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False) -> str:
+def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False,
+                  memory: MemoryEstimate | None = None) -> str:
     """The terminal report, the answer first: batch time, throughput, bubble and the per-stage table; the
     per-device table for `ranks` (devices of one stage are alike, so only where asked); a line on what was
     extrapolated; warnings. With `details` also the model's corrections (rules in docs/analysis.md)."""
@@ -121,9 +124,21 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
            f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
            f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
            "computing", ""]
+    if memory is not None:
+        peak = memory.peak
+        capacity = spec.cluster.device_memory_gb
+        fits = "" if capacity is None else (f"; fits {capacity:g} GB" if memory.fits(capacity * GB)
+                                            else f"; DOES NOT FIT {capacity:g} GB")
+        out.insert(4, f"memory       {format_bytes(peak.total)} per device at most (stage {peak.stage}, "
+                      f"{peak.dominant} {format_bytes(getattr(peak, peak.dominant))}){fits}")
+    unit, scale = byte_unit([m.total for m in memory.stages] if memory is not None else [])
     rows = [(r["stage"], r["devices"], _ms(r["compute_s"]), _ms(r["comm_s"]), _ms(r["overlapped_comm_s"]),
-             _ms(r["idle_s"]), 100.0 * r["idle_s"] / T if T > 0 else None) for r in stage_rows(timeline)]
-    out.append(format_table(("stage", "devices", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle %"), rows,
+             _ms(r["idle_s"]), 100.0 * r["idle_s"] / T if T > 0 else None)
+            + ((memory.stages[r["stage"]].total / scale,) if memory is not None else ())
+            for r in stage_rows(timeline)]
+    headers = ("stage", "devices", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle %") + (
+        (f"memory {unit}",) if memory is not None else ())
+    out.append(format_table(headers, rows,
                             title=f"per pipeline stage (its {s.dp} x {s.tp} dp x tp devices alike; data-parallel "
                                   f"all-reduce {'during' if timeline.dp_overlap else 'after'} the backward):"))
     if ranks:
@@ -137,7 +152,12 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
                     "(--details)"]
     if details:
         out += _details(timeline)
-    for warning in costs.warnings:
+    warnings = list(costs.warnings)
+    if memory is not None and memory.unmeasured:
+        warnings.append(f"the profile does not say what {', '.join(memory.unmeasured)} save for their backward "
+                        "(written before it was measured): the memory counts no activations for them; profile "
+                        "again to include them")
+    for warning in warnings:
         out += ["", f"WARNING: {warning}"]
     return "\n".join(out)
 

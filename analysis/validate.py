@@ -18,6 +18,7 @@ device error.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,9 +26,11 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import EventPlan, build_plan
+from harness.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
 from harness.layers import LayerDesc
 
 from analysis.costs import Costs, estimate_costs
+from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory
 from analysis.profile_reader import Profile, parse_spec_offline
 from analysis.trace_reader import Trace
 from analysis.simulate import StageCosts, Timeline, simulate
@@ -57,6 +60,12 @@ class Validation:
     # each side's binding: bound, shared, single or unknown
     cpu_binding: dict[str, str] = field(default_factory=lambda: {"profile": "unknown", "run": "unknown"})
     replay_batch_s: float | None = None  # the prediction with the run's own compute (replay_stage_costs)
+    memory: list[dict[str, Any]] = field(default_factory=list)  # per pipeline stage, runs that recorded it
+
+    @property
+    def memory_error_pct(self) -> float | None:
+        """The largest |error| of a stage's predicted peak memory."""
+        return max((abs(r["error_pct"]) for r in self.memory if r["error_pct"] is not None), default=None)
 
     @property
     def replay_error_pct(self) -> float | None:
@@ -113,6 +122,8 @@ class Validation:
             "steps": self.steps,
             "replica_lag": self.replica_lag,
             "layers": self.layers,
+            "memory": self.memory,
+            "memory_error_pct": self.memory_error_pct,
             "extrapolated": [c.to_dict() for c in self.timeline.costs.extrapolated],
             "warnings": list(self.timeline.costs.warnings),
         }
@@ -196,9 +207,30 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
     result.layers = _layer_rows(trace, plan, costs)
+    result.memory = _memory_rows(trace, estimate_memory(plan, activation_bytes(profile)))
     replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept, measured_steps))
     result.replay_batch_s = replayed.batch_time_s
     return result
+
+
+def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]:
+    """Per pipeline stage: the model's peak against the largest peak its devices recorded (runs traced before
+    harness train recorded memory have none), with the parts of both."""
+    rows = []
+    for stage in estimate.stages:
+        devices = [d for d in trace.devices.values() if d.pp == stage.stage and PEAK_MEMORY_ATTR in d.attrs]
+        if not devices:
+            continue
+        largest = max(devices, key=lambda d: int(d.attrs[PEAK_MEMORY_ATTR]))
+        measured = int(largest.attrs[PEAK_MEMORY_ATTR])
+        parts = json.loads(largest.attrs.get(MEMORY_PARTS_ATTR, "{}"))
+        row = {"stage": stage.stage, "measured_bytes": measured, "predicted_bytes": stage.total,
+               "error_pct": _pct(stage.total, measured), "measured_parts": parts,
+               "predicted_parts": {part: getattr(stage, part) for part in PARTS}, "rank": largest.rank}
+        if CUDA_PEAK_MEMORY_ATTR in largest.attrs:
+            row["cuda_max_allocated_bytes"] = int(largest.attrs[CUDA_PEAK_MEMORY_ATTR])
+        rows.append(row)
+    return rows
 
 
 def _measured_steps(trace: Trace, kept: np.ndarray) -> dict[tuple[int, str, int], list[float]]:

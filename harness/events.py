@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+from harness.candidates import Grid, expand
 from harness.layers import LayerDesc, describe, split_into_stages
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
@@ -103,21 +104,38 @@ class UniqueEvents:
     events: dict[str, Event]
     multiplicity: Counter
     layers: list[LayerDesc]
+    plans: int = 1  # how many plans' events these are
+    separate: int = 0  # the sum of each plan's own unique events (what profiling each plan alone measures)
 
     @classmethod
     def union(cls, plans: "Iterable[EventPlan]") -> "UniqueEvents":
-        plans = list(plans)
-        if not plans:
-            raise ValueError("a union of no plans")
+        """The events of several plans (a search's candidates), each measured once; plans may be a generator."""
         events: dict[str, Event] = {}
         multiplicity: Counter = Counter()
+        layers, count, separate = None, 0, 0
         for plan in plans:
             events.update(plan.events)
             multiplicity.update(plan.multiplicity)
-        return cls(events, multiplicity, plans[0].layers)
+            layers = plan.layers if layers is None else layers
+            count += 1
+            separate += plan.unique_events
+        if layers is None:
+            raise ValueError("a union of no plans")
+        return cls(events, multiplicity, layers, count, separate)
 
     def __len__(self) -> int:
         return len(self.events)
+
+    def summary(self) -> dict[str, Any]:
+        """Unique events, the total over all plans, and by kind (docs/events.md)."""
+        by_kind: dict[str, dict[str, int]] = {}
+        for eid, event in self.events.items():
+            entry = by_kind.setdefault(event.kind, {"unique": 0, "total": 0})
+            entry["unique"] += 1
+            entry["total"] += self.multiplicity[eid]
+        total = sum(self.multiplicity.values())
+        return {"unique_events": len(self.events), "total_events": total,
+                "dedup_ratio": total / max(1, len(self.events)), "by_kind": dict(sorted(by_kind.items()))}
 
     def table(self) -> list[dict[str, Any]]:
         """One row per unique event, sorted by kind then name."""
@@ -318,11 +336,6 @@ class EventPlan:
 
     def summary(self) -> dict[str, Any]:
         """Counts for `harness events --json` (docs/events.md)."""
-        by_kind: dict[str, dict[str, int]] = {}
-        for eid, event in self.events.items():
-            entry = by_kind.setdefault(event.kind, {"unique": 0, "total": 0})
-            entry["unique"] += 1
-            entry["total"] += self.multiplicity[eid]
         s = self.spec.strategy
         return {
             "events_version": EVENTS_VERSION,
@@ -330,10 +343,7 @@ class EventPlan:
             "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks},
             "devices": s.world,
             "micro_batches": self.spec.micro_batches,
-            "unique_events": self.unique_events,
-            "total_events": self.total_events,
-            "dedup_ratio": self.total_events / max(1, self.unique_events),
-            "by_kind": dict(sorted(by_kind.items())),
+            **self.unique().summary(),
             "placement_mixed": self.placement_mixed,
         }
 
@@ -385,3 +395,13 @@ class EventPlan:
 def build_plan(spec: JobSpec, layers: list[LayerDesc] | None = None) -> EventPlan:
     """The event plan of one iteration of `spec` (user models need `layers` or their factory)."""
     return EventPlan(spec, layers)
+
+
+def events_to_profile(spec: JobSpec, layers: list[LayerDesc] | None = None,
+                      gpus: int | None = None) -> tuple[UniqueEvents, Grid]:
+    """What a profile of `spec` measures: its plan's events or, with a [search] grid, the union of every
+    candidate's (harness.candidates); and the grid (the spec alone without one)."""
+    grid = expand(spec, gpus) if spec.search else Grid([spec], [])
+    if layers is None and spec.model.family == "user":
+        layers = describe(spec)  # a factory model is described once for all its candidates
+    return UniqueEvents.union(build_plan(candidate, layers) for candidate in grid.candidates), grid

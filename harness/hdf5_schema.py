@@ -38,6 +38,9 @@ SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SE
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"
+# compute forwards only, an attribute: the bytes one forward saves for its backward (harness.profilers.memory),
+# what a micro-batch in flight holds on its stage (analysis.memory)
+ACTIVATION_BYTES_ATTR = "activation_bytes"
 # compute only, an attribute: the compute phase that took the samples (its start, Unix time, the same on every
 # rank of one profiling run)
 COMPUTE_PHASE_ATTR = "compute_phase"
@@ -61,6 +64,11 @@ TRACE_FLOAT_COLUMNS = ("start_s", "end_s", "wait_s")
 TRACE_STRING_COLUMNS = ("kind", "name", "phase", "event_id")
 TRACE_INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
 TRACE_COLUMNS = TRACE_FLOAT_COLUMNS + TRACE_STRING_COLUMNS + TRACE_INT_COLUMNS
+# a device's attributes: the most bytes it held over the measured iterations, counted as the memory model counts
+# (harness.profilers.memory), and each part's bytes at that peak (JSON); on a GPU also CUDA's own peak
+PEAK_MEMORY_ATTR = "peak_memory_bytes"
+MEMORY_PARTS_ATTR = "memory_at_peak_json"
+CUDA_PEAK_MEMORY_ATTR = "cuda_max_allocated_bytes"
 # optional (harness train --layer-times): every layer of every compute step, in a subgroup of the device's group
 TRACE_LAYER_GROUP = "layers"
 TRACE_LAYER_FLOAT_COLUMNS = ("start_s", "end_s")

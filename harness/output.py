@@ -68,6 +68,31 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+def format_bytes(nbytes: float) -> str:
+    """Decimal units, as memory capacities are quoted (GB = 1e9 bytes): '1.23 GB', '512 kB'."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def byte_unit(values: Sequence[float | None]) -> tuple[str, float]:
+    """One decimal unit for a column of byte counts: the one its largest value reads best in."""
+    largest = max((abs(v) for v in values if v is not None), default=0.0)
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if largest >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
+def format_duration(seconds: float) -> str:
+    """A span of time in the unit it reads best in: '42.0 s', '3.5 min', '12.3 h', '4.2 days'."""
+    for unit, scale in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * scale:
+            return f"{seconds / scale:,.1f} {unit}"
+    return format_seconds(seconds)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -26,7 +26,7 @@ from typing import Any
 from harness.errors import UserError
 from harness.events import UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
+from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
                                   PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
@@ -111,12 +111,14 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 def _complete(m: Measurement) -> bool:
     """Whether a stored measurement has everything this version measures: a P2P its sender-busy and send-post
-    samples, an all-reduce its division's and zeroing's samples, a GPU forward or backward the host's issue
-    times."""
+    samples, an all-reduce its division's and zeroing's samples, a forward its activation bytes, a GPU forward
+    or backward the host's issue times."""
     if m.kind == "p2p":
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
     if m.kind == "allreduce":
         return DIVIDE_SERIES in m.series and ZERO_SERIES in m.series
+    if m.kind == "compute" and m.content.get("phase") == "fwd" and ACTIVATION_BYTES_ATTR not in m.attrs:
+        return False
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
             and m.content.get("phase") in ("fwd", "bwd"):
         return HOST_ISSUE_SERIES in m.series
@@ -349,6 +351,8 @@ def _profile_compute(run: ProfileRun) -> None:
                  COMPUTE_PHASE_ATTR: run.compute_phase}
         if taken.backward_call_s is not None:
             attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
+        if taken.activation_bytes is not None:
+            attrs[ACTIVATION_BYTES_ATTR] = taken.activation_bytes
         run.recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs,
                                      series))
     if rank == 0:

@@ -15,7 +15,7 @@ class Progress:
         self.enabled = enabled and total > 0
         self.start = time.monotonic()
         self.log_every_s = log_every_s
-        self._last_log = 0.0
+        self._last_log = self.start  # a log line every log_every_s, the first after that long
         self._bar = None
         if self.enabled and sys.stderr.isatty():
             self._bar = tqdm(total=total, desc=phase, unit=unit, file=sys.stderr, mininterval=0.5,
@@ -29,7 +29,8 @@ class Progress:
             self._bar.update(count)
             return
         now = time.monotonic()
-        if now - self._last_log >= self.log_every_s or self.done >= self.total:
+        long_run = now - self.start >= self.log_every_s  # a short phase ends without a line
+        if now - self._last_log >= self.log_every_s or (self.done >= self.total and long_run):
             self._last_log = now
             print(self.line(), file=sys.stderr, flush=True)
 
@@ -44,5 +45,5 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and self.done < self.total:
+        elif self.enabled and self.done < self.total and time.monotonic() - self.start >= self.log_every_s:
             print(self.line(), file=sys.stderr, flush=True)

@@ -39,10 +39,12 @@ _SECTIONS = {
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb"},
-    "cluster": {"nodes", "gpus_per_node"},
+    "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
+    "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus"},
 }
+OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class StrategySpec:
 class ClusterSpec:
     nodes: int = 1
     gpus_per_node: int = 1
+    device_memory_gb: float | None = None  # each device's memory (GB = 1e9 bytes); None: not limited
 
     @property
     def devices(self) -> int:
@@ -113,8 +116,18 @@ class ProfileSpec:
 
 
 @dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer the job trains with, for the memory model (and harness train): Adam keeps two states per
+    parameter, SGD one with momentum and none without; master weights keep an fp32 copy of 16-bit ones."""
+
+    name: str = "adam"  # adam | sgd
+    momentum: float = 0.9  # sgd only
+    master_weights: bool = False  # fp32 master weights (and fp32 states) beside 16-bit model weights
+
+
+@dataclass(frozen=True)
 class SearchSpec:
-    """Candidate values for a strategy search (used by later analysis commands)."""
+    """Candidate values for a strategy search (harness.candidates expands them)."""
 
     dp: tuple[int, ...] = ()
     tp: tuple[int, ...] = ()
@@ -122,6 +135,10 @@ class SearchSpec:
     micro: tuple[int, ...] = ()
     schedule: tuple[str, ...] = ()
     chunks: tuple[int, ...] = ()
+    gpus: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,7 @@ class JobSpec:
     cluster: ClusterSpec
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     search: SearchSpec = field(default_factory=SearchSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     source: str = field(default="<spec>", compare=False)  # where it was read from, not what it says
     # False when read offline (the analysis): a factory's "module:function" form is checked, not imported.
     import_factory: bool = field(default=True, compare=False)
@@ -153,7 +171,8 @@ class JobSpec:
             "model": m,
             "batch": {"global": self.batch.global_size, "micro": self.batch.micro},
             "strategy": s,
-            "cluster": dataclasses.asdict(self.cluster),
+            "cluster": {k: v for k, v in dataclasses.asdict(self.cluster).items() if v is not None},
+            "optimizer": dataclasses.asdict(self.optimizer),
             "profile": dataclasses.asdict(self.profile),
         }
         if search:
@@ -163,11 +182,24 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def to_toml(self, header: str = "") -> str:
+        """The spec as a TOML file that loads back into the same spec (without its [search] grid); `header`
+        becomes comment lines at the top."""
+        data = self.to_dict()
+        data.pop("search", None)
+        lines = [f"# {line}" for line in header.splitlines()]
+        lines.append(f"spec_version = {data.pop('spec_version')}")
+        for section, values in data.items():
+            lines += ["", f"[{section}]"]
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+        return "\n".join(lines) + "\n"
+
     def with_changes(self, **changes: Any) -> "JobSpec":
         """A new validated spec with strategy/batch/cluster fields replaced (e.g. dp=4, micro=2)."""
         data = self.to_dict()
         for key, value in changes.items():
-            section = next((name for name in ("strategy", "batch", "cluster", "profile") if key in _SECTIONS[name]), None)
+            section = next((name for name in ("strategy", "batch", "cluster", "profile", "optimizer")
+                            if key in _SECTIONS[name]), None)
             if section is None:
                 raise SpecError(f"unknown field {key!r}; expected one of "
                                 f"{', '.join(sorted(_SECTIONS['strategy'] | _SECTIONS['batch'] | _SECTIONS['cluster']))}",
@@ -184,6 +216,18 @@ class JobSpec:
             elif world < per_node:
                 data["cluster"].update(nodes=1, gpus_per_node=world)
         return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
 
 
 def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
@@ -385,7 +429,18 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             pp=_int(s, "pp", "strategy", 1), schedule=schedule, chunks=chunks,
                             dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0))
     c = data["cluster"]
-    cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1))
+    memory = c.get("device_memory_gb")
+    cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
+                          device_memory_gb=None if memory is None else _number(c, "device_memory_gb", "cluster", 1.0))
+    o = data.get("optimizer", {})
+    master = o.get("master_weights", False)
+    if not isinstance(master, bool):
+        raise SpecError(f"must be true or false, got {master!r}", field="optimizer.master_weights")
+    momentum = o.get("momentum", 0.9)
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise SpecError(f"must be a number from 0 up to 1, got {momentum!r}", field="optimizer.momentum")
+    optimizer = OptimizerSpec(name=_choice(o, "name", "optimizer", "adam", OPTIMIZERS), momentum=float(momentum),
+                              master_weights=master)
     p = data.get("profile", {})
     profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
                           backend=_choice(p, "backend", "profile", "torch", BACKENDS),
@@ -427,7 +482,11 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     if schedule == "interleaved-1f1b" and micro_batches % strategy.pp:
         raise SpecError(f"interleaved-1f1b needs the micro-batch count ({micro_batches} = global / (dp x micro)) "
                         f"to be a multiple of pp ({strategy.pp})", field="batch.global")
+    if optimizer.master_weights and model.dtype == "float32":
+        raise SpecError("master weights keep an fp32 copy of 16-bit weights; with dtype float32 set "
+                        "master_weights = false", field="optimizer.master_weights")
     return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
+                   optimizer=optimizer,
                    import_factory=import_factory)
 
 

@@ -67,3 +67,17 @@ def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
             order = list(program.layers) if phase == "F" else list(reversed(program.layers))
             assert layers["layer"][mine][by_start].tolist() == order
             np.testing.assert_allclose(layers["start_s"][mine][by_start][1:], layers["end_s"][mine][by_start][:-1])
+
+
+def mpirun_harness(n: int, args: list[str], env: dict, timeout: float = 240):
+    """`mpirun -n N python -m mpi4py -m harness ARGS` with the MPI the suite runs on (DISTSIM_MPIRUN, else the
+    venv's), from the project's root."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    launcher = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+    command = [launcher, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "harness", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)

@@ -98,12 +98,12 @@ def test_table_output_and_device_selection(hybrid_profile, capsys):
     for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "after the backward",
                  "costed by a fit (--details)"):
         assert text in out
-    for text in ("per device", "communication fits", "while the sender computes", "probe / ranks' mean"):
+    for text in ("per device:", "communication fits", "while the sender computes", "probe / ranks' mean"):
         assert text not in out
     assert out.splitlines()[1].startswith("batch time")
     assert main(["simulate", str(hybrid_profile), "--no-overlap", "--details", "--devices", "0-1"]) == 0
     out = capsys.readouterr().out
-    for text in ("per device", "extrapolated", "communication fits", "while the sender computes"):
+    for text in ("per device:", "extrapolated", "communication fits", "while the sender computes"):
         assert text in out
     assert main(["simulate", str(hybrid_profile), "--json", "--devices", "stages"]) == 0
     report = json.loads(capsys.readouterr().out)

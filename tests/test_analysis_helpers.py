@@ -11,8 +11,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from harness.events import Event, build_plan, event_id
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
+from harness.events import Event, UniqueEvents, build_plan, event_id
+from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
                                   RANK_SPEED_PROBE_ENV, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
                                   compute_phase_key)
 from harness.layers import LayerDesc
@@ -59,7 +59,9 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                            host_issue: Mapping[str, Sequence[float]] | None = None,
                            backward_call_s: float | None = None, divide: Sequence[float] = (),
                            zero: Sequence[float] = (), measuring_rank: Mapping[str, int] | None = None,
-                           speed_probe: Sequence[float] | None = None, send_post: Sequence[float] = ()) -> Path:
+                           speed_probe: Sequence[float] | None = None, send_post: Sequence[float] = (),
+                           activations: Callable[[Event], int | None] | None = None,
+                           also: Sequence[JobSpec] = (), environment: Mapping | None = None) -> Path:
     """profile.h5 for `spec` where each event takes `durations(event)` seconds in every sample; events for
     which it returns None are left unmeasured (and listed so). A user model needs its `layers`. P2P events
     get `sender_busy` as their samples timed with the sender computing and `send_post` as their sender's
@@ -70,16 +72,20 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
     of its zeroing (none when empty). Compute events named in `measuring_rank` were measured by that rank
     (else rank 0). All compute events come from one compute phase; with `speed_probe` (the profiling ranks'
     speed-probe medians, None for a rank without a share) the environment records its probe, as harness
-    profile writes it; without, the profile is one from before the probe existed."""
+    profile writes it; without, the profile is one from before the probe existed. `activations(event)`: the
+    bytes a forward event saves (as harness profile measures them; none where it returns None). `also`: further
+    specs whose events are measured too (a search's union); `environment`: more /environment entries."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = build_plan(spec, layers)
+    unique = UniqueEvents.union([plan] + [build_plan(other, layers) for other in also])
+    events = unique.events
     if isinstance(durations, Mapping):
         table = dict(durations)
         durations = lambda event: table.get(event.id)  # noqa: E731
     measurements, unmeasured = [], {}
     phase = 1.7e9  # a compute phase's start, Unix time
-    for event in plan.events.values():
+    for event in events.values():
         seconds = durations(event)
         if seconds is None:
             unmeasured[event.id] = "left out of this hand-made profile"
@@ -100,14 +106,17 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
             series[HOST_ISSUE_SERIES] = np.asarray(host_issue[event.name], dtype=float)
         if event.kind == "compute":  # harness profile names the compute phase of every compute measurement
             attrs[COMPUTE_PHASE_ATTR] = phase
+        saved = activations(event) if activations is not None and event.content.get("phase") == "fwd" else None
+        if saved is not None:
+            attrs[ACTIVATION_BYTES_ATTR] = saved
         rank = (measuring_rank or {}).get(event.name, 0) if event.kind == "compute" else 0
         measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),
                                         [rank], "test", attrs, series))
     measurements += list(extra)
     return write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
-                         events=plan.table(), measurements=measurements, unmeasured=unmeasured,
+                         events=unique.table(), measurements=measurements, unmeasured=unmeasured,
                          environment={"world_size": world_size, "device": "cpu", "backend": "test",
-                                      "hosts": ["test"],
+                                      "hosts": ["test"], **(environment or {}),
                                       **({RANK_SPEED_PROBE_ENV: {compute_phase_key(phase): list(speed_probe)}}
                                          if speed_probe is not None else {})},
                          placement={m.id: m.ranks for m in measurements})

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 FORBIDDEN = ("torch", "mpi4py", "launcher", "harness.profilers", "harness.train", "harness.models",
              "harness.distributed", "harness.profiling", "harness.host_memory", "harness.mpi_errors",
-             "harness.progress", "harness.commands")
+             "harness.commands")
 # Function-level imports of the runtime in the harness's pure modules, each used only where the analysis never
 # goes (tests/test_analysis_cli.py runs a user model's simulation and checks that torch stays unloaded):
 KNOWN_LAZY = {("harness.layers", "harness.models.user")}  # a factory model without its stored description

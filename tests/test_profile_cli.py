@@ -139,12 +139,14 @@ def test_resume_measures_again_what_this_version_measures_more_of():
                                       ZERO_SERIES)
     from harness.profile_store import Measurement
 
-    def measurement(kind, phase=None, device="cpu:x", series=()):
+    def measurement(kind, phase=None, device="cpu:x", series=(), **attrs):
         content = {"phase": phase} if phase else {}
-        return Measurement("id", kind, content, np.ones(3), [0], "env", {"device": device},
+        return Measurement("id", kind, content, np.ones(3), [0], "env", {"device": device, **attrs},
                            {name: np.ones(3) for name in series})
 
-    assert _complete(measurement("compute", "fwd"))  # a CPU profile has no host issue times
+    assert _complete(measurement("compute", "fwd", activation_bytes=64))  # a CPU profile has no host issue times
+    assert not _complete(measurement("compute", "fwd"))  # measured before its activations were
+    assert _complete(measurement("compute", "bwd"))
     assert not _complete(measurement("compute", "bwd", "cuda:NVIDIA H200"))
     assert _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", [HOST_ISSUE_SERIES]))
     assert _complete(measurement("compute", "optimizer", "cuda:NVIDIA H200"))  # timed alone, no issue times

@@ -65,6 +65,13 @@ def run(args: argparse.Namespace) -> int:
                        [(r["virtual_stage"], r["phase"], ms(r["measured_s"]), ms(r["predicted_s"]), r["error_pct"],
                          r["max_micro_error_pct"]) for r in result.stage_rows()],
                        title="per stage step (median over micro-batches)"))
+    if result.memory:
+        print()
+        mb = lambda b: b / 1e6  # noqa: E731
+        print(format_table(("stage", "rank", "measured MB", "predicted MB", "error %", "largest part"),
+                           [(r["stage"], r["rank"], mb(r["measured_bytes"]), mb(r["predicted_bytes"]), r["error_pct"],
+                             max(r["predicted_parts"], key=r["predicted_parts"].get)) for r in result.memory],
+                           title="peak memory per pipeline stage (its largest device; docs/analysis.md, Memory)"))
     if result.replica_lag:
         print()
         print(format_table(("stage", "measured ms", "predicted ms", "error %"),

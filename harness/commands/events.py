@@ -6,7 +6,8 @@ import json
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
-from harness.events import build_plan, human_bytes
+from harness.candidates import candidate_label
+from harness.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
 from harness.spec import load_spec
 from harness.output import format_table, write_csv
 
@@ -24,15 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec or default_spec_path())
+    if spec.search:
+        return _run_search(spec, args)
     plan = build_plan(spec)
     summary = plan.summary()
     if args.device is not None and not 0 <= args.device < spec.strategy.world:
         raise UserError(f"--device {args.device} is outside the job's ranks 0..{spec.strategy.world - 1}")
     flow = list(plan.device_flow(args.device)) if args.device is not None else None
     if args.csv:
-        columns = ("id", "kind", "name", "multiplicity", "cost")
-        write_csv(args.csv, (*columns, "content_json"),
-                  [[r[c] for c in columns] + [json.dumps(r["content"], sort_keys=True)] for r in plan.table()])
+        _write_events_csv(args.csv, plan.table())
     if args.json:
         if args.list:
             summary["events"] = plan.table()
@@ -61,3 +62,52 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(("#", "phase", "virtual stage", "micro-batch", "event"),
                            [(i, ph, vs, mb if mb >= 0 else "-", names[e]) for i, (e, ph, vs, mb) in enumerate(flow)]))
     return 0
+
+
+def _run_search(spec, args: argparse.Namespace) -> int:
+    """A spec with a [search] grid: the union of every candidate's events, measured once by `harness profile`."""
+    if args.device is not None:
+        raise UserError("--device shows one job's flow; a spec with [search] has many (drop --device, or the "
+                        "[search] section)")
+    unique, grid = events_to_profile(spec)
+    summary = {"events_version": EVENTS_VERSION, "model": spec.model.name, "candidates": len(grid),
+               "rejected": len(grid.rejected), **unique.summary(),
+               "separate_unique_events": unique.separate,
+               "cross_candidate_ratio": unique.separate / max(1, len(unique)),
+               "rejected_reasons": _reasons(grid)}
+    if args.csv:
+        _write_events_csv(args.csv, unique.table())
+    if args.json:
+        if args.list:
+            summary["events"] = unique.table()
+            summary["candidate_strategies"] = [candidate_label(c) for c in grid.candidates]
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{spec.model.name}: a search of {len(grid)} candidate strategies ({len(grid.rejected)} combinations "
+          "rejected)")
+    rows = [(kind, c["unique"], c["total"]) for kind, c in summary["by_kind"].items()]
+    rows.append(("all", summary["unique_events"], summary["total_events"]))
+    print(format_table(("kind", "unique", "total over candidates"), rows))
+    print(f"de-duplication: {summary['dedup_ratio']:,.1f} events per unique event; across candidates "
+          f"{unique.separate:,} unique events of the candidates one by one are {len(unique):,} "
+          f"({summary['cross_candidate_ratio']:,.1f}x fewer to profile)")
+    for reason, count in list(summary["rejected_reasons"].items())[:5]:
+        print(f"rejected {count}: {reason}")
+    if args.list:
+        print()
+        print(format_table(("candidate",), [(candidate_label(c),) for c in grid.candidates]))
+    return 0
+
+
+def _reasons(grid) -> dict[str, int]:
+    """Rejected combinations counted by reason, the most common first."""
+    counts: dict[str, int] = {}
+    for rejected in grid.rejected:
+        counts[rejected.reason] = counts.get(rejected.reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def _write_events_csv(path: str, table: list[dict]) -> None:
+    columns = ("id", "kind", "name", "multiplicity", "cost")
+    write_csv(path, (*columns, "content_json"),
+              [[r[c] for c in columns] + [json.dumps(r["content"], sort_keys=True)] for r in table])

@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.cli import default_spec_path
 from harness.errors import UserError
 from harness.mpi_errors import stop_on_error
-from harness.events import build_plan
+from harness.events import events_to_profile
 from harness.spec import load_spec
 from harness.output import format_seconds
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from harness.profiling import check_outdir, run_profile
 
     comm = MPI.COMM_WORLD
-    spec = plan = None
+    spec = unique = grid = None
     outdir = Path(args.output)
     error: UserError | None = None
     try:
@@ -46,21 +46,21 @@ def run(args: argparse.Namespace) -> int:
         if changes:
             spec = spec.with_changes(**changes)
         check_outdir(outdir)
-        plan = build_plan(spec)
+        unique, grid = events_to_profile(spec)
     except UserError as exc:
         error = exc
     status = stop_on_error(comm, error)  # any rank's bad input stops every rank; rank 0 says what is wrong
     if status is not None:
         return status
-    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet,
-                         events=plan.unique())
+    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet, events=unique)
     if result is None:
         return 0
-    print(f"profiled {spec.model.name} on {comm.Get_size()} ranks: {result.measured} measurements taken, "
+    what = f"the union of {len(grid)} candidate strategies of " if spec.search else ""
+    print(f"profiled {what}{spec.model.name} on {comm.Get_size()} ranks: {result.measured} measurements taken, "
           f"{result.skipped} already stored, {len(result.unmeasured)} unmeasurable here; wall time "
           f"{format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
     for eid, why in sorted(result.unmeasured.items()):
-        print(f"  unmeasured {plan.events[eid].name} ({eid}): {why}")
+        print(f"  unmeasured {unique.events[eid].name} ({eid}): {why}")
     print(f"profile: {result.path}")
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")

@@ -13,6 +13,7 @@ import torch
 
 from harness.models import TORCH_DTYPES, build_layer
 from harness.models.transformer import Head
+from harness.profilers.memory import activation_bytes
 from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
 from harness.spec import JobSpec
 
@@ -98,6 +99,7 @@ class ComputeSamples(NamedTuple):
     host_issue_s: np.ndarray | None = None
     end_s: np.ndarray | None = None
     backward_call_s: float | None = None
+    activation_bytes: int | None = None  # forwards: what one forward saves for its backward (profilers.memory)
 
 
 class ComputeRunner:
@@ -265,6 +267,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     samples = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
     ends = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
     host: dict[str, np.ndarray] = {}
+    saved: dict[str, int] = {}
     pending = list(contents)
     backward_call: float | None = None
     while pending:
@@ -281,6 +284,10 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
         if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
             backward_call = measure_backward_call(device)
+        for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
+            if runner.phase == "fwd":
+                saved[eid] = activation_bytes(runner.layers[0], runner.make_input,
+                                              lambda layer, x, r=runner: _forward(spec, layer, x, r.content))
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = np.empty(repeats, dtype=np.float64)
@@ -294,7 +301,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 on_round(len(runners))
         del runners
     return {eid: ComputeSamples(samples[eid], host.get(eid), ends[eid],
-                                backward_call if contents[eid]["phase"] == "bwd" else None) for eid in contents}
+                                backward_call if contents[eid]["phase"] == "bwd" else None, saved.get(eid))
+            for eid in contents}
 
 
 def backward_call_times(modules: list[torch.nn.Module], make_input: Callable[[], torch.Tensor],

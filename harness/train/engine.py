@@ -22,6 +22,7 @@ from torch import nn
 
 from harness.events import EventPlan
 from harness.models.tp import set_collective_hook
+from harness.profilers.memory import LiveStorages, saving_into
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 from harness.train.model import activation_spec, loss_of, micro_batch
@@ -116,11 +117,13 @@ class Completer:
                 else:
                     pending.work.wait()
                 pending.end_ns = time.perf_counter_ns()
+                pending.keep = None  # complete: its tensors may go once the main thread has reaped it
             except BaseException as exc:  # handed to the main thread, which raises it
                 pending.error = exc
                 pending.end_ns = time.perf_counter_ns()
             finally:
                 pending.done.set()
+            del pending  # hold nothing (a work holds its tensors) while waiting for the next
 
     def wait(self, pending: Pending) -> int:
         """Block until `pending` completed; returns how long this call blocked (ns)."""
@@ -205,6 +208,19 @@ class PipelineEngine:
         self.buckets: dict[int, list[BucketState]] = {vs: [] for vs in self.local_vs}
         if self.dp > 1:
             self._make_buckets(modules)
+        # what this device holds, by part, and its peak (harness.profilers.memory; the memory model counts alike)
+        self.memory = LiveStorages()
+        self._held_states: set[int] = set()
+        self._grad_releases: dict[int, Any] = {}
+        for vs in self.local_vs:
+            for module in self.stage_modules[vs]:
+                for param in module.parameters():
+                    self.memory.hold(param, "weights")
+                    if self.dp == 1 and param.requires_grad:  # dp > 1: the bucket buffers, held below
+                        param.register_post_accumulate_grad_hook(self._grad_made)
+        for vs in self.local_vs:
+            for bucket in self.buckets[vs]:
+                self.memory.hold(bucket.buffer, "gradients")
         self.ctx: tuple[str, int, int] = ("F", -1, -1)
         self.armed: int | None = None
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -295,6 +311,26 @@ class PipelineEngine:
         bucket.pending = self.completer.submit(("dp", bucket.vs), work, start, keep=bucket.buffer,
                                                meta=("dp bucket", bucket.vs, bucket.index))
 
+    # ---- memory ---------------------------------------------------------------------------------
+    def _grad_made(self, param: nn.Parameter) -> None:
+        """dp = 1: a gradient autograd has just made (freed again when the iteration starts, set to None)."""
+        if id(param) not in self._grad_releases and param.grad is not None:
+            self._grad_releases[id(param)] = self.memory.hold(param.grad, "gradients")
+
+    def _hold_optimizer_states(self) -> None:
+        """The optimizer's states, once it has made them (at its first step); they live from then on."""
+        for vs in self.local_vs:
+            for _, optimizer in self.optimizers[vs]:
+                for state in (optimizer.state.values() if optimizer is not None else ()):
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor) and id(value) not in self._held_states:
+                            self._held_states.add(id(value))
+                            self.memory.hold(value, "optimizer")
+
+    def reset_memory_peak(self) -> None:
+        """Measure the peak from here on (after the warm-up iterations)."""
+        self.memory.reset_peak()
+
     # ---- P2P ----------------------------------------------------------------------------------
     def _recv(self, vs: int, micro: int, what: str) -> torch.Tensor:
         if what == ACT:
@@ -305,6 +341,7 @@ class PipelineEngine:
             shape, dtype = self.act_spec[vs + 1]
         peer = self._rank_of_vs(sender)
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.memory.hold_while(buffer, buffer, "pipeline")
         start = self.now()
         kwargs = self._p2p_kwargs(what, peer, self.rank, self._tag(sender, micro, backward))
         dist.irecv(buffer, src=peer, **kwargs).wait()
@@ -321,6 +358,7 @@ class PipelineEngine:
         start = self.now()
         kwargs = self._p2p_kwargs(what, self.rank, peer, self._tag(vs, micro, backward))
         work = dist.isend(tensor, dst=peer, **kwargs)
+        self.memory.hold_while(tensor, tensor, "pipeline")  # until the send completes and lets it go
         self.sends.append(self.completer.submit(("p2p", peer), work, start, keep=tensor,
                                                 meta=(f"send.{what}", event, vs, micro, peer)))
 
@@ -362,19 +400,21 @@ class PipelineEngine:
         anchor = clock.mark() if clock else None
         marks, outputs = [], []
         out = x
-        for module in self.stage_modules[vs]:
-            out = module(out)
-            if clock:
-                marks.append(clock.mark())
-                outputs.append(out)
-        if targets is not None:
-            out = loss_of(out, targets)
-            self.losses.append(out.detach())
-            if clock:  # the last layer's event includes the loss
-                marks[-1] = clock.mark()
+        with saving_into(self.memory):
+            for module in self.stage_modules[vs]:
+                out = module(out)
+                if clock:
+                    marks.append(clock.mark())
+                    outputs.append(out)
+            if targets is not None:
+                out = loss_of(out, targets)
+                self.losses.append(out.detach())
+                if clock:  # the last layer's event includes the loss
+                    marks[-1] = clock.mark()
         end = self.now()
         self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
         self.saved[(vs, micro)] = (x, out)
+        self.memory.hold_while(out, out, "pipeline")  # the stage's output, until its gradient returns
         if vs < self.last_vs:
             self._send(out, vs, micro, ACT)
         if clock:  # after the send, which the bookkeeping would delay
@@ -465,6 +505,10 @@ class PipelineEngine:
             for vs in self.local_vs:
                 for module in self.stage_modules[vs]:
                     module.zero_grad(set_to_none=True)
+            for release in self._grad_releases.values():
+                if release is not None:
+                    release()
+            self._grad_releases.clear()
 
     def _finish_data_parallel(self) -> None:
         if self.dp == 1:
@@ -495,6 +539,7 @@ class PipelineEngine:
                     bucket.buffer.zero_()
                     end = self.now()
                     self.rec.add(start, end, 0, "optimizer", f"zero.bucket{bucket.index}", "opt", "", vs, -1)
+        self._hold_optimizer_states()
 
     def run_iteration(self, iteration: int, tokens: torch.Tensor) -> float:
         """One training iteration of this rank; returns its replica's mean loss (NaN off the last stage)."""

@@ -141,6 +141,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     import torch
 
     from harness.distributed import init_process_group, pick_device
+    from harness.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
     from harness.events import build_plan
     from harness.models.tp import set_collective_hook
     from harness.train.clock import Timebase, sync_clocks
@@ -195,6 +196,10 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                 torch.cuda.synchronize(dev)
             if barrier:
                 yielding_barrier(comm)
+            if iteration == warmup:  # the peak of the measured iterations only
+                engine.reset_memory_peak()
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
             starts.append(engine.now())
             losses.append(engine.run_iteration(iteration, tokens))
             ends.append(engine.now())
@@ -205,7 +210,10 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         columns = columns_from_rows(recorder.rows, timebase.seconds)
         attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "hostname": topology.hostnames[rank], "node": topology.node,
                  "device": str(dev), "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
-                 "buckets_json": json.dumps(engine.bucket_info())}
+                 "buckets_json": json.dumps(engine.bucket_info()),
+                 PEAK_MEMORY_ATTR: int(engine.memory.peak), MEMORY_PARTS_ATTR: json.dumps(engine.memory.at_peak)}
+        if dev.type == "cuda":
+            attrs[CUDA_PEAK_MEMORY_ATTR] = int(torch.cuda.max_memory_allocated(dev))
         its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
                "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
                "loss": np.array(losses, dtype=np.float64)}

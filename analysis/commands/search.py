@@ -1,0 +1,155 @@
+"""`python -m analysis search PROFILE.h5`: every candidate strategy of the spec's [search] grid, predicted from one
+profile, checked against device memory and ranked (table, --json, --csv, --png, --write-spec)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from harness.output import (byte_unit, format_bytes, format_duration, format_seconds, format_table, writable,
+                            write_csv)
+from harness.progress import Progress
+
+from analysis.memory import GB
+from analysis.predict import add_prediction_arguments, prediction_options
+from analysis.profile_reader import load_profile, resolve_spec
+from analysis.search import SORTS, CandidateResult, SearchResult, search
+
+NAME = "search"
+HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"
+CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks", "micro", "micro_batches",
+               "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction", "comm_fraction",
+               "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", help="profile.h5 of `harness profile` on a spec with a [search] grid")
+    parser.add_argument("--spec", help="search this spec's grid instead of the profile's own")
+    parser.add_argument("--gpus", type=int, metavar="N", help="the device count (replaces the grid's gpus)")
+    parser.add_argument("--memory-gb", type=float, metavar="G",
+                        help="each device's memory in GB (1e9 bytes); default: the spec's [cluster] device_memory_gb")
+    parser.add_argument("--top", type=int, default=20, metavar="K", help="rows to print (default 20; 0: all)")
+    parser.add_argument("--sort", choices=SORTS, default="time", help="rank by batch time (default) or peak memory")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--iterations", type=int, metavar="I", help="also the time and GPU-hours to train I iterations")
+    group.add_argument("--tokens", type=float, metavar="T", help="also the time and GPU-hours to train T tokens")
+    parser.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per core)")
+    add_prediction_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
+    parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
+    parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
+    parser.add_argument("--write-spec", metavar="BEST.toml", help="write the best candidate as a runnable spec")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _check(args: argparse.Namespace) -> None:
+    from harness.errors import UserError
+
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise UserError(f"--memory-gb {args.memory_gb:g}: give each device's memory in GB, above 0")
+    if args.top < 0:
+        raise UserError(f"--top {args.top}: give a row count of 0 (all) or more")
+    if args.iterations is not None and args.iterations < 1:
+        raise UserError(f"--iterations {args.iterations}: give 1 or more")
+    if args.tokens is not None and not args.tokens > 0:
+        raise UserError(f"--tokens {args.tokens:g}: give a token count above 0")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: give 1 or more")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    profile = load_profile(args.profile)
+    spec = resolve_spec(profile, args.spec)
+    from harness.candidates import expand
+
+    total = len(expand(spec, args.gpus))
+    progress = Progress("search", total, enabled=not args.quiet and not args.json and total > 8, unit="candidate")
+    options = prediction_options(args)
+    result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
+                    sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
+                    rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance)
+    progress.close()
+    written = []
+    training = {"iterations": args.iterations, "tokens": args.tokens}
+    if args.csv:
+        rows = [[i + 1] + [c.to_dict(**training).get(k) for k in CSV_COLUMNS[1:]]
+                for i, c in enumerate(result.candidates)]
+        written.append(("CSV", write_csv(args.csv, CSV_COLUMNS, rows)))
+    if args.png:
+        from analysis.plot import write_search_chart
+
+        written.append(("chart", writable(args.png, lambda: write_search_chart(args.png, result))))
+    best = result.best
+    if args.write_spec and best is not None:
+        from pathlib import Path
+
+        header = (f"The best candidate of `python -m analysis search {args.profile}`: {best.label}, predicted "
+                  f"{format_seconds(best.batch_time_s)} per iteration.")
+        path = Path(args.write_spec)
+
+        def write_spec() -> Path:
+            path.write_text(best.spec.to_toml(header))
+            return path
+        written.append(("spec", writable(path, write_spec)))
+    if args.json:
+        print(json.dumps(result.to_dict(**training), indent=2))
+        for what, path in written:
+            print(f"wrote {path}: {what}", file=sys.stderr)
+        return 0
+    print(format_search(result, args.top, **training))
+    for what, path in written:
+        print(f"wrote {path}: {what}")
+    if args.write_spec and best is None:
+        print(f"no feasible candidate: {args.write_spec} not written")
+    return 0
+
+
+def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | None, memory_scale: float) -> tuple:
+    trained = c.training(iterations, tokens)
+    cells = [rank, c.label, c.batch_time_s * 1e3 if c.predicted else None, c.throughput_samples_s,
+             c.throughput_tokens_s, 100 * c.bubble_fraction if c.predicted else None,
+             100 * c.comm_fraction if c.predicted else None,
+             c.peak_memory_bytes / memory_scale if c.peak_memory_bytes is not None else None,
+             "yes" if c.feasible else "no", c.speedup]
+    if iterations is not None or tokens is not None:
+        cells += [trained[0] / 3600 if trained else None, trained[1] if trained else None]
+    note = c.reason or "; ".join(c.flags)
+    return (*cells, note)
+
+
+def format_search(result: SearchResult, top: int = 20, iterations: int | None = None,
+                  tokens: float | None = None) -> str:
+    """The answer first (the best candidate, what profiling cost), then the ranked table."""
+    spec, best = result.spec, result.best
+    capacity = (f"{format_bytes(result.capacity_bytes)} per device" if result.capacity_bytes
+                else "no memory limit given")
+    out = [f"{spec.model.name}: {len(result.candidates)} candidate strategies ({len(result.rejected)} combinations "
+           f"rejected), {capacity}"]
+    if best is None:
+        out.append("no candidate fits: " + result.candidates[0].reason if result.candidates else "no candidate")
+    else:
+        line = (f"best: {best.label} on {best.spec.strategy.world:,} devices: {format_seconds(best.batch_time_s)} per "
+                f"iteration, {best.throughput_samples_s:,.2f} samples/s, peak {format_bytes(best.peak_memory_bytes)} "
+                f"per device ({best.dominant}), {best.speedup:.2f}x the slowest that fits")
+        out.append(line)
+        trained = best.training(iterations, tokens)
+        if trained:
+            what = f"{iterations:,} iterations" if iterations is not None else f"{tokens:,.0f} tokens"
+            out.append(f"training {what}: {format_duration(trained[0])}, {trained[1]:,.3g} GPU-hours")
+    cost = result.profiling_cost()
+    if cost:
+        out.append(f"profiling the whole search took {cost['profile_device_s']:,.1f} device-s, "
+                   f"{100 * cost['fraction']:.2f}% of running every candidate for real "
+                   f"({cost['brute_force_device_s']:,.0f} device-s, the same warm-up and repeats)")
+    shown = result.candidates if top == 0 else result.candidates[:top]
+    unit, scale = byte_unit([c.peak_memory_bytes for c in shown])
+    headers = ["#", "strategy", "batch ms", "samples/s", "tokens/s", "bubble %", "comm %", f"peak {unit}", "fits",
+               "speed-up"]
+    if iterations is not None or tokens is not None:
+        headers += ["train h", "GPU-h"]
+    headers.append("note")
+    out += ["", format_table(headers, [_row(i + 1, c, iterations, tokens, scale) for i, c in enumerate(shown)])]
+    if len(shown) < len(result.candidates):
+        out.append(f"... {len(result.candidates) - len(shown)} more (--top 0 for all, --csv FILE for a spreadsheet)")
+    return "\n".join(out)

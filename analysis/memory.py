@@ -1,0 +1,157 @@
+"""The memory model: each pipeline device's peak bytes in one training iteration, by part (docs/analysis.md,
+"Memory"). Every dp x tp replica of a pipeline stage holds the same, so one device per stage is modelled.
+
+- weights: its layers' parameters (per tensor-parallel shard; the embedding and head whole) x dtype bytes;
+- gradients: as many, in the weights' dtype (data-parallel buckets are views of them, as DDP's
+  gradient_as_bucket_view and harness train make them: nothing more);
+- optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
+  in fp32 with master weights, which add an fp32 copy of the weights;
+- activations: what a micro-batch's forward saves for its backward, the sum of its layers' `activation_bytes`
+  as the profile measured them (harness.profilers.memory), and on every virtual stage but the last the
+  stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
+  backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
+  interleaved 1F1B as it interleaves);
+- pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
+  back (from its end until the send completes).
+The peak is the largest total over the device's steps in schedule order: after each forward (weights,
+optimizer state, activations in flight, and the gradients once a backward has made them, or from the start
+with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
+micro-batch's activations) and after it (its activations freed, its gradients made, both buffers held).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from harness.events import EventPlan
+from harness.hdf5_schema import ACTIVATION_BYTES_ATTR
+from harness.output import format_bytes
+from harness.schedules import device_steps, virtual_stage
+from harness.spec import JobSpec
+
+from analysis.profile_reader import Profile
+
+PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline device's bytes at its peak, by part."""
+
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    pipeline: int
+    in_flight: int  # micro-batches (over the device's chunks) holding activations at the peak
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.pipeline
+
+    @property
+    def dominant(self) -> str:
+        """The part that holds the most."""
+        return max(PARTS, key=lambda part: getattr(self, part))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, **{f"{part}_bytes": getattr(self, part) for part in PARTS},
+                "total_bytes": self.total, "in_flight": self.in_flight, "dominant": self.dominant}
+
+
+@dataclass
+class MemoryEstimate:
+    """Every pipeline device's peak; `unmeasured`: forward events without measured activations (counted 0)."""
+
+    stages: list[StageMemory]
+    unmeasured: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: (s.total, -s.stage))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total
+
+    def fits(self, capacity_bytes: float | None) -> bool:
+        return capacity_bytes is None or self.peak_bytes <= capacity_bytes
+
+    def shortfall(self, capacity_bytes: float) -> str:
+        """Why it does not fit: how much the largest device needs and which part dominates."""
+        peak = self.peak
+        return (f"needs {format_bytes(peak.total)} on stage {peak.stage}, {format_bytes(capacity_bytes)} per device "
+                f"({peak.dominant} {format_bytes(getattr(peak, peak.dominant))})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "peak_stage": self.peak.stage,
+                "stages": [s.to_dict() for s in self.stages], "unmeasured_activations": list(self.unmeasured)}
+
+
+def activation_bytes(profile: Profile) -> dict[str, int]:
+    """Forward event id -> the bytes the profile measured its forward to save (forwards without the
+    measurement, from profiles written before it, are absent)."""
+    out = {}
+    for eid, m in profile.measurements.items():
+        if m.kind == "compute" and m.content.get("phase") == "fwd":
+            value = m.attrs.get(ACTIVATION_BYTES_ATTR)
+            if value is not None:
+                out[eid] = int(value)
+    return out
+
+
+def _state_bytes(spec: JobSpec) -> tuple[int, int]:
+    """(bytes per parameter of optimizer state, of the master copy) for the spec's optimizer and dtype."""
+    o = spec.optimizer
+    states = {"adam": 2, "sgd": 1 if o.momentum > 0 else 0}[o.name]
+    if o.master_weights:
+        return 4 * states, 4
+    return spec.model.dtype_bytes * states, 0
+
+
+def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEstimate:
+    """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`."""
+    spec = plan.spec
+    s = spec.strategy
+    V = s.virtual_stages
+    dtype = spec.model.dtype_bytes
+    state, master = _state_bytes(spec)
+    unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward
+                         if plan.events[e].kind == "compute" and e not in activations})
+    held = []  # per virtual stage: what one micro-batch in flight holds there
+    for vs, program in enumerate(plan.stages):
+        saved = sum(activations.get(e, 0) for e in program.forward if plan.events[e].kind == "compute")
+        output = plan.events[program.send_forward].bytes if program.send_forward else 0
+        held.append(saved + output)
+    stages = []
+    for d in range(s.pp):
+        local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
+        params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
+        weights, gradients, optimizer = params * dtype, params * dtype, params * (state + master)
+        live, in_flight, gradients_live = 0, 0, s.dp > 1
+        best = (-1, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight) at the peak
+        points = []  # (gradients live?, activations, buffers, in flight) after each moment of the schedule
+        for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
+            vs = virtual_stage(step.chunk, d, s.pp)
+            if step.phase == "F":
+                live += held[vs]
+                in_flight += 1
+                points.append((gradients_live, live, 0, in_flight))
+                continue
+            received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
+            sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
+            points.append((gradients_live, live, received, in_flight))
+            live -= held[vs]
+            in_flight -= 1
+            gradients_live = True
+            points.append((True, live, received + sent, in_flight))
+        for grads_live, act, buffers, flight in points:
+            grads = gradients if grads_live else 0
+            total = weights + optimizer + grads + act + buffers
+            if total > best[0]:
+                best = (total, grads, act, buffers, flight)
+        _, grads, act, buffers, flight = best
+        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight))
+    return MemoryEstimate(stages, unmeasured)

@@ -1,0 +1,235 @@
+"""The strategy search: every candidate of a spec's [search] grid predicted from one profile, checked against
+device memory and ranked (docs/analysis.md, "Search").
+
+Each candidate is planned, costed from the profile (analysis.costs), simulated (analysis.simulate) and given
+its per-device peak memory (analysis.memory). A candidate is feasible when its largest device fits the
+memory capacity (none: every candidate fits). A candidate the profile cannot cost (compute events it lacks:
+a profile of another spec) is infeasible with that reason; one costed partly from fits (a group larger than
+the profiling run, a tensor-parallel layer measured without its all-reduces) is flagged. Feasible candidates
+come first, fastest (or smallest) first. Candidates are spread over processes (fork) when there are many.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any, Callable, Sequence
+
+from harness.candidates import Grid, Rejected, candidate_label, expand
+from harness.errors import UserError
+from harness.events import build_plan
+from harness.spec import JobSpec
+
+from analysis.costs import estimate_costs
+from analysis.memory import GB, activation_bytes, estimate_memory
+from analysis.profile_reader import Profile, layers_for
+from analysis.simulate import simulate
+
+SEARCH_SCHEMA_VERSION = 1
+SEARCH_KIND = "distsim-search"
+PARALLEL_FROM = 24  # candidates: fewer run in this process (a worker's start costs more than they take)
+SORTS = ("time", "memory")
+
+
+@dataclass
+class CandidateResult:
+    """One candidate's prediction, memory and standing."""
+
+    spec: JobSpec
+    batch_time_s: float | None = None
+    bubble_fraction: float | None = None
+    comm_fraction: float | None = None  # device time communicating while not computing (mean over devices)
+    peak_memory_bytes: int | None = None
+    peak_stage: int | None = None
+    dominant: str | None = None  # the memory part that holds the most on the largest device
+    memory_stages: list[dict[str, Any]] = field(default_factory=list)
+    feasible: bool = False
+    reason: str = ""  # why infeasible (empty when feasible)
+    flags: list[str] = field(default_factory=list)  # what the prediction could not measure
+    speedup: float | None = None  # over the slowest feasible candidate
+
+    @property
+    def label(self) -> str:
+        return candidate_label(self.spec)
+
+    @property
+    def predicted(self) -> bool:
+        return self.batch_time_s is not None
+
+    @property
+    def throughput_samples_s(self) -> float | None:
+        return self.spec.batch.global_size / self.batch_time_s if self.batch_time_s else None
+
+    @property
+    def throughput_tokens_s(self) -> float | None:
+        samples = self.throughput_samples_s
+        return samples * self.spec.model.seq_len if samples is not None else None
+
+    def training(self, iterations: int | None = None, tokens: float | None = None) -> tuple[float, float] | None:
+        """(seconds, GPU-hours) to train `iterations` iterations or `tokens` tokens."""
+        if self.batch_time_s is None or (iterations is None and tokens is None):
+            return None
+        steps = iterations if iterations is not None else tokens / (self.spec.batch.global_size
+                                                                    * self.spec.model.seq_len)
+        seconds = steps * self.batch_time_s
+        return seconds, seconds * self.spec.strategy.world / 3600
+
+    def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
+        s = self.spec.strategy
+        out = {"strategy": self.label, "gpus": s.world, "dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule,
+               "chunks": s.chunks, "micro": self.spec.batch.micro, "micro_batches": self.spec.micro_batches,
+               "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,
+               "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
+               "comm_fraction": self.comm_fraction, "peak_memory_bytes": self.peak_memory_bytes,
+               "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
+               "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "speedup": self.speedup}
+        trained = self.training(iterations, tokens)
+        if trained is not None:
+            out["train_s"], out["gpu_hours"] = trained
+        return out
+
+
+@dataclass
+class SearchResult:
+    """Every candidate, ranked, and what the grid rejected."""
+
+    profile: Profile
+    spec: JobSpec
+    candidates: list[CandidateResult]  # ranked: feasible first
+    rejected: list[Rejected]
+    capacity_bytes: float | None
+    sort: str = "time"
+
+    @property
+    def best(self) -> CandidateResult | None:
+        return next((c for c in self.candidates if c.feasible), None)
+
+    def profiling_cost(self) -> dict[str, float] | None:
+        """The profile's device-seconds against running every predicted candidate for real with the same warm-up
+        and repeats (each candidate's devices x (warm-up + repeats) x its predicted batch time)."""
+        spent = self.profile.environment.get("device_seconds")
+        env = self.profile.environment
+        repeats = int(env.get("warmup", 0)) + int(env.get("repeats", 0))
+        brute = sum(c.spec.strategy.world * repeats * c.batch_time_s for c in self.candidates if c.predicted)
+        if not isinstance(spent, (int, float)) or brute <= 0:
+            return None
+        return {"profile_device_s": float(spent), "brute_force_device_s": brute, "fraction": float(spent) / brute}
+
+    def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
+        best = self.best
+        return {"schema_version": SEARCH_SCHEMA_VERSION, "kind": SEARCH_KIND, "profile": str(self.profile.path),
+                "model": self.spec.model.name, "device_memory_bytes": self.capacity_bytes, "sort": self.sort,
+                "candidates": [c.to_dict(iterations, tokens) for c in self.candidates],
+                "best": best.to_dict(iterations, tokens) if best is not None else None,
+                "rejected": [{"choice": dict(r.choice), "reason": r.reason} for r in self.rejected],
+                "profiling": self.profiling_cost(), "iterations": iterations, "tokens": tokens}
+
+
+# what each worker process evaluates against: set before the workers fork, so the profile is not pickled
+_SHARED: dict[str, Any] = {}
+
+
+def _evaluate(spec: JobSpec) -> CandidateResult:
+    profile, activations, capacity, options = (_SHARED[k] for k in ("profile", "activations", "capacity", "options"))
+    result = CandidateResult(spec)
+    try:
+        plan = build_plan(spec, layers_for(profile, spec))
+        costs = estimate_costs(plan, profile, **options["costs"])
+    except UserError as exc:
+        result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
+        return result
+    timeline = simulate(plan, costs, options["dp_overlap"])
+    T = timeline.batch_time_s
+    result.batch_time_s = T
+    result.bubble_fraction = timeline.bubble_fraction
+    result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
+                            if T > 0 else 0.0)
+    memory = estimate_memory(plan, activations)
+    peak = memory.peak
+    result.peak_memory_bytes, result.peak_stage, result.dominant = peak.total, peak.stage, peak.dominant
+    result.memory_stages = [s.to_dict() for s in memory.stages]
+    result.feasible = memory.fits(capacity)
+    result.reason = "" if result.feasible else memory.shortfall(capacity)
+    if costs.extrapolated:
+        names = sorted({c.name for c in costs.extrapolated})
+        result.flags.append(f"{len(costs.extrapolated)} communication event(s) from fits ({', '.join(names[:2])}"
+                            + (", ..." if len(names) > 2 else "") + ")")
+    tp = spec.strategy.tp
+    if tp > 1 and any(e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd") and eid not in costs.composites
+                      for eid, e in plan.events.items() if e.content.get("signature", {}).get("tp") == tp):
+        result.flags.append(f"tp={tp} layers measured without their all-reduces (the profiling run has no "
+                            f"{tp} ranks on one node): shard alone, all-reduces from the fit")
+    if memory.unmeasured:
+        result.flags.append(f"activations not measured for {', '.join(memory.unmeasured)} (counted 0): profile "
+                            "again")
+    return result
+
+
+def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = None,
+           capacity_bytes: float | None = None, sort: str = "time", dp_overlap: bool | None = None,
+           compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
+           progress: Callable[[int], None] | None = None) -> SearchResult:
+    """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`.
+    `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
+    processes (default: one per core); `progress(n)`: called as candidates complete."""
+    if sort not in SORTS:
+        raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
+    spec = spec or profile.spec
+    if capacity_bytes is None and spec.cluster.device_memory_gb is not None:
+        capacity_bytes = spec.cluster.device_memory_gb * GB
+    if capacity_bytes is not None and capacity_bytes <= 0:
+        raise UserError(f"the device memory must be above 0, got {capacity_bytes / GB:g} GB")
+    grid: Grid = expand(spec, gpus)
+    profile.read_details()
+    _SHARED.update(profile=profile, activations=activation_bytes(profile), capacity=capacity_bytes,
+                   options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
+                            "dp_overlap": dp_overlap})
+    jobs = jobs or os.cpu_count() or 1
+    results: list[CandidateResult] = []
+    if jobs > 1 and len(grid) >= PARALLEL_FROM:
+        chunk = max(1, len(grid) // (jobs * 8))
+        with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
+            for result in pool.map(_evaluate, grid.candidates, chunksize=chunk):
+                results.append(result)
+                if progress:
+                    progress(1)
+    else:
+        for candidate in grid.candidates:
+            results.append(_evaluate(candidate))
+            if progress:
+                progress(1)
+    _SHARED.clear()
+    if not any(r.predicted for r in results):
+        reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
+        raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the search "
+                        "spec itself: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR")
+    ranked = rank(results, sort)
+    return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort)
+
+
+def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[CandidateResult]:
+    """Feasible candidates first, by batch time (or peak memory), then the infeasible ones that were predicted,
+    then those that could not be; each feasible one's speed-up over the slowest feasible one."""
+    feasible = [r for r in results if r.feasible]
+    slowest = max((r.batch_time_s for r in feasible), default=None)
+    for r in feasible:
+        r.speedup = slowest / r.batch_time_s if r.batch_time_s else None
+
+    def key(r: CandidateResult) -> tuple:
+        primary = (r.batch_time_s if sort == "time" else r.peak_memory_bytes) if r.predicted else math.inf
+        secondary = (r.peak_memory_bytes if sort == "time" else r.batch_time_s) if r.predicted else math.inf
+        return (not r.feasible, not r.predicted, primary, secondary, r.label)
+    return sorted(results, key=key)
+
+
+def pareto_front(results: Sequence[CandidateResult]) -> list[CandidateResult]:
+    """The feasible candidates that no other feasible one beats in both throughput and peak memory."""
+    feasible = sorted((r for r in results if r.feasible), key=lambda r: (r.peak_memory_bytes, -r.throughput_samples_s))
+    front, best = [], -math.inf
+    for r in feasible:
+        if r.throughput_samples_s > best:
+            front.append(r)
+            best = r.throughput_samples_s
+    return front

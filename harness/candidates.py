@@ -1,0 +1,130 @@
+"""A spec's `[search]` grid expanded into candidate strategies: every combination of its fields, each one
+validated by the spec's own rules (harness.spec), the rejected ones with their reasons. Pure Python.
+
+Rules (docs/spec.md, "[search]"):
+- a field the grid does not list keeps the spec's value; `micro` is the micro-batch size at the spec's
+  global batch;
+- the device count is fixed: `gpus` (or `--gpus`) when given, else the spec's cluster; without `dp` in the
+  grid, dp is the device count over tp x pp; with it, a combination that uses another count is rejected;
+- `chunks` applies to interleaved-1f1b only (other schedules run one chunk per device): the grid's chunks
+  give interleaved candidates, the spec's own chunks when the grid has none (2 by default);
+- the node size stays the spec's (`gpus_per_node`); a device count that does not fill whole nodes runs on
+  one node if it is smaller than one, else is rejected;
+- identical candidates are one.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import SpecError, UserError
+from harness.spec import JobSpec, parse_spec
+
+GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks")
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A combination of the grid that is not a valid job, and why."""
+
+    choice: tuple[tuple[str, Any], ...]  # (field, value) as the grid gave them
+    reason: str
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.choice)
+
+
+@dataclass
+class Grid:
+    """The valid candidates of a search (in grid order) and the rejected combinations."""
+
+    candidates: list[JobSpec]
+    rejected: list[Rejected]
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+
+def strategy_key(spec: JobSpec) -> tuple:
+    """What tells two candidates apart."""
+    s = spec.strategy
+    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks)
+
+
+def candidate_label(spec: JobSpec) -> str:
+    """'dp=2 tp=2 pp=2 1f1b micro=2 m=8' (chunks for interleaved schedules)."""
+    s = spec.strategy
+    chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
+    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
+
+
+def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:
+    grid = spec.search
+    if field == "gpus":
+        return (gpus,) if gpus is not None else (grid.gpus or (spec.cluster.devices,))
+    if field == "micro":
+        return grid.micro or (spec.batch.micro,)
+    if field == "dp":
+        return grid.dp or (None,)  # None: derived from the device count
+    return getattr(grid, field) or (getattr(spec.strategy, field),)
+
+
+def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
+    """Every candidate of `spec`'s [search] grid (the spec itself when it has none); `gpus` replaces the grid's
+    device counts. UserError if no combination is a valid job (naming the first reasons)."""
+    if gpus is not None and gpus < 1:
+        raise UserError(f"--gpus {gpus}: give a device count of 1 or more")
+    fields = {f: _values(spec, f, gpus) for f in GRID_FIELDS}
+    schedules = fields["schedule"]
+    interleaved_chunks = spec.search.chunks or (spec.strategy.chunks if spec.strategy.chunks > 1 else 2,)
+    base = spec.to_dict()
+    base.pop("search", None)
+    seen: dict[tuple, JobSpec] = {}
+    rejected: list[Rejected] = []
+    for world, dp, tp, pp, micro, schedule in itertools.product(fields["gpus"], fields["dp"], fields["tp"],
+                                                                fields["pp"], fields["micro"], schedules):
+        for chunks in (interleaved_chunks if schedule == "interleaved-1f1b" else (1,)):
+            choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
+                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule == "interleaved-1f1b" else ())
+            choice = tuple((k, v) for k, v in choice if v is not None)
+            try:
+                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks)
+            except SpecError as exc:
+                rejected.append(Rejected(choice, _reason(exc)))
+                continue
+            seen.setdefault(strategy_key(candidate), candidate)
+    if not seen:
+        reasons = "; ".join(f"{r.label()}: {r.reason}" for r in rejected[:3])
+        raise UserError(f"{spec.source}: no combination of the [search] grid is a valid job ({len(rejected)} "
+                        f"tried), e.g. {reasons}")
+    return Grid(list(seen.values()), rejected)
+
+
+def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, pp: int, micro: int,
+               schedule: str, chunks: int) -> JobSpec:
+    if dp is None:
+        if world % (tp * pp):
+            raise SpecError(f"{world} devices are not a multiple of tp x pp = {tp * pp}")
+        dp = world // (tp * pp)
+    elif dp * tp * pp != world:
+        raise SpecError(f"dp x tp x pp = {dp * tp * pp} devices, not the {world} of the search (list gpus in "
+                        "[search] to vary the device count)")
+    per_node = spec.cluster.gpus_per_node
+    if world % per_node == 0:
+        nodes = world // per_node
+    elif world < per_node:
+        nodes, per_node = 1, world
+    else:
+        raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
+    data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
+                                 "chunks": chunks},
+            "batch": {**base["batch"], "micro": micro},
+            "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
+    return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)
+
+
+def _reason(exc: SpecError) -> str:
+    """The rule a combination broke, without the spec's path."""
+    text = str(exc)
+    return text.split(": ", 1)[1] if exc.source and text.startswith(exc.source) else text

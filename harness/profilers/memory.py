@@ -1,0 +1,121 @@
+"""Counting the bytes a device holds, by what holds them: every distinct tensor storage once, however many
+tensors view it (a parameter that autograd saves for a backward is still a weight; a received activation
+that a layer saves is one activation).
+
+The same meter measures a layer's saved activations when profiling (`activation_bytes`) and a device's
+peak in `harness train` (LiveStorages over a whole iteration), so that the memory model (analysis.memory)
+and the run count alike: weights, gradients, optimizer state, activations autograd saves for the backward
+(through torch.autograd.graph.saved_tensors_hooks), and buffers the pipeline holds (a stage's output until
+its gradient returns, received and sent gradients).
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "pipeline")
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for tensors without one of their own."""
+    if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.device.type == "meta":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    nbytes = storage.nbytes()
+    return (storage.data_ptr(), nbytes) if nbytes else None
+
+
+class LiveStorages:
+    """The distinct storages alive, the bytes they make and the peak of that sum, with each category's share
+    at the peak. A storage counts in the category that first held it."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, list] = {}  # address -> [holders, bytes, category]
+        self.live = {c: 0 for c in CATEGORIES}
+        self.total = 0
+        self.peak = 0
+        self.at_peak = dict(self.live)
+
+    def hold(self, tensor: torch.Tensor, category: str) -> Callable[[], None] | None:
+        """Count `tensor`'s storage as held (once per storage); returns the release (None if not counted)."""
+        found = _storage(tensor)
+        if found is None:
+            return None
+        address, nbytes = found
+        entry = self._held.get(address)
+        if entry is None:
+            entry = self._held[address] = [0, nbytes, category]
+            self.live[category] += nbytes
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak, self.at_peak = self.total, dict(self.live)
+        entry[0] += 1
+        released = []
+
+        def release() -> None:
+            if released:
+                return
+            released.append(True)
+            entry[0] -= 1
+            if entry[0] == 0 and self._held.get(address) is entry:
+                del self._held[address]
+                self.live[entry[2]] -= entry[1]
+                self.total -= entry[1]
+        return release
+
+    def hold_while(self, owner: object, tensor: torch.Tensor, category: str) -> None:
+        """Count `tensor` until `owner` is garbage (a saved-tensor record, a pending send)."""
+        release = self.hold(tensor, category)
+        if release is not None:
+            weakref.finalize(owner, release)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is held now (after warm-up)."""
+        self.peak, self.at_peak = self.total, dict(self.live)
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor: the tensor, counted while this record lives."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+@contextmanager
+def saving_into(meter: LiveStorages, category: str = "activations") -> Iterator[None]:
+    """Within the block, every tensor autograd saves for a backward is counted in `meter` until autograd
+    frees it (with the graph, or as the backward consumes it)."""
+    def pack(tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(tensor)
+        meter.hold_while(saved, tensor, category)
+        return saved
+
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def activation_bytes(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
+                     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> int:
+    """Bytes one forward of `layer` saves for its backward: the distinct storages autograd saves, not its
+    parameters (weights are counted as weights), its input included where the layer saves it."""
+    meter = LiveStorages()
+    releases = [meter.hold(p, "weights") for p in layer.parameters()]
+    with saving_into(meter):
+        out = forward(layer, make_input())
+    saved = meter.live["activations"]
+    del out
+    for release in releases:
+        if release is not None:
+            release()
+    return int(saved)

@@ -1,0 +1,128 @@
+"""The memory model against what schedules hold and what ZeRO's accounting says model states take, the meter
+that counts a device's bytes, and the model against a real run's peak."""
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from analysis.memory import estimate_memory
+from harness.events import build_plan
+from harness.profilers.memory import LiveStorages, activation_bytes, saving_into
+from harness.spec import parse_spec
+from tests.helpers import mpirun_harness, tiny_spec_text
+from tests.test_analysis_helpers import make_spec
+
+def _estimate(spec, block_bytes: int = 10**7):
+    """The plan and its memory with every block's forward saving `block_bytes` (the embedding and head none)."""
+    plan = build_plan(spec)
+    saved = {eid: block_bytes if e.content["layer"] == "block" else 0 for eid, e in plan.events.items()
+             if e.kind == "compute" and e.content.get("phase") == "fwd"}
+    return plan, estimate_memory(plan, saved)
+
+
+@pytest.mark.parametrize("schedule,expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
+def test_micro_batches_in_flight_follow_the_schedule(schedule, expected):
+    """GPipe holds every micro-batch, 1F1B at most pp - stage (counted as a backward starts)."""
+    _, memory = _estimate(make_spec(pp=4, micro_batches=8, schedule=schedule))
+    assert [s.in_flight for s in memory.stages] == expected
+
+
+def test_interleaving_holds_what_megatron_counts():
+    """Interleaved 1F1B's first stage holds 1 + (p - 1) / (p v) times 1F1B's p micro-batches (Korthikanti et al.),
+    in chunks of 1 / v of a stage each."""
+    p, v = 2, 2
+    _, plain = _estimate(make_spec(pp=p, micro_batches=4, layers=4, schedule="1f1b"))
+    _, interleaved = _estimate(make_spec(pp=p, micro_batches=4, layers=4, schedule="interleaved-1f1b", chunks=v))
+    assert plain.stages[0].in_flight == p
+    assert interleaved.stages[0].in_flight / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+@pytest.mark.parametrize("dtype,optimizer,per_parameter", [
+    ("float32", {}, 16),  # Adam, fp32: 4 + 4 + 8
+    ("bfloat16", {"master_weights": True}, 16),  # mixed precision: 2 + 2 + 12 (ZeRO's K = 12)
+    ("bfloat16", {}, 8),  # 2 + 2 + 4: states in the weights' dtype
+    ("float32", {"name": "sgd"}, 12),  # momentum: one state
+    ("float32", {"name": "sgd", "momentum": 0.0}, 8)])
+def test_model_states_per_parameter(dtype, optimizer, per_parameter):
+    data = json.loads(make_spec(dp=2, micro_batches=2).to_json())
+    data["model"]["dtype"] = dtype
+    data["optimizer"] = {**data["optimizer"], **optimizer}
+    spec = parse_spec(data)
+    plan, memory = _estimate(spec)
+    (stage,) = memory.stages
+    params = sum(layer.params for layer in plan.layers)
+    assert stage.weights + stage.gradients + stage.optimizer == per_parameter * params
+
+
+def test_gradients_count_from_the_first_backward_without_data_parallelism():
+    """GPipe without data parallelism peaks either with every micro-batch in flight before any gradient exists,
+    or after its first backward with the gradients made: the model takes the larger."""
+    for per_micro in (1000, 10**7):  # the block; the embedding and head save nothing, a last stage sends nothing
+        plan, memory = _estimate(make_spec(pp=1, micro_batches=4, schedule="gpipe"), per_micro)
+        (stage,) = memory.stages
+        weights = sum(layer.params for layer in plan.layers) * 4
+        assert stage.total == max(weights * 3 + 4 * per_micro, weights * 4 + 3 * per_micro)
+        assert stage.gradients == (weights if per_micro == 1000 else 0)
+    _, replicated = _estimate(make_spec(dp=2, micro_batches=4, schedule="gpipe"))
+    assert replicated.stages[0].gradients == weights  # buckets persist: gradients from the start
+
+
+def test_a_device_that_does_not_fit_says_by_how_much_and_what_dominates():
+    _, memory = _estimate(make_spec(pp=2, micro_batches=4), 1000)
+    assert memory.fits(None) and memory.fits(memory.peak_bytes) and not memory.fits(memory.peak_bytes - 1)
+    assert "optimizer" in memory.shortfall(1e3) and "1 kB per device" in memory.shortfall(1e3)
+
+
+def test_a_storage_counts_once_whatever_views_it():
+    meter = LiveStorages()
+    t = torch.zeros(1000)
+    release = meter.hold(t, "weights")
+    meter.hold_while(t[10:20], t[10:20], "activations")  # a view: the same storage, still a weight
+    assert meter.total == 4000 and meter.live["weights"] == 4000 and meter.live["activations"] == 0
+    release()
+    gc.collect()
+    assert meter.total == 0 and meter.peak == 4000
+
+
+def test_saved_activations_are_counted_until_the_backward_frees_them():
+    meter = LiveStorages()
+    layer = torch.nn.Linear(64, 64)
+    for p in layer.parameters():
+        meter.hold(p, "weights")
+    x = torch.randn(8, 64, requires_grad=True)
+    with saving_into(meter):
+        out = torch.nn.functional.gelu(layer(x))
+    assert meter.live["activations"] == 8 * 64 * 4 * 2  # the linear's input and the GELU's input
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert meter.live["activations"] == 0
+    assert activation_bytes(layer, lambda: torch.randn(8, 64, requires_grad=True),
+                            lambda m, x: torch.nn.functional.gelu(m(x))) == 8 * 64 * 4 * 2  # not the weight
+
+
+def test_the_model_meets_a_real_runs_peak(tmp_path, project_env):
+    """Profile and train one pipeline job on 2 ranks: each stage's predicted peak is within 1% of what the run
+    held (the model and the run count the same parts; tests/README: docs/analysis.md, Memory)."""
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(layers=4, hidden=64, heads=4, ffn=256, seq=32, vocab=256, pp=2, global_batch=8,
+                                   micro=2, schedule="gpipe", warmup=1, repeats=2))
+    profiled = mpirun_harness(2, ["profile", str(spec), "-o", str(tmp_path / "out"), "--quiet"], project_env)
+    assert profiled.returncode == 0, profiled.stderr
+    trained = mpirun_harness(2, ["train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3"], project_env)
+    assert trained.returncode == 0, trained.stderr
+    from analysis.cli import main
+
+    from analysis.profile_reader import load_profile
+    from analysis.trace_reader import read_trace
+    from analysis.validate import validate
+
+    result = validate(read_trace(tmp_path / "run"), load_profile(tmp_path / "out"))
+    assert len(result.memory) == 2
+    for row in result.memory:
+        assert abs(row["error_pct"]) < 1.0, row
+        assert row["measured_parts"]["weights"] == row["predicted_parts"]["weights"]
+    assert main(["validate", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
