@@ -1,10 +1,8 @@
 """Benchmark: simulate one iteration of a 16,384-GPU GPT-3-like job from a synthetic profile.
 
 dp=256 x tp=8 x pp=8 on 2,048 nodes of 8 GPUs; 96 layers, hidden 12288, 96 heads, ffn 49152, seq 2048,
-micro-batch 1, global batch 16384 (64 micro-batches per pipeline). The synthetic profile.h5 is written with
-harness.profile_store.write_profile: compute times from FLOPs at a plausible bf16 rate, communication measured as a
-2-node profile would (all-reduce sweeps over 2..16 ranks, P2P sweeps, intra and inter node), so the
-data-parallel all-reduce over 256 ranks is extrapolated by the alpha-beta fit.
+micro-batch 1, global batch 16384 (64 micro-batches per pipeline), from a synthetic 2-node profile
+(bench/synthetic.py), so the data-parallel all-reduce over 256 ranks is extrapolated by the alpha-beta fit.
 
     python bench/simulate_scale.py [--runs N] [--keep DIR]
 
@@ -24,15 +22,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.events import build_plan, event_id  # noqa: E402
+from harness.events import build_plan  # noqa: E402
 from harness.spec import parse_spec  # noqa: E402
-from harness.profile_store import Measurement, write_profile  # noqa: E402
 
 from analysis.costs import estimate_costs  # noqa: E402
 from analysis.devices import select_devices  # noqa: E402
 from analysis.profile_reader import layers_for, load_profile, resolve_spec  # noqa: E402
 from analysis.report import summary  # noqa: E402
 from analysis.simulate import simulate  # noqa: E402
+from bench.synthetic import write_synthetic_profile  # noqa: E402
 
 SPEC = {
     "model": {"name": "gpt2-xl", "layers": 96, "hidden": 12288, "heads": 96, "ffn": 49152, "seq_len": 2048,
@@ -42,62 +40,6 @@ SPEC = {
     "cluster": {"nodes": 2048, "gpus_per_node": 8},
     "profile": {"warmup": 5, "repeats": 20},
 }
-COMPUTE_FLOPS = 400e12  # sustained bf16 FLOP/s of one GPU
-OPTIMIZER_BYTES_PER_PARAM, MEMORY_BW = 16, 2.5e12  # Adam reads and writes ~16 bytes per parameter
-LINKS = {"intra": (8e-6, 1 / 300e9), "inter": (25e-6, 1 / 20e9)}  # (alpha s, beta s/byte) of a synthetic cluster
-
-
-def comm_seconds(kind: str, nbytes: int, group: int, placement: str) -> float:
-    alpha, beta = LINKS[placement]
-    if kind == "p2p":
-        return alpha + nbytes * beta
-    return 2 * (group - 1) * alpha + 2 * (group - 1) / group * nbytes * beta
-
-
-def write_synthetic_profile(path: Path, rng: np.random.Generator) -> None:
-    """Measurements for the compute events of the spec, plus a 2-node (16-rank) communication sweep."""
-    spec = parse_spec(SPEC, source="bench")
-    plan = build_plan(spec)
-    measurements, unmeasured = [], {}
-    noise = lambda t: t * rng.normal(1.0, 0.02, 20).clip(0.9, 1.1)  # noqa: E731
-    for event in plan.events.values():
-        if event.kind == "compute":
-            if event.content["phase"] == "optimizer":
-                seconds = event.content["params"] * OPTIMIZER_BYTES_PER_PARAM / MEMORY_BW
-            else:
-                seconds = event.cost / COMPUTE_FLOPS
-            measurements.append(Measurement(event.id, "compute", event.content, noise(seconds), [0], "bench"))
-        elif event.group_size > 16:
-            unmeasured[event.id] = f"group of {event.group_size} ranks is larger than the profiling world (16)"
-        else:
-            seconds = comm_seconds(event.kind, event.bytes, event.group_size, event.placement)
-            measurements.append(Measurement(event.id, event.kind, event.content, noise(seconds), [0, 8], "bench",
-                                            {"bytes": event.bytes, "group_size": event.group_size,
-                                             "placement": event.placement, "backend": "synthetic"}))
-    measured = {m.id for m in measurements}
-    for placement, groups in (("intra", (2, 4, 8)), ("inter", (2, 4, 8, 16))):
-        for kind in ("allreduce", "p2p"):
-            for group in (groups if kind == "allreduce" else (2,)):
-                for nbytes in (2**20, 2**23, 2**26, 2**28):
-                    content = {"kind": kind, "bytes": nbytes, "dtype": "bfloat16", "placement": placement}
-                    if kind == "allreduce":
-                        content["group"] = group
-                    eid = event_id(content)
-                    if eid in measured:
-                        continue
-                    measured.add(eid)
-                    measurements.append(Measurement(eid, kind, content,
-                                                    noise(comm_seconds(kind, nbytes, group, placement)),
-                                                    list(range(group)), "bench",
-                                                    {"bytes": nbytes, "group_size": group, "placement": placement,
-                                                     "backend": "synthetic"}))
-    write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
-                  events=plan.table(), measurements=measurements, unmeasured=unmeasured,
-                  environment={"world_size": 16, "ranks_per_node": 8, "device": "synthetic", "backend": "synthetic",
-                               "hosts": ["node0", "node1"]},
-                  placement={m.id: m.ranks for m in measurements})
-
-
 def timed(function, runs: int):
     best, result = float("inf"), None
     for _ in range(runs):
@@ -115,7 +57,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = (args.keep or Path(tmp)) / "profile.h5"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_synthetic_profile(path, np.random.default_rng(0))
+        write_synthetic_profile(path, parse_spec(SPEC, source="bench"), np.random.default_rng(0))
         t_load, profile = timed(lambda: load_profile(path), args.runs)
         spec = resolve_spec(profile)
         t_plan, plan = timed(lambda: build_plan(spec, layers_for(profile, spec)), args.runs)

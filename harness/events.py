@@ -296,8 +296,15 @@ class EventPlan:
         return (self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic),
                 self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic),
                 self._add("compute", f"{label}.optimizer", {"layer": layer.kind, "signature": sig,
-                                                             "phase": "optimizer", "params": layer.params},
+                                                             "phase": "optimizer", "params": layer.params,
+                                                             **self._optimizer_content()},
                           12.0 * layer.params, 0, float(layer.params * OPTIMIZER_BYTES_PER_PARAMETER)))
+
+    def _optimizer_content(self) -> dict[str, Any]:
+        """What an optimizer step's content adds for its optimizer: nothing for Adam (the default, so that
+        profiles of Adam jobs keep their ids), the name and momentum for SGD."""
+        o = self.spec.optimizer
+        return {} if o.name == "adam" else {"optimizer": o.name, "momentum": o.momentum}
 
     def _traffic(self, layer: LayerDesc, index: int, tokens: int) -> float:
         """A forward's memory traffic: its parameters and its activations in and out, in bytes."""

@@ -182,11 +182,12 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
-    def to_toml(self, header: str = "") -> str:
-        """The spec as a TOML file that loads back into the same spec (without its [search] grid); `header`
-        becomes comment lines at the top."""
+    def to_toml(self, header: str = "", search: bool = False) -> str:
+        """The spec as a TOML file that loads back into the same spec (its [search] grid only with `search`);
+        `header` becomes comment lines at the top."""
         data = self.to_dict()
-        data.pop("search", None)
+        if not search:
+            data.pop("search", None)
         lines = [f"# {line}" for line in header.splitlines()]
         lines.append(f"spec_version = {data.pop('spec_version')}")
         for section, values in data.items():

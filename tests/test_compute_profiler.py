@@ -165,11 +165,20 @@ def test_rounds_sample_in_heavy_light_order_of_the_warm_up(monkeypatch):
 
     monkeypatch.setattr(ComputeRunner, "sample", spy)
     measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=1, repeats=1)
-    ids = {id(runner): eid for eid, runner in zip(contents, [r for r, _ in sampled[:len(contents)]])}
-    warm = {ids[id(runner)]: seconds for runner, seconds in sampled[:len(contents)]}
-    timed = [ids[id(runner)] for runner, _ in sampled[len(contents):]]
+    by_runner = {id(runner): runner for runner, _ in sampled}
+    eid_of = {key: next(eid for eid, content in contents.items()
+                        if {k: v for k, v in runner.content.items() if k != "last"} == content)
+              for key, runner in by_runner.items()}
+    timed = [eid_of[id(runner)] for runner, _ in sampled[-len(contents):]]
+    warm, warm_count = {}, {}
+    for runner, seconds in sampled[:-len(contents)]:
+        warm[eid_of[id(runner)]] = seconds  # its last warm-up sample
+        warm_count[id(runner)] = warm_count.get(id(runner), 0) + 1
     assert timed == heavy_light_order(warm)
     assert warm[timed[1]] == min(warm.values())  # the shortest runs right after the longest
+    # every copy of a layer ran once before the warm-up proper: a copy's first run touches fresh memory
+    assert all(warm_count[key] == len(runner.layers) - 1 + 1 for key, runner in by_runner.items())
+    assert any(len(runner.layers) > 1 for runner in by_runner.values())
 
 
 def test_backward_samples_carry_the_cost_of_one_backward_call():

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from harness.models import TORCH_DTYPES, build_layer
+from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.transformer import Head
 from harness.profilers.memory import activation_bytes
 from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
@@ -103,7 +103,7 @@ class ComputeSamples(NamedTuple):
 
 
 class ComputeRunner:
-    """One compute event ready to run: its layer, inputs and (for the optimizer step) Adam with gradients.
+    """One compute event ready to run: its layer, inputs and (for the optimizer step) its optimizer with gradients.
 
     On a CPU the runner rotates over several copies of the layer whose weights together exceed the last-level
     cache: a real stage streams through many distinct layers, so a single copy kept warm in cache would be
@@ -125,7 +125,8 @@ class ComputeRunner:
         self.optimizers = []
         if self.phase == "optimizer":
             for layer in self.layers:
-                self.optimizers.append(torch.optim.Adam(layer.parameters(), lr=1e-4))
+                self.optimizers.append(make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0),
+                                                      list(layer.parameters()), lr=1e-4))
                 for p in layer.parameters():
                     p.grad = torch.randn_like(p)
         self._next = 0
@@ -255,7 +256,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                           repeats: int, on_round: Callable[[int], None] | None = None,
                           max_parameters: int = 2**28, origin_s: float | None = None) -> dict[str, ComputeSamples]:
     """Samples of several compute events, taken round-robin: one sample of each event per round, in
-    heavy_light_order of their last warm-up sample.
+    heavy_light_order of their last warm-up sample. The warm-up runs every copy of an event's layer once
+    (ComputeRunner rotates over copies on a CPU), then `warmup` more samples.
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
     take all its repeats in a slow moment (on shared machines this halves the spread between runs).
@@ -278,9 +280,12 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             runners[eid] = ComputeRunner(spec, contents[eid], device)
             total += runners[eid].parameters
         warm_s = {eid: 0.0 for eid in runners}
-        for _ in range(warmup):
+        # every copy of a layer runs once before the warm-up proper: a copy's first run touches its memory
+        # fresh (page faults, allocations), up to 4x slower, and would otherwise land in the timed samples
+        for round_ in range(max(len(r.layers) for r in runners.values()) - 1 + warmup):
             for eid, runner in runners.items():
-                warm_s[eid] = runner.sample()
+                if round_ < len(runner.layers) - 1 + warmup:
+                    warm_s[eid] = runner.sample()
         runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
         if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
             backward_call = measure_backward_call(device)

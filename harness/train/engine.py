@@ -1,6 +1,7 @@
 """The pipeline engine of `harness train`: one device's steps of one iteration, exactly in the order of
 harness.schedules.device_steps, with P2P between adjacent virtual stages, Megatron tensor parallelism inside
-the blocks, DDP-style bucketed gradient all-reduces and one Adam step per layer, every interval recorded.
+the blocks, DDP-style bucketed gradient all-reduces and one optimizer step per layer (the spec's: Adam or SGD), every interval
+recorded, and what the device holds counted by part (harness.profilers.memory).
 
 Communication that completes in the background (P2P sends, data-parallel buckets) is watched by one small
 thread per channel that blocks in `Work.wait()` (gloo: a send's `is_completed()` stays False until someone
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.events import EventPlan
+from harness.models import make_optimizer
 from harness.models.tp import set_collective_hook
 from harness.profilers.memory import LiveStorages, saving_into
 from harness.schedules import device_steps, virtual_stage
@@ -197,7 +199,8 @@ class PipelineEngine:
             program = plan.stages[vs]
             mods = [modules[p] for p in program.layers]
             self.stage_modules[vs] = mods
-            self.optimizers[vs] = [(eid, torch.optim.Adam(list(mod.parameters()), lr=lr)
+            self.optimizers[vs] = [(eid, make_optimizer(spec.optimizer.name, spec.optimizer.momentum,
+                                                        list(mod.parameters()), lr)
                                     if any(p.requires_grad for p in mod.parameters()) else None)
                                    for eid, mod in zip(program.optimizer, mods)]
             self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)

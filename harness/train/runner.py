@@ -57,6 +57,9 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int) -> N
         raise UserError(f"--iterations must be at least 1, got {iterations}")
     if not 0 <= warmup < iterations:
         raise UserError(f"--warmup must be between 0 and --iterations - 1 = {iterations - 1}, got {warmup}")
+    if spec.optimizer.master_weights:
+        raise UserError("harness train trains in the model's dtype and keeps no fp32 master weights; "
+                        "[optimizer] master_weights = true is for the memory model only (set it to false to run)")
 
 
 def yielding_barrier(comm) -> None:

@@ -1,0 +1,149 @@
+"""Is the search right? Every candidate of a small grid run for real on 2 ranks (CPU, gloo), against the search's
+prediction from one profile of the grid.
+
+The model of bench/accuracy.py (4 layers, hidden 256, seq 128; an iteration takes 200-600 ms here) at global
+batch 8 on 2 ranks: dp=2, pp=2 and tp=2, micro-batch sizes 1, 2 and 4 (so 2 to 8 micro-batches), GPipe and
+1F1B. One `harness profile` of the grid, one `analysis search`, then `harness train` of every candidate (the
+ranks bound to a core each, as both commands run in bench/accuracy.py). Prints, per candidate, predicted
+against measured batch time (the median of the run's measured iterations) and peak memory (the largest
+device's), then Spearman's rank correlation of the two times, the regret (the measured time of the
+predicted best over the measured best, minus one) and the largest memory error.
+Goals: Spearman at least 0.9, regret at most 2%, memory within 3%.
+
+    python bench/search_accuracy.py [--iterations 12] [--repeats 40] [--keep DIR] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.accuracy import MODEL, ROOT, run  # noqa: E402
+
+GOALS = {"spearman": 0.9, "regret_pct": 2.0, "memory_error_pct": 3.0}
+GRID = """[batch]
+global = 8
+micro = 1
+[strategy]
+dp = 2
+[cluster]
+nodes = 1
+gpus_per_node = 2
+[profile]
+warmup = 3
+repeats = {repeats}
+[search]
+tp = [1, 2]
+pp = [1, 2]
+micro = [1, 2, 4]
+schedule = ["gpipe", "1f1b"]
+"""
+
+
+def ranks(values: list[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    order = np.argsort(values, kind="stable")
+    out = np.empty(len(values))
+    sorted_values = np.asarray(values)[order]
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and sorted_values[j + 1] == sorted_values[i]:
+            j += 1
+        out[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def regret_pct(predicted: list[float], measured: list[float]) -> float:
+    """How much slower the predicted best runs than the measured best, in %."""
+    chosen = int(np.argmin(predicted))
+    return (measured[chosen] / min(measured) - 1) * 100
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=12, help="training iterations per candidate (2 warm-up)")
+    parser.add_argument("--repeats", type=int, default=40, help="profile repeats per event")
+    parser.add_argument("--keep", metavar="DIR", help="keep the spec, profile and every run under DIR")
+    parser.add_argument("--json", action="store_true", help="print the rows and figures as JSON")
+    args = parser.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+    launch = [mpirun, "--bind-to", "core", "-n", "2", sys.executable, "-m", "mpi4py", "-m", "harness"]
+    from analysis.trace_reader import read_trace
+    from harness.candidates import candidate_label, expand
+    from harness.hdf5_schema import PEAK_MEMORY_ATTR
+    from harness.spec import load_spec
+
+    with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        spec = root / "grid.toml"
+        spec.write_text(MODEL + GRID.format(repeats=args.repeats))
+        run(launch + ["profile", str(spec), "-o", str(root / "prof"), "--quiet", "--force"], env)
+        found = json.loads(run([sys.executable, "-m", "analysis", "search", str(root / "prof"), "--json", "--quiet"],
+                               env).stdout)
+        jobs = {candidate_label(job): job for job in expand(load_spec(spec, import_factory=False)).candidates}
+        rows = []
+        for index, candidate in enumerate(found["candidates"]):
+            folder = root / f"c{index:02d}"
+            folder.mkdir(exist_ok=True)
+            (folder / "job.toml").write_text(jobs[candidate["strategy"]].to_toml())
+            run(launch + ["train", str(folder / "job.toml"), "-o", str(folder / "run"), "--iterations",
+                          str(args.iterations), "--warmup", "2"], env)
+            trace = read_trace(folder / "run")
+            measured_s = float(np.median(trace.iteration_times()))
+            measured_peak = max(int(d.attrs[PEAK_MEMORY_ATTR]) for d in trace.devices.values())
+            rows.append({"strategy": candidate["strategy"], "predicted_s": candidate["batch_time_s"],
+                         "measured_s": measured_s,
+                         "error_pct": (candidate["batch_time_s"] - measured_s) / measured_s * 100,
+                         "predicted_peak_bytes": candidate["peak_memory_bytes"], "measured_peak_bytes": measured_peak,
+                         "memory_error_pct": (candidate["peak_memory_bytes"] - measured_peak) / measured_peak * 100})
+            if not args.json:
+                print(_line(rows[-1]), flush=True)
+    predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
+    figures = {"candidates": len(rows), "spearman": spearman(predicted, measured),
+               "regret_pct": regret_pct(predicted, measured),
+               "memory_error_pct": max(abs(r["memory_error_pct"]) for r in rows),
+               "profiling": found["profiling"]}
+    if args.json:
+        print(json.dumps({"rows": rows, **figures}, indent=2))
+    else:
+        met = {k: (figures[k] >= v if k == "spearman" else figures[k] <= v) for k, v in GOALS.items()}
+        print(f"\nSpearman {figures['spearman']:.3f} (goal >= {GOALS['spearman']}: {_met(met['spearman'])}), regret "
+              f"{figures['regret_pct']:.2f}% (goal <= {GOALS['regret_pct']:g}%: {_met(met['regret_pct'])}), "
+              f"memory within {figures['memory_error_pct']:.2f}% (goal <= {GOALS['memory_error_pct']:g}%: "
+              f"{_met(met['memory_error_pct'])})")
+        if found["profiling"]:
+            print(f"profiling the grid: {found['profiling']['profile_device_s']:.1f} device-s, "
+                  f"{100 * found['profiling']['fraction']:.1f}% of running every candidate with the same repeats")
+    return 0
+
+
+def _line(r: dict) -> str:
+    return (f"{r['strategy']:<34} predicted {r['predicted_s'] * 1e3:7.1f} ms  measured {r['measured_s'] * 1e3:7.1f} ms "
+            f"({r['error_pct']:+5.1f}%)  peak {r['predicted_peak_bytes'] / 1e6:6.2f} / "
+            f"{r['measured_peak_bytes'] / 1e6:6.2f} MB ({r['memory_error_pct']:+.2f}%)")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

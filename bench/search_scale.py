@@ -1,0 +1,97 @@
+"""Benchmark: a strategy search of over 1,000 candidates of up to 16,384 GPUs, from one synthetic profile.
+
+The GPT-3-like model of bench/simulate_scale.py (96 layers, hidden 12288, bf16, global batch 16384), searched
+over gpus 1,024..16,384, dp 16..256, tp 1..8, pp 1..16, micro-batch sizes 1..32 and the three schedules
+(interleaved with 2 and 4 chunks), on 141 GB devices (an H200; without activation recompute no candidate fits 80 GB). The profile is synthetic (bench/synthetic.py): what a
+2-node profile of the grid's union would hold.
+
+    python bench/search_scale.py [--jobs N] [--keep DIR]
+
+Prints the whole `python -m analysis search` process's wall time (goal: under 30 s on 2 cores) and the time
+per candidate as the grid grows (it should grow no faster than linearly); exits 1 past the goal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.candidates import expand  # noqa: E402
+from harness.spec import parse_spec  # noqa: E402
+
+from bench.synthetic import write_synthetic_profile  # noqa: E402
+
+GOAL_S = 30.0
+SPEC = {
+    "model": {"name": "gpt2-xl", "layers": 96, "hidden": 12288, "heads": 96, "ffn": 49152, "seq_len": 2048,
+              "vocab": 50257, "dtype": "bfloat16"},
+    "batch": {"global": 16384, "micro": 1},
+    "strategy": {"dp": 256, "tp": 8, "pp": 8, "schedule": "1f1b"},
+    "cluster": {"nodes": 2048, "gpus_per_node": 8, "device_memory_gb": 141},
+    "optimizer": {"name": "adam", "master_weights": True},
+    "profile": {"warmup": 5, "repeats": 20},
+    "search": {"gpus": [1024, 2048, 4096, 8192, 16384], "dp": [16, 32, 64, 128, 256], "tp": [1, 2, 4, 8],
+               "pp": [1, 2, 4, 8, 16], "micro": [1, 2, 4, 8, 16, 32],
+               "schedule": ["gpipe", "1f1b", "interleaved-1f1b"], "chunks": [2, 4]},
+}
+# smaller grids, for the time per candidate as the grid grows
+SUBSETS = ({"gpus": [16384], "micro": [1, 2]}, {"gpus": [8192, 16384], "micro": [1, 2, 4]},
+           {"gpus": [4096, 8192, 16384]}, {})
+
+
+def run_search(profile: Path, spec: dict, tmp: Path, jobs: int | None) -> tuple[float, dict]:
+    """The whole process of `python -m analysis search` on `spec`'s grid: wall seconds and its JSON."""
+    spec_path = tmp / "grid.toml"
+    spec_path.write_text(parse_spec(spec, source="bench").to_toml(search=True))
+    command = [sys.executable, "-m", "analysis", "search", str(profile), "--spec", str(spec_path), "--json",
+               "--quiet"] + (["--jobs", str(jobs)] if jobs else [])
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"search failed: {done.stderr}")
+    return elapsed, json.loads(done.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, help="worker processes of the search (default: one per core)")
+    parser.add_argument("--keep", type=Path, help="keep the synthetic profile here")
+    args = parser.parse_args()
+    spec = parse_spec(SPEC, source="bench")
+    grid = expand(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        folder = args.keep or tmp
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        unique = write_synthetic_profile(folder / "profile.h5", spec, np.random.default_rng(0))
+        print(f"grid: {len(grid)} candidates ({len(grid.rejected)} combinations rejected); synthetic profile of "
+              f"their {unique} unique events written in {time.perf_counter() - start:.1f} s")
+        print(f"\n{'candidates':>10} {'whole process s':>16} {'ms per candidate':>17} {'feasible':>9}  best")
+        rows = []
+        for subset in SUBSETS:
+            sub = {**SPEC, "search": {**SPEC["search"], **subset}}
+            count = len(expand(parse_spec(sub, source="bench")))
+            seconds, report = run_search(folder / "profile.h5", sub, tmp, args.jobs)
+            feasible = sum(c["feasible"] for c in report["candidates"])
+            best = report["best"]["strategy"] if report["best"] else "-"
+            rows.append((count, seconds))
+            print(f"{count:>10,} {seconds:>16.1f} {seconds / count * 1e3:>17.2f} {feasible:>9,}  {best}")
+    count, seconds = rows[-1]
+    print(f"\nthe whole grid: {count:,} candidates in {seconds:.1f} s (goal: at least 1,000 in under {GOAL_S:.0f} s)")
+    return 0 if count >= 1000 and seconds < GOAL_S else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
