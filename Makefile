@@ -41,13 +41,15 @@ $(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py
 	@rm -f $(VENV)/.setup-*
 	@touch $@
 
-# The main job end to end on the built-in demo spec: events, a 4-rank profile (as 2 emulated nodes of 2,
-# so inter-node pairs are measured too), then the offline prediction with its trace and picture.
+# The main job end to end on the built-in search: the union of its candidates' events, a 4-rank profile (as 2
+# emulated nodes of 2, so inter-node pairs are measured too), the ranked search, then the best candidate's
+# timeline as a Perfetto trace and a picture.
 demo: setup
-	$(PY) -m harness events harness/jobs/demo.toml
-	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/demo.toml -o $(DEMO_OUT)
-	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --trace $(DEMO_OUT)/timeline.json.gz --png $(DEMO_OUT)/timeline.png --out $(DEMO_OUT)/timeline.h5
-	@echo "more: python -m harness show $(DEMO_OUT)/profile.h5; python -m analysis simulate $(DEMO_OUT)/profile.h5 --details"
+	$(PY) -m harness events harness/jobs/search.toml
+	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/search.toml -o $(DEMO_OUT)
+	$(PY) -m analysis search $(DEMO_OUT)/profile.h5 --top 8 --write-spec $(DEMO_OUT)/best.toml --png $(DEMO_OUT)/search.png
+	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --trace $(DEMO_OUT)/best.json.gz --png $(DEMO_OUT)/best.png --json > $(DEMO_OUT)/best.json
+	@echo "more: python -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --details; python -m harness show $(DEMO_OUT)/profile.h5"
 
 test: setup slurm-deps
 	$(MAKE) --no-print-directory test-serial test-mpi

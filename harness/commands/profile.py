@@ -59,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"profiled {what}{spec.model.name} on {comm.Get_size()} ranks: {result.measured} measurements taken, "
           f"{result.skipped} already stored, {len(result.unmeasured)} unmeasurable here; wall time "
           f"{format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
-    for eid, why in sorted(result.unmeasured.items()):
-        print(f"  unmeasured {unique.events[eid].name} ({eid}): {why}")
+    by_reason: dict[str, list[str]] = {}
+    for eid, why in sorted(result.unmeasured.items(), key=lambda item: unique.events[item[0]].name):
+        by_reason.setdefault(why, []).append(unique.events[eid].name)
+    for why, names in by_reason.items():  # the analysis extrapolates them (docs/analysis.md)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        print(f"  unmeasured here, to be extrapolated: {shown}: {why}")
     print(f"profile: {result.path}")
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")
