@@ -1,13 +1,28 @@
-"""Bad input under MPI: every rank learns of any rank's error, only rank 0 reports it, and MPI ends quietly.
+"""MPI helpers of the front ends: bad input that every rank learns of (only rank 0 reports it, and MPI ends
+quietly), and a barrier that leaves the cores to the ranks still working.
 
 A rank that returns exit 2 alone would leave the others blocked in a collective; a non-zero exit under
 `python -m mpi4py` calls MPI_Abort, whose one line per rank would bury the one message that matters.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 from harness.errors import UserError
+
+
+def yielding_barrier(comm, sleep_s: float = 0.0) -> None:
+    """A barrier that gives the core away while it waits (MPICH's Barrier busy-polls, which takes a core from
+    the ranks still computing when there are more ranks than cores): yields, or with `sleep_s` sleeps that
+    long between polls, so that a rank waiting does not slow the work of the others it waits for."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        if sleep_s:
+            time.sleep(sleep_s)
+        else:
+            os.sched_yield()
 
 
 def agree_on_error(comm, error: UserError | None) -> UserError | None:

@@ -31,6 +31,7 @@ from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMP
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
+from harness.mpi_errors import yielding_barrier
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
@@ -338,8 +339,10 @@ def _profile_compute(run: ProfileRun) -> None:
 
     share = {eid: run.unique.events[eid].content for eid in placement.compute.get(rank, [])}
     t0 = time.perf_counter()
+    # every rank's timed rounds start together, so that the ranks' speeds compare at the same moments (replica
+    # skew); a rank that waits sleeps, leaving its core to a rank still warming up
     measured = measure_compute_share(run.spec, share, run.device, run.warmup, run.repeats, on_round=round_done,
-                                     origin_s=phase_start)
+                                     origin_s=phase_start, warmed=lambda: yielding_barrier(comm, sleep_s=1e-3))
     run.probe.top_up()
     run.busy_s += time.perf_counter() - t0
     for eid, taken in measured.items():

@@ -24,29 +24,29 @@ def _json(main, capsys, *args) -> dict:
 
 def test_simulate_on_the_real_profile(capsys):
     report = _json(analysis_main, capsys, "simulate", str(PROFILE), "--json")
-    assert report["batch_time_s"] == pytest.approx(0.2761683072723648, rel=EXACT)
-    assert report["bubble_fraction"] == pytest.approx(0.26523181891301384, rel=EXACT)
-    assert report["throughput_samples_s"] == pytest.approx(28.96784239659397, rel=EXACT)
+    assert report["batch_time_s"] == pytest.approx(0.21782792298058745, rel=EXACT)
+    assert report["bubble_fraction"] == pytest.approx(0.2540204195413461, rel=EXACT)
+    assert report["throughput_samples_s"] == pytest.approx(36.726237346131924, rel=EXACT)
     assert report["events"] == {"unique": 10, "total": 62}
     (s0, s1) = report["stages"]
-    assert s0["compute_s"] == pytest.approx(0.17119477217880588, rel=EXACT)
-    assert s0["idle_s"] == pytest.approx(0.1041326670935589, rel=EXACT)
-    assert s1["compute_s"] == pytest.approx(0.23296286143796882, rel=EXACT)
-    assert s1["end_s"] == pytest.approx(0.24620558828784606, rel=EXACT)
-    assert s0["comm_s"] == pytest.approx(0.0008408680000000154, rel=1e-6)
+    assert s0["compute_s"] == pytest.approx(0.14077790674821994, rel=EXACT)
+    assert s0["idle_s"] == pytest.approx(0.0764363662323675, rel=EXACT)
+    assert s1["compute_s"] == pytest.approx(0.18298515844625726, rel=EXACT)
+    assert s1["end_s"] == pytest.approx(0.1950009235398261, rel=EXACT)
+    assert s0["comm_s"] == pytest.approx(0.000613650000000009, rel=1e-6)
 
 
 def test_validate_on_the_real_run(capsys):
     result = _json(analysis_main, capsys, "validate", str(TRACE), str(PROFILE), "--json")
-    assert result["measured_batch_time_s"] == pytest.approx(0.2285806575, rel=EXACT)
-    assert result["predicted_batch_time_s"] == pytest.approx(0.2761683072723648, rel=EXACT)
-    assert result["batch_time_error_pct"] == pytest.approx(20.818756185599298, rel=EXACT)
-    assert result["replay_error_pct"] == pytest.approx(-1.5129672553331692, rel=EXACT)
-    assert [d["error_pct"] for d in result["devices"]] == pytest.approx([12.434785047651859, 23.937012935260906],
+    assert result["measured_batch_time_s"] == pytest.approx(0.21787421549999997, rel=EXACT)
+    assert result["predicted_batch_time_s"] == pytest.approx(0.21782792298058745, rel=EXACT)
+    assert result["batch_time_error_pct"] == pytest.approx(-0.021247360228597745, rel=EXACT)
+    assert result["replay_error_pct"] == pytest.approx(-1.271777901134945, rel=EXACT)
+    assert [d["error_pct"] for d in result["devices"]] == pytest.approx([-2.6471999883380124, 1.8814418161955073],
                                                                         rel=EXACT)
     assert len(result["layers"]) == 8 and len(result["measured_iteration_s"]) == 6
     assert [(r["measured_bytes"], r["predicted_bytes"]) for r in result["memory"]] == [(51792040, 51787776),
-                                                                                        (44961908, 44699652)]
+                                                                                        (44699764, 44699652)]
 
 
 def test_show_on_the_real_profile(capsys, tmp_path):
@@ -54,17 +54,17 @@ def test_show_on_the_real_profile(capsys, tmp_path):
     assert summary["schema_version"] == 2 and summary["environment"]["cpu_binding"] == "bound"
     by_name = {m["name"]: m for m in summary["measurements"]}
     assert len(by_name) == 11 and all(m["count"] == 10 for m in by_name.values())
-    assert by_name["gpt2.block.fwd"]["median_s"] == pytest.approx(0.005841817, rel=EXACT)
+    assert by_name["gpt2.block.fwd"]["median_s"] == pytest.approx(0.0055354670000000005, rel=EXACT)
     assert by_name["gpt2.block.bwd"]["ranks"] == [0]
-    assert by_name["p2p 256KiB intra"]["median_s"] == pytest.approx(0.00012477775, rel=EXACT)
+    assert by_name["p2p 256KiB intra"]["median_s"] == pytest.approx(8.988375e-05, rel=EXACT)
     rows = list(csv.DictReader((tmp_path / "m.csv").open()))
     assert {r["name"] for r in rows} == set(by_name)
-    assert float(next(r for r in rows if r["name"] == "gpt2.block.fwd")["median_s"]) == pytest.approx(0.005841817)
+    assert float(next(r for r in rows if r["name"] == "gpt2.block.fwd")["median_s"]) == pytest.approx(0.0055354670000000005)
 
 
 def test_the_terminal_report_on_the_real_profile(capsys):
     assert analysis_main(["simulate", str(PROFILE)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == "batch time   276.168 ms"
+    assert lines[1] == "batch time   217.828 ms"
     assert lines[4] == "memory       51.8 MB per device at most (stage 0, activations 17.3 MB)"
     assert len(lines) <= 12

@@ -254,10 +254,13 @@ class ComputeRunner:
 
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
                           repeats: int, on_round: Callable[[int], None] | None = None,
-                          max_parameters: int = 2**28, origin_s: float | None = None) -> dict[str, ComputeSamples]:
+                          max_parameters: int = 2**28, origin_s: float | None = None,
+                          warmed: Callable[[], None] | None = None) -> dict[str, ComputeSamples]:
     """Samples of several compute events, taken round-robin: one sample of each event per round, in
     heavy_light_order of their last warm-up sample. The warm-up runs every copy of an event's layer once
-    (ComputeRunner rotates over copies on a CPU), then `warmup` more samples.
+    (ComputeRunner rotates over copies on a CPU), then `warmup` more samples. `warmed()` is called exactly once,
+    after the first batch's warm-up (at once with nothing to measure): profiling calls a barrier there, so that
+    every rank's timed rounds start together and the ranks' speeds compare at the same moments.
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
     take all its repeats in a slow moment (on shared machines this halves the spread between runs).
@@ -272,6 +275,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     saved: dict[str, int] = {}
     pending = list(contents)
     backward_call: float | None = None
+    if not pending and warmed is not None:
+        warmed()
     while pending:
         runners: dict[str, ComputeRunner] = {}
         total = 0
@@ -287,6 +292,9 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 if round_ < len(runner.layers) - 1 + warmup:
                     warm_s[eid] = runner.sample()
         runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
+        if warmed is not None:
+            warmed()
+            warmed = None
         if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
             backward_call = measure_backward_call(device)
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward

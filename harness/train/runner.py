@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from harness.errors import UserError
+from harness.mpi_errors import yielding_barrier
 from harness.host_memory import prepare_host_memory
 from harness.spec import JobSpec
 from launcher.topology import mpi_library_version
@@ -60,14 +61,6 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int) -> N
     if spec.optimizer.master_weights:
         raise UserError("harness train trains in the model's dtype and keeps no fp32 master weights; "
                         "[optimizer] master_weights = true is for the memory model only (set it to false to run)")
-
-
-def yielding_barrier(comm) -> None:
-    """A barrier that yields the core while it waits: with more ranks than cores (CI), MPICH's busy-polling
-    Barrier would take the CPU from the ranks still computing."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        os.sched_yield()
 
 
 def _environment(topology, device, backend: str, threads: int, start: float, end: float) -> dict[str, Any]:
