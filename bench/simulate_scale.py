@@ -12,7 +12,6 @@ profile and simulating take 1 s or more.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

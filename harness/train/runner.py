@@ -6,7 +6,6 @@ holds the merged trace and the summary.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
