@@ -170,10 +170,11 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
 def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = None,
            capacity_bytes: float | None = None, sort: str = "time", dp_overlap: bool | None = None,
            compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
-           progress: Callable[[int], None] | None = None) -> SearchResult:
+           progress: Callable[[int], None] | None = None, grid: Grid | None = None) -> SearchResult:
     """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`.
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
-    processes (default: one per core); `progress(n)`: called as candidates complete."""
+    processes (default: one per core); `progress(n)`: called as candidates complete; `grid`: the grid when
+    the caller has expanded it already (harness.candidates.expand(spec, gpus))."""
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
     spec = spec or profile.spec
@@ -181,26 +182,28 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
         capacity_bytes = spec.cluster.device_memory_gb * GB
     if capacity_bytes is not None and capacity_bytes <= 0:
         raise UserError(f"the device memory must be above 0, got {capacity_bytes / GB:g} GB")
-    grid: Grid = expand(spec, gpus)
+    grid = grid if grid is not None else expand(spec, gpus)
     profile.read_details()
     _SHARED.update(profile=profile, activations=activation_bytes(profile), capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
                             "dp_overlap": dp_overlap})
     jobs = jobs or os.cpu_count() or 1
     results: list[CandidateResult] = []
-    if jobs > 1 and len(grid) >= PARALLEL_FROM:
-        chunk = max(1, len(grid) // (jobs * 8))
-        with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
-            for result in pool.map(_evaluate, grid.candidates, chunksize=chunk):
-                results.append(result)
+    try:
+        if jobs > 1 and len(grid) >= PARALLEL_FROM:
+            chunk = max(1, len(grid) // (jobs * 8))
+            with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
+                for result in pool.map(_evaluate, grid.candidates, chunksize=chunk):
+                    results.append(result)
+                    if progress:
+                        progress(1)
+        else:
+            for candidate in grid.candidates:
+                results.append(_evaluate(candidate))
                 if progress:
                     progress(1)
-    else:
-        for candidate in grid.candidates:
-            results.append(_evaluate(candidate))
-            if progress:
-                progress(1)
-    _SHARED.clear()
+    finally:
+        _SHARED.clear()
     if not any(r.predicted for r in results):
         reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
         raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the search "

@@ -63,12 +63,12 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_spec(profile, args.spec)
     from harness.candidates import expand
 
-    total = len(expand(spec, args.gpus))
-    progress = Progress("search", total, enabled=not args.quiet and not args.json and total > 8, unit="candidate")
+    grid = expand(spec, args.gpus)
+    progress = Progress("search", len(grid), enabled=not args.quiet and not args.json, unit="candidate")
     options = prediction_options(args)
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
                     sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
-                    rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance)
+                    rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid)
     progress.close()
     written = []
     training = {"iterations": args.iterations, "tokens": args.tokens}
