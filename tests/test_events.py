@@ -160,3 +160,25 @@ def test_byte_sizes_keep_three_significant_digits():
         ["512B", "1.5KiB", "64KiB", "1.26MiB", "1.29MiB"]  # two gradient buckets keep apart
     assert human_bytes(1023692) == "1000KiB"  # 999.7 KiB: never "1e+03KiB"
     assert human_bytes(5 * 2**40) == "5120GiB"
+
+
+def test_an_optimizer_step_names_its_optimizer_unless_it_is_adam():
+    """Adam, the default, adds nothing to an optimizer step's content (profiles of Adam jobs keep their ids);
+    SGD's steps are events of their own."""
+    adam = build_plan(loads_spec(tiny_spec_text()))
+    sgd = build_plan(loads_spec(tiny_spec_text() + '[optimizer]\nname = "sgd"\nmomentum = 0.5\n'))
+    steps = lambda plan: {e.id: e.content for e in plan.events.values() if e.content.get("phase") == "optimizer"}  # noqa: E731
+    assert all("optimizer" not in c for c in steps(adam).values())
+    assert all(c["optimizer"] == "sgd" and c["momentum"] == 0.5 for c in steps(sgd).values())
+    assert not set(steps(adam)) & set(steps(sgd))
+    assert set(adam.events) - set(steps(adam)) == set(sgd.events) - set(steps(sgd))  # the rest is the same
+
+
+def test_harness_train_refuses_master_weights():
+    from harness.errors import UserError
+    from harness.train.runner import check_run
+
+    spec = loads_spec(tiny_spec_text().replace('dtype = "float32"', 'dtype = "bfloat16"')
+                      + "[optimizer]\nmaster_weights = true\n")
+    with pytest.raises(UserError, match="master_weights = true is for the memory model only"):
+        check_run(spec, 1, 3, 1)
