@@ -47,7 +47,7 @@ $(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py
 demo: setup
 	$(PY) -m harness events harness/jobs/search.toml
 	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/search.toml -o $(DEMO_OUT)
-	$(PY) -m analysis search $(DEMO_OUT)/profile.h5 --top 8 --write-spec $(DEMO_OUT)/best.toml --png $(DEMO_OUT)/search.png
+	$(PY) -m analysis search $(DEMO_OUT)/profile.h5 --top 6 --write-spec $(DEMO_OUT)/best.toml --png $(DEMO_OUT)/search.png
 	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --trace $(DEMO_OUT)/best.json.gz --png $(DEMO_OUT)/best.png --json > $(DEMO_OUT)/best.json
 	@echo "more: python -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --details; python -m harness show $(DEMO_OUT)/profile.h5"
 
