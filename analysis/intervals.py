@@ -7,7 +7,7 @@ as two float arrays. Everything is built from it:
 - `clip(a, start, end)`: the part inside a window; `window_edges` and `coverage`: fixed windows and how
   much of each one a set covers;
 - `lanes(starts, ends)`: rows for intervals that may overlap, so that none overlap within a row.
-numpy only; linear or n log n in the number of intervals.
+numpy only; n log n in the number of intervals, but `lanes`, n x rows.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import CommunicationFields
-from harness.hdf5_io import open_file, plain, read_attrs, read_environment, read_text, reading
+from harness.hdf5_io import open_file, read_attr, read_attrs, read_environment, read_text, reading
 from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
                                   SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.layers import LayerDesc
@@ -162,7 +162,7 @@ def load_profile(path: str | Path) -> Profile:
     path = Path(path)
     if path.is_dir():  # an OUTDIR of `harness profile`
         path = path / "profile.h5"
-    with open_file(path, PROFILE_KIND, READ_VERSIONS) as f:
+    with open_file(path, PROFILE_KIND, READ_VERSIONS) as f, reading(path, PROFILE_KIND):
         attrs = read_attrs(f)
         if "spec_json" not in attrs:
             raise UserError(f"{path}: no spec_json attribute; the profile is incomplete; {REMEDIES[PROFILE_KIND]}")
@@ -237,7 +237,7 @@ def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
             means = {eid: float(mean) for eid, mean in zip(ids, g["mean_s"][()])}
     out: dict[str, MeasuredEvent] = {}
     for eid, g in f.get("measurements", {}).items():
-        kind, content = str(plain(g.attrs["kind"])), json.loads(plain(g.attrs["content_json"]))
+        kind, content = str(read_attr(g, "kind")), json.loads(read_attr(g, "content_json"))
         if eid in table:
             out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path, _mean_s=means.get(eid))
         else:

@@ -60,6 +60,7 @@ class CandidateResult:
 
     @property
     def throughput_samples_s(self) -> float | None:
+        """None where the candidate was not predicted or takes no time (nothing costed)."""
         return self.spec.batch.global_size / self.batch_time_s if self.batch_time_s else None
 
     @property
@@ -107,15 +108,17 @@ class SearchResult:
         return next((c for c in self.candidates if c.feasible), None)
 
     def profiling_cost(self) -> dict[str, float] | None:
-        """The profile's device-seconds against running every predicted candidate for real with the same warm-up
-        and repeats (each candidate's devices x (warm-up + repeats) x its predicted batch time)."""
-        spent = self.profile.environment.get("device_seconds")
+        """What profiling held its devices for (its wall time x its ranks, as bench/profile_scaling.py counts it)
+        against running every predicted candidate for real with the same warm-up and repeats (each candidate's
+        devices x (warm-up + repeats) x its predicted batch time)."""
         env = self.profile.environment
+        wall, ranks = env.get("profiling_wall_s"), env.get("world_size")
         repeats = int(env.get("warmup", 0)) + int(env.get("repeats", 0))
         brute = sum(c.spec.strategy.world * repeats * c.batch_time_s for c in self.candidates if c.predicted)
-        if not isinstance(spent, (int, float)) or brute <= 0:
+        if not isinstance(wall, (int, float)) or not isinstance(ranks, int) or brute <= 0:
             return None
-        return {"profile_device_s": float(spent), "brute_force_device_s": brute, "fraction": float(spent) / brute}
+        spent = float(wall) * ranks
+        return {"profile_device_s": spent, "brute_force_device_s": brute, "fraction": spent / brute}
 
     def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
         best = self.best
@@ -187,7 +190,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     _SHARED.update(profile=profile, activations=activation_bytes(profile), capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
                             "dp_overlap": dp_overlap})
-    jobs = jobs or os.cpu_count() or 1
+    jobs = jobs or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
     results: list[CandidateResult] = []
     try:
         if jobs > 1 and len(grid) >= PARALLEL_FROM:
@@ -229,7 +232,8 @@ def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[Candida
 
 def pareto_front(results: Sequence[CandidateResult]) -> list[CandidateResult]:
     """The feasible candidates that no other feasible one beats in both throughput and peak memory."""
-    feasible = sorted((r for r in results if r.feasible), key=lambda r: (r.peak_memory_bytes, -r.throughput_samples_s))
+    feasible = sorted((r for r in results if r.feasible and r.throughput_samples_s is not None),
+                      key=lambda r: (r.peak_memory_bytes, -r.throughput_samples_s))
     front, best = [], -math.inf
     for r in feasible:
         if r.throughput_samples_s > best:

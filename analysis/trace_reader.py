@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.hdf5_io import open_file, plain, read_attrs, read_column, read_environment
+from harness.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
 from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS,
                                   TRACE_LAYER_GROUP)
 
@@ -222,7 +222,7 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     if path.is_dir():  # a RUNDIR of `harness train`
         path = path / "trace.h5"
-    with open_file(path, TRACE_KIND, READ_VERSIONS) as f:
+    with open_file(path, TRACE_KIND, READ_VERSIONS) as f, reading(path, TRACE_KIND):
         attrs = read_attrs(f)
         environment = read_environment(f)
         clock = {key: read_column(ds) for key, ds in f["clock"].items()}

@@ -4,7 +4,8 @@ docs/timeline.md). h5py and numpy only: the analysis reads with it offline.
 Writing (`create`): a file is written under a temporary name beside its target and renamed into place
 when complete, so a reader never sees half a file and a stopped run keeps every file it finished. Every
 file is written so that HDF5 itself detects damage:
-- HDF5's newest file format, whose metadata (object headers, indexes) carries checksums;
+- HDF5 1.10's file format, whose metadata (object headers, indexes) carries checksums, and which HDF5 1.10
+  and later read;
 - every dataset chunked with the fletcher32 checksum (`write_dataset`), text as fixed-length UTF-8
   (variable-length text lives in a heap without checksums and takes no filter);
 - attributes kept in their object's header (checksummed), text as fixed-length UTF-8; text longer than
@@ -12,8 +13,10 @@ file is written so that HDF5 itself detects damage:
   object's subgroup LONG_ATTRS, which `read_attrs` returns as the attribute.
 Reading (`open_file`): the file's `kind` and `schema_version` are checked and, by default, every dataset
 is read once, so that damage anywhere is found before any number is used. A missing, foreign, newer,
-damaged or cut-short file is one UserError naming the file and what to do; `reading` gives later reads of
-an open-checked file the same messages.
+damaged or cut-short file is one UserError naming the file and what to do. The caller's reads in the block
+are its own; `reading(path, kind)` around them turns a part that is missing (an incomplete file of the right
+kind) into the same message, and should wrap reads only: an error in anything else it wraps would be blamed
+on the file.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ def create(path: str | Path, kind: str, version: int, attrs: Mapping[str, Any] |
     path = Path(path)
     tmp = temporary_path(path)
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
-    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_V110)  # checksummed metadata, readable by 1.10+
     fid = h5py.h5f.create(str(tmp).encode(), h5py.h5f.ACC_TRUNC,
                           fcpl=_creation_properties(h5py.h5p.FILE_CREATE), fapl=fapl)
     try:
@@ -157,6 +160,13 @@ def read_attrs(obj: h5py.Group | h5py.Dataset, decode_json: bool = False) -> dic
     return out
 
 
+def read_attr(obj: h5py.Group, key: str) -> Any:
+    """One attribute as plain data, whether in the header or (long text) in LONG_ATTRS; KeyError if absent."""
+    if key in obj.attrs:
+        return plain(obj.attrs[key])
+    return plain(obj[LONG_ATTRS][key][0])
+
+
 def read_environment(f: h5py.File) -> dict[str, Any]:
     """A profile's or trace's /environment attributes as plain data, JSON values decoded; {} without it."""
     return read_attrs(f["environment"], decode_json=True) if "environment" in f else {}
@@ -205,7 +215,7 @@ def reading(path: Path, kind: str) -> Iterator[None]:
     except Exception as exc:
         if not _damage(exc):
             raise
-        reason = str(exc).strip("'\"") or type(exc).__name__
+        reason = str(exc).strip().strip("'\"") or type(exc).__name__
         raise UserError(f"{path}: damaged or incomplete: {reason} (a checksum failed, the file was cut short, "
                         f"or a part is missing); {remedy}") from None
 
@@ -236,24 +246,31 @@ def open_file(path: str | Path, kinds: str | Sequence[str], versions: Sequence[i
         raise UserError(f"{path}: not an HDF5 file, so not {wanted}; {remedy}")
     with reading(path, kinds[0]):
         f = h5py.File(path, "r")
-    with f, reading(path, kinds[0]):
-        attrs = read_attrs(f)
-        kind = attrs.get("kind")
-        if kind is None:
-            raise UserError(f"{path}: an HDF5 file that distsim-harness did not write (no `kind`), not {wanted}; "
-                            f"{remedy}")
-        if kind not in kinds:
-            hint = MERGED_FILE_HINTS.get(kind, "check which file goes where (--help)")
-            raise UserError(f"{path} is {describe_kind(kind)}, not {wanted}; {hint}")
-        version = attrs.get("schema_version")
-        if not isinstance(version, int) or version < 1:
-            raise UserError(f"{path}: schema_version {version!r} is not a version number; {remedy}")
-        if version > max(versions):
-            raise UserError(f"{path}: written by a newer distsim-harness ({describe_kind(kind)} schema {version}; "
-                            f"this version reads {', '.join(map(str, versions))}); upgrade distsim-harness to read it")
-        if version not in versions:
-            raise UserError(f"{path}: schema {version} of {describe_kind(kind)} is no longer read (this version reads "
-                            f"{', '.join(map(str, versions))}); {remedy}")
-        if verify_all:
-            verify(f)
-        yield f
+    with f:
+        with reading(path, kinds[0]):
+            _check(f, path, kinds, versions, wanted, remedy, verify_all)
+        yield f  # the caller's own errors are its own: wrap its reads in `reading` where a part may be missing
+
+
+def _check(f: h5py.File, path: Path, kinds: tuple[str, ...], versions: Sequence[int], wanted: str, remedy: str,
+           verify_all: bool) -> None:
+    """open_file's checks of an open file: its kind and schema version, and (verify_all) every dataset."""
+    attrs = read_attrs(f)
+    kind = attrs.get("kind")
+    if kind is None:
+        raise UserError(f"{path}: an HDF5 file that distsim-harness did not write (no `kind`), not {wanted}; "
+                        f"{remedy}")
+    if kind not in kinds:
+        hint = MERGED_FILE_HINTS.get(kind, "check which file goes where (--help)")
+        raise UserError(f"{path} is {describe_kind(kind)}, not {wanted}; {hint}")
+    version = attrs.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise UserError(f"{path}: schema_version {version!r} is not a version number; {remedy}")
+    if version > max(versions):
+        raise UserError(f"{path}: written by a newer distsim-harness ({describe_kind(kind)} schema {version}; "
+                        f"this version reads {', '.join(map(str, versions))}); upgrade distsim-harness to read it")
+    if version not in versions:
+        raise UserError(f"{path}: schema {version} of {describe_kind(kind)} is no longer read (this version reads "
+                        f"{', '.join(map(str, versions))}); {remedy}")
+    if verify_all:
+        verify(f)

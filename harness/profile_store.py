@@ -10,13 +10,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import h5py
 import numpy as np
 
-from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_text, set_attrs, write_dataset,
-                             write_text)
+from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_text, reading, set_attrs,
+                             write_dataset, write_text)
 from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION, RANK_PROFILE_KIND,
                                   RANK_SPEED_PROBE_ENV, READ_VERSIONS, SERIES, STATS)
 
@@ -96,8 +97,11 @@ def write_rank_file(path: str | Path, rank: int, measurements: Iterable[Measurem
     return path
 
 
-def _open(path: str | Path):
-    return open_file(path, (PROFILE_KIND, RANK_PROFILE_KIND), READ_VERSIONS)
+@contextmanager
+def _open(path: str | Path) -> Iterator[h5py.File]:
+    """A rank file or merged profile, checked (harness.hdf5_io.open_file), its reads' errors the file's."""
+    with open_file(path, (PROFILE_KIND, RANK_PROFILE_KIND), READ_VERSIONS) as f, reading(Path(path), PROFILE_KIND):
+        yield f
 
 
 def read_measurements(path: str | Path) -> dict[str, Measurement]:

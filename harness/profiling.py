@@ -25,7 +25,7 @@ from typing import Any
 
 from harness.errors import UserError
 from harness.events import UniqueEvents, build_plan
-from harness.hdf5_io import open_file, read_environment
+from harness.hdf5_io import open_file, read_environment, reading
 from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
                                   PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
@@ -487,7 +487,7 @@ def _stored_rank_speeds(outdir: Path) -> dict[str, list[float]]:
     if not path.exists():
         return {}
     try:
-        with open_file(path, PROFILE_KIND, READ_VERSIONS) as f:
+        with open_file(path, PROFILE_KIND, READ_VERSIONS) as f, reading(path, PROFILE_KIND):
             speeds = read_environment(f).get(RANK_SPEED_PROBE_ENV, {})
     except UserError:
         return {}

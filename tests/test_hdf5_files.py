@@ -202,3 +202,15 @@ def test_show_reads_through_the_analysis_reader(files):
     assert show.returncode == simulate.returncode == 2
     assert show.stderr.split("error: ", 1)[1] == simulate.stderr.split("error: ", 1)[1]
     assert json.dumps(show.stdout) == '""'
+
+
+def test_an_error_of_the_readers_own_is_not_blamed_on_the_file(files, tmp_path):
+    """open_file checks the file; what its caller does in the block (here: write elsewhere) keeps its own error."""
+    with pytest.raises(OSError):
+        with open_file(files["profile"], PROFILE_KIND, READ_VERSIONS):
+            (tmp_path / "no" / "such" / "folder" / "x").write_text("")
+    with pytest.raises(UserError, match="damaged or incomplete"):  # a part missing, read under `reading`
+        from harness.hdf5_io import reading
+
+        with open_file(files["profile"], PROFILE_KIND, READ_VERSIONS) as f, reading(files["profile"], PROFILE_KIND):
+            f["no-such-group"]

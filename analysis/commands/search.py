@@ -130,8 +130,9 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
         out.append("no candidate fits: " + result.candidates[0].reason if result.candidates else "no candidate")
     else:
         line = (f"best: {best.label} on {best.spec.strategy.world:,} devices: {format_seconds(best.batch_time_s)} per "
-                f"iteration, {best.throughput_samples_s:,.2f} samples/s, peak {format_bytes(best.peak_memory_bytes)} "
-                f"per device ({best.dominant}), {best.speedup:.2f}x the slowest that fits")
+                f"iteration, {best.throughput_samples_s or float('inf'):,.2f} samples/s, peak "
+                f"{format_bytes(best.peak_memory_bytes)} per device ({best.dominant}), "
+                f"{best.speedup or float('inf'):.2f}x the slowest that fits")
         out.append(line)
         trained = best.training(iterations, tokens)
         if trained:
@@ -139,8 +140,8 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
             out.append(f"training {what}: {format_duration(trained[0])}, {trained[1]:,.3g} GPU-hours")
     cost = result.profiling_cost()
     if cost:
-        out.append(f"profiling the whole search took {cost['profile_device_s']:,.1f} device-s, "
-                   f"{100 * cost['fraction']:.2f}% of running every candidate for real "
+        out.append(f"profiling the whole search held its devices for {cost['profile_device_s']:,.1f} device-s "
+                   f"(wall time x ranks), {100 * cost['fraction']:.2f}% of running every candidate for real "
                    f"({cost['brute_force_device_s']:,.0f} device-s, the same warm-up and repeats)")
     shown = result.candidates if top == 0 else result.candidates[:top]
     unit, scale = byte_unit([c.peak_memory_bytes for c in shown])

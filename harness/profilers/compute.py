@@ -259,8 +259,9 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     """Samples of several compute events, taken round-robin: one sample of each event per round, in
     heavy_light_order of their last warm-up sample. The warm-up runs every copy of an event's layer once
     (ComputeRunner rotates over copies on a CPU), then `warmup` more samples. `warmed()` is called exactly once,
-    after the first batch's warm-up (at once with nothing to measure): profiling calls a barrier there, so that
-    every rank's timed rounds start together and the ranks' speeds compare at the same moments.
+    right before the first batch's first timed round (at once with nothing to measure): profiling calls a
+    barrier there, so that every rank's timed rounds start together and the ranks' speeds compare at the same
+    moments.
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
     take all its repeats in a slow moment (on shared machines this halves the spread between runs).
@@ -287,14 +288,11 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         warm_s = {eid: 0.0 for eid in runners}
         # every copy of a layer runs once before the warm-up proper: a copy's first run touches its memory
         # fresh (page faults, allocations), up to 4x slower, and would otherwise land in the timed samples
-        for round_ in range(max(len(r.layers) for r in runners.values()) - 1 + warmup):
+        for round_ in range(max(len(r.layers) for r in runners.values()) + warmup):
             for eid, runner in runners.items():
-                if round_ < len(runner.layers) - 1 + warmup:
+                if round_ < len(runner.layers) + warmup:
                     warm_s[eid] = runner.sample()
         runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
-        if warmed is not None:
-            warmed()
-            warmed = None
         if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
             backward_call = measure_backward_call(device)
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
@@ -304,6 +302,9 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = np.empty(repeats, dtype=np.float64)
+        if warmed is not None:  # right before the first timed round
+            warmed()
+            warmed = None
         for i in range(repeats):
             for eid, runner in runners.items():
                 samples[eid][i] = runner.sample()

@@ -10,6 +10,7 @@ its gradient returns, received and sent gradients).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -33,9 +34,11 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 class LiveStorages:
     """The distinct storages alive, the bytes they make and the peak of that sum, with each category's share
-    at the peak. A storage counts in the category that first held it."""
+    at the peak. A storage counts in the category that first held it. Thread-safe: a release runs in whichever
+    thread drops the last reference (a communication watcher, the garbage collector)."""
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: the garbage collector may run a release inside a hold
         self._held: dict[int, list] = {}  # address -> [holders, bytes, category]
         self.live = {c: 0 for c in CATEGORIES}
         self.total = 0
@@ -48,25 +51,27 @@ class LiveStorages:
         if found is None:
             return None
         address, nbytes = found
-        entry = self._held.get(address)
-        if entry is None:
-            entry = self._held[address] = [0, nbytes, category]
-            self.live[category] += nbytes
-            self.total += nbytes
-            if self.total > self.peak:
-                self.peak, self.at_peak = self.total, dict(self.live)
-        entry[0] += 1
+        with self._lock:
+            entry = self._held.get(address)
+            if entry is None:
+                entry = self._held[address] = [0, nbytes, category]
+                self.live[category] += nbytes
+                self.total += nbytes
+                if self.total > self.peak:
+                    self.peak, self.at_peak = self.total, dict(self.live)
+            entry[0] += 1
         released = []
 
         def release() -> None:
-            if released:
-                return
-            released.append(True)
-            entry[0] -= 1
-            if entry[0] == 0 and self._held.get(address) is entry:
-                del self._held[address]
-                self.live[entry[2]] -= entry[1]
-                self.total -= entry[1]
+            with self._lock:
+                if released:
+                    return
+                released.append(True)
+                entry[0] -= 1
+                if entry[0] == 0 and self._held.get(address) is entry:
+                    del self._held[address]
+                    self.live[entry[2]] -= entry[1]
+                    self.total -= entry[1]
         return release
 
     def hold_while(self, owner: object, tensor: torch.Tensor, category: str) -> None:
@@ -77,7 +82,8 @@ class LiveStorages:
 
     def reset_peak(self) -> None:
         """Start a new peak from what is held now (after warm-up)."""
-        self.peak, self.at_peak = self.total, dict(self.live)
+        with self._lock:
+            self.peak, self.at_peak = self.total, dict(self.live)
 
 
 class _Saved:

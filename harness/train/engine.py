@@ -344,7 +344,9 @@ class PipelineEngine:
             shape, dtype = self.act_spec[vs + 1]
         peer = self._rank_of_vs(sender)
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self.memory.hold_while(buffer, buffer, "pipeline")
+        # a received activation is the stage's input, which its first layer saves: an activation, as the model
+        # counts it; a received gradient is a pipeline buffer
+        self.memory.hold_while(buffer, buffer, "activations" if what == ACT else "pipeline")
         start = self.now()
         kwargs = self._p2p_kwargs(what, peer, self.rank, self._tag(sender, micro, backward))
         dist.irecv(buffer, src=peer, **kwargs).wait()
@@ -417,7 +419,7 @@ class PipelineEngine:
         end = self.now()
         self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
         self.saved[(vs, micro)] = (x, out)
-        self.memory.hold_while(out, out, "pipeline")  # the stage's output, until its gradient returns
+        self.memory.hold_while(out, out, "activations")  # the stage's output, until its gradient returns
         if vs < self.last_vs:
             self._send(out, vs, micro, ACT)
         if clock:  # after the send, which the bookkeeping would delay

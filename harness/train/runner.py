@@ -236,10 +236,11 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                                       [rundir / rank_file_name(r) for r in range(comm.Get_size())],
                                       root_attrs=root, environment=env, clock=clock, warmup=warmup,
                                       loss_ranks=loss_ranks)
-            from harness.hdf5_io import open_file
+            from harness.hdf5_io import open_file, reading
             from harness.hdf5_schema import READ_VERSIONS, TRACE_KIND
 
-            with open_file(trace_path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f:
+            with open_file(trace_path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f, reading(trace_path,
+                                                                                                  TRACE_KIND):
                 result.iteration_s = f["iterations/end_s"][()] - f["iterations/start_s"][()]
                 result.losses = f["iterations/loss"][()]
             result.trace_path = trace_path

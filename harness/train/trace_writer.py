@@ -11,8 +11,8 @@ from typing import Any, Iterable, Sequence
 import h5py
 import numpy as np
 
-from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_column, set_attrs, write_dataset,
-                             write_text)
+from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_column, reading, set_attrs,
+                             write_dataset, write_text)
 from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS,
                                   TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
                                   TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
@@ -87,25 +87,41 @@ def write_rank_trace(path: str | Path, *, rank: int, columns: dict[str, np.ndarr
     return path
 
 
-def _copy_columns(src: h5py.Group, dst: h5py.Group) -> None:
-    """Every dataset of `src` into `dst` (subgroups too), rewritten with the checksums of harness.hdf5_io."""
-    for name, obj in src.items():
-        if isinstance(obj, h5py.Group):
-            _copy_columns(obj, create_group(dst, name))
-        elif h5py.check_string_dtype(obj.dtype) is not None:
-            write_text(dst, name, read_column(obj))
+def _read_group(group: h5py.Group) -> dict[str, Any]:
+    """Every dataset of a group (subgroups as nested dicts), text as str arrays."""
+    return {name: _read_group(obj) if isinstance(obj, h5py.Group) else read_column(obj) for name, obj in group.items()}
+
+
+def _write_group(group: h5py.Group, data: dict[str, Any]) -> None:
+    """What _read_group read, written with the checksums of harness.hdf5_io."""
+    for name, values in data.items():
+        if isinstance(values, dict):
+            _write_group(create_group(group, name), values)
+        elif np.asarray(values).dtype.kind in "OUS":
+            write_text(group, name, values)
         else:
-            write_dataset(dst, name, obj[()])
+            write_dataset(group, name, values)
+
+
+def read_rank_trace(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray]]:
+    """A rank file's attributes, its intervals (nested by group) and its iterations."""
+    with open_file(path, RANK_KIND, READ_VERSIONS) as src, reading(path, RANK_KIND):
+        return read_attrs(src), _read_group(src["intervals"]), _read_group(src["iterations"])
 
 
 def merge_traces(out: str | Path, rank_files: Iterable[str | Path], *, root_attrs: dict[str, Any],
                  environment: dict[str, Any], clock: dict[str, np.ndarray], warmup: int,
                  loss_ranks: Sequence[int]) -> Path:
     """Merge the rank files into trace.h5: devices, iterations (start = first rank's start, end = last rank's
-    end), the mean loss over `loss_ranks` (one rank per data-parallel replica's last stage), clocks."""
+    end), the mean loss over `loss_ranks` (one rank per data-parallel replica's last stage), clocks. Each rank
+    file is read whole before anything is written, so that a problem writing trace.h5 is not blamed on it."""
     out = Path(out)
-    rank_files = [Path(p) for p in rank_files]
-    starts, ends, losses = [], [], []
+    paths = [Path(p) for p in rank_files]
+    ranks = [read_rank_trace(p) for p in paths]
+    for index, (attrs, _, _) in enumerate(ranks):
+        if int(attrs["rank"]) != index:
+            raise ValueError(f"{paths[index]} holds rank {attrs['rank']}; expected rank {index} (give the files in "
+                             "rank order)")
     with create(out, TRACE_KIND, SCHEMA_VERSION, {**root_attrs, "written_at": time.time()}) as f:
         set_attrs(create_group(f, "environment"), environment)
         cg = create_group(f, "clock")
@@ -116,18 +132,13 @@ def merge_traces(out: str | Path, rank_files: Iterable[str | Path], *, root_attr
             else:
                 write_dataset(cg, key, value)
         devices = create_group(f, "devices")
-        for index, path in enumerate(rank_files):
-            with open_file(path, RANK_KIND, READ_VERSIONS) as src:
-                attrs = read_attrs(src)
-                rank = int(attrs["rank"])
-                if rank != index:
-                    raise ValueError(f"{path} holds rank {rank}; expected rank {index} (give the files in rank order)")
-                device = create_group(devices, device_group_name(rank))
-                _copy_columns(src["intervals"], device)
-                set_attrs(device, {k: v for k, v in attrs.items() if k not in ("schema_version", "kind", "written_at")})
-                starts.append(src["iterations/start_s"][()])
-                ends.append(src["iterations/end_s"][()])
-                losses.append(src["iterations/loss"][()])
+        for rank, (attrs, intervals, _) in enumerate(ranks):
+            device = create_group(devices, device_group_name(rank))
+            _write_group(device, intervals)
+            set_attrs(device, {k: v for k, v in attrs.items() if k not in ("schema_version", "kind", "written_at")})
+        starts = [its["start_s"] for _, _, its in ranks]
+        ends = [its["end_s"] for _, _, its in ranks]
+        losses = [its["loss"] for _, _, its in ranks]
         rank_start = np.stack(starts, axis=1) if starts else np.zeros((0, 0))
         rank_end = np.stack(ends, axis=1) if ends else np.zeros((0, 0))
         n = rank_start.shape[0]
