@@ -391,13 +391,12 @@ def _send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
 def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     """Fill costs.bucket_divide and costs.bucket_zero for the plan's gradient-bucket all-reduces (rules in
     the module docstring)."""
-    passes = ((DIVIDE_SERIES, MeasuredEvent.divide_samples_s, costs.bucket_divide,
-               "averaging (the division by the replica count)"),
-              (ZERO_SERIES, MeasuredEvent.zero_samples_s, costs.bucket_zero, "zeroing after the optimizer step"))
-    for series, samples_of, target, what in passes:
+    passes = ((DIVIDE_SERIES, costs.bucket_divide, "averaging (the division by the replica count)"),
+              (ZERO_SERIES, costs.bucket_zero, "zeroing after the optimizer step"))
+    for series, target, what in passes:
         measured = {eid: _statistic(costs.compute_stat, float(samples.mean()), float(np.median(samples)))
                     for eid, m in profile.measurements.items()
-                    if m.kind == "allreduce" and m.count and (samples := samples_of.fget(m)).size}
+                    if m.kind == "allreduce" and m.count and (samples := m.series[series]).size}
         rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in measured.items()
                  if profile.measurements[eid].bytes > 0]
         largest_bytes, largest_s = max(rated, default=(0, 0.0))

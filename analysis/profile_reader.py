@@ -2,12 +2,13 @@
 
 The analysis runs offline: it never imports torch, MPI or the profilers, and it does not import a user
 model's factory module either (only its "module:function" form is checked). The file is opened, checked and
-verified by harness.hdf5_io; a measurement's samples are read from it on first use.
+verified by harness.hdf5_io and read whole while it is open.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,106 +17,81 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.events import CommunicationFields
-from harness.hdf5_io import open_file, read_attr, read_attrs, read_environment, read_text, reading
+from harness.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
 from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
                                   SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.layers import LayerDesc
-from harness.profile_store import measurement_details
+from harness.profile_store import read_measurement
 from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
 
 
 @dataclass
 class MeasuredEvent(CommunicationFields):
-    """One measured event: its content and summary statistics; the raw samples (seconds), the ranks that
-    measured it and its other attributes are read from the file on first use."""
+    """One measured event: its content, raw samples (seconds), the optional sample series (SERIES by name,
+    empty where the profile has none), the ranks that measured it and its other attributes; the statistics
+    are derived from the samples once, on first use."""
 
     id: str
     kind: str  # compute | p2p | allreduce
     content: dict[str, Any]
-    median_s: float
-    min_s: float
-    count: int
-    source: Path | None = None  # the profile to read samples and attributes from
-    _details: dict[str, Any] | None = field(default=None, repr=False)
-    _mean_s: float | None = field(default=None, repr=False)  # from the summary table, else from the samples
+    samples_s: np.ndarray
+    series: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    ranks: list[int] = field(default_factory=list)
+    env_key: str = ""
+    attrs: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_samples(cls, eid: str, kind: str, content: dict[str, Any], samples_s: np.ndarray,
-                     ranks: list[int] | None = None, env_key: str = "", attrs: dict[str, Any] | None = None,
-                     series: dict[str, np.ndarray] | None = None) -> "MeasuredEvent":
-        """`series`: the optional sample series (SERIES) by name; missing ones are empty."""
-        samples = np.asarray(samples_s, dtype=np.float64)
-        given = series or {}
-        series = {name: np.asarray(given.get(name, []), dtype=np.float64) for name in SERIES}
-        return cls(eid, kind, content, float(np.median(samples)) if samples.size else float("nan"),
-                   float(samples.min()) if samples.size else float("nan"), int(samples.size),
-                   _details={"samples_s": samples, "ranks": list(ranks or []), "env_key": env_key,
-                             "attrs": dict(attrs or {}), **series})
-
-    def _detail(self, key: str) -> Any:
-        if self._details is None:
-            if self.source is None:
-                raise ValueError(f"measurement {self.id} has no samples and no file to read them from")
-            with reading(self.source, PROFILE_KIND), h5py.File(self.source, "r") as f:
-                self._details = measurement_details(f["measurements"][self.id])
-        return self._details[key]
+    def __post_init__(self) -> None:
+        self.samples_s = np.asarray(self.samples_s, dtype=np.float64)
+        self.series = {name: np.asarray(self.series.get(name, []), dtype=np.float64) for name in SERIES}
 
     @property
-    def samples_s(self) -> np.ndarray:
-        return self._detail("samples_s")
+    def count(self) -> int:
+        return int(self.samples_s.size)
 
-    @property
+    @cached_property
+    def median_s(self) -> float:
+        return float(np.median(self.samples_s)) if self.count else float("nan")
+
+    @cached_property
     def mean_s(self) -> float:
-        if self._mean_s is None:
-            samples = self.samples_s
-            self._mean_s = float(samples.mean()) if samples.size else float("nan")
-        return self._mean_s
+        return float(self.samples_s.mean()) if self.count else float("nan")
+
+    @cached_property
+    def min_s(self) -> float:
+        return float(self.samples_s.min()) if self.count else float("nan")
 
     @property
     def sender_busy_samples_s(self) -> np.ndarray:
         """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
-        return self._detail(SENDER_BUSY_SERIES)
+        return self.series[SENDER_BUSY_SERIES]
 
     @property
     def send_post_samples_s(self) -> np.ndarray:
         """P2P only: the sender's time in the call that posted its send (empty where the profile has none)."""
-        return self._detail(SEND_POST_SERIES)
+        return self.series[SEND_POST_SERIES]
 
     @property
     def host_issue_samples_s(self) -> np.ndarray:
         """GPU forwards and backwards: the host's time to issue each sample (empty where the profile has none)."""
-        return self._detail(HOST_ISSUE_SERIES)
+        return self.series[HOST_ISSUE_SERIES]
 
     @property
     def divide_samples_s(self) -> np.ndarray:
         """All-reduces: the in-place division of the buffer by the group size timed before each all-reduce
         (a data-parallel replica averaging its gradient bucket); empty where the profile has none."""
-        return self._detail(DIVIDE_SERIES)
+        return self.series[DIVIDE_SERIES]
 
     @property
     def zero_samples_s(self) -> np.ndarray:
         """All-reduces: the buffer's zeroing timed after each all-reduce (a data-parallel replica clearing its
         gradient bucket for the next iteration); empty where the profile has none."""
-        return self._detail(ZERO_SERIES)
+        return self.series[ZERO_SERIES]
 
     @property
     def sample_end_s(self) -> np.ndarray:
         """Compute: when each sample ended, seconds after its profiling run's compute phase began (attribute
         `compute_phase` names that run); empty where the profile has none."""
-        return self._detail(SAMPLE_END_SERIES)
-
-    @property
-    def ranks(self) -> list[int]:
-        return self._detail("ranks")
-
-    @property
-    def env_key(self) -> str:
-        return self._detail("env_key")
-
-    @property
-    def attrs(self) -> dict[str, Any]:
-        return self._detail("attrs")
-
+        return self.series[SAMPLE_END_SERIES]
 
 
 @dataclass
@@ -144,17 +120,6 @@ class Profile:
     def event_name(self, eid: str) -> str:
         return str(self.events.get(eid, {}).get("name", eid))
 
-    def read_details(self) -> None:
-        """Read every measurement's samples and attributes now, in one pass over the file (before many
-        predictions, or before forking workers that would each read them)."""
-        pending = [m for m in self.measurements.values() if m._details is None and m.source is not None]
-        if not pending:
-            return
-        with reading(self.path, PROFILE_KIND), h5py.File(self.path, "r") as f:
-            group = f["measurements"]
-            for m in pending:
-                m._details = measurement_details(group[m.id])
-
 
 def load_profile(path: str | Path) -> Profile:
     """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.hdf5_io.open_file);
@@ -174,7 +139,7 @@ def load_profile(path: str | Path) -> Profile:
             raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})")
         spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
         return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
-                       layers=layers, events=_read_events(f), measurements=_read_measurements(f, path),
+                       layers=layers, events=_read_events(f), measurements=_read_measurements(f),
                        unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
                        environment=read_environment(f),
                        placement={eid: [int(r) for r in ranks.split(",") if r]
@@ -223,29 +188,12 @@ def _read_events(f: h5py.File) -> dict[str, dict[str, Any]]:
             for eid, kind, name, content, mult, c in zip(ids, kinds, names, contents, multiplicity, cost)}
 
 
-def _read_measurements(f: h5py.File, path: Path) -> dict[str, MeasuredEvent]:
-    """Kind, content and statistics of every measurement; the statistics from the /summary table (one read
-    instead of one per measurement: an HDF5 attribute or small dataset costs about 0.3 ms)."""
-    table: dict[str, tuple[float, float, int]] = {}
-    means: dict[str, float] = {}
-    if "summary" in f and all(k in f["summary"] for k in ("id", "median_s", "min_s", "count")):
-        g = f["summary"]
-        ids = read_text(g["id"])
-        table = {eid: (float(median), float(low), int(count)) for eid, median, low, count
-                 in zip(ids, g["median_s"][()], g["min_s"][()], g["count"][()])}
-        if "mean_s" in g:
-            means = {eid: float(mean) for eid, mean in zip(ids, g["mean_s"][()])}
+def _read_measurements(f: h5py.File) -> dict[str, MeasuredEvent]:
+    """Every measurement, whole (the file is open and verified: its samples are read once, here)."""
     out: dict[str, MeasuredEvent] = {}
     for eid, g in f.get("measurements", {}).items():
-        kind, content = str(read_attr(g, "kind")), json.loads(read_attr(g, "content_json"))
-        if eid in table:
-            out[eid] = MeasuredEvent(eid, kind, content, *table[eid], source=path, _mean_s=means.get(eid))
-        else:
-            details = measurement_details(g)
-            out[eid] = MeasuredEvent.from_samples(eid, kind, content, details["samples_s"], details["ranks"],
-                                                  details["env_key"], details["attrs"],
-                                                  {name: details[name] for name in SERIES})
-            out[eid].source = path
+        m = read_measurement(eid, g)
+        out[eid] = MeasuredEvent(eid, m.kind, m.content, m.samples_s, m.series, m.ranks, m.env_key, m.attrs)
     return out
 
 

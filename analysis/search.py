@@ -186,7 +186,6 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     if capacity_bytes is not None and capacity_bytes <= 0:
         raise UserError(f"the device memory must be above 0, got {capacity_bytes / GB:g} GB")
     grid = grid if grid is not None else expand(spec, gpus)
-    profile.read_details()
     _SHARED.update(profile=profile, activations=activation_bytes(profile), capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
                             "dp_overlap": dp_overlap})

@@ -104,24 +104,22 @@ class UniqueEvents:
     events: dict[str, Event]
     multiplicity: Counter
     layers: list[LayerDesc]
-    plans: int = 1  # how many plans' events these are
-    separate: int = 0  # the sum of each plan's own unique events (what profiling each plan alone measures)
+    separate: int  # the sum of each plan's own unique events (what profiling each plan alone measures)
 
     @classmethod
     def union(cls, plans: "Iterable[EventPlan]") -> "UniqueEvents":
         """The events of several plans (a search's candidates), each measured once; plans may be a generator."""
         events: dict[str, Event] = {}
         multiplicity: Counter = Counter()
-        layers, count, separate = None, 0, 0
+        layers, separate = None, 0
         for plan in plans:
             events.update(plan.events)
             multiplicity.update(plan.multiplicity)
             layers = plan.layers if layers is None else layers
-            count += 1
             separate += plan.unique_events
         if layers is None:
             raise ValueError("a union of no plans")
-        return cls(events, multiplicity, layers, count, separate)
+        return cls(events, multiplicity, layers, separate)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -360,7 +358,7 @@ class EventPlan:
 
     def unique(self) -> UniqueEvents:
         """This plan's unique events, as a profile measures them."""
-        return UniqueEvents(self.events, self.multiplicity, self.layers)
+        return UniqueEvents(self.events, self.multiplicity, self.layers, self.unique_events)
 
     def device_flow(self, rank: int) -> Iterator[tuple[str, str, int, int]]:
         """Materialise one device's iteration: (event id, phase, virtual stage, micro-batch) in order.

@@ -131,6 +131,8 @@ def set_attrs(obj: h5py.Group | h5py.Dataset, values: Mapping[str, Any]) -> None
             if key in obj.attrs:
                 del obj.attrs[key]
             continue
+        if isinstance(obj, h5py.Group) and LONG_ATTRS in obj and key in obj[LONG_ATTRS]:
+            del obj[LONG_ATTRS][key]  # else read_attrs would return the old long value
         obj.attrs[key] = stored
 
 

@@ -59,22 +59,15 @@ def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float
                   **m.attrs})
 
 
-def measurement_details(g: h5py.Group) -> dict[str, Any]:
-    """A measurement group's samples, optional series (empty where absent), ranks, env_key and free-form attrs."""
+def read_measurement(eid: str, g: h5py.Group) -> Measurement:
+    """A measurement group as written (the analysis reads it so too): samples, the series it has, attributes."""
     attrs = read_attrs(g)
-    return {"samples_s": np.asarray(g["samples_s"][()], dtype=np.float64),
-            **{name: np.asarray(g[name][()] if name in g else [], dtype=np.float64) for name in SERIES},
-            "ranks": [int(r) for r in np.atleast_1d(attrs.get("ranks", []))],
-            "env_key": str(attrs.get("env_key", "")),
-            "attrs": {k: v for k, v in attrs.items() if k not in MEASUREMENT_FIELD_ATTRS}}
-
-
-def _read_measurement(eid: str, g: h5py.Group) -> Measurement:
-    attrs = read_attrs(g)
-    details = measurement_details(g)
     return Measurement(id=eid, kind=str(attrs["kind"]), content=json.loads(attrs["content_json"]),
-                       samples_s=details["samples_s"], ranks=details["ranks"], env_key=details["env_key"],
-                       attrs=details["attrs"], series={name: g[name][()] for name in SERIES if name in g})
+                       samples_s=np.asarray(g["samples_s"][()], dtype=np.float64),
+                       ranks=[int(r) for r in np.atleast_1d(attrs.get("ranks", []))],
+                       env_key=str(attrs.get("env_key", "")),
+                       attrs={k: v for k, v in attrs.items() if k not in MEASUREMENT_FIELD_ATTRS},
+                       series={name: np.asarray(g[name][()], dtype=np.float64) for name in SERIES if name in g})
 
 
 def _write_unmeasured(f: h5py.File, unmeasured: dict[str, str]) -> None:
@@ -107,7 +100,7 @@ def _open(path: str | Path) -> Iterator[h5py.File]:
 def read_measurements(path: str | Path) -> dict[str, Measurement]:
     """All measurements in a rank file or a merged profile (UserError if it is damaged or foreign)."""
     with _open(path) as f:
-        return {eid: _read_measurement(eid, g) for eid, g in f["measurements"].items()} \
+        return {eid: read_measurement(eid, g) for eid, g in f["measurements"].items()} \
             if "measurements" in f else {}
 
 

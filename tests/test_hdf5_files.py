@@ -184,6 +184,15 @@ def test_text_too_long_for_a_header_is_a_checksummed_dataset(tmp_path):
             pass
 
 
+def test_a_short_value_replaces_a_long_one(tmp_path):
+    path = tmp_path / "long.h5"
+    with create(path, PROFILE_KIND, 2) as f:
+        set_attrs(f, {"spec_json": "x" * (LONG_TEXT_BYTES + 10)})
+        set_attrs(f, {"spec_json": "short"})
+    with open_file(path, PROFILE_KIND, READ_VERSIONS) as f:
+        assert read_attrs(f)["spec_json"] == "short"
+
+
 def test_a_stopped_write_leaves_no_file(tmp_path):
     path = tmp_path / "p.h5"
     with pytest.raises(RuntimeError):
