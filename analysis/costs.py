@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -110,14 +110,29 @@ def fit_alpha_beta(kind: str, placement: str, points: Iterable[tuple[float, int,
 COMPUTE_STATS = ("mean", "median")
 
 
+def statistic_of(kind: str, compute_stat: str = "mean") -> str:
+    """Which statistic of a measurement's samples stands for it: min for P2P (no queueing), median for an
+    all-reduce, `compute_stat` (mean or median) for compute and composites."""
+    if kind == "p2p":
+        return "min"
+    if kind in COMM_KINDS:
+        return "median"
+    _check_statistic(compute_stat)
+    return compute_stat
+
+
 def representative_seconds(measurement: MeasuredEvent, compute_stat: str = "mean") -> float:
-    """The time that stands for a measurement: min for P2P (no queueing), median for an all-reduce,
-    `compute_stat` (mean or median) for compute and composites."""
-    if measurement.kind == "p2p":
-        return measurement.min_s
-    if measurement.kind in COMM_KINDS:
-        return measurement.median_s
-    return _statistic(compute_stat, measurement.mean_s, measurement.median_s)
+    """The time that stands for a measurement (statistic_of)."""
+    name = statistic_of(measurement.kind, compute_stat)
+    return {"min": measurement.min_s, "median": measurement.median_s}.get(name, measurement.mean_s)
+
+
+class SampleSet(NamedTuple):
+    """Samples, as the statistic takes them (divided by their rank's speed factor), and the statistic that
+    makes one duration of them: what analysis.uncertainty resamples."""
+
+    values: np.ndarray
+    statistic: str  # mean | median | min
 
 
 def _check_statistic(name: str) -> None:
@@ -178,6 +193,10 @@ class Costs:
     # factor its compute samples were divided by (empty: samples as taken)
     rank_speed: dict[str, list[float]] = field(default_factory=dict)
     compute_stat: str = "mean"  # the statistic of a compute event's samples that stands for it (or "given")
+    # where durations above came from samples, the samples: event id -> SampleSet, for `events`, `host_issue`
+    # and `composites` (what a prediction's interval resamples; analysis.uncertainty)
+    sampled: dict[str, dict[str, SampleSet]] = field(
+        default_factory=lambda: {"events": {}, "host_issue": {}, "composites": {}})
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
 
@@ -299,9 +318,12 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                     uncorrected.append(event.name)
                     factor = 1.0
             costs.events[eid] = EventCost(eid, event.name, event.kind, seconds / factor, MEASURED)
+            costs.sampled["events"][eid] = SampleSet(measurement.samples_s / factor,
+                                                     statistic_of(event.kind, compute_stat))
             host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
             if host.size:
                 costs.host_issue[eid] = _statistic(compute_stat, float(host.mean()), float(np.median(host)))
+                costs.sampled["host_issue"][eid] = SampleSet(host, compute_stat)
             call = measurement.attrs.get(BACKWARD_CALL_ATTR) if event.kind == "compute" else None
             if call is not None and np.isfinite(call):
                 costs.backward_call[eid] = float(call) / factor
@@ -335,6 +357,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                 "again on 2 or more ranks with more repeats to include it")
     for eid, composite in composites.items():
         costs.composites[eid] = representative_seconds(composite, compute_stat)
+        costs.sampled["composites"][eid] = SampleSet(composite.samples_s, compute_stat)
     if no_comm_events:
         costs.warnings.append(
             f"NO COMMUNICATION WAS MEASURED in {profile.path.name} (a {profile.world_size}-rank profile): "

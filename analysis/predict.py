@@ -13,6 +13,7 @@ from analysis.costs import Costs, estimate_costs
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
+from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, batch_time_interval
 
 
 @dataclass
@@ -25,13 +26,16 @@ class Prediction:
     costs: Costs
     timeline: Timeline
     memory: MemoryEstimate
+    interval: BatchTimeInterval | None = None  # the batch time's, from the profile's samples (analysis.uncertainty)
 
 
 def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
-            dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True) -> Prediction:
+            dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True,
+            resamples: int = DEFAULT_RESAMPLES) -> Prediction:
     """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
-    (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs)
-    and simulate one iteration. dp_overlap None follows the spec. Raises UserError on bad input."""
+    (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs),
+    simulate one iteration and, with `resamples`, the batch time's interval. dp_overlap None follows the spec.
+    Raises UserError on bad input."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
     spec = resolve_spec(profile, spec_path, strategy)
@@ -39,7 +43,8 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
                            compute_stat=compute_stat, rank_speed=rank_speed)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
-                      estimate_memory(plan, activation_bytes(profile)))
+                      estimate_memory(plan, activation_bytes(profile)),
+                      batch_time_interval(plan, costs, dp_overlap, resamples))
 
 
 def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +57,22 @@ def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-rank-speed", action="store_true",
                         help="keep every compute sample as its profiling rank took it, instead of referring it to the "
                              "ranks' mean speed by the profile's speed probe")
+    parser.add_argument("--resamples", type=_resamples, default=DEFAULT_RESAMPLES, metavar="N",
+                        help="bootstrap resamples of the profile's samples for the batch time's 90%% interval "
+                             f"(default {DEFAULT_RESAMPLES}; 0: no interval)")
+
+
+def _resamples(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of resamples from 0 to 100000")
+    return value
 
 
 def prediction_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of predict() and validate() that add_prediction_arguments' options give."""
     return {"dp_overlap": False if args.no_overlap else None, "compute_stat": args.compute_stat,
-            "rank_speed": not args.no_rank_speed}
+            "rank_speed": not args.no_rank_speed, "resamples": args.resamples}

@@ -11,6 +11,7 @@ from harness.output import byte_unit, format_bytes, format_seconds, format_table
 
 from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline
+from analysis.uncertainty import BatchTimeInterval
 
 RANK_SPEED_ROWS = 16  # beyond this many profiling ranks, the table shows the fastest and slowest half each
 
@@ -39,7 +40,7 @@ def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
 
 
 def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_path: str | Path | None = None,
-            memory: MemoryEstimate | None = None) -> dict[str, Any]:
+            memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None) -> dict[str, Any]:
     """The JSON document of `simulate --json` (schema_version 1, docs/analysis.md)."""
     spec, s, costs = timeline.spec, timeline.spec.strategy, timeline.costs
     finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 (JSON has no NaN or infinity)
@@ -56,6 +57,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "global_batch": spec.batch.global_size,
         "seq_len": spec.model.seq_len,
         "batch_time_s": timeline.batch_time_s,
+        **(interval.to_dict() if interval is not None else
+           {"batch_time_p5_s": None, "batch_time_p50_s": None, "batch_time_p95_s": None, "interval_resamples": 0}),
         "compute_statistic": costs.compute_stat,
         "rank_speed": costs.rank_speed,
         "throughput_samples_s": finite(timeline.throughput_samples_s),
@@ -109,8 +112,16 @@ def _ms_or_dash(seconds: float | None) -> float | str:
     return "-" if seconds is None else _ms(seconds)
 
 
+def interval_text(interval: BatchTimeInterval | None) -> str:
+    """' (90% interval 271-340 ms over the profile's samples)', or nothing without one."""
+    if interval is None:
+        return ""
+    return (f" (90% interval {format_seconds(interval.p5_s)} to {format_seconds(interval.p95_s)}, "
+            f"{interval.width:.1%} wide, from the profile's samples)")
+
+
 def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False,
-                  memory: MemoryEstimate | None = None) -> str:
+                  memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None) -> str:
     """The terminal report, the answer first: batch time, throughput, bubble and the per-stage table; the
     per-device table for `ranks` (devices of one stage are alike, so only where asked); a line on what was
     extrapolated; warnings. With `details` also the model's corrections (rules in docs/analysis.md)."""
@@ -120,7 +131,7 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
     exposed = sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T) if T > 0 else 0.0
     out = [f"{spec.model.name}: {strategy_label(timeline)} on {timeline.world:,} devices "
            f"({spec.cluster.nodes:,} x {spec.cluster.gpus_per_node}), global batch {spec.batch.global_size:,}",
-           f"batch time   {format_seconds(T)}",
+           f"batch time   {format_seconds(T)}{interval_text(interval)}",
            f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
            f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
            "computing", ""]

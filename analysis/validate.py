@@ -34,6 +34,7 @@ from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_me
 from analysis.profile_reader import Profile, parse_spec_offline
 from analysis.trace_reader import Trace
 from analysis.simulate import StageCosts, Timeline, simulate
+from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, batch_time_interval
 
 REPORT_VERSION = 1
 
@@ -61,6 +62,12 @@ class Validation:
     cpu_binding: dict[str, str] = field(default_factory=lambda: {"profile": "unknown", "run": "unknown"})
     replay_batch_s: float | None = None  # the prediction with the run's own compute (replay_stage_costs)
     memory: list[dict[str, Any]] = field(default_factory=list)  # per pipeline stage, runs that recorded it
+    interval: BatchTimeInterval | None = None  # the predicted batch time's, from the profile's samples
+
+    @property
+    def measured_in_interval(self) -> bool | None:
+        """Whether the measured median batch time lies inside the prediction's 90% interval."""
+        return None if self.interval is None else self.interval.contains(self.measured_batch_s)
 
     @property
     def memory_error_pct(self) -> float | None:
@@ -109,6 +116,10 @@ class Validation:
             "measured_iteration_s": self.iterations,
             "measured_batch_time_s": self.measured_batch_s,
             "predicted_batch_time_s": self.predicted_batch_s,
+            "predicted_batch_time_p5_s": self.interval.p5_s if self.interval else None,
+            "predicted_batch_time_p95_s": self.interval.p95_s if self.interval else None,
+            "interval_resamples": self.interval.resamples if self.interval else 0,
+            "measured_in_interval": self.measured_in_interval,
             "compute_statistic": self.timeline.costs.compute_stat,
             "rank_speed": self.timeline.costs.rank_speed,
             "batch_time_error_pct": self.batch_time_error_pct,
@@ -161,9 +172,9 @@ def _predicted_busy(timeline: Timeline, stage: int) -> float:
 
 
 def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
-             compute_stat: str = "mean", rank_speed: bool = True) -> Validation:
-    """Predict the traced run's spec from `profile` (compute by `compute_stat`, analysis.costs) and compare
-    it with what the run measured."""
+             compute_stat: str = "mean", rank_speed: bool = True, resamples: int = DEFAULT_RESAMPLES) -> Validation:
+    """Predict the traced run's spec from `profile` (compute by `compute_stat`, analysis.costs; with
+    `resamples`, the batch time's interval, analysis.uncertainty) and compare it with what the run measured."""
     spec = parse_spec_offline(trace.spec, source=f"{trace.path}:spec_json")
     layers = [LayerDesc.from_dict(d) for d in trace.layers] if spec.model.family == "user" else None
     plan = build_plan(spec, layers)
@@ -210,6 +221,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     result.memory = _memory_rows(trace, estimate_memory(plan, activation_bytes(profile)))
     replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept, measured_steps))
     result.replay_batch_s = replayed.batch_time_s
+    result.interval = batch_time_interval(plan, costs, dp_overlap, resamples)
     return result
 
 

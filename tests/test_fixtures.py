@@ -34,6 +34,10 @@ def test_simulate_on_the_real_profile(capsys):
     assert s1["compute_s"] == pytest.approx(0.19669593051602133, rel=EXACT)
     assert s1["end_s"] == pytest.approx(0.2131734718243002, rel=EXACT)
     assert s0["comm_s"] == pytest.approx(0.0014185660000000083, rel=1e-6)
+    # the bootstrap is seeded: the same profile gives the same interval
+    assert (report["batch_time_p5_s"], report["batch_time_p95_s"]) == pytest.approx(
+        (0.22953993374886172, 0.2435269273028638), rel=EXACT)
+    assert report["interval_resamples"] == 200
 
 
 def test_validate_on_the_real_run(capsys):
@@ -42,6 +46,7 @@ def test_validate_on_the_real_run(capsys):
     assert result["predicted_batch_time_s"] == pytest.approx(0.2365772060365219, rel=EXACT)
     assert result["batch_time_error_pct"] == pytest.approx(5.996634173524319, rel=EXACT)
     assert result["replay_error_pct"] == pytest.approx(-0.5867535761816115, rel=EXACT)
+    assert result["measured_in_interval"] is False  # the run's 223.2 ms lies below the interval's 229.5 ms
     assert [d["error_pct"] for d in result["devices"]] == pytest.approx([-0.26815544944461367, 7.6786751033795175],
                                                                         rel=EXACT)
     assert len(result["layers"]) == 8 and len(result["measured_iteration_s"]) == 6
@@ -65,6 +70,7 @@ def test_show_on_the_real_profile(capsys, tmp_path):
 def test_the_terminal_report_on_the_real_profile(capsys):
     assert analysis_main(["simulate", str(PROFILE)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == "batch time   236.577 ms"
+    assert lines[1] == ("batch time   236.577 ms (90% interval 229.540 ms to 243.527 ms, 5.9% wide, from the "
+                        "profile's samples)")
     assert lines[4] == "memory       51.8 MB per device at most (stage 0, activations 17.3 MB)"
     assert len(lines) <= 12

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     prediction = predict(args.profile, args.spec, args.strategy, **prediction_options(args))
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
-    report = summary(timeline, ranks, selection, args.profile, prediction.memory)
+    report = summary(timeline, ranks, selection, args.profile, prediction.memory, prediction.interval)
     written = []
     if args.trace:
         from analysis.perfetto import write_trace
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"WARNING: {warning}", file=sys.stderr)
     else:
         print(format_report(timeline, ranks if args.devices else None, details=args.details,
-                            memory=prediction.memory))
+                            memory=prediction.memory, interval=prediction.interval))
     for what, path in written:
         print(f"wrote {path}: {what}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -52,6 +52,12 @@ def run(args: argparse.Namespace) -> int:
                          result.batch_time_error_pct)]
                        + ([("replay: the run's own compute", ms(result.measured_batch_s), ms(result.replay_batch_s),
                             result.replay_error_pct)] if result.replay_batch_s is not None else [])))
+    if result.interval is not None:
+        iv = result.interval
+        where = "inside" if result.measured_in_interval else (
+            "BELOW" if result.measured_batch_s < iv.p5_s else "ABOVE")
+        print(f"the measured median is {where} the prediction's 90% interval, {ms(iv.p5_s):.3f} to "
+              f"{ms(iv.p95_s):.3f} ms ({iv.width:.1%} wide, from the profile's samples)")
     if result.replay_error_pct is not None and result.compute_cost_error_pct is not None:
         print(f"of the batch-time error, {result.replay_error_pct:+.1f} points are the timeline model's (the replay) "
               f"and {result.compute_cost_error_pct:+.1f} the profile's compute costs")

@@ -1,0 +1,112 @@
+"""The precision of a set of samples (harness.precision) and the prediction's interval (analysis.uncertainty)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from analysis.costs import Costs, SampleSet
+from analysis.simulate import simulate
+from analysis.uncertainty import BatchTimeInterval, batch_time_interval, bootstrap_statistics
+from harness.events import build_plan
+from harness.precision import relative_half_width, samples_for, t_quantile
+from harness.spec import loads_spec
+
+SPEC = """
+spec_version = 1
+[model]
+name = "gpt2-small"
+layers = 2
+hidden = 32
+heads = 2
+ffn = 64
+seq_len = 8
+vocab = 64
+[batch]
+global = 4
+micro = 1
+[strategy]
+dp = 1
+tp = 1
+pp = 2
+schedule = "1f1b"
+[cluster]
+nodes = 1
+gpus_per_node = 2
+"""
+
+
+def test_t_quantile_against_the_table():
+    for dof, exact in ((4, 2.776), (9, 2.262), (19, 2.093), (99, 1.984)):
+        assert t_quantile(dof) == pytest.approx(exact, rel=3e-3)
+    assert t_quantile(0) == math.inf
+
+
+def test_relative_half_width_of_the_mean_and_the_median():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    # t(4) s / sqrt(n) / mean
+    assert relative_half_width(x, "mean") == pytest.approx(t_quantile(4) * math.sqrt(2.5) / math.sqrt(5) / 3)
+    # n = 5: the order statistics 1 and 5 bound the median: max(3 - 1, 5 - 3) / 3
+    assert relative_half_width(x, "median") == pytest.approx(2 / 3)
+    assert relative_half_width(x, "min") == relative_half_width(x, "median")
+    assert relative_half_width(np.full(50, 2.0), "mean") == 0.0
+    assert relative_half_width(x[:4], "mean") == math.inf  # too few to say
+    assert relative_half_width(np.zeros(10), "mean") == math.inf
+    with pytest.raises(ValueError, match="unknown statistic"):
+        relative_half_width(x, "mode")
+
+
+def test_more_samples_know_the_mean_better():
+    rng = np.random.default_rng(1)
+    x = rng.normal(1.0, 0.1, size=400)
+    assert relative_half_width(x[:400], "mean") < relative_half_width(x[:25], "mean")
+    # 10% spread known within 1% needs about (1.96 * 0.1 / 0.01)^2 samples
+    assert samples_for(0.1, 0.01) == 385
+    assert relative_half_width(x[:385], "mean") == pytest.approx(0.01, rel=0.15)
+
+
+def test_bootstrap_statistics():
+    rng = np.random.default_rng(0)
+    values = np.array([1.0, 2.0, 3.0, 10.0])
+    for statistic in ("mean", "median", "min"):
+        drawn = bootstrap_statistics(SampleSet(values, statistic), 300, rng)
+        assert drawn.shape == (300,) and drawn.min() >= 1.0 and drawn.max() <= 10.0
+    assert bootstrap_statistics(SampleSet(values, "mean"), 300, rng).mean() == pytest.approx(4.0, rel=0.1)
+    assert (bootstrap_statistics(SampleSet(np.array([2.5]), "mean"), 5, rng) == 2.5).all()
+
+
+def _sampled_costs(spread: float) -> tuple:
+    plan = build_plan(loads_spec(SPEC))
+    rng = np.random.default_rng(7)
+    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    for eid, event in plan.events.items():
+        samples = 1e-3 * (1 + spread * rng.standard_normal(30)) if spread else np.full(30, 1e-3)
+        costs.sampled["events"][eid] = SampleSet(samples, "mean")
+    return plan, costs
+
+
+def test_the_interval_of_exact_samples_is_the_prediction():
+    plan, costs = _sampled_costs(0.0)
+    interval = batch_time_interval(plan, costs)
+    point = simulate(plan, costs).batch_time_s
+    assert (interval.p5_s, interval.p50_s, interval.p95_s) == pytest.approx((point, point, point))
+    assert interval.width == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_interval_widens_with_the_spread_and_is_reproducible():
+    plan, narrow = _sampled_costs(0.05)
+    _, wide = _sampled_costs(0.3)
+    a, b = batch_time_interval(plan, narrow), batch_time_interval(plan, wide)
+    assert 0 < a.width < b.width
+    assert a.p5_s < a.p50_s < a.p95_s
+    assert batch_time_interval(plan, narrow) == a  # seeded
+    assert batch_time_interval(plan, narrow, resamples=0) is None
+
+
+def test_costs_without_samples_have_no_interval():
+    plan = build_plan(loads_spec(SPEC))
+    assert batch_time_interval(plan, Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})) is None
+    interval = BatchTimeInterval(1.0, 2.0, 3.0, 10)
+    assert interval.to_dict()["batch_time_p95_s"] == 3.0 and interval.width == 1.0
+    assert interval.contains(1.0) and interval.contains(3.0) and not interval.contains(3.01)
