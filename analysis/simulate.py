@@ -588,10 +588,10 @@ class Timeline:
         for chunk in range(self.spec.strategy.chunks):
             vs = chunk * self.spec.strategy.pp + stage
             program = plan.stages[vs]
-            for eid, layer in zip(program.optimizer, program.layers):
+            for eid in program.optimizer:  # one optimizer over the device's parameters (its first chunk holds it)
                 end = t + self.costs.seconds(eid)
-                out.append(Interval(t, end, COMPUTE_TRACK, OPTIMIZER, eid,
-                                    f"opt {plan.events[eid].name} L{layer} s{vs}", vs, -1, layer))
+                out.append(Interval(t, end, COMPUTE_TRACK, OPTIMIZER, eid, f"opt {plan.events[eid].name} s{vs}",
+                                    vs, -1, -1))
                 t = end
             for index, bucket in enumerate(program.buckets):
                 zero = self.costs.bucket_zero.get(bucket.event)

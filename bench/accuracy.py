@@ -17,7 +17,9 @@ errs high for the row). The last line counts the rows within the goal both ways.
 Pooling trials taken minutes apart averages out this shared machine's drift (bench/machine_noise.py
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs); the memory model's error (each stage's
-predicted peak against the run's, the largest, median over trials) at most 3%.
+predicted peak against the run's, the largest, median over trials) at most 3%. A closing line counts the
+trials whose run's median lies inside their prediction's 90% interval (analysis validate's
+`measured_in_interval`; goal: 90% of them) and the intervals' mean width.
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
      [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
@@ -186,7 +188,18 @@ def pooled(trials: list[dict]) -> dict:
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0,
             # the memory model: the largest |error| of a stage's predicted peak, median over trials
             "memory_error_pct": median_of(t.get("memory_error_pct") for t in trials),
-            "run_vs_run": run_vs_run(trials)}
+            "run_vs_run": run_vs_run(trials),
+            # each trial's own: whether its run's median lay inside its prediction's 90% interval, and its width
+            "in_interval": [t.get("measured_in_interval") for t in trials],
+            "interval_width_pct": [interval_width_pct(t) for t in trials]}
+
+
+def interval_width_pct(trial: dict) -> float | None:
+    """(p95 - p5) of a trial's predicted batch time over the prediction, in % (None without an interval)."""
+    low, high = trial.get("predicted_batch_time_p5_s"), trial.get("predicted_batch_time_p95_s")
+    if low is None or high is None:
+        return None
+    return (high - low) / trial["predicted_batch_time_s"] * 100.0
 
 
 def run_vs_run(trials: list[dict]) -> dict | None:
@@ -291,6 +304,11 @@ def main() -> None:
         print(f"\nrows within {GOAL_PCT:g}% in batch time and every device's busy time: "
               f"{sum(within_goal(row) for row in rows.values())} of {len(rows)}; with real runs as the prediction "
               f"(run-vs-run, batch/device %: half the trials predicting the other half): {runs_within}")
+    held = [v for row in rows.values() for v in row["in_interval"] if v is not None]
+    widths = [w for row in rows.values() for w in row["interval_width_pct"] if w is not None]
+    if held and not args.json:
+        print(f"the prediction's 90% interval (from each profile's samples) held its run's median in {sum(held)} of "
+              f"{len(held)} trials ({sum(held) / len(held):.0%}; goal 90%), mean width {np.mean(widths):.1f}%")
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")

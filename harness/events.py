@@ -237,7 +237,7 @@ class EventPlan:
                               for p in range(s.pp)]
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
-        per_layer: dict[tuple, tuple[str, str, str]] = {}  # identical layers share their events (ids cost a hash)
+        per_layer: dict[tuple, tuple[str, str]] = {}  # identical layers share their events (ids cost a hash)
         for vs, stage_layers in enumerate(stages):
             fwd, bwd, fwd_layers, bwd_layers, opt = [], [], [], [], []
             tp_groups = tp_groups_of_stage[vs % s.pp]
@@ -253,16 +253,14 @@ class EventPlan:
                 if key not in per_layer:
                     per_layer[key] = self._layer_events(layer, index, micro, seq)
                 events.append(per_layer[key])
-                f_id, b_id, o_id = per_layer[key]
+                f_id, b_id = per_layer[key]
                 self.multiplicity[f_id] += m * devices_per_stage
                 self.multiplicity[b_id] += m * devices_per_stage
-                self.multiplicity[o_id] += devices_per_stage
                 fwd.append(f_id)
                 fwd_layers.append(index)
                 fwd += [tp_allreduce] * layer.tp_allreduces
                 fwd_layers += [-1] * layer.tp_allreduces
-                opt.append(o_id)
-            for layer, (_, b_id, _) in zip(reversed(stage_layers), reversed(events)):
+            for layer, (_, b_id) in zip(reversed(stage_layers), reversed(events)):
                 bwd.append(b_id)
                 bwd_layers.append(index_of[id(layer)])
                 bwd += [tp_allreduce] * layer.tp_allreduces
@@ -273,6 +271,14 @@ class EventPlan:
                 virtual_stage=vs, layers=[index_of[id(layer)] for layer in stage_layers], forward=fwd, backward=bwd,
                 buckets=buckets, optimizer=opt, send_forward=None, send_backward=None,
                 forward_layers=fwd_layers, backward_layers=bwd_layers))
+        for pp_i in range(s.pp):
+            # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
+            # device's first virtual stage holds it
+            device_layers = [layer for vs in range(pp_i, s.virtual_stages, s.pp) for layer in stages[vs]]
+            o_id = self._optimizer_event(device_layers)
+            if o_id:
+                self.multiplicity[o_id] += devices_per_stage
+                self.stages[pp_i].optimizer.append(o_id)
         for vs in range(s.virtual_stages - 1):
             # What crosses the boundary: the sending stage's last output (hidden for the built-ins).
             features = stages[vs][-1].out_features or (spec.model.hidden,)
@@ -284,19 +290,35 @@ class EventPlan:
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
 
-    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str, str]:
-        """The forward, backward and optimizer events of a layer (multiplicities left to the caller)."""
+    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str]:
+        """The forward and backward events of a layer (multiplicities left to the caller)."""
         sig = dict(layer.signature)
         label = layer_label(layer)
         compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
         flops = layer.fwd_flops(micro, seq)
         traffic = self._traffic(layer, index, micro * seq)
         return (self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic),
-                self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic),
-                self._add("compute", f"{label}.optimizer", {"layer": layer.kind, "signature": sig,
-                                                             "phase": "optimizer", "params": layer.params,
-                                                             **self._optimizer_content()},
-                          12.0 * layer.params, 0, float(layer.params * OPTIMIZER_BYTES_PER_PARAMETER)))
+                self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic))
+
+    def _optimizer_event(self, layers: list[LayerDesc]) -> str:
+        """The optimizer step of one device: one optimizer over the parameters of `layers`, in order (multiplicity
+        left to the caller); '' where they have no parameters."""
+        params = sum(layer.params for layer in layers)
+        if not params:
+            return ""
+        runs: list[list] = []  # [layer, count]: runs of identical layers, in order
+        labels: list[str] = []  # each run's
+        for layer in layers:
+            described = {"layer": layer.kind, "signature": dict(layer.signature)}
+            if runs and runs[-1][0] == described:
+                runs[-1][1] += 1
+            else:
+                runs.append([described, 1])
+                labels.append(layer_label(layer))
+        name = "optimizer(" + ", ".join(f"{n}x {label}" if n > 1 else label
+                                        for label, (_, n) in zip(labels, runs)) + ")"
+        content = {"phase": "optimizer", "params": params, **self._optimizer_content(), "layers": runs}
+        return self._add("compute", name, content, 12.0 * params, 0, float(params * OPTIMIZER_BYTES_PER_PARAMETER))
 
     def _optimizer_content(self) -> dict[str, Any]:
         """What an optimizer step's content adds for its optimizer: nothing for Adam (the default, so that

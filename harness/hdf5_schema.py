@@ -41,6 +41,11 @@ BACKWARD_CALL_ATTR = "backward_call_s"
 # compute forwards only, an attribute: the bytes one forward saves for its backward (harness.profilers.memory),
 # what a micro-batch in flight holds on its stage (analysis.memory)
 ACTIVATION_BYTES_ATTR = "activation_bytes"
+# compute only, attributes: the precision asked for (`[profile] precision`, a fraction) and the one reached, the
+# 95% interval's half-width of the samples' mean over the mean (harness.precision; inf with too few samples)
+PRECISION_GOAL_ATTR = "precision_goal"
+PRECISION_ATTR = "precision"
+PRECISION_BUDGET_ATTR = "precision_budget_s"  # compute only: the budget the samples were taken with
 # compute only, an attribute: the compute phase that took the samples (its start, Unix time, the same on every
 # rank of one profiling run)
 COMPUTE_PHASE_ATTR = "compute_phase"

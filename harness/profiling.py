@@ -27,11 +27,12 @@ from harness.errors import UserError
 from harness.events import UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
 from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
+                                  PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR, PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
 from harness.mpi_errors import yielding_barrier
+from harness.precision import relative_half_width
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
@@ -56,6 +57,9 @@ class ProfileResult:
     wall_s: float = 0.0
     device_seconds: float = 0.0
     binding_note: str | None = None  # CPU profiles whose ranks could each have had a core of their own
+    # compute events of the profile whose samples miss the precision asked for: (name, precision reached)
+    missed_precision: list[tuple[str, float]] = field(default_factory=list)
+    precision: float = 0.0  # the precision asked for
 
 
 class Watchdog:
@@ -110,10 +114,27 @@ def rank_file(outdir: Path, rank: int) -> Path:
     return outdir / f"rank-{rank:05d}.h5"
 
 
-def _complete(m: Measurement) -> bool:
+def reached_precision(m: Measurement) -> float:
+    """A compute measurement's precision: the half-width of its mean's 95% interval over the mean."""
+    return relative_half_width(m.samples_s, "mean")
+
+
+def _asks_more(m: Measurement, precision: float, budget_s: float) -> bool:
+    """Whether a compute measurement misses `precision` and was taken with a coarser precision or a smaller
+    budget than these (or before either was recorded): measuring it again may then reach it."""
+    if reached_precision(m) <= precision:
+        return False
+    goal, budget = m.attrs.get(PRECISION_GOAL_ATTR), m.attrs.get(PRECISION_BUDGET_ATTR)
+    return goal is None or budget is None or precision < float(goal) or budget_s > float(budget)
+
+
+def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> bool:
     """Whether a stored measurement has everything this version measures: a P2P its sender-busy and send-post
     samples, an all-reduce its division's and zeroing's samples, a forward its activation bytes, a GPU forward
-    or backward the host's issue times."""
+    or backward the host's issue times; and, with a (precision, budget), a compute event that this run does
+    not ask more of (_asks_more)."""
+    if precision is not None and m.kind == "compute" and _asks_more(m, *precision):
+        return False
     if m.kind == "p2p":
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
     if m.kind == "allreduce":
@@ -126,9 +147,10 @@ def _complete(m: Measurement) -> bool:
     return True
 
 
-def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str, Measurement]:
+def _stored(outdir: Path, env_key: str, complete_only: bool = False,
+            precision: tuple[float, float] | None = None) -> dict[str, Measurement]:
     """Measurements already in OUTDIR (profile.h5 and rank files) taken in the same environment; with
-    `complete_only` those that need no measuring again."""
+    `complete_only` those that need no measuring again (_complete, with this run's (precision, budget))."""
     found: dict[str, Measurement] = {}
     paths = sorted(outdir.glob("rank-*.h5"))
     if (outdir / "profile.h5").exists():
@@ -136,7 +158,7 @@ def _stored(outdir: Path, env_key: str, complete_only: bool = False) -> dict[str
     for path in paths:
         try:
             found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key
-                          and (_complete(m) or not complete_only)})
+                          and (not complete_only or _complete(m, precision))})
         except UserError as exc:  # damaged or foreign: what it held is measured again
             print(f"harness profile: ignoring {exc}", file=sys.stderr)
     return found
@@ -173,28 +195,37 @@ class RankRecorder:
         self._last_flush = time.monotonic()
 
 
-def _report_progress(comm, rank: int, progress: Progress | None, count: int, requests: list) -> None:
-    """Rank 0 counts its own progress; the others send theirs to rank 0 without waiting (see _drain_progress)."""
+def _report_progress(comm, rank: int, progress: Progress | None, count: int | None, requests: list) -> int:
+    """Rank 0 counts its own progress; the others send theirs to rank 0 without waiting (see _drain_progress),
+    and None once they are done. Returns how many other ranks' None rank 0 took meanwhile."""
     if rank == 0:
-        progress.advance(count)
-    else:
-        requests.append(comm.isend(count, dest=0, tag=PROGRESS_TAG))
+        if count is not None:
+            progress.advance(count)
+        return _poll_progress(comm, progress)
+    requests.append(comm.isend(count, dest=0, tag=PROGRESS_TAG))
+    return 0
 
 
-def _drain_progress(comm, progress: Progress, expected: int) -> None:
-    """Rank 0: take the other ranks' progress reports until `expected` events are done in all."""
-    while progress.done < expected:
-        _poll_progress(comm, progress)
+def _drain_progress(comm, progress: Progress, ranks_done: int) -> None:
+    """Rank 0: take the other ranks' progress reports until every one of them has said it is done."""
+    while ranks_done < comm.Get_size() - 1:
+        ranks_done += _poll_progress(comm, progress)
         time.sleep(0.01)
 
 
-def _poll_progress(comm, progress: Progress) -> None:
-    """Rank 0: take every progress report that has arrived, without waiting."""
+def _poll_progress(comm, progress: Progress) -> int:
+    """Rank 0: take every progress report that has arrived, without waiting; returns how many said done."""
     from mpi4py import MPI
 
     status = MPI.Status()
+    done = 0
     while comm.iprobe(source=MPI.ANY_SOURCE, tag=PROGRESS_TAG, status=status):
-        progress.advance(comm.recv(source=status.Get_source(), tag=PROGRESS_TAG))
+        count = comm.recv(source=status.Get_source(), tag=PROGRESS_TAG)
+        if count is None:
+            done += 1
+        else:
+            progress.advance(count)
+    return done
 
 
 @dataclass
@@ -298,7 +329,8 @@ def _set_up(run: ProfileRun) -> None:
     run.device_name = device_name(run.device)
     run.env_key = environment_key(run.device_name, run.backend_label)
     if run.rank == 0:
-        stored = {} if run.force else _stored(run.outdir, run.env_key, complete_only=True)
+        stored = {} if run.force else _stored(run.outdir, run.env_key, complete_only=True,
+                                              precision=(run.spec.profile.precision, run.spec.profile.budget_s))
         setup = (sorted(stored), place(run.unique, topology, skip=set(stored)))
     else:
         setup = None
@@ -317,7 +349,7 @@ def _profile_compute(run: ProfileRun) -> None:
     """Every rank its own share of the compute events, all at once, round-robin; the speed probe once a round."""
     from mpi4py import MPI
 
-    from harness.profilers.compute import measure_compute_share
+    from harness.profilers.compute import Precision, measure_compute_share
     from harness.profilers.probe import SpeedProbe
 
     comm, rank, placement = run.comm, run.rank, run.placement
@@ -327,22 +359,23 @@ def _profile_compute(run: ProfileRun) -> None:
     comm.Barrier()
     phase_start = time.perf_counter()
     total = sum(len(ids) for ids in placement.compute.values())
-    # progress counts timed samples: every rank samples its whole share once per round
+    # progress counts timed samples: every rank samples its whole share once per round, the repeats at least
     progress = run.progress("compute", total * run.repeats, unit="sample")
     reports: list = []
+    ranks_done = 0
 
     def round_done(count: int) -> None:
+        nonlocal ranks_done
         run.probe.sample()
-        _report_progress(comm, rank, progress, count, reports)
-        if rank == 0:
-            _poll_progress(comm, progress)
+        ranks_done += _report_progress(comm, rank, progress, count, reports)
 
     share = {eid: run.unique.events[eid].content for eid in placement.compute.get(rank, [])}
     t0 = time.perf_counter()
     # every rank's timed rounds start together, so that the ranks' speeds compare at the same moments (replica
     # skew); a rank that waits sleeps, leaving its core to a rank still warming up
     measured = measure_compute_share(run.spec, share, run.device, run.warmup, run.repeats, on_round=round_done,
-                                     origin_s=phase_start, warmed=lambda: yielding_barrier(comm, sleep_s=1e-3))
+                                     origin_s=phase_start, warmed=lambda: yielding_barrier(comm, sleep_s=1e-3),
+                                     precision=Precision(run.spec.profile.precision, run.spec.profile.budget_s))
     run.probe.top_up()
     run.busy_s += time.perf_counter() - t0
     for eid, taken in measured.items():
@@ -356,14 +389,19 @@ def _profile_compute(run: ProfileRun) -> None:
             attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
         if taken.activation_bytes is not None:
             attrs[ACTIVATION_BYTES_ATTR] = taken.activation_bytes
-        run.recorder.add(Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs,
-                                     series))
+        measurement = Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs, series)
+        attrs[PRECISION_GOAL_ATTR] = run.spec.profile.precision
+        attrs[PRECISION_BUDGET_ATTR] = run.spec.profile.budget_s
+        attrs[PRECISION_ATTR] = reached_precision(measurement)
+        run.recorder.add(measurement)
     if rank == 0:
-        _drain_progress(comm, progress, total * run.repeats)
+        _drain_progress(comm, progress, ranks_done)
         progress.close()
+    else:
+        _report_progress(comm, rank, progress, None, reports)
     MPI.Request.Waitall(reports)
     run.recorder.flush()
-    comm.Barrier()
+    yielding_barrier(comm, sleep_s=1e-3)  # ranks still sampling to the precision keep their cores
     run.compute_wall_s = time.perf_counter() - phase_start
 
 
@@ -456,7 +494,8 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
         "start_time": run.started, "end_time": finished, "profiling_wall_s": finished - run.started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)),
         "compute_wall_s": run.compute_wall_s, "comm_wall_s": comm_wall_s,
-        "warmup": run.warmup, "repeats": run.repeats, "host_memory": run.host_memory,
+        "warmup": run.warmup, "repeats": run.repeats, "precision": run.spec.profile.precision,
+        "budget_s": run.spec.profile.budget_s, "host_memory": run.host_memory,
         SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
     path = write_profile(outdir / "profile.h5", spec_json=run.spec.to_json(),
@@ -466,9 +505,14 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
     placement = run.placement
     measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
                     + len(placement.composites))
+    goal = run.spec.profile.precision
+    missed = sorted(((str(m.attrs.get("name", m.id)), reached) for m in merged.values()
+                     if m.kind == "compute" and m.id in run.unique.events and (reached := reached_precision(m)) > goal),
+                    key=lambda item: -item[1])
     return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
                          wall_s=finished - run.started, device_seconds=float(sum(busy)),
-                         binding_note=topology.unbound_note() if run.device.type == "cpu" else None)
+                         binding_note=topology.unbound_note() if run.device.type == "cpu" else None,
+                         missed_precision=missed, precision=goal)
 
 
 def _slurm_environment(topology: Topology) -> dict:

@@ -22,10 +22,15 @@ class Progress:
                              dynamic_ncols=True)
 
     def advance(self, count: int = 1) -> None:
+        """Count `count` more done; past the total (sampling to a precision beyond the repeats) the total grows."""
         self.done += count
+        grew = self.done > self.total
+        self.total = max(self.total, self.done)
         if not self.enabled:
             return
         if self._bar is not None:
+            if grew:
+                self._bar.total = self.total
             self._bar.update(count)
             return
         now = time.monotonic()

@@ -41,7 +41,7 @@ _SECTIONS = {
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
     "optimizer": {"name", "momentum", "master_weights"},
-    "profile": {"warmup", "repeats", "backend", "timeout_s", "device"},
+    "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
     "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus"},
 }
 OPTIMIZERS = ("adam", "sgd")
@@ -113,6 +113,8 @@ class ProfileSpec:
     backend: str = "torch"  # communication backend: torch (torch.distributed) or mpi4py
     timeout_s: float = 600.0  # per phase
     device: str = "auto"  # auto | cpu | cuda
+    precision: float = 0.02  # sample each event until its statistic's 95% interval is within this fraction of it
+    budget_s: float = 60.0  # ... or until this many seconds of sampling beyond `repeats` (per phase) are spent
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,17 @@ def _number(section: dict, key: str, where: str, default: float) -> float:
     return float(value)
 
 
+MAX_PRECISION = 0.5
+
+
+def _precision(value: Any, field: str) -> float:
+    """A precision: a fraction above 0 and at most MAX_PRECISION (0.02 is 2%)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PRECISION:
+        raise SpecError(f"must be a fraction above 0 and at most {MAX_PRECISION:g} (0.02 is 2%), got {value!r}",
+                        field=field)
+    return float(value)
+
+
 def _choice(section: dict, key: str, where: str, default: str, choices) -> str:
     value = section.get(key, default)
     if value not in choices:
@@ -446,7 +459,9 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
                           backend=_choice(p, "backend", "profile", "torch", BACKENDS),
                           timeout_s=_number(p, "timeout_s", "profile", 600.0),
-                          device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")))
+                          device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")),
+                          precision=_precision(p.get("precision", 0.02), "profile.precision"),
+                          budget_s=_number(p, "budget_s", "profile", 60.0))
     search = _parse_search(data.get("search", {}))
 
     if strategy.world != cluster.devices:

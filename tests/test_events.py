@@ -24,15 +24,18 @@ def test_hand_computed_pp2_m4_1f1b_dp2():
     plan = plan_of(layers=4, pp=2, dp=2, global_batch=16, micro=2, schedule="1f1b")
     assert plan.spec.micro_batches == 4
     kinds = plan.summary()["by_kind"]
-    # compute: (emb 8 + blocks 32 + head 8) x (fwd, bwd) + optimizer 3 layers x 2 devices x 2 stages
-    assert kinds["compute"] == {"unique": 9, "total": 2 * (8 + 32 + 8) + 12}
+    # compute: (emb 8 + blocks 32 + head 8) x (fwd, bwd) + one optimizer step per device (2 per stage), each
+    # stage's its own event (embedding and 2 blocks, 2 blocks and head)
+    assert kinds["compute"] == {"unique": 8, "total": 2 * (8 + 32 + 8) + 4}
     # P2P: 2 pairs x 4 micro-batches x (activation, gradient); both directions carry the same bytes: one event
     assert kinds["p2p"] == {"unique": 1, "total": 16}
     # one gradient bucket per stage (tiny model), one data-parallel group per stage
     assert kinds["allreduce"] == {"unique": 2, "total": 2}
-    assert plan.total_events == 108 + 16 + 2
+    assert plan.total_events == 100 + 16 + 2
     assert sum(plan.multiplicity.values()) == plan.total_events
-    assert plan.summary()["dedup_ratio"] == pytest.approx(126 / 12)
+    assert plan.summary()["dedup_ratio"] == pytest.approx(118 / 11)
+    names = [plan.events[eid].name for program in plan.stages for eid in program.optimizer]
+    assert names == ["optimizer(gpt2.embedding, 2x gpt2.block)", "optimizer(2x gpt2.block, gpt2.head)"]
 
 
 def test_tensor_parallel_collectives_counted_per_group_call():

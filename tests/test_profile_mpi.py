@@ -111,6 +111,41 @@ def test_end_to_end_profile_then_resume(tmp_path):
                        for eid in allreduces)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
+    """Repeats are a minimum: an event is sampled until its mean is known within the precision (5 samples at
+    least) or the budget is spent; a resume asking for a finer precision measures the events that miss it again."""
+    from harness.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
+    from harness.precision import MIN_SAMPLES
+
+    from harness.profiling import run_profile
+
+    comm = _world()
+    outdir = _shared_dir(tmp_path) / "profile"
+    spec = loads_spec(tiny_spec_text(layers=2, hidden=16, heads=2, ffn=32, seq=8, vocab=32, pp=2, global_batch=4,
+                                     micro=2, warmup=1, repeats=2, precision=0.5, budget_s=3.0))
+    compute = [eid for eid, e in build_plan(spec).events.items() if e.kind == "compute"]
+    first = run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        assert first.precision == 0.5
+        with h5py.File(outdir / "profile.h5") as f:
+            for eid in compute:
+                g = f[f"measurements/{eid}"]
+                assert g["samples_s"].shape[0] >= MIN_SAMPLES, "two repeats cannot tell a mean within 50%"
+                assert g.attrs[PRECISION_GOAL_ATTR] == 0.5 and g.attrs[PRECISION_BUDGET_ATTR] == 3.0
+                reached = float(g.attrs[PRECISION_ATTR])
+                assert reached <= 0.5 or any(name == plain(g.attrs["name"]) for name, _ in first.missed_precision)
+    same = run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        assert same.measured == 0, "the same precision and budget would only miss again what missed"
+    finer = spec.with_changes(precision=1e-6, budget_s=0.5)  # unreachable: every compute event misses it
+    again = run_profile(finer, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        assert again.measured >= len(compute)
+        assert len(again.missed_precision) == len(compute) and all(r > 1e-6 for _, r in again.missed_precision)
+    comm.Barrier()
+
+
 @pytest.mark.mpi(min_size=4)
 def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
     """4 ranks as 2 nodes of 2 (test-only setting): inter-node P2P and intra-node groups are measured."""

@@ -183,12 +183,15 @@ def test_sizes_past_any_real_job_are_refused_at_once(tmp_path, project_env, old,
 
 
 def test_many_identical_layers_share_their_events():
-    """The events stage is built on unique events: 10,000 identical blocks are still three compute events each
-    for forward, backward and optimizer, with the multiplicities of all of them."""
+    """The events stage is built on unique events: 10,000 identical blocks are still one forward and one
+    backward event, with the multiplicities of all of them, and the device's one optimizer step names them as
+    one run."""
     from harness.events import build_plan
 
     plan = build_plan(loads_spec(tiny_spec_text(layers=10_000)))
     blocks = [e for e in plan.events.values() if e.name.startswith("gpt2.block")]
-    assert len(blocks) == 3
-    assert {plan.multiplicity[e.id] for e in blocks} == {10_000 * plan.spec.micro_batches,
-                                                         10_000}  # fwd and bwd per micro-batch, optimizer once
+    assert len(blocks) == 2
+    assert {plan.multiplicity[e.id] for e in blocks} == {10_000 * plan.spec.micro_batches}
+    (step,) = [e for e in plan.events.values() if e.content["phase"] == "optimizer"]
+    assert step.name == "optimizer(gpt2.embedding, 10000x gpt2.block, gpt2.head)" and plan.multiplicity[step.id] == 1
+    assert [count for _, count in step.content["layers"]] == [1, 10_000, 1]

@@ -27,7 +27,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("torch", "mpi4py"), help="communication backend (overrides the spec)")
     parser.add_argument("--repeats", type=int, help="timed repeats per event (overrides the spec)")
     parser.add_argument("--warmup", type=int, help="untimed warm-up runs per event (overrides the spec)")
+    parser.add_argument("--precision", metavar="P",
+                        help="sample each event until its 95%% confidence interval is within P of the statistic the "
+                             "analysis uses: 0.02 or 2%% (default: the spec's, 2%%); --repeats is then a minimum")
+    parser.add_argument("--budget-s", dest="budget_s", metavar="S",
+                        help="seconds each phase may spend sampling beyond the repeats (default: the spec's, 60)")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def precision_option(text: str | None) -> float | None:
+    """--precision's value: '0.02' or '2%' -> 0.02 (validated with the spec's rule, harness.spec)."""
+    if text is None:
+        return None
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise UserError(f"--precision: {text!r} is not a fraction (0.02) or a percentage (2%)") from None
+
+
+def budget_option(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"--budget-s: {text!r} is not a positive number of seconds")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     error: UserError | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
-        changes = {k: v for k, v in (("backend", args.backend), ("repeats", args.repeats), ("warmup", args.warmup))
-                   if v is not None}
+        changes = {k: v for k, v in (("backend", args.backend), ("repeats", args.repeats), ("warmup", args.warmup),
+                                     ("precision", precision_option(args.precision)),
+                                     ("budget_s", budget_option(args.budget_s))) if v is not None}
         if changes:
             spec = spec.with_changes(**changes)
         check_outdir(outdir)
@@ -65,6 +93,15 @@ def run(args: argparse.Namespace) -> int:
     for why, names in by_reason.items():  # the analysis extrapolates them (docs/analysis.md)
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         print(f"  unmeasured here, to be extrapolated: {shown}: {why}")
+    if result.missed_precision:
+        shown = ", ".join(f"{name} {reached:.1%}" for name, reached in result.missed_precision[:4])
+        more = len(result.missed_precision) - 4
+        print(f"  {len(result.missed_precision)} compute event(s) missed the precision of {result.precision:.1%} "
+              f"(the 95% interval's half-width of the mean): {shown}{f' and {more} more' if more > 0 else ''}; "
+              f"the budget of {format_seconds(spec.profile.budget_s)} ran out. Run again into the same folder "
+              "with a larger --budget-s to measure them again, or bind the ranks to cores for steadier samples")
+    else:
+        print(f"  every compute event's mean is known within {result.precision:.1%} (95% interval)")
     print(f"profile: {result.path}")
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")

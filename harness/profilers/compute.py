@@ -5,6 +5,7 @@ The layer runs alone: a tensor-parallel shard's collectives are measured as thei
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -13,6 +14,7 @@ import torch
 
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.transformer import Head
+from harness.precision import relative_half_width
 from harness.profilers.memory import activation_bytes
 from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
 from harness.spec import JobSpec
@@ -52,6 +54,26 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
     return layer, lambda: torch.randn(micro, seq, model.hidden, device=device, dtype=dtype, requires_grad=True)
+
+
+def _parameter_shapes(spec: JobSpec, runs: list, device: torch.device) -> list[tuple[torch.Size, torch.dtype]]:
+    """The shapes and dtypes of the trainable parameters of a device's layers, given as runs of identical
+    layers ([{"layer", "signature"}, count], an optimizer event's content), in order; each run's layer is built
+    once."""
+    shapes = []
+    for layer, count in runs:
+        module, _ = _make_layer(spec, layer, device)
+        shapes += [(p.shape, p.dtype) for p in module.parameters() if p.requires_grad] * int(count)
+    return shapes
+
+
+def _fresh_parameters(shapes: list[tuple[torch.Size, torch.dtype]], device: torch.device) -> torch.nn.ParameterList:
+    """New parameters of these shapes, each with a gradient, as a stage holds them after its backward."""
+    params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(shape, dtype=dtype, device=device) * 0.02)
+                                    for shape, dtype in shapes)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
 
 
 def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: dict) -> torch.Tensor:
@@ -100,6 +122,7 @@ class ComputeSamples(NamedTuple):
     end_s: np.ndarray | None = None
     backward_call_s: float | None = None
     activation_bytes: int | None = None  # forwards: what one forward saves for its backward (profilers.memory)
+    missed_precision: float | None = None  # where the budget ran out first: the relative half-width reached
 
 
 class ComputeRunner:
@@ -116,19 +139,23 @@ class ComputeRunner:
         """`group`: a real tensor-parallel process group, to run the layer with its all-reduces (composite)."""
         self.spec, self.device = spec, device
         self.phase = content["phase"]
-        is_last = content["layer"] == "head" or (content["layer"] == "user" and _is_last_user_layer(spec, content))
+        kind = content.get("layer")
+        is_last = kind == "head" or (kind == "user" and _is_last_user_layer(spec, content))
         self.content = dict(content, last=is_last)
-        first, self.make_input = _make_layer(spec, content, device, group)
-        if copies is None:  # a factory model's layers are built once and shared: no copies to rotate
-            copies = 1 if content["layer"] == "user" else self._cold_cache_copies(first)
-        self.layers = [first] + [_make_layer(spec, content, device, group)[0] for _ in range(copies - 1)]
         self.optimizers = []
-        if self.phase == "optimizer":
-            for layer in self.layers:
-                self.optimizers.append(make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0),
-                                                      list(layer.parameters()), lr=1e-4))
-                for p in layer.parameters():
-                    p.grad = torch.randn_like(p)
+        if self.phase == "optimizer":  # one optimizer over a device's parameters, as harness train steps it
+            shapes = _parameter_shapes(spec, content["layers"], device)
+            first = _fresh_parameters(shapes, device)
+            copies = copies or self._cold_cache_copies(first)
+            self.layers = [first] + [_fresh_parameters(shapes, device) for _ in range(copies - 1)]
+            self.make_input = lambda: None
+            self.optimizers = [make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0),
+                                              list(params.parameters()), lr=1e-4) for params in self.layers]
+        else:
+            first, self.make_input = _make_layer(spec, content, device, group)
+            if copies is None:  # a factory model's layers are built once and shared: no copies to rotate
+                copies = 1 if kind == "user" else self._cold_cache_copies(first)
+            self.layers = [first] + [_make_layer(spec, content, device, group)[0] for _ in range(copies - 1)]
         self._next = 0
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # backward: copy -> forwards
         # On a GPU, forwards and backwards are timed with the host ahead (as in a training step, where one
@@ -252,10 +279,27 @@ class ComputeRunner:
         return graphs
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The stopping rule of a compute share: after `repeats` rounds, keep sampling every event whose
+    `statistic`'s 95% interval is wider than `goal` of it (harness.precision) until the timed rounds, the
+    repeats included, have run `budget_s` seconds."""
+
+    goal: float
+    budget_s: float
+    statistic: str = "mean"
+
+    def missed(self, samples: list[float]) -> float | None:
+        """The relative half-width where it misses the goal, else None."""
+        width = relative_half_width(np.asarray(samples), self.statistic)
+        return width if width > self.goal else None
+
+
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
                           repeats: int, on_round: Callable[[int], None] | None = None,
                           max_parameters: int = 2**28, origin_s: float | None = None,
-                          warmed: Callable[[], None] | None = None) -> dict[str, ComputeSamples]:
+                          warmed: Callable[[], None] | None = None,
+                          precision: Precision | None = None) -> dict[str, ComputeSamples]:
     """Samples of several compute events, taken round-robin: one sample of each event per round, in
     heavy_light_order of their last warm-up sample. The warm-up runs every copy of an event's layer once
     (ComputeRunner rotates over copies on a CPU), then `warmup` more samples. `warmed()` is called exactly once,
@@ -265,17 +309,22 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
 
     Interleaving spreads the machine's slow and fast moments over all events instead of letting one event
     take all its repeats in a slow moment (on shared machines this halves the spread between runs).
+    After `repeats` rounds, with a `precision`, further rounds take the events that miss it, each after the
+    event it follows in a full round (whose sample is kept too), so that every sample still follows the same
+    kind of work; until every event meets it or the budget is spent (each batch its share of what is left).
     Events are held in memory together up to `max_parameters` parameters, in batches beyond that.
     `on_round(n)` is called after each timed round with the number of events sampled in it. Each sample's
     end is noted in seconds after `origin_s` (a time.perf_counter() value; default: this call's start).
     """
     origin_s = time.perf_counter() if origin_s is None else origin_s
-    samples = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
-    ends = {eid: np.empty(repeats, dtype=np.float64) for eid in contents}
-    host: dict[str, np.ndarray] = {}
+    samples: dict[str, list[float]] = {eid: [] for eid in contents}
+    ends: dict[str, list[float]] = {eid: [] for eid in contents}
+    host: dict[str, list[float]] = {}
     saved: dict[str, int] = {}
+    widths: dict[str, float] = {}
     pending = list(contents)
     backward_call: float | None = None
+    deadline: float | None = None
     if not pending and warmed is not None:
         warmed()
     while pending:
@@ -292,7 +341,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             for eid, runner in runners.items():
                 if round_ < len(runner.layers) + warmup:
                     warm_s[eid] = runner.sample()
-        runners = {eid: runners[eid] for eid in heavy_light_order(warm_s)}
+        order = heavy_light_order(warm_s)
         if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
             backward_call = measure_backward_call(device)
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
@@ -301,21 +350,44 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                                               lambda layer, x, r=runner: _forward(spec, layer, x, r.content))
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
-                host[eid] = np.empty(repeats, dtype=np.float64)
+                host[eid] = []
         if warmed is not None:  # right before the first timed round
             warmed()
             warmed = None
-        for i in range(repeats):
-            for eid, runner in runners.items():
-                samples[eid][i] = runner.sample()
-                ends[eid][i] = time.perf_counter() - origin_s
+        if precision is not None:
+            now = time.perf_counter()
+            left = precision.budget_s if deadline is None else max(0.0, deadline - now)
+            deadline = now + left
+            batch_deadline = now + left * len(runners) / (len(runners) + len(pending))
+
+        def sample_round(ids: list[str]) -> None:
+            for eid in ids:
+                samples[eid].append(runners[eid].sample())
+                ends[eid].append(time.perf_counter() - origin_s)
                 if eid in host:
-                    host[eid][i] = runner.last_host_s
+                    host[eid].append(runners[eid].last_host_s)
             if on_round is not None:
-                on_round(len(runners))
+                on_round(len(ids))
+
+        for _ in range(repeats):
+            sample_round(order)
+        if precision is not None:
+            missing = set(order)
+            while time.perf_counter() < batch_deadline:
+                missing = {eid for eid in missing if precision.missed(samples[eid]) is not None}
+                if not missing:
+                    break
+                # each missing event with the one it follows in a full round (cyclically: the first follows the last)
+                wanted = missing | {order[order.index(eid) - 1] for eid in missing}
+                sample_round([eid for eid in order if eid in wanted])
+            for eid in order:
+                width = precision.missed(samples[eid])
+                if width is not None:
+                    widths[eid] = width
         del runners
-    return {eid: ComputeSamples(samples[eid], host.get(eid), ends[eid],
-                                backward_call if contents[eid]["phase"] == "bwd" else None, saved.get(eid))
+    return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
+                                np.asarray(ends[eid]), backward_call if contents[eid]["phase"] == "bwd" else None,
+                                saved.get(eid), widths.get(eid))
             for eid in contents}
 
 

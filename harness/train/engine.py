@@ -1,7 +1,7 @@
 """The pipeline engine of `harness train`: one device's steps of one iteration, exactly in the order of
 harness.schedules.device_steps, with P2P between adjacent virtual stages, Megatron tensor parallelism inside
-the blocks, DDP-style bucketed gradient all-reduces and one optimizer step per layer (the spec's: Adam or SGD), every interval
-recorded, and what the device holds counted by part (harness.profilers.memory).
+the blocks, DDP-style bucketed gradient all-reduces and one optimizer step over the device's parameters (the
+spec's: Adam or SGD), every interval recorded, and what the device holds counted by part (harness.profilers.memory).
 
 Communication that completes in the background (P2P sends, data-parallel buckets) is watched by one small
 thread per channel that blocks in `Work.wait()` (gloo: a send's `is_completed()` stays False until someone
@@ -192,19 +192,21 @@ class PipelineEngine:
         self.steps = device_steps(s.schedule, self.pp_i, s.pp, self.m, s.chunks)
         self.local_vs = [virtual_stage(c, self.pp_i, s.pp) for c in range(s.chunks)]
         self.stage_modules: dict[int, list[nn.Module]] = {}
-        self.optimizers: dict[int, list[tuple[str, torch.optim.Optimizer | None]]] = {}
         self.act_spec: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self.tp_event: dict[int, str] = {}
         for vs in self.local_vs:
             program = plan.stages[vs]
-            mods = [modules[p] for p in program.layers]
-            self.stage_modules[vs] = mods
-            self.optimizers[vs] = [(eid, make_optimizer(spec.optimizer.name, spec.optimizer.momentum,
-                                                        list(mod.parameters()), lr)
-                                    if any(p.requires_grad for p in mod.parameters()) else None)
-                                   for eid, mod in zip(program.optimizer, mods)]
+            self.stage_modules[vs] = [modules[p] for p in program.layers]
             self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)
                                       if layer == -1), "")
+        # One optimizer over every trainable parameter of this device (all its chunks), as frameworks step a
+        # model; torch's default implementation for the device (foreach on CUDA, one tensor at a time on a CPU).
+        # The plan's optimizer event is the device's first virtual stage's.
+        params = [p for vs in self.local_vs for mod in self.stage_modules[vs] for p in mod.parameters()
+                  if p.requires_grad]
+        self.optimizer_event = next(iter(plan.stages[self.local_vs[0]].optimizer), "")
+        self.optimizer = (make_optimizer(spec.optimizer.name, spec.optimizer.momentum, params, lr)
+                          if params and self.optimizer_event else None)
         for vs in set(self.local_vs) | {v + 1 for v in self.local_vs}:
             if 0 < vs <= self.last_vs:
                 self.act_spec[vs] = activation_spec(spec, plan.layers, plan.stages[vs].layers[0])
@@ -322,13 +324,11 @@ class PipelineEngine:
 
     def _hold_optimizer_states(self) -> None:
         """The optimizer's states, once it has made them (at its first step); they live from then on."""
-        for vs in self.local_vs:
-            for _, optimizer in self.optimizers[vs]:
-                for state in (optimizer.state.values() if optimizer is not None else ()):
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor) and id(value) not in self._held_states:
-                            self._held_states.add(id(value))
-                            self.memory.hold(value, "optimizer")
+        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and id(value) not in self._held_states:
+                    self._held_states.add(id(value))
+                    self.memory.hold(value, "optimizer")
 
     def reset_memory_peak(self) -> None:
         """Measure the peak from here on (after the warm-up iterations)."""
@@ -531,13 +531,13 @@ class PipelineEngine:
                              "dp", bucket.event_id, vs, self.m - 1)
 
     def _optimizer_steps(self) -> None:
+        if self.optimizer is not None:
+            start = self.now()
+            self.optimizer.step()
+            end = self.now()
+            self.rec.add(start, end, 0, "optimizer", self.plan.events[self.optimizer_event].name, "opt",
+                         self.optimizer_event, self.local_vs[0], -1)
         for vs in self.local_vs:
-            for event, optimizer in self.optimizers[vs]:
-                start = self.now()
-                if optimizer is not None:
-                    optimizer.step()
-                end = self.now()
-                self.rec.add(start, end, 0, "optimizer", self.plan.events[event].name, "opt", event, vs, -1)
             if self.dp > 1:  # clear the buckets for the next iteration's gradients (Megatron-LM: each step)
                 for bucket in self.buckets[vs]:
                     start = self.now()

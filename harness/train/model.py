@@ -151,7 +151,7 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
         layers = build_plan(spec).layers
     modules = build_layers(spec, layers, range(len(layers)), seed, whole=True)
     ordered = [modules[i] for i in range(len(layers))]
-    optimizers = [torch.optim.Adam(m.parameters(), lr=lr) for m in ordered if any(True for _ in m.parameters())]
+    optimizer = torch.optim.Adam([p for m in ordered for p in m.parameters()], lr=lr)  # one, as harness train
     dp, m = spec.strategy.dp, spec.micro_batches
     losses = []
     for iteration in range(iterations):
@@ -167,7 +167,6 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
                 loss = loss_of(x, targets)
                 (loss / (dp * m)).backward()
                 total += float(loss.detach())
-        for optimizer in optimizers:
-            optimizer.step()
+        optimizer.step()
         losses.append(total / (dp * m))
     return losses

@@ -38,6 +38,7 @@ gpus_per_node = 4
 [profile]
 warmup = 1
 repeats = 3
+budget_s = 0.001
 """
 
 
