@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from harness.errors import UserError
 from harness.events import UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
@@ -115,12 +117,13 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 
 def reached_precision(m: Measurement) -> float:
-    """A compute measurement's precision: the half-width of its mean's 95% interval over the mean."""
-    return relative_half_width(m.samples_s, "mean")
+    """A measurement's precision: the half-width of the 95% interval of its mean (compute) or median
+    (communication, whose statistics are the median and the minimum, harness.precision) over it."""
+    return relative_half_width(m.samples_s, "mean" if m.kind == "compute" else "median")
 
 
 def _asks_more(m: Measurement, precision: float, budget_s: float) -> bool:
-    """Whether a compute measurement misses `precision` and was taken with a coarser precision or a smaller
+    """Whether a measurement misses `precision` and was taken with a coarser precision or a smaller
     budget than these (or before either was recorded): measuring it again may then reach it."""
     if reached_precision(m) <= precision:
         return False
@@ -131,9 +134,9 @@ def _asks_more(m: Measurement, precision: float, budget_s: float) -> bool:
 def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> bool:
     """Whether a stored measurement has everything this version measures: a P2P its sender-busy and send-post
     samples, an all-reduce its division's and zeroing's samples, a forward its activation bytes, a GPU forward
-    or backward the host's issue times; and, with a (precision, budget), a compute event that this run does
-    not ask more of (_asks_more)."""
-    if precision is not None and m.kind == "compute" and _asks_more(m, *precision):
+    or backward the host's issue times; and, with a (precision, budget), a compute or communication event that
+    this run does not ask more of (_asks_more)."""
+    if precision is not None and m.kind in ("compute", "p2p", "allreduce") and _asks_more(m, *precision):
         return False
     if m.kind == "p2p":
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
@@ -429,26 +432,44 @@ def _profile_composites(run: ProfileRun) -> None:
 
 
 def _profile_communication(run: ProfileRun) -> None:
-    """P2P pairs and all-reduce groups, one at a time, every rank in step."""
+    """P2P pairs and all-reduce groups, one at a time, every rank in step; each task's `repeats`, then more
+    rounds of them while its median is not known within the precision and its share of the budget lasts (the
+    task's first rank decides, every rank follows)."""
+    from harness.profilers.comm import CommSamples
+
     run.comm_start = time.perf_counter()
     tasks = run.placement.comm
     progress = run.progress("communication", len(tasks))
-    for task in tasks:
+    deadline = run.comm_start + run.spec.profile.budget_s
+    for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        measured = run.profiler.measure(task, run.warmup, run.repeats)
+        task_deadline = t0 + max(0.0, deadline - t0) / (len(tasks) - number)
+        parts = [run.profiler.measure(task, run.warmup, run.repeats)]
+        while True:
+            more = None
+            if parts[0] is not None:
+                more = (time.perf_counter() < task_deadline and relative_half_width(
+                    np.concatenate([p.samples_s for p in parts]), "median") > run.spec.profile.precision)
+            if not run.comm.bcast(more, root=task.ranks[0]):
+                break
+            parts.append(run.profiler.measure(task, 0, run.repeats))
         if run.rank in task.ranks:
             run.busy_s += time.perf_counter() - t0
-        if measured is not None:
+        if parts[0] is not None:
+            measured = CommSamples(*(np.concatenate(values) for values in zip(*parts)))
             content = task.content
             series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
                                                         (SEND_POST_SERIES, measured.send_post_s),
                                                         (DIVIDE_SERIES, measured.divide_s),
                                                         (ZERO_SERIES, measured.zero_s)) if values.size}
-            run.recorder.add(Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks),
-                                         run.env_key, {"bytes": content["bytes"], "group_size": len(task.ranks),
-                                                       "placement": content["placement"],
-                                                       "backend": run.backend_label, "needed": task.needed,
-                                                       "warmup": run.warmup}, series))
+            attrs = {"bytes": content["bytes"], "group_size": len(task.ranks), "placement": content["placement"],
+                     "backend": run.backend_label, "needed": task.needed, "warmup": run.warmup,
+                     PRECISION_GOAL_ATTR: run.spec.profile.precision,
+                     PRECISION_BUDGET_ATTR: run.spec.profile.budget_s}
+            measurement = Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks),
+                                      run.env_key, attrs, series)
+            attrs[PRECISION_ATTR] = reached_precision(measurement)
+            run.recorder.add(measurement)
         if progress is not None:
             progress.advance()
     if progress is not None:
@@ -506,9 +527,9 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
     measured_now = (sum(len(ids) for ids in placement.compute.values()) + len(placement.comm)
                     + len(placement.composites))
     goal = run.spec.profile.precision
-    missed = sorted(((str(m.attrs.get("name", m.id)), reached) for m in merged.values()
-                     if m.kind == "compute" and m.id in run.unique.events and (reached := reached_precision(m)) > goal),
-                    key=lambda item: -item[1])
+    missed = sorted(((run.unique.events[m.id].name, reached) for m in merged.values()
+                     if m.kind in ("compute", "p2p", "allreduce") and m.id in run.unique.events
+                     and (reached := reached_precision(m)) > goal), key=lambda item: -item[1])
     return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
                          wall_s=finished - run.started, device_seconds=float(sum(busy)),
                          binding_note=topology.unbound_note() if run.device.type == "cpu" else None,

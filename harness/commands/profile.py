@@ -96,12 +96,13 @@ def run(args: argparse.Namespace) -> int:
     if result.missed_precision:
         shown = ", ".join(f"{name} {reached:.1%}" for name, reached in result.missed_precision[:4])
         more = len(result.missed_precision) - 4
-        print(f"  {len(result.missed_precision)} compute event(s) missed the precision of {result.precision:.1%} "
-              f"(the 95% interval's half-width of the mean): {shown}{f' and {more} more' if more > 0 else ''}; "
+        print(f"  {len(result.missed_precision)} event(s) missed the precision of {result.precision:.1%} "
+              f"(the 95% interval's half-width of the mean, or of the median for communication): {shown}{f' and {more} more' if more > 0 else ''}; "
               f"the budget of {format_seconds(spec.profile.budget_s)} ran out. Run again into the same folder "
               "with a larger --budget-s to measure them again, or bind the ranks to cores for steadier samples")
     else:
-        print(f"  every compute event's mean is known within {result.precision:.1%} (95% interval)")
+        print(f"  every event is known within {result.precision:.1%} (95% interval of its mean, or median for "
+              "communication)")
     print(f"profile: {result.path}")
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")

@@ -122,7 +122,6 @@ class ComputeSamples(NamedTuple):
     end_s: np.ndarray | None = None
     backward_call_s: float | None = None
     activation_bytes: int | None = None  # forwards: what one forward saves for its backward (profilers.memory)
-    missed_precision: float | None = None  # where the budget ran out first: the relative half-width reached
 
 
 class ComputeRunner:
@@ -289,10 +288,9 @@ class Precision:
     budget_s: float
     statistic: str = "mean"
 
-    def missed(self, samples: list[float]) -> float | None:
-        """The relative half-width where it misses the goal, else None."""
-        width = relative_half_width(np.asarray(samples), self.statistic)
-        return width if width > self.goal else None
+    def missed(self, samples: list[float]) -> bool:
+        """Whether these samples' statistic is not yet known within the goal."""
+        return relative_half_width(np.asarray(samples), self.statistic) > self.goal
 
 
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
@@ -321,7 +319,6 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     ends: dict[str, list[float]] = {eid: [] for eid in contents}
     host: dict[str, list[float]] = {}
     saved: dict[str, int] = {}
-    widths: dict[str, float] = {}
     pending = list(contents)
     backward_call: float | None = None
     deadline: float | None = None
@@ -374,20 +371,16 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         if precision is not None:
             missing = set(order)
             while time.perf_counter() < batch_deadline:
-                missing = {eid for eid in missing if precision.missed(samples[eid]) is not None}
+                missing = {eid for eid in missing if precision.missed(samples[eid])}
                 if not missing:
                     break
                 # each missing event with the one it follows in a full round (cyclically: the first follows the last)
                 wanted = missing | {order[order.index(eid) - 1] for eid in missing}
                 sample_round([eid for eid in order if eid in wanted])
-            for eid in order:
-                width = precision.missed(samples[eid])
-                if width is not None:
-                    widths[eid] = width
         del runners
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]), backward_call if contents[eid]["phase"] == "bwd" else None,
-                                saved.get(eid), widths.get(eid))
+                                saved.get(eid))
             for eid in contents}
 
 
