@@ -2,8 +2,9 @@
 
 Rules (docs/analysis.md, "How far to trust a prediction"):
 - every duration the costs took from samples (Costs.sampled: compute events, their host issue times, composites,
-  measured P2P and all-reduces) is drawn again as its statistic (mean, median or minimum) of a resample, with
-  replacement, of the same number of its samples; each resample is simulated as the prediction is;
+  measured P2P and all-reduces) is drawn again as its statistic (mean, median or minimum) of a circular block
+  resample of its samples in the order taken (bootstrap_statistics: the machine's drift makes samples in a row
+  alike, which a resample of single samples would not keep); each resample is simulated as the prediction is;
 - what does not come from an event's own samples stays as predicted: fits of unmeasured communication, the
   sender-busy and post times, the buckets' division and zeroing, the replica skew;
 - the interval is the 5th, 50th and 95th percentile of the resampled batch times: it says how much the
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from harness.events import EventPlan
+from harness.precision import BATCHES, MIN_BATCHED
 
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
@@ -50,11 +52,19 @@ class BatchTimeInterval:
 
 
 def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """`resamples` values of the statistic, each of a resample with replacement of all the samples."""
+    """`resamples` values of the statistic, each of a circular block resample of the samples in the order taken:
+    blocks of n // BATCHES consecutive samples (1 below MIN_BATCHED samples: a plain bootstrap) from random
+    starts, wrapping past the end, joined up to n (harness.precision says why samples in a row are not independent)."""
     values = samples.values[np.isfinite(samples.values)]
-    if values.size <= 1:
-        return np.full(resamples, float(values[0]) if values.size else 0.0)
-    drawn = values[rng.integers(0, values.size, size=(resamples, values.size))]
+    n = values.size
+    if n <= 1:
+        return np.full(resamples, float(values[0]) if n else 0.0)
+    block = n // BATCHES if n >= MIN_BATCHED else 1
+    blocks = -(-n // block)
+    starts = rng.integers(0, n, size=(resamples, blocks))
+    # circular blocks (wrapping past the last sample) weigh every sample alike, the series' ends included
+    index = ((starts[:, :, None] + np.arange(block)) % n).reshape(resamples, blocks * block)[:, :n]
+    drawn = values[index]
     if samples.statistic == "mean":
         return drawn.mean(axis=1)
     if samples.statistic == "median":

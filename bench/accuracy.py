@@ -20,7 +20,7 @@ at most 5% in every row (DistSim reports under 4% and 5% on GPUs); the memory mo
 predicted peak against the run's, the largest, median over trials) at most 3%. A closing line counts the
 trials whose run's median lies inside their prediction's 90% interval (analysis validate's
 `measured_in_interval`; goal: 90% of them) and the intervals' mean width.
-Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--only NAME]
+Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--budget-s S] [--only NAME]
      [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
 bind; --bind none shows what unbound ranks cost a pipeline's waiting stage.
@@ -91,7 +91,8 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "job.toml").write_text(spec_text(*config, repeats=args.repeats))
     # --force: a kept folder from an earlier bench would otherwise be resumed, its old measurements reused
-    profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet", "--force"]
+    profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet", "--force",
+                        *(["--budget-s", repr(args.budget_s)] if args.budget_s else [])]
     train = launch + ["train", str(workdir / "job.toml"), "-o", str(workdir / "run"), "--iterations",
                       str(args.iterations), "--warmup", "2", *([] if args.no_layer_times else ["--layer-times"])]
     for command in ((train, profile) if run_first else (profile, train)):
@@ -246,6 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20, help="training iterations per run (2 are warm-up)")
     parser.add_argument("--repeats", type=int, default=100, help="profile repeats per event")
+    parser.add_argument("--budget-s", dest="budget_s", type=float,
+                        help="harness profile --budget-s (default: the spec's, 60 s a phase for the 2%% precision)")
     parser.add_argument("--only", choices=list(CONFIGS), help="run one configuration by name")
     parser.add_argument("--trials", type=int, default=4, help="profile + run + validate this many times")
     parser.add_argument("--keep", metavar="DIR", help="keep each trial's spec, profile and run under DIR")

@@ -10,7 +10,7 @@ the other profiles' predictions fall inside each one's interval, the compute eve
 --baseline also takes the same profiles the old way, `repeats` samples and no more (a precision of 50% whose
 budget the repeats spend), for the spread side by side.
 Run: .venv/bin/python bench/profile_precision.py [--profiles 5] [--precision 0.02] [--budget-s 60]
-     [--repeats 10] [--only NAME] [--baseline] [--json]
+     [--repeats 10] [--only NAME] [--baseline] [--keep DIR] [--json]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="the spec's repeats (the minimum)")
     parser.add_argument("--only", choices=list(CONFIGS), help="one configuration by name")
     parser.add_argument("--baseline", action="store_true", help="also profile with the repeats alone")
+    parser.add_argument("--keep", metavar="DIR", help="keep every profile under DIR (CONFIG-WAY-pN/)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
     if args.profiles < 2:
@@ -85,13 +87,15 @@ def main() -> None:
     if not args.json:
         print(f"{'configuration':<16} {'sampling':<13} {'spread %':>9} {'interval %':>11} {'others in':>10} "
               f"{'missed':>7} {'wall s':>7}  predicted ms")
-    with tempfile.TemporaryDirectory() as root:
+    with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as root:
         for name in (n for n in CONFIGS if not args.only or n == args.only):
-            spec = Path(root) / f"{name.replace(' ', '_').replace('=', '')}.toml"
+            slug = name.replace(' ', '_').replace('=', '')
+            Path(root).mkdir(parents=True, exist_ok=True)
+            spec = Path(root) / f"{slug}.toml"
             spec.write_text(spec_text(*CONFIGS[name], repeats=args.repeats))
             for way, precision, budget in ways:
-                profiles = [profile_once(spec, Path(root) / f"p{i}", precision, budget, env)
-                            for i in range(args.profiles)]
+                profiles = [profile_once(spec, Path(root) / f"{slug}-{way.replace(' ', '_')}-p{i}", precision,
+                                         budget, env) for i in range(args.profiles)]
                 row = rows.setdefault(name, {})[way] = row_of(profiles)
                 if not args.json:
                     print(f"{name:<16} {way:<13} {row['spread_pct']:>9.2f} {row['interval_width_pct']:>11.2f} "

@@ -113,8 +113,9 @@ def test_end_to_end_profile_then_resume(tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
-    """Repeats are a minimum: an event is sampled until its mean is known within the precision (5 samples at
-    least) or the budget is spent; a resume asking for a finer precision measures the events that miss it again."""
+    """Repeats are a minimum: a compute event is sampled until its mean is known within the precision (5 samples
+    at least) or the budget is spent, communication alike on its median; a resume asking for a finer precision
+    measures the events that miss it again."""
     from harness.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
     from harness.precision import MIN_SAMPLES
 
@@ -124,7 +125,8 @@ def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
     outdir = _shared_dir(tmp_path) / "profile"
     spec = loads_spec(tiny_spec_text(layers=2, hidden=16, heads=2, ffn=32, seq=8, vocab=32, pp=2, global_batch=4,
                                      micro=2, warmup=1, repeats=2, precision=0.5, budget_s=3.0))
-    compute = [eid for eid, e in build_plan(spec).events.items() if e.kind == "compute"]
+    plan = build_plan(spec)
+    compute = [eid for eid, e in plan.events.items() if e.kind == "compute"]
     first = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         assert first.precision == 0.5
@@ -135,14 +137,17 @@ def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
                 assert g.attrs[PRECISION_GOAL_ATTR] == 0.5 and g.attrs[PRECISION_BUDGET_ATTR] == 3.0
                 reached = float(g.attrs[PRECISION_ATTR])
                 assert reached <= 0.5 or any(name == plain(g.attrs["name"]) for name, _ in first.missed_precision)
+            for eid in plan.events:  # communication too: its median held to the precision
+                assert f[f"measurements/{eid}"].attrs[PRECISION_GOAL_ATTR] == 0.5
     same = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         assert same.measured == 0, "the same precision and budget would only miss again what missed"
-    finer = spec.with_changes(precision=1e-6, budget_s=0.5)  # unreachable: every compute event misses it
+    finer = spec.with_changes(precision=1e-6, budget_s=0.5)  # unreachable: every event misses it
     again = run_profile(finer, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
-        assert again.measured >= len(compute)
-        assert len(again.missed_precision) == len(compute) and all(r > 1e-6 for _, r in again.missed_precision)
+        assert again.measured >= len(plan.events)
+        assert sorted(name for name, _ in again.missed_precision) == sorted(e.name for e in plan.events.values())
+        assert all(reached > 1e-6 for _, reached in again.missed_precision)
     comm.Barrier()
 
 

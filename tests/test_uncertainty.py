@@ -59,11 +59,34 @@ def test_relative_half_width_of_the_mean_and_the_median():
 
 def test_more_samples_know_the_mean_better():
     rng = np.random.default_rng(1)
-    x = rng.normal(1.0, 0.1, size=400)
+    x = rng.normal(1.0, 0.1, size=4000)
     assert relative_half_width(x[:400], "mean") < relative_half_width(x[:25], "mean")
-    # 10% spread known within 1% needs about (1.96 * 0.1 / 0.01)^2 samples
+    # 10% spread known within 1% needs about (1.96 * 0.1 / 0.01)^2 samples; batch means of independent samples
+    # give about that interval (their own spread is that of 10 batch means: within 30% here, over 20 series)
     assert samples_for(0.1, 0.01) == 385
-    assert relative_half_width(x[:385], "mean") == pytest.approx(0.01, rel=0.15)
+    widths = [relative_half_width(x[i:i + 385], "mean") for i in range(0, 20 * 180, 180)]
+    assert float(np.mean(widths)) == pytest.approx(0.01, rel=0.3)
+
+
+def test_a_drifting_series_is_known_less_well_than_its_spread_says():
+    """Batch means see the drift that independent-sample formulas miss: a slow 10% ramp under 1% noise."""
+    rng = np.random.default_rng(2)
+    n = 300
+    drifting = np.linspace(1.0, 1.1, n) + rng.normal(0, 0.01, n)
+    shuffled = rng.permutation(drifting)  # the same values, no order
+    assert relative_half_width(drifting, "mean") > 3 * relative_half_width(shuffled, "mean")
+    assert relative_half_width(drifting, "median") > 3 * relative_half_width(shuffled, "median")
+
+
+def test_the_block_bootstrap_keeps_a_drift_the_plain_one_loses():
+    rng = np.random.default_rng(3)
+    drifting = np.linspace(1.0, 1.1, 300) + rng.normal(0, 0.01, 300)
+    spread = lambda values: float(np.std(bootstrap_statistics(SampleSet(values, "mean"), 400,  # noqa: E731
+                                                              np.random.default_rng(0))))
+    assert spread(drifting) > 2 * spread(rng.permutation(drifting))
+    # every sample weighs alike: the resampled means centre on the series' mean
+    drawn = bootstrap_statistics(SampleSet(drifting, "mean"), 2000, np.random.default_rng(1))
+    assert float(drawn.mean()) == pytest.approx(float(drifting.mean()), rel=1e-3)
 
 
 def test_bootstrap_statistics():
