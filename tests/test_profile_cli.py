@@ -121,6 +121,38 @@ def test_bad_spec_exits_2_once(tmp_path, project_env):
     assert "MPI_Abort" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--precision", "0"], "[profile.precision] must be a fraction above 0 and at most 0.5"),
+    (["--precision", "60%"], "[profile.precision] must be a fraction above 0 and at most 0.5"),
+    (["--precision", "abc"], "--precision: 'abc' is not a fraction (0.02) or a percentage (2%)"),
+    (["--budget-s", "0"], "--budget-s: '0' is not a positive number of seconds"),
+    (["--budget-s", "-3"], "--budget-s: '-3' is not a positive number of seconds")])
+def test_bad_precision_or_budget_exits_2_once(tmp_path, spec_file, project_env, option, message):
+    result = mpirun(2, ["profile", str(spec_file), "-o", str(tmp_path / "o"), *option], project_env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count(message) == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists(), "nothing is written for bad input"
+
+
+def test_a_resume_measures_again_what_misses_a_precision_it_now_asks_more_of():
+    import numpy as np
+
+    from harness.hdf5_schema import PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
+    from harness.profile_store import Measurement
+    from harness.profiling import _complete
+
+    wide = np.array([1.0, 2.0, 1.0, 2.0, 1.0, 2.0])  # its mean known within about 22%
+    taken = Measurement("id", "compute", {"phase": "fwd"}, wide, [0], "env",
+                        {"activation_bytes": 8, PRECISION_GOAL_ATTR: 0.02, PRECISION_BUDGET_ATTR: 10.0})
+    assert _complete(taken, (0.02, 10.0)), "the same precision and budget would only miss again"
+    assert not _complete(taken, (0.01, 10.0)) and not _complete(taken, (0.02, 20.0))  # asked more of
+    assert _complete(taken, (0.5, 60.0)), "it reaches a coarser precision"
+    older = Measurement("id", "allreduce", {}, wide, [0, 1], "env", {},
+                        {"divide_samples_s": wide, "zero_samples_s": wide})
+    assert not _complete(older, (0.02, 10.0)), "taken before precision was recorded: measured again"
+    assert _complete(older), "without a precision asked, as before"
+
+
 def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
     blocker = tmp_path / "file"
     blocker.write_text("")
