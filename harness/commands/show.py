@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from harness.events import human_bytes
 from harness.output import format_seconds, format_table, write_csv
+from harness.precision import relative_half_width
 from harness.profile_store import summarize
 
 NAME = "show"
 HELP = "summarise a profile.h5: environment, measured events with statistics, what is unmeasured"
-COLUMNS = ("id", "kind", "name", "needed", "ranks", "median_s", "p5_s", "p95_s", "mean_s", "min_s", "max_s", "count")
+COLUMNS = ("id", "kind", "name", "needed", "ranks", "median_s", "p5_s", "p95_s", "mean_s", "min_s", "max_s", "count",
+           "precision")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +32,11 @@ def load_summary(path: str) -> dict:
     profile = load_profile(path)
     rows = []
     for eid, m in sorted(profile.measurements.items(), key=lambda item: (item[1].kind, item[0])):
+        # the 95% interval's half-width of the statistic the analysis uses, over it (null: too few samples)
+        precision = relative_half_width(m.samples_s, "mean" if m.kind in ("compute", "composite") else "median")
         rows.append({"id": eid, "kind": m.kind, "name": profile.events.get(eid, {}).get("name", _describe(m.content)),
-                     "needed": eid in profile.events, "ranks": m.ranks, **summarize(m.samples_s)})
+                     "needed": eid in profile.events, "ranks": m.ranks, **summarize(m.samples_s),
+                     "precision": precision if math.isfinite(precision) else None})
     return {"schema_version": profile.schema_version, "path": str(profile.path), "spec": json.loads(profile.spec_json),
             "environment": profile.environment, "measurements": rows,
             "unmeasured": [{"id": k, "name": profile.event_name(k), "reason": v}
@@ -58,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
           f"{env.get('world_size')} ranks on {env.get('nodes')} node(s), {env.get('device')}, {env.get('backend')}"
           + (f", cpu binding {env['cpu_binding']}" if "cpu_binding" in env else ""))
     rows = [(r["name"], r["kind"], ",".join(map(str, r["ranks"])), format_seconds(r["median_s"]),
-             format_seconds(r["p5_s"]), format_seconds(r["p95_s"]), r["count"]) for r in summary["measurements"]]
-    print(format_table(("event", "kind", "ranks", "median", "p5", "p95", "n"), rows))
+             format_seconds(r["p5_s"]), format_seconds(r["p95_s"]), r["count"],
+             f"{r['precision']:.1%}" if r["precision"] is not None else "-") for r in summary["measurements"]]
+    print(format_table(("event", "kind", "ranks", "median", "p5", "p95", "n", "+/- 95%"), rows))
     for item in summary["unmeasured"]:
         print(f"unmeasured: {item['name']}: {item['reason']}")
     if args.csv:
