@@ -28,8 +28,9 @@ import numpy as np
 from harness.errors import UserError
 from harness.events import UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
-from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR, PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
+from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
+                                  HOST_ISSUE_SERIES, PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR,
+                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
@@ -59,7 +60,7 @@ class ProfileResult:
     wall_s: float = 0.0
     device_seconds: float = 0.0
     binding_note: str | None = None  # CPU profiles whose ranks could each have had a core of their own
-    # compute events of the profile whose samples miss the precision asked for: (name, precision reached)
+    # events of the profile whose samples miss the precision asked for: (name, precision reached)
     missed_precision: list[tuple[str, float]] = field(default_factory=list)
     precision: float = 0.0  # the precision asked for
 
@@ -408,15 +409,36 @@ def _profile_compute(run: ProfileRun) -> None:
     run.compute_wall_s = time.perf_counter() - phase_start
 
 
+def _to_precision(run: ProfileRun, task, measure_once, samples_of, statistic: str, deadline: float) -> list:
+    """`measure_once()` (collective over the world; results on the task's first rank, None elsewhere), again
+    while the statistic of all its samples so far is not known within the precision and `deadline` (a
+    perf_counter time) has not passed: the task's first rank decides, every rank follows. Returns the parts."""
+    parts = [measure_once()]
+    while True:
+        more = None
+        if parts[0] is not None:
+            more = (time.perf_counter() < deadline
+                    and relative_half_width(samples_of(parts), statistic) > run.spec.profile.precision)
+        if not run.comm.bcast(more, root=task.ranks[0]):
+            return parts
+        parts.append(measure_once())
+
+
 def _profile_composites(run: ProfileRun) -> None:
-    """Tensor-parallel layers with their all-reduces on real tp groups, one group at a time."""
+    """Tensor-parallel layers with their all-reduces on real tp groups, one group at a time, each to the precision
+    (on its mean) within its share of the phase's budget."""
     from harness.profilers.comm import COMPOSITE_SAMPLE
 
     tasks = run.placement.composites
     progress = run.progress(run.phase, len(tasks))
-    for task in tasks:
+    deadline = time.perf_counter() + run.spec.profile.budget_s
+    for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        samples = run.profiler.measure_composite(task, run.spec, run.warmup, run.repeats)
+        parts = _to_precision(run, task, lambda: run.profiler.measure_composite(task, run.spec, run.warmup,
+                                                                                run.repeats),
+                              lambda parts: np.concatenate(parts), "mean",
+                              t0 + max(0.0, deadline - t0) / (len(tasks) - number))
+        samples = None if parts[0] is None else np.concatenate(parts)
         if run.rank in task.ranks:
             run.busy_s += time.perf_counter() - t0
         if samples is not None:
@@ -443,16 +465,9 @@ def _profile_communication(run: ProfileRun) -> None:
     deadline = run.comm_start + run.spec.profile.budget_s
     for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        task_deadline = t0 + max(0.0, deadline - t0) / (len(tasks) - number)
-        parts = [run.profiler.measure(task, run.warmup, run.repeats)]
-        while True:
-            more = None
-            if parts[0] is not None:
-                more = (time.perf_counter() < task_deadline and relative_half_width(
-                    np.concatenate([p.samples_s for p in parts]), "median") > run.spec.profile.precision)
-            if not run.comm.bcast(more, root=task.ranks[0]):
-                break
-            parts.append(run.profiler.measure(task, 0, run.repeats))
+        parts = _to_precision(run, task, lambda: run.profiler.measure(task, run.warmup, run.repeats),
+                              lambda parts: np.concatenate([p.samples_s for p in parts]), "median",
+                              t0 + max(0.0, deadline - t0) / (len(tasks) - number))
         if run.rank in task.ranks:
             run.busy_s += time.perf_counter() - t0
         if parts[0] is not None:
