@@ -47,8 +47,9 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
                       batch_time_interval(plan, costs, dp_overlap, resamples))
 
 
-def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:
-    """--no-overlap, --compute-stat, --no-rank-speed: how events become a prediction (docs/analysis.md)."""
+def add_prediction_arguments(parser: argparse.ArgumentParser, interval: bool = True) -> None:
+    """--no-overlap, --compute-stat, --no-rank-speed: how events become a prediction (docs/analysis.md); with
+    `interval`, --resamples for the batch time's interval (commands that report one)."""
     parser.add_argument("--no-overlap", action="store_true",
                         help="all-reduce gradients after the whole backward (DistSim), not during it (DDP)")
     parser.add_argument("--compute-stat", choices=("mean", "median"), default="mean",
@@ -57,6 +58,8 @@ def add_prediction_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-rank-speed", action="store_true",
                         help="keep every compute sample as its profiling rank took it, instead of referring it to the "
                              "ranks' mean speed by the profile's speed probe")
+    if not interval:
+        return
     parser.add_argument("--resamples", type=_resamples, default=DEFAULT_RESAMPLES, metavar="N",
                         help="bootstrap resamples of the profile's samples for the batch time's 90%% interval "
                              f"(default {DEFAULT_RESAMPLES}; 0: no interval)")
@@ -74,5 +77,8 @@ def _resamples(text: str) -> int:
 
 def prediction_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of predict() and validate() that add_prediction_arguments' options give."""
-    return {"dp_overlap": False if args.no_overlap else None, "compute_stat": args.compute_stat,
-            "rank_speed": not args.no_rank_speed, "resamples": args.resamples}
+    options = {"dp_overlap": False if args.no_overlap else None, "compute_stat": args.compute_stat,
+               "rank_speed": not args.no_rank_speed}
+    if hasattr(args, "resamples"):
+        options["resamples"] = args.resamples
+    return options

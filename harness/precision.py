@@ -24,6 +24,13 @@ MIN_BATCHED = 3 * BATCHES
 PRECISION_STATISTICS = ("mean", "median", "min")
 
 
+def precision_statistic(kind: str) -> str:
+    """The statistic a measurement of `kind` is held to: the mean for compute events and composites (the
+    analysis's default), the median for communication (an all-reduce's statistic; a P2P's minimum lies below
+    it)."""
+    return "mean" if kind in ("compute", "composite") else "median"
+
+
 def t_quantile(dof: int) -> float:
     """Student's t at 97.5% for `dof` degrees of freedom (Cornish-Fisher expansion about the normal: within
     0.3% of the exact value from 4 degrees of freedom up, exact in the limit)."""
@@ -63,10 +70,3 @@ def relative_half_width(samples: np.ndarray, statistic: str = "mean") -> float:
         half = max(centre - float(x[lo]), float(x[hi]) - centre)
     return half / abs(centre) if centre else math.inf
 
-
-def samples_for(relative_sd: float, precision: float) -> int:
-    """About how many samples the mean of samples with this relative spread needs to be known within
-    `precision` (the normal approximation): for estimates and messages, not the stopping rule."""
-    if precision <= 0:
-        return 0
-    return max(MIN_SAMPLES, math.ceil((CONFIDENCE_Z * relative_sd / precision) ** 2))

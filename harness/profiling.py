@@ -35,7 +35,7 @@ from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMP
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
 from harness.mpi_errors import yielding_barrier
-from harness.precision import relative_half_width
+from harness.precision import precision_statistic, relative_half_width
 from harness.progress import Progress
 from harness.spec import JobSpec
 from harness.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
@@ -120,7 +120,7 @@ def rank_file(outdir: Path, rank: int) -> Path:
 def reached_precision(m: Measurement) -> float:
     """A measurement's precision: the half-width of the 95% interval of its mean (compute) or median
     (communication, whose statistics are the median and the minimum, harness.precision) over it."""
-    return relative_half_width(m.samples_s, "mean" if m.kind == "compute" else "median")
+    return relative_half_width(m.samples_s, precision_statistic(m.kind))
 
 
 def _asks_more(m: Measurement, precision: float, budget_s: float) -> bool:
@@ -436,7 +436,7 @@ def _profile_composites(run: ProfileRun) -> None:
         t0 = time.perf_counter()
         parts = _to_precision(run, task, lambda: run.profiler.measure_composite(task, run.spec, run.warmup,
                                                                                 run.repeats),
-                              lambda parts: np.concatenate(parts), "mean",
+                              lambda parts: np.concatenate(parts), precision_statistic("composite"),
                               t0 + max(0.0, deadline - t0) / (len(tasks) - number))
         samples = None if parts[0] is None else np.concatenate(parts)
         if run.rank in task.ranks:
@@ -466,7 +466,8 @@ def _profile_communication(run: ProfileRun) -> None:
     for number, task in enumerate(tasks):
         t0 = time.perf_counter()
         parts = _to_precision(run, task, lambda: run.profiler.measure(task, run.warmup, run.repeats),
-                              lambda parts: np.concatenate([p.samples_s for p in parts]), "median",
+                              lambda parts: np.concatenate([p.samples_s for p in parts]),
+                              precision_statistic(task.kind),
                               t0 + max(0.0, deadline - t0) / (len(tasks) - number))
         if run.rank in task.ranks:
             run.busy_s += time.perf_counter() - t0

@@ -10,7 +10,7 @@ from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
 from analysis.uncertainty import BatchTimeInterval, batch_time_interval, bootstrap_statistics
 from harness.events import build_plan
-from harness.precision import relative_half_width, samples_for, t_quantile
+from harness.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
 from harness.spec import loads_spec
 
 SPEC = """
@@ -50,6 +50,8 @@ def test_relative_half_width_of_the_mean_and_the_median():
     # n = 5: the order statistics 1 and 5 bound the median: max(3 - 1, 5 - 3) / 3
     assert relative_half_width(x, "median") == pytest.approx(2 / 3)
     assert relative_half_width(x, "min") == relative_half_width(x, "median")
+    assert [precision_statistic(k) for k in ("compute", "composite", "p2p", "allreduce")] == [
+        "mean", "mean", "median", "median"]
     assert relative_half_width(np.full(50, 2.0), "mean") == 0.0
     assert relative_half_width(x[:4], "mean") == math.inf  # too few to say
     assert relative_half_width(np.zeros(10), "mean") == math.inf
@@ -63,7 +65,7 @@ def test_more_samples_know_the_mean_better():
     assert relative_half_width(x[:400], "mean") < relative_half_width(x[:25], "mean")
     # 10% spread known within 1% needs about (1.96 * 0.1 / 0.01)^2 samples; batch means of independent samples
     # give about that interval (their own spread is that of 10 batch means: within 30% here, over 20 series)
-    assert samples_for(0.1, 0.01) == 385
+    assert math.ceil((CONFIDENCE_Z * 0.1 / 0.01) ** 2) == 385
     widths = [relative_half_width(x[i:i + 385], "mean") for i in range(0, 20 * 180, 180)]
     assert float(np.mean(widths)) == pytest.approx(0.01, rel=0.3)
 

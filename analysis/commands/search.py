@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--iterations", type=int, metavar="I", help="also the time and GPU-hours to train I iterations")
     group.add_argument("--tokens", type=float, metavar="T", help="also the time and GPU-hours to train T tokens")
     parser.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per core)")
-    add_prediction_arguments(parser)
+    add_prediction_arguments(parser, interval=False)  # the search reports no interval (yet)
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")

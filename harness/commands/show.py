@@ -10,7 +10,7 @@ import math
 
 from harness.events import human_bytes
 from harness.output import format_seconds, format_table, write_csv
-from harness.precision import relative_half_width
+from harness.precision import precision_statistic, relative_half_width
 from harness.profile_store import summarize
 
 NAME = "show"
@@ -33,7 +33,7 @@ def load_summary(path: str) -> dict:
     rows = []
     for eid, m in sorted(profile.measurements.items(), key=lambda item: (item[1].kind, item[0])):
         # the 95% interval's half-width of the statistic the analysis uses, over it (null: too few samples)
-        precision = relative_half_width(m.samples_s, "mean" if m.kind in ("compute", "composite") else "median")
+        precision = relative_half_width(m.samples_s, precision_statistic(m.kind))
         rows.append({"id": eid, "kind": m.kind, "name": profile.events.get(eid, {}).get("name", _describe(m.content)),
                      "needed": eid in profile.events, "ranks": m.ranks, **summarize(m.samples_s),
                      "precision": precision if math.isfinite(precision) else None})
