@@ -1,4 +1,5 @@
-"""`python -m harness`: a registry of subcommands (events, profile, show, train), each a thin front end.
+"""`python -m harness`: a registry of subcommands (events, profile, show, train, collectives), each a thin front
+end.
 
 Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int. Bad input
 (UserError) becomes one message on stderr and exit status 2, never a traceback; output cut short by its
@@ -15,7 +16,7 @@ from importlib import resources
 
 from harness.errors import UserError
 
-SUBCOMMANDS = ("events", "profile", "show", "train")
+SUBCOMMANDS = ("events", "profile", "show", "train", "collectives")
 
 
 def default_spec_path() -> str:

@@ -69,10 +69,15 @@ def _rendezvous_host(topology: Topology) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def init_process_group(comm, topology: Topology, device: torch.device, timeout_s: float = 600.0) -> str:
-    """Start torch.distributed over the MPI world; returns the backend name (nccl or gloo)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def init_process_group(comm, topology: Topology, device: torch.device, timeout_s: float = 600.0,
+                       backend: str | None = None) -> str:
+    """Start torch.distributed over the MPI world; returns the backend name: `backend`, else nccl on a GPU
+    and gloo on the CPU."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "mpi":  # torch's own MPI backend takes its ranks from MPI, without a store
+        dist.init_process_group("mpi", timeout=timeout)
+        return backend
     if topology.rank == 0:
         host = _rendezvous_host(topology)
         store = dist.TCPStore(host, 0, topology.size, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -85,6 +85,11 @@ TRACE_LAYER_COLUMNS = TRACE_LAYER_FLOAT_COLUMNS + TRACE_LAYER_STRING_COLUMNS + T
 TIMELINE_SCHEMA_VERSION = 2
 TIMELINE_KIND = "distsim-timeline"
 
+# ---- the results of `harness collectives` (docs/hdf5.md, "Collective benchmarks")
+COLLECTIVES_SCHEMA_VERSION = 2
+COLLECTIVES_KIND = "distsim-collectives"
+COLLECTIVES_READ_VERSIONS = (2,)
+
 # what each kind is, in the words of error messages
 KIND_DESCRIPTIONS = {
     PROFILE_KIND: "a merged profile (profile.h5 of `harness profile`)",
@@ -92,6 +97,7 @@ KIND_DESCRIPTIONS = {
     TRACE_KIND: "a real run's trace (trace.h5 of `harness train`)",
     TRACE_RANK_KIND: "a per-rank file of `harness train` (rank-NNNNN.trace.h5)",
     TIMELINE_KIND: "a simulated timeline (timeline.h5 of `analysis simulate --out`)",
+    COLLECTIVES_KIND: "a collective benchmark (FILE.h5 of `harness collectives -o`)",
 }
 
 # what to do about a missing or damaged file of each kind, in the words of error messages
@@ -103,6 +109,7 @@ REMEDIES = {
     TRACE_KIND: _TRACE,
     TRACE_RANK_KIND: _TRACE,
     TIMELINE_KIND: "write it again: python -m analysis simulate PROFILE.h5 --out TIMELINE.h5",
+    COLLECTIVES_KIND: "run the benchmark again: mpirun -n N python -m mpi4py -m harness collectives -o FILE.h5",
 }
 # what to say to a user who gave a per-rank file where the merged one belongs
 MERGED_FILE_HINTS = {RANK_PROFILE_KIND: "give the merged profile.h5 of its folder",

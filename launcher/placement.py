@@ -162,3 +162,30 @@ def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str])
         if ranks is not None and cid not in skip:
             out.append(CommTask(cid, "composite", content, ranks, needed=False))
     return out
+
+
+def benchmark_group(topology: Topology, group: str) -> tuple[tuple[int, ...], str]:
+    """The ranks a collective benchmark runs on and their placement: `all` the world (intra-node when it is
+    one node); `intra` the ranks of one node (rank 0's, else the first with two ranks); `inter` the first
+    rank of every node, so that every link it uses crosses nodes. UserError where the topology has no such
+    group of two or more ranks."""
+    from harness.errors import UserError
+
+    if group == "all":
+        return tuple(range(topology.size)), INTRA if topology.nodes == 1 else INTER
+    if group == "intra":
+        for node in range(topology.nodes):
+            ranks = topology.ranks_on(node)
+            if len(ranks) >= 2:
+                return tuple(ranks), INTRA
+        raise UserError(f"--group intra needs a node with 2 or more ranks; every one of this run's {topology.nodes} "
+                        "nodes has 1 (start more ranks per node, or use --group inter)")
+    if group == "inter":
+        if topology.nodes < 2:
+            raise UserError(f"--group inter needs ranks on 2 or more nodes; this run's {topology.size} ranks are on "
+                            f"1 node (use --group intra, or emulate nodes with {EMULATE_HINT})")
+        return tuple(topology.ranks_on(node)[0] for node in range(topology.nodes)), INTER
+    raise UserError(f"unknown --group {group!r}; known: all, intra, inter")
+
+
+EMULATE_HINT = "DISTSIM_EMULATE_RANKS_PER_NODE=K"

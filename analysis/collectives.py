@@ -1,0 +1,137 @@
+"""Collective benchmark results read, printed and compared: one nccl-tests table per operation for one run,
+the runs side by side for several, bus bandwidth against size as a picture (definitions: harness.collectives;
+the command: `python -m analysis collectives`, and `harness collectives` prints through `run_report`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from harness.collectives import OPS, TABLE_HEADERS, average_busbw, bus_factor, table_rows
+from harness.collectives_file import CollectivesRun, read_collectives
+from harness.errors import UserError
+from harness.output import format_table
+
+JSON_SCHEMA_VERSION = 1  # the documents of run_json and compare_json (docs/collectives.md, "JSON")
+FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reducescatter": "(n-1)/n", "alltoall": "(n-1)/n",
+               "broadcast": "1", "sendrecv": "1"}
+
+
+def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
+    """Benchmark files, each checked (harness.collectives_file); the same file twice is bad input."""
+    seen: set[Path] = set()
+    runs = []
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise UserError(f"{path} is given twice; give each benchmark file once")
+        seen.add(resolved)
+        runs.append(read_collectives(path))
+    return runs
+
+
+def _wrong(run: CollectivesRun) -> int:
+    return sum(r.wrong for results in run.results.values() for r in results)
+
+
+def run_json(run: CollectivesRun, notes: Sequence[str] = ()) -> dict[str, Any]:
+    """One run for scripts: what and where, every operation's rows (SizeResult.row) and averages."""
+    return {"schema_version": JSON_SCHEMA_VERSION, **run.summary(), "label": run.label, "notes": list(notes),
+            "environment": run.environment,
+            "ops": {op: {"bus_factor": bus_factor(op, len(run.ranks)), "avg_busbw_gbs": average_busbw(results),
+                         "wrong": sum(r.wrong for r in results), "rows": [r.row() for r in results]}
+                    for op, results in run.results.items()},
+            "wrong": _wrong(run)}
+
+
+def run_report(run: CollectivesRun, notes: Sequence[str] = ()) -> str:
+    """The answer first (each operation's average bus bandwidth, whether every output was right), then one
+    nccl-tests table per operation, each closed by its #wrong and average bus bandwidth."""
+    n = len(run.ranks)
+    wrong = _wrong(run)
+    averages = ", ".join(f"{op} {average_busbw(results):.3g}" for op, results in run.results.items())
+    lines = [f"avg bus bandwidth (GB/s): {averages}",
+             f"{run.backend} on {n} ranks ({run.placement}-node: {','.join(map(str, run.ranks))}), {run.dtype}, "
+             f"{run.iters} iterations after {run.warmup} warm-up; "
+             + ("every output checked and right" if not wrong else f"{wrong} WRONG output element(s): see #wrong"),
+             "time: mean over iterations of the slowest rank; algbw = size / time; busbw = algbw x the operation's "
+             "factor (nccl-tests); GB = 1e9 bytes"]
+    lines += [f"note: {note}" for note in notes]
+    for op, results in run.results.items():
+        lines += ["", format_table(TABLE_HEADERS, table_rows(results),
+                                   title=f"{op} (bus factor {FACTOR_TEXT[op]} = {bus_factor(op, n):.3f})"),
+                  f"# wrong: {sum(r.wrong for r in results)}    avg bus bandwidth: {average_busbw(results):.4g} GB/s"]
+    if run.path.name != "-":
+        lines += ["", f"results: {run.path}"]
+    return "\n".join(lines)
+
+
+def _labels(runs: Sequence[CollectivesRun]) -> list[str]:
+    """Each run's label, made unique with its file name where two runs share one."""
+    labels = [run.label for run in runs]
+    return [f"{label} ({run.path.name})" if labels.count(label) > 1 else label for label, run in zip(labels, runs)]
+
+
+def compare_rows(runs: Sequence[CollectivesRun]) -> tuple[list[str], list[list[Any]]]:
+    """One row per (operation, size) any run measured; per run its time (us) and bus bandwidth (GB/s),
+    '-' where it did not measure that size."""
+    labels = _labels(runs)
+    headers = ["op", "size B"] + [h for label in labels for h in (f"{label} us", f"{label} busbw")]
+    rows = []
+    for op in [op for op in OPS if any(op in run.results for run in runs)]:
+        by_run = [{r.nbytes: r for r in run.results.get(op, [])} for run in runs]
+        for nbytes in sorted({size for sizes in by_run for size in sizes}):
+            row: list[Any] = [op, nbytes]
+            for sizes in by_run:
+                r = sizes.get(nbytes)
+                row += [r.mean_s * 1e6, r.busbw_gbs] if r is not None else ["-", "-"]
+            rows.append(row)
+    return headers, rows
+
+
+def compare_report(runs: Sequence[CollectivesRun]) -> str:
+    """The runs side by side: each operation's average bus bandwidth per run first, then every size."""
+    labels = _labels(runs)
+    ops = [op for op in OPS if any(op in run.results for run in runs)]
+    summary = [[label] + [average_busbw(run.results[op]) if op in run.results else "-" for op in ops]
+               + [_wrong(run), str(run.path)] for label, run in zip(labels, runs)]
+    headers, rows = compare_rows(runs)
+    return "\n\n".join([format_table(["run"] + [f"{op} GB/s" for op in ops] + ["#wrong", "file"], summary,
+                                     title="average bus bandwidth per run (nccl-tests' definition; GB = 1e9 bytes)"),
+                        format_table(headers, rows,
+                                     title="time (mean of the slowest rank) and bus bandwidth per size")])
+
+
+def compare_json(runs: Sequence[CollectivesRun]) -> dict[str, Any]:
+    return {"schema_version": JSON_SCHEMA_VERSION, "runs": [run_json(run) for run in runs]}
+
+
+def write_png(path: str | Path, runs: Sequence[CollectivesRun]) -> Path:
+    """Bus bandwidth against size (log-log), one line per operation and run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    styles = ["-", "--", ":", "-."]
+    for index, (label, run) in enumerate(zip(_labels(runs), runs)):
+        for op, results in run.results.items():
+            sizes = np.array([r.nbytes for r in results], dtype=float)
+            busbw = np.array([r.busbw_gbs for r in results], dtype=float)
+            colour = f"C{OPS.index(op) % 10}" if op in OPS else None
+            ax.plot(sizes, busbw, styles[index % len(styles)], marker=".", color=colour, label=f"{op}, {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title("collective bus bandwidth against size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
