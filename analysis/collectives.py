@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.collectives import OPS, TABLE_HEADERS, average_busbw, bus_factor, table_rows
+from harness.collectives import OPS, PROFILE_KINDS, TABLE_HEADERS, average_busbw, bus_factor, table_rows
 from harness.collectives_file import CollectivesRun, read_collectives
 from harness.errors import UserError
 from harness.output import format_table
@@ -30,6 +30,32 @@ def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
         seen.add(resolved)
         runs.append(read_collectives(path))
     return runs
+
+
+def profile_points(runs: Sequence[CollectivesRun], profile_backend: str, profile_device: str, profile_name: str
+                   ) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
+    """Benchmark results as communication points of a profile's kinds (harness.collectives.PROFILE_KINDS:
+    send/recv as P2P, at its minimum; the collectives at their median, as analysis.costs takes a profile's),
+    keyed (kind, placement) with (bytes, group size, seconds). A run on another backend or device, or with
+    wrong outputs, is bad input."""
+    points: dict[tuple[str, str], list[tuple[float, int, float]]] = {}
+    for run in runs:
+        device = str(run.environment.get("device", "?"))
+        if run.backend != profile_backend or device != profile_device:
+            raise UserError(f"{run.path} was measured with {run.backend} on {device}, {profile_name} with "
+                            f"{profile_backend} on {profile_device}; give a benchmark of the profile's backend "
+                            f"and device (harness collectives --backend {profile_backend.removeprefix('torch-')})")
+        if _wrong(run):
+            raise UserError(f"{run.path} has {_wrong(run)} wrong output element(s): its times are not of working "
+                            "collectives; run the benchmark again")
+        for op, results in run.results.items():
+            kind = PROFILE_KINDS.get(op)
+            if kind is None:
+                continue
+            for r in results:
+                seconds = float(r.samples_s.min()) if kind == "p2p" else r.median_s
+                points.setdefault((kind, run.placement), []).append((float(r.nbytes), len(run.ranks), seconds))
+    return points
 
 
 def _wrong(run: CollectivesRun) -> int:

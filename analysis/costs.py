@@ -10,9 +10,12 @@ with their reasons, are in docs/analysis.md ("Where durations come from"):
   (`sender_busy_extra`): the mean excess over its own time;
 - all-reduce: the median; a gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`): the
   compute statistic of their samples, else the rate of the largest all-reduce that has them;
-- communication not measured at its size, group or placement: an alpha-beta (ring) model fitted to the
-  measured points of its kind and placement (`fit_alpha_beta`; `_choose_fit` for the fallbacks), marked
-  extrapolated;
+- communication not measured at its size: interpolated on the measured points of its kind, placement and
+  group size (`CommCurve`: straight lines between neighbouring sizes on log-log axes) where they bracket its
+  size; else (beyond them, or at a group size or placement not measured) an alpha-beta (ring) model fitted
+  to the measured points of its kind and placement (`fit_alpha_beta`; `_choose_fit` for the fallbacks),
+  marked extrapolated; a collective benchmark's points (`extra_points`, analysis.collectives) join the
+  profile's;
 - data-parallel replica skew (dp > 1): analysis.skew.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from harness.errors import UserError
-from harness.events import INTER, INTRA, EventPlan, composite_content, event_id
+from harness.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
 
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
@@ -32,19 +35,21 @@ from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_
 from analysis.profile_reader import MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
-COMM_KINDS = ("p2p", "allreduce")
 PLACEMENTS = (INTRA, INTER)
-MEASURED, FITTED, UNAVAILABLE, GIVEN = "measured", "fit", "unavailable", "given"
+MEASURED, INTERPOLATED, FITTED, UNAVAILABLE, GIVEN = "measured", "interpolated", "fit", "unavailable", "given"
+CommPoints = Mapping[tuple[str, str], Iterable[tuple[float, int, float]]]  # (kind, placement) -> (bytes, group, s)
 
 
 def comm_features(kind: str, nbytes: float, group: int) -> tuple[float, float]:
     """The (latency, bandwidth) coefficients of alpha and beta for one message or collective."""
     if kind == "p2p":
         return 1.0, float(nbytes)
+    if group <= 1 and kind in COMM_KINDS:
+        return 0.0, 0.0
     if kind == "allreduce":
-        if group <= 1:
-            return 0.0, 0.0
         return 2.0 * (group - 1), 2.0 * (group - 1) / group * float(nbytes)
+    if kind in ("allgather", "reducescatter"):  # ring: n - 1 steps, each moving a rank's share of the array
+        return float(group - 1), (group - 1) / group * float(nbytes)
     raise ValueError(f"no communication model for kind {kind!r}; known: {', '.join(COMM_KINDS)}")
 
 
@@ -107,12 +112,52 @@ def fit_alpha_beta(kind: str, placement: str, points: Iterable[tuple[float, int,
                    best[2])
 
 
+@dataclass(frozen=True)
+class CommCurve:
+    """The measured times of one kind of communication at one placement and group size, by size: what a
+    message between two measured sizes is costed from."""
+
+    kind: str
+    placement: str
+    group: int
+    sizes: tuple[float, ...]  # ascending, distinct
+    seconds: tuple[float, ...]
+
+    def covers(self, nbytes: float) -> bool:
+        return len(self.sizes) >= 2 and self.sizes[0] <= nbytes <= self.sizes[-1]
+
+    def interpolate(self, nbytes: float) -> float:
+        """Seconds at `nbytes` (within covers()): linear between the neighbouring sizes on log-log axes, so a
+        time that grows as a power of the size between them is exact."""
+        logs = np.log(np.asarray(self.sizes))
+        return float(np.exp(np.interp(math.log(nbytes), logs, np.log(np.asarray(self.seconds)))))
+
+    def neighbours(self, nbytes: float) -> tuple[float, float]:
+        index = int(np.searchsorted(np.asarray(self.sizes), nbytes))
+        return self.sizes[max(0, index - 1)], self.sizes[min(len(self.sizes) - 1, index)]
+
+
+def comm_curves(points: CommPoints) -> dict[tuple[str, str, int], CommCurve]:
+    """(kind, placement, group) -> its curve, from points with a positive time; two points at one size keep
+    their geometric mean."""
+    by_key: dict[tuple[str, str, int], dict[float, list[float]]] = {}
+    for (kind, placement), pts in points.items():
+        for nbytes, group, seconds in pts:
+            if seconds > 0 and np.isfinite(seconds) and nbytes > 0:
+                by_key.setdefault((kind, placement, int(group)), {}).setdefault(float(nbytes), []).append(seconds)
+    curves = {}
+    for key, by_size in sorted(by_key.items()):
+        sizes = tuple(sorted(by_size))
+        curves[key] = CommCurve(*key, sizes, tuple(float(np.exp(np.mean(np.log(by_size[n])))) for n in sizes))
+    return curves
+
+
 COMPUTE_STATS = ("mean", "median")
 
 
 def statistic_of(kind: str, compute_stat: str = "mean") -> str:
-    """Which statistic of a measurement's samples stands for it: min for P2P (no queueing), median for an
-    all-reduce, `compute_stat` (mean or median) for compute and composites."""
+    """Which statistic of a measurement's samples stands for it: min for P2P (no queueing), median for a
+    collective, `compute_stat` (mean or median) for compute and composites."""
     if kind == "p2p":
         return "min"
     if kind in COMM_KINDS:
@@ -172,6 +217,8 @@ class Costs:
 
     events: dict[str, EventCost]
     fits: dict[tuple[str, str], CommFit] = field(default_factory=dict)
+    # (kind, placement, group size) -> the measured points a message between two of their sizes is costed from
+    curves: dict[tuple[str, str, int], CommCurve] = field(default_factory=dict)
     # compute event id -> seconds of the layer with its tensor-parallel all-reduces, measured together
     composites: dict[str, float] = field(default_factory=dict)
     # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
@@ -199,6 +246,8 @@ class Costs:
         default_factory=lambda: {"events": {}, "host_issue": {}, "composites": {}})
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
+    # how well the communication curves hold between measured sizes (held_out_checks; filled by analysis.predict)
+    held_out: list["HeldOutCheck"] = field(default_factory=list)
 
     def seconds(self, eid: str) -> float:
         return self.events[eid].seconds
@@ -207,6 +256,12 @@ class Costs:
     def extrapolated(self) -> list[EventCost]:
         """Communication events whose duration came from a fit (or is missing altogether)."""
         return sorted((c for c in self.events.values() if c.extrapolated), key=lambda c: (c.kind, c.name, c.id))
+
+    @property
+    def interpolated(self) -> list[EventCost]:
+        """Communication events costed between two measured sizes of their kind, placement and group."""
+        return sorted((c for c in self.events.values() if c.source == INTERPOLATED),
+                      key=lambda c: (c.kind, c.name, c.id))
 
     @classmethod
     def from_seconds(cls, plan: EventPlan, seconds: Mapping[str, float]) -> "Costs":
@@ -249,6 +304,49 @@ def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[f
     return points
 
 
+@dataclass(frozen=True)
+class HeldOutCheck:
+    """A needed message costed from the other points of its curve, as if it had not been measured, against
+    its own measurement: how well the curve holds between measured sizes."""
+
+    id: str
+    kind: str
+    placement: str
+    group: int
+    nbytes: float
+    measured_s: float
+    interpolated_s: float
+
+    @property
+    def rel_error(self) -> float:
+        return self.interpolated_s / self.measured_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "placement": self.placement, "group": self.group,
+                "bytes": self.nbytes, "measured_s": self.measured_s, "interpolated_s": self.interpolated_s,
+                "rel_error": self.rel_error}
+
+
+def held_out_checks(profile: Profile, extra_points: CommPoints | None = None) -> list[HeldOutCheck]:
+    """Every needed communication measurement between two other measured sizes of its kind, placement and
+    group, costed from them without its own point (leave-one-out)."""
+    points = measured_comm_points(profile)
+    for key, extra in (extra_points or {}).items():
+        points[key] = list(points.get(key, [])) + list(extra)
+    checks = []
+    for eid, m in sorted(profile.measurements.items()):
+        if m.kind not in COMM_KINDS or not m.count or not m.attrs.get("needed") or m.placement not in PLACEMENTS:
+            continue
+        own = (m.bytes, m.group_size, representative_seconds(m))
+        others = list(points[(m.kind, m.placement)])
+        others.remove(own)
+        curve = comm_curves({(m.kind, m.placement): others}).get((m.kind, m.placement, m.group_size))
+        if curve is not None and curve.covers(m.bytes) and own[2] > 0:
+            checks.append(HeldOutCheck(eid, m.kind, m.placement, m.group_size, float(m.bytes), own[2],
+                                       curve.interpolate(m.bytes)))
+    return checks
+
+
 def rank_speed_factors(profile: Profile) -> dict[str, list[float]]:
     """Per compute phase, each profiling rank's speed-probe median over the ranks' mean (1.1: that rank took
     10% longer than the ranks' mean); phases with fewer than two usable ranks are left out, and a rank
@@ -281,12 +379,14 @@ def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]])
 
 
 def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
-                   rank_speed: bool = True) -> Costs:
+                   rank_speed: bool = True, extra_points: CommPoints | None = None) -> Costs:
     """The duration of every event of `plan` from `profile` (rules in the module docstring).
 
     Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
     is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
     `rank_speed`: refer each compute event to the profiling ranks' mean speed (where the profile has the probe).
+    `extra_points`: more communication points (a collective benchmark's), interpolated and fitted with the
+    profile's.
     """
     _check_statistic(compute_stat)
 
@@ -298,8 +398,11 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                      key=lambda eid: plan.events[eid].name)
     if missing:
         raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
-    fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(measured_comm_points(profile).items())}
-    costs = Costs(events={}, fits=fits, compute_stat=compute_stat,
+    points = measured_comm_points(profile)
+    for key, extra in (extra_points or {}).items():
+        points[key] = list(points.get(key, [])) + list(extra)
+    fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(points.items())}
+    costs = Costs(events={}, fits=fits, curves=comm_curves(points), compute_stat=compute_stat,
                   rank_speed=rank_speed_factors(profile) if rank_speed else {})
     # tensor-parallel shards also measured with their all-reduces, as composites
     composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
@@ -329,6 +432,13 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                 costs.backward_call[eid] = float(call) / factor
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
+        curve = costs.curves.get((event.kind, event.placement or INTER, event.group_size))
+        if curve is not None and curve.covers(event.bytes):
+            low, high = curve.neighbours(event.bytes)
+            costs.events[eid] = EventCost(
+                eid, event.name, event.kind, curve.interpolate(event.bytes), INTERPOLATED,
+                note=f"interpolated between the {human_bytes(low)} and {human_bytes(high)} measured")
+            continue
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
         fit, note = _choose_fit(fits, event.kind, event.placement or INTER)
         if fit is None:
@@ -436,11 +546,13 @@ def _bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
 
 
 def _choose_fit(fits: Mapping[tuple[str, str], CommFit], kind: str, placement: str) -> tuple[CommFit | None, str]:
-    """The fit for an unmeasured event: same kind and placement, else the other placement, else the other
-    kind (both formulas share the link's alpha and beta); fits of all-zero measurements come last."""
+    """The fit for an unmeasured event: same kind and placement, else the other placement, else another kind
+    (in COMM_KINDS' order, at the same placement first: the formulas share the link's alpha and beta); fits of
+    all-zero measurements come last."""
     other_placement = INTER if placement == INTRA else INTRA
-    other_kind = next(k for k in COMM_KINDS if k != kind)
-    order = ((kind, placement), (kind, other_placement), (other_kind, placement), (other_kind, other_placement))
+    others = [k for k in COMM_KINDS if k != kind]
+    order = ((kind, placement), (kind, other_placement), *((k, placement) for k in others),
+             *((k, other_placement) for k in others))
     for need_points in (True, False):
         for key in order:
             fit = fits.get(key)

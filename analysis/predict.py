@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from harness.events import EventPlan, build_plan
 from harness.spec import JobSpec
 
-from analysis.costs import Costs, estimate_costs
+from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
@@ -31,17 +32,25 @@ class Prediction:
 
 def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
             dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True,
-            resamples: int = DEFAULT_RESAMPLES) -> Prediction:
+            resamples: int = DEFAULT_RESAMPLES, collectives: Sequence[str | Path] = ()) -> Prediction:
     """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
     (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs),
     simulate one iteration and, with `resamples`, the batch time's interval. dp_overlap None follows the spec.
+    `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication.
     Raises UserError on bad input."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
     spec = resolve_spec(profile, spec_path, strategy)
     plan = build_plan(spec, layers_for(profile, spec))
+    extra = None
+    if collectives:
+        from analysis.collectives import load, profile_points
+
+        extra = profile_points(load(collectives), str(profile.environment.get("backend", "?")),
+                               str(profile.environment.get("device", "?")), profile.path.name)
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
-                           compute_stat=compute_stat, rank_speed=rank_speed)
+                           compute_stat=compute_stat, rank_speed=rank_speed, extra_points=extra)
+    costs.held_out = held_out_checks(profile, extra)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
                       estimate_memory(plan, activation_bytes(profile)),
                       batch_time_interval(plan, costs, dp_overlap, resamples))

@@ -69,6 +69,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "devices_selection": selection,
         "devices": [d.to_dict() for d in timeline.devices(ranks)],
         "extrapolated": [c.to_dict() for c in costs.extrapolated],
+        "interpolated": [c.to_dict() for c in costs.interpolated],
+        "comm_held_out": [c.to_dict() for c in costs.held_out],
         "unmeasured": list(costs.unmeasured),
         "fits": [{**fit.to_dict(), "mean_rel_error": finite(fit.mean_rel_error),
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
@@ -157,10 +159,12 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
                 for d in timeline.devices(ranks)]
         out += ["", format_table(("rank", "stage", "dp", "tp", "compute ms", "comm ms", "overlapped ms", "idle ms"),
                                  rows, title="per device:")]
-    extrapolated = costs.extrapolated
-    if extrapolated and not details:
-        out += ["", f"{len(extrapolated)} communication event(s) the profile did not measure are costed by a fit "
-                    "(--details)"]
+    extrapolated, interpolated = costs.extrapolated, costs.interpolated
+    if (extrapolated or interpolated) and not details:
+        parts = [f"{len(interpolated)} interpolated between measured sizes"] if interpolated else []
+        parts += [f"{len(extrapolated)} costed by a fit"] if extrapolated else []
+        out += ["", f"{len(extrapolated) + len(interpolated)} communication event(s) the profile did not measure "
+                    f"at their size: {', '.join(parts)} (--details)"]
     if details:
         out += _details(timeline)
     warnings = list(costs.warnings)
@@ -185,6 +189,13 @@ def _details(timeline: Timeline) -> list[str]:
                 for c in extrapolated]
         out += ["", format_table(("id", "event", "bytes", "predicted ms", "how", "why unmeasured"), rows,
                                  title=f"extrapolated: {len(extrapolated)} events the profile did not measure")]
+    interpolated = costs.interpolated
+    if interpolated:
+        plan = timeline.plan
+        rows = [(c.id, c.name, human_bytes(plan.events[c.id].bytes), _ms(c.seconds), c.note) for c in interpolated]
+        out += ["", format_table(("id", "event", "bytes", "predicted ms", "how"), rows,
+                                 title=f"interpolated: {len(interpolated)} events costed between measured sizes of "
+                                       "their kind, placement and group")]
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,
                  f.bandwidth_bytes_s / 1e9 if math.isfinite(f.bandwidth_bytes_s) else "-",
@@ -192,6 +203,12 @@ def _details(timeline: Timeline) -> list[str]:
                 for f in costs.fits.values()]
         out += ["", format_table(("kind", "placement", "form", "points", "alpha us", "link GB/s", "mean err %",
                                   "max err %"), rows, title="communication fits (relative error on measured points):")]
+    if costs.held_out:
+        rows = [(c.kind, c.placement, c.group, human_bytes(c.nbytes), c.measured_s * 1e3, c.interpolated_s * 1e3,
+                 100.0 * c.rel_error) for c in costs.held_out]
+        out += ["", format_table(("kind", "placement", "group", "bytes", "measured ms", "from neighbours ms", "err %"),
+                                 rows, title="how the curves hold: each measured message costed from the sizes "
+                                             "around it, as if it had not been measured:")]
     if costs.sender_busy_extra:
         rows = [(eid, timeline.plan.events[eid].name, _ms(extra))
                 for eid, extra in sorted(costs.sender_busy_extra.items())]

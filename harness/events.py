@@ -24,6 +24,10 @@ from harness.spec import JobSpec
 
 EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
+# communication a profile measures: what plans send (P2P, all-reduce), and the collectives of sharded data
+# parallelism (all-gather, reduce-scatter), measured on every all-reduce group of a plan (launcher.placement)
+COMM_KINDS = ("p2p", "allreduce", "allgather", "reducescatter")
+SHARDED_KINDS = ("allgather", "reducescatter")
 
 
 def layer_label(layer: LayerDesc) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from harness.errors import UserError
-from harness.events import UniqueEvents, build_plan
+from harness.events import COMM_KINDS, UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
 from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
                                   HOST_ISSUE_SERIES, PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR,
@@ -137,7 +137,7 @@ def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> b
     samples, an all-reduce its division's and zeroing's samples, a forward its activation bytes, a GPU forward
     or backward the host's issue times; and, with a (precision, budget), a compute or communication event that
     this run does not ask more of (_asks_more)."""
-    if precision is not None and m.kind in ("compute", "p2p", "allreduce") and _asks_more(m, *precision):
+    if precision is not None and m.kind in ("compute", *COMM_KINDS) and _asks_more(m, *precision):
         return False
     if m.kind == "p2p":
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
@@ -544,7 +544,7 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
                     + len(placement.composites))
     goal = run.spec.profile.precision
     missed = sorted(((run.unique.events[m.id].name, reached) for m in merged.values()
-                     if m.kind in ("compute", "p2p", "allreduce") and m.id in run.unique.events
+                     if m.kind in ("compute", *COMM_KINDS) and m.id in run.unique.events
                      and (reached := reached_precision(m)) > goal), key=lambda item: -item[1])
     return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
                          wall_s=finished - run.started, device_seconds=float(sum(busy)),

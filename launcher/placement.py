@@ -2,9 +2,13 @@
 
 Compute events are spread over all ranks, disjoint and balanced by estimated cost (longest processing
 time first). Every communication need (P2P pair or all-reduce group of a size, placement and message
-size) gets ranks of the right placement from the world at hand, plus a smaller message size so the
-analysis can fit latency and bandwidth apart. Needs that cannot be met are recorded with the reason,
-and a stand-in of the largest feasible group size is measured for the analysis's extrapolation.
+size) gets ranks of the right placement from the world at hand. Each (kind, placement, group size) is also
+measured over a sweep (`profile_sweep`): the sizes SWEEP_FACTOR apart from a point below its smallest message
+to one above its largest, so that the analysis interpolates any message between them on measured points and fits
+latency and bandwidth apart; every all-reduce group is swept with all-gather and reduce-scatter too (the
+collectives of sharded data parallelism). Needs that cannot be met are recorded with the reason, and a
+stand-in of the largest feasible group size is measured over the same sweep for the analysis's
+extrapolation.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from typing import Any
 
 from typing import Mapping
 
-from harness.events import INTER, INTRA, Event, UniqueEvents, composite_content, event_id
+from harness.events import INTER, INTRA, SHARDED_KINDS, Event, UniqueEvents, composite_content, event_id
+from harness.collectives import ELEMENT_BYTES, round_size
 from launcher.topology import Topology
 
-SWEEP_DIVISOR = 16  # the extra, smaller message of every communication need
+SWEEP_FACTOR = 4  # between a sweep's sizes: powers of 4 times MIN_SWEEP_BYTES
+SWEEP_DIVISOR = 16  # a sweep starts at or below a sixteenth of its smallest message (the latency's point)
 MIN_SWEEP_BYTES = 1024
 # A roofline for balancing only: FLOPs per byte moved at which a device turns from memory- to compute-bound.
 # Optimizer steps and embeddings do few FLOPs but move every parameter several times.
@@ -122,30 +128,53 @@ def place(unique: UniqueEvents, topology: Topology, skip: set[str] = frozenset()
         if eid not in skip and eid not in tasks:
             tasks[eid] = CommTask(eid, content["kind"], content, ranks, needed)
 
+    # (kind, placement, group size, ranks, dtype) -> the message sizes the events send over it
+    swept: dict[tuple[str, str, int, tuple[int, ...], str], set[int]] = {}
     for eid, event in sorted(events.items(), key=lambda item: (item[1].kind, item[1].cost, item[0])):
         if event.kind == "compute":
             continue
         size = event.group_size
         placement = event.placement or INTRA
         ranks = _group_ranks(topology, size, placement)
-        sweep = dict(event.content, bytes=max(MIN_SWEEP_BYTES, event.bytes // SWEEP_DIVISOR))
         if ranks is not None:
             add(event.content, ranks, True)
-            add(sweep, ranks, False)
-            continue
-        unmeasured[eid] = _why_not(topology, size, placement)
-        stand_in = _largest_feasible(topology, size, placement)
-        if stand_in >= 2:
-            ranks = _group_ranks(topology, stand_in, placement)
-            for content in (event.content, sweep):
-                stand = dict(content)
-                if event.kind != "p2p":
-                    stand["group"] = stand_in
-                add(stand, ranks, False)
+        else:
+            unmeasured[eid] = _why_not(topology, size, placement)
+            size = _largest_feasible(topology, size, placement)
+            if size < 2:
+                continue
+            ranks = _group_ranks(topology, size, placement)
+        dtype = str(event.content.get("dtype", "float32"))
+        for kind in (event.kind,) + (SHARDED_KINDS if event.kind == "allreduce" else ()):
+            swept.setdefault((kind, placement, size, ranks, dtype), set()).add(event.bytes)
+    for (kind, placement, size, ranks, dtype), needs in swept.items():
+        for nbytes in sorted(needs) + profile_sweep(sorted(needs)):  # the needs again: a stand-in's or a kind's own
+            if kind in SHARDED_KINDS:  # whole elements per rank (harness.collectives.round_size)
+                nbytes = round_size(kind, nbytes, dtype if dtype in ELEMENT_BYTES else "float32", size)
+            content = {"kind": kind, "bytes": int(nbytes), "dtype": dtype, "placement": placement}
+            if kind != "p2p":
+                content["group"] = size
+            add(content, ranks, False)
     comm = sorted(tasks.values(), key=lambda t: (t.kind, t.content.get("placement", ""),
                                                  t.content.get("group", 2), t.content["bytes"], t.id))
     return Placement(compute=compute, comm=comm, unmeasured=unmeasured,
                      composites=_composites(events, topology, skip))
+
+
+def profile_sweep(needed: list[int]) -> list[int]:
+    """The sizes a (kind, placement, group size) is swept over besides its needs: MIN_SWEEP_BYTES x
+    SWEEP_FACTOR^k from the largest such size at or below a SWEEP_DIVISOR-th of the smallest need to the first
+    one above the largest need, so that every need lies between two measured sizes (fixed points, so that
+    groups and kinds share sizes and a resume finds them again)."""
+    low, high = min(needed), max(needed)
+    size = MIN_SWEEP_BYTES
+    while size * SWEEP_FACTOR <= low / SWEEP_DIVISOR:
+        size *= SWEEP_FACTOR
+    sizes = []
+    while size <= high:
+        sizes.append(size)
+        size *= SWEEP_FACTOR
+    return sizes + [size]
 
 
 def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str]) -> list[CommTask]:

@@ -20,7 +20,8 @@ from harness.hdf5_schema import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
-             "devices", "stages", "extrapolated", "unmeasured", "fits", "p2p_sender_busy_extra", "p2p_send_post",
+             "devices", "stages", "extrapolated", "interpolated", "comm_held_out", "unmeasured", "fits",
+             "p2p_sender_busy_extra", "p2p_send_post",
              "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic", "replica_skew",
              "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
@@ -54,7 +55,9 @@ def test_simulate_writes_trace_png_timeline_and_json(hybrid_profile, tmp_path, c
     for d in report["devices"]:
         assert d["compute_s"] + d["comm_s"] + d["idle_s"] == pytest.approx(T, rel=1e-12)
     assert report["bubble_fraction"] == pytest.approx(sum(d["idle_s"] for d in report["devices"]) / (8 * T))
-    assert {e["kind"] for e in report["extrapolated"]} == {"p2p"}  # P2P came from the fit
+    assert report["extrapolated"] == []  # the P2P lies between measured sizes of its placement
+    (p2p,) = report["interpolated"]
+    assert p2p["kind"] == "p2p" and p2p["source"] == "interpolated" and "measured" in p2p["note"]
     assert [f["kind"] for f in report["fits"]] == ["allreduce", "p2p"]
 
     document = json.loads(gzip.decompress(trace.read_bytes()))
@@ -96,14 +99,14 @@ def test_table_output_and_device_selection(hybrid_profile, capsys):
     out = capsys.readouterr().out
     # the answer first, the model's corrections only on request
     for text in ("batch time", "samples/s", "tokens/s", "bubble", "per pipeline stage", "after the backward",
-                 "costed by a fit (--details)"):
+                 "1 interpolated between measured sizes (--details)"):
         assert text in out
     for text in ("per device:", "communication fits", "while the sender computes", "probe / ranks' mean"):
         assert text not in out
     assert out.splitlines()[1].startswith("batch time")
     assert main(["simulate", str(hybrid_profile), "--no-overlap", "--details", "--devices", "0-1"]) == 0
     out = capsys.readouterr().out
-    for text in ("per device:", "extrapolated", "communication fits", "while the sender computes"):
+    for text in ("per device:", "interpolated: 1 events", "communication fits", "while the sender computes"):
         assert text in out
     assert main(["simulate", str(hybrid_profile), "--json", "--devices", "stages"]) == 0
     report = json.loads(capsys.readouterr().out)

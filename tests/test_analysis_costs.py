@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from analysis.cli import main
-from analysis.costs import FITTED, UNAVAILABLE, estimate_costs, fit_alpha_beta
+from analysis.costs import FITTED, INTERPOLATED, UNAVAILABLE, comm_curves, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile_reader import load_profile
 from harness.events import build_plan
@@ -65,7 +65,8 @@ def dp_profile(tmp_path, extra):
 
 
 def test_unmeasured_allreduce_is_extrapolated_and_flagged(tmp_path):
-    extra = [comm_point("allreduce", n, "intra", allreduce_s(n, 2)) for n in SIZES]
+    """Measured on groups of 4 only: the group of 2 the job needs comes from the fit."""
+    extra = [comm_point("allreduce", n, "intra", allreduce_s(n, 4), group=4) for n in SIZES]
     prediction = predict(dp_profile(tmp_path, extra))
     plan, costs = prediction.plan, prediction.costs
     (bucket,) = plan.stages[0].buckets
@@ -77,6 +78,39 @@ def test_unmeasured_allreduce_is_extrapolated_and_flagged(tmp_path):
                                  "reason": "left out of this hand-made profile"}]
     # measured events are not extrapolated, even though a fit exists for their kind
     assert all(c.source == "measured" for eid, c in costs.events.items() if eid != bucket.event)
+
+
+def test_a_size_between_measured_sizes_is_interpolated_not_extrapolated(tmp_path):
+    """Times that grow as a power of the size between two sweep points are interpolated exactly; beyond
+    the points the fit takes over."""
+    prediction = predict(dp_profile(tmp_path, []))
+    (bucket,) = prediction.plan.stages[0].buckets
+    low, high = bucket.nbytes // 3, bucket.nbytes * 5
+
+    def power_law(n):
+        return 1e-4 * (n / low) ** 0.7
+
+    extra = [comm_point("allreduce", n, "intra", power_law(n)) for n in (low, high)]
+    costs = predict(dp_profile(tmp_path / "a", extra)).costs
+    cost = costs.events[bucket.event]
+    assert cost.source == INTERPOLATED and not cost.extrapolated and cost.fit is None
+    assert cost.seconds == pytest.approx(power_law(bucket.nbytes), rel=1e-12)
+    assert costs.interpolated == [cost] and costs.extrapolated == [] and costs.unmeasured == []
+    # both points below the bucket's size: fitted, and flagged as extrapolated
+    below = [comm_point("allreduce", n, "intra", power_law(n)) for n in (low // 4, low)]
+    cost = predict(dp_profile(tmp_path / "b", below)).costs.events[bucket.event]
+    assert cost.source == FITTED and cost.extrapolated
+
+
+def test_curve_keeps_one_time_per_size_and_knows_its_range():
+    points = {("allreduce", "intra"): [(1024, 2, 1e-4), (1024, 2, 4e-4), (4096, 2, 8e-4), (4096, 4, 1.0)]}
+    curves = comm_curves(points)
+    assert set(curves) == {("allreduce", "intra", 2), ("allreduce", "intra", 4)}
+    two = curves[("allreduce", "intra", 2)]
+    assert two.seconds[0] == pytest.approx(2e-4)  # the geometric mean of two points at one size
+    assert two.covers(2048) and not two.covers(512) and not two.covers(8192)
+    assert two.interpolate(2048) == pytest.approx(4e-4)  # halfway on log-log axes: sqrt(2e-4 * 8e-4)
+    assert not curves[("allreduce", "intra", 4)].covers(4096)  # one size is not a curve
 
 
 def test_other_placement_then_other_kind_stand_in_and_say_so(tmp_path):

@@ -78,3 +78,33 @@ def test_the_terminal_report_on_the_real_profile(capsys):
                         "profile's samples)")
     assert lines[4] == "memory       51.8 MB per device at most (stage 0, activations 17.3 MB)"
     assert len(lines) <= 12
+
+
+COMM_PROFILE = DATA / "dp2pp2-profile.h5"
+
+
+def test_communication_curves_on_the_real_sweep():
+    """The sweep of a real profile (dp2pp2.toml, communication through mpi4py): every need between two measured
+    sizes, and each costed from its neighbours as if it had not been measured, against its own measurement."""
+    from analysis.costs import held_out_checks
+    from analysis.profile_reader import load_profile
+
+    profile = load_profile(COMM_PROFILE)
+    checks = {(c.kind, int(c.nbytes)): c for c in held_out_checks(profile)}
+    assert {key: round(c.rel_error, 4) for key, c in checks.items()} == {
+        ("allreduce", 2099200): 0.0040, ("allreduce", 2228224): -0.0001, ("allreduce", 3159040): -0.1237,
+        ("p2p", 262144): 0.0766}
+    # what each is costed from: the all-reduces' medians, the P2P's minimum (analysis.costs.statistic_of)
+    assert checks[("p2p", 262144)].measured_s == pytest.approx(48.81e-6, abs=5e-9)
+    assert checks[("allreduce", 3159040)].measured_s == pytest.approx(1488.4e-6, abs=5e-8)
+
+
+def test_communication_fits_on_the_real_sweep(capsys):
+    assert analysis_main(["simulate", str(COMM_PROFILE), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fits = {f["kind"]: (f["points"], round(f["mean_rel_error"], 4), round(f["max_rel_error"], 4))
+            for f in report["fits"]}
+    assert fits == {"allgather": (7, 0.0157, 0.0541), "allreduce": (7, 0.0739, 0.201), "p2p": (4, 0.1832, 0.2666),
+                    "reducescatter": (7, 0.1306, 0.4431)}
+    assert report["extrapolated"] == [] and report["interpolated"] == []  # its own plan's every message measured
+    assert report["batch_time_s"] == pytest.approx(0.17112, abs=5e-6)

@@ -145,3 +145,33 @@ def test_a_note_asks_for_binding_only_where_each_rank_could_have_a_core_of_its_o
     assert Topology(0, 4, (0,) * 4, ("host",) * 4, cpus=((0, 1),) * 4).unbound_note() is None
     assert Topology(0, 2, (0, 1), ("a", "b"), cpus=((0, 1), (0, 1))).unbound_note() is None  # one per host
     assert topology(2, 2).unbound_note() is None  # affinities not gathered
+
+
+def test_every_communication_is_swept_from_below_its_smallest_message_to_its_largest():
+    """Each (kind, placement, group) the plan sends over, and all-gather and reduce-scatter on every all-reduce
+    group, measured at sizes at most SWEEP_FACTOR apart from a SWEEP_DIVISOR-th of the smallest need (or
+    MIN_SWEEP_BYTES) to beyond the largest, so the analysis interpolates every message on measured points."""
+    from launcher.placement import MIN_SWEEP_BYTES, SWEEP_DIVISOR, SWEEP_FACTOR
+
+    plan = plan_two_nodes()
+    placement = place(plan.unique(), topology(8, 4))
+    measured: dict[tuple, list[int]] = {}
+    for task in placement.comm:
+        c = task.content
+        measured.setdefault((c["kind"], c["placement"], c.get("group", 2)), []).append(c["bytes"])
+    needs: dict[tuple, list[int]] = {}
+    for event in plan.events.values():
+        if event.kind != "compute":
+            needs.setdefault((event.kind, event.placement, event.group_size), []).append(event.bytes)
+            if event.kind == "allreduce":
+                for kind in ("allgather", "reducescatter"):
+                    needs.setdefault((kind, event.placement, event.group_size), []).append(event.bytes)
+    assert set(needs) <= set(measured)
+    for key, sizes in needs.items():
+        got = sorted(measured[key])
+        assert got[0] <= max(MIN_SWEEP_BYTES, min(sizes) / SWEEP_DIVISOR) and got[-1] > max(sizes), key
+        assert all(b / a <= SWEEP_FACTOR * 1.01 for a, b in zip(got, got[1:]) if a >= min(sizes) / SWEEP_DIVISOR)
+    # a rank's share of an all-gather is whole elements (float32 on groups of 2)
+    assert all(t.content["bytes"] % (4 * t.content["group"]) == 0 for t in placement.comm
+               if t.kind in ("allgather", "reducescatter"))
+    assert {t.kind for t in placement.comm if t.needed} == {"p2p", "allreduce"}

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices to report, trace, draw and store: all, one per pipeline stage, or ranks like "
                              "0,3,8-11 (default: all up to 1024 devices, else stages; the chart: up to 16 rows)")
     add_prediction_arguments(parser)
+    parser.add_argument("--collectives", nargs="+", default=(), metavar="FILE.h5",
+                        help="collective benchmarks (harness collectives -o) of the profile's backend and device: "
+                             "their points join the profile's, to interpolate and fit communication")
     parser.add_argument("--details", action="store_true",
                         help="also print the model's corrections and the communication fits (--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
@@ -34,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prediction = predict(args.profile, args.spec, args.strategy, **prediction_options(args))
+    prediction = predict(args.profile, args.spec, args.strategy, collectives=args.collectives,
+                         **prediction_options(args))
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     report = summary(timeline, ranks, selection, args.profile, prediction.memory, prediction.interval)

@@ -48,7 +48,7 @@ def _describe(content: dict) -> str:
         sig = content["signature"]
         return f"{sig.get('family')}.{content['layer']}.{content['phase']} composite on tp={sig.get('tp')}"
     extra = f" x{content['group']}" if "group" in content else ""
-    return f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} (fit point)"
+    return f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} (sweep point)"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Communication events: P2P pairs and all-reduce groups (max over the group).
+"""Communication events: P2P pairs, all-reduce groups (max over the group), and the all-gathers and
+reduce-scatters of sharded data parallelism.
 
 A P2P pair is measured twice: by ping-pong (half the round trip: both sides waiting, as when the receiver
 posted its receive first), and with the sender busy computing when the receiver posts (as in a pipeline's
@@ -21,12 +22,15 @@ import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES
 from harness.profilers.timer import synchronize
+from harness.events import SHARDED_KINDS
+from harness.mpi_errors import yielding_barrier
 from launcher.placement import CommTask
 
 
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
-POST_DELAY_S = 0.001  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
+POST_DELAY_S = 0.001
+WAIT_POLL_S = 0.001  # how often a rank outside a task's group looks whether the task is done  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
 
 
 class CommSamples(NamedTuple):
@@ -80,7 +84,7 @@ class CommProfiler:
             last = torch.from_numpy(np.stack([starts, ends])).to(self.device)
             dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
             samples = composite_samples(*last.cpu().numpy())
-        self.comm.Barrier()
+        yielding_barrier(self.comm, WAIT_POLL_S)  # the ranks outside the group leave the cores to it
         return samples if self.rank == members[0] else None
 
     def _buffer(self, task: CommTask) -> torch.Tensor:
@@ -93,7 +97,7 @@ class CommProfiler:
         members = task.ranks
         group = self._torch_group(members) if self.backend == "torch" else None
         mpi_group = None
-        if self.backend == "mpi4py":
+        if self.backend == "mpi4py" or task.kind in SHARDED_KINDS:
             from mpi4py import MPI
 
             member = self.rank in members
@@ -102,8 +106,10 @@ class CommProfiler:
                 mpi_group = None
         samples = None
         if self.rank in members:
-            buffer = self._buffer(task)
-            if task.kind == "p2p":
+            buffer = self._buffer(task) if task.kind not in SHARDED_KINDS else None
+            if task.kind in SHARDED_KINDS:
+                samples = self._sharded(task, members, group, mpi_group, warmup, repeats)
+            elif task.kind == "p2p":
                 round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
                 samples = CommSamples(round_trips,
                                       self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats),
@@ -112,8 +118,17 @@ class CommProfiler:
                 samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
         if mpi_group is not None:
             mpi_group.Free()
-        self.comm.Barrier()
+        yielding_barrier(self.comm, WAIT_POLL_S)  # the ranks outside the group leave the cores to it
         return samples if self.rank == members[0] else None
+
+    def _sharded(self, task: CommTask, members, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
+        """An all-gather or reduce-scatter of the task's size (the whole array, harness.collectives), timed as
+        the collective benchmark times it (harness.profilers.collectives): a sample is its slowest member's."""
+        from harness.profilers.collectives import CollectiveBench
+
+        backend = "mpi4py" if self.backend == "mpi4py" else "torch"
+        bench = CollectiveBench(mpi_group, members, backend, task.content["dtype"], self.device, group)
+        return CommSamples(bench.measure(task.kind, task.content["bytes"], warmup, repeats).samples_s, np.empty(0))
 
     def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray]:
         """Ping-pong between the pair: a sample is half the round trip (send and receive timed together), the
