@@ -10,7 +10,7 @@
 #
 # Every step runs even when an earlier one fails; each step's log is OUTDIR/NN-name.log and the summary
 # (one line per step: ok or FAILED) is OUTDIR/summary.txt; OUTDIR.tar.gz packs the logs, profiles and traces
-# (no per-rank files) to take off the machine and validate again offline. Figures are in docs/benchmarks.md.
+# (no per-rank files) to take off the machine and validate again offline. Figures are in docs/benchmarks-gpu.md.
 set -u
 OUTDIR=${1:-gpu-check}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}

@@ -22,6 +22,8 @@ from harness.hdf5_schema import PROFILE_KIND, READ_VERSIONS
 from harness.profile_store import Measurement, read_measurements, write_rank_file
 from harness.train.trace_writer import merge_traces
 from tests.conftest import ROOT
+from harness.collectives import SizeResult
+from harness.collectives_file import CollectivesRun, write_collectives
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 from tests.test_validate import write_scaled_trace
 
@@ -37,8 +39,11 @@ def files(tmp_path) -> dict[str, Path]:
     timeline = write_timeline(tmp_path / "timeline.h5", prediction.timeline, [0, 1])
     rank = write_rank_file(tmp_path / "rank-00000.h5", 0,
                            [Measurement("abc", "compute", {"kind": "compute"}, np.array([1e-3, 2e-3]), [0], "env")])
+    bench = CollectivesRun(tmp_path / "collectives.h5", "mpi4py", "all", "intra", [0, 1], "float32", 100, 1,
+                           {op: [SizeResult(op, 1024, "float32", 2, np.linspace(1e-5, 2e-5, 100), 0)]
+                            for op in ("allreduce", "sendrecv")}, {"world_size": 2, "device": "cpu"})
     return {"profile": profile, "rank": rank, "trace": trace, "rank-trace": trace.parent / "rank-00000.trace.h5",
-            "timeline": timeline}
+            "timeline": timeline, "collectives": write_collectives(bench.path, bench)}
 
 
 def _datasets(path: Path) -> list[str]:
@@ -84,6 +89,9 @@ def _readers(files: dict[str, Path]) -> dict[str, list]:
         "rank-trace": [lambda: merge_traces(files["trace"].parent / "again.h5", [files["rank-trace"]],
                                             root_attrs={}, environment={}, clock={}, warmup=0, loss_ranks=[])],
         "timeline": [lambda: read_timeline(files["timeline"])],
+        "collectives": [cli(analysis_main, "collectives", str(files["collectives"])),
+                        cli(analysis_main, "simulate", str(files["profile"]), "--collectives",
+                            str(files["collectives"]))],
     }
 
 
@@ -98,7 +106,7 @@ def _refused(reader, capsys, *words: str) -> str:
     return message
 
 
-KINDS = ("profile", "rank", "trace", "rank-trace", "timeline")
+KINDS = ("profile", "rank", "trace", "rank-trace", "timeline", "collectives")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -113,7 +121,8 @@ def test_a_flipped_sample_anywhere_is_found(files, capsys, kind):
 
 
 @pytest.mark.parametrize("kind,text", [("profile", b"spec_version"), ("rank", b"env_key"), ("trace", b"spec_version"),
-                                       ("rank-trace", b"written_at"), ("timeline", b"strategy")])
+                                       ("rank-trace", b"written_at"), ("timeline", b"strategy"),
+                                       ("collectives", b"bus_factor")])
 def test_a_flipped_byte_in_the_metadata_is_found(files, capsys, kind, text):
     _flip_text(files[kind], text)
     for reader in _readers(files)[kind]:

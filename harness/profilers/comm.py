@@ -128,7 +128,11 @@ class CommProfiler:
 
         backend = "mpi4py" if self.backend == "mpi4py" else "torch"
         bench = CollectiveBench(mpi_group, members, backend, task.content["dtype"], self.device, group)
-        return CommSamples(bench.measure(task.kind, task.content["bytes"], warmup, repeats).samples_s, np.empty(0))
+        result = bench.measure(task.kind, task.content["bytes"], warmup, repeats)
+        if result.wrong:  # a backend that computes wrong results has no time worth keeping
+            raise RuntimeError(f"{task.kind} of {task.content['bytes']} B on ranks {members} gave {result.wrong} "
+                               "wrong output element(s); check the communication backend with harness collectives")
+        return CommSamples(result.samples_s, np.empty(0))
 
     def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray]:
         """Ping-pong between the pair: a sample is half the round trip (send and receive timed together), the
