@@ -223,3 +223,29 @@ def test_benchmark_groups_from_the_topology():
     assert benchmark_group(lonely, "intra") == ((1, 2), "intra")
     with pytest.raises(UserError, match="a node with 2 or more ranks"):
         benchmark_group(Topology(0, 2, (0, 1), ("a", "b")), "intra")
+
+
+def test_a_benchmark_joins_a_profile_for_curves_and_fits(tmp_path, capsys):
+    """`simulate --collectives`: the benchmark's all-reduce points at its placement and rank count bracket the
+    bucket the profile left unmeasured, which is then interpolated on them; another backend is refused."""
+    from analysis.cli import main as analysis_main
+    from analysis.predict import predict
+    from tests.test_analysis_costs import dp_profile
+
+    profile = dp_profile(tmp_path, [])  # its all-reduces left out; environment backend "test", device "cpu"
+    (bucket,) = predict(profile).plan.stages[0].buckets
+    sizes = (bucket.nbytes // 8, bucket.nbytes * 8)
+    results = {"allreduce": [SizeResult("allreduce", n, "float32", 2, np.array([n * 1e-9] * 3), 0) for n in sizes],
+               "broadcast": [SizeResult("broadcast", 64, "float32", 2, np.array([1e-5] * 3), 0)]}
+    bench = CollectivesRun(tmp_path / "bench.h5", "test", "all", "intra", [0, 1], "float32", 3, 1, results,
+                           {"device": "cpu"})
+    write_collectives(bench.path, bench)
+    costs = predict(profile, collectives=[bench.path]).costs
+    cost = costs.events[bucket.event]
+    assert cost.source == "interpolated" and cost.seconds == pytest.approx(bucket.nbytes * 1e-9, rel=1e-9)
+    assert costs.fits[("allreduce", "intra")].points == 2
+    other = CollectivesRun(tmp_path / "other.h5", "mpi4py", "all", "intra", [0, 1], "float32", 3, 1, results,
+                           {"device": "cpu"})
+    write_collectives(other.path, other)
+    assert analysis_main(["simulate", str(profile), "--collectives", str(other.path)]) == 2
+    assert "measured with mpi4py on cpu" in capsys.readouterr().err

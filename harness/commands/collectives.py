@@ -191,11 +191,15 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
 
     from harness.profilers.collectives import CollectiveBench
 
+    import torch
+
+    from harness.profiling import device_name
+
     member = comm.Get_rank() in ranks
     sub = comm.Split(0 if member else MPI.UNDEFINED, key=comm.Get_rank())
-    if torch_backend is None:
-        return (CollectiveBench(sub, ranks, "mpi4py", options.dtype) if member else None), "mpi4py", "cpu"
-    import torch
+    if torch_backend is None:  # host buffers: named as a profile names its CPU (analysis simulate --collectives)
+        bench = CollectiveBench(sub, ranks, "mpi4py", options.dtype) if member else None
+        return bench, "mpi4py", device_name(torch.device("cpu"))
     import torch.distributed as dist
 
     from harness.distributed import init_process_group, pick_device
@@ -204,8 +208,6 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
     device = pick_device(topology, "cuda" if device_type == "cuda" else "cpu", comm)
     init_process_group(comm, topology, device, backend=torch_backend)
     group = None if len(ranks) == comm.Get_size() else dist.new_group(list(ranks))  # collective over the world
-    from harness.profiling import device_name
-
     bench = CollectiveBench(sub, ranks, torch_backend, options.dtype, device, group) if member else None
     return bench, f"torch-{torch_backend}", device_name(device)
 
