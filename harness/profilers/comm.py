@@ -29,8 +29,8 @@ from launcher.placement import CommTask
 
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
-POST_DELAY_S = 0.001
-WAIT_POLL_S = 0.001  # how often a rank outside a task's group looks whether the task is done  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
+POST_DELAY_S = 0.001  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
+WAIT_POLL_S = 0.001  # how often a rank outside a task's group looks whether the task is done
 
 
 class CommSamples(NamedTuple):
