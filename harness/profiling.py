@@ -526,7 +526,8 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
         "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
         "launcher": topology.launcher, **topology.cpu_environment(), "device": run.device_name,
         "backend": run.backend_label, "env_key": run.env_key,
-        "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"), "h5py_version": _version("h5py"),
+        "torch_version": torch.__version__, "mpi4py_version": module_version("mpi4py"),
+        "h5py_version": module_version("h5py"),
         "mpi_library": mpi_library_version(), "python_version": platform.python_version(),
         "start_time": run.started, "end_time": finished, "profiling_wall_s": finished - run.started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)),
@@ -616,7 +617,7 @@ def _read_own_file(outdir: Path, rank: int, reader):
         return {}
 
 
-def _version(module: str) -> str:
+def module_version(module: str) -> str:
     try:
         return __import__(module).__version__
     except Exception:  # a missing module is simply not recorded

@@ -214,7 +214,7 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
 
 def _environment(topology, backend: str, device: str, started: float) -> dict:
     from launcher.topology import mpi_library_version
-    from harness.profiling import _version
+    from harness.profiling import module_version
 
     import torch
 
@@ -222,7 +222,7 @@ def _environment(topology, backend: str, device: str, started: float) -> dict:
     return {"hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,
             "ranks_per_node": topology.ranks_per_node, "topology_source": topology.source,
             "launcher": topology.launcher, **topology.cpu_environment(), "device": device, "backend": backend,
-            "torch_version": torch.__version__, "mpi4py_version": _version("mpi4py"),
-            "h5py_version": _version("h5py"), "mpi_library": mpi_library_version(),
+            "torch_version": torch.__version__, "mpi4py_version": module_version("mpi4py"),
+            "h5py_version": module_version("h5py"), "mpi_library": mpi_library_version(),
             "python_version": platform.python_version(), "start_time": started, "end_time": finished,
             "wall_s": finished - started}
