@@ -1,0 +1,324 @@
+"""What each rank of a real run did, as interval sets: the one data type the breakdown and scaling analyses read,
+made from a trace.h5 of `harness train` or from PyTorch profiler (Kineto) traces (docs/analysis.md, "Breakdown").
+
+Per rank, `RankActivity` holds raw sets that may overlap one another: compute, communication, memory; the
+phases the trace names; the collectives it joined (for stragglers); the measured iterations. The breakdown then
+applies one precedence to them (compute, then communication, then memory, else idle). The rules that make
+the sets:
+- GPU Kineto traces (any kernel): HolisticTraceAnalysis's. Kernels whose name starts with `nccl` communicate,
+  memcpy and memset are memory, every other kernel computes; the span is the first kernel's start to the last
+  kernel's end. Phases come from the GPU annotations (`gpu_user_annotation`).
+- CPU Kineto traces (gloo, no kernels): every thread's operators and annotations, each instant given to the
+  innermost event then running on its thread; an event communicates if its name is a communication's
+  (COMMUNICATION), else it computes. The span is the first to the last event. ProfilerStep#N annotations are
+  the iterations and are no activity.
+- trace.h5: the measured iterations' rows. Compute: the forward, backward and optimizer rows without the
+  tensor-parallel all-reduces inside them; communication: every communication row (TP all-reduces, P2P sends
+  and receives, gradient buckets from launch to completion). The span is the first row's start to the last
+  row's end.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from harness.errors import UserError
+
+from analysis.intervals import EMPTY, Spans, spans
+from analysis.kineto import KinetoTrace, is_kineto_path, read_kineto, trace_files
+
+COMMUNICATION = re.compile(r"nccl|gloo:|c10d::|^mpi4py:|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
+                           r"all_?to_?all|broadcast|\bi?send\b|\bi?recv\b|barrier", re.IGNORECASE)
+ITERATION = re.compile(r"^ProfilerStep#\d+$")
+# Phases by name, first match wins; communications that are no collective's (P2P) are pipeline waits.
+PHASES = (("tensor-parallel", re.compile(r"allreduce\.tp|tensor.?parallel", re.IGNORECASE)),
+          ("pipeline", re.compile(r"\bi?send\b|\bi?recv\b|sendrecv", re.IGNORECASE)),
+          ("dp-sync", re.compile(r"all_?reduce|reduce_?scatter|all_?gather|broadcast", re.IGNORECASE)),
+          ("optimizer", re.compile(r"optimizer|zero\.bucket|zero_grad", re.IGNORECASE)),
+          ("backward", re.compile(r"backward|autograd::engine", re.IGNORECASE)),
+          ("forward", re.compile(r"forward", re.IGNORECASE)))
+PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "pipeline")
+COLLECTIVE_LAUNCH = re.compile(r"^c10d::(\w+?)_?$")  # c10d::allreduce_, c10d::allgather_, ...
+NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
+                             re.IGNORECASE)
+P2P_OPS = ("send", "recv", "recv_any_source", "barrier")
+
+
+@dataclass
+class Arrival:
+    """A rank's arrival at one collective: `key` names the collective instance the same way on every rank."""
+
+    key: tuple
+    start_s: float
+
+
+@dataclass
+class RankActivity:
+    rank: int
+    span: tuple[float, float]
+    compute: Spans
+    communication: Spans
+    memory: Spans = EMPTY
+    phases: dict[str, Spans] = field(default_factory=dict)
+    arrivals: list[Arrival] = field(default_factory=list)
+
+
+@dataclass
+class RunActivity:
+    """Every rank of one run, with what the run says of itself."""
+
+    source: Path
+    kind: str  # "trace.h5", "kineto-gpu" or "kineto-cpu"
+    ranks: dict[int, RankActivity]
+    iteration_s: np.ndarray  # the measured iterations' times
+    model: str | None = None  # None where the trace does not say (Kineto)
+    backend: str | None = None
+    world_size: int = 0
+    global_batch: int | None = None  # samples per iteration, all replicas together
+    replica_batch: int | None = None  # samples per iteration of one data-parallel replica
+    model_config: dict[str, Any] = field(default_factory=dict)  # what makes two runs the same model
+    strategy: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        return min(r.span[0] for r in self.ranks.values())
+
+    @property
+    def end(self) -> float:
+        return max(r.span[1] for r in self.ranks.values())
+
+
+# ---- Kineto --------------------------------------------------------------------------------------------------
+def innermost(start: np.ndarray, end: np.ndarray, label: np.ndarray, labels: int) -> list[Spans]:
+    """On one thread, whose events nest: for each label 0..labels-1, the time when the innermost running event
+    has that label. An event that outlasts the one it started in is cut at that one's end."""
+    order = np.lexsort((-end, start))
+    parts: list[tuple[list[float], list[float]]] = [([], []) for _ in range(labels)]
+    stack: list[tuple[float, int]] = []
+    now = 0.0
+
+    def emit(code: int, a: float, b: float) -> None:
+        if b > a:
+            parts[code][0].append(a)
+            parts[code][1].append(b)
+    for s, e, c in zip(start[order].tolist(), end[order].tolist(), label[order].tolist()):
+        while stack and stack[-1][0] <= s:
+            top_end, code = stack.pop()
+            emit(code, now, top_end)
+            now = top_end
+        if stack:
+            emit(stack[-1][1], now, s)
+            e = min(e, stack[-1][0])
+        now = s
+        stack.append((e, c))
+    while stack:
+        top_end, code = stack.pop()
+        emit(code, now, top_end)
+        now = top_end
+    return [spans(a, b) for a, b in parts]
+
+
+def _phase_of(name: str) -> str | None:
+    return next((phase for phase, pattern in PHASES if pattern.search(name)), None)
+
+
+def _phases(events, mask: np.ndarray) -> dict[str, Spans]:
+    names = events.name[mask]
+    start, end = events.start_s[mask], events.end_s[mask]
+    phase_of = np.array([_phase_of(n) or "" for n in events.names], dtype=object)
+    out = {}
+    for phase in PHASE_NAMES:
+        keep = phase_of[names] == phase
+        if keep.any():
+            out[phase] = spans(start[keep], end[keep])
+    return out
+
+
+def _arrivals(events, mask: np.ndarray, pattern: re.Pattern) -> list[Arrival]:
+    """The collective launches among the masked events, keyed (operation, ordinal on this rank)."""
+    seen: dict[str, int] = {}
+    out = []
+    idx = np.flatnonzero(mask)
+    for i in idx[np.argsort(events.start_s[idx], kind="stable")]:
+        match = pattern.match(events.names[events.name[i]])
+        if not match or match.group(1).lower() in P2P_OPS:
+            continue
+        op = match.group(1).lower()
+        ordinal = seen.get(op, 0)
+        seen[op] = ordinal + 1
+        out.append(Arrival((op, ordinal), float(events.start_s[i])))
+    return out
+
+
+def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
+    """One rank's activity from its Kineto trace, and the durations of its ProfilerStep iterations."""
+    ev = trace.events
+    step_mask = ev.mask(category="user_annotation", name=ITERATION.match)
+    steps = ev.end_s[step_mask] - ev.start_s[step_mask]
+    if trace.has_gpu:
+        kernels = ev.mask(category="kernel")
+        comm_kernel = kernels & ev.mask(name=lambda n: n.lower().startswith("nccl"))
+        compute = spans(ev.start_s[kernels & ~comm_kernel], ev.end_s[kernels & ~comm_kernel])
+        comm = spans(ev.start_s[comm_kernel], ev.end_s[comm_kernel])
+        memory_mask = ev.mask(category=("gpu_memcpy", "gpu_memset"))
+        memory = spans(ev.start_s[memory_mask], ev.end_s[memory_mask])
+        busy = kernels | memory_mask
+        span = (float(ev.start_s[busy].min()), float(ev.end_s[busy].max()))
+        phases = _phases(ev, ev.mask(category="gpu_user_annotation")) | _phases(ev, comm_kernel)
+        arrivals = _arrivals(ev, comm_kernel, NCCL_COLLECTIVE)
+        return RankActivity(trace.rank, span, compute, comm, memory, phases, arrivals), steps
+    active = ev.mask(category=("cpu_op", "user_annotation", "python_function")) & ~step_mask
+    if not active.any():
+        raise UserError(f"{trace.path}: the trace holds no operators, only iteration marks")
+    is_comm = np.array([bool(COMMUNICATION.search(n)) for n in ev.names], dtype=bool)
+    label = is_comm[ev.name].astype(np.int64)  # 0 computes, 1 communicates
+    compute_parts, comm_parts = [], []
+    for thread in np.unique(ev.thread[active]):
+        on = active & (ev.thread == thread)
+        compute_part, comm_part = innermost(ev.start_s[on], ev.end_s[on], label[on], 2)
+        compute_parts.append(compute_part)
+        comm_parts.append(comm_part)
+    compute = _union(compute_parts)
+    comm = _union(comm_parts)
+    span = (float(ev.start_s[active].min()), float(ev.end_s[active].max()))
+    arrivals = _arrivals(ev, active & ev.mask(category="cpu_op"), COLLECTIVE_LAUNCH)
+    return RankActivity(trace.rank, span, compute, comm, EMPTY, _phases(ev, active), arrivals), steps
+
+
+def _union(parts: Sequence[Spans]) -> Spans:
+    if not parts:
+        return EMPTY
+    return spans(np.concatenate([p.start for p in parts]), np.concatenate([p.end for p in parts]))
+
+
+def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
+    """One run from its ranks' Kineto traces; UserError for two traces of one rank or traces of mixed runs."""
+    ranks: dict[int, RankActivity] = {}
+    where: dict[int, Path] = {}
+    steps: dict[int, np.ndarray] = {}
+    backends, worlds, gpu = set(), set(), set()
+    for path in paths:
+        trace = read_kineto(path)
+        if trace.rank in ranks:
+            raise UserError(f"{path} and {where[trace.rank]} both claim rank {trace.rank} (from their "
+                            f"{trace.rank_source}); give one trace per rank")
+        ranks[trace.rank], steps[trace.rank] = kineto_rank(trace)
+        where[trace.rank] = path
+        backends.add(trace.backend)
+        worlds.add(trace.world_size)
+        gpu.add(trace.has_gpu)
+    if len(gpu) > 1:
+        raise UserError(f"{source}: some traces hold GPU kernels and some do not; give the traces of one run")
+    notes = []
+    world = max((w for w in worlds if w), default=len(ranks))
+    if len(ranks) < world:
+        notes.append(f"{len(ranks)} of {world} ranks' traces given; the others are left out")
+    counts = {r: len(s) for r, s in steps.items()}
+    if not any(counts.values()):
+        raise UserError(f"{source}: the traces mark no iteration (no ProfilerStep#N); record them with "
+                        "torch.profiler.profile(schedule=...) and call prof.step() once per iteration")
+    used = min(c for c in counts.values())
+    if len(set(counts.values())) > 1:
+        notes.append(f"the ranks' traces hold {min(counts.values())}-{max(counts.values())} iterations; "
+                     f"the first {used} are compared")
+    # an iteration lasts as long as its slowest rank took for it
+    iteration_s = np.max(np.stack([s[:used] for s in steps.values()]), axis=0) if used else np.zeros(0)
+    backend = next(iter(backends)) if len(backends) == 1 else None
+    return RunActivity(source=source, kind="kineto-gpu" if gpu.pop() else "kineto-cpu",
+                       ranks=dict(sorted(ranks.items())), iteration_s=iteration_s, backend=backend,
+                       world_size=world, notes=notes)
+
+
+# ---- trace.h5 --------------------------------------------------------------------------------------------------
+def from_trace(trace) -> RunActivity:
+    """One run from the measured iterations of a trace.h5 (analysis.trace_reader.Trace)."""
+    measured = trace.measured()
+    if not len(measured):
+        raise UserError(f"{trace.path}: every iteration is warm-up; nothing was measured")
+    ranks = {}
+    for rank, device in trace.devices.items():
+        cols = device.select(iteration=list(measured.tolist()))
+        if not len(cols["start_s"]):
+            raise UserError(f"{trace.path}: rank {rank} recorded no interval in the measured iterations")
+        kind, phase, start, end = cols["kind"], cols["phase"], cols["start_s"], cols["end_s"]
+
+        def of(keep: np.ndarray) -> Spans:
+            return spans(start[keep], end[keep])
+        tp = of(phase == "tp")
+        compute = of(np.isin(kind, ["compute", "optimizer"])) - tp
+        comm = of(np.isin(kind, ["allreduce", "p2p"]))
+        phases = {"forward": of(phase == "F"), "backward": of(phase == "B"), "optimizer": of(phase == "opt"),
+                  "dp-sync": of(phase == "dp"), "tensor-parallel": tp, "pipeline": of(phase == "recv")}
+        phases = {k: v for k, v in phases.items() if len(v)}
+        ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,
+                                   _trace_arrivals(trace, device, cols))
+    spec = trace.spec
+    strategy = spec.get("strategy", {})
+    batch = spec.get("batch", {})
+    dp = int(strategy.get("dp", 1))
+    global_batch = int(batch.get("global", 0)) or None
+    env = trace.environment
+    return RunActivity(source=trace.path, kind="trace.h5", ranks=ranks, iteration_s=trace.iteration_times(),
+                       model=str(spec.get("model", {}).get("name", "")) or None,
+                       backend=str(env.get("dp_backend") or env.get("backend") or "") or None,
+                       world_size=trace.world_size, global_batch=global_batch,
+                       replica_batch=global_batch // dp if global_batch else None,
+                       model_config=dict(spec.get("model", {})),
+                       strategy={k: strategy.get(k) for k in ("dp", "tp", "pp", "schedule", "chunks")})
+
+
+def _trace_arrivals(trace, device, cols: dict[str, np.ndarray]) -> list[Arrival]:
+    """The collectives a device joined: its gradient buckets (one per stage, bucket and iteration, keyed by its
+    tensor-parallel coordinate, which with the stage names its data-parallel group) and its tensor-parallel
+    all-reduces (keyed by order within each step, with its data-parallel coordinate)."""
+    out = []
+    order: dict[tuple, int] = {}
+    for i in np.argsort(cols["start_s"], kind="stable"):
+        phase = cols["phase"][i]
+        iteration, vs, micro = int(cols["iteration"][i]), int(cols["virtual_stage"][i]), int(cols["micro"][i])
+        if phase == "dp":
+            key = ("dp", str(cols["name"][i]), iteration, vs, device.tp)
+        elif phase == "tp":
+            step = (iteration, vs, micro, str(cols["name"][i]))
+            ordinal = order[step] = order.get(step, -1) + 1
+            key = ("tp", *step, ordinal, device.dp)
+        else:
+            continue
+        out.append(Arrival(key, float(cols["start_s"][i])))
+    return out
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------
+def load_run(path: str | Path) -> RunActivity:
+    """A run given as a trace.h5 (or the RUNDIR holding it), a Kineto trace, or a folder of Kineto traces."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or folder; give a trace.h5 of `harness train`, a RUNDIR, or "
+                        "PyTorch profiler traces (a folder of them, or .json/.json.gz files)")
+    if is_kineto_path(path):
+        files = trace_files(path) if path.is_dir() else [path]
+        return from_kineto(files, path)
+    if path.is_dir() and not (path / "trace.h5").exists():
+        raise UserError(f"{path}: the folder holds neither a trace.h5 nor .json/.json.gz profiler traces")
+    from analysis.trace_reader import read_trace
+
+    return from_trace(read_trace(path))
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[RunActivity]:
+    """Runs from the command line: trace.h5 files and RUNDIRs are a run each; Kineto files given one by one
+    are the ranks of one run, Kineto folders a run each."""
+    runs, loose = [], []
+    for path in map(Path, paths):
+        if path.is_file() and path.name.endswith((".json", ".json.gz")):
+            loose.append(path)
+        else:
+            runs.append(load_run(path))
+    if loose:
+        runs.append(from_kineto(loose, loose[0].parent if len(loose) > 1 else loose[0]))
+    return runs

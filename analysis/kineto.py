@@ -1,0 +1,288 @@
+"""Reading PyTorch profiler traces (the Kineto Chrome-trace JSON of `torch.profiler`, `.json` or `.json.gz`).
+
+A trace is streamed: the top-level object is read key by key and `traceEvents` one event at a time, each event
+reduced at once to what an analysis needs (start, duration, name, category, thread), so a trace takes about 30
+bytes per complete event in memory however large its JSON is, never the parsed document (docs/benchmarks.md,
+"Breakdown"). Only complete events (`"ph": "X"`) of the categories in KEPT_CATEGORIES are kept; thread names
+come from the `thread_name` metadata events.
+
+    trace = read_kineto("traces/rank-3.json.gz")
+    trace.rank, trace.world_size, trace.backend     # from `distributedInfo`, else the rank from the file name
+    trace.events.select(category="kernel")          # columns: start_s, end_s, name, category, thread
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import numpy as np
+
+from harness.errors import UserError
+
+KEPT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "cpu_op", "user_annotation",
+                   "python_function")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+CHUNK_CHARS = 1 << 20
+MAX_VALUE_CHARS = 64 << 20  # no event is this long: a value still open after it is a damaged file
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+@dataclass
+class Events:
+    """Complete events as columns: start_s and end_s (seconds, float64), and codes into `names`, `categories`
+    and `threads` (int32)."""
+
+    start_s: np.ndarray
+    end_s: np.ndarray
+    name: np.ndarray
+    category: np.ndarray
+    thread: np.ndarray
+    names: list[str]
+    categories: list[str]
+    threads: list[str]
+
+    def __len__(self) -> int:
+        return len(self.start_s)
+
+    def codes(self, table: list[str], keep: Callable[[str], bool]) -> np.ndarray:
+        """The codes of the entries of `table` for which keep() holds."""
+        return np.array([i for i, value in enumerate(table) if keep(value)], dtype=np.int32)
+
+    def mask(self, *, category: str | tuple[str, ...] | None = None,
+             name: Callable[[str], bool] | None = None) -> np.ndarray:
+        """Events of the given categories whose name passes `name` (each a filter left out when None)."""
+        keep = np.ones(len(self), dtype=bool)
+        if category is not None:
+            wanted = (category,) if isinstance(category, str) else category
+            keep &= np.isin(self.category, self.codes(self.categories, lambda c: c in wanted))
+        if name is not None:
+            keep &= np.isin(self.name, self.codes(self.names, name))
+        return keep
+
+
+@dataclass
+class KinetoTrace:
+    path: Path
+    rank: int
+    rank_source: str  # "distributedInfo" or "file name"
+    world_size: int | None
+    backend: str | None
+    distributed: dict[str, Any]
+    metadata: dict[str, Any]  # the other small top-level values (schemaVersion, deviceProperties, ...)
+    events: Events
+    thread_names: dict[str, str] = field(default_factory=dict)  # "pid/tid" -> name
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether the trace holds GPU kernels or memory operations (HolisticTraceAnalysis's rules apply)."""
+        return bool(self.events.mask(category=GPU_CATEGORIES).any())
+
+
+class _Columns:
+    """Growing columns of compact events, names and threads interned."""
+
+    def __init__(self) -> None:
+        self.start = array("d")
+        self.dur = array("d")
+        self.name = array("i")
+        self.category = array("i")
+        self.thread = array("i")
+        self.tables: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
+
+    def code(self, table: dict[str, int], value: str) -> int:
+        code = table.get(value)
+        if code is None:
+            code = table[value] = len(table)
+        return code
+
+    def add(self, ts: float, dur: float, name: str, category: str, thread: str) -> None:
+        names, categories, threads = self.tables
+        self.start.append(ts)
+        self.dur.append(dur)
+        self.name.append(self.code(names, name))
+        self.category.append(self.code(categories, category))
+        self.thread.append(self.code(threads, thread))
+
+    def events(self) -> Events:
+        start = np.frombuffer(self.start, dtype=np.float64) * 1e-6 if self.start else np.zeros(0)
+        end = start + (np.frombuffer(self.dur, dtype=np.float64) * 1e-6 if self.dur else np.zeros(0))
+        return Events(start, end, np.frombuffer(self.name, dtype=np.int32).copy() if self.name else
+                      np.zeros(0, np.int32),
+                      np.frombuffer(self.category, dtype=np.int32).copy() if self.category else np.zeros(0, np.int32),
+                      np.frombuffer(self.thread, dtype=np.int32).copy() if self.thread else np.zeros(0, np.int32),
+                      *[list(table) for table in self.tables])
+
+
+class _Stream:
+    """Incremental JSON over a text stream: values decoded one at a time from a window of the file."""
+
+    def __init__(self, handle: IO[str], path: Path):
+        self.handle, self.path = handle, path
+        self.buffer, self.pos, self.consumed = "", 0, 0
+        self.eof = False
+        self.decoder = json.JSONDecoder()
+
+    def _more(self) -> bool:
+        if self.eof:
+            return False
+        chunk = self.handle.read(CHUNK_CHARS)
+        if not chunk:
+            self.eof = True
+            return False
+        if self.pos > CHUNK_CHARS:  # drop what was read already
+            self.consumed += self.pos
+            self.buffer, self.pos = self.buffer[self.pos:], 0
+        self.buffer += chunk
+        return True
+
+    def error(self, what: str) -> UserError:
+        where = self.consumed + self.pos
+        if self.eof and self.pos >= len(self.buffer.rstrip()):
+            return UserError(f"{self.path}: the trace is cut short (it ends at character {where} {what}); "
+                             "export it again, or copy the whole file")
+        return UserError(f"{self.path}: not a PyTorch profiler trace: {what} at character {where}; give the "
+                         "Kineto JSON that torch.profiler exports (export_chrome_trace or "
+                         "tensorboard_trace_handler)")
+
+    def peek(self) -> str:
+        """The next character that is not white space ('' at the end of the file)."""
+        while True:
+            while self.pos < len(self.buffer) and self.buffer[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buffer):
+                return self.buffer[self.pos]
+            if not self._more():
+                return ""
+
+    def expect(self, char: str, what: str) -> None:
+        if self.peek() != char:
+            raise self.error(f"expected {char!r} {what}")
+        self.pos += 1
+
+    def value(self) -> Any:
+        """Decode the next JSON value, reading on until the window holds all of it."""
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buffer, self.pos)
+            except json.JSONDecodeError:
+                if len(self.buffer) - self.pos < MAX_VALUE_CHARS and self._more():
+                    continue
+                raise self.error("a JSON value that does not end") from None
+            if end == len(self.buffer) and not self.eof and self._more():
+                continue  # a number may go on in the next chunk
+            self.pos = end
+            return value
+
+
+def _open_text(path: Path) -> IO[str]:
+    raw = open(path, "rb")
+    magic = raw.read(2)
+    raw.seek(0)
+    stream = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+    return io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+
+
+def _events(stream: _Stream) -> Iterator[dict[str, Any]]:
+    stream.expect("[", "after \"traceEvents\":")
+    if stream.peek() == "]":
+        stream.pos += 1
+        return
+    while True:
+        event = stream.value()
+        if isinstance(event, dict):
+            yield event
+        char = stream.peek()
+        stream.pos += 1
+        if char == "]":
+            return
+        if char != ",":
+            stream.pos -= 1
+            raise stream.error("expected ',' or ']' between trace events")
+
+
+def rank_from_name(path: Path) -> int | None:
+    """The N of a `rank-N` (or rank_N, rankN) in a file name, if there is one."""
+    match = RANK_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def read_kineto(path: str | Path) -> KinetoTrace:
+    """Read one rank's Kineto trace; UserError if it is not one, is cut short, or names no rank."""
+    path = Path(path)
+    columns = _Columns()
+    thread_names: dict[str, str] = {}
+    metadata: dict[str, Any] = {}
+    saw_events = False
+    try:
+        with _open_text(path) as handle:
+            stream = _Stream(handle, path)
+            stream.expect("{", "at the start (a trace is one JSON object)")
+            while stream.peek() != "}":
+                if stream.peek() == ",":
+                    stream.pos += 1
+                key = stream.value()
+                if not isinstance(key, str):
+                    raise stream.error("expected a key of the top-level object")
+                stream.expect(":", f"after the key {key!r}")
+                if key != "traceEvents":
+                    metadata[key] = stream.value()
+                    continue
+                saw_events = True
+                for event in _events(stream):
+                    phase = event.get("ph")
+                    if phase == "X":
+                        category = event.get("cat", "")
+                        if category not in KEPT_CATEGORIES:
+                            continue
+                        try:
+                            ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
+                        except (KeyError, TypeError, ValueError):
+                            raise stream.error("a complete event without a numeric \"ts\"") from None
+                        columns.add(ts, dur, str(event.get("name", "")), category,
+                                    f"{event.get('pid', '')}/{event.get('tid', '')}")
+                    elif phase == "M" and event.get("name") == "thread_name":
+                        thread_names[f"{event.get('pid', '')}/{event.get('tid', '')}"] = str(
+                            (event.get("args") or {}).get("name", ""))
+            stream.pos += 1
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such trace file") from None
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise UserError(f"{path}: cannot read the trace ({exc}); is the .gz file complete?") from None
+    if not saw_events:
+        raise UserError(f"{path}: not a PyTorch profiler trace: it has no \"traceEvents\"")
+    events = columns.events()
+    if not len(events):
+        raise UserError(f"{path}: the trace has no events of {', '.join(KEPT_CATEGORIES)}; was the profiler "
+                        "active during the steps it was meant to record?")
+    distributed = metadata.pop("distributedInfo", None) or {}
+    rank, source = distributed.get("rank"), "distributedInfo"
+    if rank is None:
+        rank, source = rank_from_name(path), "file name"
+    if rank is None:
+        raise UserError(f"{path}: the trace names no rank (no \"distributedInfo\" and no rank-N in the file name); "
+                        "rename the files rank-0.json, rank-1.json, ... ")
+    world = distributed.get("world_size")
+    return KinetoTrace(path=path, rank=int(rank), rank_source=source, world_size=int(world) if world else None,
+                       backend=distributed.get("backend"), distributed=distributed, metadata=metadata,
+                       events=events, thread_names=thread_names)
+
+
+def trace_files(path: Path) -> list[Path]:
+    """The Kineto traces of a folder (every *.json and *.json.gz in it), in name order."""
+    return sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+
+
+def is_kineto_path(path: Path) -> bool:
+    """Whether a path given as a run names Kineto traces (a .json/.json.gz file, or a folder holding them and
+    no trace.h5)."""
+    if path.is_dir():
+        return not (path / "trace.h5").exists() and bool(trace_files(path))
+    return path.name.endswith(TRACE_SUFFIXES)
