@@ -142,14 +142,18 @@ class _Stream:
         self.buffer += chunk
         return True
 
-    def error(self, what: str) -> UserError:
-        where = self.consumed + self.pos
-        if self.eof and self.pos >= len(self.buffer.rstrip()):
-            return UserError(f"{self.path}: the trace is cut short (it ends at character {where} {what}); "
-                             "export it again, or copy the whole file")
-        return UserError(f"{self.path}: not a PyTorch profiler trace: {what} at character {where}; give the "
-                         "Kineto JSON that torch.profiler exports (export_chrome_trace or "
-                         "tensorboard_trace_handler)")
+    def error(self, what: str, failure: json.JSONDecodeError | None = None) -> UserError:
+        """Cut short: the file ends inside the value being read; else not a trace. `what` says what was expected
+        (the place is added)."""
+        end = len(self.buffer.rstrip())
+        at = self.pos if failure is None else failure.pos
+        where = f"{what} at character {self.consumed + at}"
+        if self.eof and (at >= end or self.pos >= end or (failure is not None and failure.msg.startswith(
+                "Unterminated string"))):
+            return UserError(f"{self.path}: the trace is cut short ({where}); export it again, or copy the "
+                             "whole file")
+        return UserError(f"{self.path}: not a PyTorch profiler trace ({where}); give the Kineto JSON that "
+                         "torch.profiler exports (export_chrome_trace or tensorboard_trace_handler)")
 
     def peek(self) -> str:
         """The next character that is not white space ('' at the end of the file)."""
@@ -172,10 +176,10 @@ class _Stream:
         while True:
             try:
                 value, end = self.decoder.raw_decode(self.buffer, self.pos)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as failure:
                 if len(self.buffer) - self.pos < MAX_VALUE_CHARS and self._more():
                     continue
-                raise self.error("a JSON value that does not end") from None
+                raise self.error(failure.msg, failure) from None
             if end == len(self.buffer) and not self.eof and self._more():
                 continue  # a number may go on in the next chunk
             self.pos = end
