@@ -81,6 +81,7 @@ class RunActivity:
     global_batch: int | None = None  # samples per iteration, all replicas together
     replica_batch: int | None = None  # samples per iteration of one data-parallel replica
     model_config: dict[str, Any] = field(default_factory=dict)  # what makes two runs the same model
+    spec: dict[str, Any] = field(default_factory=dict)  # trace.h5: the run's whole spec
     strategy: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -268,7 +269,7 @@ def from_trace(trace) -> RunActivity:
                        backend=str(env.get("dp_backend") or env.get("backend") or "") or None,
                        world_size=trace.world_size, global_batch=global_batch,
                        replica_batch=global_batch // dp if global_batch else None,
-                       model_config=dict(spec.get("model", {})),
+                       model_config=dict(spec.get("model", {})), spec=spec,
                        strategy={k: strategy.get(k) for k in ("dp", "tp", "pp", "schedule", "chunks")})
 
 

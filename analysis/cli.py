@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from harness.cli import build_parser, run_cli
 
-SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "breakdown")
+SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "breakdown", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
