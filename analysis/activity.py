@@ -20,6 +20,7 @@ the sets:
 from __future__ import annotations
 
 import re
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -46,6 +47,7 @@ COLLECTIVE_LAUNCH = re.compile(r"^c10d::(\w+?)_?$")  # c10d::allreduce_, c10d::a
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)
 P2P_OPS = ("send", "recv", "recv_any_source", "barrier")
+SWEEP_BLOCK = 1 << 16
 
 
 @dataclass
@@ -99,7 +101,7 @@ def innermost(start: np.ndarray, end: np.ndarray, label: np.ndarray, labels: int
     """On one thread, whose events nest: for each label 0..labels-1, the time when the innermost running event
     has that label. An event that outlasts the one it started in is cut at that one's end."""
     order = np.lexsort((-end, start))
-    parts: list[tuple[list[float], list[float]]] = [([], []) for _ in range(labels)]
+    parts = [(array("d"), array("d")) for _ in range(labels)]  # 8 bytes a bound, not a Python float's 32
     stack: list[tuple[float, int]] = []
     now = 0.0
 
@@ -107,21 +109,24 @@ def innermost(start: np.ndarray, end: np.ndarray, label: np.ndarray, labels: int
         if b > a:
             parts[code][0].append(a)
             parts[code][1].append(b)
-    for s, e, c in zip(start[order].tolist(), end[order].tolist(), label[order].tolist()):
-        while stack and stack[-1][0] <= s:
-            top_end, code = stack.pop()
-            emit(code, now, top_end)
-            now = top_end
-        if stack:
-            emit(stack[-1][1], now, s)
-            e = min(e, stack[-1][0])
-        now = s
-        stack.append((e, c))
+    for block in range(0, len(order), SWEEP_BLOCK):  # Python numbers for a block at a time, not all at once
+        chosen = order[block:block + SWEEP_BLOCK]
+        for s, e, c in zip(start[chosen].tolist(), end[chosen].tolist(), label[chosen].tolist()):
+            while stack and stack[-1][0] <= s:
+                top_end, code = stack.pop()
+                emit(code, now, top_end)
+                now = top_end
+            if stack:
+                emit(stack[-1][1], now, s)
+                e = min(e, stack[-1][0])
+            now = s
+            stack.append((e, c))
     while stack:
         top_end, code = stack.pop()
         emit(code, now, top_end)
         now = top_end
-    return [spans(a, b) for a, b in parts]
+    return [spans(np.frombuffer(a, dtype=np.float64) if a else np.zeros(0),
+                  np.frombuffer(b, dtype=np.float64) if b else np.zeros(0)) for a, b in parts]
 
 
 def _phase_of(name: str) -> str | None:
