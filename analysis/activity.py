@@ -1,5 +1,5 @@
 """What each rank of a real run did, as interval sets: the one data type the breakdown and scaling analyses read,
-made from a trace.h5 of `harness train` or from PyTorch profiler (Kineto) traces (docs/analysis.md, "Breakdown").
+made from a trace.h5 of `harness train` or from PyTorch profiler (Kineto) traces (docs/runs.md).
 
 Per rank, `RankActivity` holds raw sets that may overlap one another: compute, communication, memory; the
 phases the trace names; the collectives it joined (for stragglers); the measured iterations. The breakdown then

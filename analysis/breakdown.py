@@ -1,5 +1,5 @@
 """Where a real run's time went: per rank, per time window and per training phase, and who held the others back
-at the collectives (docs/analysis.md, "Breakdown").
+at the collectives (docs/runs.md).
 
 From a RunActivity (analysis.activity), one precedence makes the categories, which add up to each rank's span:
 compute is time under any compute; communication, time communicating while not computing; memory, time in
@@ -26,6 +26,7 @@ from analysis.intervals import EMPTY, Spans, coverage, spans, window_edges
 
 CATEGORIES = ("compute", "communication", "memory", "idle")
 DEFAULT_WINDOWS = 20
+SCHEMA_VERSION = 1  # of the JSON (docs/runs.md)
 
 
 @dataclass
@@ -199,7 +200,7 @@ def run_description(run: RunActivity) -> str:
 def to_json(result: Breakdown) -> dict[str, Any]:
     run = result.run
     return {
-        "source": str(run.source), "kind": run.kind, "backend": run.backend, "model": run.model,
+        "schema_version": SCHEMA_VERSION, "kind": "distsim-breakdown", "source": str(run.source), "trace": run.kind, "backend": run.backend, "model": run.model,
         "world_size": run.world_size, "iterations": len(run.iteration_s),
         "iteration_s": [float(t) for t in run.iteration_s],
         "summary": {**{f"{c}_pct": result.mean_share(c) for c in CATEGORIES}, "overlap_pct": result.overlap_pct},

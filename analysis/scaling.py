@@ -1,4 +1,4 @@
-"""How a model's real runs scale with the number of devices, series side by side (docs/analysis.md, "Scaling").
+"""How a model's real runs scale with the number of devices, series side by side (docs/runs.md, "Scaling").
 
 Runs are grouped into series by a label (by default the data-parallel communication backend the run recorded).
 In each series, the smallest run is the base; with devices N against the base's N0:
@@ -26,6 +26,7 @@ from analysis.activity import RunActivity
 from analysis.breakdown import breakdown
 
 MODES = ("strong", "weak")
+SCHEMA_VERSION = 1  # of the JSON (docs/runs.md)
 
 
 @dataclass
@@ -239,13 +240,13 @@ def format_scaling(result: Scaling) -> str:
     modes = sorted({s.mode for s in result.series})
     lines = [answer(result), "", format_table(headers, table),
              f"iteration: median of the measured iterations; spread: (max - min) / median; {' and '.join(modes)} "
-             "scaling (docs/analysis.md, \"Scaling\")"]
+             "scaling (docs/runs.md, \"Scaling\")"]
     lines += [f"NOTE: {n}" for n in result.notes]
     return "\n".join(lines)
 
 
 def to_json(result: Scaling) -> dict[str, Any]:
-    return {"model": result.model, "throughput_unit": result.unit, "notes": result.notes,
+    return {"schema_version": SCHEMA_VERSION, "kind": "distsim-scaling", "model": result.model, "throughput_unit": result.unit, "notes": result.notes,
             "series": [{"label": s.label, "mode": s.mode,
                         "runs": [{**asdict(p), "spread_pct": p.spread_pct} for p in s.points]} for s in result.series]}
 

@@ -229,5 +229,6 @@ def test_missing_run_and_bad_windows(tmp_path, capsys):
 def test_several_runs_print_one_after_another(capsys):
     assert main(["breakdown", str(DATA / "pp2-trace.h5"), str(DATA / "ddp-gloo"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [r["kind"] for r in data["runs"]] == ["trace.h5", "kineto-cpu"]
+    assert data["kind"] == "distsim-breakdown" and data["schema_version"] == 1
+    assert [r["trace"] for r in data["runs"]] == ["trace.h5", "kineto-cpu"]
     assert to_json(breakdown(load_run(DATA / "ddp-gloo")))["summary"]["overlap_pct"] > 0

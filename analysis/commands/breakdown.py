@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     windowing = parser.add_mutually_exclusive_group()
     windowing.add_argument("--windows", type=int, metavar="N", help="N equal time windows over the run (default 20)")
     windowing.add_argument("--window-ms", type=float, metavar="W", help="time windows of W milliseconds")
-    parser.add_argument("--json", action="store_true", help="print JSON (docs/analysis.md, \"Breakdown\")")
+    parser.add_argument("--json", action="store_true", help="print JSON (docs/runs.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every rank's categories, whole and per window")
     parser.add_argument("--png", metavar="FILE.png",
                         help="draw ranks by time windows coloured by the compute share, and the shares over time")
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analysis.activity import load_runs
-    from analysis.breakdown import breakdown, csv_rows, format_breakdown, to_json, write_png
+    from analysis.breakdown import SCHEMA_VERSION, breakdown, csv_rows, format_breakdown, to_json, write_png
 
     if args.windows is not None and args.windows < 1:
         raise UserError(f"--windows must be at least 1, got {args.windows}")
@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         written.append(("CSV", write_csv(args.csv, *csv_rows(results[0]))))
     if args.json:
         data = [to_json(r) for r in results]
-        print(json.dumps(data[0] if len(data) == 1 else {"runs": data}, indent=1))
+        print(json.dumps(data[0] if len(data) == 1 else {"schema_version": SCHEMA_VERSION, "kind": "distsim-breakdown",
+                                                          "runs": data}, indent=1))
     else:
         print("\n\n".join(format_breakdown(r) for r in results))
     for what, path in written:

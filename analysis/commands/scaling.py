@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backend, else the first)")
     parser.add_argument("--mode", choices=("strong", "weak"),
                         help="how runs that do not record their batch scale (profiler traces)")
-    parser.add_argument("--json", action="store_true", help="print JSON (docs/analysis.md, \"Scaling\")")
+    parser.add_argument("--json", action="store_true", help="print JSON (docs/runs.md, \"Scaling\")")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the table as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="draw efficiency and throughput against devices")
 
