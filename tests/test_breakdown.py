@@ -53,7 +53,8 @@ def test_gpu_kernels_follow_holistic_trace_analysis(tmp_path):
     """Two kernels overlapping by 50 us, a gap of 50 us, a memcpy alone: every category known exactly."""
     events = [event("volta_sgemm_128x64_nn", 0, 100), event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 100),
               event("elementwise_kernel", 200, 50), event("Memcpy DtoH (Device -> Pinned)", 300, 20, cat="gpu_memcpy"),
-              event("aten::mm", 0, 400, cat="cpu_op", tid=3)]  # CPU ops do not count on a GPU trace
+              event("aten::mm", 0, 400, cat="cpu_op", tid=3),  # CPU ops do not count on a GPU trace
+              event("DistributedDataParallel.forward", 0, 120, cat="gpu_user_annotation")]
     run = load_run(write_trace(tmp_path / "gpu.json.gz", events, gz=True))
     row, activity = only_rank(run)
     assert run.kind == "kineto-gpu" and run.backend == "nccl"
@@ -64,7 +65,10 @@ def test_gpu_kernels_follow_holistic_trace_analysis(tmp_path):
     assert row.idle_s == pytest.approx(100 * US)
     assert row.overlap_pct == pytest.approx(50.0)
     assert [a.key for a in activity.arrivals] == [("allreduce", 0)]
-    assert set(activity.phases) == {"dp-sync"}
+    assert set(activity.phases) == {"dp-sync", "forward"}
+    forward = next(p for p in breakdown(run).phases if p["phase"] == "forward")
+    assert (forward["compute_s"], forward["communication_s"], forward["idle_s"]) == pytest.approx(
+        (100 * US, 20 * US, 0.0))
 
 
 def test_memory_under_a_compute_kernel_is_compute(tmp_path):
