@@ -43,7 +43,7 @@ PHASES = (("tensor-parallel", re.compile(r"allreduce\.tp|tensor.?parallel", re.I
           ("backward", re.compile(r"backward|autograd::engine", re.IGNORECASE)),
           ("forward", re.compile(r"forward", re.IGNORECASE)))
 PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "pipeline")
-COLLECTIVE_LAUNCH = re.compile(r"^c10d::(\w+?)_?$")  # c10d::allreduce_, c10d::allgather_, ...
+COLLECTIVE_LAUNCH = re.compile(r"^(?:c10d::|mpi4py:)(\w+?)_?$")  # c10d::allreduce_, ..., mpi4py:allreduce
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)
 P2P_OPS = ("send", "recv", "recv_any_source", "barrier")
@@ -192,7 +192,7 @@ def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
     compute = _union(compute_parts)
     comm = _union(comm_parts)
     span = (float(ev.start_s[active].min()), float(ev.end_s[active].max()))
-    arrivals = _arrivals(ev, active & ev.mask(category="cpu_op"), COLLECTIVE_LAUNCH)
+    arrivals = _arrivals(ev, active, COLLECTIVE_LAUNCH)
     return RankActivity(trace.rank, span, compute, comm, EMPTY, _phases(ev, active), arrivals), steps
 
 

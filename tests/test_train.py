@@ -85,6 +85,9 @@ def _tp(n, family="gpt2-small"):
 CONFIGS = {
     "dp-overlap": (_dp, {"layer_times": True}),
     "dp-after-backward": (lambda n: {**_dp(n), "dp_overlap": False}, {}),
+    "dp-mpi4py": (_dp, {"dp_backend": "mpi4py"}),
+    "dp-pp-mpi4py": (lambda n: None if n % 2 or n < 4 else
+                     dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8), {"dp_backend": "mpi4py"}),
     "pp-gpipe": (lambda n: _pp(n, "gpipe"), {}),
     "pp-1f1b-free-running": (lambda n: _pp(n, "1f1b"), {"barrier": False}),
     "pp-interleaved": (_interleaved, {"layer_times": True}),
@@ -269,6 +272,8 @@ def test_training_run_traces_the_schedule_and_matches_a_single_process(config, s
             assert trace.spec_json == spec.to_json()
             assert trace.environment["world_size"] == comm.Get_size()
             assert trace.environment["backend"] == "torch-gloo"
+            assert trace.environment["dp_backend"] == ("mpi4py" if options.get("dp_backend") == "mpi4py" else
+                                                       "torch-gloo")
             assert trace.environment["host_memory"] == "retained"
             affinity = trace.environment["cpu_affinity"]  # each rank's own, as the launcher set it
             assert len(affinity) == comm.Get_size() and all(affinity)
@@ -303,3 +308,56 @@ def test_world_size_must_match_the_strategy(shared_dir):
                                         rf"{comm.Get_size()}"):
         run_training(spec, comm, shared_dir / "never", 2, 1)
     assert not (shared_dir / "never").exists()
+
+
+def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
+    """--torch-profiler: one Kineto trace per rank of the measured iterations, annotated as trace.h5's rows, whose
+    breakdown agrees with trace.h5's within 2 points in every category."""
+    import json
+
+    from analysis.activity import load_run
+    from analysis.breakdown import CATEGORIES, breakdown
+    from analysis.trace_reader import read_trace
+    from harness.train.runner import run_training
+
+    comm = _comm()
+    n = comm.Get_size()
+    kwargs = dict(dp=n, layers=2, micro=2, global_batch=4 * n) if n <= 2 else \
+        (dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8) if n % 2 == 0 else None)
+    if kwargs is None:
+        pytest.skip(f"no data-parallel strategy of {n} ranks with an even split")
+    spec = loads_spec(spec_text(**kwargs))
+    iterations, warmup = 5, 2
+    result = run_training(spec, comm, shared_dir / "run", iterations, warmup, timeout_s=120,
+                          dp_backend="mpi4py", torch_profiler=shared_dir / "prof")
+    failure = None
+    if comm.Get_rank() == 0:
+        try:
+            trace = read_trace(result.trace_path)
+            for rank in range(n):
+                data = json.loads((shared_dir / "prof" / f"rank-{rank}.json").read_text())
+                assert data["distributedInfo"]["rank"] == rank
+                names = [e["name"] for e in data["traceEvents"] if e.get("ph") == "X"]
+                assert sum(name.startswith("ProfilerStep#") for name in names) == iterations - warmup
+                rows = trace.devices[rank].select(iteration=list(trace.measured().tolist()), kind="compute")
+                for phase, annotation in (("F", "distsim:forward"), ("B", "distsim:backward")):
+                    assert names.count(annotation) == int(np.sum(rows["phase"] == phase))
+                measured = trace.devices[rank].select(iteration=list(trace.measured().tolist()))
+                # the background communications, added on a thread of their own: every bucket and send
+                assert names.count("mpi4py:allreduce") == int(np.sum(measured["phase"] == "dp"))
+                assert sum(name.startswith("distsim:send.") for name in names) == int(np.sum(measured["phase"] ==
+                                                                                             "send"))
+            from_trace, from_profiler = breakdown(load_run(result.trace_path)), breakdown(load_run(shared_dir / "prof"))
+            shares = {name: {c: round(b.mean_share(c), 2) for c in CATEGORIES} | {
+                "ranks": [(r.rank, round(r.share("compute"), 1), round(r.share("communication"), 1)) for r in b.ranks]}
+                for name, b in (("trace.h5", from_trace), ("profiler", from_profiler))}
+            for category in CATEGORIES:
+                assert from_profiler.mean_share(category) == pytest.approx(from_trace.mean_share(category), abs=2.0), \
+                    (category, shares)
+            assert len(from_profiler.run.iteration_s) == iterations - warmup
+        except BaseException as exc:
+            failure = exc
+    ok = comm.bcast(failure is None, root=0)
+    if failure is not None:
+        raise failure
+    assert ok, "rank 0 found the profiler traces wrong (see its report)"

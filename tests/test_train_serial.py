@@ -65,6 +65,8 @@ def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
     (("--iterations", "2", "--warmup", "2"), dict(dp=2, layers=2, micro=1, global_batch=2),
      "--warmup must be between 0 and --iterations - 1 = 1, got 2"),
     ((), dict(dp=2, layers=3, pp=2), "layers (3) must be divisible by pp = 2"),
+    (("--torch-profiler", "/proc/no-such/traces"), dict(dp=2, layers=2, micro=1, global_batch=2),
+     "cannot create the profiler trace folder /proc/no-such/traces"),
 ])
 def test_cli_bad_input_exits_2_with_one_message(tmp_path, project_env, args, spec_kwargs, message):
     proc = train(tmp_path, project_env, tiny_spec_text(**spec_kwargs), *args)
@@ -85,6 +87,12 @@ def test_check_run_names_the_rank_count():
         check_run(spec, 3, 2, 1)
     with pytest.raises(UserError, match="--iterations must be at least 1"):
         check_run(spec, 4, 0, 0)
+    with pytest.raises(UserError, match="--backend must be one of torch, mpi4py"):
+        check_run(spec, 4, 2, 1, "nccl")
+    bfloat16 = loads_spec(tiny_spec_text(dp=2, layers=2, micro=1, global_batch=2).replace(
+        'dtype = "float32"', 'dtype = "bfloat16"'))
+    with pytest.raises(UserError, match="--backend mpi4py cannot all-reduce bfloat16"):
+        check_run(bfloat16, 2, 2, 1, "mpi4py")
 
 
 def _partial_attention(block, x):

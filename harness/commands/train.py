@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-times", action="store_true",
                         help="also trace every layer of every forward and backward step, for analysis validate's "
                              "per-layer table (on a GPU with CUDA events)")
+    parser.add_argument("--backend", choices=("torch", "mpi4py"), default="torch",
+                        help="what all-reduces the data-parallel gradients: torch.distributed (default: gloo, NCCL on "
+                             "a GPU) or MPI through mpi4py; tensor-parallel and P2P stay on torch.distributed")
+    parser.add_argument("--torch-profiler", metavar="DIR",
+                        help="also record the measured iterations with torch.profiler into DIR/rank-<rank>.json "
+                             "(Kineto traces for Perfetto, TensorBoard, HolisticTraceAnalysis, analysis breakdown)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="communication timeout in seconds (default: the spec's profile.timeout_s)")
 
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     error: UserError | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
-        check_run(spec, comm.Get_size(), args.iterations, args.warmup)
+        check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend)
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         if args.timeout_s is not None and args.timeout_s <= 0:
@@ -65,11 +71,12 @@ def run(args: argparse.Namespace) -> int:
             if not torch.cuda.is_available():
                 raise UserError("--device cuda (or profile.device = 'cuda') but torch sees no CUDA device here")
         if rank == 0:
-            out = Path(args.output)
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise UserError(f"cannot create the run folder {out}: {exc.strerror}")
+            for folder, what in ((args.torch_profiler, "profiler trace folder"), (args.output, "run folder")):
+                try:
+                    if folder is not None:
+                        Path(folder).mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise UserError(f"cannot create the {what} {folder}: {exc.strerror}")
     except UserError as exc:
         error = exc
     status = stop_on_error(comm, error)
@@ -78,5 +85,6 @@ def run(args: argparse.Namespace) -> int:
     assert spec is not None
     run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
                  fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
-                 timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times)
+                 timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times,
+                 dp_backend=args.backend, torch_profiler=args.torch_profiler)
     return 0

@@ -7,9 +7,14 @@ Communication that completes in the background (P2P sends, data-parallel buckets
 thread per channel that blocks in `Work.wait()` (gloo: a send's `is_completed()` stays False until someone
 waits on it) or polls `is_completed()` (NCCL), and notes when it completed; the main thread records the
 interval when it reaps it, with how long it had to block for it (`wait`).
+
+With `dp_backend="mpi4py"` the buckets are all-reduced by MPI instead (MpiAllreduce); with `annotate`, every
+interval the main thread records is also a torch.profiler annotation (ANNOTATIONS, docs/train.md; the
+background communications join the profiler's trace afterwards, harness.train.profiler_trace).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -30,6 +35,42 @@ from harness.spec import JobSpec
 from harness.train.model import activation_spec, loss_of, micro_batch
 
 ACT, GRAD = "activation", "gradient"
+MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps between Tests leaves it to compute
+# torch.profiler annotation of each kind of recorded interval (harness train --torch-profiler)
+ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "tp": "distsim:allreduce.tp",
+               "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
+               "opt": "distsim:optimizer", "zero": "distsim:zero.bucket"}
+
+
+class MpiAllreduce:
+    """A bucket's sum over an MPI communicator, in place, in the background: a Work as the Completer waits on.
+    On a CPU the tensor's own memory is reduced; on a GPU a host copy (`host`), which the main thread copies
+    back once the reduction is complete."""
+
+    def __init__(self, comm, tensor: torch.Tensor, host: torch.Tensor | None):
+        from mpi4py import MPI
+
+        if host is not None:
+            host.copy_(tensor)
+        self.request = comm.Iallreduce(MPI.IN_PLACE, (host if host is not None else tensor).numpy(), op=MPI.SUM)
+        self.complete = False
+
+    def is_completed(self) -> bool:
+        self.complete = self.complete or self.request.Test()
+        return self.complete
+
+    def wait(self) -> None:
+        while not self.is_completed():
+            time.sleep(MPI_POLL_S)
+
+
+def _annotation(name: str, on: bool):
+    """A torch.profiler annotation (record_function) when `on`, else nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import record_function
+
+    return record_function(name)
 
 
 class Recorder:
@@ -164,6 +205,7 @@ class BucketState:
     ready: bool = False
     launched: bool = False
     pending: Pending | None = None
+    host: torch.Tensor | None = None  # mpi4py on a GPU: the host copy MPI reduces
 
     @property
     def nbytes(self) -> int:
@@ -174,9 +216,13 @@ class PipelineEngine:
     """Runs one rank's share of every training iteration of `spec`."""
 
     def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
-                 modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None, lr: float = 1e-3,
-                 timeout_s: float = 600.0, recorder: Recorder | None = None, layer_times: bool = False):
-        """`layer_times`: also time every layer of every step (recorder.layer_rows)."""
+                 modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None,
+                 lr: float = 1e-3,
+                 timeout_s: float = 600.0, recorder: Recorder | None = None, layer_times: bool = False,
+                 dp_comm=None, annotate: bool = False):
+        """`layer_times`: also time every layer of every step (recorder.layer_rows). `dp_comm`: an mpi4py
+        communicator of this rank's data-parallel group, which then all-reduces the buckets instead of
+        torch.distributed. `annotate`: mark every recorded interval for torch.profiler (ANNOTATIONS)."""
         self.spec, self.plan, self.rank, self.device = spec, plan, rank, device
         s = spec.strategy
         self.dp, self.tp, self.pp, self.chunks = s.dp, s.tp, s.pp, s.chunks
@@ -185,6 +231,8 @@ class PipelineEngine:
         self.dp_i, self.tp_i, self.pp_i = plan.coords(rank)
         self.overlap = s.dp_overlap
         self.tp_group, self.dp_group = tp_group, dp_group
+        self.dp_comm = dp_comm
+        self.annotate = annotate
         self.p2p_groups = p2p_groups or {}
         self.rec = recorder or Recorder()
         self.cuda = device.type == "cuda"
@@ -243,6 +291,10 @@ class PipelineEngine:
         self.gradient_marks: dict[tuple[int, int], dict[int, Any]] = {}
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _annotated(self, kind: str):
+        """The torch.profiler annotation of a recorded interval of this kind (nothing unless `annotate`)."""
+        return _annotation(ANNOTATIONS[kind], self.annotate)
+
     def now(self) -> int:
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -311,7 +363,12 @@ class PipelineEngine:
     def _launch(self, bucket: BucketState) -> None:
         bucket.buffer.div_(self.dp)
         start = self.now()
-        work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
+        if self.dp_comm is not None:
+            if self.cuda and bucket.host is None:
+                bucket.host = torch.empty(bucket.buffer.shape, dtype=bucket.buffer.dtype, pin_memory=True)
+            work = MpiAllreduce(self.dp_comm, bucket.buffer, bucket.host if self.cuda else None)
+        else:
+            work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=True)
         bucket.launched = True
         bucket.pending = self.completer.submit(("dp", bucket.vs), work, start, keep=bucket.buffer,
                                                meta=("dp bucket", bucket.vs, bucket.index))
@@ -348,8 +405,9 @@ class PipelineEngine:
         # counts it; a received gradient is a pipeline buffer
         self.memory.hold_while(buffer, buffer, "activations" if what == ACT else "pipeline")
         start = self.now()
-        kwargs = self._p2p_kwargs(what, peer, self.rank, self._tag(sender, micro, backward))
-        dist.irecv(buffer, src=peer, **kwargs).wait()
+        with self._annotated(f"recv.{what}"):
+            kwargs = self._p2p_kwargs(what, peer, self.rank, self._tag(sender, micro, backward))
+            dist.irecv(buffer, src=peer, **kwargs).wait()
         end = self.now()
         self.rec.add(start, end, end - start, "p2p", f"recv.{what}", "recv", event, vs, micro, peer)
         return buffer
@@ -383,7 +441,8 @@ class PipelineEngine:
     # ---- compute ------------------------------------------------------------------------------
     def _tp_hook(self, name: str, run: Callable[[], None]) -> None:
         start = self.now()
-        run()
+        with self._annotated("tp"):
+            run()
         end = self.now()
         phase, vs, micro = self.ctx
         self.rec.add(start, end, end - start, "allreduce", f"{name}.{'fwd' if phase == 'F' else 'bwd'}", "tp",
@@ -402,20 +461,21 @@ class PipelineEngine:
         self.ctx = ("F", vs, micro)
         clock = self.layer_clock
         start = self.now()
-        anchor = clock.mark() if clock else None
-        marks, outputs = [], []
-        out = x
-        with saving_into(self.memory):
-            for module in self.stage_modules[vs]:
-                out = module(out)
-                if clock:
-                    marks.append(clock.mark())
-                    outputs.append(out)
-            if targets is not None:
-                out = loss_of(out, targets)
-                self.losses.append(out.detach())
-                if clock:  # the last layer's event includes the loss
-                    marks[-1] = clock.mark()
+        with self._annotated("F"):
+            anchor = clock.mark() if clock else None
+            marks, outputs = [], []
+            out = x
+            with saving_into(self.memory):
+                for module in self.stage_modules[vs]:
+                    out = module(out)
+                    if clock:
+                        marks.append(clock.mark())
+                        outputs.append(out)
+                if targets is not None:
+                    out = loss_of(out, targets)
+                    self.losses.append(out.detach())
+                    if clock:  # the last layer's event includes the loss
+                        marks[-1] = clock.mark()
         end = self.now()
         self.rec.add(start, end, 0, "compute", "forward", "F", "", vs, micro)
         self.saved[(vs, micro)] = (x, out)
@@ -433,12 +493,13 @@ class PipelineEngine:
         self.ctx = ("B", vs, micro)
         clock = self.layer_clock
         start = self.now()
-        anchor = clock.mark() if clock else None
-        if grad is None:
-            (out / self.m).backward()
-        else:
-            out.backward(grad)
-        tail = clock.mark() if clock else None
+        with self._annotated("B"):
+            anchor = clock.mark() if clock else None
+            if grad is None:
+                (out / self.m).backward()
+            else:
+                out.backward(grad)
+            tail = clock.mark() if clock else None
         end = self.now()
         self.armed = None
         self.rec.add(start, end, 0, "compute", "backward", "B", "", vs, micro)
@@ -527,13 +588,16 @@ class PipelineEngine:
                 pending = bucket.pending
                 assert pending is not None, f"bucket {bucket.index} of stage {vs} was never launched"
                 blocked = self.completer.wait(pending)
+                if bucket.host is not None:  # mpi4py on a GPU: the sum is in the host copy
+                    bucket.buffer.copy_(bucket.host)
                 self.rec.add(pending.start_ns, pending.end_ns, blocked, "allreduce", f"dp.bucket{bucket.index}",
                              "dp", bucket.event_id, vs, self.m - 1)
 
     def _optimizer_steps(self) -> None:
         if self.optimizer is not None:
             start = self.now()
-            self.optimizer.step()
+            with self._annotated("opt"):
+                self.optimizer.step()
             end = self.now()
             self.rec.add(start, end, 0, "optimizer", self.plan.events[self.optimizer_event].name, "opt",
                          self.optimizer_event, self.local_vs[0], -1)
@@ -541,7 +605,8 @@ class PipelineEngine:
             if self.dp > 1:  # clear the buckets for the next iteration's gradients (Megatron-LM: each step)
                 for bucket in self.buckets[vs]:
                     start = self.now()
-                    bucket.buffer.zero_()
+                    with self._annotated("zero"):
+                        bucket.buffer.zero_()
                     end = self.now()
                     self.rec.add(start, end, 0, "optimizer", f"zero.bucket{bucket.index}", "opt", "", vs, -1)
         self._hold_optimizer_states()

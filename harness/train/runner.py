@@ -23,6 +23,7 @@ from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
 DEFAULT_WARMUP = 1
+DP_BACKENDS = ("torch", "mpi4py")
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TrainResult:
     warmup: int = 0
     local_losses: list[float] = field(default_factory=list)
     backend: str = ""
+    dp_backend: str = ""  # what all-reduces the gradient buckets: the torch backend's name, or mpi4py
     device: str = ""
     binding_note: str | None = None  # CPU runs whose ranks could each have had a core of their own
 
@@ -46,9 +48,21 @@ class TrainResult:
         return self.iteration_s[self.warmup:]
 
 
-def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int) -> None:
+def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_backend: str = "torch") -> None:
     """Raise UserError when this run cannot start (same verdict on every rank)."""
     s = spec.strategy
+    if dp_backend not in DP_BACKENDS:
+        raise UserError(f"--backend must be one of {', '.join(DP_BACKENDS)}, got {dp_backend!r}")
+    if dp_backend == "mpi4py":
+        if spec.model.dtype == "bfloat16":
+            raise UserError("--backend mpi4py cannot all-reduce bfloat16 (numpy has no such type); use --backend "
+                            "torch or dtype float16/float32")
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise UserError("--backend mpi4py needs an MPI with MPI_THREAD_MULTIPLE (a watcher thread tests the "
+                            "all-reduces while the main thread computes); this MPI gives less: use --backend torch "
+                            "or an MPI built with thread support")
     if world_size != s.world:
         raise UserError(f"the job needs dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world} ranks but runs on "
                         f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
@@ -62,7 +76,8 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int) -> N
                         "[optimizer] master_weights = true is for the memory model only (set it to false to run)")
 
 
-def _environment(topology, device, backend: str, threads: int, start: float, end: float) -> dict[str, Any]:
+def _environment(topology, device, backend: str, dp_backend: str, threads: int, start: float,
+                 end: float) -> dict[str, Any]:
     import h5py
     import mpi4py
     import torch
@@ -73,7 +88,8 @@ def _environment(topology, device, backend: str, threads: int, start: float, end
         device_name = "cpu"
     return {
         "hosts": topology.hosts(), "world_size": topology.size, "ranks_per_node": topology.ranks_per_node,
-        "device": device_name, "backend": f"torch-{backend}", "torch_version": torch.__version__,
+        "device": device_name, "backend": f"torch-{backend}", "dp_backend": dp_backend,
+        "torch_version": torch.__version__,
         "mpi4py_version": mpi4py.__version__, "h5py_version": h5py.__version__, "numpy_version": np.__version__,
         "mpi_library": mpi_library_version(),
         "python_version": platform.python_version(), "start_time": start, "end_time": end,
@@ -122,7 +138,8 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                  warmup: int = DEFAULT_WARMUP, *, seed: int = 0, lr: float = 1e-3, fresh_data: bool = False,
                  barrier: bool = True, device: str | None = None, timeout_s: float | None = None, threads: int = 1,
                  clock_samples: int = 20, report: bool = False, p2p_channels: bool | None = None,
-                 layer_times: bool = False) -> TrainResult:
+                 layer_times: bool = False, dp_backend: str = "torch",
+                 torch_profiler: str | Path | None = None) -> TrainResult:
     """Train `iterations` iterations of `spec` on the ranks of `comm` and trace them into RUNDIR/trace.h5.
 
     dp x tp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
@@ -130,9 +147,11 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     batch every iteration instead of training on one fixed batch. `report` prints the summary on rank 0.
     `p2p_channels` sends P2P over one process group per (kind, sender, receiver) in FIFO order instead of
     tagged messages on the world group (default: only with NCCL, which has no tags; True tests it on gloo).
-    `layer_times` also traces every layer of every compute step (docs/train.md).
+    `layer_times` also traces every layer of every compute step (docs/train.md). `dp_backend` "mpi4py"
+    all-reduces the gradient buckets through MPI instead of torch.distributed; `torch_profiler` (a folder)
+    also records the measured iterations with torch.profiler into FOLDER/rank-<rank>.json.
     """
-    check_run(spec, comm.Get_size(), iterations, warmup)
+    check_run(spec, comm.Get_size(), iterations, warmup, dp_backend)
     import torch
 
     from harness.distributed import init_process_group, pick_device
@@ -142,20 +161,22 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     from harness.train.clock import Timebase, sync_clocks
     from harness.train.engine import PipelineEngine, Recorder
     from harness.train.model import build_layers, make_tokens
+    from harness.train.profiler_trace import start_profiler, write_profiler_trace
     from harness.train.trace_writer import (columns_from_rows, layer_columns_from_rows, merge_traces, rank_file_name,
                                      write_rank_trace)
     from launcher.topology import discover
 
     rank = comm.Get_rank()
     rundir = Path(rundir)
+    problem = None
     if rank == 0:
-        try:
-            rundir.mkdir(parents=True, exist_ok=True)
-            problem = None
-        except OSError as exc:
-            problem = f"cannot create the run folder {rundir}: {exc.strerror}"
-    else:
-        problem = None
+        for folder, what in ((rundir, "run folder"), (torch_profiler, "profiler trace folder")):
+            if folder is None or problem:
+                continue
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = f"cannot create the {what} {folder}: {exc.strerror}"
     problem = comm.bcast(problem, root=0)
     if problem:
         raise UserError(problem)
@@ -176,19 +197,27 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         dp_i, tp_i, pp_i = plan.coords(rank)
         channels = backend == "nccl" if p2p_channels is None else p2p_channels
         tp_group, dp_group, p2p_groups = _make_groups(plan, channels)
+        # mpi4py: the same data-parallel groups as MPI communicators (every rank splits, collectively)
+        dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i) if dp_backend == "mpi4py" and s.dp > 1 else None
         positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
         modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev)
         recorder = Recorder()
         engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
                                 dp_group=dp_group, p2p_groups=p2p_groups, lr=lr, timeout_s=timeout,
-                                recorder=recorder, layer_times=layer_times)
+                                recorder=recorder, layer_times=layer_times, dp_comm=dp_comm,
+                                annotate=torch_profiler is not None)
         first_sync = sync_clocks(comm, clock_samples)
         starts, ends, losses = [], [], []
         fixed = make_tokens(spec, seed, 0)
+        profiler = None
         for iteration in range(iterations):
             tokens = make_tokens(spec, seed, iteration) if fresh_data else fixed
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
+            if iteration == warmup and torch_profiler is not None:
+                profiler = start_profiler(dev)  # before the barrier: its start-up is no iteration's
+            elif profiler is not None:
+                profiler.step()  # one ProfilerStep#N per measured iteration (with the barrier before the next)
             if barrier:
                 yielding_barrier(comm)
             if iteration == warmup:  # the peak of the measured iterations only
@@ -198,6 +227,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
             starts.append(engine.now())
             losses.append(engine.run_iteration(iteration, tokens))
             ends.append(engine.now())
+        if profiler is not None:
+            write_profiler_trace(profiler, Path(torch_profiler) / f"rank-{rank}.json", recorder.rows, warmup,
+                                 mpi_buckets=dp_backend == "mpi4py")
         last_sync = sync_clocks(comm, clock_samples)
         end_time = time.time()
         timebase = Timebase(rank, first_sync.reference_ns, first_sync, last_sync)
@@ -216,9 +248,11 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
                                      iterations=its, layers=layers)
         result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
-                             backend=f"torch-{backend}", device=str(dev),
+                             backend=f"torch-{backend}", dp_backend=_dp_backend_name(dp_backend, backend),
+                             device=str(dev),
                              binding_note=topology.unbound_note() if dev.type == "cpu" else None)
-        env = dict(_environment(topology, dev, backend, threads, start_time, end_time), host_memory=host_memory)
+        env = dict(_environment(topology, dev, backend, result.dp_backend, threads, start_time, end_time),
+                   host_memory=host_memory)
         yielding_barrier(comm)  # every rank file is complete
         if rank == 0:
             loss_ranks = [plan.rank_of(d, 0, s.pp - 1) for d in range(s.dp)]
@@ -258,6 +292,8 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         raise
     set_collective_hook(None)
     engine.close()
+    if dp_comm is not None:
+        dp_comm.Free()
     from harness.distributed import destroy_process_group
 
     destroy_process_group()
@@ -266,13 +302,18 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     return result
 
 
+def _dp_backend_name(dp_backend: str, torch_backend: str) -> str:
+    return "mpi4py" if dp_backend == "mpi4py" else f"torch-{torch_backend}"
+
+
 def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
     from harness.output import format_seconds, format_table
 
     s = spec.strategy
     measured = result.measured_s
     head = (f"{spec.model.name}: {s.dp} dp x {s.tp} tp x {s.pp} pp on {world} ranks ({result.device}, "
-            f"{result.backend}), {s.schedule}{f' x{s.chunks} chunks' if s.chunks > 1 else ''}, "
+            f"{result.backend}, gradients through {result.dp_backend}), "
+            f"{s.schedule}{f' x{s.chunks} chunks' if s.chunks > 1 else ''}, "
             f"{spec.micro_batches} micro-batches of {spec.batch.micro}")
     row = (len(result.iteration_s), result.warmup, format_seconds(float(np.median(measured))),
            format_seconds(float(measured.min())), format_seconds(float(measured.max())),
