@@ -95,3 +95,22 @@ def test_command_with_a_profile(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG" and csv.read_text().startswith("series,mode,devices")
     assert main(["scaling", str(DATA / "ddp-gloo"), "--profile", str(DATA / "pp2-profile.h5")]) == 2
     assert "profiler traces do not say the strategy" in capsys.readouterr().err
+
+
+def test_real_runs_of_both_backends_pinned(capsys):
+    """tests/data/scaling: one job at dp = 1 and 2, gradients through gloo and through MPI (bench/scaling.py)."""
+    runs = sorted(str(p) for p in (DATA / "scaling").glob("dp*.h5"))
+    assert main(["scaling", *runs, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "distsim-scaling" and data["throughput_unit"] == "samples/s"
+    got = {(s["label"], r["devices"]): (r["median_s"], r["efficiency_pct"], r["compute_pct"], r["communication_pct"])
+           for s in data["series"] for r in s["runs"]}
+    assert {s["mode"] for s in data["series"]} == {"strong"}
+    pinned = {("torch-gloo", 1): (0.654591, 100.0, 99.687, 0.0), ("torch-gloo", 2): (0.346264, 94.522, 97.332, 2.353),
+              ("mpi4py", 1): (0.692485, 100.0, 99.687, 0.0), ("mpi4py", 2): (0.346855, 99.823, 96.860, 2.835)}
+    assert set(got) == set(pinned)
+    for key, (median, efficiency, compute, comm) in pinned.items():
+        assert got[key][0] == pytest.approx(median, abs=1e-6)
+        assert got[key][1:] == pytest.approx((efficiency, compute, comm), abs=1e-3)
+    assert main(["scaling", runs[0], str(DATA / "pp2-trace.h5")]) == 2
+    assert "a scaling table compares runs of one model" in capsys.readouterr().err
