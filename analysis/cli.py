@@ -13,5 +13,6 @@ SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "breakdown", "sc
 def main(argv: list[str] | None = None) -> int:
     """Run `python -m analysis COMMAND ...`; returns the exit status."""
     parser = build_parser("python -m analysis", "analysis.commands", SUBCOMMANDS,
-                          "Rebuild every device's timeline of one training iteration from profile.h5 (offline).")
+                          "Rebuild every device's timeline of one training iteration from profile.h5, and analyse "
+                                                                    "real runs (offline).")
     return run_cli(parser, argv)
