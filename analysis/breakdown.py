@@ -200,7 +200,8 @@ def run_description(run: RunActivity) -> str:
 def to_json(result: Breakdown) -> dict[str, Any]:
     run = result.run
     return {
-        "schema_version": SCHEMA_VERSION, "kind": "distsim-breakdown", "source": str(run.source), "trace": run.kind, "backend": run.backend, "model": run.model,
+        "schema_version": SCHEMA_VERSION, "kind": "distsim-breakdown", "source": str(run.source), "trace": run.kind,
+        "backend": run.backend, "model": run.model,
         "world_size": run.world_size, "iterations": len(run.iteration_s),
         "iteration_s": [float(t) for t in run.iteration_s],
         "summary": {**{f"{c}_pct": result.mean_share(c) for c in CATEGORIES}, "overlap_pct": result.overlap_pct},
@@ -266,7 +267,8 @@ def write_png(path, result: Breakdown):
     width = np.diff(result.edges)
     share = result.windows / np.where(width > 0, width, 1.0)[None, :, None]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 2.5 + 0.3 * len(result.ranks)), sharex=True,
-                                      layout="constrained", gridspec_kw={"height_ratios": [max(1, len(result.ranks)), 2]})
+                                      layout="constrained",
+                                      gridspec_kw={"height_ratios": [max(1, len(result.ranks)), 2]})
     image = top.pcolormesh(result.edges * 1e3, np.arange(len(result.ranks) + 1) - 0.5, share[:, :, 0] * 100,
                            cmap="viridis", vmin=0, vmax=100, shading="flat")
     top.set_yticks(range(len(result.ranks)), [f"rank {r.rank}" for r in result.ranks])

@@ -14,5 +14,5 @@ def main(argv: list[str] | None = None) -> int:
     """Run `python -m analysis COMMAND ...`; returns the exit status."""
     parser = build_parser("python -m analysis", "analysis.commands", SUBCOMMANDS,
                           "Rebuild every device's timeline of one training iteration from profile.h5, and analyse "
-                                                                    "real runs (offline).")
+                          "real runs (offline).")
     return run_cli(parser, argv)

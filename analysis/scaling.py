@@ -246,7 +246,8 @@ def format_scaling(result: Scaling) -> str:
 
 
 def to_json(result: Scaling) -> dict[str, Any]:
-    return {"schema_version": SCHEMA_VERSION, "kind": "distsim-scaling", "model": result.model, "throughput_unit": result.unit, "notes": result.notes,
+    return {"schema_version": SCHEMA_VERSION, "kind": "distsim-scaling", "model": result.model,
+            "throughput_unit": result.unit, "notes": result.notes,
             "series": [{"label": s.label, "mode": s.mode,
                         "runs": [{**asdict(p), "spread_pct": p.spread_pct} for p in s.points]} for s in result.series]}
 

@@ -132,7 +132,8 @@ def main() -> int:
                 rows.append(("GPU" if gpu else "CPU", count, f"{mb:.1f}", f"{ours['read_s']:.2f}",
                              f"{ours['seconds']:.2f}", f"{count / ours['seconds'] / 1e3:.0f}",
                              f"{ours['peak_bytes'] / 1e6:.0f}", f"{ratio:.2f}",
-                             f"{baseline['peak_bytes'] / 1e6:.0f}", f"{baseline['peak_bytes'] / path.stat().st_size:.1f}"))
+                             f"{baseline['peak_bytes'] / 1e6:.0f}",
+                             f"{baseline['peak_bytes'] / path.stat().st_size:.1f}"))
                 if not args.keep:
                     path.unlink()
     print(format_table(("trace", "events", "JSON MB", "read s", "total s", "k events/s", "peak MB", "peak/size",
