@@ -100,6 +100,7 @@ def test_command_with_a_profile(tmp_path, capsys):
 def test_real_runs_of_both_backends_pinned(capsys):
     """tests/data/scaling: one job at dp = 1 and 2, gradients through gloo and through MPI (bench/scaling.py)."""
     runs = sorted(str(p) for p in (DATA / "scaling").glob("dp*.h5"))
+    assert len(runs) == 4, runs
     assert main(["scaling", *runs, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["kind"] == "distsim-scaling" and data["throughput_unit"] == "samples/s"
