@@ -32,18 +32,22 @@ from harness.errors import UserError
 from analysis.intervals import EMPTY, Spans, spans
 from analysis.kineto import KinetoTrace, is_kineto_path, read_kineto, trace_files
 
+# A communication's name: a library's prefix, or the name of a collective, send, receive or barrier (a bare
+# "broadcast" is not one: aten::broadcast_tensors computes).
 COMMUNICATION = re.compile(r"nccl|gloo:|c10d::|^mpi4py:|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
-                           r"all_?to_?all|broadcast|\bi?send\b|\bi?recv\b|barrier", re.IGNORECASE)
+                           r"all_?to_?all|\bi?send\b|\bi?recv\b|barrier", re.IGNORECASE)
+LIBRARY = r"(?:c10d::|gloo:|nccl|mpi4py:|distsim:|record_param_comms)"
 ITERATION = re.compile(r"^ProfilerStep#\d+$")
 # Phases by name, first match wins; communications that are no collective's (P2P) are pipeline waits.
 PHASES = (("tensor-parallel", re.compile(r"allreduce\.tp|tensor.?parallel", re.IGNORECASE)),
-          ("pipeline", re.compile(r"\bi?send\b|\bi?recv\b|sendrecv", re.IGNORECASE)),
-          ("dp-sync", re.compile(r"all_?reduce|reduce_?scatter|all_?gather|broadcast", re.IGNORECASE)),
+          ("pipeline", re.compile(LIBRARY + r".*(?:send|recv)", re.IGNORECASE)),
+          ("dp-sync", re.compile(LIBRARY + r".*(?:all_?reduce|reduce_?scatter|all_?gather|broadcast)",
+                                 re.IGNORECASE)),
           ("optimizer", re.compile(r"optimizer|zero\.bucket|zero_grad", re.IGNORECASE)),
           ("backward", re.compile(r"backward|autograd::engine", re.IGNORECASE)),
           ("forward", re.compile(r"forward", re.IGNORECASE)))
 PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "pipeline")
-COLLECTIVE_LAUNCH = re.compile(r"^(?:c10d::|mpi4py:)(\w+?)_?$")  # c10d::allreduce_, ..., mpi4py:allreduce
+COLLECTIVE_LAUNCH = re.compile(r"^((?:c10d::|mpi4py:)\w+?)_?$")  # c10d::allreduce_, ..., mpi4py:allreduce
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)
 P2P_OPS = ("send", "recv", "recv_any_source", "barrier")
@@ -152,9 +156,9 @@ def _arrivals(events, mask: np.ndarray, pattern: re.Pattern) -> list[Arrival]:
     idx = np.flatnonzero(mask)
     for i in idx[np.argsort(events.start_s[idx], kind="stable")]:
         match = pattern.match(events.names[events.name[i]])
-        if not match or match.group(1).lower() in P2P_OPS:
+        if not match or match.group(1).lower().rsplit(":", 1)[-1] in P2P_OPS:
             continue
-        op = match.group(1).lower()
+        op = match.group(1).lower()  # with its library: torch's and MPI's all-reduces are different collectives
         ordinal = seen.get(op, 0)
         seen[op] = ordinal + 1
         out.append(Arrival((op, ordinal), float(events.start_s[i])))
@@ -165,7 +169,8 @@ def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
     """One rank's activity from its Kineto trace, and the durations of its ProfilerStep iterations."""
     ev = trace.events
     step_mask = ev.mask(category="user_annotation", name=ITERATION.match)
-    steps = ev.end_s[step_mask] - ev.start_s[step_mask]
+    order = np.argsort(ev.start_s[step_mask], kind="stable")
+    steps = (ev.end_s[step_mask] - ev.start_s[step_mask])[order]
     if trace.has_gpu:
         kernels = ev.mask(category="kernel")
         comm_kernel = kernels & ev.mask(name=lambda n: n.lower().startswith("nccl"))
@@ -175,7 +180,9 @@ def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
         memory = spans(ev.start_s[memory_mask], ev.end_s[memory_mask])
         busy = kernels | memory_mask
         span = (float(ev.start_s[busy].min()), float(ev.end_s[busy].max()))
-        phases = _phases(ev, ev.mask(category="gpu_user_annotation")) | _phases(ev, comm_kernel)
+        phases = _phases(ev, ev.mask(category="gpu_user_annotation"))
+        for phase, under in _phases(ev, comm_kernel).items():
+            phases[phase] = phases[phase] | under if phase in phases else under
         arrivals = _arrivals(ev, comm_kernel, NCCL_COLLECTIVE)
         return RankActivity(trace.rank, span, compute, comm, memory, phases, arrivals), steps
     active = ev.mask(category=("cpu_op", "user_annotation", "python_function")) & ~step_mask
@@ -196,6 +203,19 @@ def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
     return RankActivity(trace.rank, span, compute, comm, EMPTY, _phases(ev, active), arrivals), steps
 
 
+def _shifted(activity: RankActivity, seconds: float) -> RankActivity:
+    """The same activity `seconds` later."""
+    if seconds == 0:
+        return activity
+
+    def move(s: Spans) -> Spans:
+        return Spans(s.start + seconds, s.end + seconds)
+    return RankActivity(activity.rank, (activity.span[0] + seconds, activity.span[1] + seconds),
+                        move(activity.compute), move(activity.communication), move(activity.memory),
+                        {k: move(v) for k, v in activity.phases.items()},
+                        [Arrival(a.key, a.start_s + seconds) for a in activity.arrivals])
+
+
 def _union(parts: Sequence[Spans]) -> Spans:
     if not parts:
         return EMPTY
@@ -207,6 +227,7 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
     ranks: dict[int, RankActivity] = {}
     where: dict[int, Path] = {}
     steps: dict[int, np.ndarray] = {}
+    bases: dict[int, int] = {}
     backends, worlds, gpu = set(), set(), set()
     for path in paths:
         trace = read_kineto(path)
@@ -214,12 +235,16 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
             raise UserError(f"{path} and {where[trace.rank]} both claim rank {trace.rank} (from their "
                             f"{trace.rank_source}); give one trace per rank")
         ranks[trace.rank], steps[trace.rank] = kineto_rank(trace)
+        bases[trace.rank] = int(trace.metadata.get("baseTimeNanoseconds") or 0)
         where[trace.rank] = path
         backends.add(trace.backend)
         worlds.add(trace.world_size)
         gpu.add(trace.has_gpu)
     if len(gpu) > 1:
         raise UserError(f"{source}: some traces hold GPU kernels and some do not; give the traces of one run")
+    # each trace's times count from its own baseTimeNanoseconds: put every rank on the earliest one's
+    first = min(bases.values())
+    ranks = {rank: _shifted(activity, (bases[rank] - first) / 1e9) for rank, activity in ranks.items()}
     notes = []
     world = max((w for w in worlds if w), default=len(ranks))
     if len(ranks) < world:

@@ -39,6 +39,8 @@ class RankBreakdown:
     memory_s: float
     idle_s: float
     overlap_pct: float | None  # None: the rank did not communicate
+    communicating_s: float = 0.0  # all its communication time, under compute or not
+    overlap_s: float = 0.0  # of that, the time it also computed
 
     def share(self, category: str) -> float:
         return 100.0 * getattr(self, f"{category}_s") / self.span_s if self.span_s > 0 else 0.0
@@ -75,15 +77,15 @@ class Breakdown:
     notes: list[str] = field(default_factory=list)
 
     def mean_share(self, category: str) -> float:
-        """The category's share of the ranks' spans, all ranks together."""
+        """The category's share of the ranks' spans, their times pooled."""
         total = sum(r.span_s for r in self.ranks)
         return 100.0 * sum(getattr(r, f"{category}_s") for r in self.ranks) / total if total > 0 else 0.0
 
     @property
     def overlap_pct(self) -> float | None:
-        """Time computing while communicating over time communicating, all ranks together."""
-        values = [(r.overlap_pct, r) for r in self.ranks if r.overlap_pct is not None]
-        return None if not values else float(np.mean([v for v, _ in values]))
+        """Time computing while communicating over time communicating, the ranks' times pooled."""
+        communicating = sum(r.communicating_s for r in self.ranks)
+        return 100.0 * sum(r.overlap_s for r in self.ranks) / communicating if communicating > 0 else None
 
 
 def categories(activity: RankActivity) -> dict[str, Spans]:
@@ -98,11 +100,12 @@ def categories(activity: RankActivity) -> dict[str, Spans]:
 
 def rank_breakdown(activity: RankActivity, zero: float) -> tuple[RankBreakdown, dict[str, Spans]]:
     sets = categories(activity)
-    communicating = activity.communication.length
-    overlap = (100.0 * (activity.compute & activity.communication).length / communicating
-               if communicating > 0 else None)
+    whole = spans([activity.span[0]], [activity.span[1]])
+    communicating = (activity.communication & whole).length
+    overlapped = (activity.compute & activity.communication & whole).length
     row = RankBreakdown(activity.rank, activity.span[0] - zero, activity.span[1] - activity.span[0],
-                        *(sets[c].length for c in CATEGORIES), overlap)
+                        *(sets[c].length for c in CATEGORIES),
+                        100.0 * overlapped / communicating if communicating > 0 else None, communicating, overlapped)
     return row, sets
 
 

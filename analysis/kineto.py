@@ -29,6 +29,8 @@ KEPT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", 
                    "python_function")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 CHUNK_CHARS = 1 << 20
+NUMBER_TAIL = re.compile(r"[0-9.eE+\-]*")  # what may follow a number's decoded part inside the same number
+PARTIAL_TOKEN = re.compile(r"[0-9.eE+\-a-z\s]*")  # a number or literal (true, false, null) not yet complete
 MAX_VALUE_CHARS = 64 << 20  # no event is this long: a value still open after it is a damaged file
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -148,8 +150,8 @@ class _Stream:
         end = len(self.buffer.rstrip())
         at = self.pos if failure is None else failure.pos
         where = f"{what} at character {self.consumed + at}"
-        if self.eof and (at >= end or self.pos >= end or (failure is not None and failure.msg.startswith(
-                "Unterminated string"))):
+        if self.eof and (at >= end or self.pos >= end or (failure is not None and (
+                failure.msg.startswith("Unterminated string") or PARTIAL_TOKEN.fullmatch(self.buffer, at)))):
             return UserError(f"{self.path}: the trace is cut short ({where}); export it again, or copy the "
                              "whole file")
         return UserError(f"{self.path}: not a PyTorch profiler trace ({where}); give the Kineto JSON that "
@@ -180,8 +182,9 @@ class _Stream:
                 if len(self.buffer) - self.pos < MAX_VALUE_CHARS and self._more():
                     continue
                 raise self.error(failure.msg, failure) from None
-            if end == len(self.buffer) and not self.eof and self._more():
-                continue  # a number may go on in the next chunk
+            if (isinstance(value, (int, float)) and not self.eof and NUMBER_TAIL.fullmatch(self.buffer, end)
+                    and self._more()):
+                continue  # the window ends inside a number ("1." or "1e" decode as 1): read on, decode it whole
             self.pos = end
             return value
 

@@ -4,10 +4,10 @@ Runs are grouped into series by a label (by default the data-parallel communicat
 In each series, the smallest run is the base; with devices N against the base's N0:
 - strong scaling (every run of the series trains the same global batch): speed-up = T0 / T,
   efficiency = speed-up / (N / N0);
-- weak scaling (the same batch per data-parallel replica): speed-up = throughput / throughput0,
+- weak scaling (the same batch per data-parallel replica): speed-up = (N / N0) x T0 / T,
   efficiency = T0 / T.
-T is the median measured iteration time, throughput the global batch over it (iterations per second when the
-trace does not say the batch). The compute, communication and idle shares are the breakdown's (all ranks
+T is the median measured iteration time, throughput the global batch over it (iterations per second, for
+every run, when a run does not say its batch). The compute, communication and idle shares are the breakdown's (all ranks
 together). With profiles, each run's iteration is also predicted (analysis.simulate) from the profile of its
 backend (else the first one given), and the predicted efficiency is figured from the predicted times the same
 way.
@@ -111,12 +111,12 @@ def _mode(label: str, runs: Sequence[RunActivity], forced: str | None) -> str:
     return mode
 
 
-def _point(run: RunActivity) -> ScalingPoint:
+def _point(run: RunActivity, per_sample: bool) -> ScalingPoint:
     times = run.iteration_s
     if not len(times):
         raise UserError(f"{run.source}: no measured iteration")
     median = float(np.median(times))
-    throughput = (run.global_batch or 1) / median
+    throughput = (run.global_batch if per_sample else 1) / median
     result = breakdown(run)
     return ScalingPoint(str(run.source), run.world_size or len(run.ranks), len(times), median, float(times.min()),
                         float(times.max()), throughput, compute_pct=result.mean_share("compute"),
@@ -161,6 +161,7 @@ def scaling(runs: Sequence[RunActivity], labels: dict[str, str] | None = None, p
     notes: list[str] = []
     model = _check_one_model(runs, notes)
     labels = labels or {}
+    per_sample = all(r.global_batch for r in runs)
     grouped: dict[str, list[RunActivity]] = {}
     for run in runs:
         label = labels.get(str(run.source)) or labels.get(str(Path(run.source).parent)) or run.backend or "run"
@@ -177,7 +178,7 @@ def scaling(runs: Sequence[RunActivity], labels: dict[str, str] | None = None, p
             raise UserError(f"series {label!r} has two runs on {twice[0]} devices; give one run per device count, "
                             "or put them in different series with --label")
         series_mode = _mode(label, members, mode)
-        points = [_point(r) for r in members]
+        points = [_point(r, per_sample) for r in members]
         base = points[0]
         predicted = [_predict(r, profiles) for r in members] if profiles else None
         for i, point in enumerate(points):
@@ -188,8 +189,7 @@ def scaling(runs: Sequence[RunActivity], labels: dict[str, str] | None = None, p
                 point.predicted_efficiency_pct = _efficiency(series_mode, base.devices, predicted[0], point.devices,
                                                              predicted[i])[1]
         series.append(Series(label, series_mode, points))
-    unit = "samples/s" if all(r.global_batch for r in runs) else "iterations/s"
-    return Scaling(model, unit, series, notes)
+    return Scaling(model, "samples/s" if per_sample else "iterations/s", series, notes)
 
 
 # ---- output -------------------------------------------------------------------------------------------------

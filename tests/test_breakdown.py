@@ -156,17 +156,29 @@ def test_trace_h5_fixture_pinned():
 
 
 def test_streaming_reader_matches_json_load_across_chunk_edges(tmp_path, monkeypatch):
-    events = [event(f"k{i % 7}", i * 3.5, 2.25, tid=i % 3) for i in range(500)]
+    """Every chunk size from 1 to 60 characters: numbers, escapes, non-ASCII names and white space straddle the
+    read window's edges somewhere."""
+    events = [event(f'k{i % 7} "q\\ é', i * 3.5, 2.25e0, tid=i % 3) for i in range(40)]
     path = write_trace(tmp_path / "t.json", events, first_key="traceEvents")
-    monkeypatch.setattr(kineto, "CHUNK_CHARS", 97)  # every value straddles chunk edges somewhere
-    trace = kineto.read_kineto(path)
     whole = json.loads(path.read_text())
+    whole["x"] = -12.5e-3
+    path.write_text(json.dumps(whole, indent=3))
     complete = [e for e in whole["traceEvents"] if e.get("ph") == "X"]
-    assert len(trace.events) == len(complete)
-    assert trace.events.start_s == pytest.approx([e["ts"] * US for e in complete])
-    assert [trace.events.names[c] for c in trace.events.name] == [e["name"] for e in complete]
-    assert trace.rank == 0 and trace.metadata["traceName"] == str(path)
-    assert trace.thread_names == {"1/7": "stream 7"}
+    for chunk in range(1, 61):
+        monkeypatch.setattr(kineto, "CHUNK_CHARS", chunk)
+        trace = kineto.read_kineto(path)
+        assert len(trace.events) == len(complete), chunk
+        assert trace.events.start_s == pytest.approx([e["ts"] * US for e in complete])
+        assert [trace.events.names[c] for c in trace.events.name] == [e["name"] for e in complete]
+        assert trace.rank == 0 and trace.metadata["x"] == -12.5e-3 and trace.metadata["traceName"] == str(path)
+        assert trace.thread_names == {"1/7": "stream 7"}
+
+
+@pytest.mark.parametrize("tail", ['1.', 'tru', '-', '"na'])
+def test_a_trace_cut_inside_a_value_is_cut_short(tmp_path, tail):
+    path = _bad(tmp_path, "rank-0.json", '{"traceEvents": [{"ph": "X", "ts": ' + tail)
+    with pytest.raises(UserError, match="cut short"):
+        kineto.read_kineto(path)
 
 
 def test_json_output_has_the_documented_keys(capsys):

@@ -318,6 +318,7 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     from analysis.activity import load_run
     from analysis.breakdown import CATEGORIES, breakdown
     from analysis.trace_reader import read_trace
+    from harness.events import build_plan
     from harness.train.runner import run_training
 
     comm = _comm()
@@ -326,7 +327,9 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
         (dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8) if n % 2 == 0 else None)
     if kwargs is None:
         pytest.skip(f"no data-parallel strategy of {n} ranks with an even split")
-    spec = loads_spec(spec_text(**kwargs))
+    # small buckets: several per stage in flight together with the sends, as background events that overlap
+    spec = loads_spec(spec_text(**kwargs).replace("[strategy]\n", "[strategy]\nbucket_mb = 0.01\n"))
+    assert len(build_plan(spec).stages[0].buckets) > 1
     iterations, warmup = 5, 2
     result = run_training(spec, comm, shared_dir / "run", iterations, warmup, timeout_s=120,
                           dp_backend="mpi4py", torch_profiler=shared_dir / "prof")

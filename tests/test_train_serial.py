@@ -161,3 +161,25 @@ def test_layer_clock_on_a_cpu_is_the_host_clock():
     mark = clock.mark()
     assert before <= mark <= time.perf_counter_ns()
     assert clock.to_ns(0, None, mark) == mark
+
+
+def test_background_communications_join_the_profiler_trace_on_threads_where_they_nest():
+    """Sends and MPI buckets in flight together go on different threads; warm-up rows stay out; torch's buckets
+    stay out (gloo's own thread shows them)."""
+    from harness.train.profiler_trace import BACKGROUND_THREAD, background_events
+
+    rows = [(100, 500, 0, "p2p", "send.activation", "send", "e1", 0, 0, 1, 1),
+            (300, 800, 0, "allreduce", "dp.bucket0", "dp", "b0", 0, 1, 1, -1),
+            (600, 900, 0, "p2p", "send.activation", "send", "e1", 0, 1, 1, 1),
+            (0, 50, 0, "p2p", "send.activation", "send", "e1", 0, 0, 0, 1)]  # iteration 0: warm-up
+    import time
+
+    base_ns = time.time_ns() - 60 * 10**9  # Kineto's ts count from its trace's base, a little before the run
+    events = [e for e in background_events(rows, 1, base_ns, 42, mpi_buckets=True) if e["ph"] == "X"]
+    assert [(e["name"], e["tid"]) for e in events] == [
+        ("distsim:send.activation", f"{BACKGROUND_THREAD} 0"), ("mpi4py:allreduce", f"{BACKGROUND_THREAD} 1"),
+        ("distsim:send.activation", f"{BACKGROUND_THREAD} 0")]
+    assert [e["dur"] for e in events] == [0.4, 0.5, 0.3]  # microseconds
+    assert events[1]["ts"] - events[0]["ts"] == pytest.approx(0.2, abs=1e-3)
+    assert [e["name"] for e in background_events(rows, 1, 0, 42, mpi_buckets=False) if e["ph"] == "X"] == [
+        "distsim:send.activation"] * 2

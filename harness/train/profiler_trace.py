@@ -6,7 +6,8 @@ runs on no thread torch's profiler sees as such: gloo's own thread shows its col
 an MPI all-reduce is invisible. So the trace gets, after export, one complete event per send (`distsim:send.activation`,
 `distsim:send.gradient`) and, when MPI all-reduces the gradients, per bucket (`mpi4py:allreduce`) on a thread of
 its own (BACKGROUND_THREAD), from its launch to its completion as the harness timed it for trace.h5
-(docs/train.md). Kineto's `ts` is wall-clock microseconds since the trace's
+(docs/train.md). Communications in flight together overlap without nesting, which events of one thread must
+not, so each takes the first of the threads `distsim background communication 0, 1, ...` free by its start. Kineto's `ts` is wall-clock microseconds since the trace's
 `baseTimeNanoseconds`; the harness's times are `perf_counter_ns`, mapped through the two clocks' difference
 taken at export.
 """
@@ -18,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-BACKGROUND_THREAD = "distsim background communication"
-BACKGROUND_TID = 0x7D157  # a thread id no real thread has (the OS's are far smaller or far larger)
+BACKGROUND_THREAD = "distsim background communication"  # a name, not a number: no real thread has it
 
 
 def start_profiler(device):
@@ -46,14 +46,21 @@ def background_events(rows: Sequence[tuple], first_iteration: int, base_ns: int,
     A row is engine.Recorder's: (start_ns, end_ns, wait_ns, kind, name, phase, event_id, vs, micro, iteration,
     peer), on perf_counter_ns."""
     wall_minus_perf = time.time_ns() - time.perf_counter_ns()
+    chosen = sorted((row for row in rows if row[9] >= first_iteration and (row[5] == "send" or
+                                                                           (row[5] == "dp" and mpi_buckets))),
+                    key=lambda row: (row[0], row[1]))
+    lane_ends: list[int] = []  # when each background thread is free again
     out = []
-    for start_ns, end_ns, _, kind, name, phase, event_id, vs, micro, iteration, peer in rows:
-        if iteration < first_iteration or not (phase == "send" or (phase == "dp" and mpi_buckets)):
-            continue
-        ts = (start_ns + wall_minus_perf - base_ns) / 1e3
+    for start_ns, end_ns, _, kind, name, phase, event_id, vs, micro, iteration, peer in chosen:
+        lane = next((i for i, free in enumerate(lane_ends) if free <= start_ns), len(lane_ends))
+        if lane == len(lane_ends):
+            lane_ends.append(end_ns)
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": f"{BACKGROUND_THREAD} {lane}",
+                        "args": {"name": f"{BACKGROUND_THREAD} {lane}"}})
+        lane_ends[lane] = end_ns
         out.append({"ph": "X", "cat": "user_annotation", "name": f"distsim:{name}" if phase == "send" else
-                    "mpi4py:allreduce",
-                    "pid": pid, "tid": BACKGROUND_TID, "ts": ts, "dur": (end_ns - start_ns) / 1e3,
+                    "mpi4py:allreduce", "pid": pid, "tid": f"{BACKGROUND_THREAD} {lane}",
+                    "ts": (start_ns + wall_minus_perf - base_ns) / 1e3, "dur": (end_ns - start_ns) / 1e3,
                     "args": {"iteration": iteration, "virtual_stage": vs, "micro": micro, "peer": peer,
                              "event_id": event_id, "row": name}})
     return out
@@ -70,8 +77,6 @@ def write_profiler_trace(profiler, path: Path, rows: Sequence[tuple], first_iter
     base_ns = int(trace.get("baseTimeNanoseconds", 0))
     pid = os.getpid()
     events = trace.setdefault("traceEvents", [])
-    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": BACKGROUND_TID,
-                   "args": {"name": BACKGROUND_THREAD}})
     events.extend(background_events(rows, first_iteration, base_ns, pid, mpi_buckets))
     temporary = path.with_suffix(".tmp")
     with open(temporary, "w") as f:

@@ -56,7 +56,7 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
     if dp_backend == "mpi4py":
         if spec.model.dtype == "bfloat16":
             raise UserError("--backend mpi4py cannot all-reduce bfloat16 (numpy has no such type); use --backend "
-                            "torch or dtype float16/float32")
+                            "torch or dtype float32")
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -217,7 +217,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
             if iteration == warmup and torch_profiler is not None:
                 profiler = start_profiler(dev)  # before the barrier: its start-up is no iteration's
             elif profiler is not None:
-                profiler.step()  # one ProfilerStep#N per measured iteration (with the barrier before the next)
+                profiler.step()  # one ProfilerStep#N per measured iteration, from before its barrier
             if barrier:
                 yielding_barrier(comm)
             if iteration == warmup:  # the peak of the measured iterations only
