@@ -217,9 +217,8 @@ class PipelineEngine:
 
     def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
                  modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None,
-                 lr: float = 1e-3,
-                 timeout_s: float = 600.0, recorder: Recorder | None = None, layer_times: bool = False,
-                 dp_comm=None, annotate: bool = False):
+                 lr: float = 1e-3, timeout_s: float = 600.0, recorder: Recorder | None = None,
+                 layer_times: bool = False, dp_comm=None, annotate: bool = False):
         """`layer_times`: also time every layer of every step (recorder.layer_rows). `dp_comm`: an mpi4py
         communicator of this rank's data-parallel group, which then all-reduces the buckets instead of
         torch.distributed. `annotate`: mark every recorded interval for torch.profiler (ANNOTATIONS)."""
