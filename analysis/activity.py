@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from harness.errors import UserError
+from harness.progress import Progress
 
 from analysis.intervals import EMPTY, Spans, spans
 from analysis.kineto import KinetoTrace, is_kineto_path, read_kineto, trace_files
@@ -229,6 +230,7 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
     steps: dict[int, np.ndarray] = {}
     bases: dict[int, int] = {}
     backends, worlds, gpu = set(), set(), set()
+    progress = Progress("reading profiler traces", len(paths), enabled=len(paths) > 1, unit="trace")
     for path in paths:
         trace = read_kineto(path)
         if trace.rank in ranks:
@@ -240,6 +242,8 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
         backends.add(trace.backend)
         worlds.add(trace.world_size)
         gpu.add(trace.has_gpu)
+        progress.advance()
+    progress.close()
     if len(gpu) > 1:
         raise UserError(f"{source}: some traces hold GPU kernels and some do not; give the traces of one run")
     # each trace's times count from its own baseTimeNanoseconds: put every rank on the earliest one's
