@@ -61,6 +61,7 @@ class Arrival:
 
     key: tuple
     start_s: float
+    label: str = ""  # the collective as a reader names it (the key's parts otherwise)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def _arrivals(events, mask: np.ndarray, pattern: re.Pattern) -> list[Arrival]:
         op = match.group(1).lower()  # with its library: torch's and MPI's all-reduces are different collectives
         ordinal = seen.get(op, 0)
         seen[op] = ordinal + 1
-        out.append(Arrival((op, ordinal), float(events.start_s[i])))
+        out.append(Arrival((op, ordinal), float(events.start_s[i]), f"{op} #{ordinal}"))
     return out
 
 
@@ -316,15 +317,18 @@ def _trace_arrivals(trace, device, cols: dict[str, np.ndarray]) -> list[Arrival]
     for i in np.argsort(cols["start_s"], kind="stable"):
         phase = cols["phase"][i]
         iteration, vs, micro = int(cols["iteration"][i]), int(cols["virtual_stage"][i]), int(cols["micro"][i])
+        name = str(cols["name"][i])
         if phase == "dp":
-            key = ("dp", str(cols["name"][i]), iteration, vs, device.tp)
+            key = ("dp", name, iteration, vs, device.tp)
+            label = f"{name} iteration {iteration} stage {vs} tp {device.tp}"
         elif phase == "tp":
-            step = (iteration, vs, micro, str(cols["name"][i]))
+            step = (iteration, vs, micro, name)
             ordinal = order[step] = order.get(step, -1) + 1
             key = ("tp", *step, ordinal, device.dp)
+            label = f"{name} #{ordinal} iteration {iteration} stage {vs} micro {micro} dp {device.dp}"
         else:
             continue
-        out.append(Arrival(key, float(cols["start_s"][i])))
+        out.append(Arrival(key, float(cols["start_s"][i]), label))
     return out
 
 

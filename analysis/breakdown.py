@@ -26,6 +26,7 @@ from analysis.intervals import EMPTY, Spans, coverage, spans, window_edges
 
 CATEGORIES = ("compute", "communication", "memory", "idle")
 DEFAULT_WINDOWS = 20
+TOP_WAITS = 5  # collectives listed in the terminal, costliest first
 SCHEMA_VERSION = 1  # of the JSON (docs/runs.md)
 
 
@@ -125,9 +126,11 @@ def _phase_rows(activity: RankActivity, sets: dict[str, Spans]) -> list[dict[str
 def stragglers(run: RunActivity) -> tuple[list[CollectiveWait], list[Straggler]]:
     """Every collective joined by two or more ranks, and per rank how often it arrived last and what it cost."""
     joined: dict[tuple, dict[int, float]] = {}
+    labels: dict[tuple, str] = {}
     for rank, activity in run.ranks.items():
         for arrival in activity.arrivals:
             joined.setdefault(arrival.key, {})[rank] = arrival.start_s
+            labels.setdefault(arrival.key, arrival.label or " ".join(str(part) for part in arrival.key))
     waits = []
     per_rank = {rank: Straggler(rank, 0, 0, 0.0) for rank in run.ranks}
     for key, starts in joined.items():
@@ -135,8 +138,7 @@ def stragglers(run: RunActivity) -> tuple[list[CollectiveWait], list[Straggler]]
             continue
         last = max(starts, key=lambda r: (starts[r], r))
         others = [starts[last] - t for r, t in starts.items() if r != last]
-        waits.append(CollectiveWait(" ".join(str(part) for part in key), len(starts), last, float(sum(others)),
-                                    float(max(others))))
+        waits.append(CollectiveWait(labels[key], len(starts), last, float(sum(others)), float(max(others))))
         per_rank[last].last += 1
         per_rank[last].cost_s += float(sum(others))
         for rank in starts:
@@ -257,6 +259,11 @@ def format_breakdown(result: Breakdown) -> str:
         rows = [(s.rank, s.last, s.joined, format_seconds(s.cost_s)) for s in result.stragglers]
         lines += ["", format_table(("rank", "last at", "of collectives", "others waited"), rows,
                                    title="stragglers (arrived last at a collective)")]
+        costliest = sorted(result.collectives, key=lambda c: -c.waited_s)[:TOP_WAITS]
+        rows = [(c.collective, c.ranks, c.last_rank, format_seconds(c.waited_s), format_seconds(c.max_wait_s))
+                for c in costliest]
+        lines += ["", format_table(("collective", "ranks", "last", "others waited", "longest wait"), rows,
+                                   title=f"the {len(rows)} costliest waits (every collective: --json)")]
     lines += [f"NOTE: {note}" for note in result.notes]
     return "\n".join(lines)
 
