@@ -11,7 +11,7 @@ import pytest
 
 import analysis.kineto as kineto
 from analysis.activity import innermost, load_run, load_runs
-from analysis.breakdown import CATEGORIES, breakdown, to_json
+from analysis.breakdown import CATEGORIES, breakdown, phase_summary, to_json
 from analysis.cli import main
 from harness.errors import UserError
 
@@ -139,6 +139,24 @@ def test_ddp_gloo_profiler_traces_pinned():
     assert result.stragglers[0].cost_s == pytest.approx(0.031092, abs=1e-6)
     phases = {p["phase"] for p in result.phases}
     assert phases == {"forward", "backward", "optimizer", "dp-sync"}
+
+
+def test_fsdp_gloo_profiler_traces_pinned():
+    """tests/data/fsdp-gloo: FSDP2 (fully_shard) on gloo: parameters all-gathered in the forward and backward,
+    gradients reduce-scattered; the forward communicates most of its time."""
+    result = breakdown(load_run(DATA / "fsdp-gloo"))
+    assert result.run.iteration_s == pytest.approx([0.06608271, 0.06333404, 0.06229806], abs=1e-8)
+    pinned = {0: (190.240, 64.74, 33.13, 2.13, 28.31), 1: (190.166, 65.99, 31.36, 2.65, 27.95)}
+    for row in result.ranks:
+        span, compute, comm, idle, overlap = pinned[row.rank]
+        assert row.span_s * 1e3 == pytest.approx(span, abs=1e-3)
+        assert (row.share("compute"), row.share("communication"), row.share("idle"), row.overlap_pct) == \
+            pytest.approx((compute, comm, idle, overlap), abs=0.01)
+    assert {c.collective.split(" #")[0] for c in result.collectives} == {"c10d::_allgather_base",
+                                                                         "c10d::_reduce_scatter_base"}
+    assert [(s.rank, s.last, s.joined) for s in result.stragglers] == [(0, 15, 27), (1, 12, 27)]
+    forward = next(p for p in phase_summary(result) if p["phase"] == "forward")
+    assert forward["communication_pct"] == pytest.approx(72.0, abs=0.1)
 
 
 def test_trace_h5_fixture_pinned():

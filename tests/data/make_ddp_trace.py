@@ -1,9 +1,12 @@
-"""Make tests/data/ddp-gloo/: PyTorch profiler traces of a small DDP run on gloo, as a user would record them.
+"""Make tests/data/ddp-gloo/ (or fsdp-gloo/): PyTorch profiler traces of a small data-parallel run on gloo, as a
+user would record them.
 
     mpirun -n 2 python -m mpi4py tests/data/make_ddp_trace.py tests/data/ddp-gloo
+    mpirun -n 2 python -m mpi4py tests/data/make_ddp_trace.py tests/data/fsdp-gloo --fsdp
 
-torch.nn.parallel.DistributedDataParallel over an MLP, Adam, 5 iterations: 1 skipped, 1 profiler warm-up, 3
-recorded (ProfilerStep#2-#4), each rank's trace written as rank-N.json.gz.
+An MLP under torch.nn.parallel.DistributedDataParallel (or FSDP2's fully_shard, per linear layer and whole),
+Adam, 5 iterations: 1 skipped, 1 profiler warm-up, 3 recorded (ProfilerStep#2-#4), each rank's trace written
+as rank-N.json.gz.
 """
 import gzip
 import os
@@ -26,7 +29,15 @@ torch.manual_seed(0)
 dist.init_process_group("gloo", rank=rank, world_size=size)
 model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
                             torch.nn.Linear(1024, 512))
-ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+if "--fsdp" in sys.argv:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    ddp = fully_shard(model)
+else:
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
 optimizer = torch.optim.Adam(ddp.parameters())
 x = torch.randn(64, 512)
 
