@@ -31,7 +31,7 @@ from harness.errors import UserError
 from harness.progress import Progress
 
 from analysis.intervals import EMPTY, Spans, spans
-from analysis.kineto import KinetoTrace, is_kineto_path, read_kineto, trace_files
+from analysis.kineto import TRACE_SUFFIXES, KinetoTrace, is_kineto_path, read_kineto, trace_files
 
 # A communication's name: a library's prefix, or the name of a collective, send, receive or barrier (a bare
 # "broadcast" is not one: aten::broadcast_tensors computes).
@@ -90,7 +90,6 @@ class RunActivity:
     replica_batch: int | None = None  # samples per iteration of one data-parallel replica
     model_config: dict[str, Any] = field(default_factory=dict)  # what makes two runs the same model
     spec: dict[str, Any] = field(default_factory=dict)  # trace.h5: the run's whole spec
-    strategy: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -131,8 +130,7 @@ def innermost(start: np.ndarray, end: np.ndarray, label: np.ndarray, labels: int
         top_end, code = stack.pop()
         emit(code, now, top_end)
         now = top_end
-    return [spans(np.frombuffer(a, dtype=np.float64) if a else np.zeros(0),
-                  np.frombuffer(b, dtype=np.float64) if b else np.zeros(0)) for a, b in parts]
+    return [spans(np.frombuffer(a, dtype=np.float64), np.frombuffer(b, dtype=np.float64)) for a, b in parts]
 
 
 def _phase_of(name: str) -> str | None:
@@ -292,11 +290,10 @@ def from_trace(trace) -> RunActivity:
                   "dp-sync": of(phase == "dp"), "tensor-parallel": tp, "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}
         ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,
-                                   _trace_arrivals(trace, device, cols))
+                                   _trace_arrivals(device, cols))
     spec = trace.spec
-    strategy = spec.get("strategy", {})
     batch = spec.get("batch", {})
-    dp = int(strategy.get("dp", 1))
+    dp = int(spec.get("strategy", {}).get("dp", 1))
     global_batch = int(batch.get("global", 0)) or None
     env = trace.environment
     return RunActivity(source=trace.path, kind="trace.h5", ranks=ranks, iteration_s=trace.iteration_times(),
@@ -304,11 +301,10 @@ def from_trace(trace) -> RunActivity:
                        backend=str(env.get("dp_backend") or env.get("backend") or "") or None,
                        world_size=trace.world_size, global_batch=global_batch,
                        replica_batch=global_batch // dp if global_batch else None,
-                       model_config=dict(spec.get("model", {})), spec=spec,
-                       strategy={k: strategy.get(k) for k in ("dp", "tp", "pp", "schedule", "chunks")})
+                       model_config=dict(spec.get("model", {})), spec=spec)
 
 
-def _trace_arrivals(trace, device, cols: dict[str, np.ndarray]) -> list[Arrival]:
+def _trace_arrivals(device, cols: dict[str, np.ndarray]) -> list[Arrival]:
     """The collectives a device joined: its gradient buckets (one per stage, bucket and iteration, keyed by its
     tensor-parallel coordinate, which with the stage names its data-parallel group) and its tensor-parallel
     all-reduces (keyed by order within each step, with its data-parallel coordinate)."""
@@ -354,7 +350,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunActivity]:
     are the ranks of one run, Kineto folders a run each."""
     runs, loose = [], []
     for path in map(Path, paths):
-        if path.is_file() and path.name.endswith((".json", ".json.gz")):
+        if path.is_file() and path.name.endswith(TRACE_SUFFIXES):
             loose.append(path)
         else:
             runs.append(load_run(path))

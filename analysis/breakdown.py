@@ -17,7 +17,7 @@ that arrived last is the one the others waited for, each for its arrival minus t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -297,6 +297,3 @@ def write_png(path, result: Breakdown):
                   frameon=False)
     return save(fig, path)
 
-
-def breakdowns(runs: Sequence[RunActivity], **windowing: Any) -> list[Breakdown]:
-    return [breakdown(run, **windowing) for run in runs]

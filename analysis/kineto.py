@@ -113,13 +113,10 @@ class _Columns:
         self.thread.append(self.code(threads, thread))
 
     def events(self) -> Events:
-        start = np.frombuffer(self.start, dtype=np.float64) * 1e-6 if self.start else np.zeros(0)
-        end = start + (np.frombuffer(self.dur, dtype=np.float64) * 1e-6 if self.dur else np.zeros(0))
-        return Events(start, end, np.frombuffer(self.name, dtype=np.int32).copy() if self.name else
-                      np.zeros(0, np.int32),
-                      np.frombuffer(self.category, dtype=np.int32).copy() if self.category else np.zeros(0, np.int32),
-                      np.frombuffer(self.thread, dtype=np.int32).copy() if self.thread else np.zeros(0, np.int32),
-                      *[list(table) for table in self.tables])
+        start = np.frombuffer(self.start, dtype=np.float64) * 1e-6
+        end = start + np.frombuffer(self.dur, dtype=np.float64) * 1e-6
+        codes = [np.frombuffer(column, dtype=np.int32).copy() for column in (self.name, self.category, self.thread)]
+        return Events(start, end, *codes, *[list(table) for table in self.tables])
 
 
 class _Stream:

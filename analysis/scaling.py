@@ -134,10 +134,9 @@ def _efficiency(mode: str, base_devices: int, base_s: float, devices: int, time_
 
 def _predict(run: RunActivity, profiles: Sequence[Any]) -> float:
     from analysis.costs import estimate_costs
-    from analysis.profile_reader import parse_spec_offline
+    from analysis.profile_reader import layers_for, parse_spec_offline
     from analysis.simulate import simulate
     from harness.events import build_plan
-    from harness.layers import LayerDesc
 
     if not run.spec:
         raise UserError(f"{run.source}: --profile predicts runs of `harness train` (a trace.h5), whose spec it "
@@ -146,10 +145,7 @@ def _predict(run: RunActivity, profiles: Sequence[Any]) -> float:
     spec = parse_spec_offline(run.spec, source=f"{run.source}:spec_json")
     if profile.spec.model != spec.model:
         raise UserError(f"{profile.path} profiles {profile.spec.model.name}, not {spec.model.name} of {run.source}")
-    layers = None
-    if spec.model.family == "user":
-        layers = [LayerDesc.from_dict(d) for d in profile.layers]
-    plan = build_plan(spec, layers)
+    plan = build_plan(spec, layers_for(profile, spec))
     return simulate(plan, estimate_costs(plan, profile)).batch_time_s
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.accuracy import MODEL  # noqa: E402
+from bench.accuracy import run, spec_text as accuracy_spec  # noqa: E402
 
 BACKENDS = ("torch", "mpi4py")
 GLOBAL_BATCH, MICRO = 16, 2
@@ -31,15 +30,8 @@ CORES = os.cpu_count() or 2
 
 
 def spec_text(dp: int) -> str:
-    return (MODEL + f"[batch]\nglobal = {GLOBAL_BATCH}\nmicro = {MICRO}\n[strategy]\ndp = {dp}\n"
-            f"[cluster]\nnodes = 1\ngpus_per_node = {dp}\n[profile]\nwarmup = 3\nrepeats = 20\n")
-
-
-def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
-    if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(args)}\n{result.stderr[-3000:]}")
-    return result
+    """The accuracy bench's job at `dp` replicas, the global batch fixed (strong scaling)."""
+    return accuracy_spec(dp, 1, 1, "1f1b", GLOBAL_BATCH // (dp * MICRO), MICRO, repeats=20)
 
 
 def launch(ranks: int) -> list[str]:
