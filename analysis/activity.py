@@ -213,7 +213,7 @@ def _shifted(activity: RankActivity, seconds: float) -> RankActivity:
     return RankActivity(activity.rank, (activity.span[0] + seconds, activity.span[1] + seconds),
                         move(activity.compute), move(activity.communication), move(activity.memory),
                         {k: move(v) for k, v in activity.phases.items()},
-                        [Arrival(a.key, a.start_s + seconds) for a in activity.arrivals])
+                        [Arrival(a.key, a.start_s + seconds, a.label) for a in activity.arrivals])
 
 
 def _union(parts: Sequence[Spans]) -> Spans:

@@ -24,7 +24,7 @@ def event(name, ts, dur, cat="kernel", tid=7, pid=1, **args):
 
 
 def write_trace(path: Path, events, rank: int | None = 0, world: int = 1, gz: bool = False, steps=((0, 1000),),
-                first_key: str = "distributedInfo") -> Path:
+                first_key: str = "distributedInfo", base_ns: int | None = None) -> Path:
     """A Kineto trace as torch.profiler writes it: metadata, distributedInfo, then traceEvents."""
     marks = [event(f"ProfilerStep#{i + 1}", a, b - a, cat="user_annotation", tid=99) for i, (a, b) in enumerate(steps)]
     body = {"schemaVersion": 1, "deviceProperties": []}
@@ -35,6 +35,8 @@ def write_trace(path: Path, events, rank: int | None = 0, world: int = 1, gz: bo
         items.insert(0 if first_key == "distributedInfo" else 1, ("distributedInfo", info))
     body |= dict(items)
     body["traceName"] = str(path)
+    if base_ns is not None:
+        body["baseTimeNanoseconds"] = base_ns
     text = json.dumps(body)
     if gz:
         with gzip.open(path, "wt") as f:
@@ -120,6 +122,17 @@ def test_stragglers_and_windows_are_exact(tmp_path):
     comm_windows = result.windows[:, :, CATEGORIES.index("communication")]
     assert compute_windows[0] == pytest.approx([20 * US, 25 * US, 25 * US, 25 * US])
     assert comm_windows[1] == pytest.approx([0, 5 * US, 0, 0])
+
+
+def test_traces_on_their_own_time_bases_are_aligned_and_keep_collective_names(tmp_path):
+    """Rank 1's trace counts from 30 us later (baseTimeNanoseconds): its all-reduce, at the same offset,
+    arrives 30 us after rank 0's, and the wait still names the collective."""
+    for rank in (0, 1):
+        events = [event("aten::mm", 0, 100, cat="cpu_op", tid=1), event("c10d::allreduce_", 10, 5, cat="cpu_op", tid=1)]
+        write_trace(tmp_path / f"r{rank}.json", events, rank=rank, world=2, base_ns=10**12 + 30_000 * rank)
+    result = breakdown(load_run(tmp_path))
+    assert [(c.collective, c.last_rank, c.waited_s) for c in result.collectives] == \
+        [("c10d::allreduce #0", 1, pytest.approx(30 * US))]
 
 
 def assert_ranks(result, pinned: dict, span_abs_ms: float = 1e-3) -> None:

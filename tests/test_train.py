@@ -105,6 +105,7 @@ CONFIGS = {
                  dict(dp=2, tp=2, pp=n // 4, layers=2 * (n // 4), micro=1, global_batch=4), {}),
 }
 ITERATIONS = 3
+STALLED_IDLE_PCT = 80.0  # trace.h5's idle share here: 6-10%, 21-26% with both cores busy elsewhere
 
 
 def _run(config: str, rundir: Path):
@@ -331,14 +332,29 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     spec = loads_spec(spec_text(**kwargs).replace("[strategy]\n", "[strategy]\nbucket_mb = 0.01\n"))
     assert len(build_plan(spec).stages[0].buckets) > 1
     iterations, warmup = 5, 2
-    result = run_training(spec, comm, shared_dir / "run", iterations, warmup, timeout_s=120,
-                          dp_backend="mpi4py", torch_profiler=shared_dir / "prof")
+    # A stalled machine (CI once ran this job 100x slower than here, its ranks idle 99% of their spans in
+    # trace.h5) leaves nothing to compare: run once more, then say so rather than judge the profiler by it.
+    for attempt in range(2):
+        run, prof = shared_dir / f"run{attempt}", shared_dir / f"prof{attempt}"
+        result = run_training(spec, comm, run, iterations, warmup, timeout_s=120, dp_backend="mpi4py",
+                              torch_profiler=prof)
+        stalled = None
+        if comm.Get_rank() == 0:
+            from_trace = breakdown(load_run(result.trace_path))
+            if from_trace.mean_share("idle") > STALLED_IDLE_PCT:
+                stalled = (f"trace.h5 idle {from_trace.mean_share('idle'):.1f}% of the spans, iterations "
+                           f"{np.round(from_trace.run.iteration_s, 3).tolist()} s")
+        stalled = comm.bcast(stalled, root=0)
+        if stalled is None:
+            break
+    else:
+        pytest.skip(f"the machine stalled both runs ({stalled}): nothing to compare the profiler traces with")
     failure = None
     if comm.Get_rank() == 0:
         try:
             trace = read_trace(result.trace_path)
             for rank in range(n):
-                data = json.loads((shared_dir / "prof" / f"rank-{rank}.json").read_text())
+                data = json.loads((prof / f"rank-{rank}.json").read_text())
                 assert data["distributedInfo"]["rank"] == rank
                 names = [e["name"] for e in data["traceEvents"] if e.get("ph") == "X"]
                 assert sum(name.startswith("ProfilerStep#") for name in names) == iterations - warmup
@@ -350,13 +366,15 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
                 assert names.count("mpi4py:allreduce") == int(np.sum(measured["phase"] == "dp"))
                 assert sum(name.startswith("distsim:send.") for name in names) == int(np.sum(measured["phase"] ==
                                                                                              "send"))
-            from_trace, from_profiler = breakdown(load_run(result.trace_path)), breakdown(load_run(shared_dir / "prof"))
-            shares = {name: {c: round(b.mean_share(c), 2) for c in CATEGORIES} | {
-                "ranks": [(r.rank, round(r.share("compute"), 1), round(r.share("communication"), 1)) for r in b.ranks]}
-                for name, b in (("trace.h5", from_trace), ("profiler", from_profiler))}
+            from_profiler = breakdown(load_run(prof))
+            report = {name: {"pooled": {c: round(b.mean_share(c), 2) for c in CATEGORIES},
+                             "iterations_s": np.round(b.run.iteration_s, 4).tolist(),
+                             "ranks": [(r.rank, round(r.span_s, 4)) + tuple(round(r.share(c), 1) for c in CATEGORIES)
+                                       for r in b.ranks]}
+                      for name, b in (("trace.h5", from_trace), ("profiler", from_profiler))}
             for category in CATEGORIES:
                 assert from_profiler.mean_share(category) == pytest.approx(from_trace.mean_share(category), abs=2.0), \
-                    (category, shares)
+                    f"{category} (attempt {attempt}): {json.dumps(report)}"
             assert len(from_profiler.run.iteration_s) == iterations - warmup
         except BaseException as exc:
             failure = exc
