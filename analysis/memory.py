@@ -10,7 +10,9 @@
   as the profile measured them (harness.profilers.memory), and on every virtual stage but the last the
   stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
   backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
-  interleaved 1F1B as it interleaves);
+  interleaved 1F1B as it interleaves); with recompute = "full" a recomputed layer (harness.layers.recomputed)
+  keeps only its input (torch.utils.checkpoint), and the backward of a micro-batch re-makes one layer's
+  saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
 - pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
   back (from its end until the send completes).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from harness.events import EventPlan
+from harness.errors import UserError
 from harness.hdf5_schema import ACTIVATION_BYTES_ATTR
+from harness.layers import input_bytes, recomputed
 from harness.output import format_bytes
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
@@ -121,10 +125,26 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
     unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward
                          if plan.events[e].kind == "compute" and e not in activations})
     held = []  # per virtual stage: what one micro-batch in flight holds there
+    remade = []  # per virtual stage: what its backward re-makes at once (recompute = "full")
     for vs, program in enumerate(plan.stages):
-        saved = sum(activations.get(e, 0) for e in program.forward if plan.events[e].kind == "compute")
+        saved, largest, again = 0, 0, 0
+        for eid, index in zip(program.forward, program.forward_layers):
+            if index < 0:
+                continue
+            layer_saves = activations.get(eid, 0)
+            if s.recompute == "full" and recomputed(plan.layers[index]):
+                saved += input_bytes(spec, plan.layers, index)
+                largest = max(largest, layer_saves)
+                again += 1
+            else:
+                saved += layer_saves
+        if again and not largest and not unmeasured:
+            raise UserError(f"recompute = {s.recompute!r}: the layers of stage {vs} save no activations for their "
+                            "backward (as profiled), so recomputing them costs time and frees nothing; set "
+                            "recompute = 'none' or split the model differently")
         output = plan.events[program.send_forward].bytes if program.send_forward else 0
         held.append(saved + output)
+        remade.append(largest)
     stages = []
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
@@ -142,7 +162,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live, received, in_flight))
+            points.append((gradients_live, live + remade[vs], received, in_flight))
             live -= held[vs]
             in_flight -= 1
             gradients_live = True

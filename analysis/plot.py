@@ -12,13 +12,15 @@ from typing import Mapping, Sequence
 
 from analysis.report import strategy_label
 from analysis.simulate import (BACKWARD, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV, P2P_SEND,
-                               TP_ALLREDUCE, Timeline)
+                               RECOMPUTE, TP_ALLREDUCE, Timeline)
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
-           P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974"}
+           P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
+           RECOMPUTE: "#64B5CD"}
 LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-parallel all-reduce",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
-          DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send"}
+          DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send",
+          RECOMPUTE: "recomputed forward (in the backward)"}
 COMMUNICATION_ROW = frozenset({P2P_SEND, P2P_RECV, DP_ALLREDUCE})  # drawn below the compute stream
 COMPUTE_BAR = (0.38, 0.5)  # (bottom offset, height) within a row of height 1
 COMM_BAR = (0.08, 0.26)

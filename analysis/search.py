@@ -149,7 +149,11 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.bubble_fraction = timeline.bubble_fraction
     result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
                             if T > 0 else 0.0)
-    memory = estimate_memory(plan, activations)
+    try:
+        memory = estimate_memory(plan, activations)
+    except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
+        result.reason = str(exc)
+        return result
     peak = memory.peak
     result.peak_memory_bytes, result.peak_stage, result.dominant = peak.total, peak.stage, peak.dominant
     result.memory_stages = [s.to_dict() for s in memory.stages]

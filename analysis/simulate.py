@@ -1,7 +1,8 @@
 """The timeline model: every device's timeline of one training iteration from the durations of its events.
 
 Hierarchy (docs/analysis.md):
-- layer: its compute plus its tensor-parallel all-reduces, inline and blocking, in sequence;
+- layer: its compute plus its tensor-parallel all-reduces, inline and blocking, in sequence; with
+  recompute = "full" a backward step first runs the stage's forward events again (StageProgram.recompute);
 - pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
   (harness.schedules); a step starts when the device is free and its P2P input has arrived. A P2P
   transfer starts when the sender has finished the step and the receiver has posted its receive (on
@@ -40,7 +41,8 @@ COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
 FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
 P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER = "p2p-send", "p2p-recv", "dp-allreduce", "optimizer"
 P2P_POST = "p2p-post"  # the host posting a send after a step (Costs.send_post), on the compute track
-CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST)
+RECOMPUTE = "recompute"  # the forward run again at the start of a backward step (recompute = "full")
+CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST, RECOMPUTE)
 
 
 class StepRecord(NamedTuple):
@@ -564,12 +566,14 @@ class Timeline:
                     layer = layers[k]
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"
+                again = r.phase == "B" and k < program.recompute
+                phase = "R" if again else r.phase
                 if event.kind == "compute":
-                    out.append(Interval(start, end, COMPUTE_TRACK, category, eid, f"{r.phase} {event.name} {suffix}",
-                                        r.virtual_stage, r.micro, layer))
+                    out.append(Interval(start, end, COMPUTE_TRACK, RECOMPUTE if again else category, eid,
+                                        f"{phase} {event.name} {suffix}", r.virtual_stage, r.micro, layer))
                 else:
                     out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
-                                        f"{r.phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))
+                                        f"{phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))
         for p in device.posts:
             out.append(Interval(p.start_s, p.end_s, COMPUTE_TRACK, P2P_POST, p.event,
                                 f"post {plan.events[p.event].name} s{p.virtual_stage} mb{p.micro}", p.virtual_stage,

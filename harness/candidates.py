@@ -21,7 +21,7 @@ from typing import Any
 from harness.errors import SpecError, UserError
 from harness.spec import JobSpec, parse_spec
 
-GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks")
+GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute")
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,16 @@ class Grid:
 def strategy_key(spec: JobSpec) -> tuple:
     """What tells two candidates apart."""
     s = spec.strategy
-    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks)
+    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute)
 
 
 def candidate_label(spec: JobSpec) -> str:
-    """'dp=2 tp=2 pp=2 1f1b micro=2 m=8' (chunks for interleaved schedules)."""
+    """'dp=2 tp=2 pp=2 1f1b micro=2 m=8' (chunks for interleaved schedules, recompute when on)."""
     s = spec.strategy
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
-    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
+    recompute = f" recompute={s.recompute}" if s.recompute != "none" else ""
+    return (f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
+            f"{recompute}")
 
 
 def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:
@@ -82,14 +84,15 @@ def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for world, dp, tp, pp, micro, schedule in itertools.product(fields["gpus"], fields["dp"], fields["tp"],
-                                                                fields["pp"], fields["micro"], schedules):
+    for world, dp, tp, pp, micro, schedule, recompute in itertools.product(
+            fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"], schedules, fields["recompute"]):
         for chunks in (interleaved_chunks if schedule == "interleaved-1f1b" else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
-                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule == "interleaved-1f1b" else ())
+                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule == "interleaved-1f1b" else ()) \
+                + ((("recompute", recompute),) if spec.search.recompute else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks)
+                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute)
             except SpecError as exc:
                 rejected.append(Rejected(choice, _reason(exc)))
                 continue
@@ -102,7 +105,7 @@ def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
 
 
 def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, pp: int, micro: int,
-               schedule: str, chunks: int) -> JobSpec:
+               schedule: str, chunks: int, recompute: str) -> JobSpec:
     if dp is None:
         if world % (tp * pp):
             raise SpecError(f"{world} devices are not a multiple of tp x pp = {tp * pp}")
@@ -118,7 +121,7 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, p
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
     data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks},
+                                 "chunks": chunks, "recompute": recompute},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
     return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)

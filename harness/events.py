@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from harness.candidates import Grid, expand
-from harness.layers import LayerDesc, describe, split_into_stages
+from harness.layers import LayerDesc, describe, recomputed, split_into_stages
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 
@@ -169,6 +169,9 @@ class StageProgram:
     send_backward: str | None  # gradient to the previous virtual stage
     forward_layers: list[int] = field(default_factory=list)  # layer index of each forward item (-1: collective)
     backward_layers: list[int] = field(default_factory=list)
+    # recompute = "full": the first `recompute` items of `backward` run the forward of the stage's recomputed
+    # layers (harness.layers.recomputed) again, their tensor-parallel all-reduces included, in the same step
+    recompute: int = 0
 
 
 class EventPlan:
@@ -247,10 +250,13 @@ class EventPlan:
             tp_groups = tp_groups_of_stage[vs % s.pp]
             grads: list[tuple[int, int]] = []  # (layer index, gradient bytes) in backward order
             # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
+            again = {id(layer) for layer in stage_layers if s.recompute == "full" and recomputed(layer)}
             calls = sum(layer.tp_allreduces for layer in stage_layers)
-            tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, 2 * m * calls,
+            calls_again = sum(layer.tp_allreduces for layer in stage_layers if id(layer) in again)
+            tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, m * (2 * calls + calls_again),
                                             "tensor-parallel groups") if calls else ""
             events = []
+            again_items: list[tuple[str, int]] = []  # the recomputed forward's (event, layer index) items
             for layer in stage_layers:
                 index = index_of[id(layer)]
                 key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else ())
@@ -258,12 +264,14 @@ class EventPlan:
                     per_layer[key] = self._layer_events(layer, index, micro, seq)
                 events.append(per_layer[key])
                 f_id, b_id = per_layer[key]
-                self.multiplicity[f_id] += m * devices_per_stage
+                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
+                self.multiplicity[f_id] += (2 if id(layer) in again else 1) * m * devices_per_stage
                 self.multiplicity[b_id] += m * devices_per_stage
-                fwd.append(f_id)
-                fwd_layers.append(index)
-                fwd += [tp_allreduce] * layer.tp_allreduces
-                fwd_layers += [-1] * layer.tp_allreduces
+                fwd += [eid for eid, _ in items]
+                fwd_layers += [position for _, position in items]
+                if id(layer) in again:
+                    again_items += items
+            bwd, bwd_layers = [eid for eid, _ in again_items], [position for _, position in again_items]
             for layer, (_, b_id) in zip(reversed(stage_layers), reversed(events)):
                 bwd.append(b_id)
                 bwd_layers.append(index_of[id(layer)])
@@ -274,7 +282,8 @@ class EventPlan:
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index_of[id(layer)] for layer in stage_layers], forward=fwd, backward=bwd,
                 buckets=buckets, optimizer=opt, send_forward=None, send_backward=None,
-                forward_layers=fwd_layers, backward_layers=bwd_layers))
+                forward_layers=fwd_layers, backward_layers=bwd_layers,
+                recompute=len(again_items)))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it
@@ -389,8 +398,9 @@ class EventPlan:
     def device_flow(self, rank: int) -> Iterator[tuple[str, str, int, int]]:
         """Materialise one device's iteration: (event id, phase, virtual stage, micro-batch) in order.
 
-        phase is F/B (compute and tensor-parallel collectives), send/recv (P2P), dp (gradient
-        all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
+        phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
+        a backward step, recompute = "full"), send/recv (P2P), dp (gradient all-reduce) or opt (optimizer).
+        Receives are listed where the device waits for them.
         """
         s = self.spec.strategy
         if not 0 <= rank < s.world:
@@ -411,7 +421,7 @@ class EventPlan:
                 if vs < s.virtual_stages - 1:
                     yield self.stages[vs + 1].send_backward, "recv", vs, step.micro
                 for position, eid in enumerate(program.backward):
-                    yield eid, "B", vs, step.micro
+                    yield eid, "R" if position < program.recompute else "B", vs, step.micro
                     if step.micro == last_micro:
                         for bucket in program.buckets:
                             if bucket.ready_after == position:

@@ -6,10 +6,15 @@ Built-in families are described here; a user's factory model is described by ins
 """
 from __future__ import annotations
 
+import ast
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.spec import JobSpec, ModelSpec
+from harness.spec import DTYPES, JobSpec, ModelSpec
+
+# bytes per element of what a factory model's layer may take as input (its signature's in_dtype)
+INPUT_DTYPE_BYTES = {**DTYPES, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,25 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
             user_layers = describe_user_model(spec)
         return user_layers
     return describe_builtin(spec.model, spec.strategy.tp)
+
+
+def recomputed(layer: LayerDesc) -> bool:
+    """Whether recompute = "full" runs this layer's forward again before its backward: the transformer blocks
+    (as Megatron-LM's full recompute: the embedding and the head with the loss keep what they save), and every
+    layer of a factory model."""
+    return layer.kind in ("block", "user")
+
+
+def input_bytes(spec: JobSpec, layers: list[LayerDesc], index: int) -> int:
+    """Bytes of one micro-batch's input to layer `index`, which a recomputed layer keeps for its backward: the
+    previous layer's output (a built-in model's hidden states), or the first layer's token ids (int64)."""
+    micro, seq = spec.batch.micro, spec.model.seq_len
+    if spec.model.family != "user":
+        return micro * seq * (8 if index == 0 else spec.model.hidden * spec.model.dtype_bytes)
+    signature = dict(layers[index].signature)
+    features = ast.literal_eval(signature.get("in_features", "()"))
+    dtype = signature.get("in_dtype", spec.model.dtype)
+    return micro * seq * math.prod(features) * INPUT_DTYPE_BYTES.get(dtype, spec.model.dtype_bytes)
 
 
 def split_into_stages(layers: list[LayerDesc], model: ModelSpec, virtual_stages: int) -> list[list[LayerDesc]]:

@@ -17,6 +17,7 @@ from harness.errors import SpecError
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each layer's input only
 BACKENDS = ("torch", "mpi4py")
 
 # Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
@@ -38,11 +39,11 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
     "batch": {"global", "micro"},
-    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb"},
+    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -85,6 +86,7 @@ class StrategySpec:
     chunks: int = 1  # model chunks per pipeline device (interleaved-1f1b only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
+    recompute: str = "none"  # full: every layer's forward is run again before its backward (torch.utils.checkpoint)
 
     @property
     def world(self) -> int:
@@ -138,6 +140,7 @@ class SearchSpec:
     schedule: tuple[str, ...] = ()
     chunks: tuple[int, ...] = ()
     gpus: tuple[int, ...] = ()
+    recompute: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -319,6 +322,13 @@ def _choice(section: dict, key: str, where: str, default: str, choices) -> str:
     return value
 
 
+def _recompute(value: Any, field: str) -> str:
+    if value == "selective":
+        raise SpecError("selective recompute (attention only, as Megatron-LM) is not built: the built-in blocks "
+                        "run attention as one module with their MLP; use 'none' or 'full'", field=field)
+    return _choice({"recompute": value}, "recompute", field.rsplit(".", 1)[0], "none", RECOMPUTE)
+
+
 def _check_keys(data: dict) -> None:
     for section, value in data.items():
         if section not in _SECTIONS:
@@ -405,6 +415,8 @@ def _parse_search(s: dict) -> SearchSpec:
         for item in items:
             if key == "schedule":
                 _choice({key: item}, key, "search", "1f1b", SCHEDULES)
+            elif key == "recompute":
+                _recompute(item, "search.recompute")
             else:
                 _int({key: item}, key, "search")
         values[key] = tuple(items)
@@ -441,7 +453,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
         raise SpecError(f"must be true or false, got {dp_overlap!r}", field="strategy.dp_overlap")
     strategy = StrategySpec(dp=_int(s, "dp", "strategy", 1), tp=_int(s, "tp", "strategy", 1),
                             pp=_int(s, "pp", "strategy", 1), schedule=schedule, chunks=chunks,
-                            dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0))
+                            dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0),
+                            recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),

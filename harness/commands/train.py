@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     error: UserError | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
-        check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend)
+        check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         if args.timeout_s is not None and args.timeout_s <= 0:

@@ -25,8 +25,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harness.events import EventPlan
+from harness.layers import recomputed
 from harness.models import make_optimizer
 from harness.models.tp import set_collective_hook
 from harness.profilers.memory import LiveStorages, saving_into
@@ -239,11 +241,15 @@ class PipelineEngine:
         self.steps = device_steps(s.schedule, self.pp_i, s.pp, self.m, s.chunks)
         self.local_vs = [virtual_stage(c, self.pp_i, s.pp) for c in range(s.chunks)]
         self.stage_modules: dict[int, list[nn.Module]] = {}
+        self.checkpointed: dict[int, list[bool]] = {}
         self.act_spec: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self.tp_event: dict[int, str] = {}
         for vs in self.local_vs:
             program = plan.stages[vs]
             self.stage_modules[vs] = [modules[p] for p in program.layers]
+            # recompute = "full": torch.utils.checkpoint keeps these modules' inputs and runs them again in the
+            # backward, as Megatron-LM's full recompute (harness.layers.recomputed)
+            self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
             self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)
                                       if layer == -1), "")
         # One optimizer over every trainable parameter of this device (all its chunks), as frameworks step a
@@ -465,8 +471,8 @@ class PipelineEngine:
             marks, outputs = [], []
             out = x
             with saving_into(self.memory):
-                for module in self.stage_modules[vs]:
-                    out = module(out)
+                for module, again in zip(self.stage_modules[vs], self.checkpointed[vs]):
+                    out = checkpoint(module, out, use_reentrant=False) if again else module(out)
                     if clock:
                         marks.append(clock.mark())
                         outputs.append(out)

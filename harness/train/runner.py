@@ -48,9 +48,13 @@ class TrainResult:
         return self.iteration_s[self.warmup:]
 
 
-def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_backend: str = "torch") -> None:
+def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_backend: str = "torch",
+              layer_times: bool = False) -> None:
     """Raise UserError when this run cannot start (same verdict on every rank)."""
     s = spec.strategy
+    if layer_times and s.recompute != "none":
+        raise UserError(f"--layer-times cannot time layers under recompute = {s.recompute!r} (torch.utils.checkpoint "
+                        "runs their forward again inside the backward); drop --layer-times or set recompute = 'none'")
     if dp_backend not in DP_BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(DP_BACKENDS)}, got {dp_backend!r}")
     if dp_backend == "mpi4py":
@@ -151,7 +155,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     all-reduces the gradient buckets through MPI instead of torch.distributed; `torch_profiler` (a folder)
     also records the measured iterations with torch.profiler into FOLDER/rank-<rank>.json.
     """
-    check_run(spec, comm.Get_size(), iterations, warmup, dp_backend)
+    check_run(spec, comm.Get_size(), iterations, warmup, dp_backend, layer_times)
     import torch
 
     from harness.distributed import init_process_group, pick_device
