@@ -97,6 +97,10 @@ CONFIGS = {
     "tp-llama-gqa": (lambda n: _tp(n, "llama-1b"), {}),
     "tp-bert-pp": (lambda n: None if n % 2 or n < 4 else
                    dict(name="bert-base", tp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=4), {}),
+    # recompute = "full": torch.utils.checkpoint over the blocks; the tensor-parallel all-reduces run three times
+    "pp-1f1b-recompute": (lambda n: {**_pp(n, "1f1b"), "recompute": "full"}, {}),
+    "tp-dp-recompute": (lambda n: None if n % 2 else {**_tp(2), "dp": n // 2, "global_batch": 2 * n,
+                                                      "recompute": "full"}, {}),
     "dp-pp-fresh-data": (lambda n: None if n % 2 or n < 4 else
                          dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8), {"fresh_data": True}),
     "user-factory-dp-pp": (lambda n: None if n % 2 else
@@ -141,7 +145,7 @@ def _check_trace(spec, trace, options):
         check_layer_rows(spec, trace)
     else:
         assert all(device.layers is None for device in trace.devices.values())
-    flow_phase = {"F": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt"}
+    flow_phase = {"F": "tp", "R": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt"}
     # The clock uncertainty between two ranks (zero on one host with a shared clock).
     rtt = trace.clock["rtt_s"]
     same = trace.clock["method"]
@@ -166,7 +170,7 @@ def _check_trace(spec, trace, options):
         expected_steps = [(st.phase, virtual_stage(st.chunk, pp_i, s.pp), st.micro) for st in steps]
         flow = Counter()
         for eid, phase, vs, micro in plan.device_flow(rank):
-            if phase in ("F", "B") and plan.events[eid].kind == "compute":
+            if phase in ("F", "R", "B") and plan.events[eid].kind == "compute":
                 continue  # per layer in the plan; per stage and micro-batch in the trace
             flow[(flow_phase[phase], eid, vs)] += 1
         for iteration in range(ITERATIONS):

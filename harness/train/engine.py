@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.events import EventPlan
 from harness.layers import recomputed
@@ -472,7 +472,13 @@ class PipelineEngine:
             out = x
             with saving_into(self.memory):
                 for module, again in zip(self.stage_modules[vs], self.checkpointed[vs]):
-                    out = checkpoint(module, out, use_reentrant=False) if again else module(out)
+                    if again:
+                        # the whole forward again, as Megatron-LM (and the plan): torch's default early stop
+                        # would skip a pre-LN block's last projection and all-reduce, which nothing saves
+                        with set_checkpoint_early_stop(False):
+                            out = checkpoint(module, out, use_reentrant=False)
+                    else:
+                        out = module(out)
                     if clock:
                         marks.append(clock.mark())
                         outputs.append(out)
