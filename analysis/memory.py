@@ -50,6 +50,9 @@ class StageMemory:
     activations: int
     pipeline: int
     in_flight: int  # micro-batches (over the device's chunks) holding activations at the peak
+    remade: int = 0  # of `activations`: a recomputed layer's, re-made as its backward starts (recompute = "full")
+    # the peak over the same moments with re-made activations left out (what saved-tensor hooks can see)
+    without_remade: int = 0
 
     @property
     def total(self) -> int:
@@ -62,7 +65,8 @@ class StageMemory:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, **{f"{part}_bytes": getattr(self, part) for part in PARTS},
-                "total_bytes": self.total, "in_flight": self.in_flight, "dominant": self.dominant}
+                "total_bytes": self.total, "in_flight": self.in_flight, "dominant": self.dominant,
+                "remade_bytes": self.remade, "without_remade_bytes": self.without_remade}
 
 
 @dataclass
@@ -151,27 +155,29 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
         weights, gradients, optimizer = params * dtype, params * dtype, params * (state + master)
         live, in_flight, gradients_live = 0, 0, s.dp > 1
-        best = (-1, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight) at the peak
-        points = []  # (gradients live?, activations, buffers, in flight) after each moment of the schedule
+        best = (-1, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made) at the peak
+        points = []  # (gradients live?, activations, buffers, in flight, re-made) after each moment of the schedule
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
             vs = virtual_stage(step.chunk, d, s.pp)
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_live, live, 0, in_flight))
+                points.append((gradients_live, live, 0, in_flight, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live + remade[vs], received, in_flight))
+            points.append((gradients_live, live + remade[vs], received, in_flight, remade[vs]))
             live -= held[vs]
             in_flight -= 1
             gradients_live = True
-            points.append((True, live, received + sent, in_flight))
-        for grads_live, act, buffers, flight in points:
+            points.append((True, live, received + sent, in_flight, 0))
+        without = 0
+        for grads_live, act, buffers, flight, again in points:
             grads = gradients if grads_live else 0
             total = weights + optimizer + grads + act + buffers
+            without = max(without, total - again)
             if total > best[0]:
-                best = (total, grads, act, buffers, flight)
-        _, grads, act, buffers, flight = best
-        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight))
+                best = (total, grads, act, buffers, flight, again)
+        _, grads, act, buffers, flight, again = best
+        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight, again, without))
     return MemoryEstimate(stages, unmeasured)

@@ -236,9 +236,12 @@ def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]
         largest = max(devices, key=lambda d: int(d.attrs[PEAK_MEMORY_ATTR]))
         measured = int(largest.attrs[PEAK_MEMORY_ATTR])
         parts = json.loads(largest.attrs.get(MEMORY_PARTS_ATTR, "{}"))
+        # the meter counts what saved-tensor hooks see; torch.utils.checkpoint keeps a recomputed layer's
+        # re-made activations in its own frame, out of their sight: compared without them (docs/analysis.md)
         row = {"stage": stage.stage, "measured_bytes": measured, "predicted_bytes": stage.total,
-               "error_pct": _pct(stage.total, measured), "measured_parts": parts,
-               "predicted_parts": {part: getattr(stage, part) for part in PARTS}, "rank": largest.rank}
+               "error_pct": _pct(stage.without_remade, measured), "measured_parts": parts,
+               "predicted_parts": {part: getattr(stage, part) for part in PARTS}, "rank": largest.rank,
+               "remade_bytes": stage.remade, "compared_bytes": stage.without_remade}
         if CUDA_PEAK_MEMORY_ATTR in largest.attrs:
             row["cuda_max_allocated_bytes"] = int(largest.attrs[CUDA_PEAK_MEMORY_ATTR])
         rows.append(row)

@@ -104,12 +104,13 @@ def test_saved_activations_are_counted_until_the_backward_frees_them():
                             lambda m, x: torch.nn.functional.gelu(m(x))) == 8 * 64 * 4 * 2  # not the weight
 
 
-def test_the_model_meets_a_real_runs_peak(tmp_path, project_env):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute):
     """Profile and train one pipeline job on 2 ranks: each stage's predicted peak is within 1% of what the run
     held (the model and the run count the same parts; tests/README: docs/analysis.md, Memory)."""
     spec = tmp_path / "job.toml"
     spec.write_text(tiny_spec_text(layers=4, hidden=64, heads=4, ffn=256, seq=32, vocab=256, pp=2, global_batch=8,
-                                   micro=2, schedule="gpipe", warmup=1, repeats=2))
+                                   micro=2, schedule="gpipe", warmup=1, repeats=2, recompute=recompute))
     profiled = mpirun_harness(2, ["profile", str(spec), "-o", str(tmp_path / "out"), "--quiet"], project_env)
     assert profiled.returncode == 0, profiled.stderr
     trained = mpirun_harness(2, ["train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3"], project_env)

@@ -74,10 +74,17 @@ def run(args: argparse.Namespace) -> int:
     if result.memory:
         print()
         mb = lambda b: b / 1e6  # noqa: E731
-        print(format_table(("stage", "rank", "measured MB", "predicted MB", "error %", "largest part"),
+        remade = any(r.get("remade_bytes") for r in result.memory)
+        title = "peak memory per pipeline stage (its largest device; docs/analysis.md, Memory)"
+        if remade:
+            title += ("; error against the peak without the re-made activations of recompute, which the meter "
+                      "cannot see")
+        print(format_table(("stage", "rank", "measured MB", "predicted MB", "error %", "largest part")
+                           + (("re-made MB",) if remade else ()),
                            [(r["stage"], r["rank"], mb(r["measured_bytes"]), mb(r["predicted_bytes"]), r["error_pct"],
-                             max(r["predicted_parts"], key=r["predicted_parts"].get)) for r in result.memory],
-                           title="peak memory per pipeline stage (its largest device; docs/analysis.md, Memory)"))
+                             max(r["predicted_parts"], key=r["predicted_parts"].get))
+                            + ((mb(r["remade_bytes"]),) if remade else ()) for r in result.memory],
+                           title=title))
     if result.replica_lag:
         print()
         print(format_table(("stage", "measured ms", "predicted ms", "error %"),
