@@ -54,7 +54,7 @@ ffn = 1024
 seq_len = 128
 vocab = 2048
 """
-# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size)
+# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute])
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -62,14 +62,21 @@ CONFIGS = {
     "pp=2 1f1b m=4": (1, 1, 2, "1f1b", 4, 2),
     "pp=2 1f1b m=8": (1, 1, 2, "1f1b", 8, 2),
     "tp=2": (1, 2, 1, "1f1b", 4, 2),
+    "pp=2 1f1b recompute": (1, 1, 2, "1f1b", 4, 2, "full"),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 
 
-def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, repeats: int) -> str:
+def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none", *,
+              repeats: int) -> str:
     return (MODEL + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
-            f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\n"
+            f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
             f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
+
+
+def recomputes(config: tuple) -> bool:
+    """Whether the configuration recomputes (its runs then trace no layers: harness train refuses both)."""
+    return len(config) > 6 and config[6] != "none"
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -94,7 +101,8 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
     profile = launch + ["profile", str(workdir / "job.toml"), "-o", str(workdir / "prof"), "--quiet", "--force",
                         *(["--budget-s", repr(args.budget_s)] if args.budget_s else [])]
     train = launch + ["train", str(workdir / "job.toml"), "-o", str(workdir / "run"), "--iterations",
-                      str(args.iterations), "--warmup", "2", *([] if args.no_layer_times else ["--layer-times"])]
+                      str(args.iterations), "--warmup", "2",
+                      *([] if args.no_layer_times or recomputes(config) else ["--layer-times"])]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
     return validate(workdir, env, args.no_rank_speed)
