@@ -285,9 +285,11 @@ def from_trace(trace) -> RunActivity:
             return spans(start[keep], end[keep])
         tp = of(phase == "tp")
         compute = of(np.isin(kind, ["compute", "optimizer"])) - tp
-        comm = of(np.isin(kind, ["allreduce", "p2p"]))
+        comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter"]))
+        compute = compute - of(phase == "zero")  # FSDP's collectives inside the steps (zero > 0)
         phases = {"forward": of(phase == "F"), "backward": of(phase == "B"), "optimizer": of(phase == "opt"),
-                  "dp-sync": of(phase == "dp"), "tensor-parallel": tp, "pipeline": of(phase == "recv")}
+                  "dp-sync": of(np.isin(phase, ["dp", "zero"])), "tensor-parallel": tp,
+                  "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}
         ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,
                                    _trace_arrivals(device, cols))

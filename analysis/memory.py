@@ -14,7 +14,13 @@
   keeps only its input (torch.utils.checkpoint), and the backward of a micro-batch re-makes one layer's
   saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
 - pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
-  back (from its end until the send completes).
+  back (from its end until the send completes);
+- zero > 0 (FSDP2, every layer a unit sharded over the dp replicas): each replica keeps its shard of the
+  weights (none of its own with master weights: the fp32 master is the shard) and of the optimizer state;
+  zero 1 and 2 hold every weight whole through the iteration (gathered in the first forward), zero 3 one
+  layer's at a time; zero 1 accumulates whole gradients (reduce-scattered in the last backward), zero 2 and 3
+  a shard plus one layer's whole gradients; gradients are held from the first backward (they are freed with
+  the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and the gradients once a backward has made them, or from the start
 with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
@@ -154,7 +160,14 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
         weights, gradients, optimizer = params * dtype, params * dtype, params * (state + master)
-        live, in_flight, gradients_live = 0, 0, s.dp > 1
+        if s.zero:  # FSDP2 over the dp replicas (module docstring, "zero")
+            shard = -(-params // s.dp)
+            largest = max((plan.layers[i].params for vs in local for i in plan.stages[vs].layers), default=0) * dtype
+            own = 0 if master else shard * dtype  # with master weights the fp32 master is the shard
+            optimizer = shard * (state + master)
+            weights = own + (params * dtype if s.zero < 3 else largest)
+            gradients = params * dtype if s.zero == 1 else shard * dtype + largest
+        live, in_flight, gradients_live = 0, 0, s.dp > 1 and not s.zero
         best = (-1, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made) at the peak
         points = []  # (gradients live?, activations, buffers, in flight, re-made) after each moment of the schedule
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):

@@ -12,15 +12,16 @@ from typing import Mapping, Sequence
 
 from analysis.report import strategy_label
 from analysis.simulate import (BACKWARD, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV, P2P_SEND,
-                               RECOMPUTE, TP_ALLREDUCE, Timeline)
+                               RECOMPUTE, TP_ALLREDUCE, ZERO_ALLGATHER, ZERO_REDUCESCATTER, Timeline)
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
-           RECOMPUTE: "#64B5CD"}
+           RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#937860"}
 LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-parallel all-reduce",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
           DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send",
-          RECOMPUTE: "recomputed forward (in the backward)"}
+          RECOMPUTE: "recomputed forward (in the backward)", ZERO_ALLGATHER: "ZeRO weight all-gather",
+          ZERO_REDUCESCATTER: "ZeRO gradient reduce-scatter"}
 COMMUNICATION_ROW = frozenset({P2P_SEND, P2P_RECV, DP_ALLREDUCE})  # drawn below the compute stream
 COMPUTE_BAR = (0.38, 0.5)  # (bottom offset, height) within a row of height 1
 COMM_BAR = (0.08, 0.26)
@@ -48,6 +49,8 @@ def measured_category(kind: str, phase: str) -> str:
         return P2P_SEND if phase == "send" else P2P_RECV
     if kind == "allreduce":
         return TP_ALLREDUCE if phase == "tp" else DP_ALLREDUCE
+    if kind in ("allgather", "reducescatter"):
+        return ZERO_ALLGATHER if kind == "allgather" else ZERO_REDUCESCATTER
     return OPTIMIZER
 
 

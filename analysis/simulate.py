@@ -2,7 +2,10 @@
 
 Hierarchy (docs/analysis.md):
 - layer: its compute plus its tensor-parallel all-reduces, inline and blocking, in sequence; with
-  recompute = "full" a backward step first runs the stage's forward events again (StageProgram.recompute);
+  recompute = "full" a layer's backward first runs its forward again (StageProgram.backward_again); with
+  zero > 0 (FSDP2) its weights are all-gathered before it and its gradients reduce-scattered after it,
+  inline too, in the steps StageProgram.forward_of and backward_of list them (the iteration's first forward
+  and last backward differ for zero 1 and 2);
 - pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
   (harness.schedules); a step starts when the device is free and its P2P input has arrived. A P2P
   transfer starts when the sender has finished the step and the receiver has posted its receive (on
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
-from harness.events import EventPlan
+from harness.events import SHARDED_KINDS, EventPlan
 from harness.schedules import device_steps
 from harness.spec import JobSpec
 
@@ -41,8 +44,11 @@ COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
 FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
 P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER = "p2p-send", "p2p-recv", "dp-allreduce", "optimizer"
 P2P_POST = "p2p-post"  # the host posting a send after a step (Costs.send_post), on the compute track
-RECOMPUTE = "recompute"  # the forward run again at the start of a backward step (recompute = "full")
-CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST, RECOMPUTE)
+RECOMPUTE = "recompute"  # a layer's forward run again in the backward step (recompute = "full")
+# zero > 0 (FSDP2): a layer's weights gathered before it, its gradients reduce-scattered after, inline in the step
+ZERO_ALLGATHER, ZERO_REDUCESCATTER = "zero-allgather", "zero-reducescatter"
+CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST, RECOMPUTE,
+              ZERO_ALLGATHER, ZERO_REDUCESCATTER)
 
 
 class StepRecord(NamedTuple):
@@ -143,9 +149,19 @@ class DeviceSummary:
                 "comm_s": self.comm_s, "overlapped_comm_s": self.overlapped_comm_s, "idle_s": self.idle_s}
 
 
+class StepCost(NamedTuple):
+    """One step's items summed: its duration, the inline communication part, each item's start offset then its
+    end."""
+
+    seconds: float
+    comm_s: float
+    offsets: tuple[float, ...]
+
+
 @dataclass(frozen=True)
 class StageCosts:
-    """A virtual stage's per-micro-batch durations, its events summed (the simulation's unit of work)."""
+    """A virtual stage's per-micro-batch durations, its events summed (the simulation's unit of work); with
+    zero > 0 the first forward and the last backward of an iteration may differ (StageProgram.forward_of)."""
 
     forward_s: float  # compute + inline tensor-parallel all-reduces
     forward_comm_s: float  # the tensor-parallel all-reduce part of forward_s
@@ -156,6 +172,18 @@ class StageCosts:
     optimizer_s: float
     send_forward_s: float  # P2P of activations to the next virtual stage
     send_backward_s: float  # P2P of gradients to the previous virtual stage
+    first_forward: StepCost | None = None
+    last_backward: StepCost | None = None
+
+    def forward_step(self, micro: int) -> StepCost:
+        if micro == 0 and self.first_forward is not None:
+            return self.first_forward
+        return StepCost(self.forward_s, self.forward_comm_s, self.forward_offsets)
+
+    def backward_step(self, micro: int, micro_batches: int) -> StepCost:
+        if micro == micro_batches - 1 and self.last_backward is not None:
+            return self.last_backward
+        return StepCost(self.backward_s, self.backward_comm_s, self.backward_offsets)
 
 
 @dataclass
@@ -242,22 +270,26 @@ def _composite_split(costs: Costs, items: Sequence[str], layers: Sequence[int]) 
 
 def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
     """Sum each virtual stage's events into per-step durations (prefix offsets kept for buckets and detail)."""
+    def step(items: Sequence[str], layers: Sequence[int]) -> StepCost:
+        durations = _step_durations(costs, items, layers)
+        offsets = tuple(accumulate(durations, initial=0.0))
+        return StepCost(offsets[-1], sum(d for e, d in zip(items, durations) if plan.events[e].kind != "compute"),
+                        offsets)
+
     out = []
     for program in plan.stages:
-        fwd = _step_durations(costs, program.forward, program.forward_layers)
-        bwd = _step_durations(costs, program.backward, program.backward_layers)
-        fwd_comm = sum(d for e, d in zip(program.forward, fwd) if plan.events[e].kind != "compute")
-        bwd_comm = sum(d for e, d in zip(program.backward, bwd) if plan.events[e].kind != "compute")
-        forward_offsets = tuple(accumulate(fwd, initial=0.0))
-        backward_offsets = tuple(accumulate(bwd, initial=0.0))
+        fwd = step(program.forward, program.forward_layers)
+        bwd = step(program.backward, program.backward_layers)
         out.append(StageCosts(
-            forward_s=forward_offsets[-1], forward_comm_s=fwd_comm,
-            backward_s=backward_offsets[-1], backward_comm_s=bwd_comm,
-            forward_offsets=forward_offsets, backward_offsets=backward_offsets,
+            forward_s=fwd.seconds, forward_comm_s=fwd.comm_s,
+            backward_s=bwd.seconds, backward_comm_s=bwd.comm_s,
+            forward_offsets=fwd.offsets, backward_offsets=bwd.offsets,
             optimizer_s=(sum(costs.seconds(e) for e in program.optimizer)
                          + sum(costs.bucket_zero.get(b.event, 0.0) for b in program.buckets)),
             send_forward_s=costs.seconds(program.send_forward) if program.send_forward else 0.0,
-            send_backward_s=costs.seconds(program.send_backward) if program.send_backward else 0.0))
+            send_backward_s=costs.seconds(program.send_backward) if program.send_backward else 0.0,
+            first_forward=step(*program.first_forward) if program.first_forward else None,
+            last_backward=step(*program.last_backward[:2]) if program.last_backward else None))
     return out
 
 
@@ -338,7 +370,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                                         per_stage[vs - 1].send_forward_s)
                     else:
                         ready = 0.0
-                    duration = per_stage[vs].forward_s
+                    duration = per_stage[vs].forward_step(micro).seconds
                 else:
                     if vs < V - 1:
                         sent = backward_end[vs + 1][micro]
@@ -351,7 +383,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                         if own_forward is None:
                             break
                         ready = own_forward
-                    duration = per_stage[vs].backward_s
+                    duration = per_stage[vs].backward_step(micro, m).seconds
                 start = max(free[d], ready)
                 end = start + duration
                 if phase == "F":
@@ -424,7 +456,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         pending = []
         for chunk in range(s.chunks):
             vs = chunk * pp + d
-            offsets = per_stage[vs].backward_offsets
+            offsets = per_stage[vs].backward_step(m - 1, m).offsets
             for index, bucket in enumerate(plan.stages[vs].buckets):
                 gradients_ready = backward_start[vs][m - 1] + offsets[bucket.ready_after + 1]
                 pending.append((gradients_ready, vs, index, bucket))
@@ -444,7 +476,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
                                        lag(compute_end), window, schedule.posts[d]))
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
-        device.usage = _usage(device, per_stage, batch_time)
+        device.usage = _usage(device, per_stage, batch_time, m)
     return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time, pipeline=pipeline,
                     stage_costs=per_stage)
 
@@ -473,12 +505,13 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     return lag, window
 
 
-def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: float) -> Usage:
+def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: float,
+           micro_batches: int) -> Usage:
     compute = tp_comm = 0.0
     busy = []
     for r in device.steps:
         c = per_stage[r.virtual_stage]
-        step_comm = c.forward_comm_s if r.phase == "F" else c.backward_comm_s
+        step_comm = (c.forward_step(r.micro) if r.phase == "F" else c.backward_step(r.micro, micro_batches)).comm_s
         compute += (r.end_s - r.start_s) - step_comm
         tp_comm += step_comm
         busy.append((r.start_s, r.end_s))
@@ -555,22 +588,30 @@ class Timeline:
         for r in device.steps:
             program = plan.stages[r.virtual_stage]
             c = self.stage_costs[r.virtual_stage]
+            m = self.spec.micro_batches
             if r.phase == "F":
-                items, layers, offsets, category = program.forward, program.forward_layers, c.forward_offsets, FORWARD
+                items, layers = program.forward_of(r.micro)
+                again, offsets, category = [False] * len(items), c.forward_step(r.micro).offsets, FORWARD
             else:
-                items, layers, offsets, category = program.backward, program.backward_layers, c.backward_offsets, BACKWARD
+                items, layers, again = program.backward_of(r.micro, m)
+                offsets, category = c.backward_step(r.micro, m).offsets, BACKWARD
             layer = -1
             for k, eid in enumerate(items):
                 event = plan.events[eid]
                 if layers[k] >= 0:
                     layer = layers[k]
+                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind in SHARDED_KINDS:
+                    layer = layers[k + 1]  # FSDP gathers a layer's weights right before it
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"
-                again = r.phase == "B" and k < program.recompute
-                phase = "R" if again else r.phase
+                phase = "R" if again[k] else r.phase
                 if event.kind == "compute":
-                    out.append(Interval(start, end, COMPUTE_TRACK, RECOMPUTE if again else category, eid,
+                    out.append(Interval(start, end, COMPUTE_TRACK, RECOMPUTE if again[k] else category, eid,
                                         f"{phase} {event.name} {suffix}", r.virtual_stage, r.micro, layer))
+                elif event.kind in SHARDED_KINDS:
+                    out.append(Interval(start, end, COMPUTE_TRACK, ZERO_ALLGATHER if event.kind == "allgather"
+                                        else ZERO_REDUCESCATTER, eid, f"{phase} zero {event.name} {suffix}",
+                                        r.virtual_stage, r.micro, layer))
                 else:
                     out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
                                         f"{phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))

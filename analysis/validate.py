@@ -33,7 +33,7 @@ from analysis.costs import Costs, estimate_costs
 from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory
 from analysis.profile_reader import Profile, parse_spec_offline
 from analysis.trace_reader import Trace
-from analysis.simulate import StageCosts, Timeline, simulate
+from analysis.simulate import StageCosts, StepCost, Timeline, simulate
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, batch_time_interval
 
 REPORT_VERSION = 1
@@ -230,11 +230,14 @@ def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]
     harness train recorded memory have none), with the parts of both."""
     rows = []
     for stage in estimate.stages:
-        devices = [d for d in trace.devices.values() if d.pp == stage.stage and PEAK_MEMORY_ATTR in d.attrs]
-        if not devices:
+        # the meter's peak, else (zero > 0, which the meter cannot follow) the CUDA allocator's
+        attr = next((a for a in (PEAK_MEMORY_ATTR, CUDA_PEAK_MEMORY_ATTR)
+                     if any(d.pp == stage.stage and a in d.attrs for d in trace.devices.values())), None)
+        if attr is None:
             continue
-        largest = max(devices, key=lambda d: int(d.attrs[PEAK_MEMORY_ATTR]))
-        measured = int(largest.attrs[PEAK_MEMORY_ATTR])
+        devices = [d for d in trace.devices.values() if d.pp == stage.stage and attr in d.attrs]
+        largest = max(devices, key=lambda d: int(d.attrs[attr]))
+        measured = int(largest.attrs[attr])
         parts = json.loads(largest.attrs.get(MEMORY_PARTS_ATTR, "{}"))
         # the meter counts what saved-tensor hooks see; torch.utils.checkpoint keeps a recomputed layer's
         # re-made activations in its own frame, out of their sight: compared without them (docs/analysis.md)
@@ -285,7 +288,7 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
             vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
             if kind == "optimizer":
                 per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
-            elif phase == "tp":
+            elif phase in ("tp", "zero"):  # inline collectives, named by the step they ran in
                 step_phase = "F" if str(name).endswith(".fwd") else "B"
                 key = (vs, step_phase, micro, iteration)
                 per_step_comm[key] = per_step_comm.get(key, 0.0) + duration
@@ -320,6 +323,11 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
             else:  # costed 0 (no measurement): the measured time spread evenly over the step's items
                 changes[offsets] = tuple(seconds * k / max(1, len(predicted) - 1) for k in range(len(predicted)))
             changes[step] = seconds
+            variant = "first_forward" if phase == "F" else "last_backward"
+            if getattr(c, variant) is not None and getattr(c, step) > 0:  # zero > 0: stretched alike
+                factor = seconds / getattr(c, step)
+                v = getattr(c, variant)
+                changes[variant] = StepCost(v.seconds * factor, v.comm_s * factor, tuple(o * factor for o in v.offsets))
             comm_s = measured(vs, phase, inline)
             changes[comm] = (min(seconds, comm_s) if comm_s is not None
                              else getattr(c, comm) * seconds / getattr(c, step) if getattr(c, step) > 0 else 0.0)

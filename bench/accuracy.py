@@ -54,7 +54,7 @@ ffn = 1024
 seq_len = 128
 vocab = 2048
 """
-# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute])
+# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero]])
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -63,14 +63,17 @@ CONFIGS = {
     "pp=2 1f1b m=8": (1, 1, 2, "1f1b", 8, 2),
     "tp=2": (1, 2, 1, "1f1b", 4, 2),
     "pp=2 1f1b recompute": (1, 1, 2, "1f1b", 4, 2, "full"),
+    "dp=2 zero=1": (2, 1, 1, "1f1b", 4, 2, "none", 1),
+    "dp=2 zero=3": (2, 1, 1, "1f1b", 4, 2, "none", 3),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 
 
-def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none", *,
-              repeats: int) -> str:
+def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none",
+              zero: int = 0, *, repeats: int) -> str:
     return (MODEL + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
+            f"zero = {zero}\n"
             f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
 
 

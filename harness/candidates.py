@@ -21,7 +21,7 @@ from typing import Any
 from harness.errors import SpecError, UserError
 from harness.spec import JobSpec, parse_spec
 
-GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute")
+GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Grid:
 def strategy_key(spec: JobSpec) -> tuple:
     """What tells two candidates apart."""
     s = spec.strategy
-    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute)
+    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero)
 
 
 def candidate_label(spec: JobSpec) -> str:
@@ -57,8 +57,9 @@ def candidate_label(spec: JobSpec) -> str:
     s = spec.strategy
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
     recompute = f" recompute={s.recompute}" if s.recompute != "none" else ""
+    zero = f" zero={s.zero}" if s.zero else ""
     return (f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
-            f"{recompute}")
+            f"{recompute}{zero}")
 
 
 def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:
@@ -84,15 +85,17 @@ def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for world, dp, tp, pp, micro, schedule, recompute in itertools.product(
-            fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"], schedules, fields["recompute"]):
+    for world, dp, tp, pp, micro, schedule, recompute, zero in itertools.product(
+            fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"], schedules, fields["recompute"],
+            fields["zero"]):
         for chunks in (interleaved_chunks if schedule == "interleaved-1f1b" else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
                       ("schedule", schedule)) + ((("chunks", chunks),) if schedule == "interleaved-1f1b" else ()) \
-                + ((("recompute", recompute),) if spec.search.recompute else ())
+                + ((("recompute", recompute),) if spec.search.recompute else ()) \
+                + ((("zero", zero),) if spec.search.zero else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute)
+                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute, zero)
             except SpecError as exc:
                 rejected.append(Rejected(choice, _reason(exc)))
                 continue
@@ -105,7 +108,7 @@ def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
 
 
 def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, pp: int, micro: int,
-               schedule: str, chunks: int, recompute: str) -> JobSpec:
+               schedule: str, chunks: int, recompute: str, zero: int) -> JobSpec:
     if dp is None:
         if world % (tp * pp):
             raise SpecError(f"{world} devices are not a multiple of tp x pp = {tp * pp}")
@@ -121,7 +124,7 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, p
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
     data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks, "recompute": recompute},
+                                 "chunks": chunks, "recompute": recompute, "zero": zero},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
     return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)

@@ -169,9 +169,25 @@ class StageProgram:
     send_backward: str | None  # gradient to the previous virtual stage
     forward_layers: list[int] = field(default_factory=list)  # layer index of each forward item (-1: collective)
     backward_layers: list[int] = field(default_factory=list)
-    # recompute = "full": the first `recompute` items of `backward` run the forward of the stage's recomputed
-    # layers (harness.layers.recomputed) again, their tensor-parallel all-reduces included, in the same step
-    recompute: int = 0
+    # recompute = "full": which backward items run a recomputed layer's forward (harness.layers.recomputed)
+    # again, its tensor-parallel all-reduces included, right before that layer's backward
+    backward_again: list[bool] = field(default_factory=list)
+    # zero > 0: the first micro-batch's forward (events, layers) where it differs (FSDP gathers the weights
+    # then), and the last one's backward (events, layers, again) where it differs (zero 1 reduce-scatters then)
+    first_forward: tuple[list[str], list[int]] | None = None
+    last_backward: tuple[list[str], list[int], list[bool]] | None = None
+
+    def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
+        """The items of micro-batch `micro`'s forward step and their layers."""
+        if micro == 0 and self.first_forward is not None:
+            return self.first_forward
+        return self.forward, self.forward_layers
+
+    def backward_of(self, micro: int, micro_batches: int) -> tuple[list[str], list[int], list[bool]]:
+        """The items of micro-batch `micro`'s backward step, their layers and which run a forward again."""
+        if micro == micro_batches - 1 and self.last_backward is not None:
+            return self.last_backward
+        return self.backward, self.backward_layers, self.backward_again or [False] * len(self.backward)
 
 
 class EventPlan:
@@ -246,44 +262,68 @@ class EventPlan:
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         per_layer: dict[tuple, tuple[str, str]] = {}  # identical layers share their events (ids cost a hash)
         for vs, stage_layers in enumerate(stages):
-            fwd, bwd, fwd_layers, bwd_layers, opt = [], [], [], [], []
             tp_groups = tp_groups_of_stage[vs % s.pp]
-            grads: list[tuple[int, int]] = []  # (layer index, gradient bytes) in backward order
+            dp_groups = self._placements([self.rank_of(d, t, vs % s.pp) for d in range(s.dp)] for t in range(s.tp))
             # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
             again = {id(layer) for layer in stage_layers if s.recompute == "full" and recomputed(layer)}
             calls = sum(layer.tp_allreduces for layer in stage_layers)
             calls_again = sum(layer.tp_allreduces for layer in stage_layers if id(layer) in again)
             tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, m * (2 * calls + calls_again),
                                             "tensor-parallel groups") if calls else ""
-            events = []
-            again_items: list[tuple[str, int]] = []  # the recomputed forward's (event, layer index) items
+            # per layer, in forward order: its forward items, backward event, and (zero > 0) its FSDP collectives
+            per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str]] = []
             for layer in stage_layers:
                 index = index_of[id(layer)]
                 key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else ())
                 if key not in per_layer:
                     per_layer[key] = self._layer_events(layer, index, micro, seq)
-                events.append(per_layer[key])
                 f_id, b_id = per_layer[key]
-                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
                 self.multiplicity[f_id] += (2 if id(layer) in again else 1) * m * devices_per_stage
                 self.multiplicity[b_id] += m * devices_per_stage
-                fwd += [eid for eid, _ in items]
-                fwd_layers += [position for _, position in items]
-                if id(layer) in again:
-                    again_items += items
-            bwd, bwd_layers = [eid for eid, _ in again_items], [position for _, position in again_items]
-            for layer, (_, b_id) in zip(reversed(stage_layers), reversed(events)):
-                bwd.append(b_id)
-                bwd_layers.append(index_of[id(layer)])
-                bwd += [tp_allreduce] * layer.tp_allreduces
-                bwd_layers += [-1] * layer.tp_allreduces
-                grads.append((len(bwd) - 1, layer.params * dtype_bytes))
-            buckets = self._buckets(vs, grads) if s.dp > 1 else []
+                gather = scatter = ""
+                if s.zero and layer.params:
+                    nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
+                    gather = self._collective("allgather", nbytes, s.dp, dp_groups, 2 * m if s.zero == 3 else 1,
+                                              "data-parallel groups")
+                    scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
+                                               "data-parallel groups")
+                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
+                per_stage.append((layer, index, items, b_id, gather, scatter))
+
+            def forward(first: bool) -> list[tuple[str, int]]:
+                """zero 1 and 2 gather a layer's weights in the iteration's first forward, zero 3 in every one."""
+                out = []
+                for _, _, items, _, gather, _ in per_stage:
+                    out += ([(gather, -1)] if gather and (first or s.zero == 3) else []) + items
+                return out
+
+            def backward(last: bool) -> tuple[list[tuple[str, int]], list[bool], list[tuple[int, int]]]:
+                """Per layer in reverse: zero 3 gathers its weights, recompute runs its forward again, its
+                backward, and zero 2 and 3 (zero 1 in the last one) reduce-scatter its gradients. Also each
+                layer's (position of its last item, gradient bytes), for the data-parallel buckets."""
+                out, flags, grads = [], [], []
+                for layer, index, items, b_id, gather, scatter in reversed(per_stage):
+                    head = [(gather, -1)] if gather and s.zero == 3 else []
+                    redo = items if id(layer) in again else []
+                    own = [(b_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
+                    out += head + redo + own
+                    flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
+                    grads.append((len(out) - 1, layer.params * dtype_bytes))
+                    if scatter and (last or s.zero >= 2):
+                        out.append((scatter, -1))
+                        flags.append(False)
+                return out, flags, grads
+
+            fwd, first_fwd = forward(False), forward(True)
+            (bwd, bwd_again, grads), (last_bwd, last_again, _) = backward(False), backward(True)
+            buckets = self._buckets(vs, grads) if s.dp > 1 and not s.zero else []
             self.stages.append(StageProgram(
-                virtual_stage=vs, layers=[index_of[id(layer)] for layer in stage_layers], forward=fwd, backward=bwd,
-                buckets=buckets, optimizer=opt, send_forward=None, send_backward=None,
-                forward_layers=fwd_layers, backward_layers=bwd_layers,
-                recompute=len(again_items)))
+                virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
+                backward=[e for e, _ in bwd], buckets=buckets, optimizer=[], send_forward=None, send_backward=None,
+                forward_layers=[i for _, i in fwd], backward_layers=[i for _, i in bwd], backward_again=bwd_again,
+                first_forward=([e for e, _ in first_fwd], [i for _, i in first_fwd]) if first_fwd != fwd else None,
+                last_backward=([e for e, _ in last_bwd], [i for _, i in last_bwd], last_again)
+                if last_bwd != bwd else None))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it
@@ -331,6 +371,11 @@ class EventPlan:
         name = "optimizer(" + ", ".join(f"{n}x {label}" if n > 1 else label
                                         for label, (_, n) in zip(labels, runs)) + ")"
         content = {"phase": "optimizer", "params": params, **self._optimizer_content(), "layers": runs}
+        shard = self.spec.strategy.dp if self.spec.strategy.zero else 1
+        if shard > 1:  # ZeRO: each replica steps its shard, every weight split along its first dimension (FSDP2)
+            content["shard"] = shard
+            name += f" shard 1/{shard}"
+            params = -(-params // shard)
         return self._add("compute", name, content, 12.0 * params, 0, float(params * OPTIMIZER_BYTES_PER_PARAMETER))
 
     def _optimizer_content(self) -> dict[str, Any]:
@@ -413,15 +458,16 @@ class EventPlan:
             if step.phase == "F":
                 if vs > 0:
                     yield self.stages[vs - 1].send_forward, "recv", vs, step.micro
-                for eid in program.forward:
+                for eid in program.forward_of(step.micro)[0]:
                     yield eid, "F", vs, step.micro
                 if program.send_forward:
                     yield program.send_forward, "send", vs, step.micro
             else:
                 if vs < s.virtual_stages - 1:
                     yield self.stages[vs + 1].send_backward, "recv", vs, step.micro
-                for position, eid in enumerate(program.backward):
-                    yield eid, "R" if position < program.recompute else "B", vs, step.micro
+                items, _, again = program.backward_of(step.micro, self.spec.micro_batches)
+                for position, eid in enumerate(items):
+                    yield eid, "R" if again[position] else "B", vs, step.micro
                     if step.micro == last_micro:
                         for bucket in program.buckets:
                             if bucket.ready_after == position:

@@ -17,7 +17,8 @@ from harness.errors import SpecError
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each layer's input only
+RECOMPUTE = ("none", "full")
+ZERO_STAGES = (0, 1, 2, 3)  # activation recompute: keep every saved activation, or each layer's input only
 BACKENDS = ("torch", "mpi4py")
 
 # Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
@@ -39,11 +40,11 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
     "batch": {"global", "micro"},
-    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute"},
+    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -87,6 +88,7 @@ class StrategySpec:
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
     recompute: str = "none"  # full: every layer's forward is run again before its backward (torch.utils.checkpoint)
+    zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
 
     @property
     def world(self) -> int:
@@ -141,6 +143,7 @@ class SearchSpec:
     chunks: tuple[int, ...] = ()
     gpus: tuple[int, ...] = ()
     recompute: tuple[str, ...] = ()
+    zero: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -329,6 +332,13 @@ def _recompute(value: Any, field: str) -> str:
     return _choice({"recompute": value}, "recompute", field.rsplit(".", 1)[0], "none", RECOMPUTE)
 
 
+def _zero(value: Any, field: str) -> int:
+    if isinstance(value, bool) or value not in ZERO_STAGES:
+        raise SpecError(f"must be a ZeRO stage, one of {', '.join(map(str, ZERO_STAGES))} (0: no sharding; 1: the "
+                        f"optimizer state; 2: and the gradients; 3: and the weights), got {value!r}", field=field)
+    return int(value)
+
+
 def _check_keys(data: dict) -> None:
     for section, value in data.items():
         if section not in _SECTIONS:
@@ -417,6 +427,8 @@ def _parse_search(s: dict) -> SearchSpec:
                 _choice({key: item}, key, "search", "1f1b", SCHEDULES)
             elif key == "recompute":
                 _recompute(item, "search.recompute")
+            elif key == "zero":
+                _zero(item, "search.zero")
             else:
                 _int({key: item}, key, "search")
         values[key] = tuple(items)
@@ -454,7 +466,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     strategy = StrategySpec(dp=_int(s, "dp", "strategy", 1), tp=_int(s, "tp", "strategy", 1),
                             pp=_int(s, "pp", "strategy", 1), schedule=schedule, chunks=chunks,
                             dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0),
-                            recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"))
+                            recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"),
+                            zero=_zero(s.get("zero", 0), "strategy.zero"))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
@@ -481,6 +494,12 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
         raise SpecError(f"dp x tp x pp = {strategy.dp} x {strategy.tp} x {strategy.pp} = {strategy.world} must equal "
                         f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
                         field="strategy")
+    if strategy.zero and strategy.dp == 1:
+        raise SpecError(f"zero = {strategy.zero} shards over the data-parallel replicas, and dp = 1 has one: set "
+                        "zero = 0, or dp > 1", field="strategy.zero")
+    if strategy.zero and strategy.tp > 1:
+        raise SpecError(f"zero = {strategy.zero} with tensor parallelism (tp > 1) is not built (FSDP over "
+                        "tensor-parallel shards); set tp = 1 or zero = 0", field="strategy.zero")
     if schedule != "interleaved-1f1b" and chunks != 1:
         raise SpecError(f"chunks = {chunks} needs schedule = 'interleaved-1f1b'", field="strategy.chunks")
     if model.layers % strategy.virtual_stages:

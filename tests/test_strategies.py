@@ -55,41 +55,44 @@ def test_recompute_is_a_search_dimension():
 
 
 # ---- events ----------------------------------------------------------------------------------------------------
-def test_a_recomputing_backward_runs_the_blocks_forward_first():
-    """pp = 2, tp = 2, 4 blocks: each backward step first runs its stage's two blocks forward again, with their
-    tensor-parallel all-reduces; the embedding and the head (with the loss) are not recomputed."""
+def test_a_recomputing_backward_runs_each_blocks_forward_before_its_backward():
+    """pp = 2, tp = 2, 4 blocks: a backward step runs, per block in reverse, its forward again (with its two
+    tensor-parallel all-reduces) and then its backward; the embedding and the head (with the loss) are not
+    recomputed."""
     none, full = plan_of(layers=4, pp=2, tp=2, global_batch=4, micro=1), \
         plan_of(layers=4, pp=2, tp=2, global_batch=4, micro=1, recompute="full")
+    names = [(full.events[e].name, again) for e, again in zip(full.stages[1].backward, full.stages[1].backward_again)]
+    tp = ("allreduce 2KiB x2 intra", False)
+    assert names == [("gpt2.head.bwd", False),
+                     ("gpt2.block.fwd", True), ("allreduce 2KiB x2 intra", True), ("allreduce 2KiB x2 intra", True),
+                     ("gpt2.block.bwd", False), tp, tp,
+                     ("gpt2.block.fwd", True), ("allreduce 2KiB x2 intra", True), ("allreduce 2KiB x2 intra", True),
+                     ("gpt2.block.bwd", False), tp, tp]
     for plain, again in zip(none.stages, full.stages):
-        blocks = [i for i, layer in zip(plain.forward, plain.forward_layers)
-                  if layer < 0 or full.layers[layer].kind == "block"]
-        assert again.recompute == len(blocks) == 6  # two blocks, each with two all-reduces
-        assert again.backward == blocks + plain.backward
+        assert [e for e, redo in zip(again.backward, again.backward_again) if not redo] == plain.backward
         assert again.forward == plain.forward
-    names = [full.events[e].name for e in full.stages[0].backward[:3]]
-    assert names == ["gpt2.block.fwd", "allreduce 2KiB x2 intra", "allreduce 2KiB x2 intra"]
     # each block's forward runs twice per micro-batch, its all-reduces three times (forward, recompute, backward)
     m, devices = full.spec.micro_batches, 2
     block_fwd = next(e for e in full.events.values() if e.name == "gpt2.block.fwd")
     embedding_fwd = next(e for e in full.events.values() if e.name == "gpt2.embedding.fwd")
     assert full.multiplicity[block_fwd.id] == 2 * none.multiplicity[block_fwd.id] == 2 * 4 * m * devices
     assert full.multiplicity[embedding_fwd.id] == none.multiplicity[embedding_fwd.id]
-    (tp,) = [e.id for e in full.events.values() if e.kind == "allreduce"]
+    (tp_id,) = [e.id for e in full.events.values() if e.kind == "allreduce"]
     # 4 blocks x 2 all-reduces per pass, one tensor-parallel group per stage
-    assert (none.multiplicity[tp], full.multiplicity[tp]) == (2 * 4 * 2 * m, 3 * 4 * 2 * m)
+    assert (none.multiplicity[tp_id], full.multiplicity[tp_id]) == (2 * 4 * 2 * m, 3 * 4 * 2 * m)
     assert set(full.events) == set(none.events)  # nothing new to profile
 
 
 def test_the_device_flow_marks_the_recomputed_forward():
-    """Stage 0's first backward step: the gradient received, its two blocks again (R), then the backward (B) of
-    the blocks and the embedding (which is not recomputed)."""
+    """Stage 0's first backward step: the gradient received, then per block in reverse its forward again (R) and
+    its backward (B), then the embedding's backward (not recomputed)."""
     plan = plan_of(layers=4, pp=2, global_batch=2, micro=1, recompute="full")
     flow = list(plan.device_flow(0))
     first_backward = next(i for i, (_, phase, _, _) in enumerate(flow) if phase in ("R", "B"))
-    phases = [phase for _, phase, _, _ in flow[first_backward - 1:first_backward + 5]]
-    assert phases == ["recv", "R", "R", "B", "B", "B"]
-    names = [plan.events[e].name for e, _, _, _ in flow[first_backward:first_backward + 5]]
-    assert names == ["gpt2.block.fwd", "gpt2.block.fwd", "gpt2.block.bwd", "gpt2.block.bwd", "gpt2.embedding.bwd"]
+    step = flow[first_backward - 1:first_backward + 5]
+    assert [(phase, plan.events[e].name) for e, phase, _, _ in step] == [
+        ("recv", "p2p 2KiB intra"), ("R", "gpt2.block.fwd"), ("B", "gpt2.block.bwd"), ("R", "gpt2.block.fwd"),
+        ("B", "gpt2.block.bwd"), ("B", "gpt2.embedding.bwd")]
     # every device's flows add up to the plan's multiplicities
     counts = Counter(e for rank in range(plan.spec.strategy.world) for e, phase, _, _ in plan.device_flow(rank)
                      if phase != "recv")
@@ -100,9 +103,9 @@ def test_buckets_stay_ready_after_their_own_gradients():
     """A data-parallel bucket is ready after the backward items that make its gradients, past the recompute."""
     none, full = plan_of(layers=2, dp=2, global_batch=4, micro=1), \
         plan_of(layers=2, dp=2, global_batch=4, micro=1, recompute="full")
-    shift = full.stages[0].recompute
-    assert shift == 2
-    assert [b.ready_after for b in full.stages[0].buckets] == [b.ready_after + shift for b in none.stages[0].buckets]
+    # one bucket (tiny model), ready after the last backward item, the embedding's, past two recomputed blocks
+    assert [b.ready_after for b in full.stages[0].buckets] == [b.ready_after + 2 for b in none.stages[0].buckets] \
+        == [len(full.stages[0].backward) - 1]
 
 
 # ---- timeline --------------------------------------------------------------------------------------------------
@@ -121,8 +124,8 @@ def test_the_backward_step_pays_the_forward_again():
     assert again.batch_time_s == pytest.approx(2 * (2e-3 + 2e-3 + 4e-3))
     first_backward = [i for i in again.intervals(0) if i.micro == 0 and i.category in (RECOMPUTE, BACKWARD)
                       and i.end_s > i.start_s]
-    assert [(i.category, i.name.split()[0]) for i in first_backward] == [
-        (RECOMPUTE, "R"), (RECOMPUTE, "R"), (BACKWARD, "B"), (BACKWARD, "B")]
+    assert [(i.category, i.name.split()[0], i.layer) for i in first_backward] == [
+        (RECOMPUTE, "R", 2), (BACKWARD, "B", 2), (RECOMPUTE, "R", 1), (BACKWARD, "B", 1)]
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------
@@ -188,3 +191,113 @@ def test_the_search_finds_the_strategy_that_only_fits_with_recompute(tmp_path):
     plain = {c.label: c.batch_time_s for c in everything.candidates}
     for label in recomputing:  # recompute costs the forward again
         assert plain[label] > plain[label.replace(" recompute=full", "")]
+
+
+# ---- ZeRO (FSDP2) ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(zero=3), r"\[strategy.zero\] zero = 3 shards over the data-parallel replicas, and dp = 1 has one"),
+    (dict(zero=1, dp=2, tp=2, global_batch=8), r"\[strategy.zero\] zero = 1 with tensor parallelism \(tp > 1\) is "
+                                                r"not built"),
+    (dict(zero=4, dp=2), r"\[strategy.zero\] must be a ZeRO stage, one of 0, 1, 2, 3")])
+def test_zero_that_makes_no_sense_is_refused(kwargs, message):
+    with pytest.raises(SpecError, match=message):
+        loads_spec(tiny_spec_text(**kwargs))
+
+
+def _zero_plan(zero, **kwargs):
+    return plan_of(layers=2, dp=2, global_batch=8, micro=1, zero=zero, **kwargs)  # m = 4
+
+
+@pytest.mark.parametrize("zero,gathers,scatters", [(1, 1, 1), (2, 1, 4), (3, 8, 4)])
+def test_zero_collectives_per_layer_and_iteration(zero, gathers, scatters):
+    """Per layer and iteration: zero 1 and 2 gather the weights in the first forward, zero 3 in every forward and
+    backward (m = 4); zero 1 reduce-scatters in the last backward, zero 2 and 3 in every one. No buckets."""
+    plan = _zero_plan(zero)
+    program = plan.stages[0]
+    assert program.buckets == []
+    per_micro = [Counter(plan.events[e].kind for e in program.forward_of(mb)[0] + program.backward_of(mb, 4)[0])
+                 for mb in range(4)]
+    layers = len(program.layers)  # embedding, 2 blocks, head: every one has weights
+    assert sum(c["allgather"] for c in per_micro) == gathers * layers
+    assert sum(c["reducescatter"] for c in per_micro) == scatters * layers
+    flow = Counter(plan.events[e].kind for e, _, _, _ in plan.device_flow(0))
+    assert (flow["allgather"], flow["reducescatter"], flow["allreduce"]) == (gathers * layers, scatters * layers, 0)
+    counts = Counter(e for rank in range(2) for e, _, _, _ in plan.device_flow(rank))
+    for eid, event in plan.events.items():  # a collective is one call per group, listed by both members
+        assert counts[eid] == plan.multiplicity[eid] * (2 if event.kind in ("allgather", "reducescatter") else 1)
+
+
+def test_zero3_gathers_before_and_scatters_after_each_layer():
+    program = _zero_plan(3).stages[0]
+    plan = _zero_plan(3)
+    forward = [plan.events[e].kind[:6] if plan.events[e].kind != "compute" else plan.events[e].name
+               for e in program.forward]
+    assert forward == ["allgat", "gpt2.embedding.fwd", "allgat", "gpt2.block.fwd", "allgat", "gpt2.block.fwd",
+                       "allgat", "gpt2.head.fwd"]
+    backward = [plan.events[e].kind[:6] if plan.events[e].kind != "compute" else plan.events[e].name
+                for e in program.backward]
+    assert backward[:6] == ["allgat", "gpt2.head.bwd", "reduce", "allgat", "gpt2.block.bwd", "reduce"]
+    (optimizer,) = program.optimizer
+    assert plan.events[optimizer].content["shard"] == 2 and plan.events[optimizer].name.endswith("shard 1/2")
+
+
+def test_zero_memory_follows_zero_s_accounting():
+    """Model states per device against ZeRO's (Rajbhandari et al.; K = 12, bf16 with fp32 master weights):
+    stage 1 `4P + 12P/N`, stage 2 `2P + 14P/N` plus one layer's whole gradients in its backward, stage 3 the
+    12P/N optimizer part plus a gradient shard 2P/N (its weight shard is the fp32 master) and one layer's whole
+    weights and gradients."""
+    def states(zero):
+        data = json.loads(make_spec(dp=4, micro_batches=4, layers=4, recompute="none").to_json())
+        data["model"]["dtype"] = "bfloat16"
+        data["optimizer"] = {**data["optimizer"], "master_weights": True}
+        data["strategy"]["zero"] = zero
+        plan = build_plan(parse_spec(data, source="t"))
+        (stage,) = estimate_memory(plan, _saved(plan, block_bytes=0, other=0)).stages
+        P = sum(layer.params for layer in plan.layers)
+        largest = max(layer.params for layer in plan.layers)
+        return stage, P, largest
+    N = 4
+    (s0, P, largest), (s1, *_), (s2, *_), (s3, *_) = (states(z) for z in range(4))
+    total = lambda s: s.weights + s.gradients + s.optimizer  # noqa: E731
+    assert total(s0) == 16 * P
+    assert total(s1) == 4 * P + 12 * -(-P // N)
+    assert total(s2) == 2 * P + 14 * -(-P // N) + 2 * largest
+    assert total(s3) == 14 * -(-P // N) + 2 * largest + 2 * largest
+
+
+def test_the_search_finds_the_strategy_that_only_fits_with_zero(tmp_path):
+    """Weights and Adam states too large for the memory given fit only with ZeRO 3, whose collectives cost
+    time: the search ranks the zero = 3 candidate, slower, as the only feasible one."""
+    from harness.candidates import expand
+
+    data = json.loads(make_spec(dp=4, micro_batches=2, layers=4).to_json())
+    data["search"] = {"zero": [0, 1, 2, 3]}
+    spec = parse_spec(data, source="search-test")
+    path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  by_name({"compute": 1e-3, "gpt2.block.fwd": 4e-3, "gpt2.block.bwd": 8e-3},
+                                          default=2e-4),
+                                  also=expand(spec).candidates, activations=lambda e: 100,
+                                  environment={"profiling_wall_s": 1.5, "warmup": 1, "repeats": 3})
+    profile = load_profile(path)
+    everything = {c.label: c for c in search(profile, jobs=1).candidates}
+    assert len(everything) == 4
+    peaks = {label: c.peak_memory_bytes for label, c in everything.items()}
+    order = sorted(peaks, key=peaks.get)
+    assert [label.rsplit(" ", 1)[-1] for label in order] == ["zero=3", "zero=2", "zero=1", "m=2"]
+    limit = (peaks[order[0]] + peaks[order[1]]) / 2
+    result = search(profile, capacity_bytes=limit, jobs=1)
+    assert [c.label for c in result.candidates if c.feasible] == [order[0]]
+    assert everything[order[0]].batch_time_s > everything[order[-1]].batch_time_s  # its collectives cost time
+
+
+def test_the_timeline_shows_zero_collectives_inline():
+    """zero 3, every event 1 ms: each layer's forward step item waits for its weights, in the step."""
+    plan = _zero_plan(3)
+    timeline = simulate(plan, Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events}))
+    from analysis.simulate import ZERO_ALLGATHER, ZERO_REDUCESCATTER
+
+    first = [i for i in timeline.intervals(0) if i.micro == 0]
+    kinds = Counter(i.category for i in first)
+    assert kinds[ZERO_ALLGATHER] == 8 and kinds[ZERO_REDUCESCATTER] == 4  # 4 layers: forward and backward
+    gather = next(i for i in first if i.category == ZERO_ALLGATHER)
+    assert gather.layer == 0 and gather.name.startswith("F zero allgather")

@@ -101,6 +101,12 @@ CONFIGS = {
     "pp-1f1b-recompute": (lambda n: {**_pp(n, "1f1b"), "recompute": "full"}, {}),
     "tp-dp-recompute": (lambda n: None if n % 2 else {**_tp(2), "dp": n // 2, "global_batch": 2 * n,
                                                       "recompute": "full"}, {}),
+    # zero > 0: FSDP2 over the data-parallel replicas; zero 1 and 2 gather once an iteration, zero 3 per step
+    "zero1-dp": (lambda n: {**_dp(n), "micro": 1, "global_batch": 2 * n, "zero": 1}, {}),
+    "zero2-dp-pp": (lambda n: None if n % 2 or n < 4 else
+                    dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8, zero=2), {}),
+    "zero3-dp-recompute": (lambda n: {**_dp(n), "micro": 1, "global_batch": 2 * n, "zero": 3, "recompute": "full"},
+                           {}),
     "dp-pp-fresh-data": (lambda n: None if n % 2 or n < 4 else
                          dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8), {"fresh_data": True}),
     "user-factory-dp-pp": (lambda n: None if n % 2 else
@@ -162,8 +168,8 @@ def _check_trace(spec, trace, options):
         assert len(device) > 0, f"rank {rank} recorded nothing"
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
-        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer"}
-        assert set(cols["phase"]) <= {"F", "B", "send", "recv", "tp", "dp", "opt"}
+        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter"}
+        assert set(cols["phase"]) <= {"F", "B", "send", "recv", "tp", "dp", "opt", "zero"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
@@ -172,6 +178,9 @@ def _check_trace(spec, trace, options):
         for eid, phase, vs, micro in plan.device_flow(rank):
             if phase in ("F", "R", "B") and plan.events[eid].kind == "compute":
                 continue  # per layer in the plan; per stage and micro-batch in the trace
+            if plan.events[eid].kind in ("allgather", "reducescatter"):  # zero > 0: FSDP2's, named by kind
+                flow[("zero", plan.events[eid].kind, vs)] += 1
+                continue
             flow[(flow_phase[phase], eid, vs)] += 1
         for iteration in range(ITERATIONS):
             rows = device.select(iteration=iteration)
@@ -192,10 +201,12 @@ def _check_trace(spec, trace, options):
                                       comp["end_s"]):
                 compute_at[(iteration, int(v), int(mb), str(p), rank)] = (float(a), float(b), rank)
             # Every communication and optimizer event of the plan's flow, as often as the plan says.
-            other = device.select(iteration=iteration, kind=("p2p", "allreduce", "optimizer"))
+            other = device.select(iteration=iteration, kind=("p2p", "allreduce", "optimizer", "allgather",
+                                                             "reducescatter"))
             zeroing = np.char.startswith(other["name"].astype(str), "zero.bucket")
-            counts = Counter((str(ph), str(e), int(v)) for ph, e, v, z in zip(other["phase"], other["event_id"],
-                                                                            other["virtual_stage"], zeroing) if not z)
+            counts = Counter((str(ph), str(k) if ph == "zero" else str(e), int(v))
+                             for ph, k, e, v, z in zip(other["phase"], other["kind"], other["event_id"],
+                                                       other["virtual_stage"], zeroing) if not z)
             assert counts == flow, f"rank {rank} iteration {iteration}: {counts} != {flow}"
             # A data-parallel replica zeroes each of its stages' buckets once, after that stage's optimizer steps.
             local_vs = sorted({v for _, v, _ in expected_steps})
@@ -210,7 +221,7 @@ def _check_trace(spec, trace, options):
                                if ph == "opt" and int(vv) == v and not z]
                 assert all(a >= e for e in steps_of_vs), f"rank {rank}: {name} before its stage's optimizer step"
             # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
-            tp_rows = device.select(iteration=iteration, phase="tp")
+            tp_rows = device.select(iteration=iteration, phase=("tp", "zero"))
             for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],
                                          tp_rows["micro"], tp_rows["name"]):
                 phase = "F" if name.endswith(".fwd") else "B"

@@ -144,6 +144,9 @@ class ComputeRunner:
         self.optimizers = []
         if self.phase == "optimizer":  # one optimizer over a device's parameters, as harness train steps it
             shapes = _parameter_shapes(spec, content["layers"], device)
+            shard = int(content.get("shard", 1))
+            if shard > 1:  # ZeRO: the first replica's shard, as FSDP2 splits each parameter along dimension 0
+                shapes = [(torch.Size((-(-shape[0] // shard),) + tuple(shape[1:])), dtype) for shape, dtype in shapes]
             first = _fresh_parameters(shapes, device)
             copies = copies or self._cold_cache_copies(first)
             self.layers = [first] + [_fresh_parameters(shapes, device) for _ in range(copies - 1)]

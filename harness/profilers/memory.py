@@ -24,12 +24,12 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(address, bytes) of a tensor's storage; None for tensors without one of their own."""
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.device.type == "meta":
         return None
-    try:
+    try:  # a DTensor (FSDP2's sharded parameters) has no storage of its own to read
         storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) if nbytes else None
     except (RuntimeError, NotImplementedError):
         return None
-    nbytes = storage.nbytes()
-    return (storage.data_ptr(), nbytes) if nbytes else None
 
 
 class LiveStorages:

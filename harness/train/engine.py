@@ -27,6 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+try:  # what FSDPModule.set_custom_all_gather and set_custom_reduce_scatter take (torch 2.8 on; private module)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # zero > 0 then stops in PipelineEngine._shard with a message
+    AllGather = ReduceScatter = object
+
+from harness.errors import UserError
 from harness.events import EventPlan
 from harness.layers import recomputed
 from harness.models import make_optimizer
@@ -252,6 +258,10 @@ class PipelineEngine:
             self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
             self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)
                                       if layer == -1), "")
+        self.zero = s.zero
+        self.sharded: dict[int, list[nn.Module]] = {vs: [] for vs in self.local_vs}
+        if self.zero:
+            self._shard(dp_group)
         # One optimizer over every trainable parameter of this device (all its chunks), as frameworks step a
         # model; torch's default implementation for the device (foreach on CUDA, one tensor at a time on a CPU).
         # The plan's optimizer event is the device's first virtual stage's.
@@ -264,7 +274,7 @@ class PipelineEngine:
             if 0 < vs <= self.last_vs:
                 self.act_spec[vs] = activation_spec(spec, plan.layers, plan.stages[vs].layers[0])
         self.buckets: dict[int, list[BucketState]] = {vs: [] for vs in self.local_vs}
-        if self.dp > 1:
+        if self.dp > 1 and not self.zero:
             self._make_buckets(modules)
         # what this device holds, by part, and its peak (harness.profilers.memory; the memory model counts alike)
         self.memory = LiveStorages()
@@ -294,6 +304,41 @@ class PipelineEngine:
                                       program.backward[program.backward_layers.index(p)]) for p in program.layers]
         # (vs, micro) -> when the gradient reached each module's output (by the module's index in the stage)
         self.gradient_marks: dict[tuple[int, int], dict[int, Any]] = {}
+
+    # ---- ZeRO (FSDP2) --------------------------------------------------------------------------
+    def _shard(self, dp_group) -> None:
+        """zero > 0: every layer with parameters becomes an FSDP2 unit over the data-parallel group (torch's
+        fully_shard), which gathers its weights before it and reduce-scatters its gradients after it. zero 1
+        and 2 keep the weights whole from the first forward to the last backward; zero 1 also keeps whole
+        gradients until the last backward; zero 3 reshards after every forward and backward."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if AllGather is object or not hasattr(FSDPModule, "set_custom_all_gather"):
+            raise UserError(f"zero = {self.zero} needs torch 2.8 or later (FSDP2's custom collectives, which "
+                            f"time its all-gathers and reduce-scatters); this is torch {torch.__version__}")
+        mesh = DeviceMesh.from_group(dp_group, device_type=self.device.type)
+        gather, scatter = _TimedAllGather(self), _TimedReduceScatter(self)
+        for vs in self.local_vs:
+            for module in self.stage_modules[vs]:
+                if not any(p.requires_grad for p in module.parameters()):
+                    continue
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.zero == 3)
+                module.set_custom_all_gather(gather)
+                module.set_custom_reduce_scatter(scatter)
+                self.sharded[vs].append(module)
+
+    def _prepare_backward(self, vs: int, micro: int) -> None:
+        """Before a backward: which FSDP units reduce-scatter and reshard after it (module docstring)."""
+        last = micro == self.m - 1
+        for module in self.sharded[vs]:
+            module.set_requires_gradient_sync(last or self.zero >= 2)
+            module.set_reshard_after_backward(last or self.zero == 3)
+
+    def _record_zero(self, kind: str, start: int, end: int) -> None:
+        phase, vs, micro = self.ctx
+        self.rec.add(start, end, end - start, kind, f"zero.{kind}.{'fwd' if phase == 'F' else 'bwd'}", "zero", "",
+                     vs, micro)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _annotated(self, kind: str):
@@ -502,6 +547,8 @@ class PipelineEngine:
         last_micro = micro == self.m - 1
         self.armed = vs if last_micro else None
         self.ctx = ("B", vs, micro)
+        if self.zero:
+            self._prepare_backward(vs, micro)
         clock = self.layer_clock
         start = self.now()
         with self._annotated("B"):
@@ -572,7 +619,7 @@ class PipelineEngine:
         """Ready the gradients for an iteration. A data-parallel bucket's buffer was zeroed at the end of the
         last one (_optimizer_steps, where the trace shows it) or was allocated zeroed: an iteration that
         raised before its optimizer steps would leave its gradients in the buckets (the runner stops then)."""
-        if self.dp > 1:
+        if self.dp > 1 and not self.zero:
             for vs in self.local_vs:
                 for bucket in self.buckets[vs]:
                     bucket.remaining = len(bucket.params)
@@ -588,7 +635,7 @@ class PipelineEngine:
             self._grad_releases.clear()
 
     def _finish_data_parallel(self) -> None:
-        if self.dp == 1:
+        if self.dp == 1 or self.zero:  # FSDP reduce-scattered in the backward
             return
         if not self.overlap:
             for vs in self.finished:
@@ -613,7 +660,7 @@ class PipelineEngine:
             self.rec.add(start, end, 0, "optimizer", self.plan.events[self.optimizer_event].name, "opt",
                          self.optimizer_event, self.local_vs[0], -1)
         for vs in self.local_vs:
-            if self.dp > 1:  # clear the buckets for the next iteration's gradients (Megatron-LM: each step)
+            if self.dp > 1 and not self.zero:  # clear the buckets for the next iteration's gradients (Megatron-LM)
                 for bucket in self.buckets[vs]:
                     start = self.now()
                     with self._annotated("zero"):
@@ -649,3 +696,41 @@ class PipelineEngine:
 
     def close(self, join: bool = True) -> None:
         self.completer.close(join)
+
+
+class _TimedAllGather(AllGather):
+    """FSDP2's all-gather as torch runs it (dist.all_gather_single), waited for and recorded as a row
+    (zero > 0): the engine's context names the step it ran in."""
+
+    def __init__(self, engine: "PipelineEngine"):
+        self.engine = engine
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        start = self.engine.now()
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        self.engine._record_zero("allgather", start, self.engine.now())
+        return work
+
+
+class _TimedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter (dist.reduce_scatter_single), waited for and recorded as a row (zero > 0)."""
+
+    def __init__(self, engine: "PipelineEngine"):
+        self.engine = engine
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        start = self.engine.now()
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+        if work is not None:
+            work.wait()
+        self.engine._record_zero("reducescatter", start, self.engine.now())
+        return work

@@ -57,6 +57,9 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
                         "runs their forward again inside the backward); drop --layer-times or set recompute = 'none'")
     if dp_backend not in DP_BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(DP_BACKENDS)}, got {dp_backend!r}")
+    if dp_backend == "mpi4py" and s.zero:
+        raise UserError(f"--backend mpi4py all-reduces data-parallel buckets; zero = {s.zero} runs FSDP2, whose "
+                        "collectives go through torch.distributed: use --backend torch or zero = 0")
     if dp_backend == "mpi4py":
         if spec.model.dtype == "bfloat16":
             raise UserError("--backend mpi4py cannot all-reduce bfloat16 (numpy has no such type); use --backend "
@@ -241,8 +244,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         columns = columns_from_rows(recorder.rows, timebase.seconds)
         attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "hostname": topology.hostnames[rank], "node": topology.node,
                  "device": str(dev), "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
-                 "buckets_json": json.dumps(engine.bucket_info()),
-                 PEAK_MEMORY_ATTR: int(engine.memory.peak), MEMORY_PARTS_ATTR: json.dumps(engine.memory.at_peak)}
+                 "buckets_json": json.dumps(engine.bucket_info())}
+        if not s.zero:  # FSDP2 frees and re-fills storages in place, which the meter cannot follow
+            attrs |= {PEAK_MEMORY_ATTR: int(engine.memory.peak), MEMORY_PARTS_ATTR: json.dumps(engine.memory.at_peak)}
         if dev.type == "cuda":
             attrs[CUDA_PEAK_MEMORY_ATTR] = int(torch.cuda.max_memory_allocated(dev))
         its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
