@@ -20,10 +20,11 @@ REPORT_KIND = "distsim-simulation"
 
 
 def strategy_label(timeline: Timeline) -> str:
-    """'dp=2 tp=2 pp=2 1f1b m=8' (plus chunks for interleaved schedules)."""
+    """'dp=2 tp=2 pp=2 1f1b m=8' (plus chunks for interleaved schedules, recompute and zero when on)."""
     s = timeline.spec.strategy
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
-    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}"
+    extra = (f" recompute={s.recompute}" if s.recompute != "none" else "") + (f" zero={s.zero}" if s.zero else "")
+    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}{extra}"
 
 
 def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:

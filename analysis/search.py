@@ -80,7 +80,8 @@ class CandidateResult:
     def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
         s = self.spec.strategy
         out = {"strategy": self.label, "gpus": s.world, "dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule,
-               "chunks": s.chunks, "micro": self.spec.batch.micro, "micro_batches": self.spec.micro_batches,
+               "chunks": s.chunks, "recompute": s.recompute, "zero": s.zero, "micro": self.spec.batch.micro,
+               "micro_batches": self.spec.micro_batches,
                "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,
                "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
                "comm_fraction": self.comm_fraction, "peak_memory_bytes": self.peak_memory_bytes,
@@ -153,6 +154,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
         memory = estimate_memory(plan, activations)
     except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
         result.reason = str(exc)
+        result.batch_time_s = result.bubble_fraction = result.comm_fraction = None
         return result
     peak = memory.peak
     result.peak_memory_bytes, result.peak_stage, result.dominant = peak.total, peak.stage, peak.dominant

@@ -106,8 +106,9 @@ class BucketRecord(NamedTuple):
 class Usage(NamedTuple):
     """How a device spent the iteration: compute_s + comm_s + idle_s = batch time.
 
-    comm_s is exposed communication (no compute running: blocking tensor-parallel all-reduces and the
-    part of asynchronous P2P / data-parallel all-reduces outside the compute stream's busy time);
+    comm_s is exposed communication (no compute running: blocking tensor-parallel all-reduces and ZeRO
+    collectives, and the part of asynchronous P2P / data-parallel all-reduces outside the compute stream's
+    busy time);
     overlapped_comm_s is asynchronous communication hidden behind the compute stream.
     """
 
@@ -600,7 +601,7 @@ class Timeline:
                 event = plan.events[eid]
                 if layers[k] >= 0:
                     layer = layers[k]
-                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind in SHARDED_KINDS:
+                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather":
                     layer = layers[k + 1]  # FSDP gathers a layer's weights right before it
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"

@@ -188,15 +188,15 @@ class Trace:
 
     def layer_durations(self, include_warmup: bool = False) -> dict[tuple[int, str, str], np.ndarray]:
         """(virtual stage, "F"|"B", plan event id) -> the time of every traced layer that is that event, over all
-        devices and the measured iterations; tensor-parallel all-reduces inside a layer are taken off it, as they
-        are events of their own. Empty for a trace without --layer-times."""
+        devices and the measured iterations; tensor-parallel all-reduces and FSDP2's collectives (zero > 0) inside a
+        layer are taken off it, as they are events of their own. Empty for a trace without --layer-times."""
         out: dict[tuple[int, str, str], list[float]] = {}
         keep_iterations = self.iterations["index"] if include_warmup else self.measured()
         for device in self.devices.values():
             if device.layers is None:
                 continue
             layers = device.layers
-            collectives = device.select(phase="tp")  # one device's block its main thread: they never overlap
+            collectives = device.select(phase=("tp", "zero"))  # they block the main thread: they never overlap
             by_start = np.argsort(collectives["start_s"], kind="stable")
             starts, ends = collectives["start_s"][by_start], collectives["end_s"][by_start]
             for i in np.flatnonzero(np.isin(layers["iteration"], keep_iterations)):

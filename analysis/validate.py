@@ -203,7 +203,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp,
                                "measured_busy_s": measured_busy, "predicted_busy_s": predicted_busy,
                                "error_pct": _pct(predicted_busy, measured_busy)})
-    if s.dp > 1:
+    if s.dp > 1 and not s.zero:  # FSDP2's collectives hold the replicas together layer by layer: no lag to model
         result.replica_lag = _replica_lag_rows(trace, timeline, kept)
     predicted_steps: dict[tuple[int, str, int], float] = {}
     for device in timeline.pipeline:
@@ -240,11 +240,15 @@ def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]
         measured = int(largest.attrs[attr])
         parts = json.loads(largest.attrs.get(MEMORY_PARTS_ATTR, "{}"))
         # the meter counts what saved-tensor hooks see; torch.utils.checkpoint keeps a recomputed layer's
-        # re-made activations in its own frame, out of their sight: compared without them (docs/analysis.md)
+        # re-made activations in its own frame, out of their sight: compared without them (docs/analysis.md);
+        # the CUDA allocator sees everything
+        meter = attr == PEAK_MEMORY_ATTR
+        compared = stage.without_remade if meter else stage.total
         row = {"stage": stage.stage, "measured_bytes": measured, "predicted_bytes": stage.total,
-               "error_pct": _pct(stage.without_remade, measured), "measured_parts": parts,
+               "error_pct": _pct(compared, measured), "measured_parts": parts,
                "predicted_parts": {part: getattr(stage, part) for part in PARTS}, "rank": largest.rank,
-               "remade_bytes": stage.remade, "compared_bytes": stage.without_remade}
+               "remade_bytes": stage.remade if meter else 0, "compared_bytes": compared,
+               "measured_by": "meter" if meter else "cuda"}
         if CUDA_PEAK_MEMORY_ATTR in largest.attrs:
             row["cuda_max_allocated_bytes"] = int(largest.attrs[CUDA_PEAK_MEMORY_ATTR])
         rows.append(row)
@@ -304,33 +308,42 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
                             if timeline.dp_overlap and timeline.spec.strategy.dp > 1 else 0.0
                             for vs, program in enumerate(plan.stages)}
 
-    def measured(vs: int, phase: str, table: dict, less_last: float = 0.0) -> float | None:
+    def measured(vs: int, phase: str, table: dict, less_last: float = 0.0, micros=None) -> float | None:
+        """The mean over micro-batches (those in `micros`, else all) of each one's median."""
         medians = [max(0.0, float(np.median(v)) - (less_last if micro == m - 1 else 0.0))
-                   for (s, p, micro), v in table.items() if s == vs and p == phase]
+                   for (s, p, micro), v in table.items()
+                   if s == vs and p == phase and (micros is None or micro in micros)]
         return float(np.mean(medians)) if medians else None
+
+    def replayed(predicted: StepCost, seconds: float, comm_s: float | None) -> StepCost:
+        """A predicted step stretched to its measured time (spread evenly over its items where costed 0)."""
+        if predicted.seconds > 0:
+            offsets = tuple(o * seconds / predicted.seconds for o in predicted.offsets)
+        else:
+            offsets = tuple(seconds * k / max(1, len(predicted.offsets) - 1) for k in range(len(predicted.offsets)))
+        comm = (min(seconds, comm_s) if comm_s is not None
+                else predicted.comm_s * seconds / predicted.seconds if predicted.seconds > 0 else 0.0)
+        return StepCost(seconds, comm, offsets)
 
     out = []
     for vs, c in enumerate(timeline.stage_costs):
         changes: dict[str, Any] = {}
-        for phase, step, comm, offsets in (("F", "forward_s", "forward_comm_s", "forward_offsets"),
-                                           ("B", "backward_s", "backward_comm_s", "backward_offsets")):
-            seconds = measured(vs, phase, steps, inside_last_backward[vs] if phase == "B" else 0.0)
-            if seconds is None:
-                continue
-            predicted = getattr(c, offsets)
-            if getattr(c, step) > 0:
-                changes[offsets] = tuple(o * seconds / getattr(c, step) for o in predicted)
-            else:  # costed 0 (no measurement): the measured time spread evenly over the step's items
-                changes[offsets] = tuple(seconds * k / max(1, len(predicted) - 1) for k in range(len(predicted)))
-            changes[step] = seconds
-            variant = "first_forward" if phase == "F" else "last_backward"
-            if getattr(c, variant) is not None and getattr(c, step) > 0:  # zero > 0: stretched alike
-                factor = seconds / getattr(c, step)
-                v = getattr(c, variant)
-                changes[variant] = StepCost(v.seconds * factor, v.comm_s * factor, tuple(o * factor for o in v.offsets))
-            comm_s = measured(vs, phase, inline)
-            changes[comm] = (min(seconds, comm_s) if comm_s is not None
-                             else getattr(c, comm) * seconds / getattr(c, step) if getattr(c, step) > 0 else 0.0)
+        for phase, variant, odd in (("F", "first_forward", 0), ("B", "last_backward", m - 1)):
+            less_last = inside_last_backward[vs] if phase == "B" else 0.0
+            # zero > 0: the micro-batch whose step differs (FSDP gathers or reduce-scatters there) on its own
+            distinct = getattr(c, variant) is not None
+            others = set(range(m)) - {odd} if distinct else None
+            seconds = measured(vs, phase, steps, less_last, others)
+            prefix = "forward" if phase == "F" else "backward"
+            if seconds is not None:
+                plain = StepCost(*(getattr(c, f"{prefix}{part}") for part in ("_s", "_comm_s", "_offsets")))
+                step = replayed(plain, seconds, measured(vs, phase, inline, micros=others))
+                changes |= {f"{prefix}_s": step.seconds, f"{prefix}_comm_s": step.comm_s,
+                            f"{prefix}_offsets": step.offsets}
+            if distinct:
+                seconds = measured(vs, phase, steps, less_last, {odd})
+                if seconds is not None:
+                    changes[variant] = replayed(getattr(c, variant), seconds, measured(vs, phase, inline, micros={odd}))
         if optimizer.get(vs):
             changes["optimizer_s"] = float(np.median(optimizer[vs]))
         out.append(replace(c, **changes))

@@ -231,9 +231,11 @@ class EventPlan:
         return counts
 
     def _collective(self, kind: str, nbytes: int, group: int, placements: Counter[str],
-                    calls_per_group: int, what: str) -> str:
+                    calls_per_group: int, what: str, fsdp: bool = False) -> str:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
-        slowest (inter-node) variant when groups of one kind straddle nodes unevenly."""
+        slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp`: an all-gather
+        or reduce-scatter as FSDP2 runs it for a unit of that size (its copies in and out, its allocations;
+        measured so, harness.profilers.comm)."""
         dtype = self.spec.model.dtype
         chosen = None
         for placement in (INTRA, INTER):
@@ -241,7 +243,10 @@ class EventPlan:
                 content = {"bytes": nbytes, "dtype": dtype, "placement": placement}
                 if kind != "p2p":
                     content["group"] = group
-                label = f"{kind} {human_bytes(nbytes)}" + (f" x{group}" if kind != "p2p" else "") + f" {placement}"
+                if fsdp:
+                    content["fsdp"] = True
+                label = f"{kind} {human_bytes(nbytes)}" + (f" x{group}" if kind != "p2p" else "") + f" {placement}" \
+                    + (" fsdp" if fsdp else "")
                 chosen = self._add(kind, label, content, float(nbytes),
                                    placements[placement] * calls_per_group)
         if len(placements) > 1 and what not in self.placement_mixed:
@@ -284,9 +289,9 @@ class EventPlan:
                 if s.zero and layer.params:
                     nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
                     gather = self._collective("allgather", nbytes, s.dp, dp_groups, 2 * m if s.zero == 3 else 1,
-                                              "data-parallel groups")
+                                              "data-parallel groups", fsdp=True)
                     scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
-                                               "data-parallel groups")
+                                               "data-parallel groups", fsdp=True)
                 items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
                 per_stage.append((layer, index, items, b_id, gather, scatter))
 
@@ -425,7 +430,8 @@ class EventPlan:
         return {
             "events_version": EVENTS_VERSION,
             "model": self.spec.model.name,
-            "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks},
+            "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks,
+                         "recompute": s.recompute, "zero": s.zero},
             "devices": s.world,
             "micro_batches": self.spec.micro_batches,
             **self.unique().summary(),

@@ -17,8 +17,8 @@ from harness.errors import SpecError
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE = ("none", "full")
-ZERO_STAGES = (0, 1, 2, 3)  # activation recompute: keep every saved activation, or each layer's input only
+RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each block's input only
+ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
 
 # Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
@@ -87,7 +87,7 @@ class StrategySpec:
     chunks: int = 1  # model chunks per pipeline device (interleaved-1f1b only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
-    recompute: str = "none"  # full: every layer's forward is run again before its backward (torch.utils.checkpoint)
+    recompute: str = "none"  # full: each block's forward is run again before its backward (harness.layers.recomputed)
     zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
 
     @property
@@ -333,7 +333,7 @@ def _recompute(value: Any, field: str) -> str:
 
 
 def _zero(value: Any, field: str) -> int:
-    if isinstance(value, bool) or value not in ZERO_STAGES:
+    if not isinstance(value, int) or isinstance(value, bool) or value not in ZERO_STAGES:
         raise SpecError(f"must be a ZeRO stage, one of {', '.join(map(str, ZERO_STAGES))} (0: no sharding; 1: the "
                         f"optimizer state; 2: and the gradients; 3: and the weights), got {value!r}", field=field)
     return int(value)

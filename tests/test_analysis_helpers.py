@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def make_spec(*, pp: int = 1, dp: int = 1, tp: int = 1, micro_batches: int = 4, micro: int = 1,
               layers: int | None = None, schedule: str = "1f1b", chunks: int = 1, dp_overlap: bool = True,
               nodes: int = 1, bucket_mb: float = 25.0, hidden: int = 64, seq: int = 16,
-              recompute: str = "none") -> JobSpec:
+              recompute: str = "none", zero: int = 0) -> JobSpec:
     """A small GPT-2-like job; `layers` defaults to one block per virtual stage."""
     layers = layers or pp * chunks
     world = dp * tp * pp
@@ -33,7 +33,8 @@ def make_spec(*, pp: int = 1, dp: int = 1, tp: int = 1, micro_batches: int = 4, 
                       "seq_len": seq, "vocab": 128},
             "batch": {"global": micro_batches * dp * micro, "micro": micro},
             "strategy": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "chunks": chunks,
-                         "dp_overlap": dp_overlap, "bucket_mb": bucket_mb, "recompute": recompute},
+                         "dp_overlap": dp_overlap, "bucket_mb": bucket_mb, "recompute": recompute,
+                         "zero": zero},
             "cluster": {"nodes": nodes, "gpus_per_node": world // nodes}}
     return parse_spec(data, source="test")
 

@@ -20,10 +20,12 @@ def jobs(draw):
     chunks = draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
     micro_batches = draw(st.integers(1, 3)) * pp if schedule == "interleaved-1f1b" else draw(st.integers(1, 6))
     dp, tp = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
+    zero = draw(st.integers(0, 3)) if dp > 1 and tp == 1 else 0
     spec = make_spec(pp=pp, dp=dp, tp=tp, micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                      layers=pp * chunks * draw(st.integers(1, 2)), dp_overlap=draw(st.booleans()),
                      bucket_mb=draw(st.sampled_from([1e-6, 0.01, 25.0])),
-                     nodes=2 if (dp * tp * pp) % 2 == 0 and draw(st.booleans()) else 1)
+                     nodes=2 if (dp * tp * pp) % 2 == 0 and draw(st.booleans()) else 1,
+                     recompute=draw(st.sampled_from(["none", "full"])), zero=zero)
     plan = build_plan(spec)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     free_comm = draw(st.booleans())
@@ -96,7 +98,8 @@ def test_timeline_invariants(job):
         compute_busy = [(iv.start_s, iv.end_s) for iv in details
                         if iv.track == COMPUTE_TRACK and plan.events[iv.event_id].kind == "compute"]
         comm = [(iv.start_s, iv.end_s) for iv in details
-                if iv.track == COMM_TRACK or iv.category in ("tp-allreduce", "p2p-post")]
+                if iv.track == COMM_TRACK or iv.category in ("tp-allreduce", "p2p-post", "zero-allgather",
+                                                             "zero-reducescatter")]
         busy = covered(compute_busy + comm, 0.0, T)
         assert abs(u.compute_s - covered(compute_busy, 0.0, T)) <= 1e-7
         assert abs(u.idle_s - (T - busy)) <= 1e-7
@@ -112,7 +115,11 @@ def test_timeline_invariants(job):
                 p2p = costs.seconds(plan.stages[vs + 1].send_backward)
                 assert backward_start[vs, i] >= backward_end[vs + 1, i] + p2p - EPS
             assert backward_start[vs, i] >= forward_end[vs, i] - EPS
-            assert abs(forward_end[vs, i] - forward_start[vs, i] - sum(costs.seconds(e) for e in program.forward)) < 1e-9
+            forward_items = program.forward_of(i)[0]  # zero 1 and 2 gather the weights in the first one
+            assert abs(forward_end[vs, i] - forward_start[vs, i] - sum(costs.seconds(e) for e in forward_items)) < 1e-9
+            backward_items = program.backward_of(i, m)[0]
+            assert abs(backward_end[vs, i] - backward_start[vs, i] - sum(costs.seconds(e) for e in backward_items)) \
+                < 1e-9
     # a transfer leaves after its step, takes its P2P time (plus at most the sender-busy extra), and the
     # step that needs it starts after it arrives
     for device in timeline.pipeline:

@@ -201,6 +201,27 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path):
+    """zero = 3 over dp = 2: every all-gather and reduce-scatter of the plan is measured through FSDP2 on a real
+    group of 2 ranks (its copies and allocations included), a sample being the slowest member's."""
+    from harness.profiling import run_profile
+
+    comm = _world()
+    outdir = _shared_dir(tmp_path) / "zero"
+    spec = loads_spec(tiny_spec_text(dp=2, layers=2, global_batch=4, micro=1, zero=3, repeats=3))
+    run_profile(spec, outdir, comm=comm, show_progress=False)
+    if comm.rank == 0:
+        plan = build_plan(spec)
+        sharded = [e for e in plan.events.values() if e.kind in ("allgather", "reducescatter")]
+        assert sharded and all(e.content["fsdp"] for e in sharded)
+        assert {e.kind for e in sharded} == {"allgather", "reducescatter"}
+        with h5py.File(outdir / "profile.h5") as f:
+            for event in sharded:
+                samples = f["measurements"][event.id]["samples_s"][()]
+                assert len(samples) >= 3 and (samples > 0).all(), event.name
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["torch", "mpi4py"])
 def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(backend, monkeypatch):
     """Each repeat divides the buffer by the group size (timed apart, as a replica averages its gradient

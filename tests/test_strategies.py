@@ -1,9 +1,11 @@
-"""The strategies that trade memory against time: activation recompute (recompute = "full") through the
-spec, the event flows, the timeline, the memory model and the search."""
+"""The strategies that trade memory against time, activation recompute (recompute = "full") and ZeRO (zero = 1 to 3,
+through FSDP2), through the spec, the event flows, the timeline, the memory model, the replay and the search."""
 from __future__ import annotations
 
 import json
 from collections import Counter
+
+import numpy as np
 
 import pytest
 
@@ -301,3 +303,32 @@ def test_the_timeline_shows_zero_collectives_inline():
     assert kinds[ZERO_ALLGATHER] == 8 and kinds[ZERO_REDUCESCATTER] == 4  # 4 layers: forward and backward
     gather = next(i for i in first if i.category == ZERO_ALLGATHER)
     assert gather.layer == 0 and gather.name.startswith("F zero allgather")
+
+
+def test_zero1_steps_differ_in_the_first_forward_and_the_last_backward():
+    """zero 1, every event 1 ms, 4 layers: the first forward gathers each layer's weights (8 ms against 4), the
+    last backward reduce-scatters each layer's gradients (8 ms against 4)."""
+    plan = _zero_plan(1)
+    timeline = simulate(plan, Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events}))
+    durations = {(r.phase, r.micro): r.end_s - r.start_s for r in timeline.pipeline[0].steps}
+    assert durations == pytest.approx({("F", 0): 8e-3, ("F", 1): 4e-3, ("F", 2): 4e-3, ("F", 3): 4e-3,
+                                       ("B", 0): 4e-3, ("B", 1): 4e-3, ("B", 2): 4e-3, ("B", 3): 8e-3})
+    usage = timeline.pipeline[0].usage  # the inline collectives are exposed communication
+    assert usage.comm_s == pytest.approx(8e-3) and usage.compute_s == pytest.approx(32e-3 + 1e-3)
+
+
+def test_a_replay_takes_the_distinct_steps_from_their_own_micro_batches():
+    """A run twice as slow as predicted in every step: the replay keeps zero 1's first forward and last backward
+    apart from the others instead of averaging them in."""
+    from types import SimpleNamespace
+
+    from analysis.validate import replay_stage_costs
+
+    plan = _zero_plan(1)
+    timeline = simulate(plan, Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events}))
+    steps = {(0, "F", 0): [16e-3], (0, "B", 3): [16e-3]} | {(0, "F", i): [8e-3] for i in (1, 2, 3)} \
+        | {(0, "B", i): [8e-3] for i in (0, 1, 2)}
+    (replayed,) = replay_stage_costs(SimpleNamespace(devices={}), timeline, np.array([0]), steps)
+    assert (replayed.forward_s, replayed.first_forward.seconds) == pytest.approx((8e-3, 16e-3))
+    assert (replayed.backward_s, replayed.last_backward.seconds) == pytest.approx((8e-3, 16e-3))
+    assert replayed.first_forward.comm_s == pytest.approx(8e-3)  # its gathers' predicted share, stretched

@@ -298,6 +298,12 @@ def test_training_run_traces_the_schedule_and_matches_a_single_process(config, s
                                                                             affinity)
             assert trace.environment["cpu_binding"] in ("bound", "shared", "single")
             _check_trace(spec, trace, options)
+            if spec.strategy.zero:  # FSDP2's collectives are the run's data-parallel communication
+                from analysis.activity import load_run
+                from analysis.breakdown import breakdown
+
+                phases = {row["phase"] for row in breakdown(load_run(result.trace_path)).phases}
+                assert "dp-sync" in phases
             losses = trace.iterations["loss"]
             assert np.all(np.isfinite(losses))
             np.testing.assert_allclose(losses, result.losses)

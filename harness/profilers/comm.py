@@ -107,7 +107,9 @@ class CommProfiler:
         samples = None
         if self.rank in members:
             buffer = self._buffer(task) if task.kind not in SHARDED_KINDS else None
-            if task.kind in SHARDED_KINDS:
+            if task.kind in SHARDED_KINDS and task.content.get("fsdp") and group is not None:
+                samples = self._fsdp(task, group, mpi_group, warmup, repeats)
+            elif task.kind in SHARDED_KINDS:
                 samples = self._sharded(task, members, group, mpi_group, warmup, repeats)
             elif task.kind == "p2p":
                 round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
@@ -133,6 +135,42 @@ class CommProfiler:
             raise RuntimeError(f"{task.kind} of {task.content['bytes']} B on ranks {members} gave {result.wrong} "
                                "wrong output element(s); check the communication backend with harness collectives")
         return CommSamples(result.samples_s, np.empty(0))
+
+    def _fsdp(self, task: CommTask, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
+        """zero > 0: the collective as FSDP2 runs it for a unit holding the task's bytes (one flat parameter,
+        `fully_shard` over the task's group): an all-gather is `unshard()` (the shard copied in, gathered,
+        copied out into freshly allocated whole weights), timed to its end, then `reshard()` untimed; a
+        reduce-scatter is the backward of a trivial use of the weights, whose post-backward hook copies the
+        whole gradient in, reduce-scatters and averages it and accumulates the shard. A sample is the
+        slowest member's. On a CPU this is 1.5-2x the bare collective (bench/accuracy.py's zero rows)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        dtype = TORCH_DTYPES[task.content["dtype"]]
+        elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())
+        mesh = DeviceMesh.from_group(group, device_type=self.device.type)
+        unit = _Unit(elements, dtype, self.device)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        one = torch.ones((), dtype=dtype, device=self.device)
+        local = np.empty(repeats, dtype=np.float64)
+        for i in range(warmup + repeats):
+            if task.kind == "reducescatter":
+                loss = unit(one)  # gathers (untimed): the backward then finds whole weights
+            mpi_group.Barrier()
+            synchronize(self.device)
+            t0 = time.perf_counter_ns()
+            if task.kind == "allgather":
+                unit.unshard()
+            else:
+                loss.backward()
+            synchronize(self.device)
+            if i >= warmup:
+                local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+            unit.reshard()
+            unit.zero_grad(set_to_none=True)
+        worst = np.empty_like(local)
+        mpi_group.Allreduce(local, worst, op=_mpi_max())
+        return CommSamples(worst, np.empty(0))
 
     def _p2p(self, buffer, members, group, mpi_group, warmup, repeats) -> tuple[np.ndarray, np.ndarray]:
         """Ping-pong between the pair: a sample is half the round trip (send and receive timed together), the
@@ -295,3 +333,20 @@ def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.nd
     for the slower member at the later all-reduces and the slower tail (the max over the members' own times
     would count the barrier's skew too)."""
     return np.asarray(last_end_s, dtype=np.float64) - np.asarray(last_start_s, dtype=np.float64)
+
+
+class _Unit(torch.nn.Module):
+    """An FSDP2 unit of one flat parameter, used trivially (what FSDP's collectives cost is the point)."""
+
+    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(elements, dtype=dtype, device=device))
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return (self.weight * scale).sum()
+
+
+def _mpi_max():
+    from mpi4py import MPI
+
+    return MPI.MAX

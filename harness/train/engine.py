@@ -710,7 +710,8 @@ class _TimedAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         start = self.engine.now()
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(output_tensor, input_tensor, group=group, async_op=async_op)
         if work is not None:
             work.wait()
         self.engine._record_zero("allgather", start, self.engine.now())
@@ -728,8 +729,8 @@ class _TimedReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         start = self.engine.now()
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
         if work is not None:
             work.wait()
         self.engine._record_zero("reducescatter", start, self.engine.now())
