@@ -16,7 +16,7 @@ from analysis.simulate import (BACKWARD, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_P
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
-           RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#937860"}
+           RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#BCBD22"}
 LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-parallel all-reduce",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
           DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send",

@@ -152,9 +152,10 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
             for r in stage_rows(timeline)]
     headers = ("stage", "devices", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle %") + (
         (f"memory {unit}",) if memory is not None else ())
+    sync = (f"ZeRO-{s.zero} through FSDP2, its collectives inline" if s.zero else
+            f"data-parallel all-reduce {'during' if timeline.dp_overlap else 'after'} the backward")
     out.append(format_table(headers, rows,
-                            title=f"per pipeline stage (its {s.dp} x {s.tp} dp x tp devices alike; data-parallel "
-                                  f"all-reduce {'during' if timeline.dp_overlap else 'after'} the backward):"))
+                            title=f"per pipeline stage (its {s.dp} x {s.tp} dp x tp devices alike; {sync}):"))
     if ranks:
         rows = [(d.rank, d.stage, d.dp, d.tp, _ms(d.compute_s), _ms(d.comm_s), _ms(d.overlapped_comm_s), _ms(d.idle_s))
                 for d in timeline.devices(ranks)]
