@@ -231,11 +231,11 @@ class EventPlan:
         return counts
 
     def _collective(self, kind: str, nbytes: int, group: int, placements: Counter[str],
-                    calls_per_group: int, what: str, fsdp: bool = False) -> str:
+                    calls_per_group: int, what: str, fsdp: dict | None = None) -> str:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
-        slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp`: an all-gather
-        or reduce-scatter as FSDP2 runs it for a unit of that size (its copies in and out, its allocations;
-        measured so, harness.profilers.comm)."""
+        slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp` (the layer:
+        {"layer", "signature"}): an all-gather or reduce-scatter as FSDP2 runs it for a unit holding that
+        layer's parameters (its copies in and out per parameter, its allocations; harness.profilers.comm)."""
         dtype = self.spec.model.dtype
         chosen = None
         for placement in (INTRA, INTER):
@@ -244,7 +244,7 @@ class EventPlan:
                 if kind != "p2p":
                     content["group"] = group
                 if fsdp:
-                    content["fsdp"] = True
+                    content["fsdp"] = fsdp
                 label = f"{kind} {human_bytes(nbytes)}" + (f" x{group}" if kind != "p2p" else "") + f" {placement}" \
                     + (" fsdp" if fsdp else "")
                 chosen = self._add(kind, label, content, float(nbytes),
@@ -288,10 +288,11 @@ class EventPlan:
                 gather = scatter = ""
                 if s.zero and layer.params:
                     nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
+                    unit = {"layer": layer.kind, "signature": dict(layer.signature)}
                     gather = self._collective("allgather", nbytes, s.dp, dp_groups, 2 * m if s.zero == 3 else 1,
-                                              "data-parallel groups", fsdp=True)
+                                              "data-parallel groups", fsdp=unit)
                     scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
-                                               "data-parallel groups", fsdp=True)
+                                               "data-parallel groups", fsdp=unit)
                 items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
                 per_stage.append((layer, index, items, b_id, gather, scatter))
 

@@ -465,7 +465,7 @@ def _profile_communication(run: ProfileRun) -> None:
     deadline = run.comm_start + run.spec.profile.budget_s
     for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        parts = _to_precision(run, task, lambda: run.profiler.measure(task, run.warmup, run.repeats),
+        parts = _to_precision(run, task, lambda: run.profiler.measure(task, run.warmup, run.repeats, run.spec),
                               lambda parts: np.concatenate([p.samples_s for p in parts]),
                               precision_statistic(task.kind),
                               t0 + max(0.0, deadline - t0) / (len(tasks) - number))

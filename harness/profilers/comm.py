@@ -92,8 +92,9 @@ class CommProfiler:
         elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())
         return torch.ones(elements, dtype=dtype, device=self.device)
 
-    def measure(self, task: CommTask, warmup: int, repeats: int) -> CommSamples | None:
-        """Samples (seconds) on the task's first rank, None elsewhere. Collective over the world."""
+    def measure(self, task: CommTask, warmup: int, repeats: int, spec=None) -> CommSamples | None:
+        """Samples (seconds) on the task's first rank, None elsewhere. Collective over the world. `spec` (the
+        job's) builds the layer whose parameters an FSDP2 collective moves (zero > 0)."""
         members = task.ranks
         group = self._torch_group(members) if self.backend == "torch" else None
         mpi_group = None
@@ -107,8 +108,8 @@ class CommProfiler:
         samples = None
         if self.rank in members:
             buffer = self._buffer(task) if task.kind not in SHARDED_KINDS else None
-            if task.kind in SHARDED_KINDS and task.content.get("fsdp") and group is not None:
-                samples = self._fsdp(task, group, mpi_group, warmup, repeats)
+            if task.kind in SHARDED_KINDS and task.content.get("fsdp") and group is not None and spec is not None:
+                samples = self._fsdp(task, spec, group, mpi_group, warmup, repeats)
             elif task.kind in SHARDED_KINDS:
                 samples = self._sharded(task, members, group, mpi_group, warmup, repeats)
             elif task.kind == "p2p":
@@ -136,22 +137,23 @@ class CommProfiler:
                                "wrong output element(s); check the communication backend with harness collectives")
         return CommSamples(result.samples_s, np.empty(0))
 
-    def _fsdp(self, task: CommTask, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
-        """zero > 0: the collective as FSDP2 runs it for a unit holding the task's bytes (one flat parameter,
-        `fully_shard` over the task's group): an all-gather is `unshard()` (the shard copied in, gathered,
-        copied out into freshly allocated whole weights), timed to its end, then `reshard()` untimed; a
-        reduce-scatter is the backward of a trivial use of the weights, whose post-backward hook copies the
-        whole gradient in, reduce-scatters and averages it and accumulates the shard. A sample is the
-        slowest member's. On a CPU this is 1.5-2x the bare collective (bench/accuracy.py's zero rows)."""
+    def _fsdp(self, task: CommTask, spec, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
+        """zero > 0: the collective as FSDP2 runs it for a unit holding the layer's parameters (their shapes,
+        `fully_shard` over the task's group; FSDP2's work is per parameter): an all-gather is `unshard()`
+        (the shards copied in, gathered, copied out into freshly allocated whole weights), timed to its end,
+        then `reshard()` untimed; a reduce-scatter is the backward of a trivial use of the weights, whose
+        post-backward hook copies the whole gradients in, reduce-scatters and averages them and accumulates
+        the shards. A sample is the slowest member's."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        dtype = TORCH_DTYPES[task.content["dtype"]]
-        elements = max(1, task.content["bytes"] // torch.tensor([], dtype=dtype).element_size())
+        from harness.profilers.compute import parameter_shapes
+
+        shapes = parameter_shapes(spec, [[task.content["fsdp"], 1]], self.device)
         mesh = DeviceMesh.from_group(group, device_type=self.device.type)
-        unit = _Unit(elements, dtype, self.device)
+        unit = _Unit(shapes, self.device)
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-        one = torch.ones((), dtype=dtype, device=self.device)
+        one = torch.ones((), dtype=shapes[0][1], device=self.device)
         local = np.empty(repeats, dtype=np.float64)
         for i in range(warmup + repeats):
             if task.kind == "reducescatter":
@@ -336,14 +338,15 @@ def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.nd
 
 
 class _Unit(torch.nn.Module):
-    """An FSDP2 unit of one flat parameter, used trivially (what FSDP's collectives cost is the point)."""
+    """An FSDP2 unit of a layer's parameter shapes, used trivially (what FSDP's collectives cost is the point)."""
 
-    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shapes, device: torch.device):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(elements, dtype=dtype, device=device))
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+                                              for shape, dtype in shapes)
 
     def forward(self, scale: torch.Tensor) -> torch.Tensor:
-        return (self.weight * scale).sum()
+        return sum((weight * scale).sum() for weight in self.weights)
 
 
 def _mpi_max():

@@ -56,7 +56,7 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
     return layer, lambda: torch.randn(micro, seq, model.hidden, device=device, dtype=dtype, requires_grad=True)
 
 
-def _parameter_shapes(spec: JobSpec, runs: list, device: torch.device) -> list[tuple[torch.Size, torch.dtype]]:
+def parameter_shapes(spec: JobSpec, runs: list, device: torch.device) -> list[tuple[torch.Size, torch.dtype]]:
     """The shapes and dtypes of the trainable parameters of a device's layers, given as runs of identical
     layers ([{"layer", "signature"}, count], an optimizer event's content), in order; each run's layer is built
     once."""
@@ -143,7 +143,7 @@ class ComputeRunner:
         self.content = dict(content, last=is_last)
         self.optimizers = []
         if self.phase == "optimizer":  # one optimizer over a device's parameters, as harness train steps it
-            shapes = _parameter_shapes(spec, content["layers"], device)
+            shapes = parameter_shapes(spec, content["layers"], device)
             shard = int(content.get("shard", 1))
             if shard > 1:  # ZeRO: the first replica's shard, as FSDP2 splits each parameter along dimension 0
                 shapes = [(torch.Size((-(-shape[0] // shard),) + tuple(shape[1:])), dtype) for shape, dtype in shapes]
