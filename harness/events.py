@@ -322,7 +322,7 @@ class EventPlan:
 
             fwd, first_fwd = forward(False), forward(True)
             (bwd, bwd_again, grads), (last_bwd, last_again, _) = backward(False), backward(True)
-            buckets = self._buckets(vs, grads) if s.dp > 1 and not s.zero else []
+            buckets = self._buckets(grads, dp_groups) if s.dp > 1 and not s.zero else []
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
                 backward=[e for e, _ in bwd], buckets=buckets, optimizer=[], send_forward=None, send_backward=None,
@@ -396,11 +396,10 @@ class EventPlan:
         return float((layer.params + tokens * (math.prod(in_features) + math.prod(layer.out_features)))
                      * self.spec.model.dtype_bytes)
 
-    def _buckets(self, vs: int, grads: list[tuple[int, int]]) -> list[Bucket]:
+    def _buckets(self, grads: list[tuple[int, int]], dp_groups: Counter[str]) -> list[Bucket]:
         """DDP-style buckets: layers' gradients in backward order, a bucket closing once it holds bucket_mb."""
         s = self.spec.strategy
         cap = int(s.bucket_mb * 2**20)
-        dp_groups = self._placements([self.rank_of(d, t, vs % s.pp) for d in range(s.dp)] for t in range(s.tp))
         buckets: list[Bucket] = []
         size, last = 0, -1
         for position, nbytes in grads:
