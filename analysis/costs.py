@@ -296,10 +296,11 @@ class MissingComputeError(UserError):
 
 
 def measured_comm_points(profile: Profile) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
-    """(kind, placement) -> [(bytes, group size, seconds)] over every communication measurement."""
+    """(kind, placement) -> [(bytes, group size, seconds)] over every communication measurement but FSDP2's
+    (zero > 0: the collective with FSDP2's copies, not the bare one the curves and fits describe)."""
     points: dict[tuple[str, str], list[tuple[float, int, float]]] = {}
     for m in profile.measurements.values():
-        if m.kind in COMM_KINDS and m.placement in PLACEMENTS and m.count:
+        if m.kind in COMM_KINDS and m.placement in PLACEMENTS and m.count and not m.content.get("fsdp"):
             points.setdefault((m.kind, m.placement), []).append((m.bytes, m.group_size, representative_seconds(m)))
     return points
 
@@ -335,7 +336,8 @@ def held_out_checks(profile: Profile, extra_points: CommPoints | None = None) ->
         points[key] = list(points.get(key, [])) + list(extra)
     checks = []
     for eid, m in sorted(profile.measurements.items()):
-        if m.kind not in COMM_KINDS or not m.count or not m.attrs.get("needed") or m.placement not in PLACEMENTS:
+        if (m.kind not in COMM_KINDS or not m.count or not m.attrs.get("needed") or m.placement not in PLACEMENTS
+                or m.content.get("fsdp")):
             continue
         own = (m.bytes, m.group_size, representative_seconds(m))
         others = list(points[(m.kind, m.placement)])
@@ -433,11 +435,13 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             continue
         reason = profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
         curve = costs.curves.get((event.kind, event.placement or INTER, event.group_size))
+        # an FSDP2 collective (zero > 0) the profile lacks is costed as the bare one: without FSDP2's copies
+        bare = "; FSDP2's copies not in it (the bare collective's curve)" if event.content.get("fsdp") else ""
         if curve is not None and curve.covers(event.bytes):
             low, high = curve.neighbours(event.bytes)
             costs.events[eid] = EventCost(
                 eid, event.name, event.kind, curve.interpolate(event.bytes), INTERPOLATED,
-                note=f"interpolated between the {human_bytes(low)} and {human_bytes(high)} measured")
+                note=f"interpolated between the {human_bytes(low)} and {human_bytes(high)} measured{bare}")
             continue
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
         fit, note = _choose_fit(fits, event.kind, event.placement or INTER)
@@ -447,7 +451,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             no_comm_events.append(event.name)
             continue
         seconds = fit.predict(event.kind, event.bytes, event.group_size)
-        costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement), note)
+        costs.events[eid] = EventCost(eid, event.name, event.kind, seconds, FITTED, (fit.kind, fit.placement),
+                                      note + bare)
     if uncorrected:
         costs.warnings.append(
             f"{len(uncorrected)} compute event(s) ({', '.join(sorted(set(uncorrected)))}) come from a profiling run "

@@ -165,7 +165,7 @@ class StageCosts:
     zero > 0 the first forward and the last backward of an iteration may differ (StageProgram.forward_of)."""
 
     forward_s: float  # compute + inline tensor-parallel all-reduces
-    forward_comm_s: float  # the tensor-parallel all-reduce part of forward_s
+    forward_comm_s: float  # the inline collectives' part of forward_s (tensor-parallel all-reduces, ZeRO's)
     backward_s: float
     backward_comm_s: float
     forward_offsets: tuple[float, ...]  # start offset of each forward item within the step, then its end

@@ -271,7 +271,8 @@ def _measured_steps(trace: Trace, kept: np.ndarray) -> dict[tuple[int, str, int]
 def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
                        steps: dict[tuple[int, str, int], list[float]] | None = None) -> list[StageCosts]:
     """The timeline's stage costs with each virtual stage's compute as the run measured it: per phase, the
-    mean over micro-batches of each micro-batch's median step (over the measured iterations and the
+    mean over micro-batches of each micro-batch's median step (zero 1 and 2: the first forward and the last
+    backward from their own micro-batch, the others from the rest; over the measured iterations and the
     stage's devices; tensor-parallel all-reduces inside included, and measured alike for the
     communication part; with the data-parallel all-reduce overlapped, less the buckets' division that
     the last micro-batch's backward holds in the run and the timeline runs with the buckets), the step's

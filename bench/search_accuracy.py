@@ -126,13 +126,13 @@ def main() -> int:
         found = json.loads(run(search, env).stdout)
         limit_gb = None
         if args.grid == "strategies":  # just below every plain candidate: only recompute or ZeRO can fit
-            plain = [c["peak_memory_bytes"] for c in found["candidates"]
-                     if "recompute=" not in c["strategy"] and "zero=" not in c["strategy"]]
+            plain = [c["peak_memory_bytes"] for c in found["candidates"] if c["peak_memory_bytes"] is not None
+                     and "recompute=" not in c["strategy"] and "zero=" not in c["strategy"]]
             limit_gb = 0.999 * min(plain) / 1e9
             found = json.loads(run(search + ["--memory-gb", repr(limit_gb)], env).stdout)
         jobs = {candidate_label(job): job for job in expand(load_spec(spec, import_factory=False)).candidates}
         rows = []
-        for index, candidate in enumerate(found["candidates"]):
+        for index, candidate in enumerate(c for c in found["candidates"] if c["batch_time_s"] is not None):
             folder = root / f"c{index:02d}"
             folder.mkdir(exist_ok=True)
             (folder / "job.toml").write_text(jobs[candidate["strategy"]].to_toml())

@@ -201,11 +201,19 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path):
+def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch):
     """zero = 3 over dp = 2: every all-gather and reduce-scatter of the plan is measured through FSDP2 on a real
-    group of 2 ranks (its copies and allocations included), a sample being the slowest member's."""
+    group of 2 ranks (its copies and allocations included), not as the bare collective."""
+    from harness.profilers.comm import CommProfiler
     from harness.profiling import run_profile
 
+    measured = []
+    through_fsdp = CommProfiler._fsdp
+
+    def spy(self, task, *args):
+        measured.append((task.kind, task.content["bytes"]))
+        return through_fsdp(self, task, *args)
+    monkeypatch.setattr(CommProfiler, "_fsdp", spy)
     comm = _world()
     outdir = _shared_dir(tmp_path) / "zero"
     spec = loads_spec(tiny_spec_text(dp=2, layers=2, global_batch=4, micro=1, zero=3, repeats=3))
@@ -218,7 +226,11 @@ def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path):
         with h5py.File(outdir / "profile.h5") as f:
             for event in sharded:
                 samples = f["measurements"][event.id]["samples_s"][()]
-                assert len(samples) >= 3 and (samples > 0).all(), event.name
+                assert len(samples) >= 3 and (samples >= 0).all() and samples.max() > 0, event.name
+    if comm.rank in (0, 1):  # the two members of the data-parallel group measure every sharded event through FSDP2
+        expected = {(e.kind, e.content["bytes"]) for e in build_plan(spec).events.values()
+                    if e.kind in ("allgather", "reducescatter")}
+        assert set(measured) == expected and len(expected) == 6
 
 
 @pytest.mark.mpi(min_size=2)

@@ -143,17 +143,31 @@ class CommProfiler:
         (the shards copied in, gathered, copied out into freshly allocated whole weights), timed to its end,
         then `reshard()` untimed; a reduce-scatter is the backward of a trivial use of the weights, whose
         post-backward hook copies the whole gradients in, reduce-scatters and averages them and accumulates
-        the shards. A sample is the slowest member's."""
+        the shards, less that backward's own time without FSDP2 (its median: the gradients it writes are the
+        layer's backward's, profiled with the layer). A sample is the slowest member's. FSDP2 shards every
+        parameter of a unit, frozen ones too."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         from harness.profilers.compute import parameter_shapes
 
-        shapes = parameter_shapes(spec, [[task.content["fsdp"], 1]], self.device)
+        shapes = parameter_shapes(spec, [[task.content["fsdp"], 1]], self.device, trainable=False)
+        one = torch.ones((), dtype=shapes[0][1], device=self.device)
+        own = 0.0
+        if task.kind == "reducescatter":
+            plain, times = _Unit(shapes, self.device), []
+            for _ in range(warmup + max(3, min(repeats, 10))):
+                loss = plain(one)
+                synchronize(self.device)
+                t0 = time.perf_counter_ns()
+                loss.backward()
+                synchronize(self.device)
+                times.append((time.perf_counter_ns() - t0) / 1e9)
+                plain.zero_grad(set_to_none=True)
+            own = float(np.median(times[warmup:]))
         mesh = DeviceMesh.from_group(group, device_type=self.device.type)
         unit = _Unit(shapes, self.device)
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-        one = torch.ones((), dtype=shapes[0][1], device=self.device)
         local = np.empty(repeats, dtype=np.float64)
         for i in range(warmup + repeats):
             if task.kind == "reducescatter":
@@ -167,7 +181,7 @@ class CommProfiler:
                 loss.backward()
             synchronize(self.device)
             if i >= warmup:
-                local[i - warmup] = (time.perf_counter_ns() - t0) / 1e9
+                local[i - warmup] = max(0.0, (time.perf_counter_ns() - t0) / 1e9 - own)
             unit.reshard()
             unit.zero_grad(set_to_none=True)
         worst = np.empty_like(local)

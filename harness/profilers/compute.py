@@ -56,14 +56,15 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
     return layer, lambda: torch.randn(micro, seq, model.hidden, device=device, dtype=dtype, requires_grad=True)
 
 
-def parameter_shapes(spec: JobSpec, runs: list, device: torch.device) -> list[tuple[torch.Size, torch.dtype]]:
-    """The shapes and dtypes of the trainable parameters of a device's layers, given as runs of identical
-    layers ([{"layer", "signature"}, count], an optimizer event's content), in order; each run's layer is built
-    once."""
+def parameter_shapes(spec: JobSpec, runs: list, device: torch.device,
+                     trainable: bool = True) -> list[tuple[torch.Size, torch.dtype]]:
+    """The shapes and dtypes of the trainable parameters (every one with `trainable` False) of a device's
+    layers, given as runs of identical layers ([{"layer", "signature"}, count], an optimizer event's content),
+    in order; each run's layer is built once."""
     shapes = []
     for layer, count in runs:
         module, _ = _make_layer(spec, layer, device)
-        shapes += [(p.shape, p.dtype) for p in module.parameters() if p.requires_grad] * int(count)
+        shapes += [(p.shape, p.dtype) for p in module.parameters() if p.requires_grad or not trainable] * int(count)
     return shapes
 
 
