@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.accuracy import MODEL, ROOT, run  # noqa: E402
 
 GOALS = {"spearman": 0.9, "regret_pct": 2.0, "memory_error_pct": 3.0}
-GRID = """[batch]
+JOB = """[batch]
 global = 8
-micro = 1
+micro = {micro}
 [strategy]
 dp = 2
 [cluster]
@@ -47,28 +47,10 @@ gpus_per_node = 2
 warmup = 3
 repeats = {repeats}
 [search]
-tp = [1, 2]
-pp = [1, 2]
-micro = [1, 2, 4]
-schedule = ["gpipe", "1f1b"]
 """
-STRATEGIES = """[batch]
-global = 8
-micro = 2
-[strategy]
-dp = 2
-[cluster]
-nodes = 1
-gpus_per_node = 2
-[profile]
-warmup = 3
-repeats = {repeats}
-[search]
-pp = [1, 2]
-recompute = ["none", "full"]
-zero = [0, 1, 3]
-"""
-GRIDS = {"parallelism": GRID, "strategies": STRATEGIES}
+# each grid: the job's micro-batch size and its [search] lines
+GRIDS = {"parallelism": (1, 'tp = [1, 2]\npp = [1, 2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b"]\n'),
+         "strategies": (2, 'pp = [1, 2]\nrecompute = ["none", "full"]\nzero = [0, 1, 3]\n')}
 
 
 def ranks(values: list[float]) -> np.ndarray:
@@ -120,7 +102,8 @@ def main() -> int:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         spec = root / "grid.toml"
-        spec.write_text(MODEL + GRIDS[args.grid].format(repeats=args.repeats))
+        micro, grid = GRIDS[args.grid]
+        spec.write_text(MODEL + JOB.format(micro=micro, repeats=args.repeats) + grid)
         run(launch + ["profile", str(spec), "-o", str(root / "prof"), "--quiet", "--force"], env)
         search = [sys.executable, "-m", "analysis", "search", str(root / "prof"), "--json", "--quiet"]
         found = json.loads(run(search, env).stdout)
