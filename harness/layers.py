@@ -139,15 +139,19 @@ def recomputed(layer: LayerDesc) -> bool:
     return layer.kind in ("block", "user")
 
 
+def user_input(layer: LayerDesc, model_dtype: str) -> tuple[tuple[int, ...], str]:
+    """A factory model's layer input after (micro, seq): its features and dtype name, as described."""
+    signature = dict(layer.signature)
+    return tuple(ast.literal_eval(signature.get("in_features", "()"))), signature.get("in_dtype", model_dtype)
+
+
 def input_bytes(spec: JobSpec, layers: list[LayerDesc], index: int) -> int:
     """Bytes of one micro-batch's input to layer `index`, which a recomputed layer keeps for its backward: the
     previous layer's output (a built-in model's hidden states), or the first layer's token ids (int64)."""
     micro, seq = spec.batch.micro, spec.model.seq_len
     if spec.model.family != "user":
         return micro * seq * (8 if index == 0 else spec.model.hidden * spec.model.dtype_bytes)
-    signature = dict(layers[index].signature)
-    features = ast.literal_eval(signature.get("in_features", "()"))
-    dtype = signature.get("in_dtype", spec.model.dtype)
+    features, dtype = user_input(layers[index], spec.model.dtype)
     return micro * seq * math.prod(features) * INPUT_DTYPE_BYTES.get(dtype, spec.model.dtype_bytes)
 
 

@@ -22,12 +22,14 @@ def _search_spec(grid=GRID, **kwargs):
     return parse_spec(data, source="search-test")
 
 
-def _profile(tmp_path, spec, **kwargs):
-    """A profile of the whole grid: compute by FLOPs-free names, 2 kB saved per block forward."""
+def _profile(tmp_path, spec, block_saves: int = 2000, **kwargs):
+    """A profile of the whole grid: compute by FLOPs-free names, `block_saves` bytes saved per block forward
+    (100 per other forward)."""
     candidates = expand(spec).candidates
     return write_handmade_profile(tmp_path / "profile.h5", spec, by_name({"compute": 1e-3, "gpt2.block.fwd": 4e-3,
                                                                           "gpt2.block.bwd": 8e-3}, default=2e-4),
-                                  also=candidates, activations=lambda e: 2000 if e.content["layer"] == "block" else 100,
+                                  also=candidates,
+                                  activations=lambda e: block_saves if e.content["layer"] == "block" else 100,
                                   environment={"profiling_wall_s": 1.5, "warmup": 1, "repeats": 3}, **kwargs)
 
 

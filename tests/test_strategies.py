@@ -19,7 +19,8 @@ from harness.events import build_plan
 from harness.layers import input_bytes
 from harness.spec import loads_spec, parse_spec
 from tests.helpers import tiny_spec_text
-from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
+from tests.test_analysis_helpers import make_spec
+from tests.test_search import _profile as grid_profile
 
 
 def plan_of(**kwargs):
@@ -173,15 +174,7 @@ def test_the_search_finds_the_strategy_that_only_fits_with_recompute(tmp_path):
     data = json.loads(make_spec(dp=2, micro_batches=4, layers=4).to_json())
     data["search"] = {"pp": [1, 2], "recompute": ["none", "full"]}
     spec = parse_spec(data, source="search-test")
-    from harness.candidates import expand
-
-    path = write_handmade_profile(tmp_path / "profile.h5", spec,
-                                  by_name({"compute": 1e-3, "gpt2.block.fwd": 4e-3, "gpt2.block.bwd": 8e-3},
-                                          default=2e-4),
-                                  also=expand(spec).candidates,
-                                  activations=lambda e: 10**6 if e.content["layer"] == "block" else 100,
-                                  environment={"profiling_wall_s": 1.5, "warmup": 1, "repeats": 3})
-    profile = load_profile(path)
+    profile = load_profile(grid_profile(tmp_path, spec, block_saves=10**6))
     everything = search(profile, jobs=1)
     peaks = {c.label: c.peak_memory_bytes for c in everything.candidates}
     recomputing = [label for label in peaks if "recompute=full" in label]
@@ -270,17 +263,10 @@ def test_zero_memory_follows_zero_s_accounting():
 def test_the_search_finds_the_strategy_that_only_fits_with_zero(tmp_path):
     """Weights and Adam states too large for the memory given fit only with ZeRO 3, whose collectives cost
     time: the search ranks the zero = 3 candidate, slower, as the only feasible one."""
-    from harness.candidates import expand
-
     data = json.loads(make_spec(dp=4, micro_batches=2, layers=4).to_json())
     data["search"] = {"zero": [0, 1, 2, 3]}
     spec = parse_spec(data, source="search-test")
-    path = write_handmade_profile(tmp_path / "profile.h5", spec,
-                                  by_name({"compute": 1e-3, "gpt2.block.fwd": 4e-3, "gpt2.block.bwd": 8e-3},
-                                          default=2e-4),
-                                  also=expand(spec).candidates, activations=lambda e: 100,
-                                  environment={"profiling_wall_s": 1.5, "warmup": 1, "repeats": 3})
-    profile = load_profile(path)
+    profile = load_profile(grid_profile(tmp_path, spec, block_saves=100))
     everything = {c.label: c for c in search(profile, jobs=1).candidates}
     assert len(everything) == 4
     peaks = {label: c.peak_memory_bytes for label, c in everything.items()}

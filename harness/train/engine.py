@@ -698,9 +698,9 @@ class PipelineEngine:
         self.completer.close(join)
 
 
-class _TimedAllGather(AllGather):
-    """FSDP2's all-gather as torch runs it (dist.all_gather_single), waited for and recorded as a row
-    (zero > 0): the engine's context names the step it ran in."""
+class _TimedCollective:
+    """FSDP2's collective as torch runs it, waited for and recorded as a row (zero > 0; the engine's context
+    names the step it ran in); buffers allocated as FSDP2's default does."""
 
     def __init__(self, engine: "PipelineEngine"):
         self.engine = engine
@@ -708,30 +708,23 @@ class _TimedAllGather(AllGather):
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
 
+    def _timed(self, kind: str, run: Callable[[], Any]):
+        start = self.engine.now()
+        work = run()
+        if work is not None:
+            work.wait()
+        self.engine._record_zero(kind, start, self.engine.now())
+        return work
+
+
+class _TimedAllGather(_TimedCollective, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        start = self.engine.now()
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        if work is not None:
-            work.wait()
-        self.engine._record_zero("allgather", start, self.engine.now())
-        return work
+        return self._timed("allgather", lambda: gather(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
-class _TimedReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter (dist.reduce_scatter_single), waited for and recorded as a row (zero > 0)."""
-
-    def __init__(self, engine: "PipelineEngine"):
-        self.engine = engine
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
+class _TimedReduceScatter(_TimedCollective, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        start = self.engine.now()
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
-        if work is not None:
-            work.wait()
-        self.engine._record_zero("reducescatter", start, self.engine.now())
-        return work
+        return self._timed("reducescatter", lambda: scatter(output_tensor, input_tensor, group=group, op=op,
+                                                            async_op=async_op))

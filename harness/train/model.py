@@ -7,7 +7,6 @@ a spec starts from the same model as `reference_losses`, and their losses agree 
 """
 from __future__ import annotations
 
-import ast
 from typing import Sequence
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from harness.errors import UserError
-from harness.layers import LayerDesc
+from harness.layers import LayerDesc, user_input
 from harness.models import TORCH_DTYPES, build_layer
 from harness.spec import JobSpec, ModelSpec
 
@@ -109,9 +108,8 @@ def activation_spec(spec: JobSpec, layers: Sequence[LayerDesc], first_position: 
     micro, seq = spec.batch.micro, spec.model.seq_len
     if spec.model.family != "user":
         return (micro, seq, spec.model.hidden), TORCH_DTYPES[spec.model.dtype]
-    signature = dict(layers[first_position].signature)
-    features = tuple(ast.literal_eval(signature.get("in_features", "()")))
-    dtype = getattr(torch, signature.get("in_dtype", spec.model.dtype))
+    features, dtype_name = user_input(layers[first_position], spec.model.dtype)
+    dtype = getattr(torch, dtype_name)
     if not dtype.is_floating_point:
         raise UserError(f"the pipeline cuts the model before layer {first_position}, whose input is {dtype}: "
                         "activations passed between stages must be floating point (change layers or pp)")
