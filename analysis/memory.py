@@ -15,6 +15,10 @@
   saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
 - pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
   back (from its end until the send completes);
+- a split backward (zero-bubble schedules): a micro-batch's activations are held until its W step, and its B
+  step keeps what the W needs beside them (the gradients at the layers' weights, as the profile measured each
+  layer's bwd_input event to keep; the first virtual stage keeps its received gradient, since its W runs its
+  whole backward); its gradients are made by the W;
 - zero > 0 (FSDP2, every layer a unit sharded over the dp replicas): each replica keeps its shard of the
   weights (none of its own with master weights: the fp32 master is the shard) and of the optimizer state;
   zero 1 and 2 hold every weight whole through the iteration (gathered in the first forward), zero 3 one
@@ -105,11 +109,12 @@ class MemoryEstimate:
 
 
 def activation_bytes(profile: Profile) -> dict[str, int]:
-    """Forward event id -> the bytes the profile measured its forward to save (forwards without the
-    measurement, from profiles written before it, are absent)."""
+    """Forward event id -> the bytes the profile measured its forward to save, and input-gradient event id
+    (bwd_input) -> the bytes it keeps for the weight-gradient step (events without the measurement, from
+    profiles written before it, are absent)."""
     out = {}
     for eid, m in profile.measurements.items():
-        if m.kind == "compute" and m.content.get("phase") == "fwd":
+        if m.kind == "compute" and m.content.get("phase") in ("fwd", "bwd_input"):
             value = m.attrs.get(ACTIVATION_BYTES_ATTR)
             if value is not None:
                 out[eid] = int(value)
@@ -136,6 +141,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
                          if plan.events[e].kind == "compute" and e not in activations})
     held = []  # per virtual stage: what one micro-batch in flight holds there
     remade = []  # per virtual stage: what its backward re-makes at once (recompute = "full")
+    kept = []  # per virtual stage, split backward: what a B step keeps for its W
     for vs, program in enumerate(plan.stages):
         saved, largest, again = 0, 0, 0
         for eid, index in zip(program.forward, program.forward_layers):
@@ -155,6 +161,9 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
         output = plan.events[program.send_forward].bytes if program.send_forward else 0
         held.append(saved + output)
         remade.append(largest)
+        if s.split_backward:
+            received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
+            kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else received)
     stages = []
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
@@ -177,9 +186,19 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
                 in_flight += 1
                 points.append((gradients_live, live, 0, in_flight, 0))
                 continue
+            if step.phase == "W":  # its activations and what its B kept freed, its gradients made
+                live -= held[vs] + kept[vs]
+                in_flight -= 1
+                gradients_live = True
+                points.append((True, live, 0, in_flight, 0))
+                continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
             points.append((gradients_live, live + remade[vs], received, in_flight, remade[vs]))
+            if s.split_backward:  # the activations stay for the W, with what the B keeps for it (which holds
+                live += kept[vs]  # the received gradient: the first stage's whole, a later one's weights' part)
+                points.append((gradients_live, live, sent, in_flight, 0))
+                continue
             live -= held[vs]
             in_flight -= 1
             gradients_live = True

@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from analysis.report import strategy_label
-from analysis.simulate import (BACKWARD, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV, P2P_SEND,
-                               RECOMPUTE, TP_ALLREDUCE, ZERO_ALLGATHER, ZERO_REDUCESCATTER, Timeline)
+from analysis.simulate import (BACKWARD, BACKWARD_WEIGHT, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV,
+                               P2P_SEND, RECOMPUTE, TP_ALLREDUCE, ZERO_ALLGATHER, ZERO_REDUCESCATTER, Timeline)
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
-           RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#BCBD22"}
+           RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#BCBD22", BACKWARD_WEIGHT: "#2E7D32"}
 LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-parallel all-reduce",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
           DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send",
           RECOMPUTE: "recomputed forward (in the backward)", ZERO_ALLGATHER: "ZeRO weight all-gather",
-          ZERO_REDUCESCATTER: "ZeRO gradient reduce-scatter"}
+          ZERO_REDUCESCATTER: "ZeRO gradient reduce-scatter", BACKWARD_WEIGHT: "weight gradients (zero-bubble W)"}
+STEP_CATEGORY = {"F": FORWARD, "B": BACKWARD, "W": BACKWARD_WEIGHT}  # a step's phase -> its bars' category
 COMMUNICATION_ROW = frozenset({P2P_SEND, P2P_RECV, DP_ALLREDUCE})  # drawn below the compute stream
 COMPUTE_BAR = (0.38, 0.5)  # (bottom offset, height) within a row of height 1
 COMM_BAR = (0.08, 0.26)
@@ -34,9 +35,9 @@ def timeline_bars(timeline: Timeline, stage: int) -> dict[str, list[tuple[float,
     """A simulated pipeline device's bars: whole steps, and every interval that is not a step's compute."""
     bars: dict[str, list[tuple[float, float]]] = {FORWARD: [], BACKWARD: []}
     for step in timeline.pipeline[stage].steps:
-        bars[FORWARD if step.phase == "F" else BACKWARD].append((step.start_s, step.end_s))
+        bars.setdefault(STEP_CATEGORY[step.phase], []).append((step.start_s, step.end_s))
     for iv in timeline.intervals(stage):
-        if iv.category not in (FORWARD, BACKWARD):
+        if iv.category not in STEP_CATEGORY.values():
             bars.setdefault(iv.category, []).append((iv.start_s, iv.end_s))
     return bars
 
@@ -44,7 +45,7 @@ def timeline_bars(timeline: Timeline, stage: int) -> dict[str, list[tuple[float,
 def measured_category(kind: str, phase: str) -> str:
     """The timeline category of a row of a real run's trace (docs/train.md: its kind and phase)."""
     if kind == "compute":
-        return FORWARD if phase == "F" else BACKWARD
+        return STEP_CATEGORY.get(phase, BACKWARD)
     if kind == "p2p":
         return P2P_SEND if phase == "send" else P2P_RECV
     if kind == "allreduce":
@@ -61,7 +62,7 @@ def draw_row(ax, y: float, bars: Bars) -> set[str]:
     for category in sorted(bars, key=list(COLOURS).index):
         spans = [(start * 1e3, (end - start) * 1e3) for start, end in bars[category]]
         offset, height = COMM_BAR if category in COMMUNICATION_ROW else COMPUTE_BAR
-        steps = category in (FORWARD, BACKWARD)
+        steps = category in STEP_CATEGORY.values()
         ax.broken_barh(spans, (y + offset, height), facecolors=COLOURS[category],
                        edgecolor="white" if steps and separate else "none", linewidth=0.4)
         if any(width > 0 for _, width in spans):

@@ -7,7 +7,9 @@ Hierarchy (docs/analysis.md):
   inline too, in the steps StageProgram.forward_of and backward_of list them (the iteration's first forward
   and last backward differ for zero 1 and 2);
 - pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
-  (harness.schedules); a step starts when the device is free and its P2P input has arrived. A P2P
+  (harness.schedules); a step starts when the device is free and its P2P input has arrived. A zero-bubble
+  schedule's B computes the input's gradient only and its W step, after its own B, the weights' (no P2P;
+  StageProgram.weight); its data-parallel buckets are ready as the last micro-batch's W makes them. A P2P
   transfer starts when the sender has finished the step and the receiver has posted its receive (on
   reaching the step), and takes its duration, plus the sender-busy extra if it waited for the receiver
   while the sender computes; the sender does not wait (asynchronous send). The transfer is
@@ -45,16 +47,17 @@ FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
 P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER = "p2p-send", "p2p-recv", "dp-allreduce", "optimizer"
 P2P_POST = "p2p-post"  # the host posting a send after a step (Costs.send_post), on the compute track
 RECOMPUTE = "recompute"  # a layer's forward run again in the backward step (recompute = "full")
+BACKWARD_WEIGHT = "backward-weight"  # a split backward's weight gradients (zero-bubble schedules' W steps)
 # zero > 0 (FSDP2): a layer's weights gathered before it, its gradients reduce-scattered after, inline in the step
 ZERO_ALLGATHER, ZERO_REDUCESCATTER = "zero-allgather", "zero-reducescatter"
 CATEGORIES = (FORWARD, BACKWARD, TP_ALLREDUCE, P2P_SEND, P2P_RECV, DP_ALLREDUCE, OPTIMIZER, P2P_POST, RECOMPUTE,
-              ZERO_ALLGATHER, ZERO_REDUCESCATTER)
+              ZERO_ALLGATHER, ZERO_REDUCESCATTER, BACKWARD_WEIGHT)
 
 
 class StepRecord(NamedTuple):
-    """One forward or backward step of one micro-batch on one virtual stage, as simulated."""
+    """One forward, backward or weight-gradient step of one micro-batch on one virtual stage, as simulated."""
 
-    phase: str  # F | B
+    phase: str  # F | B | W
     chunk: int
     virtual_stage: int
     micro: int
@@ -175,6 +178,15 @@ class StageCosts:
     send_backward_s: float  # P2P of gradients to the previous virtual stage
     first_forward: StepCost | None = None
     last_backward: StepCost | None = None
+    weight: StepCost = StepCost(0.0, 0.0, (0.0,))  # a split backward's W step (zero-bubble schedules)
+
+    def step(self, phase: str, micro: int, micro_batches: int) -> StepCost:
+        """The cost of this stage's step of `phase` (F, B or W) for micro-batch `micro`."""
+        if phase == "F":
+            return self.forward_step(micro)
+        if phase == "W":
+            return self.weight
+        return self.backward_step(micro, micro_batches)
 
     def forward_step(self, micro: int) -> StepCost:
         if micro == 0 and self.first_forward is not None:
@@ -290,7 +302,8 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
             send_forward_s=costs.seconds(program.send_forward) if program.send_forward else 0.0,
             send_backward_s=costs.seconds(program.send_backward) if program.send_backward else 0.0,
             first_forward=step(*program.first_forward) if program.first_forward else None,
-            last_backward=step(*program.last_backward[:2]) if program.last_backward else None))
+            last_backward=step(*program.last_backward[:2]) if program.last_backward else None,
+            weight=step(program.weight, program.weight_layers)))
     return out
 
 
@@ -301,7 +314,7 @@ class _Schedule(NamedTuple):
     records: list[list[StepRecord]]
     transfers: dict[tuple[str, int, int], tuple[float, float]]  # (direction, src stage, micro) -> start, end
     free: list[float]
-    backward_start: list[list[float]]
+    backward_start: list[list[float]]  # per virtual stage and micro-batch: when the step making its gradients began
     sender_busy: frozenset  # the (direction, src stage, micro) transfers costed with the sender computing
     posts: list[list[Post]]  # per device, its host's posts of sends after steps
 
@@ -362,7 +375,10 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
             while k < len(steps):
                 phase, chunk, micro = steps[k]
                 vs = chunk * pp + d
-                if phase == "F":
+                if phase == "W":  # after its own B, on the same device: nothing to wait for but the device
+                    ready = backward_end[vs][micro]
+                    duration = per_stage[vs].weight.seconds
+                elif phase == "F":
                     if vs > 0:
                         sent = forward_end[vs - 1][micro]
                         if sent is None:
@@ -389,11 +405,13 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                 end = start + duration
                 if phase == "F":
                     forward_end[vs][micro] = end
-                else:
+                elif phase == "B":
                     backward_end[vs][micro] = end
+                if phase == ("W" if s.split_backward else "B"):
                     backward_start[vs][micro] = start
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
-                event, post = post_after[phase][vs]  # a step that sends posts its send before the device goes on
+                # a step that sends posts its send before the device goes on (a W sends nothing)
+                event, post = post_after.get(phase, ((None, 0.0),) * V)[vs]
                 if post:
                     posts[d].append(Post(end, end + post, event, vs, micro))
                 free[d] = end + post
@@ -457,9 +475,11 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         pending = []
         for chunk in range(s.chunks):
             vs = chunk * pp + d
-            offsets = per_stage[vs].backward_step(m - 1, m).offsets
+            offsets = per_stage[vs].step("W" if s.split_backward else "B", m - 1, m).offsets
             for index, bucket in enumerate(plan.stages[vs].buckets):
-                gradients_ready = backward_start[vs][m - 1] + offsets[bucket.ready_after + 1]
+                # a split backward's W is one call over the stage: its buckets are ready at its end
+                made = offsets[-1] if s.split_backward else offsets[bucket.ready_after + 1]
+                gradients_ready = backward_start[vs][m - 1] + made
                 pending.append((gradients_ready, vs, index, bucket))
         pending.sort(key=lambda item: item[:3])
         buckets, comm_free = [], 0.0 if overlap else compute_end + lag(compute_end)
@@ -511,8 +531,7 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
     compute = tp_comm = 0.0
     busy = []
     for r in device.steps:
-        c = per_stage[r.virtual_stage]
-        step_comm = (c.forward_step(r.micro) if r.phase == "F" else c.backward_step(r.micro, micro_batches)).comm_s
+        step_comm = per_stage[r.virtual_stage].step(r.phase, r.micro, micro_batches).comm_s
         compute += (r.end_s - r.start_s) - step_comm
         tp_comm += step_comm
         busy.append((r.start_s, r.end_s))
@@ -593,6 +612,9 @@ class Timeline:
             if r.phase == "F":
                 items, layers = program.forward_of(r.micro)
                 again, offsets, category = [False] * len(items), c.forward_step(r.micro).offsets, FORWARD
+            elif r.phase == "W":
+                items, layers = program.weight, program.weight_layers
+                again, offsets, category = [False] * len(items), c.weight.offsets, BACKWARD_WEIGHT
             else:
                 items, layers, again = program.backward_of(r.micro, m)
                 offsets, category = c.backward_step(r.micro, m).offsets, BACKWARD

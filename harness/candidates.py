@@ -6,8 +6,9 @@ Rules (docs/spec.md, "[search]"):
   global batch;
 - the device count is fixed: `gpus` (or `--gpus`) when given, else the spec's cluster; without `dp` in the
   grid, dp is the device count over tp x pp; with it, a combination that uses another count is rejected;
-- `chunks` applies to interleaved-1f1b only (other schedules run one chunk per device): the grid's chunks
-  give interleaved candidates, the spec's own chunks when the grid has none (2 by default);
+- `chunks` applies to the interleaved schedules only (interleaved-1f1b, interleaved-zb; the others run one
+  chunk per device): the grid's chunks give interleaved candidates, the spec's own chunks when the grid has
+  none (2 by default);
 - the node size stays the spec's (`gpus_per_node`); a device count that does not fill whole nodes runs on
   one node if it is smaller than one, else is rejected;
 - identical candidates are one.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import SpecError, UserError
+from harness.schedules import INTERLEAVED
 from harness.spec import JobSpec, parse_spec
 
 GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero")
@@ -88,9 +90,9 @@ def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
     for world, dp, tp, pp, micro, schedule, recompute, zero in itertools.product(
             fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"], schedules, fields["recompute"],
             fields["zero"]):
-        for chunks in (interleaved_chunks if schedule == "interleaved-1f1b" else (1,)):
+        for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
-                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule == "interleaved-1f1b" else ()) \
+                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
                 + ((("recompute", recompute),) if spec.search.recompute else ()) \
                 + ((("zero", zero),) if spec.search.zero else ())
             choice = tuple((k, v) for k, v in choice if v is not None)

@@ -152,7 +152,9 @@ class Bucket:
 
     event: str
     nbytes: int
-    ready_after: int  # index into StageProgram.backward after which every gradient in the bucket is ready
+    # index into StageProgram.backward (a split backward's: into StageProgram.weight) after which every
+    # gradient in the bucket is made
+    ready_after: int
 
 
 @dataclass
@@ -176,6 +178,11 @@ class StageProgram:
     # then), and the last one's backward (events, layers, again) where it differs (zero 1 reduce-scatters then)
     first_forward: tuple[list[str], list[int]] | None = None
     last_backward: tuple[list[str], list[int], list[bool]] | None = None
+    # split backward (zero-bubble schedules): `backward` computes the input's gradient (the first virtual
+    # stage's is empty: its input is token ids) and the W step runs these, the weights' gradients (the first
+    # virtual stage's whole backward, as torch.distributed.pipelining runs it); buckets index into them
+    weight: list[str] = field(default_factory=list)
+    weight_layers: list[int] = field(default_factory=list)
 
     def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
         """The items of micro-batch `micro`'s forward step and their layers."""
@@ -277,6 +284,7 @@ class EventPlan:
                                             "tensor-parallel groups") if calls else ""
             # per layer, in forward order: its forward items, backward event, and (zero > 0) its FSDP collectives
             per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str]] = []
+            weights: list[tuple[str, int]] = []  # split backward: each layer's W event ('' for none)
             for layer in stage_layers:
                 index = index_of[id(layer)]
                 key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else ())
@@ -284,7 +292,16 @@ class EventPlan:
                     per_layer[key] = self._layer_events(layer, index, micro, seq)
                 f_id, b_id = per_layer[key]
                 self.multiplicity[f_id] += (2 if id(layer) in again else 1) * m * devices_per_stage
-                self.multiplicity[b_id] += m * devices_per_stage
+                w_id = ""
+                if s.split_backward and vs > 0:  # B the input's gradient, W the weights' (if it has any)
+                    b_id, w_id = self._split_backward_events(layer, index, micro, seq)
+                    if w_id:
+                        self.multiplicity[w_id] += m * devices_per_stage
+                elif s.split_backward:  # the first virtual stage's W is its whole backward, its B empty
+                    w_id = b_id
+                    b_id = ""
+                if b_id:
+                    self.multiplicity[b_id] += m * devices_per_stage
                 gather = scatter = ""
                 if s.zero and layer.params:
                     nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
@@ -295,6 +312,7 @@ class EventPlan:
                                                "data-parallel groups", fsdp=unit)
                 items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
                 per_stage.append((layer, index, items, b_id, gather, scatter))
+                weights.append((w_id, index))
 
             def forward(first: bool) -> list[tuple[str, int]]:
                 """zero 1 and 2 gather a layer's weights in the iteration's first forward, zero 3 in every one."""
@@ -311,7 +329,7 @@ class EventPlan:
                 for layer, index, items, b_id, gather, scatter in reversed(per_stage):
                     head = [(gather, -1)] if gather and s.zero == 3 else []
                     redo = items if id(layer) in again else []
-                    own = [(b_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
+                    own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces
                     out += head + redo + own
                     flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
                     grads.append((len(out) - 1, layer.params * dtype_bytes))
@@ -322,6 +340,12 @@ class EventPlan:
 
             fwd, first_fwd = forward(False), forward(True)
             (bwd, bwd_again, grads), (last_bwd, last_again, _) = backward(False), backward(True)
+            weight = [(w_id, index) for w_id, index in reversed(weights) if w_id]
+            if s.split_backward:  # a layer's gradients are made by its W item (all ready at the W step's end)
+                grads, position = [], -1
+                for (w_id, index), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
+                    position += bool(w_id)
+                    grads.append((max(position, 0), layer.params * dtype_bytes))
             buckets = self._buckets(grads, dp_groups) if s.dp > 1 and not s.zero else []
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
@@ -329,7 +353,7 @@ class EventPlan:
                 forward_layers=[i for _, i in fwd], backward_layers=[i for _, i in bwd], backward_again=bwd_again,
                 first_forward=([e for e, _ in first_fwd], [i for _, i in first_fwd]) if first_fwd != fwd else None,
                 last_backward=([e for e, _ in last_bwd], [i for _, i in last_bwd], last_again)
-                if last_bwd != bwd else None))
+                if last_bwd != bwd else None, weight=[e for e, _ in weight], weight_layers=[i for _, i in weight]))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it
@@ -358,6 +382,20 @@ class EventPlan:
         traffic = self._traffic(layer, index, micro * seq)
         return (self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic),
                 self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic))
+
+    def _split_backward_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str]:
+        """A layer's input-gradient and weight-gradient events (torch.distributed.pipelining's
+        stage_backward_input and stage_backward_weight), each about one forward's FLOPs; no weight event
+        ('') for a layer without parameters."""
+        sig = dict(layer.signature)
+        label = layer_label(layer)
+        compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
+        flops = layer.fwd_flops(micro, seq)
+        traffic = self._traffic(layer, index, micro * seq)
+        b_id = self._add("compute", f"{label}.bwd_input", {**compute, "phase": "bwd_input"}, flops, 0, traffic)
+        if not layer.params:
+            return b_id, ""
+        return b_id, self._add("compute", f"{label}.bwd_weight", {**compute, "phase": "bwd_weight"}, flops, 0, traffic)
 
     def _optimizer_event(self, layers: list[LayerDesc]) -> str:
         """The optimizer step of one device: one optimizer over the parameters of `layers`, in order (multiplicity
@@ -450,8 +488,8 @@ class EventPlan:
         """Materialise one device's iteration: (event id, phase, virtual stage, micro-batch) in order.
 
         phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
-        a backward step, recompute = "full"), send/recv (P2P), dp (gradient all-reduce) or opt (optimizer).
-        Receives are listed where the device waits for them.
+        a backward step, recompute = "full"), W (a split backward's weight gradients), send/recv (P2P),
+        dp (gradient all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
         """
         s = self.spec.strategy
         if not 0 <= rank < s.world:
@@ -461,7 +499,12 @@ class EventPlan:
         for step in device_steps(s.schedule, pp_i, s.pp, self.spec.micro_batches, s.chunks):
             vs = virtual_stage(step.chunk, pp_i, s.pp)
             program = self.stages[vs]
-            if step.phase == "F":
+            if step.phase == "W":  # one call over the stage: its buckets are launched after it
+                for eid in program.weight:
+                    yield eid, "W", vs, step.micro
+                for bucket in program.buckets if step.micro == last_micro else ():
+                    yield bucket.event, "dp", vs, step.micro
+            elif step.phase == "F":
                 if vs > 0:
                     yield self.stages[vs - 1].send_forward, "recv", vs, step.micro
                 for eid in program.forward_of(step.micro)[0]:
@@ -474,7 +517,7 @@ class EventPlan:
                 items, _, again = program.backward_of(step.micro, self.spec.micro_batches)
                 for position, eid in enumerate(items):
                     yield eid, "R" if again[position] else "B", vs, step.micro
-                    if step.micro == last_micro:
+                    if step.micro == last_micro and not s.split_backward:
                         for bucket in program.buckets:
                             if bucket.ready_after == position:
                                 yield bucket.event, "dp", vs, step.micro

@@ -143,10 +143,10 @@ def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> b
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
     if m.kind == "allreduce":
         return DIVIDE_SERIES in m.series and ZERO_SERIES in m.series
-    if m.kind == "compute" and m.content.get("phase") == "fwd" and ACTIVATION_BYTES_ATTR not in m.attrs:
+    if m.kind == "compute" and m.content.get("phase") in ("fwd", "bwd_input") and ACTIVATION_BYTES_ATTR not in m.attrs:
         return False
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
-            and m.content.get("phase") in ("fwd", "bwd"):
+            and m.content.get("phase") in ("fwd", "bwd", "bwd_input", "bwd_weight"):
         return HOST_ISSUE_SERIES in m.series
     return True
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import SpecError
+from harness.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
 
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each block's input only
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
@@ -84,7 +84,7 @@ class StrategySpec:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"
-    chunks: int = 1  # model chunks per pipeline device (interleaved-1f1b only)
+    chunks: int = 1  # model chunks per pipeline device (interleaved schedules only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
     recompute: str = "none"  # full: each block's forward is run again before its backward (harness.layers.recomputed)
@@ -97,6 +97,11 @@ class StrategySpec:
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.chunks
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits each backward into an input-gradient (B) and a weight-gradient (W) step."""
+        return self.schedule in SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ class JobSpec:
                                 source="--strategy")
             data[section][key] = value
         if "schedule" in changes and "chunks" not in changes:  # the schedule's default, as in a TOML spec
-            data["strategy"]["chunks"] = 2 if changes["schedule"] == "interleaved-1f1b" else 1
+            data["strategy"]["chunks"] = default_chunks(changes["schedule"])
         if not {"nodes", "gpus_per_node"} & set(changes):
             # Another strategy usually means another device count: keep the node size, change the node count.
             world = data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
@@ -459,7 +464,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     batch = BatchSpec(global_size=_int(b, "global", "batch"), micro=_int(b, "micro", "batch"))
     s = data["strategy"]
     schedule = _choice(s, "schedule", "strategy", "1f1b", SCHEDULES)
-    chunks = _int(s, "chunks", "strategy", default=2 if schedule == "interleaved-1f1b" else 1)
+    chunks = _int(s, "chunks", "strategy", default=default_chunks(schedule))
     dp_overlap = s.get("dp_overlap", True)
     if not isinstance(dp_overlap, bool):
         raise SpecError(f"must be true or false, got {dp_overlap!r}", field="strategy.dp_overlap")
@@ -500,8 +505,17 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     if strategy.zero and strategy.tp > 1:
         raise SpecError(f"zero = {strategy.zero} with tensor parallelism (tp > 1) is not built (FSDP over "
                         "tensor-parallel shards); set tp = 1 or zero = 0", field="strategy.zero")
-    if schedule != "interleaved-1f1b" and chunks != 1:
-        raise SpecError(f"chunks = {chunks} needs schedule = 'interleaved-1f1b'", field="strategy.chunks")
+    if schedule not in INTERLEAVED and chunks != 1:
+        raise SpecError(f"chunks = {chunks} needs an interleaved schedule ({' or '.join(INTERLEAVED)}); "
+                        f"{schedule} runs one chunk per device", field="strategy.chunks")
+    if strategy.split_backward:  # what a split backward does not run with yet
+        for name, value, off, what in (("tp", strategy.tp, 1, "tensor-parallel all-reduces"),
+                                       ("zero", strategy.zero, 0, "FSDP2"),
+                                       ("recompute", strategy.recompute, "none", "torch.utils.checkpoint")):
+            if value != off:
+                raise SpecError(f"{schedule} with {name} = {value!r} is not built (a backward split into input and "
+                                f"weight gradients, with {what}); set {name} = {off!r}, or schedule = '1f1b'",
+                                field=f"strategy.{name}")
     if model.layers % strategy.virtual_stages:
         what = f"pp x chunks = {strategy.pp} x {chunks}" if chunks > 1 else f"pp = {strategy.pp}"
         raise SpecError(f"layers ({model.layers}) must be divisible by {what}", field="model.layers")
@@ -526,6 +540,11 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     if micro_batches > MAX_MICRO_BATCHES:
         raise SpecError(f"{micro_batches:,} micro-batches per pipeline (global / (dp x micro)) is more than the "
                         f"timeline simulates (at most {MAX_MICRO_BATCHES:,}); raise batch.micro or dp",
+                        field="batch.global")
+    rounds = zero_bubble_rounds(micro_batches, strategy.pp)
+    if strategy.split_backward and micro_batches % rounds:
+        raise SpecError(f"{schedule} runs the micro-batches in rounds of micro-batches // pp ({rounds}); the "
+                        f"micro-batch count ({micro_batches} = global / (dp x micro)) must be a multiple of it",
                         field="batch.global")
     if schedule == "interleaved-1f1b" and micro_batches % strategy.pp:
         raise SpecError(f"interleaved-1f1b needs the micro-batch count ({micro_batches} = global / (dp x micro)) "

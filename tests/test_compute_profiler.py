@@ -213,3 +213,29 @@ def test_backward_call_times_run_both_ways_over_the_same_layers():
                                     loss=lambda out: out.square().mean())
     assert many > 0 and one > 0
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for m in modules for p in m.parameters())
+
+
+def test_a_split_backward_is_timed_in_its_two_parts():
+    """zb-h1: a block's bwd_input sample computes its input's gradient and no weight's, its bwd_weight sample the
+    weights' (after an untimed bwd_input at the previous sample); bwd_input's measurement records what it keeps
+    for the W (profilers.memory.kept_for_weights), a forward's what it saves."""
+    from harness.profilers.memory import activation_bytes, kept_for_weights
+
+    plan = build_plan(loads_spec(tiny_spec_text(layers=2, pp=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
+                                                schedule="zb-h1")))
+    events = {e.name: e for e in plan.events.values()}
+    inputs = ComputeRunner(plan.spec, events["gpt2.block.bwd_input"].content, torch.device("cpu"), copies=1)
+    assert inputs.sample() > 0
+    assert all(p.grad is None for p in inputs.layers[0].parameters())
+    weights = ComputeRunner(plan.spec, events["gpt2.block.bwd_weight"].content, torch.device("cpu"), copies=1)
+    assert weights.sample() > 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in weights.layers[0].parameters())
+    contents = {e.id: e.content for name, e in events.items() if name.startswith("gpt2.block.")}
+    samples = measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=0, repeats=2)
+    kept = samples[events["gpt2.block.bwd_input"].id].activation_bytes
+    layer, make_input = inputs.layers[0], inputs.make_input
+    assert kept == kept_for_weights(layer, make_input, lambda module, x: module(x)) > 0
+    assert kept < activation_bytes(layer, make_input, lambda module, x: module(x))
+    assert samples[events["gpt2.block.bwd_weight"].id].activation_bytes is None
+    assert samples[events["gpt2.block.bwd_input"].id].backward_call_s is not None
+    assert samples[events["gpt2.block.bwd_weight"].id].backward_call_s is None

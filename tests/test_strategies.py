@@ -318,3 +318,113 @@ def test_a_replay_takes_the_distinct_steps_from_their_own_micro_batches():
     assert (replayed.forward_s, replayed.first_forward.seconds) == pytest.approx((8e-3, 16e-3))
     assert (replayed.backward_s, replayed.last_backward.seconds) == pytest.approx((8e-3, 16e-3))
     assert replayed.first_forward.comm_s == pytest.approx(8e-3)  # its gathers' predicted share, stretched
+
+
+# ---- zero-bubble schedules (zb-h1, interleaved-zb) -------------------------------------------------------------
+def test_zb_h1_order_pinned():
+    """ZB-H1 over pp = 2 with 4 micro-batches, as torch.distributed.pipelining orders it (the MPI test compares
+    with its real schedule): the first device runs each W right after its B, the last defers W by one."""
+    from harness.schedules import device_steps
+
+    def text(stage):
+        return " ".join(f"{s.phase}{s.micro}" for s in device_steps("zb-h1", stage, 2, 4))
+
+    assert text(0) == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"
+    assert text(1) == "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"
+
+
+@pytest.mark.parametrize("schedule,chunks", [("zb-h1", 1), ("interleaved-zb", 2), ("interleaved-zb", 3)])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (2, 6), (3, 3), (4, 8), (4, 2)])
+def test_zero_bubble_steps_run_every_f_b_and_w_once_in_dependency_order(schedule, chunks, pp, m):
+    from harness.schedules import device_steps
+
+    for stage in range(pp):
+        steps = device_steps(schedule, stage, pp, m, chunks)
+        assert Counter(steps) == Counter((p, c, i) for p in "FBW" for c in range(chunks) for i in range(m))
+        position = {step: k for k, step in enumerate(steps)}
+        for c in range(chunks):
+            for i in range(m):
+                assert position[("F", c, i)] < position[("B", c, i)] < position[("W", c, i)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(schedule="zb-h1", chunks=2, pp=2, layers=4), r"\[strategy.chunks\] chunks = 2 needs an interleaved "
+                                                       r"schedule \(interleaved-1f1b or interleaved-zb\)"),
+    (dict(schedule="zb-h1", pp=2, tp=2, global_batch=4), r"\[strategy.tp\] zb-h1 with tp = 2 is not built"),
+    (dict(schedule="zb-h1", pp=2, dp=2, zero=1, global_batch=8), r"\[strategy.zero\] zb-h1 with zero = 1 is not "
+                                                                 r"built"),
+    (dict(schedule="interleaved-zb", pp=2, layers=4, recompute="full"), r"\[strategy.recompute\] interleaved-zb "
+                                                                        r"with recompute = 'full' is not built"),
+    (dict(schedule="zb-h1", pp=2, global_batch=5, micro=1), r"\[batch.global\] zb-h1 runs the micro-batches in "
+                                                            r"rounds of micro-batches // pp \(2\)")])
+def test_zero_bubble_combinations_not_built_are_refused(kwargs, message):
+    with pytest.raises(SpecError, match=message):
+        loads_spec(tiny_spec_text(**kwargs))
+
+
+def test_a_split_backward_computes_input_then_weight_gradients():
+    """Past the first stage, B runs each layer's input gradient (stage_backward_input) and W its weights'; the
+    first stage's B is empty and its W the whole backward, as torch.distributed.pipelining runs them."""
+    plan = plan_of(layers=4, pp=2, dp=2, global_batch=16, micro=2, schedule="zb-h1")
+    first, last = plan.stages
+
+    def names(ids):
+        return [plan.events[e].name for e in ids]
+
+    assert first.backward == [] and names(first.weight) == ["gpt2.block.bwd"] * 2 + ["gpt2.embedding.bwd"]
+    assert names(last.backward) == ["gpt2.head.bwd_input"] + ["gpt2.block.bwd_input"] * 2
+    assert names(last.weight) == ["gpt2.head.bwd_weight"] + ["gpt2.block.bwd_weight"] * 2
+    assert last.weight_layers == last.backward_layers == [5, 4, 3]
+    # W items are one forward's FLOPs, as B's; every device's flow counts them as the plan does
+    head_in, head_w = (plan.events[e] for e in (last.backward[0], last.weight[0]))
+    assert head_in.cost == head_w.cost == plan.events[last.forward[-1]].cost
+    per_phase = Counter(phase for rank in range(4) for _, phase, _, _ in plan.device_flow(rank))
+    assert per_phase["W"] == 2 * 4 * (3 + 3) and per_phase["B"] == 2 * 4 * 3
+    # the buckets are launched after the last micro-batch's W (one call over the stage)
+    flow = list(plan.device_flow(2))
+    dp_at = [k for k, (_, phase, _, _) in enumerate(flow) if phase == "dp"]
+    assert dp_at and all(flow[k - 1][1] == "W" and flow[k - 1][3] == 3 for k in dp_at[:1])
+
+
+@pytest.mark.parametrize("F,B,W", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (3, 6)])
+def test_zb_h1_bubble_is_f_plus_b_minus_w_per_stage(F, B, W, pp, m):
+    """One block per stage, nothing else costs: ZB-H1 takes m (F + B + W) + (pp - 1)(F + B - W) (Qi et al.,
+    W <= B), where 1F1B takes m (F + B + W) + (pp - 1)(F + B + W); the first stage's W is its whole backward."""
+    seconds = {"gpt2.block.fwd": F, "gpt2.block.bwd_input": B, "gpt2.block.bwd_weight": W, "gpt2.block.bwd": B + W}
+    kwargs = dict(layers=pp, pp=pp, global_batch=m, micro=1)
+    zb, one = plan_of(**kwargs, schedule="zb-h1"), plan_of(**kwargs, schedule="1f1b")
+    assert simulate(zb, _costs(zb, seconds)).batch_time_s == pytest.approx(m * (F + B + W) + (pp - 1) * (F + B - W))
+    assert simulate(one, _costs(one, seconds)).batch_time_s == pytest.approx((m + pp - 1) * (F + B + W))
+
+
+def test_the_timeline_shows_w_steps_after_their_b():
+    from analysis.simulate import BACKWARD_WEIGHT
+
+    seconds = {"gpt2.block.fwd": 1.0, "gpt2.block.bwd_input": 1.0, "gpt2.block.bwd_weight": 1.0,
+               "gpt2.block.bwd": 2.0}
+    plan = plan_of(layers=2, pp=2, global_batch=4, micro=1, schedule="zb-h1")
+    timeline = simulate(plan, _costs(plan, seconds))
+    last = timeline.pipeline[1]
+    assert [(r.phase, r.micro) for r in last.steps][:5] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0)]
+    weights = [i for i in timeline.intervals(1) if i.category == BACKWARD_WEIGHT and i.end_s > i.start_s]
+    assert [(i.name.split()[0], i.micro, i.layer, i.end_s - i.start_s) for i in weights] == [
+        ("W", i, 2, 1.0) for i in range(4)]
+    ends = {(r.phase, r.micro): r.end_s for r in last.steps}
+    assert all(ends[("B", i)] <= next(r.start_s for r in last.steps if r.phase == "W" and r.micro == i)
+               for i in range(4))
+
+
+def test_a_split_backward_holds_activations_until_its_w():
+    """ZB-H1's last stage defers each W by one micro-batch: two hold their activations at once (1F1B: one), and
+    between its B and W a micro-batch also holds what the B kept for the W (the measured bwd_input bytes)."""
+    kwargs = dict(layers=2, pp=2, global_batch=4, micro=1)
+    zb, one = plan_of(**kwargs, schedule="zb-h1"), plan_of(**kwargs, schedule="1f1b")
+    kept = {eid: 300 for eid, e in zb.events.items() if e.content.get("phase") == "bwd_input"}
+    split, plain = estimate_memory(zb, {**_saved(zb), **kept}), estimate_memory(one, _saved(one))
+    assert [s.in_flight for s in plain.stages] == [2, 1]
+    assert [s.in_flight for s in split.stages] == [2, 2]
+    last = split.stages[1]
+    # at its peak (micro-batch 1's B done, micro-batch 0's W not yet): two micro-batches' activations (block,
+    # head), and what both B steps kept (block and head: 300 B each)
+    assert last.activations == 2 * (10**6 + 1000) + 2 * 2 * 300

@@ -70,9 +70,9 @@ def _pp(n, schedule):
     return dict(pp=n, layers=n, schedule=schedule, micro=1, global_batch=4)
 
 
-def _interleaved(n):
+def _interleaved(n, schedule="interleaved-1f1b"):
     m = _ceil_to(4, n)
-    return dict(pp=n, layers=2 * n, schedule="interleaved-1f1b", chunks=2, micro=1, global_batch=m)
+    return dict(pp=n, layers=2 * n, schedule=schedule, chunks=2, micro=1, global_batch=m)
 
 
 def _tp(n, family="gpt2-small"):
@@ -107,6 +107,11 @@ CONFIGS = {
                     dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8, zero=2), {}),
     "zero3-dp-recompute": (lambda n: {**_dp(n), "micro": 1, "global_batch": 2 * n, "zero": 3, "recompute": "full"},
                            {}),
+    # zero-bubble schedules: torch.distributed.pipelining's split backward (B the input's gradient, W the weights')
+    "pp-zb-h1": (lambda n: _pp(n, "zb-h1"), {}),
+    "pp-interleaved-zb": (lambda n: _interleaved(n, "interleaved-zb"), {}),
+    "zb-h1-dp-pp": (lambda n: None if n % 2 or n < 4 else
+                    dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8, schedule="zb-h1"), {}),
     "dp-pp-fresh-data": (lambda n: None if n % 2 or n < 4 else
                          dict(dp=2, pp=n // 2, layers=n // 2, micro=1, global_batch=8), {"fresh_data": True}),
     "user-factory-dp-pp": (lambda n: None if n % 2 else
@@ -170,14 +175,14 @@ def _check_trace(spec, trace, options):
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
         assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter"}
-        assert set(cols["phase"]) <= {"F", "B", "send", "recv", "tp", "dp", "opt", "zero"}
+        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "dp", "opt", "zero"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
         expected_steps = [(st.phase, virtual_stage(st.chunk, pp_i, s.pp), st.micro) for st in steps]
         flow = Counter()
         for eid, phase, vs, micro in plan.device_flow(rank):
-            if phase in ("F", "R", "B") and plan.events[eid].kind == "compute":
+            if phase in ("F", "R", "B", "W") and plan.events[eid].kind == "compute":
                 continue  # per layer in the plan; per stage and micro-batch in the trace
             if plan.events[eid].kind in ("allgather", "reducescatter"):  # zero > 0: FSDP2's, named by kind
                 flow[("zero", plan.events[eid].kind, vs)] += 1
@@ -228,12 +233,16 @@ def _check_trace(spec, trace, options):
                 phase = "F" if name.endswith(".fwd") else "B"
                 ca, cb, _ = compute_at[(iteration, int(v), int(mb), phase, rank)]
                 assert ca <= a and b <= cb
-            # Data-parallel buckets: launched in the last backward (overlap) or after the whole backward.
-            last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p == "B")
+            # Data-parallel buckets: launched in the last backward (overlap; a split backward's after its last
+            # W, which makes the gradients) or after the whole backward.
+            made = "W" if s.split_backward else "B"
+            last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p in ("B", "W"))
             for a, b, v in zip(*(device.select(iteration=iteration, phase="dp")[k]
                                  for k in ("start_s", "end_s", "virtual_stage"))):
-                ba, bb, _ = compute_at[(iteration, int(v), m - 1, "B", rank)]
-                if s.dp_overlap:
+                ba, bb, _ = compute_at[(iteration, int(v), m - 1, made, rank)]
+                if s.split_backward:
+                    assert a >= bb, "a bucket starts after its chunk's last W"
+                elif s.dp_overlap:
                     assert ba <= a <= bb, "an overlapped bucket starts within its chunk's last backward"
                 else:
                     assert a >= last_b_end
@@ -263,7 +272,7 @@ def _check_trace(spec, trace, options):
     for (iteration, vs, micro, phase, rank), (start, _, _) in compute_at.items():
         dp_i, tp_i, _ = plan.coords(rank)
         dep_vs = vs - 1 if phase == "F" else vs + 1
-        if 0 <= dep_vs < s.virtual_stages:
+        if 0 <= dep_vs < s.virtual_stages and phase != "W":
             dep_rank = plan.rank_of(dp_i, tp_i, dep_vs % s.pp)
             _, dep_end, _ = compute_at[(iteration, dep_vs, micro, phase, dep_rank)]
             assert start >= dep_end - slack(rank, dep_rank), \
@@ -271,6 +280,9 @@ def _check_trace(spec, trace, options):
         if phase == "B" and vs == s.virtual_stages - 1:
             _, f_end, _ = compute_at[(iteration, vs, micro, "F", rank)]
             assert start >= f_end
+        if phase == "W":  # after its own B
+            _, b_end, _ = compute_at[(iteration, vs, micro, "B", rank)]
+            assert start >= b_end
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -406,3 +418,35 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     if failure is not None:
         raise failure
     assert ok, "rank 0 found the profiler traces wrong (see its report)"
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_zero_bubble_steps_are_torch_pipelinings_order(chunks):
+    """Every rank's zb-h1 / interleaved-zb steps are the order of torch.distributed.pipelining's
+    ScheduleInterleavedZeroBubble built from real PipelineStage objects on this world (pp = the world size),
+    its bubbles (None) left out and its backward-input steps ("I") our B."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    from harness.distributed import destroy_process_group, init_process_group
+    from harness.schedules import Step, device_steps
+    from launcher.topology import discover
+
+    comm = _comm()
+    pp, rank = comm.Get_size(), comm.Get_rank()
+    init_process_group(comm, discover(comm), torch.device("cpu"), timeout_s=120)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(4, 4), c * pp + rank, pp * chunks, torch.device("cpu"))
+                  for c in range(chunks)]
+        schedule = "zb-h1" if chunks == 1 else "interleaved-zb"
+        for m in sorted({1, pp, 2 * pp, 3 * pp, 4}):
+            if m % max(1, m // pp):
+                continue
+            order = ScheduleInterleavedZeroBubble(stages, m, loss_fn=torch.nn.MSELoss()).pipeline_order
+            for r in range(pp):
+                torch_steps = [Step({"I": "B"}.get(a.computation_type.value, a.computation_type.value),
+                                    a.stage_index // pp, a.microbatch_index) for a in order[r] if a is not None]
+                assert torch_steps == device_steps(schedule, r, pp, m, chunks), (schedule, r, m)
+    finally:
+        destroy_process_group()

@@ -1,6 +1,9 @@
 """Compute events: build one layer (a tensor-parallel shard) and time its forward, backward or optimizer step.
 
-The layer runs alone: a tensor-parallel shard's collectives are measured as their own events.
+The layer runs alone: a tensor-parallel shard's collectives are measured as their own events. A split
+backward (zero-bubble schedules) is timed in its two parts as torch.distributed.pipelining runs them:
+`bwd_input` (stage_backward_input: the input's gradient, keeping the weights' part of the graph) and
+`bwd_weight` (stage_backward_weight, after an untimed bwd_input).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.transformer import Head
 from harness.precision import relative_half_width
-from harness.profilers.memory import activation_bytes
+from harness.profilers.memory import activation_bytes, kept_for_weights
 from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
 from harness.spec import JobSpec
 
@@ -110,6 +113,17 @@ LEAD_TRIES = 4  # a forward whose issue outlasted the lead is taken again with t
 ISSUE_CHAIN = 4
 
 
+BACKWARD_PHASES = ("bwd", "bwd_input", "bwd_weight")
+CALLED_PHASES = ("bwd", "bwd_input")  # backwards a training step's stage runs in one call (measure_backward_call)
+
+
+def split_backward():
+    """torch.distributed.pipelining's two halves of a backward (a private module its schedules use)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    return stage_backward_input, stage_backward_weight
+
+
 class ComputeSamples(NamedTuple):
     """The samples of one compute event (seconds); for forwards and backwards on a GPU, the host's time to
     issue each (None where the host and the device are one: on a CPU, and for optimizer steps); and when
@@ -122,7 +136,8 @@ class ComputeSamples(NamedTuple):
     host_issue_s: np.ndarray | None = None
     end_s: np.ndarray | None = None
     backward_call_s: float | None = None
-    activation_bytes: int | None = None  # forwards: what one forward saves for its backward (profilers.memory)
+    # forwards: what one forward saves for its backward; bwd_input: what it keeps for bwd_weight (profilers.memory)
+    activation_bytes: int | None = None
 
 
 class ComputeRunner:
@@ -165,7 +180,7 @@ class ComputeRunner:
         # layer is issued while the GPU runs the previous one); an optimizer step is timed on its own, as
         # the trainer synchronizes around each; so is a composite, whose ranks must run the same number of
         # all-reduces in step (a per-rank retry or lead would desynchronize them).
-        self.issued = can_time_issued(device) and self.phase in ("fwd", "bwd") and group is None
+        self.issued = can_time_issued(device) and self.phase in ("fwd",) + BACKWARD_PHASES and group is None
         self.chain = ISSUE_CHAIN if self.issued else 1
         self.last_host_s: float | None = None
         self.waits_for_device = False  # found to synchronize: timed alone, host time = its time
@@ -213,10 +228,20 @@ class ComputeRunner:
             return self._time(self._chained(xs, lambda x: _forward(self.spec, layer, x, self.content)))
         graphs = self._pending.pop(index, None) or self._forwards_for_backward(layer)
         # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
-        seconds = self._time(self._chained(graphs, lambda graph: graph[0].backward(graph[1])), retry=False)
+        seconds = self._time(self._chained(graphs, self._backward_of(layer)), retry=False)
         del graphs
         self._pending[index] = self._forwards_for_backward(layer)
         return seconds
+
+    def _backward_of(self, layer: torch.nn.Module) -> Callable[[object], object]:
+        """What a backward sample issues per prepared graph, by phase."""
+        if self.phase == "bwd":
+            return lambda graph: graph[0].backward(graph[1])
+        backward_input, backward_weight = split_backward()
+        if self.phase == "bwd_input":
+            return lambda graph: backward_input([graph[0]], None if graph[1] is None else [graph[1]], [graph[2]],
+                                                layer.parameters())
+        return lambda param_groups: backward_weight(layer.parameters(), param_groups)
 
     def _chained(self, items: list, issue: Callable[[object], object]) -> Callable[[], list]:
         """run(): issue(item) for every item, back to back, noting on the host's clock when the first and the
@@ -276,8 +301,13 @@ class ComputeRunner:
         micro-batch's backward comes long after its forward, the saved activations are no longer in cache."""
         graphs = []
         for _ in range(self.chain):
-            out = _forward(self.spec, layer, self.make_input(), self.content)
-            graphs.append((out, None if out.dim() == 0 else torch.randn_like(out)))
+            x = self.make_input()
+            out = _forward(self.spec, layer, x, self.content)
+            graphs.append((out, None if out.dim() == 0 else torch.randn_like(out), x))
+        if self.phase == "bwd_weight":  # what a W step starts from: the input's gradient done (untimed)
+            backward_input, _ = split_backward()
+            graphs = [backward_input([out], None if grad is None else [grad], [x], layer.parameters())[1]
+                      for out, grad, x in graphs]
         synchronize(self.device)
         return graphs
 
@@ -343,12 +373,13 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 if round_ < len(runner.layers) + warmup:
                     warm_s[eid] = runner.sample()
         order = heavy_light_order(warm_s)
-        if backward_call is None and any(runner.phase == "bwd" for runner in runners.values()):
+        if backward_call is None and any(runner.phase in CALLED_PHASES for runner in runners.values()):
             backward_call = measure_backward_call(device)
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
-            if runner.phase == "fwd":
-                saved[eid] = activation_bytes(runner.layers[0], runner.make_input,
-                                              lambda layer, x, r=runner: _forward(spec, layer, x, r.content))
+            if runner.phase in ("fwd", "bwd_input"):
+                measure = activation_bytes if runner.phase == "fwd" else kept_for_weights
+                saved[eid] = measure(runner.layers[0], runner.make_input,
+                                     lambda layer, x, r=runner: _forward(spec, layer, x, r.content))
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = []
@@ -383,8 +414,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 sample_round([eid for eid in order if eid in wanted])
         del runners
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
-                                np.asarray(ends[eid]), backward_call if contents[eid]["phase"] == "bwd" else None,
-                                saved.get(eid))
+                                np.asarray(ends[eid]),
+                                backward_call if contents[eid]["phase"] in CALLED_PHASES else None, saved.get(eid))
             for eid in contents}
 
 

@@ -125,3 +125,23 @@ def activation_bytes(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
         if release is not None:
             release()
     return int(saved)
+
+
+def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
+                     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> int:
+    """Bytes a split backward's input-gradient step (torch.distributed.pipelining's stage_backward_input) keeps
+    for the weight-gradient step beside the forward's saved activations: the distinct storages of the
+    gradients it captures at the weights' part of the graph."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    x = make_input()
+    out = forward(layer, x)
+    grad = None if out.dim() == 0 else [torch.randn_like(out)]
+    _, param_groups = stage_backward_input([out], grad, [x], layer.parameters())
+    meter = LiveStorages()
+    for group in param_groups:
+        for grads in group.get("grads") or ():
+            for tensor in grads or ():
+                if tensor is not None:
+                    meter.hold(tensor, "activations")
+    return int(meter.live["activations"])

@@ -3,6 +3,11 @@ harness.schedules.device_steps, with P2P between adjacent virtual stages, Megatr
 the blocks, DDP-style bucketed gradient all-reduces and one optimizer step over the device's parameters (the
 spec's: Adam or SGD), every interval recorded, and what the device holds counted by part (harness.profilers.memory).
 
+A zero-bubble schedule's backward runs in two steps as torch.distributed.pipelining's stages run it: B with
+stage_backward_input (the stage input's gradient, sent on at once), W with stage_backward_weight (the
+weights'); the first virtual stage's B does nothing and its W the whole backward. Its data-parallel buckets
+are all launched after the last micro-batch's W, which makes their gradients.
+
 Communication that completes in the background (P2P sends, data-parallel buckets) is watched by one small
 thread per channel that blocks in `Work.wait()` (gloo: a send's `is_completed()` stays False until someone
 waits on it) or polls `is_completed()` (NCCL), and notes when it completed; the main thread records the
@@ -45,7 +50,8 @@ from harness.train.model import activation_spec, loss_of, micro_batch
 ACT, GRAD = "activation", "gradient"
 MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps between Tests leaves it to compute
 # torch.profiler annotation of each kind of recorded interval (harness train --torch-profiler)
-ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "tp": "distsim:allreduce.tp",
+ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "W": "distsim:backward.weight",
+               "tp": "distsim:allreduce.tp",
                "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
                "opt": "distsim:optimizer", "zero": "distsim:zero.bucket"}
 
@@ -245,6 +251,10 @@ class PipelineEngine:
         self.cuda = device.type == "cuda"
         self.completer = Completer(poll=self.cuda, timeout_s=timeout_s)
         self.steps = device_steps(s.schedule, self.pp_i, s.pp, self.m, s.chunks)
+        self.split = s.split_backward
+        # split backward: (vs, micro) -> what its W step runs: ("whole", output or scaled loss, its gradient)
+        # on the first virtual stage, else ("weights", stage_backward_input's parameter groups)
+        self.weight_state: dict[tuple[int, int], tuple] = {}
         self.local_vs = [virtual_stage(c, self.pp_i, s.pp) for c in range(s.chunks)]
         self.stage_modules: dict[int, list[nn.Module]] = {}
         self.checkpointed: dict[int, list[bool]] = {}
@@ -373,9 +383,9 @@ class PipelineEngine:
         for vs in self.local_vs:
             program = self.plan.stages[vs]
             previous = -1
+            made_by = program.weight_layers if self.split else program.backward_layers
             for index, bucket in enumerate(program.buckets):
-                positions = [program.backward_layers[i] for i in range(previous + 1, bucket.ready_after + 1)
-                             if program.backward_layers[i] >= 0]
+                positions = [made_by[i] for i in range(previous + 1, bucket.ready_after + 1) if made_by[i] >= 0]
                 previous = bucket.ready_after
                 params = []
                 for position in positions:
@@ -545,7 +555,7 @@ class PipelineEngine:
         grad = self._recv(vs, micro, GRAD) if vs < self.last_vs else None
         x, out = self.saved.pop((vs, micro))
         last_micro = micro == self.m - 1
-        self.armed = vs if last_micro else None
+        self.armed = vs if last_micro and not self.split else None
         self.ctx = ("B", vs, micro)
         if self.zero:
             self._prepare_backward(vs, micro)
@@ -553,7 +563,9 @@ class PipelineEngine:
         start = self.now()
         with self._annotated("B"):
             anchor = clock.mark() if clock else None
-            if grad is None:
+            if self.split:
+                self._input_gradient(vs, micro, x, out, grad)
+            elif grad is None:
                 (out / self.m).backward()
             else:
                 out.backward(grad)
@@ -561,7 +573,7 @@ class PipelineEngine:
         end = self.now()
         self.armed = None
         self.rec.add(start, end, 0, "compute", "backward", "B", "", vs, micro)
-        if last_micro and self.dp > 1:
+        if last_micro and self.dp > 1 and not self.split:
             self.finished.append(vs)
             if self.overlap:  # buckets whose parameters got no gradient this iteration
                 for bucket in self.buckets[vs]:
@@ -571,6 +583,52 @@ class PipelineEngine:
             self._send(x.grad, vs, micro, GRAD)
         if clock:
             self._record_layer_backwards(vs, micro, start, anchor, tail)
+
+    def _parameters(self, vs: int) -> list[nn.Parameter]:
+        return [p for module in self.stage_modules[vs] for p in module.parameters()]
+
+    def _input_gradient(self, vs: int, micro: int, x: torch.Tensor, out: torch.Tensor,
+                        grad: torch.Tensor | None) -> None:
+        """A split backward's B: the stage input's gradient (into x.grad), keeping what its W needs."""
+        out = out / self.m if grad is None else out  # the last stage's loss, scaled as the whole backward's
+        if vs == 0:  # nothing to send back: the W runs the whole backward (as torch's first stage)
+            self.weight_state[(vs, micro)] = ("whole", out, grad)
+            return
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        _, groups = stage_backward_input([out], None if grad is None else [grad], [x], self._parameters(vs))
+        for group in groups:  # the gradients kept for the W, counted until it has used them
+            for grads in group.get("grads") or ():
+                for tensor in grads or ():
+                    if tensor is not None:
+                        self.memory.hold_while(tensor, tensor, "activations")
+        self.weight_state[(vs, micro)] = ("weights", groups)
+
+    def _weight_gradient(self, vs: int, micro: int) -> None:
+        """A split backward's W step: the weights' gradients of a micro-batch whose B has run."""
+        kind, *state = self.weight_state.pop((vs, micro))
+        self.ctx = ("W", vs, micro)
+        start = self.now()
+        with self._annotated("W"):
+            if kind == "whole":
+                out, grad = state
+                out.backward(grad)
+            else:
+                from torch.distributed.pipelining._backward import stage_backward_weight
+
+                stage_backward_weight(self._parameters(vs), state[0])
+        end = self.now()
+        self.rec.add(start, end, 0, "compute", "weight", "W", "", vs, micro)
+        del state
+        if self.dp == 1:  # gradients assigned, not accumulated by autograd: no hook saw them
+            for param in self._parameters(vs):
+                self._grad_made(param)
+        if micro == self.m - 1 and self.dp > 1:
+            self.finished.append(vs)
+            if self.overlap:  # every bucket of the stage is ready now
+                for bucket in self.buckets[vs]:
+                    bucket.ready = True
+                self._launch_ready(vs)
 
     # ---- per-layer times (--layer-times) ------------------------------------------------------
     def _record_layer_forwards(self, vs: int, micro: int, start_ns: int, anchor: Any, marks: list,
@@ -682,6 +740,8 @@ class PipelineEngine:
                 vs = virtual_stage(step.chunk, self.pp_i, self.pp)
                 if step.phase == "F":
                     self._forward(vs, step.micro, tokens)
+                elif step.phase == "W":
+                    self._weight_gradient(vs, step.micro)
                 else:
                     self._backward(vs, step.micro)
             self._finish_data_parallel()
@@ -689,7 +749,8 @@ class PipelineEngine:
             self._reap_sends(block=True)
         finally:
             set_collective_hook(None)
-        assert not self.saved, f"activations left after the iteration: {sorted(self.saved)}"
+        assert not self.saved and not self.weight_state, \
+            f"activations left after the iteration: {sorted(self.saved) + sorted(self.weight_state)}"
         if not self.losses:
             return float("nan")
         return float(torch.stack(self.losses).sum()) / self.m

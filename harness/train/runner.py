@@ -55,6 +55,10 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
     if layer_times and s.recompute != "none":
         raise UserError(f"--layer-times cannot time layers under recompute = {s.recompute!r} (torch.utils.checkpoint "
                         "runs their forward again inside the backward); drop --layer-times or set recompute = 'none'")
+    if layer_times and s.split_backward:
+        raise UserError(f"--layer-times cannot time layers under schedule = {s.schedule!r} (its backward is split "
+                        "into input and weight gradients, each over the whole stage); drop --layer-times or use "
+                        "schedule = '1f1b'")
     if dp_backend not in DP_BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(DP_BACKENDS)}, got {dp_backend!r}")
     if dp_backend == "mpi4py" and s.zero:
