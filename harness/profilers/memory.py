@@ -87,7 +87,11 @@ class LiveStorages:
 
 
 class _Saved:
-    """What autograd keeps for a saved tensor: the tensor, counted while this record lives."""
+    """What autograd keeps for a saved tensor: the tensor, counted while this record lives. The tensor is kept
+    detached (the same storage and version counter, no grad_fn): a node that saves its own output would
+    otherwise hold itself through the record, a cycle through C++ that Python's collector cannot see, freed
+    only when a backward that runs the node releases it. A split backward's weight step never runs the
+    nodes only its input step ran: with the output kept whole, their saved tensors stayed alive for good."""
 
     __slots__ = ("tensor", "__weakref__")
 
@@ -100,7 +104,7 @@ def saving_into(meter: LiveStorages, category: str = "activations") -> Iterator[
     """Within the block, every tensor autograd saves for a backward is counted in `meter` until autograd
     frees it (with the graph, or as the backward consumes it)."""
     def pack(tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(tensor)
+        saved = _Saved(tensor.detach())
         meter.hold_while(saved, tensor, category)
         return saved
 
