@@ -256,7 +256,7 @@ def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]
 
 
 def _measured_steps(trace: Trace, kept: np.ndarray) -> dict[tuple[int, str, int], list[float]]:
-    """(virtual stage, F|B, micro-batch) -> the duration of that compute step on every device and kept
+    """(virtual stage, F|B|W, micro-batch) -> the duration of that compute step on every device and kept
     iteration."""
     out: dict[tuple[int, str, int], list[float]] = {}
     for device in trace.devices.values():
@@ -305,8 +305,10 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
     plan, costs, m = timeline.plan, timeline.costs, timeline.spec.micro_batches
     # With the all-reduce overlapped, the trainer divides each bucket by the replica count in a gradient hook,
     # inside the last micro-batch's backward step, while the timeline runs the division with the bucket.
+    # (A split backward's buckets are divided and launched after its last W, outside every step.)
+    s = timeline.spec.strategy
     inside_last_backward = {vs: sum(costs.bucket_divide.get(b.event, 0.0) for b in program.buckets)
-                            if timeline.dp_overlap and timeline.spec.strategy.dp > 1 else 0.0
+                            if timeline.dp_overlap and s.dp > 1 and not s.split_backward else 0.0
                             for vs, program in enumerate(plan.stages)}
 
     def measured(vs: int, phase: str, table: dict, less_last: float = 0.0, micros=None) -> float | None:
@@ -345,6 +347,9 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
                 seconds = measured(vs, phase, steps, less_last, {odd})
                 if seconds is not None:
                     changes[variant] = replayed(getattr(c, variant), seconds, measured(vs, phase, inline, micros={odd}))
+        seconds = measured(vs, "W", steps)
+        if seconds is not None:  # a split backward's weight gradients (no collectives inside)
+            changes["weight"] = replayed(c.weight, seconds, None)
         if optimizer.get(vs):
             changes["optimizer_s"] = float(np.median(optimizer[vs]))
         out.append(replace(c, **changes))

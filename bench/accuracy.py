@@ -65,6 +65,7 @@ CONFIGS = {
     "pp=2 1f1b recompute": (1, 1, 2, "1f1b", 4, 2, "full"),
     "dp=2 zero=1": (2, 1, 1, "1f1b", 4, 2, "none", 1),
     "dp=2 zero=3": (2, 1, 1, "1f1b", 4, 2, "none", 3),
+    "pp=2 zb-h1 m=4": (1, 1, 2, "zb-h1", 4, 2),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 
@@ -77,9 +78,10 @@ def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micr
             f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
 
 
-def recomputes(config: tuple) -> bool:
-    """Whether the configuration recomputes (its runs then trace no layers: harness train refuses both)."""
-    return len(config) > 6 and config[6] != "none"
+def traces_layers(config: tuple) -> bool:
+    """Whether the configuration's runs can trace every layer (harness train refuses it under recompute and
+    under a split backward, which runs over the whole stage)."""
+    return not (len(config) > 6 and config[6] != "none") and config[3] not in ("zb-h1", "interleaved-zb")
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -105,7 +107,7 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
                         *(["--budget-s", repr(args.budget_s)] if args.budget_s else [])]
     train = launch + ["train", str(workdir / "job.toml"), "-o", str(workdir / "run"), "--iterations",
                       str(args.iterations), "--warmup", "2",
-                      *([] if args.no_layer_times or recomputes(config) else ["--layer-times"])]
+                      *(["--layer-times"] if traces_layers(config) and not args.no_layer_times else [])]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
     return validate(workdir, env, args.no_rank_speed)
