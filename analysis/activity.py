@@ -287,7 +287,9 @@ def from_trace(trace) -> RunActivity:
         compute = of(np.isin(kind, ["compute", "optimizer"])) - tp
         comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter"]))
         compute = compute - of(phase == "zero")  # FSDP's collectives inside the steps (zero > 0)
-        phases = {"forward": of(phase == "F"), "backward": of(phase == "B"), "optimizer": of(phase == "opt"),
+        # a zero-bubble schedule's weight-gradient steps (W) are backward too
+        phases = {"forward": of(phase == "F"), "backward": of(np.isin(phase, ["B", "W"])),
+                  "optimizer": of(phase == "opt"),
                   "dp-sync": of(np.isin(phase, ["dp", "zero"])), "tensor-parallel": tp,
                   "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}

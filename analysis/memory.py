@@ -18,7 +18,8 @@
 - a split backward (zero-bubble schedules): a micro-batch's activations are held until its W step, and its B
   step keeps what the W needs beside them (the gradients at the layers' weights, as the profile measured each
   layer's bwd_input event to keep; the first virtual stage keeps its received gradient, since its W runs its
-  whole backward); its gradients are made by the W;
+  whole backward) and, once it is over, lets go of what only the part above the stage's last weight saved
+  (its last layer's measured `released_bytes`: a head's log-probabilities); its gradients are made by the W;
 - zero > 0 (FSDP2, every layer a unit sharded over the dp replicas): each replica keeps its shard of the
   weights (none of its own with master weights: the fp32 master is the shard) and of the optimizer state;
   zero 1 and 2 hold every weight whole through the iteration (gathered in the first forward), zero 3 one
@@ -37,7 +38,7 @@ from typing import Any, Mapping
 
 from harness.events import EventPlan
 from harness.errors import UserError
-from harness.hdf5_schema import ACTIVATION_BYTES_ATTR
+from harness.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
 from harness.layers import input_bytes, recomputed
 from harness.output import format_bytes
 from harness.schedules import device_steps, virtual_stage
@@ -121,6 +122,13 @@ def activation_bytes(profile: Profile) -> dict[str, int]:
     return out
 
 
+def released_bytes(profile: Profile) -> dict[str, int]:
+    """Input-gradient event id (bwd_input) -> the saved bytes its layer lets go of as a stage's last, as the
+    profile measured them (absent before the measurement)."""
+    return {eid: int(m.attrs[RELEASED_BYTES_ATTR]) for eid, m in profile.measurements.items()
+            if m.kind == "compute" and m.content.get("phase") == "bwd_input" and RELEASED_BYTES_ATTR in m.attrs}
+
+
 def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     """(bytes per parameter of optimizer state, of the master copy) for the spec's optimizer and dtype."""
     o = spec.optimizer
@@ -130,8 +138,10 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     return spec.model.dtype_bytes * states, 0
 
 
-def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEstimate:
-    """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`."""
+def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
+                    released: Mapping[str, int] | None = None) -> MemoryEstimate:
+    """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
+    `released` (split backwards) from `released_bytes(profile)`."""
     spec = plan.spec
     s = spec.strategy
     V = s.virtual_stages
@@ -142,6 +152,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
     held = []  # per virtual stage: what one micro-batch in flight holds there
     remade = []  # per virtual stage: what its backward re-makes at once (recompute = "full")
     kept = []  # per virtual stage, split backward: what a B step keeps for its W
+    let_go = []  # ... and what it lets go of once it is over (its last layer's released bytes)
     for vs, program in enumerate(plan.stages):
         saved, largest, again = 0, 0, 0
         for eid, index in zip(program.forward, program.forward_layers):
@@ -164,6 +175,8 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
         if s.split_backward:
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else received)
+            # B runs the layers in reverse: its first item is the stage's last layer's
+            let_go.append((released or {}).get(program.backward[0], 0) if vs and program.backward else 0)
     stages = []
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
@@ -187,7 +200,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
                 points.append((gradients_live, live, 0, in_flight, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
-                live -= held[vs] + kept[vs]
+                live -= held[vs] + kept[vs] - let_go[vs]
                 in_flight -= 1
                 gradients_live = True
                 points.append((True, live, 0, in_flight, 0))
@@ -198,6 +211,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int]) -> MemoryEs
             if s.split_backward:  # the activations stay for the W, with what the B keeps for it (which holds
                 live += kept[vs]  # the received gradient: the first stage's whole, a later one's weights' part)
                 points.append((gradients_live, live, sent, in_flight, 0))
+                live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]
             in_flight -= 1

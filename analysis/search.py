@@ -23,7 +23,7 @@ from harness.events import build_plan
 from harness.spec import JobSpec
 
 from analysis.costs import estimate_costs
-from analysis.memory import GB, activation_bytes, estimate_memory
+from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for
 from analysis.simulate import simulate
 
@@ -151,7 +151,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
                             if T > 0 else 0.0)
     try:
-        memory = estimate_memory(plan, activations)
+        memory = estimate_memory(plan, activations, _SHARED["released"])
     except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
         result.reason = str(exc)
         result.batch_time_s = result.bubble_fraction = result.comm_fraction = None
@@ -192,7 +192,8 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     if capacity_bytes is not None and capacity_bytes <= 0:
         raise UserError(f"the device memory must be above 0, got {capacity_bytes / GB:g} GB")
     grid = grid if grid is not None else expand(spec, gpus)
-    _SHARED.update(profile=profile, activations=activation_bytes(profile), capacity=capacity_bytes,
+    _SHARED.update(profile=profile, activations=activation_bytes(profile), released=released_bytes(profile),
+                   capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
                             "dp_overlap": dp_overlap})
     jobs = jobs or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on

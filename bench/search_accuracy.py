@@ -15,8 +15,11 @@ and 3 where dp = 2) with a device memory just below the smallest peak of the can
 nor shard, so that only a strategy that recomputes or shards fits: the search must find one, and the rows say
 which fit (ZeRO runs have no meter peak on a CPU: FSDP2 refills storages in place; docs/analysis.md).
 
-    python bench/search_accuracy.py [--grid parallelism|strategies] [--iterations 12] [--repeats 40] [--keep DIR]
-                                    [--json]
+--grid schedules ranks the pipeline schedules, zero-bubble among them: pp = 2 with GPipe, 1F1B and ZB-H1 at
+micro-batch sizes 1, 2 and 4 (9 candidates).
+
+    python bench/search_accuracy.py [--grid parallelism|strategies|schedules] [--iterations 12] [--repeats 40]
+                                    [--keep DIR] [--json]
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ repeats = {repeats}
 """
 # each grid: the job's micro-batch size and its [search] lines
 GRIDS = {"parallelism": (1, 'tp = [1, 2]\npp = [1, 2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b"]\n'),
-         "strategies": (2, 'pp = [1, 2]\nrecompute = ["none", "full"]\nzero = [0, 1, 3]\n')}
+         "strategies": (2, 'pp = [1, 2]\nrecompute = ["none", "full"]\nzero = [0, 1, 3]\n'),
+         "schedules": (1, 'pp = [2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b", "zb-h1"]\n')}
 
 
 def ranks(values: list[float]) -> np.ndarray:
@@ -87,8 +91,8 @@ def main() -> int:
     parser.add_argument("--keep", metavar="DIR", help="keep the spec, profile and every run under DIR")
     parser.add_argument("--json", action="store_true", help="print the rows and figures as JSON")
     parser.add_argument("--grid", choices=list(GRIDS), default="parallelism",
-                        help="what to search: dp, tp, pp, micro-batches and schedules (default), or recompute and ZeRO "
-                        "under a memory limit that only they fit")
+                        help="what to search: dp, tp, pp, micro-batches and schedules (default), recompute and ZeRO "
+                        "under a memory limit that only they fit, or the pipeline schedules with zero-bubble")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")

@@ -287,21 +287,20 @@ class EventPlan:
             weights: list[tuple[str, int]] = []  # split backward: each layer's W event ('' for none)
             for layer in stage_layers:
                 index = index_of[id(layer)]
-                key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else ())
+                # past the first virtual stage a split backward's B is the input's gradient, W the weights' (if
+                # any); on the first, B is empty and W the whole backward
+                split = s.split_backward and vs > 0
+                key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else (),
+                       split)
                 if key not in per_layer:
-                    per_layer[key] = self._layer_events(layer, index, micro, seq)
-                f_id, b_id = per_layer[key]
+                    per_layer[key] = self._layer_events(layer, index, micro, seq, split)
+                f_id, b_id, w_id = per_layer[key]
+                if s.split_backward and not split:
+                    b_id, w_id = "", b_id
                 self.multiplicity[f_id] += (2 if id(layer) in again else 1) * m * devices_per_stage
-                w_id = ""
-                if s.split_backward and vs > 0:  # B the input's gradient, W the weights' (if it has any)
-                    b_id, w_id = self._split_backward_events(layer, index, micro, seq)
-                    if w_id:
-                        self.multiplicity[w_id] += m * devices_per_stage
-                elif s.split_backward:  # the first virtual stage's W is its whole backward, its B empty
-                    w_id = b_id
-                    b_id = ""
-                if b_id:
-                    self.multiplicity[b_id] += m * devices_per_stage
+                for eid in (b_id, w_id):
+                    if eid:
+                        self.multiplicity[eid] += m * devices_per_stage
                 gather = scatter = ""
                 if s.zero and layer.params:
                     nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
@@ -373,29 +372,25 @@ class EventPlan:
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
 
-    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str]:
-        """The forward and backward events of a layer (multiplicities left to the caller)."""
+    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int,
+                      split: bool) -> tuple[str, str, str]:
+        """A layer's forward, backward and weight-gradient events (multiplicities left to the caller): the
+        backward whole (2 forwards' FLOPs) and no weight event, or with `split` torch.distributed.pipelining's
+        stage_backward_input and stage_backward_weight, a forward's FLOPs each (no weight event, '', for a
+        layer without parameters)."""
         sig = dict(layer.signature)
         label = layer_label(layer)
         compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
         flops = layer.fwd_flops(micro, seq)
         traffic = self._traffic(layer, index, micro * seq)
-        return (self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic),
-                self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0, 2.0 * traffic))
-
-    def _split_backward_events(self, layer: LayerDesc, index: int, micro: int, seq: int) -> tuple[str, str]:
-        """A layer's input-gradient and weight-gradient events (torch.distributed.pipelining's
-        stage_backward_input and stage_backward_weight), each about one forward's FLOPs; no weight event
-        ('') for a layer without parameters."""
-        sig = dict(layer.signature)
-        label = layer_label(layer)
-        compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
-        flops = layer.fwd_flops(micro, seq)
-        traffic = self._traffic(layer, index, micro * seq)
-        b_id = self._add("compute", f"{label}.bwd_input", {**compute, "phase": "bwd_input"}, flops, 0, traffic)
-        if not layer.params:
-            return b_id, ""
-        return b_id, self._add("compute", f"{label}.bwd_weight", {**compute, "phase": "bwd_weight"}, flops, 0, traffic)
+        forward = self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic)
+        if not split:
+            return (forward, self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0,
+                                       2.0 * traffic), "")
+        inputs = self._add("compute", f"{label}.bwd_input", {**compute, "phase": "bwd_input"}, flops, 0, traffic)
+        weights = self._add("compute", f"{label}.bwd_weight", {**compute, "phase": "bwd_weight"}, flops, 0,
+                            traffic) if layer.params else ""
+        return forward, inputs, weights
 
     def _optimizer_event(self, layers: list[LayerDesc]) -> str:
         """The optimizer step of one device: one optimizer over the parameters of `layers`, in order (multiplicity

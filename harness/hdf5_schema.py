@@ -41,6 +41,8 @@ BACKWARD_CALL_ATTR = "backward_call_s"
 # compute forwards only, an attribute: the bytes one forward saves for its backward (harness.profilers.memory),
 # what a micro-batch in flight holds on its stage (analysis.memory)
 ACTIVATION_BYTES_ATTR = "activation_bytes"
+# a split backward's bwd_input: the saved activations its input gradient lets go of when its layer is a stage's last
+RELEASED_BYTES_ATTR = "released_bytes"
 # compute only, attributes: the precision asked for (`[profile] precision`, a fraction) and the one reached, the
 # 95% interval's half-width of the samples' mean over the mean (harness.precision; inf with too few samples)
 PRECISION_GOAL_ATTR = "precision_goal"

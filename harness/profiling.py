@@ -30,7 +30,8 @@ from harness.events import COMM_KINDS, UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
 from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
                                   HOST_ISSUE_SERIES, PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR,
-                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, SAMPLE_END_SERIES,
+                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, RELEASED_BYTES_ATTR,
+                                  SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
@@ -143,7 +144,10 @@ def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> b
         return SENDER_BUSY_SERIES in m.series and SEND_POST_SERIES in m.series
     if m.kind == "allreduce":
         return DIVIDE_SERIES in m.series and ZERO_SERIES in m.series
-    if m.kind == "compute" and m.content.get("phase") in ("fwd", "bwd_input") and ACTIVATION_BYTES_ATTR not in m.attrs:
+    phase = m.content.get("phase") if m.kind == "compute" else None
+    if phase in ("fwd", "bwd_input") and ACTIVATION_BYTES_ATTR not in m.attrs:
+        return False
+    if phase == "bwd_input" and RELEASED_BYTES_ATTR not in m.attrs:
         return False
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
             and m.content.get("phase") in ("fwd", "bwd", "bwd_input", "bwd_weight"):
@@ -393,6 +397,8 @@ def _profile_compute(run: ProfileRun) -> None:
             attrs[BACKWARD_CALL_ATTR] = taken.backward_call_s
         if taken.activation_bytes is not None:
             attrs[ACTIVATION_BYTES_ATTR] = taken.activation_bytes
+        if taken.released_bytes is not None:
+            attrs[RELEASED_BYTES_ATTR] = taken.released_bytes
         measurement = Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs, series)
         attrs[PRECISION_GOAL_ATTR] = run.spec.profile.precision
         attrs[PRECISION_BUDGET_ATTR] = run.spec.profile.budget_s

@@ -232,10 +232,27 @@ def test_a_split_backward_is_timed_in_its_two_parts():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in weights.layers[0].parameters())
     contents = {e.id: e.content for name, e in events.items() if name.startswith("gpt2.block.")}
     samples = measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=0, repeats=2)
-    kept = samples[events["gpt2.block.bwd_input"].id].activation_bytes
+    measured = samples[events["gpt2.block.bwd_input"].id]
     layer, make_input = inputs.layers[0], inputs.make_input
-    assert kept == kept_for_weights(layer, make_input, lambda module, x: module(x)) > 0
-    assert kept < activation_bytes(layer, make_input, lambda module, x: module(x))
+    kept, released = kept_for_weights(layer, make_input, lambda module, x: module(x))
+    assert (measured.activation_bytes, measured.released_bytes) == (kept, released) == (kept, 0)
+    assert 0 < kept < activation_bytes(layer, make_input, lambda module, x: module(x))
     assert samples[events["gpt2.block.bwd_weight"].id].activation_bytes is None
     assert samples[events["gpt2.block.bwd_input"].id].backward_call_s is not None
     assert samples[events["gpt2.block.bwd_weight"].id].backward_call_s is None
+
+
+def test_a_heads_input_gradient_lets_go_of_the_loss_part():
+    """Above a head's last weight is the loss: once stage_backward_input has run and the loss is dropped, the
+    log-probabilities it saved (micro x seq x vocab floats) go, which a stage's last layer then no longer holds."""
+    from harness.models.transformer import Head
+    from harness.profilers.memory import kept_for_weights
+
+    plan = build_plan(loads_spec(tiny_spec_text(layers=2, pp=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
+                                                micro=2, schedule="zb-h1")))
+    (event,) = [e for e in plan.events.values() if e.name == "gpt2.head.bwd_input"]
+    runner = ComputeRunner(plan.spec, event.content, torch.device("cpu"), copies=1)
+    targets = torch.randint(0, 128, (2, 16))
+    kept, released = kept_for_weights(runner.layers[0], runner.make_input,
+                                      lambda module, x: Head.loss(module(x), targets))
+    assert released >= 2 * 16 * 128 * 4 and kept >= 2 * 16 * 128 * 4  # log-probs go; the logits' gradient stays

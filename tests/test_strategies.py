@@ -375,6 +375,11 @@ def test_a_split_backward_computes_input_then_weight_gradients():
     assert names(last.backward) == ["gpt2.head.bwd_input"] + ["gpt2.block.bwd_input"] * 2
     assert names(last.weight) == ["gpt2.head.bwd_weight"] + ["gpt2.block.bwd_weight"] * 2
     assert last.weight_layers == last.backward_layers == [5, 4, 3]
+    # no whole backward made for a layer past the first stage: a profile measures only what is run
+    assert all(plan.multiplicity[eid] > 0 for eid in plan.events)
+    assert sorted(e.name for e in plan.events.values() if e.kind == "compute" and "bwd" in e.name) == [
+        "gpt2.block.bwd", "gpt2.block.bwd_input", "gpt2.block.bwd_weight", "gpt2.embedding.bwd",
+        "gpt2.head.bwd_input", "gpt2.head.bwd_weight"]
     # W items are one forward's FLOPs, as B's; every device's flow counts them as the plan does
     head_in, head_w = (plan.events[e] for e in (last.backward[0], last.weight[0]))
     assert head_in.cost == head_w.cost == plan.events[last.forward[-1]].cost
@@ -428,3 +433,8 @@ def test_a_split_backward_holds_activations_until_its_w():
     # at its peak (micro-batch 1's B done, micro-batch 0's W not yet): two micro-batches' activations (block,
     # head), and what both B steps kept (block and head: 300 B each)
     assert last.activations == 2 * (10**6 + 1000) + 2 * 2 * 300
+    # less what micro-batch 0's B let go of as it ended, above the stage's last weight (the head's loss part, as
+    # measured); micro-batch 1's B still holds its own at the peak, its end
+    head_input = next(e for e, ev in zb.events.items() if ev.name == "gpt2.head.bwd_input")
+    released = estimate_memory(zb, {**_saved(zb), **kept}, {head_input: 200}).stages[1]
+    assert released.activations == last.activations - 200

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from harness.errors import UserError
 from harness.models.transformer import TORCH_DTYPES, build_layer
 
-__all__ = ["TORCH_DTYPES", "build_layer", "make_optimizer"]
+__all__ = ["TORCH_DTYPES", "build_layer", "make_optimizer", "split_backward"]
 
 
 def make_optimizer(name: str, momentum: float, params: list, lr: float) -> torch.optim.Optimizer:
@@ -14,3 +15,15 @@ def make_optimizer(name: str, momentum: float, params: list, lr: float) -> torch
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
     return torch.optim.Adam(params, lr=lr)
+
+
+def split_backward():
+    """(stage_backward_input, stage_backward_weight): torch.distributed.pipelining's two halves of a backward,
+    which its zero-bubble schedules run (a private module; UserError on a torch without it)."""
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError as exc:
+        raise UserError(f"the zero-bubble schedules need torch.distributed.pipelining's split backward "
+                        f"(stage_backward_input, stage_backward_weight), which torch {torch.__version__} does "
+                        f"not have ({exc}); use schedule = '1f1b' or a newer torch") from None
+    return stage_backward_input, stage_backward_weight

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from harness.models import TORCH_DTYPES, build_layer, make_optimizer
+from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
 from harness.models.transformer import Head
 from harness.precision import relative_half_width
 from harness.profilers.memory import activation_bytes, kept_for_weights
@@ -117,13 +117,6 @@ BACKWARD_PHASES = ("bwd", "bwd_input", "bwd_weight")
 CALLED_PHASES = ("bwd", "bwd_input")  # backwards a training step's stage runs in one call (measure_backward_call)
 
 
-def split_backward():
-    """torch.distributed.pipelining's two halves of a backward (a private module its schedules use)."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    return stage_backward_input, stage_backward_weight
-
-
 class ComputeSamples(NamedTuple):
     """The samples of one compute event (seconds); for forwards and backwards on a GPU, the host's time to
     issue each (None where the host and the device are one: on a CPU, and for optimizer steps); and when
@@ -136,8 +129,10 @@ class ComputeSamples(NamedTuple):
     host_issue_s: np.ndarray | None = None
     end_s: np.ndarray | None = None
     backward_call_s: float | None = None
-    # forwards: what one forward saves for its backward; bwd_input: what it keeps for bwd_weight (profilers.memory)
+    # forwards: what one forward saves for its backward; bwd_input: what it keeps for bwd_weight, and what it
+    # lets go of as a stage's last layer (profilers.memory.kept_for_weights)
     activation_bytes: int | None = None
+    released_bytes: int | None = None
 
 
 class ComputeRunner:
@@ -415,7 +410,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         del runners
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),
-                                backward_call if contents[eid]["phase"] in CALLED_PHASES else None, saved.get(eid))
+                                backward_call if contents[eid]["phase"] in CALLED_PHASES else None,
+                                *_saved_and_released(saved.get(eid)))
             for eid in contents}
 
 
@@ -467,6 +463,11 @@ def measure_backward_call(device: torch.device, repeats: int = 30, layers: int =
         if i >= 3:
             excess.append((many - one) / (layers - 1))
     return max(0.0, float(np.median(excess)))
+
+
+def _saved_and_released(measured: int | tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """A forward's saved bytes, or a bwd_input's (kept, released), as ComputeSamples holds them."""
+    return measured if isinstance(measured, tuple) else (measured, None)
 
 
 def heavy_light_order(seconds: dict[str, float]) -> list[str]:

@@ -10,6 +10,7 @@ its gradient returns, received and sent gradients).
 """
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from contextlib import contextmanager
@@ -132,20 +133,34 @@ def activation_bytes(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
 
 
 def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
-                     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> int:
-    """Bytes a split backward's input-gradient step (torch.distributed.pipelining's stage_backward_input) keeps
-    for the weight-gradient step beside the forward's saved activations: the distinct storages of the
-    gradients it captures at the weights' part of the graph."""
-    from torch.distributed.pipelining._backward import stage_backward_input
+                     forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, int]:
+    """(kept, released): the bytes a split backward's input-gradient step (torch.distributed.pipelining's
+    stage_backward_input) keeps for the weight-gradient step beside the forward's saved activations (the
+    distinct storages of the gradients it captures at the weights' part of the graph), and the saved
+    activations it lets go of once its output is dropped, which only the weights' part of the graph holds
+    then (a head's log-probabilities: the loss above its last weight; in a stage only its last layer's
+    output has nothing after it to hold that part)."""
+    from harness.models import split_backward
 
+    stage_backward_input, _ = split_backward()
+    saved = LiveStorages()
+    releases = [saved.hold(p, "weights") for p in layer.parameters()]
     x = make_input()
-    out = forward(layer, x)
+    with saving_into(saved):
+        out = forward(layer, x)
+    before = saved.live["activations"]
     grad = None if out.dim() == 0 else [torch.randn_like(out)]
     _, param_groups = stage_backward_input([out], grad, [x], layer.parameters())
+    del out, grad
+    gc.collect()
+    released = before - saved.live["activations"]
     meter = LiveStorages()
     for group in param_groups:
         for grads in group.get("grads") or ():
             for tensor in grads or ():
                 if tensor is not None:
                     meter.hold(tensor, "activations")
-    return int(meter.live["activations"])
+    for release in releases:
+        if release is not None:
+            release()
+    return int(meter.live["activations"]), int(released)

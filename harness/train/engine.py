@@ -40,7 +40,7 @@ except ImportError:  # zero > 0 then stops in PipelineEngine._shard with a messa
 from harness.errors import UserError
 from harness.events import EventPlan
 from harness.layers import recomputed
-from harness.models import make_optimizer
+from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
 from harness.profilers.memory import LiveStorages, saving_into
 from harness.schedules import device_steps, virtual_stage
@@ -594,8 +594,7 @@ class PipelineEngine:
         if vs == 0:  # nothing to send back: the W runs the whole backward (as torch's first stage)
             self.weight_state[(vs, micro)] = ("whole", out, grad)
             return
-        from torch.distributed.pipelining._backward import stage_backward_input
-
+        stage_backward_input, _ = split_backward()
         _, groups = stage_backward_input([out], None if grad is None else [grad], [x], self._parameters(vs))
         for group in groups:  # the gradients kept for the W, counted until it has used them
             for grads in group.get("grads") or ():
@@ -614,8 +613,7 @@ class PipelineEngine:
                 out, grad = state
                 out.backward(grad)
             else:
-                from torch.distributed.pipelining._backward import stage_backward_weight
-
+                _, stage_backward_weight = split_backward()
                 stage_backward_weight(self._parameters(vs), state[0])
         end = self.now()
         self.rec.add(start, end, 0, "compute", "weight", "W", "", vs, micro)

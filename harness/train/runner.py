@@ -55,6 +55,10 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
     if layer_times and s.recompute != "none":
         raise UserError(f"--layer-times cannot time layers under recompute = {s.recompute!r} (torch.utils.checkpoint "
                         "runs their forward again inside the backward); drop --layer-times or set recompute = 'none'")
+    if s.split_backward:
+        from harness.models import split_backward
+
+        split_backward()  # a torch without it stops here, on every rank alike
     if layer_times and s.split_backward:
         raise UserError(f"--layer-times cannot time layers under schedule = {s.schedule!r} (its backward is split "
                         "into input and weight gradients, each over the whole stage); drop --layer-times or use "
