@@ -438,3 +438,26 @@ def test_a_split_backward_holds_activations_until_its_w():
     head_input = next(e for e, ev in zb.events.items() if ev.name == "gpt2.head.bwd_input")
     released = estimate_memory(zb, {**_saved(zb), **kept}, {head_input: 200}).stages[1]
     assert released.activations == last.activations - 200
+
+
+def test_w_steps_show_in_the_perfetto_trace_and_the_gantt_chart(tmp_path):
+    import gzip
+
+    from analysis.cli import main as analysis_main
+    from analysis.plot import timeline_bars
+    from analysis.predict import predict
+    from analysis.simulate import BACKWARD_WEIGHT
+    from tests.test_analysis_helpers import by_name, write_handmade_profile
+
+    spec = make_spec(pp=2, micro_batches=4, schedule="zb-h1")
+    times = {"gpt2.block.fwd": 1e-3, "gpt2.block.bwd": 2e-3, "gpt2.block.bwd_input": 1e-3,
+             "gpt2.block.bwd_weight": 1e-3}
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(times))
+    trace, png = tmp_path / "t.json.gz", tmp_path / "t.png"
+    assert analysis_main(["simulate", str(path), "--trace", str(trace), "--png", str(png)]) == 0
+    weights = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+               if e.get("cat") == BACKWARD_WEIGHT]
+    assert {e["pid"] for e in weights} == {0, 1} and all(e["name"].startswith("W ") for e in weights)
+    assert png.stat().st_size > 0
+    bars = timeline_bars(predict(path).timeline, 1)
+    assert len(bars[BACKWARD_WEIGHT]) == 4  # one bar per W step, as for F and B

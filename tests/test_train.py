@@ -420,14 +420,16 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     assert ok, "rank 0 found the profiler traces wrong (see its report)"
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_zero_bubble_steps_are_torch_pipelinings_order(chunks):
-    """Every rank's zb-h1 / interleaved-zb steps are the order of torch.distributed.pipelining's
-    ScheduleInterleavedZeroBubble built from real PipelineStage objects on this world (pp = the world size),
-    its bubbles (None) left out and its backward-input steps ("I") our B."""
+@pytest.mark.parametrize("schedule,chunks", [("zb-h1", 1), ("interleaved-zb", 2), ("interleaved-1f1b", 2)])
+def test_schedule_steps_are_torch_pipelinings_order(schedule, chunks):
+    """Every rank's steps are the order of torch.distributed.pipelining's own schedule for the same
+    configuration (ScheduleInterleavedZeroBubble for the zero-bubble schedules, ScheduleInterleaved1F1B for
+    interleaved-1f1b), built from real PipelineStage objects on this world (pp = the world size): its bubbles
+    (None) left out, its backward-input steps ("I") our B. GPipe and 1F1B have no such order in torch (its
+    single-stage schedules run their loops directly)."""
     import torch
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
     from harness.distributed import destroy_process_group, init_process_group
     from harness.schedules import Step, device_steps
@@ -439,14 +441,17 @@ def test_zero_bubble_steps_are_torch_pipelinings_order(chunks):
     try:
         stages = [PipelineStage(torch.nn.Linear(4, 4), c * pp + rank, pp * chunks, torch.device("cpu"))
                   for c in range(chunks)]
-        schedule = "zb-h1" if chunks == 1 else "interleaved-zb"
+        torch_schedule = ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else ScheduleInterleavedZeroBubble
+        tried = 0
         for m in sorted({1, pp, 2 * pp, 3 * pp, 4}):
-            if m % max(1, m // pp):
-                continue
-            order = ScheduleInterleavedZeroBubble(stages, m, loss_fn=torch.nn.MSELoss()).pipeline_order
+            if (m % pp if schedule == "interleaved-1f1b" else m % max(1, m // pp)):
+                continue  # not a valid micro-batch count for the schedule (docs/spec.md)
+            order = torch_schedule(stages, m, loss_fn=torch.nn.MSELoss()).pipeline_order
             for r in range(pp):
                 torch_steps = [Step({"I": "B"}.get(a.computation_type.value, a.computation_type.value),
                                     a.stage_index // pp, a.microbatch_index) for a in order[r] if a is not None]
                 assert torch_steps == device_steps(schedule, r, pp, m, chunks), (schedule, r, m)
+            tried += 1
+        assert tried >= 2
     finally:
         destroy_process_group()

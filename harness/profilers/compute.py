@@ -7,6 +7,7 @@ backward (zero-bubble schedules) is timed in its two parts as torch.distributed.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,9 @@ ISSUE_CHAIN = 4
 
 
 BACKWARD_PHASES = ("bwd", "bwd_input", "bwd_weight")
-CALLED_PHASES = ("bwd", "bwd_input")  # backwards a training step's stage runs in one call (measure_backward_call)
+CALLED_PHASES = ("bwd",)  # backwards a training step's stage runs in one call (measure_backward_call)
+SPLIT_PHASES = ("bwd_input", "bwd_weight")  # ... and in one call each, their cost per call measured on the layer
+SPLIT_CALL_REPEATS = 7
 
 
 class ComputeSamples(NamedTuple):
@@ -350,6 +353,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     saved: dict[str, int] = {}
     pending = list(contents)
     backward_call: float | None = None
+    split_call: dict[str, float | None] = {}
     deadline: float | None = None
     if not pending and warmed is not None:
         warmed()
@@ -370,6 +374,9 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         order = heavy_light_order(warm_s)
         if backward_call is None and any(runner.phase in CALLED_PHASES for runner in runners.values()):
             backward_call = measure_backward_call(device)
+        for eid, runner in runners.items():  # untimed, once: what a further split call costs on this layer
+            if runner.phase in SPLIT_PHASES and eid not in split_call:
+                split_call[eid] = measure_split_call(runner, device)
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
             if runner.phase in ("fwd", "bwd_input"):
                 measure = activation_bytes if runner.phase == "fwd" else kept_for_weights
@@ -410,7 +417,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         del runners
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),
-                                backward_call if contents[eid]["phase"] in CALLED_PHASES else None,
+                                backward_call if contents[eid]["phase"] in CALLED_PHASES else split_call.get(eid),
                                 *_saved_and_released(saved.get(eid)))
             for eid in contents}
 
@@ -468,6 +475,61 @@ def measure_backward_call(device: torch.device, repeats: int = 30, layers: int =
 def _saved_and_released(measured: int | tuple[int, int] | None) -> tuple[int | None, int | None]:
     """A forward's saved bytes, or a bwd_input's (kept, released), as ComputeSamples holds them."""
     return measured if isinstance(measured, tuple) else (measured, None)
+
+
+def measure_split_call(runner: ComputeRunner, device: torch.device,
+                       repeats: int = SPLIT_CALL_REPEATS) -> float | None:
+    """What each further call of a split backward's half (runner.phase: stage_backward_input or _weight) costs on
+    the runner's own layer, which a training step's stage runs in one call over its layers: the layer chained
+    with a copy of itself, a call per layer against one call over both (median of `repeats`, at least 0). Unlike a plain
+    backward's start (measure_backward_call, tens of microseconds), this grows with the layer's graph, which
+    both halves walk in Python (a block of the accuracy bench's model: about 0.5 ms for the input's half).
+    None for a layer that cannot follow itself (its output is not its input: an embedding, a head)."""
+    layer, make_input = runner.layers[0], runner.make_input
+    x = make_input()
+    if not x.is_floating_point():
+        return None
+    with torch.no_grad():
+        out = layer(x)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+        return None
+    backward_input, backward_weight = split_backward()
+    chain = [layer, copy.deepcopy(layer)]  # not the layer twice: its weights would be shared, their groups one
+    params = [p for module in chain for p in module.parameters()]
+
+    def halves(per_layer: bool) -> float:
+        """Seconds of runner.phase's calls over the chain of two: one per layer or one over both."""
+        x0 = make_input()
+        ins, outs, y = [], [], x0
+        for module in chain:
+            if per_layer:
+                y = y.detach().requires_grad_(True)
+            ins.append(y)
+            y = module(y)
+            outs.append(y)
+        calls = (list(zip(chain, ins, outs))[::-1] if per_layer else [(None, x0, outs[-1])])
+        timed = 0.0
+        groups = []
+        for module, inp, output in calls:
+            weights = list(module.parameters()) if module is not None else params
+            synchronize(device)
+            start = time.perf_counter()
+            _, group = backward_input([output], [torch.ones_like(output)], [inp], weights)
+            synchronize(device)
+            timed += time.perf_counter() - start if runner.phase == "bwd_input" else 0.0
+            groups.append((weights, group))
+        for weights, group in groups:
+            synchronize(device)
+            start = time.perf_counter()
+            backward_weight(weights, group)
+            synchronize(device)
+            timed += time.perf_counter() - start if runner.phase == "bwd_weight" else 0.0
+        return timed
+
+    excess = [halves(True) - halves(False) for _ in range(repeats + 1)][1:]
+    for p in layer.parameters():  # the gradients these calls left are not the samples'
+        p.grad = None
+    return max(0.0, float(np.median(excess)))
 
 
 def heavy_light_order(seconds: dict[str, float]) -> list[str]:
