@@ -479,12 +479,13 @@ def _saved_and_released(measured: int | tuple[int, int] | None) -> tuple[int | N
 
 def measure_split_call(runner: ComputeRunner, device: torch.device,
                        repeats: int = SPLIT_CALL_REPEATS) -> float | None:
-    """What each further call of a split backward's half (runner.phase: stage_backward_input or _weight) costs on
-    the runner's own layer, which a training step's stage runs in one call over its layers: the layer chained
-    with a copy of itself, a call per layer against one call over both (median of `repeats`, at least 0). Unlike a plain
-    backward's start (measure_backward_call, tens of microseconds), this grows with the layer's graph, which
-    both halves walk in Python (a block of the accuracy bench's model: about 0.5 ms for the input's half).
-    None for a layer that cannot follow itself (its output is not its input: an embedding, a head)."""
+    """What each further call of a split backward's half (runner.phase: stage_backward_input or _weight) costs
+    on the runner's own layer, which a training step's stage runs in one call over its layers: the layer
+    chained with a copy of itself, a call per layer against one call over both (median of `repeats`, at least
+    0). Unlike a plain backward's start (measure_backward_call, tens of microseconds), this grows with the
+    layer's graph, which both halves walk in Python (a block of the accuracy bench's model: 0.77 ms for the
+    input's half, 0.45 for the weights'). None for a layer that cannot follow itself (its output is not its
+    input: an embedding, a head)."""
     layer, make_input = runner.layers[0], runner.make_input
     x = make_input()
     if not x.is_floating_point():
