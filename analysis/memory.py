@@ -147,12 +147,14 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
     V = s.virtual_stages
     dtype = spec.model.dtype_bytes
     state, master = _state_bytes(spec)
-    unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward
-                         if plan.events[e].kind == "compute" and e not in activations})
+    unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward + program.backward
+                         if plan.events[e].kind == "compute" and plan.events[e].content.get("phase") in
+                         ("fwd", "bwd_input") and e not in activations})
     held = []  # per virtual stage: what one micro-batch in flight holds there
     remade = []  # per virtual stage: what its backward re-makes at once (recompute = "full")
     kept = []  # per virtual stage, split backward: what a B step keeps for its W
-    let_go = []  # ... and what it lets go of once it is over (its last layer's released bytes)
+    let_go = []  # ... and what it lets go of once it is over (its output, its last layer's released bytes)
+    waiting = []  # ... and the received gradient the first stage's B keeps for its W (a pipeline buffer)
     for vs, program in enumerate(plan.stages):
         saved, largest, again = 0, 0, 0
         for eid, index in zip(program.forward, program.forward_layers):
@@ -172,11 +174,12 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         output = plan.events[program.send_forward].bytes if program.send_forward else 0
         held.append(saved + output)
         remade.append(largest)
-        if s.split_backward:
+        if s.split_backward:  # the first stage's W runs its whole backward: it keeps its output and gradient
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
-            kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else received)
+            kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else 0)
             # B runs the layers in reverse: its first item is the stage's last layer's
-            let_go.append((released or {}).get(program.backward[0], 0) if vs and program.backward else 0)
+            let_go.append(output + (released or {}).get(program.backward[0], 0) if vs and program.backward else 0)
+            waiting.append(0 if vs else received)
     stages = []
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
@@ -190,6 +193,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             weights = own + (params * dtype if s.zero < 3 else largest)
             gradients = params * dtype if s.zero == 1 else shard * dtype + largest
         live, in_flight, gradients_live = 0, 0, s.dp > 1 and not s.zero
+        kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
         best = (-1, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made) at the peak
         points = []  # (gradients live?, activations, buffers, in flight, re-made) after each moment of the schedule
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
@@ -197,20 +201,22 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_live, live, 0, in_flight, 0))
+                points.append((gradients_live, live, kept_buffers, in_flight, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
                 live -= held[vs] + kept[vs] - let_go[vs]
+                kept_buffers -= waiting[vs]
                 in_flight -= 1
                 gradients_live = True
-                points.append((True, live, 0, in_flight, 0))
+                points.append((True, live, kept_buffers, in_flight, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live + remade[vs], received, in_flight, remade[vs]))
-            if s.split_backward:  # the activations stay for the W, with what the B keeps for it (which holds
-                live += kept[vs]  # the received gradient: the first stage's whole, a later one's weights' part)
-                points.append((gradients_live, live, sent, in_flight, 0))
+            points.append((gradients_live, live + remade[vs], received + kept_buffers, in_flight, remade[vs]))
+            if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
+                live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
+                kept_buffers += waiting[vs]
+                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0))
                 live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]

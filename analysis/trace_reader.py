@@ -109,7 +109,7 @@ class Trace:
         return cols
 
     def step_times(self, iteration: int) -> dict[tuple[int, str, int, int], tuple[float, float]]:
-        """(rank, "F"|"B", virtual stage, micro-batch) -> (start, end) of that compute step, relative to the
+        """(rank, "F"|"B"|"W", virtual stage, micro-batch) -> (start, end) of that compute step, relative to the
         iteration's start: what the simulator's StepRecords predict."""
         zero = float(self.iterations["start_s"][iteration])
         out = {}
@@ -135,7 +135,7 @@ class Trace:
         return {eid: np.concatenate(parts) for eid, parts in out.items()}
 
     def stage_compute(self, include_warmup: bool = False) -> dict[tuple[int, str], np.ndarray]:
-        """(virtual stage, "F"|"B") -> durations of every compute interval (one stage, one micro-batch)."""
+        """(virtual stage, "F"|"B"|"W") -> durations of every compute interval (one stage, one micro-batch)."""
         out: dict[tuple[int, str], list[np.ndarray]] = {}
         keep_iterations = self.iterations["index"] if include_warmup else self.measured()
         for device in self.devices.values():

@@ -388,7 +388,9 @@ def test_a_split_backward_computes_input_then_weight_gradients():
     # the buckets are launched after the last micro-batch's W (one call over the stage)
     flow = list(plan.device_flow(2))
     dp_at = [k for k, (_, phase, _, _) in enumerate(flow) if phase == "dp"]
-    assert dp_at and all(flow[k - 1][1] == "W" and flow[k - 1][3] == 3 for k in dp_at[:1])
+    assert len(dp_at) == len(last.buckets) > 0
+    assert [phase for _, phase, _, micro in flow[dp_at[0] - len(last.weight):dp_at[0]]] == ["W"] * len(last.weight)
+    assert dp_at == list(range(dp_at[0], dp_at[0] + len(dp_at))) and flow[dp_at[0] - 1][3] == 3
 
 
 @pytest.mark.parametrize("F,B,W", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)])
@@ -461,3 +463,41 @@ def test_w_steps_show_in_the_perfetto_trace_and_the_gantt_chart(tmp_path):
     assert png.stat().st_size > 0
     bars = timeline_bars(predict(path).timeline, 1)
     assert len(bars[BACKWARD_WEIGHT]) == 4  # one bar per W step, as for F and B
+
+
+def test_a_middle_stage_lets_its_output_go_at_the_end_of_its_b():
+    """torch's stage_backward_input detaches a stage's output: past the first stage it is gone once B ends,
+    while the saved activations wait for W. Middle stage of ZB-H1 over pp = 3, 6 micro-batches: the peak holds
+    every micro-batch whose W has not run (saved + kept) and the outputs only of those whose B has not."""
+    from harness.schedules import device_steps
+
+    plan = plan_of(layers=3, pp=3, global_batch=6, micro=1, schedule="zb-h1")
+    kept = {eid: 300 for eid, e in plan.events.items() if e.content.get("phase") == "bwd_input"}
+    middle = estimate_memory(plan, {**_saved(plan), **kept}).stages[1]
+    output = plan.events[plan.stages[1].send_forward].bytes
+    live = best = 0
+    for step in device_steps("zb-h1", 1, 3, 6):
+        live += {"F": 10**6 + output, "B": 300, "W": -(10**6 + 300)}[step.phase]
+        best = max(best, live)  # the B's point is before its output goes
+        live -= output if step.phase == "B" else 0
+    assert middle.activations == best
+    assert middle.activations < 3 * (10**6 + output + 300)  # not every output held until its W
+
+
+def test_a_split_step_pays_one_call_past_the_head():
+    """A stage runs each half of the split in one call over its layers; the profile called it per layer. Every
+    item of a B or W step but the first sheds its layer's further-call cost, the head first (its cost is 0,
+    unmeasurable: a head cannot follow itself), so both blocks after it shed theirs."""
+    from analysis.simulate import stage_costs
+
+    plan = plan_of(layers=4, pp=2, global_batch=4, micro=1, schedule="zb-h1")
+    seconds = {"gpt2.block.bwd_input": 5e-3, "gpt2.block.bwd_weight": 4e-3, "gpt2.head.bwd_input": 2e-3,
+               "gpt2.head.bwd_weight": 1e-3}
+    costs = _costs(plan, seconds)
+    for eid, event in plan.events.items():
+        if event.content.get("phase") in ("bwd_input", "bwd_weight"):
+            costs.backward_call[eid] = 0.0 if event.content["layer"] == "head" else (
+                7e-4 if event.content["phase"] == "bwd_input" else 4e-4)
+    last = stage_costs(plan, costs)[1]
+    assert last.backward_s == pytest.approx(2e-3 + 2 * (5e-3 - 7e-4))
+    assert last.weight.seconds == pytest.approx(1e-3 + 2 * (4e-3 - 4e-4))

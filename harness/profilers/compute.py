@@ -376,7 +376,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             backward_call = measure_backward_call(device)
         for eid, runner in runners.items():  # untimed, once: what a further split call costs on this layer
             if runner.phase in SPLIT_PHASES and eid not in split_call:
-                split_call[eid] = measure_split_call(runner, device)
+                # 0 where it cannot be measured: the item still is a call, which makes the next one a further call
+                split_call[eid] = measure_split_call(runner, device) or 0.0
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
             if runner.phase in ("fwd", "bwd_input"):
                 measure = activation_bytes if runner.phase == "fwd" else kept_for_weights
