@@ -8,6 +8,7 @@ backward (zero-bubble schedules) is timed in its two parts as torch.distributed.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +126,8 @@ class ComputeSamples(NamedTuple):
     issue each (None where the host and the device are one: on a CPU, and for optimizer steps); and when
     each sample ended on the host's clock, in seconds after `origin_s` of measure_compute_share (how fast
     this rank ran over time: the analysis compares ranks measuring at the same moment); for backwards, what
-    each further backward() call cost this rank's host (measure_backward_call): every sample paid it once,
-    a training step's stage pays it once in all."""
+    each further backward() call cost this rank's host (measure_backward_call; a split backward's half: on its
+    own layer, measure_split_call): every sample paid it once, a training step's stage pays it once in all."""
 
     samples_s: np.ndarray
     host_issue_s: np.ndarray | None = None
@@ -351,6 +352,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     ends: dict[str, list[float]] = {eid: [] for eid in contents}
     host: dict[str, list[float]] = {}
     saved: dict[str, int] = {}
+    released: dict[str, int] = {}
     pending = list(contents)
     backward_call: float | None = None
     split_call: dict[str, float | None] = {}
@@ -379,10 +381,11 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 # 0 where it cannot be measured: the item still is a call, which makes the next one a further call
                 split_call[eid] = measure_split_call(runner, device) or 0.0
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
-            if runner.phase in ("fwd", "bwd_input"):
-                measure = activation_bytes if runner.phase == "fwd" else kept_for_weights
-                saved[eid] = measure(runner.layers[0], runner.make_input,
-                                     lambda layer, x, r=runner: _forward(spec, layer, x, r.content))
+            forward = functools.partial(_forward, spec, content=runner.content)
+            if runner.phase == "fwd":
+                saved[eid] = activation_bytes(runner.layers[0], runner.make_input, forward)
+            elif runner.phase == "bwd_input":  # what it keeps for the W, what it lets go of as a stage's last
+                saved[eid], released[eid] = kept_for_weights(runner.layers[0], runner.make_input, forward)
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = []
@@ -419,7 +422,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),
                                 backward_call if contents[eid]["phase"] in CALLED_PHASES else split_call.get(eid),
-                                *_saved_and_released(saved.get(eid)))
+                                saved.get(eid), released.get(eid))
             for eid in contents}
 
 
@@ -471,11 +474,6 @@ def measure_backward_call(device: torch.device, repeats: int = 30, layers: int =
         if i >= 3:
             excess.append((many - one) / (layers - 1))
     return max(0.0, float(np.median(excess)))
-
-
-def _saved_and_released(measured: int | tuple[int, int] | None) -> tuple[int | None, int | None]:
-    """A forward's saved bytes, or a bwd_input's (kept, released), as ComputeSamples holds them."""
-    return measured if isinstance(measured, tuple) else (measured, None)
 
 
 def measure_split_call(runner: ComputeRunner, device: torch.device,

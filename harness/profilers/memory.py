@@ -132,6 +132,14 @@ def activation_bytes(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
     return int(saved)
 
 
+def kept_gradients(param_groups: list[dict]) -> Iterator[torch.Tensor]:
+    """The gradients stage_backward_input captured at the weights' part of the graph, which its
+    stage_backward_weight will use (every tensor of every group's "grads")."""
+    for group in param_groups:
+        for grads in group.get("grads") or ():
+            yield from (tensor for tensor in grads or () if tensor is not None)
+
+
 def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
                      forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, int]:
     """(kept, released): the bytes a split backward's input-gradient step (torch.distributed.pipelining's
@@ -155,11 +163,8 @@ def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
     gc.collect()
     released = before - saved.live["activations"]
     meter = LiveStorages()
-    for group in param_groups:
-        for grads in group.get("grads") or ():
-            for tensor in grads or ():
-                if tensor is not None:
-                    meter.hold(tensor, "activations")
+    for tensor in kept_gradients(param_groups):
+        meter.hold(tensor, "activations")
     for release in releases:
         if release is not None:
             release()

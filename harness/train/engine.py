@@ -42,7 +42,7 @@ from harness.events import EventPlan
 from harness.layers import recomputed
 from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
-from harness.profilers.memory import LiveStorages, saving_into
+from harness.profilers.memory import LiveStorages, kept_gradients, saving_into
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 from harness.train.model import activation_spec, loss_of, micro_batch
@@ -596,11 +596,8 @@ class PipelineEngine:
             return
         stage_backward_input, _ = split_backward()
         _, groups = stage_backward_input([out], None if grad is None else [grad], [x], self._parameters(vs))
-        for group in groups:  # the gradients kept for the W, counted until it has used them
-            for grads in group.get("grads") or ():
-                for tensor in grads or ():
-                    if tensor is not None:
-                        self.memory.hold_while(tensor, tensor, "activations")
+        for tensor in kept_gradients(groups):  # kept for the W, counted until it has used them
+            self.memory.hold_while(tensor, tensor, "activations")
         self.weight_state[(vs, micro)] = ("weights", groups)
 
     def _weight_gradient(self, vs: int, micro: int) -> None:
