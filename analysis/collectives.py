@@ -1,6 +1,6 @@
-"""Collective benchmark results read, printed and compared: one nccl-tests table per operation for one run,
-the runs side by side for several, bus bandwidth against size as a picture (definitions: harness.collectives;
-the command: `python -m analysis collectives`, and `harness collectives` prints through `run_report`).
+"""Collective benchmark results read and compared: the runs side by side, bus bandwidth against size as a picture,
+and as communication points for a profile's costs (definitions: harness.collectives; one run's tables and JSON:
+harness.collectives_report; the command: `python -m analysis collectives`).
 """
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.collectives import OPS, PROFILE_KINDS, TABLE_HEADERS, average_busbw, bus_factor, table_rows
+from harness.collectives import OPS, PROFILE_KINDS, average_busbw
 from harness.collectives_file import CollectivesRun, read_collectives
+from harness.collectives_report import JSON_SCHEMA_VERSION, run_json, wrong_outputs
 from harness.errors import UserError
 from harness.output import format_table
-
-JSON_SCHEMA_VERSION = 1  # the documents of run_json and compare_json (docs/collectives.md, "JSON")
-FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reducescatter": "(n-1)/n", "alltoall": "(n-1)/n",
-               "broadcast": "1", "sendrecv": "1"}
 
 
 def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
@@ -45,8 +42,9 @@ def profile_points(runs: Sequence[CollectivesRun], profile_backend: str, profile
             raise UserError(f"{run.path} was measured with {run.backend} on {device}, {profile_name} with "
                             f"{profile_backend} on {profile_device}; give a benchmark of the profile's backend "
                             f"and device (harness collectives --backend {profile_backend.removeprefix('torch-')})")
-        if _wrong(run):
-            raise UserError(f"{run.path} has {_wrong(run)} wrong output element(s): its times are not of working "
+        wrong = wrong_outputs(run)
+        if wrong:
+            raise UserError(f"{run.path} has {wrong} wrong output element(s): its times are not of working "
                             "collectives; run the benchmark again")
         for op, results in run.results.items():
             kind = PROFILE_KINDS.get(op)
@@ -56,42 +54,6 @@ def profile_points(runs: Sequence[CollectivesRun], profile_backend: str, profile
                 seconds = float(r.samples_s.min()) if kind == "p2p" else r.median_s
                 points.setdefault((kind, run.placement), []).append((float(r.nbytes), len(run.ranks), seconds))
     return points
-
-
-def _wrong(run: CollectivesRun) -> int:
-    return sum(r.wrong for results in run.results.values() for r in results)
-
-
-def run_json(run: CollectivesRun, notes: Sequence[str] = ()) -> dict[str, Any]:
-    """One run for scripts: what and where, every operation's rows (SizeResult.row) and averages."""
-    return {"schema_version": JSON_SCHEMA_VERSION, **run.summary(), "label": run.label, "notes": list(notes),
-            "environment": run.environment,
-            "ops": {op: {"bus_factor": bus_factor(op, len(run.ranks)), "avg_busbw_gbs": average_busbw(results),
-                         "wrong": sum(r.wrong for r in results), "rows": [r.row() for r in results]}
-                    for op, results in run.results.items()},
-            "wrong": _wrong(run)}
-
-
-def run_report(run: CollectivesRun, notes: Sequence[str] = ()) -> str:
-    """The answer first (each operation's average bus bandwidth, whether every output was right), then one
-    nccl-tests table per operation, each closed by its #wrong and average bus bandwidth."""
-    n = len(run.ranks)
-    wrong = _wrong(run)
-    averages = ", ".join(f"{op} {average_busbw(results):.3g}" for op, results in run.results.items())
-    lines = [f"avg bus bandwidth (GB/s): {averages}",
-             f"{run.backend} on {n} ranks ({run.placement}-node: {','.join(map(str, run.ranks))}), {run.dtype}, "
-             f"{run.iters} iterations after {run.warmup} warm-up; "
-             + ("every output checked and right" if not wrong else f"{wrong} WRONG output element(s): see #wrong"),
-             "time: mean over iterations of the slowest rank; algbw = size / time; busbw = algbw x the operation's "
-             "factor (nccl-tests); GB = 1e9 bytes"]
-    lines += [f"note: {note}" for note in notes]
-    for op, results in run.results.items():
-        lines += ["", format_table(TABLE_HEADERS, table_rows(results),
-                                   title=f"{op} (bus factor {FACTOR_TEXT[op]} = {bus_factor(op, n):.3f})"),
-                  f"# wrong: {sum(r.wrong for r in results)}    avg bus bandwidth: {average_busbw(results):.4g} GB/s"]
-    if run.path.name != "-":
-        lines += ["", f"results: {run.path}"]
-    return "\n".join(lines)
 
 
 def _labels(runs: Sequence[CollectivesRun]) -> list[str]:
@@ -122,7 +84,7 @@ def compare_report(runs: Sequence[CollectivesRun]) -> str:
     labels = _labels(runs)
     ops = [op for op in OPS if any(op in run.results for run in runs)]
     summary = [[label] + [average_busbw(run.results[op]) if op in run.results else "-" for op in ops]
-               + [_wrong(run), str(run.path)] for label, run in zip(labels, runs)]
+               + [wrong_outputs(run), str(run.path)] for label, run in zip(labels, runs)]
     headers, rows = compare_rows(runs)
     return "\n\n".join([format_table(["run"] + [f"{op} GB/s" for op in ops] + ["#wrong", "file"], summary,
                                      title="average bus bandwidth per run (nccl-tests' definition; GB = 1e9 bytes)"),

@@ -1,149 +1,19 @@
-"""Load a merged profile.h5 (layout in docs/hdf5.md) into a typed Profile, with h5py only.
+"""The profile as the analysis uses it: harness.profile_reader's `Profile` (read whole, checked and verified),
+the spec to simulate and the layers to plan it with.
 
 The analysis runs offline: it never imports torch, MPI or the profilers, and it does not import a user
-model's factory module either (only its "module:function" form is checked). The file is opened, checked and
-verified by harness.hdf5_io and read whole while it is open.
+model's factory module either (only its "module:function" form is checked).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-import h5py
-import numpy as np
 
 from harness.errors import UserError
-from harness.events import CommunicationFields
-from harness.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
-from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
-                                  SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.layers import LayerDesc
-from harness.profile_store import read_measurement
-from harness.spec import JobSpec, load_spec, parse_spec, parse_strategy_overrides
+from harness.profile_reader import MeasuredEvent, Profile, load_profile, parse_spec_offline
+from harness.spec import JobSpec, load_spec, parse_strategy_overrides
 
-
-@dataclass
-class MeasuredEvent(CommunicationFields):
-    """One measured event: its content, raw samples (seconds), the optional sample series (SERIES by name,
-    empty where the profile has none), the ranks that measured it and its other attributes; the statistics
-    are derived from the samples once, on first use."""
-
-    id: str
-    kind: str  # compute | p2p | allreduce
-    content: dict[str, Any]
-    samples_s: np.ndarray
-    series: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    ranks: list[int] = field(default_factory=list)
-    env_key: str = ""
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.samples_s = np.asarray(self.samples_s, dtype=np.float64)
-        self.series = {name: np.asarray(self.series.get(name, []), dtype=np.float64) for name in SERIES}
-
-    @property
-    def count(self) -> int:
-        return int(self.samples_s.size)
-
-    @cached_property
-    def median_s(self) -> float:
-        return float(np.median(self.samples_s)) if self.count else float("nan")
-
-    @cached_property
-    def mean_s(self) -> float:
-        return float(self.samples_s.mean()) if self.count else float("nan")
-
-    @cached_property
-    def min_s(self) -> float:
-        return float(self.samples_s.min()) if self.count else float("nan")
-
-    @property
-    def sender_busy_samples_s(self) -> np.ndarray:
-        """P2P only: the receive timed while the sender computes (empty where the profile has none)."""
-        return self.series[SENDER_BUSY_SERIES]
-
-    @property
-    def send_post_samples_s(self) -> np.ndarray:
-        """P2P only: the sender's time in the call that posted its send (empty where the profile has none)."""
-        return self.series[SEND_POST_SERIES]
-
-    @property
-    def host_issue_samples_s(self) -> np.ndarray:
-        """GPU forwards and backwards: the host's time to issue each sample (empty where the profile has none)."""
-        return self.series[HOST_ISSUE_SERIES]
-
-    @property
-    def divide_samples_s(self) -> np.ndarray:
-        """All-reduces: the in-place division of the buffer by the group size timed before each all-reduce
-        (a data-parallel replica averaging its gradient bucket); empty where the profile has none."""
-        return self.series[DIVIDE_SERIES]
-
-    @property
-    def zero_samples_s(self) -> np.ndarray:
-        """All-reduces: the buffer's zeroing timed after each all-reduce (a data-parallel replica clearing its
-        gradient bucket for the next iteration); empty where the profile has none."""
-        return self.series[ZERO_SERIES]
-
-    @property
-    def sample_end_s(self) -> np.ndarray:
-        """Compute: when each sample ended, seconds after its profiling run's compute phase began (attribute
-        `compute_phase` names that run); empty where the profile has none."""
-        return self.series[SAMPLE_END_SERIES]
-
-
-@dataclass
-class Profile:
-    """A merged profile: the spec it was taken for, the layer descriptions, what was measured and what not."""
-
-    path: Path
-    schema_version: int
-    spec: JobSpec
-    spec_json: str
-    layers: list[LayerDesc]
-    events: dict[str, dict[str, Any]]  # the profiled spec's unique events: id -> {kind, name, content, ...}
-    measurements: dict[str, MeasuredEvent]
-    unmeasured: dict[str, str]  # id -> reason
-    environment: dict[str, Any]
-    placement: dict[str, list[int]]
-
-    @property
-    def world_size(self) -> int:
-        """How many ranks took the profile (from /environment, else the ranks seen in measurements)."""
-        if "world_size" in self.environment:
-            return int(self.environment["world_size"])
-        ranks = {r for assigned in self.placement.values() for r in assigned}
-        return max(ranks) + 1 if ranks else 1
-
-    def event_name(self, eid: str) -> str:
-        return str(self.events.get(eid, {}).get("name", eid))
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.hdf5_io.open_file);
-    UserError if it is missing, damaged, not a merged profile, or of a schema this version does not read."""
-    path = Path(path)
-    if path.is_dir():  # an OUTDIR of `harness profile`
-        path = path / "profile.h5"
-    with open_file(path, PROFILE_KIND, READ_VERSIONS) as f, reading(path, PROFILE_KIND):
-        attrs = read_attrs(f)
-        if "spec_json" not in attrs:
-            raise UserError(f"{path}: no spec_json attribute; the profile is incomplete; {REMEDIES[PROFILE_KIND]}")
-        spec_json = str(attrs["spec_json"])
-        try:
-            spec_data = json.loads(spec_json)
-            layers = [LayerDesc.from_dict(d) for d in json.loads(str(attrs.get("layers_json", "[]")))]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})")
-        spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
-        return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
-                       layers=layers, events=_read_events(f), measurements=_read_measurements(f),
-                       unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
-                       environment=read_environment(f),
-                       placement={eid: [int(r) for r in ranks.split(",") if r]
-                                  for eid, ranks in _read_pairs(f, "placement", "id", "ranks").items()})
+__all__ = ["MeasuredEvent", "Profile", "layers_for", "load_profile", "parse_spec_offline", "resolve_spec"]
 
 
 def resolve_spec(profile: Profile, spec_path: str | Path | None = None, strategy: str | None = None) -> JobSpec:
@@ -168,36 +38,3 @@ def layers_for(profile: Profile, spec: JobSpec) -> list[LayerDesc] | None:
         raise UserError(f"{profile.path}: the profile stores no layer descriptions (layers_json) for the user "
                         f"model {spec.model.name!r}; profile it again with the current harness")
     return profile.layers
-
-
-def parse_spec_offline(data: dict, source: str) -> JobSpec:
-    """parse_spec without importing a user model's factory module (it may need torch, or be absent here)."""
-    return parse_spec(data, source=source, import_factory=False)
-
-
-def _read_events(f: h5py.File) -> dict[str, dict[str, Any]]:
-    if "events" not in f or "id" not in f["events"]:
-        return {}
-    g = f["events"]
-    ids, kinds, names = read_text(g["id"]), read_text(g["kind"]), read_text(g["name"])
-    contents = [json.loads(s) for s in read_text(g["content_json"])]
-    multiplicity = g["multiplicity"][()] if "multiplicity" in g else np.zeros(len(ids), dtype=np.int64)
-    cost = g["cost"][()] if "cost" in g else np.zeros(len(ids))
-    return {eid: {"id": eid, "kind": kind, "name": name, "content": content, "multiplicity": int(mult),
-                  "cost": float(c)}
-            for eid, kind, name, content, mult, c in zip(ids, kinds, names, contents, multiplicity, cost)}
-
-
-def _read_measurements(f: h5py.File) -> dict[str, MeasuredEvent]:
-    """Every measurement, whole (the file is open and verified: its samples are read once, here)."""
-    out: dict[str, MeasuredEvent] = {}
-    for eid, g in f.get("measurements", {}).items():
-        m = read_measurement(eid, g)
-        out[eid] = MeasuredEvent(eid, m.kind, m.content, m.samples_s, m.series, m.ranks, m.env_key, m.attrs)
-    return out
-
-
-def _read_pairs(f: h5py.File, group: str, key: str, value: str) -> dict[str, str]:
-    if group not in f or key not in f[group]:
-        return {}
-    return dict(zip(read_text(f[group][key]), read_text(f[group][value])))

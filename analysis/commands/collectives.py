@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 
+from harness.collectives_report import run_report
 from harness.output import writable, write_csv
 
-from analysis.collectives import compare_json, compare_report, compare_rows, load, run_report, write_png
+from analysis.collectives import compare_json, compare_report, compare_rows, load, write_png
 
 NAME = "collectives"
 HELP = "show collective benchmarks of `harness collectives -o`: one run's tables, several side by side, a PNG"

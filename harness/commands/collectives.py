@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         from harness.output import writable
 
         writable(options.output, lambda: write_collectives(options.output, record))
-    from analysis.collectives import run_json, run_report
+    from harness.collectives_report import run_json, run_report
 
     if args.json:
         print(json.dumps(run_json(record, notes), indent=1))

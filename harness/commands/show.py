@@ -1,6 +1,6 @@
 """`python -m harness show OUTDIR/profile.h5`: what a profile holds (table, --json, --csv).
 
-The profile is read by the analysis's own reader (analysis.profile_reader), checked and verified.
+The profile is read whole, checked and verified, by the reader the analysis builds on (harness.profile_reader).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import math
 from harness.events import human_bytes
 from harness.output import format_seconds, format_table, write_csv
 from harness.precision import precision_statistic, relative_half_width
+from harness.profile_reader import load_profile
 from harness.profile_store import summarize
 
 NAME = "show"
@@ -27,8 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_summary(path: str) -> dict:
     """The profile as plain data: schema version, environment, measurements with statistics, unmeasured."""
-    from analysis.profile_reader import load_profile
-
     profile = load_profile(path)
     rows = []
     for eid, m in sorted(profile.measurements.items(), key=lambda item: (item[1].kind, item[0])):
