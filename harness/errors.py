@@ -15,3 +15,13 @@ class SpecError(UserError):
         self.source = source
         where = " ".join(part for part in (source and f"{source}:", field and f"[{field}]") if part)
         super().__init__(f"{where} {message}".strip())
+
+
+class WriteError(UserError):
+    """A file that could not be written (a full disk, a read-only or unwritable folder): names the folder and, for a
+    full disk, the bytes the file needs and the bytes free (harness.output.write_failure builds it)."""
+
+    def __init__(self, message: str, path: str, disk_full: bool = False):
+        self.path = path
+        self.disk_full = disk_full
+        super().__init__(message)

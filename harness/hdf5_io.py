@@ -1,8 +1,10 @@
 """One way to write and read every HDF5 file of the project (layouts: docs/hdf5.md, docs/train.md,
 docs/timeline.md). h5py and numpy only: the analysis reads with it offline.
 
-Writing (`create`): a file is written under a temporary name beside its target and renamed into place
-when complete, so a reader never sees half a file and a stopped run keeps every file it finished. Every
+Writing (`create`): a file is built in memory, then written whole under a temporary name beside its target
+and renamed into place, so a reader never sees half a file and a stopped run keeps every file it finished.
+HDF5 never writes to the disk itself: a full disk or a read-only folder is one UserError naming the folder,
+the bytes the file needs and the bytes free (harness.output.write_failure), and no temporary is left. Every
 file is written so that HDF5 itself detects damage:
 - HDF5 1.10's file format, whose metadata (object headers, indexes) carries checksums, and which HDF5 1.10
   and later read;
@@ -20,6 +22,7 @@ on the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from contextlib import contextmanager
@@ -31,17 +34,30 @@ import numpy as np
 
 from harness.errors import UserError
 from harness.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
+from harness.output import free_bytes, write_failure
 
 LONG_ATTRS = "long_attrs"
 LONG_TEXT_BYTES = 60_000
 # attributes stay in the (checksummed) object header up to this many per object, instead of HDF5's default
 # of 8, beyond which they move to dense storage, where larger values have no checksum
 MAX_COMPACT_ATTRIBUTES = 4096
+CORE_BLOCK_BYTES = 1 << 20  # the in-memory file grows by this much at a time
 
 
 def temporary_path(path: Path) -> Path:
     """Where `path` is written before it is renamed into place (a hidden name in the same folder)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporaries that writers killed mid-write left in `folder` (call it holding the folder's lock,
+    harness.folder_lock, so that no live writer's is among them); returns those removed."""
+    removed = []
+    for tmp in folder.glob(".*.tmp-*"):
+        if tmp.is_file() and tmp.name.rsplit(".tmp-", 1)[1].isdigit():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def _creation_properties(plist_class) -> Any:
@@ -53,19 +69,36 @@ def _creation_properties(plist_class) -> Any:
 @contextmanager
 def create(path: str | Path, kind: str, version: int, attrs: Mapping[str, Any] | None = None
            ) -> Iterator[h5py.File]:
-    """A new file of `kind` and schema `version` at `path`, renamed into place when the block ends without
-    an error (and removed if it raises)."""
+    """A new file of `kind` and schema `version` at `path`, built in memory and written into place when the block
+    ends without an error (nothing is written if it raises)."""
     path = Path(path)
-    tmp = temporary_path(path)
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_V110)  # checksummed metadata, readable by 1.10+
-    fid = h5py.h5f.create(str(tmp).encode(), h5py.h5f.ACC_TRUNC,
+    fapl.set_fapl_core(CORE_BLOCK_BYTES, False)  # in memory only: HDF5 cannot fail half-way on a full disk
+    fid = h5py.h5f.create(str(path).encode(), h5py.h5f.ACC_TRUNC,
                           fcpl=_creation_properties(h5py.h5p.FILE_CREATE), fapl=fapl)
+    with h5py.File(fid) as f:
+        set_attrs(f, {"schema_version": version, "kind": kind, **(attrs or {})})
+        yield f
+        f.flush()
+        image = fid.get_file_image()
+    write_bytes_atomically(path, image)
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """`data` written to a temporary beside `path`, then renamed into place; checked against the free space
+    first. A failure removes the temporary and is a UserError (harness.output.write_failure)."""
+    tmp = temporary_path(path)
+    free = free_bytes(path.parent)
+    if free is not None and free < len(data):
+        raise write_failure(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), needed=len(data), free=free)
     try:
-        with h5py.File(fid) as f:
-            set_attrs(f, {"schema_version": version, "kind": kind, **(attrs or {})})
-            yield f
+        with open(tmp, "wb") as out:
+            out.write(data)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_failure(path, exc, needed=len(data)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

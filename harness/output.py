@@ -5,16 +5,19 @@ Pure Python (the analysis front ends use it too). Rules:
   decimals that give its largest value four significant digits (at most 3, none from 1,000 up), integers
   get thousands separators; a gap (None or "-") shows as "-" and keeps the column a number column;
 - a CSV file holds the same rows at full precision (gaps empty), for spreadsheets;
-- an output path that cannot be written is bad input (one message, exit 2), not a traceback.
+- an output path that cannot be written is bad input (one message, exit 2), not a traceback: a full disk names the
+  folder, the bytes needed and the bytes free; a file the failed write had begun is removed.
 """
 from __future__ import annotations
 
 import csv
+import errno
 import math
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from harness.errors import UserError
+from harness.errors import UserError, WriteError
 
 T = TypeVar("T")
 
@@ -53,11 +56,50 @@ def write_csv(path: str | Path, headers: Sequence[str], rows: Sequence[Sequence[
 
 
 def writable(path: str | Path, write: Callable[[], T]) -> T:
-    """Run `write()` (which writes `path`); an OSError becomes a UserError naming the path."""
+    """Run `write()` (which writes `path`); an OSError becomes a WriteError naming the path, and a file at `path`
+    that was not there before is removed (a failed write leaves no part of itself)."""
+    path = Path(path)
+    existed = path.exists()
     try:
         return write()
+    except WriteError:
+        raise
     except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}; give a path in a writable folder")
+        if not existed and path.is_file():
+            path.unlink()
+        raise write_failure(path, exc) from None
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def free_bytes(folder: str | Path) -> int | None:
+    """Bytes free to this user in `folder` (its nearest existing parent), None where the system cannot tell."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def write_failure(path: str | Path, exc: OSError, needed: int | None = None, free: int | None = None) -> WriteError:
+    """The one message for a file that could not be written: a full disk (with the bytes `needed` and free), a
+    read-only or unwritable folder, or another system error."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    reason = exc.strerror or str(exc)
+    if exc.errno in DISK_FULL_ERRNOS:
+        free = free_bytes(folder) if free is None else free
+        sizes = ", ".join(part for part in (needed is not None and f"it needs {format_bytes(needed)}",
+                                            free is not None and f"{format_bytes(free)} free") if part)
+        return WriteError(f"no space left in {folder} for {path.name}{f' ({sizes})' if sizes else ''}; free some "
+                          "space there or write elsewhere", str(path), disk_full=True)
+    if exc.errno in READ_ONLY_ERRNOS:
+        return WriteError(f"cannot write in {folder}: {reason}; give a writable folder", str(path))
+    return WriteError(f"cannot write {path}: {reason}; give a path in a writable folder", str(path))
 
 
 def format_seconds(seconds: float) -> str:
