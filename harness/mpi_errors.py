@@ -45,14 +45,33 @@ def finalize_quietly() -> None:
         MPI.Finalize()
 
 
-def stop_on_error(comm, error: UserError | None) -> int | None:
-    """Collective: if any rank has an error, end MPI quietly and raise it on rank 0 (the CLI prints it and
-    exits 2); other ranks get the exit status to return. None when every rank is fine."""
-    error = agree_on_error(comm, error)
-    if error is None:
-        return None
+class AgreedError(UserError):
+    """A UserError that every rank of the job holds (agreed collectively by `raise_if_any`): the front end ends MPI
+    quietly (`stop_agreed`) and only rank 0 reports it."""
+
+
+def raise_if_any(comm, error: UserError | None) -> None:
+    """Collective: if any rank has an error, raise it (the first rank's, as agree_on_error names it) on every rank
+    as an AgreedError."""
+    agreed = agree_on_error(comm, error)
+    if agreed is not None:
+        raise AgreedError(str(agreed))
+
+
+def stop_agreed(comm, error: AgreedError) -> int:
+    """End MPI quietly; rank 0 raises the error (the CLI prints it and exits 2), other ranks get the status."""
     rank = comm.Get_rank()
     finalize_quietly()
     if rank == 0:
-        raise error
+        raise UserError(str(error))
     return error.exit_status
+
+
+def stop_on_error(comm, error: UserError | None) -> int | None:
+    """Collective: if any rank has an error, end MPI quietly and raise it on rank 0 (the CLI prints it and
+    exits 2); other ranks get the exit status to return. None when every rank is fine."""
+    try:
+        raise_if_any(comm, error)
+    except AgreedError as agreed:
+        return stop_agreed(comm, agreed)
+    return None

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import socket
 import sys
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import UserError
+from harness.errors import UserError, WriteError
 from harness.events import COMM_KINDS, UniqueEvents, build_plan
 from harness.hdf5_io import open_file, read_environment, reading
 from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
@@ -35,7 +36,7 @@ from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMP
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
 from harness.host_memory import prepare_host_memory
-from harness.mpi_errors import yielding_barrier
+from harness.mpi_errors import AgreedError, raise_if_any, yielding_barrier
 from harness.precision import precision_statistic, relative_half_width
 from harness.progress import Progress
 from harness.spec import JobSpec
@@ -45,7 +46,8 @@ from launcher.topology import Topology, discover, mpi_library_version
 
 FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase:
 FAIL_PHASE_VAR = "DISTSIM_FAIL_PHASE"  # test-only: that phase ("compute" unless set)
-FAILABLE_PHASES = ("compute", "tensor-parallel composites", "communication")
+FAIL_HOW_VAR = "DISTSIM_FAIL_HOW"  # test-only: "kill" for SIGKILL instead of an exception
+FAILABLE_PHASES = ("compute", "tensor-parallel composites", "communication", "merge")
 PROGRESS_TAG = 7701
 FLUSH_EVERY_S = 10.0
 
@@ -183,6 +185,7 @@ class RankRecorder:
         self.probes: dict[str, float | None] = dict(previous_probes or {})
         self._probe: tuple[str, Any] | None = None
         self._last_flush = time.monotonic()
+        self.write_error: WriteError | None = None  # a periodic flush that failed, until a save succeeds
 
     def track_probe(self, phase_key: str, probe: Any) -> None:
         """Write `probe`'s median so far (SpeedProbe.median_s) as this rank's for that compute phase at every
@@ -191,8 +194,11 @@ class RankRecorder:
 
     def add(self, m: Measurement) -> None:
         self.measurements[m.id] = m
-        if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
-            self.flush()
+        if self.write_error is None and time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+            try:
+                self.flush()
+            except WriteError as exc:  # reported by the phase's save, which every rank reaches
+                self.write_error = exc
 
     def flush(self) -> None:
         if self._probe is not None:
@@ -201,6 +207,20 @@ class RankRecorder:
         meta = {**self.meta, RANK_SPEED_PROBE_ENV: json.dumps(self.probes)} if self.probes else self.meta
         write_rank_file(self.path, self.rank, self.measurements.values(), meta=meta)
         self._last_flush = time.monotonic()
+
+    def save(self, comm) -> None:
+        """Collective, at a phase's end: every rank writes its file; if any could not, every rank stops with
+        that rank's message (AgreedError) and the complete files already in the folder stay for a resume."""
+        error = None
+        try:
+            self.flush()
+            self.write_error = None
+        except WriteError as exc:
+            error = exc
+        if error is not None:
+            error = UserError(f"{error}. Every complete file in {self.path.parent} is kept: run the same command "
+                              "again to resume")
+        raise_if_any(comm, error)
 
 
 def _report_progress(comm, rank: int, progress: Progress | None, count: int | None, requests: list) -> int:
@@ -303,7 +323,12 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         _profile_composites(run)
         run.begin("communication")
         _profile_communication(run)
+        run.begin("merge")
+        result = _merge(run)
         run.watchdog.stop()
+    except AgreedError:  # every rank holds it: the front end ends MPI quietly
+        run.watchdog.stop()
+        raise
     except Exception as exc:  # any failure ends every rank now, with this rank's message
         print(f"harness profile: rank {run.rank} ({run.topology.hostnames[run.rank]}) failed in phase "
               f"'{run.phase}': {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -313,7 +338,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         finally:
             comm.Abort(exc.exit_status if isinstance(exc, UserError) else 1)  # bad input keeps its status 2
         raise
-    return _merge(run)
+    return result
 
 
 def _set_up(run: ProfileRun) -> None:
@@ -348,6 +373,7 @@ def _set_up(run: ProfileRun) -> None:
     meta = {"env_key": run.env_key, "hostname": socket.gethostname(), "device": run.device_name}
     run.recorder = RankRecorder(rank_file(run.outdir, run.rank), run.rank, meta, previous,
                                 {} if run.force else _own_previous_probes(run.outdir, run.rank))
+    run.recorder.save(comm)  # a full disk or an unwritable folder shows now, before anything is measured
     run.profiler = CommProfiler(comm, comm_backend, run.device)
     # The first optimizer imports torch._dynamo (seconds on a small CPU): pay it before any phase is timed.
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
@@ -410,7 +436,7 @@ def _profile_compute(run: ProfileRun) -> None:
     else:
         _report_progress(comm, rank, progress, None, reports)
     MPI.Request.Waitall(reports)
-    run.recorder.flush()
+    run.recorder.save(run.comm)
     yielding_barrier(comm, sleep_s=1e-3)  # ranks still sampling to the precision keep their cores
     run.compute_wall_s = time.perf_counter() - phase_start
 
@@ -456,7 +482,7 @@ def _profile_composites(run: ProfileRun) -> None:
             progress.advance()
     if progress is not None:
         progress.close()
-    run.recorder.flush()
+    run.recorder.save(run.comm)
 
 
 def _profile_communication(run: ProfileRun) -> None:
@@ -496,25 +522,38 @@ def _profile_communication(run: ProfileRun) -> None:
             progress.advance()
     if progress is not None:
         progress.close()
-    run.recorder.flush()
+    run.recorder.save(run.comm)
 
 
 def _merge(run: ProfileRun) -> ProfileResult | None:
     """Every rank's time and probe to rank 0, which merges the rank files (and what was stored) into
     profile.h5; rank 0 returns the result."""
-    import torch
-
     from harness.distributed import destroy_process_group
-    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION
 
-    comm, topology, outdir = run.comm, run.topology, run.outdir
+    comm, outdir = run.comm, run.outdir
     busy = comm.gather(run.busy_s, root=0)
     probe_medians = comm.gather(run.probe.median_s(), root=0)
     comm.Barrier()
     comm_wall_s = time.perf_counter() - run.comm_start
     destroy_process_group()
-    if run.rank != 0:
-        return None
+    result = error = None
+    if run.rank == 0:
+        try:
+            result = _write_profile(run, busy, probe_medians, comm_wall_s)
+        except WriteError as exc:
+            error = UserError(f"{exc}. The rank files in {outdir} hold every measurement: run the same command "
+                              "again to merge them")
+    raise_if_any(comm, error)
+    return result
+
+
+def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm_wall_s: float) -> ProfileResult:
+    """Rank 0: the rank files (and what was stored) merged into OUTDIR/profile.h5."""
+    import torch
+
+    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION
+
+    topology, outdir = run.topology, run.outdir
     finished = time.time()
     merged = _stored(outdir, run.env_key) if not run.force else {}
     for r in range(topology.size):
@@ -592,7 +631,8 @@ def _rank_file_speeds(outdir: Path) -> dict[str, list[float | None]]:
 
 
 def _fail_if_asked(rank: int, phase: str) -> None:
-    """Test-only: raise on the rank FAIL_RANK_VAR names at the start of the phase FAIL_PHASE_VAR names."""
+    """Test-only: on the rank FAIL_RANK_VAR names, at the start of the phase FAIL_PHASE_VAR names, raise, or with
+    FAIL_HOW_VAR=kill die of SIGKILL (as a node's out-of-memory killer ends a rank)."""
     fail_rank = os.environ.get(FAIL_RANK_VAR)
     fail_phase = os.environ.get(FAIL_PHASE_VAR, "compute")
     if fail_rank is None:
@@ -600,6 +640,10 @@ def _fail_if_asked(rank: int, phase: str) -> None:
     if fail_phase not in FAILABLE_PHASES:  # a misspelt phase would otherwise never fail, and a test pass
         raise RuntimeError(f"{FAIL_PHASE_VAR}={fail_phase!r}: not one of {', '.join(FAILABLE_PHASES)}")
     if int(fail_rank) == rank and fail_phase == phase:
+        if os.environ.get(FAIL_HOW_VAR) == "kill":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"failure injected by {FAIL_RANK_VAR}={fail_rank} in phase '{phase}'")
 
 

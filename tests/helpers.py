@@ -73,9 +73,9 @@ def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
             np.testing.assert_allclose(layers["start_s"][mine][by_start][1:], layers["end_s"][mine][by_start][:-1])
 
 
-def mpirun_harness(n: int, args: list[str], env: dict, timeout: float = 240):
+def mpirun_harness(n: int, args: list[str], env: dict, timeout: float = 240, cwd: Path | None = None):
     """`mpirun -n N python -m mpi4py -m harness ARGS` with the MPI the suite runs on (DISTSIM_MPIRUN, else the
-    venv's), from the project's root."""
+    venv's), from the project's root (or `cwd`)."""
     import os
     import subprocess
     import sys
@@ -84,4 +84,4 @@ def mpirun_harness(n: int, args: list[str], env: dict, timeout: float = 240):
 
     launcher = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
     command = [launcher, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "harness", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd or ROOT)

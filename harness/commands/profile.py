@@ -6,15 +6,17 @@ aborts all of them. Rank 0 prints progress and the summary; the result is OUTDIR
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
-from harness.mpi_errors import stop_on_error
+from harness.mpi_errors import AgreedError, stop_agreed, stop_on_error
 from harness.events import events_to_profile
 from harness.spec import load_spec
 from harness.output import format_seconds
+from harness.precision import MIN_SAMPLES
 
 NAME = "profile"
 HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
@@ -60,12 +62,14 @@ def budget_option(text: str | None) -> float | None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    from harness.folder_lock import FolderLock, clear_for_this_job, command_line
     from harness.profiling import check_outdir, run_profile
 
     comm = MPI.COMM_WORLD
     spec = unique = grid = None
     outdir = Path(args.output)
     error: UserError | None = None
+    lock: FolderLock | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
         changes = {k: v for k, v in (("backend", args.backend), ("repeats", args.repeats), ("warmup", args.warmup),
@@ -75,36 +79,56 @@ def run(args: argparse.Namespace) -> int:
             spec = spec.with_changes(**changes)
         check_outdir(outdir)
         unique, grid = events_to_profile(spec)
+        if comm.Get_rank() == 0:  # one job at a time in a folder; held until this process ends
+            lock = FolderLock(outdir, command_line()).acquire()
     except UserError as exc:
         error = exc
-    status = stop_on_error(comm, error)  # any rank's bad input stops every rank; rank 0 says what is wrong
-    if status is not None:
-        return status
-    result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet, events=unique)
+    try:
+        status = stop_on_error(comm, error)  # any rank's bad input stops every rank; rank 0 says what is wrong
+        if status is not None:
+            return status
+        if lock is not None:
+            clear_for_this_job(lock, "harness profile")
+        result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet,
+                             events=unique)
+    except AgreedError as exc:  # a full disk, say: every rank stops, rank 0 says why
+        return stop_agreed(comm, exc)
+    finally:
+        if lock is not None:
+            lock.release()
     if result is None:
         return 0
+    print(summary_text(spec, grid, unique, result, comm.Get_size()))
+    if result.binding_note:
+        print(f"NOTE: {result.binding_note}")
+    sys.stdout.flush()
+    return 0
+
+
+def summary_text(spec, grid, unique, result, ranks: int) -> str:
+    """What the profile measured, what it could not, and whether it met its precision: one short line each (the
+    events that missed are listed by `harness show --missed`)."""
     what = f"the union of {len(grid)} candidate strategies of " if spec.search else ""
-    print(f"profiled {what}{spec.model.name} on {comm.Get_size()} ranks: {result.measured} measurements taken, "
-          f"{result.skipped} already stored, {len(result.unmeasured)} unmeasurable here; wall time "
-          f"{format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}")
+    lines = [f"profiled {what}{spec.model.name} on {ranks} ranks: {result.measured} measurements taken, "
+             f"{result.skipped} already stored, {len(result.unmeasured)} unmeasurable here; wall time "
+             f"{format_seconds(result.wall_s)}, device time {format_seconds(result.device_seconds)}"]
     by_reason: dict[str, list[str]] = {}
     for eid, why in sorted(result.unmeasured.items(), key=lambda item: unique.events[item[0]].name):
         by_reason.setdefault(why, []).append(unique.events[eid].name)
     for why, names in by_reason.items():  # the analysis extrapolates them (docs/analysis.md)
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        print(f"  unmeasured here, to be extrapolated: {shown}: {why}")
-    if result.missed_precision:
-        shown = ", ".join(f"{name} {reached:.1%}" for name, reached in result.missed_precision[:4])
-        more = len(result.missed_precision) - 4
-        print(f"  {len(result.missed_precision)} event(s) missed the precision of {result.precision:.1%} "
-              f"(the 95% interval's half-width of the mean, or of the median for communication): {shown}{f' and {more} more' if more > 0 else ''}; "
-              f"the budget of {format_seconds(spec.profile.budget_s)} ran out. Run again into the same folder "
-              "with a larger --budget-s to measure them again, or bind the ranks to cores for steadier samples")
+        lines.append(f"  unmeasured here, to be extrapolated: {shown}: {why}")
+    missed = result.missed_precision
+    if missed:
+        lines.append(f"  {len(missed)} of {result.measured + result.skipped} events missed the precision of "
+                     f"{result.precision:.1%} (worst {_precision_text(missed[0][1])}; `harness show {result.path}` lists each); a "
+                     "larger --budget-s into the same folder measures them again")
     else:
-        print(f"  every event is known within {result.precision:.1%} (95% interval of its mean, or median for "
-              "communication)")
-    print(f"profile: {result.path}")
-    if result.binding_note:
-        print(f"NOTE: {result.binding_note}")
-    sys.stdout.flush()
-    return 0
+        lines.append(f"  every event is known within {result.precision:.1%} (95% interval of its mean, or median for "
+                     "communication)")
+    lines.append(f"profile: {result.path}")
+    return "\n".join(lines)
+
+
+def _precision_text(reached: float) -> str:
+    return f"{reached:.1%}" if math.isfinite(reached) else f"unknown, under {MIN_SAMPLES} samples"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness.cli import default_spec_path
 from harness.errors import UserError
-from harness.mpi_errors import stop_on_error
+from harness.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "train"
 HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"
@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    from harness.folder_lock import FolderLock, clear_for_this_job, command_line
     from harness.spec import load_spec
     from harness.train.runner import check_run, run_training
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     rank = comm.Get_rank()
     spec = None
     error: UserError | None = None
+    lock: FolderLock | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
         check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
@@ -77,14 +79,23 @@ def run(args: argparse.Namespace) -> int:
                         Path(folder).mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
                     raise UserError(f"cannot create the {what} {folder}: {exc.strerror}")
+            lock = FolderLock(args.output, command_line()).acquire()  # one job at a time in a run folder
     except UserError as exc:
         error = exc
-    status = stop_on_error(comm, error)
-    if status is not None:
-        return status
-    assert spec is not None
-    run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
-                 fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
-                 timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times,
-                 dp_backend=args.backend, torch_profiler=args.torch_profiler)
+    try:
+        status = stop_on_error(comm, error)
+        if status is not None:
+            return status
+        if lock is not None:
+            clear_for_this_job(lock, "harness train")
+        assert spec is not None
+        run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
+                     fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
+                     timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times,
+                     dp_backend=args.backend, torch_profiler=args.torch_profiler)
+    except AgreedError as exc:  # a full disk, say: every rank stops, rank 0 says why
+        return stop_agreed(comm, exc)
+    finally:
+        if lock is not None:
+            lock.release()
     return 0

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import UserError
-from harness.mpi_errors import yielding_barrier
+from harness.errors import UserError, WriteError
+from harness.mpi_errors import raise_if_any, yielding_barrier
 from harness.host_memory import prepare_host_memory
 from harness.spec import JobSpec
 from launcher.topology import mpi_library_version
@@ -261,15 +261,21 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
                "loss": np.array(losses, dtype=np.float64)}
         layers = layer_columns_from_rows(recorder.layer_rows, timebase.seconds) if layer_times else None
-        rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
-                                     iterations=its, layers=layers)
+        rank_path, write_error = None, None
+        try:
+            rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
+                                         iterations=its, layers=layers)
+        except WriteError as exc:
+            write_error = UserError(f"{exc}; the run's iterations were not saved: free space and run again")
+        yielding_barrier(comm)
+        raise_if_any(comm, write_error)  # every rank stops if any rank could not write its trace
         result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
                              backend=f"torch-{backend}", dp_backend=_dp_backend_name(dp_backend, backend),
                              device=str(dev),
                              binding_note=topology.unbound_note() if dev.type == "cpu" else None)
         env = dict(_environment(topology, dev, backend, result.dp_backend, threads, start_time, end_time),
                    host_memory=host_memory)
-        yielding_barrier(comm)  # every rank file is complete
+        merge_error = None
         if rank == 0:
             loss_ranks = [plan.rank_of(d, 0, s.pp - 1) for d in range(s.dp)]
             clock = {
@@ -282,10 +288,15 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
             root = {"spec_json": spec.to_json(), "layers_json": json.dumps([l.to_dict() for l in plan.layers]),
                     "iterations": iterations, "warmup": warmup, "seed": seed, "lr": lr, "fresh_data": fresh_data,
                     "barrier": barrier, "time_zero_unix": start_time, "micro_batches": spec.micro_batches}
-            trace_path = merge_traces(rundir / "trace.h5",
-                                      [rundir / rank_file_name(r) for r in range(comm.Get_size())],
-                                      root_attrs=root, environment=env, clock=clock, warmup=warmup,
-                                      loss_ranks=loss_ranks)
+            try:
+                trace_path = merge_traces(rundir / "trace.h5",
+                                          [rundir / rank_file_name(r) for r in range(comm.Get_size())],
+                                          root_attrs=root, environment=env, clock=clock, warmup=warmup,
+                                          loss_ranks=loss_ranks)
+            except WriteError as exc:
+                merge_error = UserError(f"{exc}; the run's trace.h5 was not written: free space and run again")
+        raise_if_any(comm, merge_error)
+        if rank == 0:
             from harness.hdf5_io import open_file, reading
             from harness.hdf5_schema import READ_VERSIONS, TRACE_KIND
 
