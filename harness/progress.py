@@ -1,4 +1,5 @@
-"""Progress on rank 0 across all ranks: a tqdm bar on a terminal, a line every few seconds in a log."""
+"""Progress on rank 0 across all ranks: one tqdm bar on a terminal (its total may grow), and in a log (a Slurm
+job's, `make demo > log`) a line per phase at most every LOG_EVERY_S seconds, none for a phase shorter than that."""
 from __future__ import annotations
 
 import sys
@@ -6,16 +7,18 @@ import time
 
 from tqdm import tqdm
 
+LOG_EVERY_S = 10.0
+
 
 class Progress:
     """events done / total, phase, elapsed and ETA; `advance` may be fed by any rank's reports."""
 
-    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = 5.0, unit: str = "event"):
+    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = LOG_EVERY_S, unit: str = "event"):
         self.phase, self.total, self.done, self.unit = phase, total, 0, unit
         self.enabled = enabled and total > 0
         self.start = time.monotonic()
         self.log_every_s = log_every_s
-        self._last_log = self.start  # a log line every log_every_s, the first after that long
+        self._last_log = self.start  # a log line at most every log_every_s, the first after that long
         self._bar = None
         if self.enabled and sys.stderr.isatty():
             self._bar = tqdm(total=total, desc=phase, unit=unit, file=sys.stderr, mininterval=0.5,
@@ -33,9 +36,11 @@ class Progress:
                 self._bar.total = self.total
             self._bar.update(count)
             return
+        self._log_if_due()
+
+    def _log_if_due(self) -> None:
         now = time.monotonic()
-        long_run = now - self.start >= self.log_every_s  # a short phase ends without a line
-        if now - self._last_log >= self.log_every_s or (self.done >= self.total and long_run):
+        if now - self._last_log >= self.log_every_s:
             self._last_log = now
             print(self.line(), file=sys.stderr, flush=True)
 
@@ -50,5 +55,5 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and self.done < self.total and time.monotonic() - self.start >= self.log_every_s:
-            print(self.line(), file=sys.stderr, flush=True)
+        elif self.enabled:
+            self._log_if_due()  # the phase's last count, if no line said it in the last log_every_s
