@@ -209,3 +209,31 @@ def test_a_lock_in_a_path_that_is_a_file_is_bad_input(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="cannot write"):
         FolderLock(tmp_path / "file", "me").acquire()
+
+
+def test_a_run_into_a_full_disk_is_one_message(tmp_path, project_env, mounts):
+    disk = mounts("disk", "size=8k")
+    spec_file = write_spec(tmp_path / "dp2.toml", dp=2)
+    result = mpirun_harness(2, ["train", str(spec_file), "-o", str(disk / "run"), "--iterations", "2", "--warmup",
+                                "1"], project_env, timeout=180)
+    assert result.returncode == 2, result.stderr
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and "no space left in" in errors[0] and "it needs" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not _temporaries(disk / "run")
+
+
+def test_the_analysis_outputs_into_a_full_disk_are_one_message(tmp_path, project_env, mounts):
+    disk = mounts("disk", "size=4k")
+    (disk / "filler").write_bytes(b"\0" * 4096)  # nothing more fits
+    profile = Path(__file__).resolve().parent / "data" / "pp2-profile.h5"
+    for args in (["simulate", str(profile), "--trace", str(disk / "t.json.gz"), "--png", str(disk / "t.png"),
+                  "--out", str(disk / "timeline.h5")],
+                 ["search", str(profile), "--write-spec", str(disk / "best.toml"), "--png", str(disk / "s.png")]):
+        result = subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True,
+                                env=project_env)
+        assert result.returncode == 2, (args, result.stderr)
+        errors = _error_lines(result.stderr)
+        assert len(errors) == 1 and f"no space left in {disk}" in errors[0], (args, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert [p.name for p in disk.iterdir()] == ["filler"], args
