@@ -20,6 +20,10 @@
   layer's bwd_input event to keep; the first virtual stage keeps its received gradient, since its W runs its
   whole backward) and, once it is over, lets go of what only the part above the stage's last weight saved
   (its last layer's measured `released_bytes`: a head's log-probabilities); its gradients are made by the W;
+- temporaries: what a backward makes and holds for a moment beyond the activations it frees, computed from the
+  layers' descriptions (backward_temporaries); at the stage backward's worst moment, which is a layer k's
+  own: its temporaries, beside the activations in flight less what the layers after k in the stage (their
+  backward already run) held, and with recompute = "full" plus k's saved activations re-made;
 - zero > 0 (FSDP2, every layer a unit sharded over the dp replicas): each replica keeps its shard of the
   weights (none of its own with master weights: the fp32 master is the shard) and of the optimizer state;
   zero 1 and 2 hold every weight whole through the iteration (gathered in the first forward), zero 3 one
@@ -29,7 +33,8 @@
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and the gradients once a backward has made them, or from the start
 with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
-micro-batch's activations) and after it (its activations freed, its gradients made, both buffers held).
+micro-batch's activations; its worst moment, with the temporaries) and after it (its activations freed, its
+gradients made, both buffers held).
 """
 from __future__ import annotations
 
@@ -39,14 +44,15 @@ from typing import Any, Mapping
 from harness.events import EventPlan
 from harness.errors import UserError
 from harness.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
-from harness.layers import input_bytes, recomputed
+from harness.layers import LayerDesc, input_bytes, recomputed
 from harness.output import format_bytes
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 
 from analysis.profile_reader import Profile
 
-PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline")
+PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline", "temporaries")
+LOSS_BYTES = 4  # the loss takes the logits in float32 (harness.train.model.loss_of)
 GB = 1e9
 
 
@@ -61,13 +67,17 @@ class StageMemory:
     activations: int
     pipeline: int
     in_flight: int  # micro-batches (over the device's chunks) holding activations at the peak
-    remade: int = 0  # of `activations`: a recomputed layer's, re-made as its backward starts (recompute = "full")
-    # the peak over the same moments with re-made activations left out (what saved-tensor hooks can see)
+    remade: int = 0  # of `activations`: a recomputed layer's, re-made in its backward (recompute = "full")
+    # the peak over the same moments with re-made activations left out
     without_remade: int = 0
+    temporaries: int = 0  # a backward's, at the peak (backward_temporaries)
+    # the peak over the same moments of what the meter counts (harness.profilers.memory): re-made activations
+    # (out of the saved-tensor hooks' sight) and temporaries left out
+    metered: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.pipeline
+        return sum(getattr(self, part) for part in PARTS)
 
     @property
     def dominant(self) -> str:
@@ -77,7 +87,8 @@ class StageMemory:
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, **{f"{part}_bytes": getattr(self, part) for part in PARTS},
                 "total_bytes": self.total, "in_flight": self.in_flight, "dominant": self.dominant,
-                "remade_bytes": self.remade, "without_remade_bytes": self.without_remade}
+                "remade_bytes": self.remade, "without_remade_bytes": self.without_remade,
+                "metered_bytes": self.metered}
 
 
 @dataclass
@@ -138,6 +149,47 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     return spec.model.dtype_bytes * states, 0
 
 
+def backward_temporaries(spec: JobSpec, layer: LayerDesc) -> tuple[int, int]:
+    """(temporaries, freed) at a built-in layer's worst backward moment: what its backward holds then beyond its
+    saved activations and its output's gradient, and what of its own saved activations it has let go of by then
+    (torch's autograd on harness.models, micro-batch b, sequence s, hidden h, dtype bytes d):
+    - head with the loss: the larger of its loss's moment, the gradient of the float32 log-probabilities and the
+      logits' gradient made from it (2 b s V x 4 bytes, nothing freed), and its projection's: the logits'
+      gradient in the model's dtype (b s V d), its weight's gradient (V h d) and its input's (b s h d), the
+      log-probabilities (b s V x 4) freed;
+    - transformer block: its MLP's last projection's, its input's gradient (b s F d, F = ffn / tp) and its
+      weight's gradient (F h d);
+    - embedding: its token table's dense gradient (V h d);
+    - a factory model's layer: nothing (not known).
+    A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
+    (with data parallelism, always), else the gradient itself, made a moment early: counted here either way."""
+    signature = dict(layer.signature)
+    b, s, d = spec.batch.micro, spec.model.seq_len, spec.model.dtype_bytes
+    h = int(signature.get("hidden", spec.model.hidden))
+    if layer.kind == "head":
+        vocab = int(signature.get("vocab", spec.model.vocab))
+        loss = (2 * b * s * vocab * LOSS_BYTES, 0)
+        projection = (b * s * vocab * d + (vocab + b * s) * h * d, b * s * vocab * LOSS_BYTES)
+        return max(loss, projection, key=lambda moment: moment[0] - moment[1])
+    if layer.kind == "block":
+        ffn = int(signature.get("ffn", spec.model.ffn)) // int(signature.get("tp", 1))
+        return (b * s + h) * ffn * d, 0
+    if layer.kind == "embedding":
+        return int(signature.get("vocab", spec.model.vocab)) * h * d, 0
+    return 0, 0
+
+
+def _worst_backward_moment(layers: list[tuple[int, int, tuple[int, int]]]) -> tuple[int, int, int]:
+    """(activations, temporaries, re-made) beyond what a stage's micro-batch holds as its backward starts, at its
+    worst moment; `layers` in forward order as (held until its backward, re-made in it, backward_temporaries)."""
+    best, freed = (0, 0, 0), 0
+    for held, again, (temporary, own) in reversed(layers):
+        if again + temporary - freed - own > sum(best):
+            best = (again - freed - own, temporary, again)
+        freed += held
+    return best
+
+
 def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                     released: Mapping[str, int] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
@@ -151,29 +203,34 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                          if plan.events[e].kind == "compute" and plan.events[e].content.get("phase") in
                          ("fwd", "bwd_input") and e not in activations})
     held = []  # per virtual stage: what one micro-batch in flight holds there
-    remade = []  # per virtual stage: what its backward re-makes at once (recompute = "full")
+    worst = []  # per virtual stage: its backward's worst moment (_worst_backward_moment)
     kept = []  # per virtual stage, split backward: what a B step keeps for its W
     let_go = []  # ... and what it lets go of once it is over (its output, its last layer's released bytes)
     waiting = []  # ... and the received gradient the first stage's B keeps for its W (a pipeline buffer)
     for vs, program in enumerate(plan.stages):
         saved, largest, again = 0, 0, 0
+        layers = []  # (held until its backward, re-made in it, temporaries) per layer
         for eid, index in zip(program.forward, program.forward_layers):
             if index < 0:
                 continue
             layer_saves = activations.get(eid, 0)
+            temporary = backward_temporaries(spec, plan.layers[index])
             if s.recompute == "full" and recomputed(plan.layers[index]):
-                saved += input_bytes(spec, plan.layers, index)
+                kept_input = input_bytes(spec, plan.layers, index)
+                saved += kept_input
                 largest = max(largest, layer_saves)
                 again += 1
+                layers.append((kept_input, layer_saves, temporary))
             else:
                 saved += layer_saves
+                layers.append((layer_saves, 0, temporary))
         if again and not largest and not unmeasured:
             raise UserError(f"recompute = {s.recompute!r}: the layers of stage {vs} save no activations for their "
                             "backward (as profiled), so recomputing them costs time and frees nothing; set "
                             "recompute = 'none' or split the model differently")
         output = plan.events[program.send_forward].bytes if program.send_forward else 0
         held.append(saved + output)
-        remade.append(largest)
+        worst.append(_worst_backward_moment(layers))
         if s.split_backward:  # the first stage's W runs its whole backward: it keeps its output and gradient
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else 0)
@@ -194,42 +251,51 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             gradients = params * dtype if s.zero == 1 else shard * dtype + largest
         live, in_flight, gradients_live = 0, 0, s.dp > 1 and not s.zero
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
-        best = (-1, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made) at the peak
-        points = []  # (gradients live?, activations, buffers, in flight, re-made) after each moment of the schedule
+        best = (-1, 0, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made, temporaries)
+        # (gradients live?, activations, buffers, in flight, re-made, temporaries) at each moment of the schedule
+        points = []
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
             vs = virtual_stage(step.chunk, d, s.pp)
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_live, live, kept_buffers, in_flight, 0))
+                points.append((gradients_live, live, kept_buffers, in_flight, 0, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
+                if vs == 0:  # the first stage's W runs its whole backward
+                    extra, temporaries, again = worst[vs]
+                    points.append((gradients_live, live + extra, kept_buffers, in_flight, again, temporaries))
                 live -= held[vs] + kept[vs] - let_go[vs]
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
                 gradients_live = True
-                points.append((True, live, kept_buffers, in_flight, 0))
+                points.append((True, live, kept_buffers, in_flight, 0, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live + remade[vs], received + kept_buffers, in_flight, remade[vs]))
+            points.append((gradients_live, live, received + kept_buffers, in_flight, 0, 0))
+            if not s.split_backward or vs:  # a split backward's B of the first stage does nothing
+                extra, temporaries, again = worst[vs]
+                points.append((gradients_live, live + extra, received + kept_buffers, in_flight, again, temporaries))
             if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
                 live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
                 kept_buffers += waiting[vs]
-                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0))
+                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0, 0))
                 live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]
             in_flight -= 1
             gradients_live = True
-            points.append((True, live, received + sent, in_flight, 0))
-        without = 0
-        for grads_live, act, buffers, flight, again in points:
+            points.append((True, live, received + sent, in_flight, 0, 0))
+        without, metered = 0, 0
+        for grads_live, act, buffers, flight, again, temporaries in points:
             grads = gradients if grads_live else 0
-            total = weights + optimizer + grads + act + buffers
+            total = weights + optimizer + grads + act + buffers + temporaries
             without = max(without, total - again)
+            metered = max(metered, total - again - temporaries)
             if total > best[0]:
-                best = (total, grads, act, buffers, flight, again)
-        _, grads, act, buffers, flight, again = best
-        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight, again, without))
+                best = (total, grads, act, buffers, flight, again, temporaries)
+        _, grads, act, buffers, flight, again, temporaries = best
+        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight, again, without, temporaries,
+                                  metered))
     return MemoryEstimate(stages, unmeasured)

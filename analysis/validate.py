@@ -243,7 +243,7 @@ def _memory_rows(trace: Trace, estimate: MemoryEstimate) -> list[dict[str, Any]]
         # re-made activations in its own frame, out of their sight: compared without them (docs/analysis.md);
         # the CUDA allocator sees everything
         meter = attr == PEAK_MEMORY_ATTR
-        compared = stage.without_remade if meter else stage.total
+        compared = stage.metered if meter else stage.total
         row = {"stage": stage.stage, "measured_bytes": measured, "predicted_bytes": stage.total,
                "error_pct": _pct(compared, measured), "measured_parts": parts,
                "predicted_parts": {part: getattr(stage, part) for part in PARTS}, "rank": largest.rank,

@@ -130,7 +130,7 @@ def main() -> int:
             peaks = [int(d.attrs[PEAK_MEMORY_ATTR]) for d in trace.devices.values() if PEAK_MEMORY_ATTR in d.attrs]
             measured_peak = max(peaks) if peaks else None
             # as analysis validate compares: the meter cannot see a recomputed layer's re-made activations
-            compared = max(s["without_remade_bytes"] for s in candidate["memory_stages"])
+            compared = max(s["metered_bytes"] for s in candidate["memory_stages"])
             rows.append({"strategy": candidate["strategy"], "predicted_s": candidate["batch_time_s"],
                          "measured_s": measured_s,
                          "error_pct": (candidate["batch_time_s"] - measured_s) / measured_s * 100,

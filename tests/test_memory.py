@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from analysis.memory import estimate_memory
+from analysis.memory import backward_temporaries, estimate_memory
 from harness.events import build_plan
 from harness.profilers.memory import LiveStorages, activation_bytes, saving_into
 from harness.spec import parse_spec
@@ -59,12 +59,16 @@ def test_model_states_per_parameter(dtype, optimizer, per_parameter):
 
 def test_gradients_count_from_the_first_backward_without_data_parallelism():
     """GPipe without data parallelism peaks either with every micro-batch in flight before any gradient exists,
-    or after its first backward with the gradients made: the model takes the larger."""
+    or after its first backward with the gradients made: the model takes the larger, with the backward's
+    temporaries at its worst moment (the head's or the last block's: the head saves nothing here)."""
     for per_micro in (1000, 10**7):  # the block; the embedding and head save nothing, a last stage sends nothing
-        plan, memory = _estimate(make_spec(pp=1, micro_batches=4, schedule="gpipe"), per_micro)
+        spec = make_spec(pp=1, micro_batches=4, schedule="gpipe")
+        plan, memory = _estimate(spec, per_micro)
         (stage,) = memory.stages
         weights = sum(layer.params for layer in plan.layers) * 4
-        assert stage.total == max(weights * 3 + 4 * per_micro, weights * 4 + 3 * per_micro)
+        worst = max(made - freed for made, freed in (backward_temporaries(spec, layer) for layer in plan.layers[1:]))
+        assert stage.metered == max(weights * 3 + 4 * per_micro, weights * 4 + 3 * per_micro)
+        assert stage.temporaries > 0 and stage.total == stage.metered + worst
         assert stage.gradients == (weights if per_micro == 1000 else 0)
     _, replicated = _estimate(make_spec(dp=2, micro_batches=4, schedule="gpipe"))
     assert replicated.stages[0].gradients == weights  # buckets persist: gradients from the start

@@ -169,3 +169,50 @@ def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
         if release is not None:
             release()
     return int(meter.live["activations"]), int(released)
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+@contextmanager
+def pytorch_tracker() -> Iterator["torch.distributed._tools.mem_tracker.MemTracker"]:
+    """torch's own accounting over the block (torch.distributed._tools.mem_tracker.MemTracker, which sees
+    every storage an operator makes: parameters, gradients, optimizer states, activations and the backward's
+    temporaries). MemTracker refuses a top-level module called again outside a backward: each time one is (a
+    new micro-batch's forward), its per-module statistics are cleared first, which leaves its peak whole. Its
+    module tracker's backward hooks are not registered: hooked on a stage's input, a leaf, they form a cycle
+    through autograd that Python cannot collect and keep every micro-batch's input alive; they only feed the
+    per-module backward snapshots, while the peak and its categories come from the operators alone."""
+    from torch.distributed._tools import mod_tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    modules = tracker._mod_tracker  # noqa: SLF001 (the tracker's module stack)
+
+    def new_forward(module: torch.nn.Module, _args) -> None:
+        if module in tracker.memory_tracking and not modules.is_bw and modules.parents == {"Global"}:
+            tracker.reset_mod_stats()
+
+    # registered before the tracker's own global hooks (its __enter__), so it runs first
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)
+    hooks = mod_tracker.register_multi_grad_hook
+    mod_tracker.register_multi_grad_hook = lambda *args, **kwargs: _NoHandle()
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        mod_tracker.register_multi_grad_hook = hooks
+        handle.remove()
+
+
+def tracker_peak(tracker) -> dict[str, int]:
+    """A MemTracker's peak: bytes by its categories (lower-case: parameter, buffer, gradient, activation, temp,
+    optstate, other) and `total`, summed over devices."""
+    out: dict[str, int] = {}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for key, value in snapshot.items():
+            name = getattr(key, "value", str(key)).lower()
+            out[name] = out.get(name, 0) + int(value)
+    return out
