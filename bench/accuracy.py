@@ -17,11 +17,15 @@ errs high for the row). The last line counts the rows within the goal both ways.
 Pooling trials taken minutes apart averages out this shared machine's drift (bench/machine_noise.py
 measures it), which one profile and one run, each a few seconds, cannot. Goals: batch-time and device errors
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs); the memory model's error (each stage's
-predicted peak against the run's, the largest, median over trials) at most 3%. A closing line counts the
-trials whose run's median lies inside their prediction's 90% interval (analysis validate's
-`measured_in_interval`; goal: 90% of them) and the intervals' mean width.
+predicted peak against the run's, the largest, median over trials) at most 3%, against the project's meter
+(which counts what the model counts, temporaries left out) and against PyTorch's own accounting: each trial
+also trains its job for 3 iterations under torch's MemTracker (harness.profilers.pytorch_tracker), which sees
+every storage, the backward's temporaries included (goal: within 2%; `--no-tracker` leaves it out).
+A closing line counts the trials whose run's median lies inside their prediction's 90% interval (analysis
+validate's `measured_in_interval`; goal: 90% of them) and the intervals' mean width.
 Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeats 100] [--budget-s S] [--only NAME]
-     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--json]
+     [--bind core|none|launcher] [--keep DIR] [--reuse DIR] [--no-rank-speed] [--no-layer-times] [--no-tracker]
+     [--json]
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
 bind; --bind none shows what unbound ranks cost a pipeline's waiting stage.
 --reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured);
@@ -68,6 +72,8 @@ CONFIGS = {
     "pp=2 zb-h1 m=4": (1, 1, 2, "zb-h1", 4, 2),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
+TRACKER_GOAL_PCT = 2.0  # issue 32: the memory model against MemTracker's peak, every stage of every row
+TRACKER_ITERATIONS = 3  # MemTracker slows every operator: a short run of its own, 1 warm-up
 
 
 def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none",
@@ -110,7 +116,66 @@ def measure(config: tuple, args: argparse.Namespace, env: dict, workdir: Path, r
                       *(["--layer-times"] if traces_layers(config) and not args.no_layer_times else [])]
     for command in ((train, profile) if run_first else (profile, train)):
         run(command, env)
+    if not args.no_tracker:
+        run([mpirun, *binding, "-n", "2", sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
+             "--tracked-run", str(workdir / "job.toml"), str(workdir / "tracked")], env)
     return validate(workdir, env, args.no_rank_speed)
+
+
+def tracked_run(spec_path: str, rundir: str) -> None:
+    """Under mpirun: train the job (TRACKER_ITERATIONS) under MemTracker and write every rank's peak by
+    category to RUNDIR/tracker.json (rank 0)."""
+    from mpi4py import MPI
+
+    from harness.profilers.memory import pytorch_tracker, tracker_peak
+    from harness.spec import load_spec
+    from harness.train.runner import run_training
+
+    comm = MPI.COMM_WORLD
+    with pytorch_tracker() as tracker:
+        run_training(load_spec(spec_path), comm, rundir, iterations=TRACKER_ITERATIONS, warmup=1)
+    peaks = comm.gather(tracker_peak(tracker), root=0)
+    if comm.Get_rank() == 0:
+        (Path(rundir) / "tracker.json").write_text(json.dumps(peaks))
+
+
+def tracker_rows(workdir: Path) -> list[dict] | None:
+    """Per pipeline stage: the model's peak (from the trial's profile) against MemTracker's (the stage's
+    largest device), with the meter's peak of the same tracked run; None without a tracked run."""
+    found = workdir / "tracked" / "tracker.json"
+    if not found.exists():
+        return None
+    from analysis.memory import activation_bytes, estimate_memory, released_bytes
+    from analysis.profile_reader import load_profile
+    from analysis.trace_reader import read_trace
+    from harness.events import build_plan
+    from harness.hdf5_schema import PEAK_MEMORY_ATTR
+    from harness.spec import load_spec
+
+    peaks = json.loads(found.read_text())
+    plan = build_plan(load_spec(workdir / "job.toml", import_factory=False))
+    profile = load_profile(workdir / "prof")
+    memory = estimate_memory(plan, activation_bytes(profile), released_bytes(profile))
+    devices = read_trace(workdir / "tracked").devices
+    rows = []
+    for stage in memory.stages:
+        ranks = [rank for rank in range(len(peaks)) if plan.coords(rank)[2] == stage.stage]
+        tracked = max(peaks[rank]["total"] for rank in ranks)
+        meters = [int(devices[rank].attrs[PEAK_MEMORY_ATTR]) for rank in ranks
+                  if PEAK_MEMORY_ATTR in devices[rank].attrs]
+        rows.append({"stage": stage.stage, "predicted_bytes": stage.total, "tracker_bytes": tracked,
+                     "tracker_temp_bytes": max(peaks[rank].get("temp", 0) for rank in ranks),
+                     "predicted_temporaries_bytes": stage.temporaries,
+                     "meter_bytes": max(meters) if meters else None, "metered_bytes": stage.metered,
+                     "error_pct": (stage.total - tracked) / tracked * 100})
+    return rows
+
+
+def with_tracker(trial: dict, workdir: Path) -> dict:
+    """A trial's validate JSON with its tracked run's rows (tracker_memory) and their largest |error|."""
+    rows = tracker_rows(workdir)
+    return dict(trial, tracker_memory=rows,
+                tracker_memory_error_pct=max(abs(r["error_pct"]) for r in rows) if rows else None)
 
 
 def validate(workdir: Path, env: dict, no_rank_speed: bool = False) -> dict:
@@ -138,7 +203,8 @@ def measure_trials(name: str, config: tuple, args: argparse.Namespace, env: dict
     weighs on both sides instead of always on the run."""
     slug = slug_of(name)
     with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as root:
-        return [measure(config, args, env, Path(root) / f"{slug}-t{t}", t % 2 == 1) for t in range(args.trials)]
+        return [with_tracker(measure(config, args, env, Path(root) / f"{slug}-t{t}", t % 2 == 1),
+                             Path(root) / f"{slug}-t{t}") for t in range(args.trials)]
 
 
 def pooled_batch_error(trials: list[dict], predicting: list[dict] | None = None,
@@ -202,6 +268,9 @@ def pooled(trials: list[dict]) -> dict:
             "run_spread_pct": (max(per_trial) - min(per_trial)) / measured * 100.0,
             # the memory model: the largest |error| of a stage's predicted peak, median over trials
             "memory_error_pct": median_of(t.get("memory_error_pct") for t in trials),
+            # the same model against MemTracker's peak (a tracked run per trial): the largest |error|, median
+            "tracker_memory_error_pct": median_of(t.get("tracker_memory_error_pct") for t in trials),
+            "tracker_memory": next((t["tracker_memory"] for t in trials if t.get("tracker_memory")), None),
             "run_vs_run": run_vs_run(trials),
             # each trial's own: whether its run's median lay inside its prediction's 90% interval, and its width
             "in_interval": [t.get("measured_in_interval") for t in trials],
@@ -256,6 +325,13 @@ def median_errors(trials: list[dict], section: str, key_of) -> dict[str, float]:
     return {key: float(np.median(values)) for key, values in sorted(out.items())}
 
 
+def tracker_cell(row: dict) -> str:
+    """One stage of a tracked trial: model (its metered part) / meter / MemTracker, MB, and the error."""
+    meter = "-" if row["meter_bytes"] is None else f"{row['meter_bytes'] / 1e6:.2f}"
+    return (f"s{row['stage']} {row['predicted_bytes'] / 1e6:.2f} (metered {row['metered_bytes'] / 1e6:.2f}) / "
+            f"{meter} / {row['tracker_bytes'] / 1e6:.2f} {row['error_pct']:+.2f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20, help="training iterations per run (2 are warm-up)")
@@ -276,8 +352,14 @@ def main() -> None:
                         "validate --no-rank-speed); with --reuse, the same trials both ways")
     parser.add_argument("--no-layer-times", action="store_true",
                         help="run without harness train --layer-times (no per-layer errors); ignored with --reuse")
+    parser.add_argument("--no-tracker", action="store_true",
+                        help="leave out each trial's run under MemTracker (PyTorch's own memory accounting)")
+    parser.add_argument("--tracked-run", nargs=2, metavar=("SPEC", "RUNDIR"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
+    if args.tracked_run:
+        tracked_run(*args.tracked_run)
+        return
     if args.reuse and not Path(args.reuse).is_dir():
         print(f"bench/accuracy.py: --reuse {args.reuse}: no such folder; give the folder an earlier --keep wrote",
               file=sys.stderr)
@@ -293,11 +375,11 @@ def main() -> None:
     rows = {}
     if not args.json:
         print(f"{'configuration':<16} {'measured ms':>12} {'predicted ms':>13} {'batch err %':>12} "
-              f"{'90% interval':>14} {'device err %':>13} {'replay err %':>13} {'memory err %':>13} "
+              f"{'90% interval':>14} {'device err %':>13} {'replay err %':>13} {'memory err %':>13} {'tracker %':>10} "
               f"{'run spread %':>13} {'run-vs-run %':>13}  per-trial batch err %")
     for name in names:
         if args.reuse:
-            trials = [validate(workdir, env, args.no_rank_speed) for workdir in kept[name]]
+            trials = [with_tracker(validate(workdir, env, args.no_rank_speed), workdir) for workdir in kept[name]]
             if not trials:
                 continue
         else:
@@ -308,11 +390,13 @@ def main() -> None:
             low, high = row["batch_error_interval_pct"]
             replay = f"{row['replay_error_pct']:+.1f}" if row["replay_error_pct"] is not None else "-"
             memory = f"{row['memory_error_pct']:.2f}" if row["memory_error_pct"] is not None else "-"
+            tracked = f"{row['tracker_memory_error_pct']:.2f}" if row["tracker_memory_error_pct"] is not None else "-"
             floor = row["run_vs_run"]
             floor_text = f"{floor['batch_error_pct']:+.1f}/{floor['device_error_pct']:.1f}" if floor else "-"
             print(f"{name:<16} {row['measured_s'] * 1e3:>12.1f} {row['predicted_s'] * 1e3:>13.1f} "
                   f"{row['batch_error_pct']:>+12.1f} {f'{low:+.1f}..{high:+.1f}':>14} "
-                  f"{row['device_error_pct']:>13.1f} {replay:>13} {memory:>13} {row['run_spread_pct']:>13.1f} "
+                  f"{row['device_error_pct']:>13.1f} {replay:>13} {memory:>13} {tracked:>10} "
+                  f"{row['run_spread_pct']:>13.1f} "
                   f"{floor_text:>13}  {trial_errors}", flush=True)
     if rows and not args.json:
         floors = [row["run_vs_run"] for row in rows.values()]
@@ -325,6 +409,15 @@ def main() -> None:
     if held and not args.json:
         print(f"the prediction's 90% interval (from each profile's samples) held its run's median in {sum(held)} of "
               f"{len(held)} trials ({sum(held) / len(held):.0%}; goal 90%), mean width {np.mean(widths):.1f}%")
+    tracked = {name: row for name, row in rows.items() if row["tracker_memory"]}
+    if tracked and not args.json:
+        print("\npeak memory per stage, MB (first tracked trial): model vs the meter (temporaries left out) vs "
+              f"MemTracker, error against MemTracker (goal {TRACKER_GOAL_PCT:g}%):")
+        for name, row in tracked.items():
+            print(f"{name:<16} " + "  ".join(tracker_cell(r) for r in row["tracker_memory"]))
+        within = sum(row["tracker_memory_error_pct"] is not None and row["tracker_memory_error_pct"] <= TRACKER_GOAL_PCT
+                     for row in tracked.values())
+        print(f"rows within {TRACKER_GOAL_PCT:g}% of MemTracker's peak on every stage: {within} of {len(tracked)}")
     lagged = {name: row for name, row in rows.items() if "replica_lag_measured_s" in row}
     if lagged and not args.json:
         print("\nslowest data-parallel replica's compute end behind the replicas' mean (median over trials):")

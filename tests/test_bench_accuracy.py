@@ -133,12 +133,16 @@ def test_profile_and_run_launch_with_the_same_core_binding(tmp_path, monkeypatch
                         or {})
     monkeypatch.setenv("DISTSIM_MPIRUN", "mpirun")
     args = type("Args", (), {"repeats": 10, "iterations": 4, "bind": bind, "no_rank_speed": False,
-                             "no_layer_times": bind == "none", "budget_s": 5.0 if bind == "core" else None})()
+                             "no_layer_times": bind == "none", "budget_s": 5.0 if bind == "core" else None,
+                             "no_tracker": bind == "none"})()
     accuracy.measure(accuracy.CONFIGS["pp=2 gpipe m=4"], args, {}, tmp_path, run_first=False)
     for command in launched:
         assert command[0] == "mpirun"
         assert command[1:command.index("-n")] == expected
-    assert [command[command.index("harness") + 1] for command in launched] == ["profile", "train"]
+    assert [command[command.index("harness") + 1] for command in launched[:2]] == ["profile", "train"]
+    # then the job again under MemTracker, unless --no-tracker
+    assert [command[command.index("--tracked-run") + 1:] for command in launched[2:]] == \
+        ([] if bind == "none" else [[str(tmp_path / "job.toml"), str(tmp_path / "tracked")]])
     # --budget-s reaches the profile when given, else the spec's budget holds
     assert ("--budget-s" in launched[0]) == (bind == "core") and "--budget-s" not in launched[1]
     assert validated == [False]  # validated with the rank-speed correction unless --no-rank-speed

@@ -6,7 +6,9 @@ The same meter measures a layer's saved activations when profiling (`activation_
 peak in `harness train` (LiveStorages over a whole iteration), so that the memory model (analysis.memory)
 and the run count alike: weights, gradients, optimizer state, activations autograd saves for the backward
 (through torch.autograd.graph.saved_tensors_hooks), and buffers the pipeline holds (a stage's output until
-its gradient returns, received and sent gradients).
+its gradient returns, received and sent gradients). What a backward makes and frees within itself
+(temporaries) it leaves out, as the model's metered peak does; PyTorch's own accounting, which sees them, runs
+through `pytorch_tracker` to check the model's whole peak.
 """
 from __future__ import annotations
 
