@@ -1,7 +1,11 @@
 """The data flow's boundaries, read from the sources (not from what one command happened to import).
 
-`analysis` runs offline: no module under analysis/ imports torch, mpi4py, the launcher or the runtime half of
-the harness (profilers, training, models, MPI helpers), neither itself nor through the harness modules it uses.
+Rules, each checked at any depth (module level or inside a function) in the package's own modules, and at
+module level in the project modules it imports, followed on:
+- `analysis` runs offline: it never imports torch, mpi4py, the launcher or the runtime half of the harness
+  (profilers, training, models, MPI helpers, commands);
+- `harness` never imports `analysis` (the data flows harness -> analysis);
+- `launcher` uses harness's events and other pure harness modules, never the runtime half nor `analysis`.
 """
 from __future__ import annotations
 
@@ -10,23 +14,28 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-FORBIDDEN = ("torch", "mpi4py", "launcher", "harness.profilers", "harness.train", "harness.models",
-             "harness.distributed", "harness.profiling", "harness.host_memory", "harness.mpi_errors",
-             "harness.commands")
+HARNESS_RUNTIME = ("harness.profilers", "harness.train", "harness.models", "harness.distributed", "harness.profiling",
+                   "harness.host_memory", "harness.mpi_errors", "harness.commands")
+FORBIDDEN = {"analysis": ("torch", "mpi4py", "launcher", *HARNESS_RUNTIME),
+             "harness": ("analysis",),
+             "launcher": ("analysis", *HARNESS_RUNTIME)}
+PROJECT_PACKAGES = ("harness", "analysis", "launcher")
 # Function-level imports of the runtime in the harness's pure modules, each used only where the analysis never
 # goes (tests/test_analysis_cli.py runs a user model's simulation and checks that torch stays unloaded):
-KNOWN_LAZY = {("harness.layers", "harness.models.user")}  # a factory model without its stored description
+KNOWN_LAZY = {("harness.layers", "harness.models.user"),  # a factory model without its stored description
+              # the bare `python -m harness` under MPI profiles the demo; analysis.cli uses build_parser and run_cli
+              ("harness.cli", "launcher.topology"), ("harness.cli", "mpi4py")}
 
 
-def _module_file(name: str) -> Path | None:
-    path = ROOT.joinpath(*name.split("."))
+def _module_file(name: str, root: Path) -> Path | None:
+    path = root.joinpath(*name.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.exists():
             return candidate
     return None
 
 
-def _imports(path: Path, module: str) -> list[tuple[str, bool]]:
+def _imports(path: Path, module: str, root: Path = ROOT) -> list[tuple[str, bool]]:
     """(imported module, at module level?) for every import in a file; `from x import y` also yields x.y, which
     is a module where one exists."""
     tree = ast.parse(path.read_text(), str(path))
@@ -42,40 +51,65 @@ def _imports(path: Path, module: str) -> list[tuple[str, bool]]:
                 base = ".".join(package + ([base] if base else []))
             found.append((base, id(node) in top_level))
             found += [(f"{base}.{alias.name}", id(node) in top_level) for alias in node.names
-                      if _module_file(f"{base}.{alias.name}") is not None]
+                      if _module_file(f"{base}.{alias.name}", root) is not None]
     return found
 
 
-def _forbidden(name: str) -> bool:
-    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_the_analysis_imports_nothing_of_the_runtime():
-    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-                     for p in (ROOT / "analysis").rglob("*.py"))
-    assert len(modules) > 10
-    seen, queue, violations, lazy = set(), [(m, True) for m in modules], [], set()
+def _package_modules(package: str, root: Path) -> list[str]:
+    return sorted(".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+                  for p in (root / package).rglob("*.py"))
+
+
+def crossings(package: str, root: Path = ROOT) -> tuple[list[str], set[tuple[str, str]], set[str]]:
+    """What `package` imports against its rule (FORBIDDEN): (violations, lazy, modules seen). Every import of the
+    package's own modules counts; of the project modules they import, what loads with them (module level), and a
+    forbidden import inside one of their functions is `lazy` (module, name) instead."""
+    forbidden = FORBIDDEN[package]
+    seen, violations, lazy = set(), [], set()
+    queue = [(m, True) for m in _package_modules(package, root)]
     while queue:
-        module, from_analysis = queue.pop()
+        module, own = queue.pop()
         if module in seen:
             continue
         seen.add(module)
-        path = _module_file(module)
+        path = _module_file(module, root)
         if path is None:
             continue
-        for name, top in _imports(path, module):
-            if _forbidden(name):
-                if from_analysis or top:
+        for name, top in _imports(path, module, root):
+            if _matches(name, forbidden):
+                if own or top:
                     violations.append(f"{module} imports {name}")
                 else:
                     lazy.add((module, name))
-            elif name.startswith(("harness", "analysis")):
-                # analysis modules: every import counts; harness modules: what loads when they are imported
-                if from_analysis or top:
-                    queue.append((name, name.startswith("analysis")))
+            elif _matches(name, PROJECT_PACKAGES) and (own or top):
+                queue.append((name, _matches(name, (package,))))
+    return violations, lazy, seen
+
+
+def test_the_analysis_imports_nothing_of_the_runtime():
+    violations, lazy, seen = crossings("analysis")
     assert not violations, "\n".join(violations)
     assert lazy <= KNOWN_LAZY, f"new function-level imports of the runtime in pure harness modules: {lazy - KNOWN_LAZY}"
-    assert {"harness.spec", "harness.events", "harness.hdf5_io"} <= seen
+    assert len([m for m in seen if m.startswith("analysis.")]) > 10
+    assert {"harness.spec", "harness.events", "harness.hdf5_io", "harness.profile_reader"} <= seen
+
+
+def test_the_harness_never_imports_the_analysis():
+    violations, lazy, seen = crossings("harness")
+    assert not violations, "\n".join(violations)
+    assert not lazy
+    assert {"harness.commands.show", "harness.commands.collectives", "harness.profilers.compute"} <= seen
+
+
+def test_the_launcher_uses_only_pure_harness_modules():
+    violations, lazy, seen = crossings("launcher")
+    assert not violations, "\n".join(violations)
+    assert lazy <= KNOWN_LAZY, f"new function-level imports of the runtime in pure harness modules: {lazy - KNOWN_LAZY}"
+    assert {"launcher.placement", "launcher.topology", "harness.events"} <= seen
 
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):
@@ -83,3 +117,29 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("import json\n\ndef f():\n    if True:\n        from mpi4py import MPI\n")
     assert ("mpi4py", False) in _imports(source, "m") and ("json", True) in _imports(source, "m")
+
+
+def test_the_check_flags_planted_imports(tmp_path):
+    """A small copy of the three packages with forbidden imports planted in each: every one is reported, those
+    inside functions too, and nothing once they are gone."""
+    files = {"harness/__init__.py": "",
+             "harness/events.py": "import json\n",
+             "harness/report.py": "def show():\n    from analysis.costs import Costs\n",
+             "harness/profiling.py": "import torch\n",
+             "analysis/__init__.py": "",
+             "analysis/costs.py": "from harness import events\n\ndef f():\n    from launcher import topology\n",
+             "launcher/__init__.py": "",
+             "launcher/topology.py": "from harness.events import json\n\ndef g():\n    import harness.profiling\n",
+             "launcher/placement.py": "from analysis import costs\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert crossings("harness", tmp_path)[0] == ["harness.report imports analysis.costs"]
+    assert sorted(crossings("analysis", tmp_path)[0]) == ["analysis.costs imports launcher",
+                                                          "analysis.costs imports launcher.topology"]
+    assert sorted(crossings("launcher", tmp_path)[0]) == ["launcher.placement imports analysis",
+                                                          "launcher.placement imports analysis.costs",
+                                                          "launcher.topology imports harness.profiling"]
+    (tmp_path / "harness/report.py").write_text("def show():\n    return 0\n")
+    assert crossings("harness", tmp_path) == ([], set(), {"harness", "harness.events", "harness.report",
+                                                          "harness.profiling"})
