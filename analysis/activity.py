@@ -5,13 +5,21 @@ Per rank, `RankActivity` holds raw sets that may overlap one another: compute, c
 phases the trace names; the collectives it joined (for stragglers); the measured iterations. The breakdown then
 applies one precedence to them (compute, then communication, then memory, else idle). The rules that make
 the sets:
-- GPU Kineto traces (any kernel): HolisticTraceAnalysis's. Kernels whose name starts with `nccl` communicate,
-  memcpy and memset are memory, every other kernel computes; the span is the first kernel's start to the last
-  kernel's end. Phases come from the GPU annotations (`gpu_user_annotation`).
+- GPU Kineto traces (any kernel): HolisticTraceAnalysis's. What runs on a GPU stream (kernels, memcpy, memset,
+  stream synchronisations) is classed by name: `nccl...Kernel` communicates; `Memcpy...`, `Memset...`, `dma...`
+  and what HTA counts as neither compute nor communication (a name holding `Memcpy` or `Sync`) is memory; the
+  rest computes. The span is the first GPU event's start to the last one's end. Phases come from the GPU
+  annotations (`gpu_user_annotation`).
 - CPU Kineto traces (gloo, no kernels): every thread's operators and annotations, each instant given to the
   innermost event then running on its thread; an event communicates if its name is a communication's
   (COMMUNICATION), else it computes. The span is the first to the last event. ProfilerStep#N annotations are
   the iterations and are no activity.
+- Kineto spans (SPANS): "trace" takes every event of the trace; "hta" takes what HolisticTraceAnalysis's reader
+  keeps by default: times rounded to whole microseconds where the trace's are fractional, and only the GPU
+  events launched (their `cuda_runtime`/`cuda_driver` call, by correlation id) before the start of the trace's
+  last profiler step (the latest event off the GPU streams whose name holds `ProfilerStep`), CPU events and
+  annotations that start before it, and the iterations but the last. A trace naming fewer than two steps is
+  taken whole, as HTA does.
 - trace.h5: the measured iterations' rows. Compute: the forward, backward and optimizer rows without the
   tensor-parallel all-reduces inside them; communication: every communication row (TP all-reduces, P2P sends
   and receives, gradient buckets from launch to completion). The span is the first row's start to the last
@@ -31,7 +39,8 @@ from harness.errors import UserError
 from harness.progress import Progress
 
 from analysis.intervals import EMPTY, Spans, spans
-from analysis.kineto import TRACE_SUFFIXES, KinetoTrace, is_kineto_path, read_kineto, trace_files
+from analysis.kineto import (LAUNCH_CATEGORIES, STREAM_CATEGORIES, TRACE_SUFFIXES, Events, KinetoTrace,
+                             is_kineto_path, read_kineto, trace_files)
 
 # A communication's name: a library's prefix, or the name of a collective, send, receive or barrier (a bare
 # "broadcast" is not one: aten::broadcast_tensors computes).
@@ -52,6 +61,13 @@ COLLECTIVE_LAUNCH = re.compile(r"^((?:c10d::|mpi4py:)\w+?)_?$")  # c10d::allredu
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)
 P2P_OPS = ("send", "recv", "recv_any_source", "barrier")
+# HolisticTraceAnalysis's classes of what runs on a GPU stream, by name from its start (case-sensitive)
+NCCL_KERNEL = re.compile(r"nccl.*Kernel")
+MEMORY_KERNEL = re.compile(r"Memcpy|Memset|dma")
+NOT_COMPUTE_KERNEL = re.compile(r".*Memcpy|Memset|.*Sync")  # neither NCCL nor memory, yet no compute either
+COMPUTE, COMMUNICATION_CLASS, MEMORY_CLASS = 0, 1, 2
+STEP_MARK = "ProfilerStep"
+SPANS = ("trace", "hta")  # the whole trace, or HolisticTraceAnalysis's (docs/runs.md)
 SWEEP_BLOCK = 1 << 16
 
 
@@ -91,6 +107,7 @@ class RunActivity:
     model_config: dict[str, Any] = field(default_factory=dict)  # what makes two runs the same model
     spec: dict[str, Any] = field(default_factory=dict)  # trace.h5: the run's whole spec
     notes: list[str] = field(default_factory=list)
+    span: str = "trace"  # one of SPANS: which part of a Kineto trace was taken
 
     @property
     def start(self) -> float:
@@ -165,29 +182,69 @@ def _arrivals(events, mask: np.ndarray, pattern: re.Pattern) -> list[Arrival]:
     return out
 
 
-def kineto_rank(trace: KinetoTrace) -> tuple[RankActivity, np.ndarray]:
-    """One rank's activity from its Kineto trace, and the durations of its ProfilerStep iterations."""
+def kernel_class(name: str) -> int:
+    """HolisticTraceAnalysis's class of a GPU stream's event: COMMUNICATION_CLASS, MEMORY_CLASS (memory, and what
+    it counts as neither compute nor communication) or COMPUTE."""
+    if NCCL_KERNEL.match(name):
+        return COMMUNICATION_CLASS
+    if MEMORY_KERNEL.match(name) or NOT_COMPUTE_KERNEL.match(name):
+        return MEMORY_CLASS
+    return COMPUTE
+
+
+def last_step_start(ev: Events) -> float | None:
+    """Where HolisticTraceAnalysis's reader cuts a trace: the latest start of an event off the GPU streams whose
+    name holds "ProfilerStep"; None where fewer than two step names occur (it then keeps the whole trace)."""
+    marked = ~ev.mask(category=STREAM_CATEGORIES) & ev.mask(name=lambda n: STEP_MARK in n)
+    if np.unique(ev.name[marked]).size < 2:
+        return None
+    return float(ev.start_s[marked].max())
+
+
+def launched_before(ev: Events, cutoff: float) -> np.ndarray:
+    """The GPU stream events whose launch (the event off the streams of the same correlation id) started before
+    `cutoff`; one without a correlation id counts by its own start."""
+    on_stream = ev.mask(category=STREAM_CATEGORIES)
+    correlated = on_stream & (ev.correlation >= 0)
+    launches = ev.mask(category=LAUNCH_CATEGORIES) & (ev.correlation >= 0) & (ev.start_s < cutoff)
+    return (correlated & np.isin(ev.correlation, ev.correlation[launches])) | (
+        on_stream & ~correlated & (ev.start_s < cutoff))
+
+
+def kineto_rank(trace: KinetoTrace, span: str = "trace") -> tuple[RankActivity, np.ndarray]:
+    """One rank's activity from its Kineto trace, and the durations of its ProfilerStep iterations; `span` one
+    of SPANS (module docstring)."""
     ev = trace.events
     step_mask = ev.mask(category="user_annotation", name=ITERATION.match)
     order = np.argsort(ev.start_s[step_mask], kind="stable")
     steps = (ev.end_s[step_mask] - ev.start_s[step_mask])[order]
+    cutoff = last_step_start(ev) if span == "hta" else None
+    before = np.ones(len(ev), dtype=bool) if cutoff is None else ev.start_s < cutoff
+    if cutoff is not None:
+        steps = steps[:-1]
     if trace.has_gpu:
-        kernels = ev.mask(category="kernel")
-        comm_kernel = kernels & ev.mask(name=lambda n: n.lower().startswith("nccl"))
-        compute = spans(ev.start_s[kernels & ~comm_kernel], ev.end_s[kernels & ~comm_kernel])
-        comm = spans(ev.start_s[comm_kernel], ev.end_s[comm_kernel])
-        memory_mask = ev.mask(category=("gpu_memcpy", "gpu_memset"))
-        memory = spans(ev.start_s[memory_mask], ev.end_s[memory_mask])
-        busy = kernels | memory_mask
-        span = (float(ev.start_s[busy].min()), float(ev.end_s[busy].max()))
-        phases = _phases(ev, ev.mask(category="gpu_user_annotation"))
+        gpu = ev.mask(category=STREAM_CATEGORIES)
+        if cutoff is not None:
+            gpu &= launched_before(ev, cutoff)
+            if not gpu.any():
+                raise UserError(f"{trace.path}: rank {trace.rank} launched nothing on the GPU before its last "
+                                "profiler step, which --span hta leaves out; give --span trace")
+        classes = np.array([kernel_class(n) for n in ev.names], dtype=np.int8)[ev.name]
+
+        def of(keep: np.ndarray) -> Spans:
+            return spans(ev.start_s[keep], ev.end_s[keep])
+        comm_kernel = gpu & (classes == COMMUNICATION_CLASS)
+        compute, comm, memory = of(gpu & (classes == COMPUTE)), of(comm_kernel), of(gpu & (classes == MEMORY_CLASS))
+        rank_span = (float(ev.start_s[gpu].min()), float(ev.end_s[gpu].max()))
+        phases = _phases(ev, ev.mask(category="gpu_user_annotation") & before)
         for phase, under in _phases(ev, comm_kernel).items():
             phases[phase] = phases[phase] | under if phase in phases else under
         arrivals = _arrivals(ev, comm_kernel, NCCL_COLLECTIVE)
-        return RankActivity(trace.rank, span, compute, comm, memory, phases, arrivals), steps
-    active = ev.mask(category=("cpu_op", "user_annotation", "python_function")) & ~step_mask
+        return RankActivity(trace.rank, rank_span, compute, comm, memory, phases, arrivals), steps
+    active = ev.mask(category=("cpu_op", "user_annotation", "python_function")) & ~step_mask & before
     if not active.any():
-        raise UserError(f"{trace.path}: the trace holds no operators, only iteration marks")
+        raise UserError(f"{trace.path}: the trace holds no operators"
+                        + (" before its last profiler step" if cutoff is not None else "") + ", only iteration marks")
     is_comm = np.array([bool(COMMUNICATION.search(n)) for n in ev.names], dtype=bool)
     label = is_comm[ev.name].astype(np.int64)  # 0 computes, 1 communicates
     compute_parts, comm_parts = [], []
@@ -222,8 +279,9 @@ def _union(parts: Sequence[Spans]) -> Spans:
     return spans(np.concatenate([p.start for p in parts]), np.concatenate([p.end for p in parts]))
 
 
-def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
-    """One run from its ranks' Kineto traces; UserError for two traces of one rank or traces of mixed runs."""
+def from_kineto(paths: Sequence[Path], source: Path, span: str = "trace") -> RunActivity:
+    """One run from its ranks' Kineto traces, over `span` (SPANS); UserError for two traces of one rank or traces
+    of mixed runs."""
     ranks: dict[int, RankActivity] = {}
     where: dict[int, Path] = {}
     steps: dict[int, np.ndarray] = {}
@@ -231,11 +289,11 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
     backends, worlds, gpu = set(), set(), set()
     progress = Progress("reading profiler traces", len(paths), enabled=len(paths) > 1, unit="trace")
     for path in paths:
-        trace = read_kineto(path)
+        trace = read_kineto(path, whole_microseconds=span == "hta")
         if trace.rank in ranks:
             raise UserError(f"{path} and {where[trace.rank]} both claim rank {trace.rank} (from their "
                             f"{trace.rank_source}); give one trace per rank")
-        ranks[trace.rank], steps[trace.rank] = kineto_rank(trace)
+        ranks[trace.rank], steps[trace.rank] = kineto_rank(trace, span)
         bases[trace.rank] = int(trace.metadata.get("baseTimeNanoseconds") or 0)
         where[trace.rank] = path
         backends.add(trace.backend)
@@ -265,7 +323,7 @@ def from_kineto(paths: Sequence[Path], source: Path) -> RunActivity:
     backend = next(iter(backends)) if len(backends) == 1 else None
     return RunActivity(source=source, kind="kineto-gpu" if gpu.pop() else "kineto-cpu",
                        ranks=dict(sorted(ranks.items())), iteration_s=iteration_s, backend=backend,
-                       world_size=world, notes=notes)
+                       world_size=world, notes=notes, span=span)
 
 
 # ---- trace.h5 --------------------------------------------------------------------------------------------------
@@ -333,23 +391,29 @@ def _trace_arrivals(device, cols: dict[str, np.ndarray]) -> list[Arrival]:
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------
-def load_run(path: str | Path) -> RunActivity:
-    """A run given as a trace.h5 (or the RUNDIR holding it), a Kineto trace, or a folder of Kineto traces."""
+def load_run(path: str | Path, span: str = "trace") -> RunActivity:
+    """A run given as a trace.h5 (or the RUNDIR holding it), a Kineto trace, or a folder of Kineto traces; `span`
+    (SPANS) says which part of a Kineto trace to take; a trace.h5 is taken whole."""
     path = Path(path)
+    if span not in SPANS:
+        raise UserError(f"span {span!r}: give one of {', '.join(SPANS)}")
     if not path.exists():
         raise UserError(f"{path}: no such file or folder; give a trace.h5 of `harness train`, a RUNDIR, or "
                         "PyTorch profiler traces (a folder of them, or .json/.json.gz files)")
     if is_kineto_path(path):
         files = trace_files(path) if path.is_dir() else [path]
-        return from_kineto(files, path)
+        return from_kineto(files, path, span)
     if path.is_dir() and not (path / "trace.h5").exists():
         raise UserError(f"{path}: the folder holds neither a trace.h5 nor .json/.json.gz profiler traces")
+    if span != "trace":
+        raise UserError(f"{path}: --span {span} is HolisticTraceAnalysis's reading of PyTorch profiler traces; a "
+                        "trace.h5 holds only the measured iterations and is taken whole: leave --span out")
     from analysis.trace_reader import read_trace
 
     return from_trace(read_trace(path))
 
 
-def load_runs(paths: Sequence[str | Path]) -> list[RunActivity]:
+def load_runs(paths: Sequence[str | Path], span: str = "trace") -> list[RunActivity]:
     """Runs from the command line: trace.h5 files and RUNDIRs are a run each; Kineto files given one by one
     are the ranks of one run, Kineto folders a run each."""
     runs, loose = [], []
@@ -357,7 +421,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunActivity]:
         if path.is_file() and path.name.endswith(TRACE_SUFFIXES):
             loose.append(path)
         else:
-            runs.append(load_run(path))
+            runs.append(load_run(path, span))
     if loose:
-        runs.append(from_kineto(loose, loose[0].parent if len(loose) > 1 else loose[0]))
+        runs.append(from_kineto(loose, loose[0].parent if len(loose) > 1 else loose[0], span))
     return runs

@@ -194,7 +194,7 @@ def phase_summary(result: Breakdown) -> list[dict[str, Any]]:
 
 
 def run_description(run: RunActivity) -> str:
-    parts = [f"{len(run.ranks)} ranks", run.kind]
+    parts = [f"{len(run.ranks)} ranks", run.kind if run.span == "trace" else f"{run.kind} (HTA's span)"]
     if run.backend:
         parts.append(run.backend)
     if run.model:
@@ -206,7 +206,7 @@ def to_json(result: Breakdown) -> dict[str, Any]:
     run = result.run
     return {
         "schema_version": SCHEMA_VERSION, "kind": "distsim-breakdown", "source": str(run.source), "trace": run.kind,
-        "backend": run.backend, "model": run.model,
+        "span": run.span, "backend": run.backend, "model": run.model,
         "world_size": run.world_size, "iterations": len(run.iteration_s),
         "iteration_s": [float(t) for t in run.iteration_s],
         "summary": {**{f"{c}_pct": result.mean_share(c) for c in CATEGORIES}, "overlap_pct": result.overlap_pct},

@@ -1,14 +1,17 @@
 """Reading PyTorch profiler traces (the Kineto Chrome-trace JSON of `torch.profiler`, `.json` or `.json.gz`).
 
 A trace is streamed: the top-level object is read key by key and `traceEvents` one event at a time, each event
-reduced at once to what an analysis needs (start, duration, name, category, thread), so a trace takes about 30
-bytes per complete event in memory however large its JSON is, never the parsed document (docs/benchmarks.md,
-"Breakdown"). Only complete events (`"ph": "X"`) of the categories in KEPT_CATEGORIES are kept; thread names
-come from the `thread_name` metadata events.
+reduced at once to what an analysis needs (start, duration, name, category, thread, CUDA correlation id), so a
+trace takes about 40 bytes per complete event in memory however large its JSON is, never the parsed document
+(docs/benchmarks.md, "Breakdown"). Only complete events (`"ph": "X"`) of the categories in KEPT_CATEGORIES are
+kept (`cuda_sync` ones only where they name a stream); thread names come from the `thread_name` metadata events.
+
+`whole_microseconds=True` reads times as HolisticTraceAnalysis does: where any event's `ts` is fractional (or
+missing), every start is rounded up and every end down to a whole microsecond.
 
     trace = read_kineto("traces/rank-3.json.gz")
     trace.rank, trace.world_size, trace.backend     # from `distributedInfo`, else the rank from the file name
-    trace.events.select(category="kernel")          # columns: start_s, end_s, name, category, thread
+    trace.events.mask(category="kernel")            # columns: start_s, end_s, name, category, thread, ...
 """
 from __future__ import annotations
 
@@ -25,9 +28,12 @@ import numpy as np
 
 from harness.errors import UserError
 
-KEPT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "cpu_op", "user_annotation",
-                   "python_function")
+KEPT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_sync", "gpu_user_annotation", "cpu_op",
+                   "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+STREAM_CATEGORIES = GPU_CATEGORIES + ("cuda_sync",)  # what runs on a GPU stream
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the CPU calls that launch GPU work (by correlation id)
+NO_CORRELATION = -1
 CHUNK_CHARS = 1 << 20
 NUMBER_TAIL = re.compile(r"[0-9.eE+\-]*")  # what may follow a number's decoded part inside the same number
 PARTIAL_TOKEN = re.compile(r"[0-9.eE+\-a-z\s]*")  # a number or literal (true, false, null) not yet complete
@@ -38,8 +44,9 @@ TRACE_SUFFIXES = (".json", ".json.gz")
 
 @dataclass
 class Events:
-    """Complete events as columns: start_s and end_s (seconds, float64), and codes into `names`, `categories`
-    and `threads` (int32)."""
+    """Complete events as columns: start_s and end_s (seconds, float64), codes into `names`, `categories` and
+    `threads` (int32), and the CUDA correlation id that ties a GPU event to its launch (int64, NO_CORRELATION
+    where there is none)."""
 
     start_s: np.ndarray
     end_s: np.ndarray
@@ -49,6 +56,7 @@ class Events:
     names: list[str]
     categories: list[str]
     threads: list[str]
+    correlation: np.ndarray
 
     def __len__(self) -> int:
         return len(self.start_s)
@@ -80,6 +88,7 @@ class KinetoTrace:
     metadata: dict[str, Any]  # the other small top-level values (schemaVersion, deviceProperties, ...)
     events: Events
     thread_names: dict[str, str] = field(default_factory=dict)  # "pid/tid" -> name
+    fractional_times: bool = False  # some event's ts is fractional or missing (HolisticTraceAnalysis rounds then)
 
     @property
     def has_gpu(self) -> bool:
@@ -96,6 +105,7 @@ class _Columns:
         self.name = array("i")
         self.category = array("i")
         self.thread = array("i")
+        self.correlation = array("q")
         self.tables: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
 
     def code(self, table: dict[str, int], value: str) -> int:
@@ -104,19 +114,24 @@ class _Columns:
             code = table[value] = len(table)
         return code
 
-    def add(self, ts: float, dur: float, name: str, category: str, thread: str) -> None:
+    def add(self, ts: float, dur: float, name: str, category: str, thread: str, correlation: int) -> None:
         names, categories, threads = self.tables
         self.start.append(ts)
         self.dur.append(dur)
         self.name.append(self.code(names, name))
         self.category.append(self.code(categories, category))
         self.thread.append(self.code(threads, thread))
+        self.correlation.append(correlation)
 
-    def events(self) -> Events:
-        start = np.frombuffer(self.start, dtype=np.float64) * 1e-6
-        end = start + np.frombuffer(self.dur, dtype=np.float64) * 1e-6
+    def events(self, whole_microseconds: bool = False) -> Events:
+        """The columns in seconds; `whole_microseconds`: starts rounded up, ends down to a microsecond."""
+        start_us = np.frombuffer(self.start, dtype=np.float64)
+        end_us = start_us + np.frombuffer(self.dur, dtype=np.float64)
+        if whole_microseconds:
+            start_us, end_us = np.ceil(start_us), np.floor(end_us)
         codes = [np.frombuffer(column, dtype=np.int32).copy() for column in (self.name, self.category, self.thread)]
-        return Events(start, end, *codes, *[list(table) for table in self.tables])
+        return Events(start_us * 1e-6, end_us * 1e-6, *codes, *[list(table) for table in self.tables],
+                      np.frombuffer(self.correlation, dtype=np.int64).copy())
 
 
 class _Stream:
@@ -218,13 +233,22 @@ def rank_from_name(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_kineto(path: str | Path) -> KinetoTrace:
-    """Read one rank's Kineto trace; UserError if it is not one, is cut short, or names no rank."""
+def _integer_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def read_kineto(path: str | Path, *, whole_microseconds: bool = False) -> KinetoTrace:
+    """Read one rank's Kineto trace; UserError if it is not one, is cut short, or names no rank.
+    `whole_microseconds`: round fractional times as HolisticTraceAnalysis does (module docstring)."""
     path = Path(path)
     columns = _Columns()
     thread_names: dict[str, str] = {}
     metadata: dict[str, Any] = {}
     saw_events = False
+    fractional = False
     try:
         with _open_text(path) as handle:
             stream = _Stream(handle, path)
@@ -242,6 +266,8 @@ def read_kineto(path: str | Path) -> KinetoTrace:
                 saw_events = True
                 for event in _events(stream):
                     phase = event.get("ph")
+                    if not fractional and type(event.get("ts")) is not int:
+                        fractional = True
                     if phase == "X":
                         category = event.get("cat", "")
                         if category not in KEPT_CATEGORIES:
@@ -250,8 +276,16 @@ def read_kineto(path: str | Path) -> KinetoTrace:
                             ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
                         except (KeyError, TypeError, ValueError):
                             raise stream.error("a complete event without a numeric \"ts\"") from None
+                        args = event.get("args")
+                        args = args if isinstance(args, dict) else {}
+                        if category == "cuda_sync" and _integer_or_none(args.get("stream")) in (None, -1):
+                            continue  # a device-wide synchronisation, on no stream
+                        correlation = _integer_or_none(args.get("correlation"))
+                        if correlation is not None and not -1 <= correlation < 1 << 63:
+                            correlation = None
                         columns.add(ts, dur, str(event.get("name", "")), category,
-                                    f"{event.get('pid', '')}/{event.get('tid', '')}")
+                                    f"{event.get('pid', '')}/{event.get('tid', '')}",
+                                    NO_CORRELATION if correlation is None else correlation)
                     elif phase == "M" and event.get("name") == "thread_name":
                         thread_names[f"{event.get('pid', '')}/{event.get('tid', '')}"] = str(
                             (event.get("args") or {}).get("name", ""))
@@ -262,7 +296,7 @@ def read_kineto(path: str | Path) -> KinetoTrace:
         raise UserError(f"{path}: cannot read the trace ({exc}); is the .gz file complete?") from None
     if not saw_events:
         raise UserError(f"{path}: not a PyTorch profiler trace: it has no \"traceEvents\"")
-    events = columns.events()
+    events = columns.events(whole_microseconds and fractional)
     if not len(events):
         raise UserError(f"{path}: the trace has no events of {', '.join(KEPT_CATEGORIES)}; was the profiler "
                         "active during the steps it was meant to record?")
@@ -276,7 +310,7 @@ def read_kineto(path: str | Path) -> KinetoTrace:
     world = distributed.get("world_size")
     return KinetoTrace(path=path, rank=int(rank), rank_source=source, world_size=int(world) if world else None,
                        backend=distributed.get("backend"), distributed=distributed, metadata=metadata,
-                       events=events, thread_names=thread_names)
+                       events=events, thread_names=thread_names, fractional_times=fractional)
 
 
 def trace_files(path: Path) -> list[Path]:

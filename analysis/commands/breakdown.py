@@ -10,6 +10,7 @@ from harness.errors import UserError
 from harness.output import writable, write_csv
 
 NAME = "breakdown"
+SPAN_CHOICES = ("trace", "hta")  # analysis.activity.SPANS, spelled here so that --help imports no numpy
 HELP = ("break a real run's time into compute, communication, memory and idle per rank, window and phase, and "
         "find its stragglers (trace.h5 or PyTorch profiler traces)")
 
@@ -21,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     windowing = parser.add_mutually_exclusive_group()
     windowing.add_argument("--windows", type=int, metavar="N", help="N equal time windows over the run (default 20)")
     windowing.add_argument("--window-ms", type=float, metavar="W", help="time windows of W milliseconds")
+    parser.add_argument("--span", choices=SPAN_CHOICES, default="trace",
+                        help="which part of PyTorch profiler traces to break down: trace, all of it (default); hta, "
+                             "HolisticTraceAnalysis's: its last profiler step left out, from the first to the last "
+                             "GPU event of the rest, times rounded to whole microseconds as HTA does (docs/runs.md)")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/runs.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every rank's categories, whole and per window")
     parser.add_argument("--png", metavar="FILE.png",
@@ -35,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--windows must be at least 1, got {args.windows}")
     if args.window_ms is not None and args.window_ms <= 0:
         raise UserError(f"--window-ms must be positive, got {args.window_ms}")
-    runs = load_runs(args.runs)
+    runs = load_runs(args.runs, args.span)
     if len(runs) > 1 and (args.png or args.csv):
         raise UserError(f"--png and --csv draw one run, but {len(runs)} runs were given; give them one at a time")
     windowing = {"windows": args.windows, "window_s": args.window_ms / 1e3 if args.window_ms else None}
