@@ -22,9 +22,7 @@ FORBIDDEN = {"analysis": ("torch", "mpi4py", "launcher", *HARNESS_RUNTIME),
 PROJECT_PACKAGES = ("harness", "analysis", "launcher")
 # Function-level imports of the runtime in the harness's pure modules, each used only where the analysis never
 # goes (tests/test_analysis_cli.py runs a user model's simulation and checks that torch stays unloaded):
-KNOWN_LAZY = {("harness.layers", "harness.models.user"),  # a factory model without its stored description
-              # the bare `python -m harness` under MPI profiles the demo; analysis.cli uses build_parser and run_cli
-              ("harness.cli", "launcher.topology"), ("harness.cli", "mpi4py")}
+KNOWN_LAZY = {("harness.layers", "harness.models.user")}  # a factory model without its stored description
 
 
 def _module_file(name: str, root: Path) -> Path | None:

@@ -1,0 +1,62 @@
+"""The registry both front ends share (`python -m harness`, `python -m analysis`): subcommands as modules, bad
+input as one message.
+
+Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int. Bad input (UserError)
+becomes one message on stderr and exit status 2, never a traceback; output cut short by its reader (`| head`)
+ends quietly with status 141, as a tool killed by SIGPIPE. Pure Python: the analysis runs it offline.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import select
+import sys
+
+from harness.errors import UserError
+
+
+def build_parser(prog: str, package: str, names: tuple[str, ...], description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in names:
+        module = importlib.import_module(f"{package}.{name}")
+        command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
+    return parser
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, where a reader gone away is caught, not in the interpreter's exit
+        return status
+    except UserError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        if not _stdout_is_gone():
+            raise  # a pipe of the subcommand's own, not its output
+        return 128 + 13  # the reader of our output went away (`... | head`): stop as a SIGPIPE'd tool does
+
+
+def _stdout_is_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone away (poll reports an error on its end); if so, stdout now
+    points at /dev/null, so that the interpreter's final flush cannot fail again."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return True
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured), or no poll
+        return False
