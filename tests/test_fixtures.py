@@ -50,8 +50,9 @@ def test_validate_on_the_real_run(capsys):
     assert [d["error_pct"] for d in result["devices"]] == pytest.approx([-2.8676823707926515, 2.735786994945674],
                                                                         rel=EXACT)
     assert len(result["layers"]) == 8 and len(result["measured_iteration_s"]) == 6
-    assert [(r["measured_bytes"], r["predicted_bytes"]) for r in result["memory"]] == [(51792040, 51787776),
-                                                                                        (44961908, 44699652)]
+    # the meter sees no temporaries: it is held to the peak without them (compared_bytes)
+    assert [(r["measured_bytes"], r["compared_bytes"], r["predicted_bytes"]) for r in result["memory"]] == [
+        (51792040, 51787776, 53884928), (44961908, 44699652, 48893956)]
 
 
 def test_show_on_the_real_profile(capsys, tmp_path):
@@ -76,7 +77,7 @@ def test_the_terminal_report_on_the_real_profile(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == ("batch time   228.836 ms (90% interval 225.928 ms to 232.144 ms, 2.7% wide, from the "
                         "profile's samples)")
-    assert lines[4] == "memory       51.8 MB per device at most (stage 0, activations 17.3 MB)"
+    assert lines[4] == "memory       53.9 MB per device at most (stage 0, activations 17.3 MB)"
     assert len(lines) <= 12
 
 
