@@ -237,3 +237,16 @@ def test_the_analysis_outputs_into_a_full_disk_are_one_message(tmp_path, project
         assert len(errors) == 1 and f"no space left in {disk}" in errors[0], (args, result.stderr)
         assert "Traceback" not in result.stderr
         assert [p.name for p in disk.iterdir()] == ["filler"], args
+
+
+def test_a_collectives_benchmark_into_a_full_disk_prints_its_table_then_one_message(project_env, mounts):
+    disk = mounts("disk", "size=4k")
+    (disk / "filler").write_bytes(b"\0" * 4096)
+    result = mpirun_harness(2, ["collectives", "-o", str(disk / "c.h5"), "--ops", "allreduce", "--maxbytes", "64K",
+                                "--quiet"], project_env, timeout=180)
+    assert result.returncode == 2, result.stderr
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and f"no space left in {disk} for c.h5" in errors[0], result.stderr
+    assert "MPI_Abort" not in result.stderr and "Traceback" not in result.stderr
+    assert "avg bus bandwidth" in result.stdout and "results:" not in result.stdout  # measured, not lost
+    assert [p.name for p in disk.iterdir()] == ["filler"]

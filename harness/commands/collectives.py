@@ -7,6 +7,7 @@ machine in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -163,25 +164,37 @@ def run(args: argparse.Namespace) -> int:
         from harness.distributed import destroy_process_group
 
         destroy_process_group()
+    record = write_error = None
+    if comm.Get_rank() == 0:
+        from harness.collectives_file import CollectivesRun, write_collectives
+
+        record = CollectivesRun(path=options.output or Path("-"), backend=label, group=options.group,
+                                placement=placement, ranks=list(ranks), dtype=options.dtype, iters=options.iters,
+                                warmup=options.warmup, results=results,
+                                environment=_environment(topology, label, device, started))
+        if options.output is not None:
+            from harness.output import writable
+
+            try:
+                writable(options.output, lambda: write_collectives(options.output, record))
+            except UserError as exc:
+                unsaved = dataclasses.replace(record, path=Path("-"))
+                print(_results_text(unsaved, notes, args.json), flush=True)  # what was measured, before the error
+                write_error = exc
+    status = stop_on_error(comm, write_error)  # a full disk: one message, every rank ends quietly
+    if status is not None:
+        return status
     if comm.Get_rank() != 0:
         return 0
-    from harness.collectives_file import CollectivesRun, write_collectives
-
-    record = CollectivesRun(path=options.output or Path("-"), backend=label, group=options.group, placement=placement,
-                            ranks=list(ranks), dtype=options.dtype, iters=options.iters, warmup=options.warmup,
-                            results=results, environment=_environment(topology, label, device, started))
-    if options.output is not None:
-        from harness.output import writable
-
-        writable(options.output, lambda: write_collectives(options.output, record))
-    from harness.collectives_report import run_json, run_report
-
-    if args.json:
-        print(json.dumps(run_json(record, notes), indent=1))
-    else:
-        print(run_report(record, notes))
+    print(_results_text(record, notes, args.json))
     sys.stdout.flush()
     return 0
+
+
+def _results_text(record, notes: list[str], as_json: bool) -> str:
+    from harness.collectives_report import run_json, run_report
+
+    return json.dumps(run_json(record, notes), indent=1) if as_json else run_report(record, notes)
 
 
 def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
