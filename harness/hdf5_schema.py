@@ -2,7 +2,7 @@
 docs/timeline.md).
 
 Constants and one key format, importing nothing: the writers (harness.profile_store, harness.train.trace_writer,
-analysis.timeline_file) and the readers (analysis.profile_reader, analysis.trace_reader, analysis.timeline_file)
+analysis.timeline_file) and the readers (harness.profile_reader, analysis.trace_reader, analysis.timeline_file)
 take the same names from here; harness.hdf5_io writes and reads them.
 """
 
