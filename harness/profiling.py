@@ -436,8 +436,8 @@ def _profile_compute(run: ProfileRun) -> None:
     else:
         _report_progress(comm, rank, progress, None, reports)
     MPI.Request.Waitall(reports)
-    run.recorder.save(run.comm)
     yielding_barrier(comm, sleep_s=1e-3)  # ranks still sampling to the precision keep their cores
+    run.recorder.save(run.comm)  # then every rank writes, together
     run.compute_wall_s = time.perf_counter() - phase_start
 
 
@@ -527,7 +527,7 @@ def _profile_communication(run: ProfileRun) -> None:
 
 def _merge(run: ProfileRun) -> ProfileResult | None:
     """Every rank's time and probe to rank 0, which merges the rank files (and what was stored) into
-    profile.h5; rank 0 returns the result."""
+    profile.h5; rank 0 returns the result. A profile.h5 that cannot be written stops every rank (AgreedError)."""
     from harness.distributed import destroy_process_group
 
     comm, outdir = run.comm, run.outdir
