@@ -27,6 +27,7 @@ from harness.output import write_failure
 
 LOCK_NAME = ".harness.lock"
 NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+HOLDER_WAIT_TRIES = 20
 
 
 class FolderBusy(UserError):
@@ -59,6 +60,11 @@ class FolderLock:
         try:
             state = self._lock(fd)
             previous = _read_holder(fd)
+            for _ in range(HOLDER_WAIT_TRIES):  # a job that took the lock this instant writes its name next
+                if state != "held" or previous:
+                    break
+                time.sleep(0.05)
+                previous = _read_holder(fd)
             if state == "held" or (state == "unsupported" and previous and _alive_here(previous)):
                 raise FolderBusy(f"{self.folder} is in use by {describe_holder(previous or {})}; wait for it to end, "
                                  "or give another folder")
