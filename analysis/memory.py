@@ -23,13 +23,18 @@
 - temporaries: what a backward makes and holds for a moment beyond the activations it frees, computed from the
   layers' descriptions (backward_temporaries); at the stage backward's worst moment, which is a layer k's
   own: its temporaries, beside the activations in flight less what the layers after k in the stage (their
-  backward already run) held, and with recompute = "full" plus k's saved activations re-made;
-- zero > 0 (FSDP2, every layer a unit sharded over the dp replicas): each replica keeps its shard of the
-  weights (none of its own with master weights: the fp32 master is the shard) and of the optimizer state;
-  zero 1 and 2 hold every weight whole through the iteration (gathered in the first forward), zero 3 one
-  layer's at a time; zero 1 accumulates whole gradients (reduce-scattered in the last backward), zero 2 and 3
-  a shard plus one layer's whole gradients; gradients are held from the first backward (they are freed with
-  the optimizer step).
+  backward already run) held, and with recompute = "full" plus k's saved activations re-made (not counted:
+  the gradient at k's output, the next layer's input gradient within a stage, b s h d for a block);
+- zero > 0 (FSDP2, every layer a unit and its own root, sharded over the dp replicas; harness.train.engine):
+  each replica keeps its shard of the weights (none of its own with master weights: the fp32 master is the
+  shard) and of the optimizer state; zero 1 and 2 hold every weight whole through the iteration (gathered in
+  the first forward, let go layer by layer in the last backward), zero 3 only the layer it runs, gathered as
+  the layer's backward starts (the head's once its loss has made the logits' gradient) into an all-gather
+  buffer, a second whole copy while it is copied out; zero 1 accumulates whole gradients, zero 2 and 3 a
+  shard; a backward that reduce-scatters (zero 2 and 3 every one, zero 1 the last) copies each layer's whole
+  gradients into a reduce-scatter input, beside them for a moment, and, every layer being its own root, holds
+  every such input until the backward ends (temporaries); gradients are held from the first backward (they
+  are freed with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and the gradients once a backward has made them, or from the start
 with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
@@ -149,18 +154,19 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     return spec.model.dtype_bytes * states, 0
 
 
-def backward_temporaries(spec: JobSpec, layer: LayerDesc) -> tuple[int, int]:
-    """(temporaries, freed) at a built-in layer's worst backward moment: what its backward holds then beyond its
-    saved activations and its output's gradient, and what of its own saved activations it has let go of by then
-    (torch's autograd on harness.models, micro-batch b, sequence s, hidden h, dtype bytes d):
-    - head with the loss: the larger of its loss's moment, the gradient of the float32 log-probabilities and the
-      logits' gradient made from it (2 b s V x 4 bytes, nothing freed), and its projection's: the logits'
-      gradient in the model's dtype (b s V d), its weight's gradient (V h d) and its input's (b s h d), the
-      log-probabilities (b s V x 4) freed;
-    - transformer block: its MLP's last projection's, its input's gradient (b s F d, F = ffn / tp) and its
-      weight's gradient (F h d);
-    - embedding: its token table's dense gradient (V h d);
-    - a factory model's layer: nothing (not known).
+def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, str]]:
+    """A built-in layer's backward moments as (temporaries, freed, when): what its backward holds then beyond its
+    saved activations and its output's gradient, what of its own saved activations it has let go of by then, and
+    whether its weights are in use ("before": not yet, "start": as its backward starts, "during") (torch's
+    autograd on harness.models, micro-batch b, sequence s, hidden h, dtype bytes d):
+    - head with the loss: its loss's moment, the gradient of the float32 log-probabilities and the logits'
+      gradient made from it (2 b s V x 4 bytes, nothing freed, before its weights), its start, the logits'
+      gradient (b s V d, the log-probabilities b s V x 4 freed), and its projection's: the logits' gradient,
+      its weight's gradient (V h d) and its input's (b s h d), the log-probabilities freed;
+    - transformer block: its start (nothing) and its MLP's last projection's, its input's gradient (b s F d,
+      F = ffn / tp) and its weight's gradient (F h d);
+    - embedding: its start and its token table's dense gradient (V h d);
+    - a factory model's layer: its start (nothing more known).
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
     (with data parallelism, always), else the gradient itself, made a moment early: counted here either way."""
     signature = dict(layer.signature)
@@ -168,25 +174,58 @@ def backward_temporaries(spec: JobSpec, layer: LayerDesc) -> tuple[int, int]:
     h = int(signature.get("hidden", spec.model.hidden))
     if layer.kind == "head":
         vocab = int(signature.get("vocab", spec.model.vocab))
-        loss = (2 * b * s * vocab * LOSS_BYTES, 0)
-        projection = (b * s * vocab * d + (vocab + b * s) * h * d, b * s * vocab * LOSS_BYTES)
-        return max(loss, projection, key=lambda moment: moment[0] - moment[1])
+        log_probs = b * s * vocab * LOSS_BYTES
+        return [(2 * log_probs, 0, "before"), (b * s * vocab * d, log_probs, "start"),
+                (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
     if layer.kind == "block":
         ffn = int(signature.get("ffn", spec.model.ffn)) // int(signature.get("tp", 1))
-        return (b * s + h) * ffn * d, 0
+        return [(0, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
     if layer.kind == "embedding":
-        return int(signature.get("vocab", spec.model.vocab)) * h * d, 0
-    return 0, 0
+        return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) * h * d, 0, "during")]
+    return [(0, 0, "start")]
 
 
-def _worst_backward_moment(layers: list[tuple[int, int, tuple[int, int]]]) -> tuple[int, int, int]:
-    """(activations, temporaries, re-made) beyond what a stage's micro-batch holds as its backward starts, at its
-    worst moment; `layers` in forward order as (held until its backward, re-made in it, backward_temporaries)."""
-    best, freed = (0, 0, 0), 0
-    for held, again, (temporary, own) in reversed(layers):
-        if again + temporary - freed - own > sum(best):
-            best = (again - freed - own, temporary, again)
-        freed += held
+def backward_temporaries(spec: JobSpec, layer: LayerDesc) -> tuple[int, int]:
+    """(temporaries, freed) at a built-in layer's worst backward moment (backward_moments)."""
+    made, freed, _ = max(backward_moments(spec, layer), key=lambda moment: moment[0] - moment[1])
+    return made, freed
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What one layer of a stage holds in a micro-batch's backward (estimate_memory)."""
+
+    held: int  # saved activations, held until its backward
+    again: int  # re-made in its backward (recompute = "full")
+    moments: list  # backward_moments
+    whole: int  # its weights' bytes, whole (and its gradients')
+    shard: int  # a replica's shard of its gradients (zero)
+
+
+def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = False) -> tuple[int, ...]:
+    """(activations, temporaries, re-made, weights, gradients) beyond what a stage's micro-batch holds as its
+    backward starts, at its worst moment, `layers` in forward order; weights and gradients beyond the stage's
+    between-layer count (estimate_memory), `last`: the iteration's last backward (module docstring, "zero")."""
+    scatters = zero >= 2 or (zero == 1 and last)
+    best, freed, retained, scattered, resharded = (0, 0, 0, 0, 0), 0, 0, 0, 0
+    for layer in reversed(layers):
+        gathered = layer.whole if zero == 3 else -resharded
+        candidates = []
+        for temporary, own, when in layer.moments:
+            weights = 0 if zero == 3 and when == "before" else gathered
+            buffer = layer.whole if zero == 3 and when == "start" else 0  # the all-gather's
+            again = layer.again if when == "during" else 0
+            candidates.append((again - freed - own, temporary + buffer + retained, again, weights, scattered))
+        if scatters and layer.whole:  # its whole gradients copied into the reduce-scatter input, weights let go
+            candidates.append((-freed - layer.held, layer.whole + retained, 0,
+                               0 if zero == 3 else -resharded, scattered + (layer.whole if zero >= 2 else 0)))
+        best = max([best, *candidates], key=lambda m: m[0] + m[1] + m[3] + m[4])  # m[2] is within m[0]
+        freed += layer.held
+        if scatters:
+            retained += layer.whole
+            scattered += layer.shard - layer.whole if zero == 1 else 0
+        if zero in (1, 2) and last:
+            resharded += layer.whole
     return best
 
 
@@ -207,30 +246,33 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
     kept = []  # per virtual stage, split backward: what a B step keeps for its W
     let_go = []  # ... and what it lets go of once it is over (its output, its last layer's released bytes)
     waiting = []  # ... and the received gradient the first stage's B keeps for its W (a pipeline buffer)
+    worst_last = []  # ... in the iteration's last backward (zero)
     for vs, program in enumerate(plan.stages):
         saved, largest, again = 0, 0, 0
-        layers = []  # (held until its backward, re-made in it, temporaries) per layer
-        for eid, index in zip(program.forward, program.forward_layers):
-            if index < 0:
-                continue
+        layers = []  # _Layer per layer, in forward order
+        positions = [(eid, index) for eid, index in zip(program.forward, program.forward_layers) if index >= 0]
+        for eid, index in positions:
             layer_saves = activations.get(eid, 0)
-            temporary = backward_temporaries(spec, plan.layers[index])
+            moments = backward_moments(spec, plan.layers[index])
+            whole = plan.layers[index].params * dtype
+            shard = -(-plan.layers[index].params // s.dp) * dtype
             if s.recompute == "full" and recomputed(plan.layers[index]):
                 kept_input = input_bytes(spec, plan.layers, index)
                 saved += kept_input
                 largest = max(largest, layer_saves)
                 again += 1
-                layers.append((kept_input, layer_saves, temporary))
+                layers.append(_Layer(kept_input, layer_saves, moments, whole, shard))
             else:
                 saved += layer_saves
-                layers.append((layer_saves, 0, temporary))
+                layers.append(_Layer(layer_saves, 0, moments, whole, shard))
         if again and not largest and not unmeasured:
             raise UserError(f"recompute = {s.recompute!r}: the layers of stage {vs} save no activations for their "
                             "backward (as profiled), so recomputing them costs time and frees nothing; set "
                             "recompute = 'none' or split the model differently")
         output = plan.events[program.send_forward].bytes if program.send_forward else 0
         held.append(saved + output)
-        worst.append(_worst_backward_moment(layers))
+        worst.append(_worst_backward_moment(layers, s.zero))
+        worst_last.append(_worst_backward_moment(layers, s.zero, last=True))
         if s.split_backward:  # the first stage's W runs its whole backward: it keeps its output and gradient
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             kept.append(sum(activations.get(e, 0) for e in program.backward) if vs else 0)
@@ -242,60 +284,64 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
         weights, gradients, optimizer = params * dtype, params * dtype, params * (state + master)
-        if s.zero:  # FSDP2 over the dp replicas (module docstring, "zero")
+        if s.zero:  # FSDP2 over the dp replicas (module docstring, "zero"): between layers
             shard = -(-params // s.dp)
-            largest = max((plan.layers[i].params for vs in local for i in plan.stages[vs].layers), default=0) * dtype
             own = 0 if master else shard * dtype  # with master weights the fp32 master is the shard
             optimizer = shard * (state + master)
-            weights = own + (params * dtype if s.zero < 3 else largest)
-            gradients = params * dtype if s.zero == 1 else shard * dtype + largest
+            weights = own + (params * dtype if s.zero < 3 else 0)
+            gradients = params * dtype if s.zero == 1 else shard * dtype
         live, in_flight, gradients_live = 0, 0, s.dp > 1 and not s.zero
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
-        best = (-1, 0, 0, 0, 0, 0, 0)  # (total, gradients, activations, pipeline, in flight, re-made, temporaries)
-        # (gradients live?, activations, buffers, in flight, re-made, temporaries) at each moment of the schedule
+        best = (-1, 0, 0, 0, 0, 0, 0, 0)  # (total, weights, gradients, activations, pipeline, in flight, re-made,
+        # temporaries)
+        # (gradients live?, activations, buffers, in flight, re-made, temporaries, weights and gradients beyond
+        # the stage's between-layer count) at each moment of the schedule
         points = []
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
             vs = virtual_stage(step.chunk, d, s.pp)
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_live, live, kept_buffers, in_flight, 0, 0))
+                points.append((gradients_live, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
                 if vs == 0:  # the first stage's W runs its whole backward
-                    extra, temporaries, again = worst[vs]
-                    points.append((gradients_live, live + extra, kept_buffers, in_flight, again, temporaries))
+                    extra, temporaries, again, more_weights, more_gradients = worst[vs]
+                    points.append((gradients_live, live + extra, kept_buffers, in_flight, again, temporaries,
+                                   more_weights, more_gradients))
                 live -= held[vs] + kept[vs] - let_go[vs]
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
                 gradients_live = True
-                points.append((True, live, kept_buffers, in_flight, 0, 0))
+                points.append((True, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live, received + kept_buffers, in_flight, 0, 0))
+            points.append((gradients_live, live, received + kept_buffers, in_flight, 0, 0, 0, 0))
             if not s.split_backward or vs:  # a split backward's B of the first stage does nothing
-                extra, temporaries, again = worst[vs]
-                points.append((gradients_live, live + extra, received + kept_buffers, in_flight, again, temporaries))
+                moment = worst_last[vs] if step.micro == spec.micro_batches - 1 else worst[vs]
+                extra, temporaries, again, more_weights, more_gradients = moment
+                points.append((gradients_live, live + extra, received + kept_buffers, in_flight, again, temporaries,
+                               more_weights, more_gradients))
             if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
                 live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
                 kept_buffers += waiting[vs]
-                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0, 0))
+                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
                 live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]
             in_flight -= 1
             gradients_live = True
-            points.append((True, live, received + sent, in_flight, 0, 0))
+            points.append((True, live, received + sent, in_flight, 0, 0, 0, 0))
         without, metered = 0, 0
-        for grads_live, act, buffers, flight, again, temporaries in points:
-            grads = gradients if grads_live else 0
-            total = weights + optimizer + grads + act + buffers + temporaries
+        for grads_live, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
+            grads = (gradients if grads_live else 0) + more_gradients
+            total = weights + more_weights + optimizer + grads + act + buffers + temporaries
             without = max(without, total - again)
             metered = max(metered, total - again - temporaries)
             if total > best[0]:
-                best = (total, grads, act, buffers, flight, again, temporaries)
-        _, grads, act, buffers, flight, again, temporaries = best
-        stages.append(StageMemory(d, weights, grads, optimizer, act, buffers, flight, again, without, temporaries,
-                                  metered))
+                best = (total, weights + more_weights, grads, act, buffers, flight, again, temporaries)
+        _, held_weights, grads, act, buffers, flight, again, temporaries = best
+        stages.append(StageMemory(d, held_weights, grads, optimizer, act, buffers, flight, again, without,
+                                  temporaries, metered))
     return MemoryEstimate(stages, unmeasured)
