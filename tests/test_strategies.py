@@ -139,22 +139,31 @@ def _saved(plan, block_bytes=10**6, other=1000):
 
 def test_recompute_keeps_the_block_inputs_and_remakes_one_block():
     """GPipe over pp = 2 with 4 micro-batches in flight: each holds, per block, its input (2 kB) instead of its
-    saved activations (1 MB); as a backward starts, one block's are re-made. Both stages peak as their second
-    backward starts: 3 micro-batches in flight, the gradients made (more than one micro-batch holds)."""
+    saved activations (1 MB); in a backward, one block's are re-made. Both stages peak in their second backward, as
+    a block is re-made: 3 micro-batches in flight, the gradients made (more than one micro-batch holds)."""
     kwargs = dict(layers=4, pp=2, global_batch=4, micro=1, schedule="gpipe")
     none, full = plan_of(**kwargs), plan_of(**kwargs, recompute="full")
-    plain, again = estimate_memory(none, _saved(none)), estimate_memory(full, _saved(full))
+    other = 10_000  # the embedding's and the head's: the head's more than the log-probabilities it lets go of
+    plain, again = estimate_memory(none, _saved(none, other=other)), estimate_memory(full, _saved(full, other=other))
     spec = full.spec
     block_input = spec.batch.micro * spec.model.seq_len * spec.model.hidden * 4
     assert input_bytes(spec, full.layers, 1) == block_input == 2048
     output = block_input  # stage 0 holds its output until its gradient returns
     first, last = again.stages
-    # stage 0: the embedding saves 1000 B, two blocks keep their inputs, the output; stage 1: two inputs, the head
-    assert (first.activations, first.in_flight, first.gradients) == (3 * (1000 + 2 * block_input + output) + 10**6,
+    # stage 0: the embedding, two blocks' inputs, the output; stage 1: two inputs, the head
+    assert (first.activations, first.in_flight, first.gradients) == (3 * (other + 2 * block_input + output) + 10**6,
                                                                      3, first.weights)
-    assert (last.activations, last.in_flight, last.gradients) == (3 * (2 * block_input + 1000) + 10**6, 3,
+    # stage 1 runs its head's backward first: by the time a block is re-made, the head's are gone
+    assert (last.activations, last.in_flight, last.gradients) == (3 * (2 * block_input + other) + 10**6 - other, 3,
                                                                   last.weights)
-    assert [s.activations for s in plain.stages] == [4 * (1000 + 2 * 10**6 + output), 4 * (2 * 10**6 + 1000)]
+    tokens = spec.batch.micro * spec.model.seq_len
+    block_temporaries = (tokens + spec.model.hidden) * spec.model.ffn * 4  # its MLP's last projection's gradients
+    assert first.temporaries == last.temporaries == block_temporaries
+    # without recompute, stage 1 peaks in its first backward, the head's projection making its gradients with its
+    # float32 log-probabilities let go
+    log_probabilities = tokens * spec.model.vocab * 4
+    assert [s.activations for s in plain.stages] == [4 * (other + 2 * 10**6 + output),
+                                                     4 * (2 * 10**6 + other) - log_probabilities]
     for a, b in zip(plain.stages, again.stages):
         assert (a.weights, a.optimizer) == (b.weights, b.optimizer)
     assert again.peak_bytes < plain.peak_bytes
@@ -431,17 +440,24 @@ def test_a_split_backward_holds_activations_until_its_w():
     kwargs = dict(layers=2, pp=2, global_batch=4, micro=1)
     zb, one = plan_of(**kwargs, schedule="zb-h1"), plan_of(**kwargs, schedule="1f1b")
     kept = {eid: 300 for eid, e in zb.events.items() if e.content.get("phase") == "bwd_input"}
-    split, plain = estimate_memory(zb, {**_saved(zb), **kept}), estimate_memory(one, _saved(one))
+    head = 10_000  # saved by the head: more than its float32 log-probabilities, which its backward lets go of
+    split = estimate_memory(zb, {**_saved(zb, other=head), **kept})
+    plain = estimate_memory(one, _saved(one, other=head))
     assert [s.in_flight for s in plain.stages] == [2, 1]
     assert [s.in_flight for s in split.stages] == [2, 2]
     last = split.stages[1]
-    # at its peak (micro-batch 1's B done, micro-batch 0's W not yet): two micro-batches' activations (block,
-    # head), and what both B steps kept (block and head: 300 B each)
-    assert last.activations == 2 * (10**6 + 1000) + 2 * 2 * 300
+    # at its peak (inside micro-batch 1's B, micro-batch 0's W not yet run): two micro-batches' activations
+    # (block, head) and what micro-batch 0's B kept (block and head: 300 B each), as the head's projection makes
+    # its gradients (the temporaries) with its log-probabilities let go
+    spec = zb.spec
+    b, seq, vocab, hidden = spec.batch.micro, spec.model.seq_len, spec.model.vocab, spec.model.hidden
+    log_probabilities = b * seq * vocab * 4
+    assert last.activations == 2 * (10**6 + head) + 2 * 300 - log_probabilities
+    assert last.temporaries == b * seq * vocab * 4 + (vocab + b * seq) * hidden * 4
     # less what micro-batch 0's B let go of as it ended, above the stage's last weight (the head's loss part, as
     # measured); micro-batch 1's B still holds its own at the peak, its end
     head_input = next(e for e, ev in zb.events.items() if ev.name == "gpt2.head.bwd_input")
-    released = estimate_memory(zb, {**_saved(zb), **kept}, {head_input: 200}).stages[1]
+    released = estimate_memory(zb, {**_saved(zb, other=head), **kept}, {head_input: 200}).stages[1]
     assert released.activations == last.activations - 200
 
 
@@ -478,12 +494,16 @@ def test_a_middle_stage_lets_its_output_go_at_the_end_of_its_b():
     kept = {eid: 300 for eid, e in plan.events.items() if e.content.get("phase") == "bwd_input"}
     middle = estimate_memory(plan, {**_saved(plan), **kept}).stages[1]
     output = plan.events[plan.stages[1].send_forward].bytes
-    live = best = 0
+    spec = plan.spec
+    temporaries = (spec.batch.micro * spec.model.seq_len + spec.model.hidden) * spec.model.ffn * 4  # the block's
+    live, best = 0, (0, 0)  # (activations + temporaries, activations) at the highest moment
     for step in device_steps("zb-h1", 1, 3, 6):
+        if step.phase == "B":  # its worst moment: the block's gradients made, before it keeps its 300 B
+            best = max(best, (live + temporaries, live))
         live += {"F": 10**6 + output, "B": 300, "W": -(10**6 + 300)}[step.phase]
-        best = max(best, live)  # the B's point is before its output goes
+        best = max(best, (live, live))  # the B's end is before its output goes
         live -= output if step.phase == "B" else 0
-    assert middle.activations == best
+    assert (middle.activations, middle.temporaries) == (best[1], temporaries)
     assert middle.activations < 3 * (10**6 + output + 300)  # not every output held until its W
 
 
