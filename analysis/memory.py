@@ -21,7 +21,7 @@
   whole backward) and, once it is over, lets go of what only the part above the stage's last weight saved
   (its last layer's measured `released_bytes`: a head's log-probabilities); its gradients are made by the W;
 - temporaries: what a backward makes and holds for a moment beyond the activations it frees, computed from the
-  layers' descriptions (backward_temporaries); at the stage backward's worst moment, which is a layer k's
+  layers' descriptions (backward_moments); at the stage backward's worst moment, which is a layer k's
   own: its temporaries, beside the activations in flight less what the layers after k in the stage (their
   backward already run) held, and with recompute = "full" plus k's saved activations re-made (not counted:
   the gradient at k's output, the next layer's input gradient within a stage, b s h d for a block);
@@ -73,9 +73,7 @@ class StageMemory:
     pipeline: int
     in_flight: int  # micro-batches (over the device's chunks) holding activations at the peak
     remade: int = 0  # of `activations`: a recomputed layer's, re-made in its backward (recompute = "full")
-    # the peak over the same moments with re-made activations left out
-    without_remade: int = 0
-    temporaries: int = 0  # a backward's, at the peak (backward_temporaries)
+    temporaries: int = 0  # a backward's, at the peak (backward_moments)
     # the peak over the same moments of what the meter counts (harness.profilers.memory): re-made activations
     # (out of the saved-tensor hooks' sight) and temporaries left out
     metered: int = 0
@@ -92,8 +90,7 @@ class StageMemory:
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, **{f"{part}_bytes": getattr(self, part) for part in PARTS},
                 "total_bytes": self.total, "in_flight": self.in_flight, "dominant": self.dominant,
-                "remade_bytes": self.remade, "without_remade_bytes": self.without_remade,
-                "metered_bytes": self.metered}
+                "remade_bytes": self.remade, "metered_bytes": self.metered}
 
 
 @dataclass
@@ -183,12 +180,6 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
     if layer.kind == "embedding":
         return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) * h * d, 0, "during")]
     return [(0, 0, "start")]
-
-
-def backward_temporaries(spec: JobSpec, layer: LayerDesc) -> tuple[int, int]:
-    """(temporaries, freed) at a built-in layer's worst backward moment (backward_moments)."""
-    made, freed, _ = max(backward_moments(spec, layer), key=lambda moment: moment[0] - moment[1])
-    return made, freed
 
 
 @dataclass(frozen=True)
@@ -333,15 +324,14 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             in_flight -= 1
             gradients_live = True
             points.append((True, live, received + sent, in_flight, 0, 0, 0, 0))
-        without, metered = 0, 0
+        metered = 0
         for grads_live, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
             grads = (gradients if grads_live else 0) + more_gradients
             total = weights + more_weights + optimizer + grads + act + buffers + temporaries
-            without = max(without, total - again)
             metered = max(metered, total - again - temporaries)
             if total > best[0]:
                 best = (total, weights + more_weights, grads, act, buffers, flight, again, temporaries)
         _, held_weights, grads, act, buffers, flight, again, temporaries = best
-        stages.append(StageMemory(d, held_weights, grads, optimizer, act, buffers, flight, again, without,
-                                  temporaries, metered))
+        stages.append(StageMemory(d, held_weights, grads, optimizer, act, buffers, flight, again, temporaries,
+                                  metered))
     return MemoryEstimate(stages, unmeasured)
