@@ -45,3 +45,30 @@ def project_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+_failures: list[str] = []  # this rank's failed reports, for rank 0 to print: only rank 0 reports
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed and launcher_rank():
+        _failures.append(f"{report.nodeid} ({report.when}):\n{report.longreprtext}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Under mpirun rank 0 prints what failed on the other ranks, and no rank leaves before every rank has
+    finished: a rank that exits with failures makes `python -m mpi4py` abort the job, which would cut rank 0's
+    report (the only one printed) short."""
+    if launcher_rank() is None or not config.getoption("with_mpi", default=False) or "mpi4py.MPI" not in sys.modules:
+        return
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    gathered = MPI.COMM_WORLD.gather(_failures, root=0)
+    if gathered is not None:
+        for rank, failures in enumerate(gathered):
+            for failure in failures:
+                print(f"\nFAILED on rank {rank}: {failure}")
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Barrier()
