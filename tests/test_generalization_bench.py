@@ -1,0 +1,71 @@
+"""bench/generalization.py draws its jobs deterministically from the seed, every drawn spec loads, and bad
+options stop with one message and exit status 2. Nothing here profiles or trains (the bench does that)."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness.spec import loads_spec
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "generalization.py"
+
+
+def _generalization_module():
+    spec = importlib.util.spec_from_file_location("bench_generalization", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_drawing_is_deterministic_in_the_seed_and_every_drawn_spec_loads(ranks):
+    bench = _generalization_module()
+    first = bench.draw_jobs(7, 30, ranks)
+    again = bench.draw_jobs(7, 30, ranks)
+    other = bench.draw_jobs(8, 30, ranks)
+    assert [j.spec.to_dict() for j in first] == [j.spec.to_dict() for j in again]
+    assert [j.name for j in first] != [j.name for j in other]
+    # the profile's settings go into every spec but draw nothing: the same jobs otherwise
+    cheaper = bench.draw_jobs(7, 30, ranks, repeats=5, budget_s=1.0)
+    assert [j.name for j in cheaper] == [j.name for j in first]
+    for job in first:
+        written = loads_spec(job.spec.to_toml(), source=job.name)  # the job.toml each pair profiles and runs
+        assert written == job.spec
+        assert written.strategy.world == ranks
+        model = written.model
+        assert model.layers <= 6 and model.hidden <= 320 and model.seq_len <= 128 and model.vocab <= 8192
+    families = {j.spec.model.family for j in first}
+    assert families <= {"gpt2", "bert", "llama", "user"} and len(families) >= 3
+
+
+def test_error_interval_is_min_max_below_three_pairs_and_a_bootstrap_of_the_median_from_three():
+    bench = _generalization_module()
+    assert bench.error_interval([-2.0, 5.0], np.random.default_rng(0)) == ([-2.0, 5.0], "min-max")
+    (low, high), method = bench.error_interval([1.0, 2.0, 3.0, 10.0], np.random.default_rng(0))
+    assert method == "bootstrap-90" and 1.0 <= low <= 2.5 <= high <= 10.0
+    assert bench.spread_pct([0.4]) is None
+    assert bench.spread_pct([0.3, 0.4, 0.5]) == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize("options, names", [
+    (["--seed", "abc"], "--seed"),
+    (["--seed", "1.5"], "--seed"),
+    (["--jobs", "0"], "--jobs"),
+    (["--pairs", "0"], "--pairs"),
+    (["--pairs", "two"], "--pairs"),
+    (["--ranks", "3"], "--ranks"),
+    (["--ranks", "64"], "--ranks"),
+])
+def test_bad_input_exits_2_with_one_message(options, names):
+    result = subprocess.run([sys.executable, str(SCRIPT), *options], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in result.stderr
+    assert result.stdout == ""
