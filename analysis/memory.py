@@ -1,7 +1,8 @@
 """The memory model: each pipeline device's peak bytes in one training iteration, by part (docs/analysis.md,
 "Memory"). Every dp x tp replica of a pipeline stage holds the same, so one device per stage is modelled.
 
-- weights: its layers' parameters (per tensor-parallel shard; the embedding and head whole) x dtype bytes;
+- weights: its layers' parameters (per tensor-parallel shard; the embedding and head split by vocabulary, or
+  whole with vocab_parallel = false) x dtype bytes;
 - gradients: as many, in the weights' dtype (data-parallel buckets are views of them, as DDP's
   gradient_as_bucket_view and harness train make them: nothing more);
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
@@ -164,21 +165,24 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
       F = ffn / tp) and its weight's gradient (F h d);
     - embedding: its start and its token table's dense gradient (V h d);
     - a factory model's layer: its start (nothing more known).
+    Split by vocabulary over tp (vocab_parallel), V is the shard's vocab / tp, and the head's loss makes the
+    logits' gradient in place of the softmax it saved (harness.models.tp): nothing beyond it before its start.
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
     (with data parallelism, always), else the gradient itself, made a moment early: counted here either way."""
     signature = dict(layer.signature)
     b, s, d = spec.batch.micro, spec.model.seq_len, spec.model.dtype_bytes
     h = int(signature.get("hidden", spec.model.hidden))
+    shards = int(signature.get("tp", 1)) if layer.kind in ("embedding", "head") else 1  # vocabulary-parallel
     if layer.kind == "head":
-        vocab = int(signature.get("vocab", spec.model.vocab))
+        vocab = int(signature.get("vocab", spec.model.vocab)) // shards
         log_probs = b * s * vocab * LOSS_BYTES
-        return [(2 * log_probs, 0, "before"), (b * s * vocab * d, log_probs, "start"),
+        return [(2 * log_probs if shards == 1 else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
                 (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
     if layer.kind == "block":
         ffn = int(signature.get("ffn", spec.model.ffn)) // int(signature.get("tp", 1))
         return [(0, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
     if layer.kind == "embedding":
-        return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) * h * d, 0, "during")]
+        return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) // shards * h * d, 0, "during")]
     return [(0, 0, "start")]
 
 

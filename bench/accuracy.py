@@ -58,7 +58,8 @@ ffn = 1024
 seq_len = 128
 vocab = 2048
 """
-# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero]])
+# name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero[, changes]]]),
+# changes: {"vocab": V} for another vocabulary, {"vocab_parallel": False} for a replicated embedding and head
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -70,6 +71,9 @@ CONFIGS = {
     "dp=2 zero=1": (2, 1, 1, "1f1b", 4, 2, "none", 1),
     "dp=2 zero=3": (2, 1, 1, "1f1b", 4, 2, "none", 3),
     "pp=2 zb-h1 m=4": (1, 1, 2, "zb-h1", 4, 2),
+    # issue 37: a vocabulary large beside the hidden size, its head split by vocabulary over tp, or replicated
+    "tp=2 vocab=16k": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"vocab": 16384}),
+    "tp=2 vocab=16k replicated": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"vocab": 16384, "vocab_parallel": False}),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 TRACKER_GOAL_PCT = 2.0  # issue 32: the memory model against MemTracker's peak, every stage of every row
@@ -77,10 +81,13 @@ TRACKER_ITERATIONS = 3  # MemTracker slows every operator: a short run of its ow
 
 
 def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none",
-              zero: int = 0, *, repeats: int) -> str:
-    return (MODEL + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
+              zero: int = 0, changes: dict | None = None, *, repeats: int) -> str:
+    changes = changes or {}
+    model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}")
+    vocab_parallel = f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes else ""
+    return (model + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
-            f"zero = {zero}\n"
+            f"zero = {zero}\n{vocab_parallel}"
             f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
 
 

@@ -20,7 +20,6 @@ import statistics
 import torch
 
 from harness.models import build_layer
-from harness.models.transformer import Head
 from harness.profilers.compute import backward_call_times, measure_backward_call
 from harness.spec import load_spec
 
@@ -44,7 +43,7 @@ def main() -> None:
         return torch.randint(0, model.vocab, shape, device=device)
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
-        return Head.loss(logits, ids())
+        return layers[-1].loss(logits, ids())
 
     for _ in range(3):
         backward_call_times(layers, ids, device, loss)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from harness.candidates import Grid, expand
-from harness.layers import LayerDesc, describe, recomputed, split_into_stages
+from harness.layers import HIDDEN_ALLREDUCE, LayerDesc, describe, recomputed, split_into_stages
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 
@@ -183,6 +183,9 @@ class StageProgram:
     # virtual stage's whole backward, as torch.distributed.pipelining runs it); buckets index into them
     weight: list[str] = field(default_factory=list)
     weight_layers: list[int] = field(default_factory=list)
+    # the stage's all-reduces over its tp group by the name harness.models.tp gives them (tp.allreduce, a
+    # vocabulary-parallel head's tp.loss_max and tp.loss_sums): what harness train records each as
+    tp_events: dict[str, str] = field(default_factory=dict)
 
     def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
         """The items of micro-batch `micro`'s forward step and their layers."""
@@ -238,12 +241,13 @@ class EventPlan:
         return counts
 
     def _collective(self, kind: str, nbytes: int, group: int, placements: Counter[str],
-                    calls_per_group: int, what: str, fsdp: dict | None = None) -> str:
+                    calls_per_group: int, what: str, fsdp: dict | None = None, dtype: str | None = None) -> str:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
         slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp` (the layer:
         {"layer", "signature"}): an all-gather or reduce-scatter as FSDP2 runs it for a unit holding that
-        layer's parameters (its copies in and out per parameter, its allocations; harness.profilers.comm)."""
-        dtype = self.spec.model.dtype
+        layer's parameters (its copies in and out per parameter, its allocations; harness.profilers.comm).
+        `dtype`: the elements' (the model's by default)."""
+        dtype = dtype or self.spec.model.dtype
         chosen = None
         for placement in (INTRA, INTER):
             if placements[placement]:
@@ -282,8 +286,20 @@ class EventPlan:
             calls_again = sum(layer.tp_allreduces for layer in stage_layers if id(layer) in again)
             tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, m * (2 * calls + calls_again),
                                             "tensor-parallel groups") if calls else ""
+            tp_events = {HIDDEN_ALLREDUCE: tp_allreduce} if tp_allreduce else {}
+
+            def vocab_collectives(layer: LayerDesc, pass_: str) -> list[tuple[str, int]]:
+                """A vocabulary-parallel layer's own all-reduces in its forward or backward (LayerDesc.tp_forward)."""
+                out = []
+                for name, per_token, dtype in layer.tp_forward if pass_ == "fwd" else layer.tp_backward:
+                    runs = 2 if pass_ == "fwd" and id(layer) in again else 1
+                    eid = self._collective("allreduce", micro * seq * per_token, s.tp, tp_groups, m * runs,
+                                           "tensor-parallel groups", dtype=dtype)
+                    tp_events[name] = eid
+                    out.append((eid, -1))
+                return out
             # per layer, in forward order: its forward items, backward event, and (zero > 0) its FSDP collectives
-            per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str]] = []
+            per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str, list[tuple[str, int]]]] = []
             weights: list[tuple[str, int]] = []  # split backward: each layer's W event ('' for none)
             for layer in stage_layers:
                 index = index_of[id(layer)]
@@ -309,14 +325,14 @@ class EventPlan:
                                               "data-parallel groups", fsdp=unit)
                     scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
                                                "data-parallel groups", fsdp=unit)
-                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces
-                per_stage.append((layer, index, items, b_id, gather, scatter))
+                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces + vocab_collectives(layer, "fwd")
+                per_stage.append((layer, index, items, b_id, gather, scatter, vocab_collectives(layer, "bwd")))
                 weights.append((w_id, index))
 
             def forward(first: bool) -> list[tuple[str, int]]:
                 """zero 1 and 2 gather a layer's weights in the iteration's first forward, zero 3 in every one."""
                 out = []
-                for _, _, items, _, gather, _ in per_stage:
+                for _, _, items, _, gather, _, _ in per_stage:
                     out += ([(gather, -1)] if gather and (first or s.zero == 3) else []) + items
                 return out
 
@@ -325,10 +341,10 @@ class EventPlan:
                 backward, and zero 2 and 3 (zero 1 in the last one) reduce-scatter its gradients. Also each
                 layer's (position of its last item, gradient bytes), for the data-parallel buckets."""
                 out, flags, grads = [], [], []
-                for layer, index, items, b_id, gather, scatter in reversed(per_stage):
+                for layer, index, items, b_id, gather, scatter, after in reversed(per_stage):
                     head = [(gather, -1)] if gather and s.zero == 3 else []
                     redo = items if id(layer) in again else []
-                    own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces
+                    own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces + after
                     out += head + redo + own
                     flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
                     grads.append((len(out) - 1, layer.params * dtype_bytes))
@@ -352,7 +368,8 @@ class EventPlan:
                 forward_layers=[i for _, i in fwd], backward_layers=[i for _, i in bwd], backward_again=bwd_again,
                 first_forward=([e for e, _ in first_fwd], [i for _, i in first_fwd]) if first_fwd != fwd else None,
                 last_backward=([e for e, _ in last_bwd], [i for _, i in last_bwd], last_again)
-                if last_bwd != bwd else None, weight=[e for e, _ in weight], weight_layers=[i for _, i in weight]))
+                if last_bwd != bwd else None, weight=[e for e, _ in weight], weight_layers=[i for _, i in weight],
+                tp_events=tp_events))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it

@@ -24,7 +24,10 @@ class LayerDesc:
     `signature` holds everything that decides the layer's cost (family, sizes, tp); layers with the same
     signature are identical events. `params` counts this shard's parameters; `fwd_flops_per_token`
     the forward FLOPs for one token of one sample; `attn_flops_per_token_per_seq` the part that grows
-    with the sequence; `tp_allreduces` how many hidden-sized all-reduces the layer does per pass.
+    with the sequence; `tp_allreduces` how many hidden-sized all-reduces the layer does per pass (a block's);
+    `tp_forward` and `tp_backward` the all-reduces over the tp group a vocabulary-parallel embedding or head
+    runs in its forward and its backward, in order, each (name, bytes per token, dtype): the name is the one
+    harness.models.tp gives it (what harness train records).
     """
 
     kind: str  # embedding | block | head | user
@@ -34,6 +37,8 @@ class LayerDesc:
     attn_flops_per_token_per_seq: float = 0.0
     tp_allreduces: int = 0
     out_features: tuple[int, ...] = ()  # output shape after (micro, seq)
+    tp_forward: tuple[tuple[str, int, str], ...] = ()
+    tp_backward: tuple[tuple[str, int, str], ...] = ()
     index: int = 0  # position in the model; the first of identical layers for user models
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -45,7 +50,9 @@ class LayerDesc:
         return {"kind": self.kind, "signature": [list(item) for item in self.signature], "params": self.params,
                 "fwd_flops_per_token": self.fwd_flops_per_token,
                 "attn_flops_per_token_per_seq": self.attn_flops_per_token_per_seq,
-                "tp_allreduces": self.tp_allreduces, "out_features": list(self.out_features), "index": self.index}
+                "tp_allreduces": self.tp_allreduces, "out_features": list(self.out_features), "index": self.index,
+                **{key: [list(c) for c in getattr(self, key)] for key in ("tp_forward", "tp_backward")
+                   if getattr(self, key)}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerDesc":
@@ -53,7 +60,8 @@ class LayerDesc:
                    params=int(data["params"]), fwd_flops_per_token=float(data["fwd_flops_per_token"]),
                    attn_flops_per_token_per_seq=float(data["attn_flops_per_token_per_seq"]),
                    tp_allreduces=int(data["tp_allreduces"]), out_features=tuple(data["out_features"]),
-                   index=int(data["index"]))
+                   tp_forward=tuple(tuple(c) for c in data.get("tp_forward", ())),
+                   tp_backward=tuple(tuple(c) for c in data.get("tp_backward", ())), index=int(data["index"]))
 
 
 def block_params(model: ModelSpec, tp: int) -> int:
@@ -70,30 +78,44 @@ def block_params(model: ModelSpec, tp: int) -> int:
     return sharded // tp + replicated
 
 
-def embedding_params(model: ModelSpec) -> int:
-    h = model.hidden
+def embedding_params(model: ModelSpec, shards: int = 1) -> int:
+    """An embedding's parameters, its token table split by vocabulary over `shards` (the rest replicated)."""
+    h, v = model.hidden, model.vocab // shards
     if model.family == "llama":
-        return model.vocab * h
+        return v * h
     if model.family == "bert":
-        return model.vocab * h + model.seq_len * h + 2 * h + 2 * h  # tokens, positions, token types, LayerNorm
-    return model.vocab * h + model.seq_len * h
+        return v * h + model.seq_len * h + 2 * h + 2 * h  # tokens, positions, token types, LayerNorm
+    return v * h + model.seq_len * h
 
 
-def head_params(model: ModelSpec) -> int:
-    h = model.hidden
+def head_params(model: ModelSpec, shards: int = 1) -> int:
+    """A head's parameters, its projection (and BERT's decoder bias) split by vocabulary over `shards`."""
+    h, v = model.hidden, model.vocab // shards
     if model.family == "llama":
-        return h + model.vocab * h  # RMSNorm, untied lm head without bias
+        return h + v * h  # RMSNorm, untied lm head without bias
     if model.family == "bert":
-        return h * h + h + 2 * h + model.vocab * h + model.vocab  # transform, LayerNorm, decoder
-    return 2 * h + model.vocab * h  # final LayerNorm, untied lm head without bias
+        return h * h + h + 2 * h + v * h + v  # transform, LayerNorm, decoder
+    return 2 * h + v * h  # final LayerNorm, untied lm head without bias
 
 
-def describe_builtin(model: ModelSpec, tp: int) -> list[LayerDesc]:
+# A vocabulary-parallel layer's all-reduces (LayerDesc.tp_forward, tp_backward): hidden-sized ones (the
+# embedding's sum of its shards' lookups, the head's input gradient) and the cross-entropy's two per token in
+# float32, its logits' maximum and (its exponentials' sum, its target's logit) together
+HIDDEN_ALLREDUCE = "tp.allreduce"
+LOSS_MAX, LOSS_SUMS = "tp.loss_max", "tp.loss_sums"
+
+
+def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False) -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
-    Embedding and head are replicated over the tensor-parallel group; blocks are Megatron-sharded.
+    Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
+    embedding and the head are split by vocabulary as Megatron-LM's VocabParallelEmbedding, its
+    column-parallel output layer and vocab_parallel_cross_entropy (their all-reduces in tp_forward and
+    tp_backward), else replicated.
     """
-    h, ffn, v = model.hidden, model.ffn, model.vocab
+    h, ffn = model.hidden, model.ffn
+    shards = tp if vocab_parallel and tp > 1 else 1
+    v = model.vocab // shards
     head_dim = h // model.heads
     base = (("family", model.family), ("hidden", h), ("dtype", model.dtype))
     if model.family == "llama":
@@ -109,11 +131,16 @@ def describe_builtin(model: ModelSpec, tp: int) -> list[LayerDesc]:
         tp_allreduces=2 if tp > 1 else 0,
         out_features=(h,),
     )
-    embedding = LayerDesc(kind="embedding", signature=base + (("vocab", v), ("max_seq", model.seq_len)),
-                          params=embedding_params(model), fwd_flops_per_token=float(h), out_features=(h,))
-    head = LayerDesc(kind="head", signature=base + (("vocab", v),), params=head_params(model),
+    sharded = (("tp", shards),) if shards > 1 else ()
+    hidden_bytes = h * model.dtype_bytes
+    embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
+                          + sharded, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
+                          out_features=(h,), tp_forward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
+    head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded,
+                     params=head_params(model, shards),
                      fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
-                     out_features=())
+                     out_features=(), tp_forward=((LOSS_MAX, 4, "float32"), (LOSS_SUMS, 8, "float32")) * bool(sharded),
+                     tp_backward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
     layers = [embedding]
     for i in range(model.layers):
         layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
@@ -129,7 +156,7 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
 
             user_layers = describe_user_model(spec)
         return user_layers
-    return describe_builtin(spec.model, spec.strategy.tp)
+    return describe_builtin(spec.model, spec.strategy.tp, spec.strategy.vocab_parallel)
 
 
 def recomputed(layer: LayerDesc) -> bool:

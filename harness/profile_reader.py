@@ -147,7 +147,12 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def parse_spec_offline(data: dict, source: str) -> JobSpec:
-    """parse_spec without importing a user model's factory module (it may need torch, or be absent here)."""
+    """parse_spec of a stored spec (a profile's, a run's) without importing a user model's factory module (it
+    may need torch, or be absent here). A stored strategy without `vocab_parallel` was written before the
+    field existed, when the embedding and the head were always replicated: it reads as false."""
+    strategy = data.get("strategy")
+    if isinstance(strategy, dict) and "vocab_parallel" not in strategy:
+        data = {**data, "strategy": {**strategy, "vocab_parallel": False}}
     return parse_spec(data, source=source, import_factory=False)
 
 

@@ -20,6 +20,7 @@ DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each block's input only
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
+VOCAB_PAD = 128  # Megatron-LM pads the vocabulary to a multiple of this x tp (make-vocab-size-divisible-by)
 
 # Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -40,7 +41,8 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
     "batch": {"global", "micro"},
-    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero"},
+    "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
+                 "vocab_parallel"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
@@ -89,6 +91,9 @@ class StrategySpec:
     bucket_mb: float = 25.0  # DDP's default bucket size
     recompute: str = "none"  # full: each block's forward is run again before its backward (harness.layers.recomputed)
     zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
+    # tp > 1: the embedding and the head sharded over the tp group by vocabulary, the cross-entropy computed
+    # vocabulary-parallel (Megatron-LM); false: both replicated on every tp rank
+    vocab_parallel: bool = True
 
     @property
     def world(self) -> int:
@@ -97,6 +102,11 @@ class StrategySpec:
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.chunks
+
+    @property
+    def vocab_sharded(self) -> bool:
+        """Whether the embedding and the head are split by vocabulary (vocab_parallel with tp > 1)."""
+        return self.vocab_parallel and self.tp > 1
 
     @property
     def split_backward(self) -> bool:
@@ -337,6 +347,13 @@ def _recompute(value: Any, field: str) -> str:
     return _choice({"recompute": value}, "recompute", field.rsplit(".", 1)[0], "none", RECOMPUTE)
 
 
+def _flag(section: dict, key: str, where: str, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"must be true or false, got {value!r}", field=f"{where}.{key}")
+    return value
+
+
 def _zero(value: Any, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value not in ZERO_STAGES:
         raise SpecError(f"must be a ZeRO stage, one of {', '.join(map(str, ZERO_STAGES))} (0: no sharding; 1: the "
@@ -465,22 +482,19 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     s = data["strategy"]
     schedule = _choice(s, "schedule", "strategy", "1f1b", SCHEDULES)
     chunks = _int(s, "chunks", "strategy", default=default_chunks(schedule))
-    dp_overlap = s.get("dp_overlap", True)
-    if not isinstance(dp_overlap, bool):
-        raise SpecError(f"must be true or false, got {dp_overlap!r}", field="strategy.dp_overlap")
+    dp_overlap = _flag(s, "dp_overlap", "strategy", True)
     strategy = StrategySpec(dp=_int(s, "dp", "strategy", 1), tp=_int(s, "tp", "strategy", 1),
                             pp=_int(s, "pp", "strategy", 1), schedule=schedule, chunks=chunks,
                             dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0),
                             recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"),
-                            zero=_zero(s.get("zero", 0), "strategy.zero"))
+                            zero=_zero(s.get("zero", 0), "strategy.zero"),
+                            vocab_parallel=_flag(s, "vocab_parallel", "strategy", True))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
                           device_memory_gb=None if memory is None else _number(c, "device_memory_gb", "cluster", 1.0))
     o = data.get("optimizer", {})
-    master = o.get("master_weights", False)
-    if not isinstance(master, bool):
-        raise SpecError(f"must be true or false, got {master!r}", field="optimizer.master_weights")
+    master = _flag(o, "master_weights", "optimizer", False)
     momentum = o.get("momentum", 0.9)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise SpecError(f"must be a number from 0 up to 1, got {momentum!r}", field="optimizer.momentum")
@@ -527,6 +541,13 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
             if getattr(model, key) % strategy.tp:
                 raise SpecError(f"{key} ({getattr(model, key)}) must be divisible by tp ({strategy.tp})",
                                 field=f"model.{key}")
+        if strategy.vocab_sharded and model.vocab % strategy.tp:
+            multiple = VOCAB_PAD * strategy.tp
+            padded = -(-model.vocab // multiple) * multiple
+            raise SpecError(f"vocab ({model.vocab:,}) must be divisible by tp ({strategy.tp}) to split the embedding "
+                            f"and the head by vocabulary; Megatron-LM pads it to a multiple of {VOCAB_PAD} x tp = "
+                            f"{multiple}: set vocab = {padded}, or vocab_parallel = false (both replicated)",
+                            field="model.vocab")
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":
         raise SpecError("the mpi4py backend cannot send bfloat16 (numpy has no such type); use backend = 'torch' "
                         "or dtype float16/float32", field="profile.backend")

@@ -197,11 +197,13 @@ def test_overlapped_buckets_hide_all_but_the_last(tmp_path):
 
 def test_tensor_parallel_allreduces_run_inline(tmp_path):
     timeline = simulated(tmp_path, make_spec(tp=2, micro_batches=3), uniform({"allreduce": 0.2}))
-    per_micro = T_F + T_B + 4 * 0.2  # two all-reduces forward, two backward per block
+    # two all-reduces forward, two backward per block; the vocabulary-parallel embedding's sum of its shards,
+    # the loss's maximum and sums, and the head's input gradient
+    per_micro = T_F + T_B + (4 + 4) * 0.2
     assert timeline.batch_time_s == pytest.approx(3 * per_micro)
     usage = timeline.pipeline[0].usage
     assert usage.compute_s == pytest.approx(3 * (T_F + T_B))
-    assert usage.comm_s == pytest.approx(3 * 4 * 0.2)
+    assert usage.comm_s == pytest.approx(3 * 8 * 0.2)
     assert usage.idle_s == pytest.approx(0, abs=1e-12)
 
 
@@ -231,7 +233,8 @@ def test_composite_replaces_a_tensor_parallel_layer_and_its_all_reduces():
     after = stage_costs(plan, costs)[0]
     # two blocks: each was 1 + 2 x 0.5 = 2 ms, now 4 ms
     assert after.forward_s == pytest.approx(before + 2 * 2e-3)
-    assert after.forward_comm_s == pytest.approx(2 * 3e-3)
+    # the vocabulary-parallel embedding's all-reduce and the loss's two, untouched
+    assert after.forward_comm_s == pytest.approx(2 * 3e-3 + 3 * 5e-4)
 
 
 def test_a_gpu_step_runs_as_the_host_issues_its_layers():

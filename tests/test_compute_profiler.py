@@ -249,7 +249,6 @@ def test_a_split_backward_is_timed_in_its_two_parts():
 def test_a_heads_input_gradient_lets_go_of_the_loss_part():
     """Above a head's last weight is the loss: once stage_backward_input has run and the loss is dropped, the
     log-probabilities it saved (micro x seq x vocab floats) go, which a stage's last layer then no longer holds."""
-    from harness.models.transformer import Head
     from harness.profilers.memory import kept_for_weights
 
     plan = build_plan(loads_spec(tiny_spec_text(layers=2, pp=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
@@ -258,5 +257,5 @@ def test_a_heads_input_gradient_lets_go_of_the_loss_part():
     runner = ComputeRunner(plan.spec, event.content, torch.device("cpu"), copies=1)
     targets = torch.randint(0, 128, (2, 16))
     kept, released = kept_for_weights(runner.layers[0], runner.make_input,
-                                      lambda module, x: Head.loss(module(x), targets))
+                                      lambda module, x: module.loss(module(x), targets))
     assert released >= 2 * 16 * 128 * 4 and kept >= 2 * 16 * 128 * 4  # log-probs go; the logits' gradient stays

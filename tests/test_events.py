@@ -40,10 +40,12 @@ def test_hand_computed_pp2_m4_1f1b_dp2():
 
 def test_tensor_parallel_collectives_counted_per_group_call():
     plan = plan_of(layers=2, tp=2, global_batch=4, micro=2)  # m = 2, one TP group
-    tp_events = [e for e in plan.events.values() if e.kind == "allreduce"]
-    assert len(tp_events) == 1 and tp_events[0].group_size == 2 and tp_events[0].placement == "intra"
-    # 2 blocks x (2 forward + 2 backward) x 2 micro-batches x 1 group
-    assert plan.multiplicity[tp_events[0].id] == 16
+    tp_events = sorted((e for e in plan.events.values() if e.kind == "allreduce"), key=lambda e: -e.bytes)
+    assert len(tp_events) == 3 and {e.group_size for e in tp_events} == {2} and {e.placement for e in tp_events} == \
+        {"intra"}
+    # hidden-sized: 2 blocks x (2 forward + 2 backward), the embedding's forward and the head's backward, x 2
+    # micro-batches x 1 group; the vocabulary-parallel loss's two, once a forward
+    assert [plan.multiplicity[e.id] for e in tp_events] == [20, 2, 2]
 
 
 def test_flows_of_all_devices_add_up_to_the_totals():
@@ -98,7 +100,7 @@ def test_ids_stable_across_processes(project_env):
 
 
 def test_sixteen_thousand_devices_are_not_materialised():
-    text = tiny_spec_text(layers=96, hidden=12288, heads=96, ffn=49152, seq=2048, vocab=50257, dp=256, tp=8, pp=8,
+    text = tiny_spec_text(layers=96, hidden=12288, heads=96, ffn=49152, seq=2048, vocab=51200, dp=256, tp=8, pp=8,
                           global_batch=16384, micro=1, nodes=2048, gpus_per_node=8)
     plan = build_plan(loads_spec(text))
     assert plan.spec.micro_batches == 64
@@ -123,10 +125,11 @@ def test_param_counts_match_the_torch_models():
 
     for name in ("gpt2-small", "bert-base", "llama-1b"):
         spec = loads_spec(tiny_spec_text(name=name, layers=2, hidden=64, heads=16, ffn=96, tp=2, global_batch=4))
-        layers = describe_builtin(spec.model, tp=2)
-        for desc in (layers[0], layers[1], layers[-1]):
-            module = build_layer(spec.model, desc.kind, tp=2)
-            assert sum(p.numel() for p in module.parameters()) == desc.params, (name, desc.kind)
+        for vocab_parallel in (True, False):
+            layers = describe_builtin(spec.model, tp=2, vocab_parallel=vocab_parallel)
+            for desc in (layers[0], layers[1], layers[-1]):
+                module = build_layer(spec.model, desc.kind, tp=int(dict(desc.signature).get("tp", 1)))
+                assert sum(p.numel() for p in module.parameters()) == desc.params, (name, desc.kind, vocab_parallel)
         assert MODEL_PRESETS[name]["family"] == spec.model.family
 
 

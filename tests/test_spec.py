@@ -18,7 +18,7 @@ hidden = 768
 heads = 12
 ffn = 3072
 seq_len = 1024
-vocab = 50257
+vocab = 50304
 dtype = "float32"
 [batch]
 global = 64

@@ -2,8 +2,10 @@
 
 GPT-2 (pre-LayerNorm, GELU), BERT (post-LayerNorm, GELU, token types, MLM-style head) and a LLaMA-like
 block (RMSNorm, SwiGLU, grouped-query attention, rotary positions). Blocks are Megatron-sharded over
-`tp` ranks (heads and FFN columns split); embedding and head are replicated on the tensor-parallel
-group. Parameter counts match harness.layers, which the event generator uses.
+`tp` ranks (heads and FFN columns split); embedding and head built with tp > 1 are split by vocabulary
+(Megatron-LM's VocabParallelEmbedding and column-parallel output layer, the loss vocabulary-parallel),
+built with tp = 1 whole (replicated on a tensor-parallel group). Parameter counts match harness.layers,
+which the event generator uses.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from harness.models.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp,
+                               vocab_parallel_cross_entropy)
 from harness.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,13 +106,19 @@ class TransformerBlock(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token (and for GPT-2/BERT position, for BERT token-type) embeddings: ids (micro, seq) -> hidden."""
+    """Token (and for GPT-2/BERT position, for BERT token-type) embeddings: ids (micro, seq) -> hidden. With
+    tp > 1 the token table holds shard `tp_index`'s vocab / tp rows: ids outside it look up zeros, and the
+    shards' lookups are summed over `group` before the (replicated) positions are added."""
 
-    def __init__(self, model: ModelSpec):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         self.family = model.family
-        self.tokens = nn.Embedding(model.vocab, model.hidden, dtype=dtype)
+        self.group = group
+        self.shard_vocab = model.vocab // tp
+        self.vocab_start = tp_index * self.shard_vocab
+        self.sharded = tp > 1
+        self.tokens = nn.Embedding(self.shard_vocab, model.hidden, dtype=dtype)
         if model.family != "llama":
             self.positions = nn.Embedding(model.seq_len, model.hidden, dtype=dtype)
         if model.family == "bert":
@@ -117,7 +126,13 @@ class Embedding(nn.Module):
             self.norm = nn.LayerNorm(model.hidden, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids)
+        if self.sharded:
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.shard_vocab)
+            x = self.tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+            x = reduce_from_tp(x, self.group)
+        else:
+            x = self.tokens(ids)
         if self.family != "llama":
             x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
         if self.family == "bert":
@@ -126,40 +141,55 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy."""
+    """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy. With tp > 1 the
+    projection holds shard `tp_index`'s vocab / tp outputs, its input's gradient is all-reduced over `group`
+    (copy_to_tp) and the loss is vocabulary-parallel."""
 
-    def __init__(self, model: ModelSpec):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         h = model.hidden
         self.family = model.family
+        self.group = group
+        self.sharded = tp > 1
+        vocab = model.vocab // tp
+        self.vocab_start = tp_index * vocab
         if model.family == "llama":
             self.norm = RMSNorm(h, dtype=dtype)
-            self.out = nn.Linear(h, model.vocab, bias=False, dtype=dtype)
+            self.out = nn.Linear(h, vocab, bias=False, dtype=dtype)
         elif model.family == "bert":
             self.transform = nn.Linear(h, h, dtype=dtype)
             self.norm = nn.LayerNorm(h, dtype=dtype)
-            self.out = nn.Linear(h, model.vocab, dtype=dtype)
+            self.out = nn.Linear(h, vocab, dtype=dtype)
         else:
             self.norm = nn.LayerNorm(h, dtype=dtype)
-            self.out = nn.Linear(h, model.vocab, bias=False, dtype=dtype)
+            self.out = nn.Linear(h, vocab, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "bert":
             x = F.gelu(self.transform(x))
-        return self.out(self.norm(x))
+        x = self.norm(x)
+        return self.out(copy_to_tp(x, self.group) if self.sharded else x)
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy (float32) of this head's logits, the mean over the micro-batch's tokens."""
+        if self.sharded:
+            return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+        return cross_entropy(logits, targets)
 
 
-def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None) -> nn.Module:
-    """A fresh layer of a built-in model: kind is embedding, block or head."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy (float32) of whole logits (micro, seq, vocab), averaged over the tokens."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0) -> nn.Module:
+    """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
+    embedding's or head's by vocabulary)."""
     if kind == "embedding":
-        return Embedding(model)
+        return Embedding(model, tp, group, tp_index)
     if kind == "block":
         return TransformerBlock(model, tp, group)
     if kind == "head":
-        return Head(model)
+        return Head(model, tp, group, tp_index)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
-from harness.models.transformer import Head
+from harness.models.transformer import Head, cross_entropy
 from harness.precision import relative_half_width
 from harness.profilers.memory import activation_bytes, kept_for_weights
 from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
@@ -86,7 +86,7 @@ def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: di
     out = layer(x)
     if content.get("last"):  # the model's last layer: the loss is part of its forward
         targets = torch.randint(0, spec.model.vocab, out.shape[:2], device=out.device)
-        return Head.loss(out, targets)
+        return layer.loss(out, targets) if isinstance(layer, Head) else cross_entropy(out, targets)
     return out
 
 

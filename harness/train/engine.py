@@ -259,15 +259,14 @@ class PipelineEngine:
         self.stage_modules: dict[int, list[nn.Module]] = {}
         self.checkpointed: dict[int, list[bool]] = {}
         self.act_spec: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        self.tp_event: dict[int, str] = {}
+        self.tp_event: dict[int, dict[str, str]] = {}  # per virtual stage, its tp all-reduces' events by name
         for vs in self.local_vs:
             program = plan.stages[vs]
             self.stage_modules[vs] = [modules[p] for p in program.layers]
             # recompute = "full": torch.utils.checkpoint keeps these modules' inputs and runs them again in the
             # backward, as Megatron-LM's full recompute (harness.layers.recomputed)
             self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
-            self.tp_event[vs] = next((eid for eid, layer in zip(program.forward, program.forward_layers)
-                                      if layer == -1), "")
+            self.tp_event[vs] = program.tp_events
         self.zero = s.zero
         self.sharded: dict[int, list[nn.Module]] = {vs: [] for vs in self.local_vs}
         if self.zero:
@@ -506,7 +505,7 @@ class PipelineEngine:
         end = self.now()
         phase, vs, micro = self.ctx
         self.rec.add(start, end, end - start, "allreduce", f"{name}.{'fwd' if phase == 'F' else 'bwd'}", "tp",
-                     self.tp_event.get(vs, ""), vs, micro)
+                     self.tp_event.get(vs, {}).get(name, ""), vs, micro)
 
     def _forward(self, vs: int, micro: int, tokens: torch.Tensor) -> None:
         if vs == 0:
@@ -538,7 +537,7 @@ class PipelineEngine:
                         marks.append(clock.mark())
                         outputs.append(out)
                 if targets is not None:
-                    out = loss_of(out, targets)
+                    out = loss_of(out, targets, self.stage_modules[vs][-1])
                     self.losses.append(out.detach())
                     if clock:  # the last layer's event includes the loss
                         marks[-1] = clock.mark()

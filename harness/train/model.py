@@ -11,14 +11,15 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from harness.errors import UserError
 from harness.layers import LayerDesc, user_input
 from harness.models import TORCH_DTYPES, build_layer
+from harness.models.transformer import Head, cross_entropy
 from harness.spec import JobSpec, ModelSpec
 
 _ROW_PARALLEL = ("proj.weight", "fc2.weight", "down.weight")
+_VOCAB_PARALLEL = ("tokens.weight", "out.weight", "out.bias")  # an embedding's and a head's, split by vocabulary
 
 
 def layer_seed(seed: int, position: int) -> int:
@@ -41,7 +42,10 @@ def _column_sections(name: str, model: ModelSpec) -> list[int] | None:
 
 
 def shard_tensor(name: str, full: torch.Tensor, model: ModelSpec, tp: int, tp_index: int) -> torch.Tensor:
-    """Rank `tp_index`'s shard of parameter `name` of a whole transformer block (Megatron layout)."""
+    """Rank `tp_index`'s shard of parameter `name` of a whole transformer block, or of a whole embedding or head
+    split by vocabulary (Megatron layout)."""
+    if name in _VOCAB_PARALLEL:
+        return full.chunk(tp, dim=0)[tp_index]
     sections = _column_sections(name, model)
     if sections is not None:
         parts = torch.split(full, sections, dim=0)
@@ -59,12 +63,13 @@ def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int) -> n
 
 
 def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group) -> nn.Module:
-    """This rank's layer: the whole layer for tp = 1, embedding and head; else a block shard cut from it."""
+    """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
+    Megatron shard, an embedding's or head's by vocabulary)."""
     full = build_full_layer(model, kind, seed, position)
-    if tp == 1 or kind != "block":
+    if tp == 1:
         return full
     with torch.random.fork_rng(devices=[]):
-        shard = build_layer(model, kind, tp, group)
+        shard = build_layer(model, kind, tp, group, tp_index)
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, param in shard.named_parameters():
@@ -89,7 +94,6 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
                  group=None, device: torch.device | str = "cpu", whole: bool = False) -> dict[int, nn.Module]:
     """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`
     (`whole`: the unsharded layers, whatever the spec's tp)."""
-    tp = 1 if whole else spec.strategy.tp
     out: dict[int, nn.Module] = {}
     if spec.model.family == "user":
         every = build_user_layers(spec.model, seed)
@@ -97,8 +101,9 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
             out[position] = every[position].to(device)
         return out
     for position in positions:
-        out[position] = build_shard(spec.model, layers[position].kind, seed, position, tp, tp_index,
-                                    group).to(device)
+        layer = layers[position]
+        shards = 1 if whole else int(dict(layer.signature).get("tp", 1))  # a replicated embedding or head: 1
+        out[position] = build_shard(spec.model, layer.kind, seed, position, shards, tp_index, group).to(device)
     return out
 
 
@@ -131,9 +136,12 @@ def micro_batch(tokens: torch.Tensor, spec: JobSpec, dp_index: int, micro: int) 
     return rows[:, :-1], rows[:, 1:]
 
 
-def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy (float32), averaged over the micro-batch's tokens."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def loss_of(logits: torch.Tensor, targets: torch.Tensor, last: nn.Module | None = None) -> torch.Tensor:
+    """Next-token cross-entropy (float32), averaged over the micro-batch's tokens: a built-in `last` layer's
+    own loss (vocabulary-parallel where the head is split by vocabulary), else over whole logits."""
+    if isinstance(last, Head):
+        return last.loss(logits, targets)
+    return cross_entropy(logits, targets)
 
 
 def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float = 1e-3, fresh_data: bool = False,
