@@ -11,7 +11,7 @@ from harness.output import byte_unit, format_bytes, format_seconds, format_table
 
 from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline
-from analysis.uncertainty import BatchTimeInterval
+from analysis.uncertainty import BatchTimeInterval, IntervalExplanation
 
 RANK_SPEED_ROWS = 16  # beyond this many profiling ranks, the table shows the fastest and slowest half each
 
@@ -41,8 +41,10 @@ def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
 
 
 def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_path: str | Path | None = None,
-            memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None) -> dict[str, Any]:
-    """The JSON document of `simulate --json` (schema_version 1, docs/analysis.md)."""
+            memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None,
+            explanation: IntervalExplanation | None = None) -> dict[str, Any]:
+    """The JSON document of `simulate --json` (schema_version 1, docs/analysis.md); `explanation`: what makes
+    the interval as wide as it is (analysis.uncertainty.explain_interval), null without one."""
     spec, s, costs = timeline.spec, timeline.spec.strategy, timeline.costs
     finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 (JSON has no NaN or infinity)
     return {
@@ -60,6 +62,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "batch_time_s": timeline.batch_time_s,
         **(interval.to_dict() if interval is not None else
            {"batch_time_p5_s": None, "batch_time_p50_s": None, "batch_time_p95_s": None, "interval_resamples": 0}),
+        "interval_explanation": explanation.to_dict() if explanation is not None else None,
         "compute_statistic": costs.compute_stat,
         "rank_speed": costs.rank_speed,
         "throughput_samples_s": finite(timeline.throughput_samples_s),
@@ -124,8 +127,10 @@ def interval_text(interval: BatchTimeInterval | None) -> str:
 
 
 def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False,
-                  memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None) -> str:
-    """The terminal report, the answer first: batch time, throughput, bubble and the per-stage table; the
+                  memory: MemoryEstimate | None = None, interval: BatchTimeInterval | None = None,
+                  explanation: IntervalExplanation | None = None) -> str:
+    """The terminal report, the answer first: batch time (with `explanation`, a line on what makes its interval
+    as wide as it is), throughput, bubble and the per-stage table; the
     per-device table for `ranks` (devices of one stage are alike, so only where asked); a line on what was
     extrapolated; warnings. With `details` also the model's corrections (rules in docs/analysis.md)."""
     spec, costs = timeline.spec, timeline.costs
@@ -134,17 +139,21 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
     exposed = sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T) if T > 0 else 0.0
     out = [f"{spec.model.name}: {strategy_label(timeline)} on {timeline.world:,} devices "
            f"({spec.cluster.nodes:,} x {spec.cluster.gpus_per_node}), global batch {spec.batch.global_size:,}",
-           f"batch time   {format_seconds(T)}{interval_text(interval)}",
-           f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, {timeline.throughput_tokens_s:,.0f} tokens/s",
-           f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
-           "computing", ""]
+           f"batch time   {format_seconds(T)}{interval_text(interval)}"]
+    if explanation is not None:
+        out.append(f"interval     {explanation.text()}")
+    out += [f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, "
+            f"{timeline.throughput_tokens_s:,.0f} tokens/s",
+            f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
+            "computing", ""]
     if memory is not None:
         peak = memory.peak
         capacity = spec.cluster.device_memory_gb
         fits = "" if capacity is None else (f"; fits {capacity:g} GB" if memory.fits(capacity * GB)
                                             else f"; DOES NOT FIT {capacity:g} GB")
-        out.insert(4, f"memory       {format_bytes(peak.total)} per device at most (stage {peak.stage}, "
-                      f"{peak.dominant} {format_bytes(getattr(peak, peak.dominant))}){fits}")
+        out.insert(len(out) - 1,  # before the blank line that ends the summary
+                   f"memory       {format_bytes(peak.total)} per device at most (stage {peak.stage}, "
+                   f"{peak.dominant} {format_bytes(getattr(peak, peak.dominant))}){fits}")
     unit, scale = byte_unit([m.total for m in memory.stages] if memory is not None else [])
     rows = [(r["stage"], r["devices"], _ms(r["compute_s"]), _ms(r["comm_s"]), _ms(r["overlapped_comm_s"]),
              _ms(r["idle_s"]), 100.0 * r["idle_s"] / T if T > 0 else None)

@@ -7,15 +7,26 @@ memory capacity (none: every candidate fits). A candidate the profile cannot cos
 a profile of another spec) is infeasible with that reason; one costed partly from fits (a group larger than
 the profiling run, a tensor-parallel layer measured without its all-reduces) is flagged. Feasible candidates
 come first, fastest (or smallest) first. Candidates are spread over processes (fork) when there are many.
+
+Telling candidates apart (docs/analysis.md, "Search"): each feasible candidate's reach is its prediction T
+from T (1 - down) to T (1 + up) (analysis.uncertainty.relative_reach: every sampled duration at its own 5th or
+95th percentile at once), which holds its 90% interval. A feasible candidate whose reach overlaps the
+fastest's is within reach of it: it and the fastest get the batch time's 90% interval (as `simulate` gives
+it), and it is indistinguishable from the fastest where the two intervals overlap; one out of reach is told
+apart without resampling. Among the indistinguishable (the fastest included) the search recommends the least
+peak memory per device, then the fewest devices, then the fastest.
 """
 from __future__ import annotations
 
 import math
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from harness.candidates import Grid, Rejected, candidate_label, expand
 from harness.errors import UserError
@@ -26,11 +37,14 @@ from analysis.costs import estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for
 from analysis.simulate import simulate
+from analysis.uncertainty import (DEFAULT_RESAMPLES, SEED, BatchTimeInterval, batch_time_interval, has_samples,
+                                  interval_of, relative_reach, resampled_batch_times)
 
-SEARCH_SCHEMA_VERSION = 1
+SEARCH_SCHEMA_VERSION = 2  # 2: intervals, indistinguishable_from_best, recommended, recommendation
 SEARCH_KIND = "distsim-search"
 PARALLEL_FROM = 24  # candidates: fewer run in this process (a worker's start costs more than they take)
 SORTS = ("time", "memory")
+PARALLEL_INTERVALS_FROM_S = 0.5  # estimated serial seconds of resampling from which it is spread over processes
 
 
 @dataclass
@@ -49,6 +63,11 @@ class CandidateResult:
     reason: str = ""  # why infeasible (empty when feasible)
     flags: list[str] = field(default_factory=list)  # what the prediction could not measure
     speedup: float | None = None  # over the slowest feasible candidate
+    interval: BatchTimeInterval | None = None  # the fastest's and those within reach of it (module docstring)
+    reach_s: tuple[float, float] | None = None  # feasible, with samples: what holds its interval (module docstring)
+    indistinguishable_from_best: bool | None = None  # None: not known (no resamples or no samples)
+    recommended: bool = False
+    simulate_s: float = 0.0  # the point simulation's wall time: what one resample costs
 
     @property
     def label(self) -> str:
@@ -86,11 +105,126 @@ class CandidateResult:
                "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
                "comm_fraction": self.comm_fraction, "peak_memory_bytes": self.peak_memory_bytes,
                "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
-               "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "speedup": self.speedup}
+               "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "speedup": self.speedup,
+               "batch_time_p5_s": self.interval.p5_s if self.interval else None,
+               "batch_time_p95_s": self.interval.p95_s if self.interval else None,
+               "indistinguishable_from_best": self.indistinguishable_from_best, "recommended": self.recommended}
         trained = self.training(iterations, tokens)
         if trained is not None:
             out["train_s"], out["gpu_hours"] = trained
         return out
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two ranges (low, high) share a point (the edges included)."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def span(interval: BatchTimeInterval) -> tuple[float, float]:
+    """(p5, p95): the 90% interval as a range."""
+    return interval.p5_s, interval.p95_s
+
+
+def _share(fraction: float) -> str:
+    """'23%', or '4.5%' below 10%."""
+    return f"{fraction:.0%}" if fraction >= 0.1 else f"{fraction:.1%}"
+
+
+@dataclass
+class Recommendation:
+    """The candidate to run: among those indistinguishable from the fastest (the fastest included), the least
+    peak memory per device, then the fewest devices, then the fastest; without samples to tell by, the
+    fastest."""
+
+    candidate: CandidateResult
+    fastest: CandidateResult
+    indistinguishable: list[CandidateResult]  # the fastest first, then by batch time
+    basis: str  # intervals (some computed) | reach (every other one out of reach) | none (nothing to tell by)
+
+    @property
+    def memory_saving(self) -> float | None:
+        """1 - the recommended candidate's peak memory over the fastest's."""
+        ours, theirs = self.candidate.peak_memory_bytes, self.fastest.peak_memory_bytes
+        return 1 - ours / theirs if ours is not None and theirs else None
+
+    @property
+    def devices_saved(self) -> int:
+        return self.fastest.spec.strategy.world - self.candidate.spec.strategy.world
+
+    def text(self) -> str:
+        """One line, the answer first: what to run and why."""
+        chosen, fastest = self.candidate, self.fastest
+        if self.basis == "none":
+            return (f"recommended: {chosen.label}, the fastest by its prediction - without resamples (--resamples 0) "
+                    "or samples the search cannot tell which others are as fast")
+        if self.basis == "reach":
+            return (f"recommended: {chosen.label}, the fastest - no other candidate comes within its sampling "
+                    "noise (every measured duration at its 5th or 95th percentile keeps them apart)")
+        others = len(self.indistinguishable) - 1
+        if chosen is fastest:
+            if not others:
+                return (f"recommended: {chosen.label}, the fastest - no other candidate's 90% interval overlaps "
+                        "its own")
+            return (f"recommended: {chosen.label}, the fastest - {others} other{'s' if others > 1 else ''} "
+                    f"indistinguishable from it (90% intervals overlap) need{'s' if others == 1 else ''} no less "
+                    "memory and no fewer devices")
+        slower = chosen.batch_time_s / fastest.batch_time_s - 1
+        if chosen.peak_memory_bytes < fastest.peak_memory_bytes:
+            gain = f"{_share(self.memory_saving)} less memory per device"
+            if self.devices_saved > 0:
+                gain += f" on {self.devices_saved:,} fewer devices"
+        else:
+            gain = f"the same memory per device on {self.devices_saved:,} fewer devices"
+        return (f"recommended: {chosen.label} - indistinguishable from the fastest, {fastest.label} (90% intervals "
+                f"overlap; predicted {_share(slower)} slower), {gain}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.candidate.label, "fastest": self.fastest.label,
+                "indistinguishable": [c.label for c in self.indistinguishable], "basis": self.basis,
+                "memory_saving_fraction": self.memory_saving, "devices_saved": self.devices_saved,
+                "text": self.text()}
+
+
+def fastest_feasible(results: Sequence[CandidateResult]) -> CandidateResult | None:
+    """The feasible candidate of the least batch time (then the least memory, then by label)."""
+    return min((r for r in results if r.feasible and r.predicted),
+               key=lambda r: (r.batch_time_s, r.peak_memory_bytes, r.label), default=None)
+
+
+def indistinguishable(candidate: CandidateResult, fastest: CandidateResult) -> bool | None:
+    """Whether a feasible candidate cannot be told from the fastest: its reach overlaps the fastest's and so do
+    their intervals. None where that is not known (no reach, or intervals not computed within reach)."""
+    if candidate is fastest:
+        return True
+    if candidate.reach_s is None or fastest.reach_s is None:
+        return None
+    if not overlap(candidate.reach_s, fastest.reach_s):
+        return False
+    if candidate.interval is None or fastest.interval is None:
+        return None
+    return overlap(span(candidate.interval), span(fastest.interval))
+
+
+def recommend(results: Sequence[CandidateResult]) -> Recommendation | None:
+    """Mark every candidate's indistinguishable_from_best (infeasible ones False; None where not known) and
+    recommended from the reaches and intervals they carry, and return the recommendation (None without a
+    feasible candidate). Without the fastest's reach (no resamples or no samples) nothing is marked and the
+    fastest is recommended."""
+    for r in results:
+        r.recommended, r.indistinguishable_from_best = False, None
+    fastest = fastest_feasible(results)
+    if fastest is None:
+        return None
+    if fastest.reach_s is None:
+        fastest.recommended = True
+        return Recommendation(fastest, fastest, [fastest], "none")
+    for r in results:
+        r.indistinguishable_from_best = indistinguishable(r, fastest) if r.feasible and r.predicted else False
+    alike = sorted((r for r in results if r.indistinguishable_from_best),
+                   key=lambda r: (r is not fastest, r.batch_time_s, r.label))
+    chosen = min(alike, key=lambda r: (r.peak_memory_bytes, r.spec.strategy.world, r.batch_time_s, r.label))
+    chosen.recommended = True
+    return Recommendation(chosen, fastest, alike, "intervals" if fastest.interval is not None else "reach")
 
 
 @dataclass
@@ -103,6 +237,8 @@ class SearchResult:
     rejected: list[Rejected]
     capacity_bytes: float | None
     sort: str = "time"
+    recommendation: Recommendation | None = None
+    resamples: int = DEFAULT_RESAMPLES
 
     @property
     def best(self) -> CandidateResult | None:
@@ -128,11 +264,33 @@ class SearchResult:
                 "candidates": [c.to_dict(iterations, tokens) for c in self.candidates],
                 "best": best.to_dict(iterations, tokens) if best is not None else None,
                 "rejected": [{"choice": dict(r.choice), "reason": r.reason} for r in self.rejected],
-                "profiling": self.profiling_cost(), "iterations": iterations, "tokens": tokens}
+                "profiling": self.profiling_cost(), "iterations": iterations, "tokens": tokens,
+                "interval_resamples": self.resamples,
+                "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None}
 
 
 # what each worker process evaluates against: set before the workers fork, so the profile is not pickled
 _SHARED: dict[str, Any] = {}
+_REACH: dict[tuple[str, str], tuple[float, float]] = {}  # each source's relative reach, per process
+_COSTED: dict[str, tuple] = {}  # candidate label -> (plan, costs), per process, for the intervals
+
+
+def _costed(spec: JobSpec) -> tuple:
+    """The candidate's plan and costs, as _evaluate made them (kept for the resamples of one search)."""
+    label = candidate_label(spec)
+    if label not in _COSTED:
+        profile, options = _SHARED["profile"], _SHARED["options"]
+        plan = build_plan(spec, layers_for(profile, spec))
+        _COSTED[label] = (plan, estimate_costs(plan, profile, **options["costs"]))
+    return _COSTED[label]
+
+
+def _resampled_times(task: tuple[JobSpec, int, int]) -> Any:
+    """Resamples start..stop-1 of one candidate's batch time (a slice of uncertainty.resampled_batch_times)."""
+    spec, start, stop = task
+    plan, costs = _costed(spec)
+    options = _SHARED["options"]
+    return resampled_batch_times(plan, costs, options["dp_overlap"], options["resamples"], SEED, start, stop)
 
 
 def _evaluate(spec: JobSpec) -> CandidateResult:
@@ -144,7 +302,9 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     except UserError as exc:
         result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
         return result
+    started = time.perf_counter()
     timeline = simulate(plan, costs, options["dp_overlap"])
+    result.simulate_s = time.perf_counter() - started
     T = timeline.batch_time_s
     result.batch_time_s = T
     result.bubble_fraction = timeline.bubble_fraction
@@ -161,6 +321,9 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.memory_stages = [s.to_dict() for s in memory.stages]
     result.feasible = memory.fits(capacity)
     result.reason = "" if result.feasible else memory.shortfall(capacity)
+    if result.feasible and options["resamples"] > 0 and has_samples(costs):
+        down, up = relative_reach(costs, options["resamples"], SEED, _REACH)
+        result.reach_s = (T * (1 - down), T * (1 + up))
     if costs.extrapolated:
         names = sorted({c.name for c in costs.extrapolated})
         result.flags.append(f"{len(costs.extrapolated)} communication event(s) from fits ({', '.join(names[:2])}"
@@ -179,11 +342,14 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
 def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = None,
            capacity_bytes: float | None = None, sort: str = "time", dp_overlap: bool | None = None,
            compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
-           progress: Callable[[int], None] | None = None, grid: Grid | None = None) -> SearchResult:
-    """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`.
+           progress: Callable[[int], None] | None = None, grid: Grid | None = None,
+           resamples: int = DEFAULT_RESAMPLES) -> SearchResult:
+    """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`,
+    then tell the fastest from those it cannot be told apart from and recommend one (module docstring).
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
     processes (default: one per core); `progress(n)`: called as candidates complete; `grid`: the grid when
-    the caller has expanded it already (harness.candidates.expand(spec, gpus))."""
+    the caller has expanded it already (harness.candidates.expand(spec, gpus)); `resamples`: the intervals'
+    bootstrap resamples (0: no intervals, the fastest recommended)."""
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
     spec = spec or profile.spec
@@ -195,7 +361,9 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     _SHARED.update(profile=profile, activations=activation_bytes(profile), released=released_bytes(profile),
                    capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
-                            "dp_overlap": dp_overlap})
+                            "dp_overlap": dp_overlap, "resamples": max(0, resamples)})
+    _REACH.clear()
+    _COSTED.clear()
     jobs = jobs or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
     results: list[CandidateResult] = []
     try:
@@ -211,14 +379,51 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
                 results.append(_evaluate(candidate))
                 if progress:
                     progress(1)
+        if not any(r.predicted for r in results):
+            reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
+            raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the "
+                            "search spec itself: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR")
+        ranked = rank(results, sort)
+        if resamples > 0:
+            _interval_pass(ranked, resamples, jobs)
     finally:
         _SHARED.clear()
-    if not any(r.predicted for r in results):
-        reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
-        raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the search "
-                        "spec itself: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR")
-    ranked = rank(results, sort)
-    return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort)
+        _REACH.clear()
+        _COSTED.clear()
+    return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort, recommend(ranked),
+                        max(0, resamples))
+
+
+def _interval_pass(results: Sequence[CandidateResult], resamples: int, jobs: int) -> None:
+    """The intervals of the fastest feasible candidate and of the feasible candidates within reach of it, where
+    any is (module docstring)."""
+    fastest = fastest_feasible(results)
+    if fastest is None or fastest.reach_s is None:
+        return
+    near = [r for r in results if r.feasible and r is not fastest and r.reach_s is not None
+            and overlap(r.reach_s, fastest.reach_s)]
+    if near:
+        _compute_intervals([fastest] + near, resamples, jobs)
+
+
+def _compute_intervals(candidates: Sequence[CandidateResult], resamples: int, jobs: int) -> None:
+    """Each candidate's interval, as `simulate` computes it; spread over `jobs` processes (slices of the
+    resamples) where the resampling would take PARALLEL_INTERVALS_FROM_S or more in this one."""
+    if not candidates:
+        return
+    dp_overlap = _SHARED["options"]["dp_overlap"]
+    if jobs <= 1 or sum(c.simulate_s for c in candidates) * resamples < PARALLEL_INTERVALS_FROM_S:
+        for c in candidates:
+            plan, costs = _costed(c.spec)
+            c.interval = batch_time_interval(plan, costs, dp_overlap, resamples, SEED)
+        return
+    step = -(-resamples // jobs)
+    tasks = [(c.spec, start, min(start + step, resamples)) for c in candidates for start in range(0, resamples, step)]
+    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("fork")) as pool:
+        slices = list(pool.map(_resampled_times, tasks))
+    per_candidate = len(range(0, resamples, step))
+    for i, c in enumerate(candidates):
+        c.interval = interval_of(np.concatenate(slices[i * per_candidate:(i + 1) * per_candidate]))
 
 
 def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[CandidateResult]:

@@ -9,13 +9,17 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   sender-busy and post times, the buckets' division and zeroing, the replica skew;
 - the interval is the 5th, 50th and 95th percentile of the resampled batch times: it says how much the
   prediction would move with another profile of the same length on the same machine, not how far the
-  machine's state (or the model's assumptions) can move a run.
+  machine's state (or the model's assumptions) can move a run;
+- what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
+  moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
+  value; its share of the variance is the square of the batch time's swing over the sum of every source's.
 The generator is seeded, so the same profile gives the same interval every time.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -72,27 +76,180 @@ def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Gene
     return drawn.min(axis=1)
 
 
-def resampled_costs(costs: Costs, resamples: int, seed: int = SEED) -> list[Costs]:
-    """`resamples` copies of `costs` with every sampled duration drawn again (rules above)."""
+Draws = dict[str, dict[str, np.ndarray]]  # part of Costs.sampled -> event id -> one value per resample
+
+
+def draws(costs: Costs, resamples: int, seed: int = SEED) -> Draws:
+    """Every sampled duration's `resamples` values, drawn in one order (parts, then event ids, sorted) from one
+    seeded generator: the same costs, resamples and seed give the same draws."""
     rng = np.random.default_rng(seed)
-    drawn = {part: {eid: bootstrap_statistics(s, resamples, rng) for eid, s in sorted(table.items())}
-             for part, table in sorted(costs.sampled.items())}
-    out = []
-    for r in range(resamples):
-        events = dict(costs.events)
-        for eid, values in drawn.get("events", {}).items():
-            events[eid] = replace(events[eid], seconds=float(values[r]))
-        host = {**costs.host_issue, **{eid: float(v[r]) for eid, v in drawn.get("host_issue", {}).items()}}
-        composites = {**costs.composites, **{eid: float(v[r]) for eid, v in drawn.get("composites", {}).items()}}
-        out.append(replace(costs, events=events, host_issue=host, composites=composites))
-    return out
+    return {part: {eid: bootstrap_statistics(s, resamples, rng) for eid, s in sorted(table.items())}
+            for part, table in sorted(costs.sampled.items())}
+
+
+def costs_with(costs: Costs, values: Mapping[str, Mapping[str, float]]) -> Costs:
+    """A copy of `costs` with the durations in `values` (part -> event id -> seconds) replaced."""
+    events = dict(costs.events)
+    for eid, seconds in values.get("events", {}).items():
+        events[eid] = replace(events[eid], seconds=float(seconds))
+    host = {**costs.host_issue, **{eid: float(v) for eid, v in values.get("host_issue", {}).items()}}
+    composites = {**costs.composites, **{eid: float(v) for eid, v in values.get("composites", {}).items()}}
+    return replace(costs, events=events, host_issue=host, composites=composites)
+
+
+def resampled_costs(costs: Costs, resamples: int, seed: int = SEED, start: int = 0,
+                    stop: int | None = None) -> list[Costs]:
+    """Copies of `costs` with every sampled duration drawn again (rules above): resamples start..stop-1 of
+    `resamples` (all by default; a slice holds the same copies as the whole)."""
+    drawn = draws(costs, resamples, seed)
+    return [costs_with(costs, {part: {eid: values[r] for eid, values in table.items()}
+                               for part, table in drawn.items()})
+            for r in range(start, resamples if stop is None else min(stop, resamples))]
+
+
+def resampled_batch_times(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
+                          resamples: int = DEFAULT_RESAMPLES, seed: int = SEED, start: int = 0,
+                          stop: int | None = None) -> np.ndarray:
+    """The simulated batch time of resamples start..stop-1 of `resamples` (slices of one set of draws: joined,
+    they are the whole, so the work can be split over processes)."""
+    return np.array([simulate(plan, c, dp_overlap).batch_time_s
+                     for c in resampled_costs(costs, resamples, seed, start, stop)], dtype=float)
+
+
+def interval_of(times: np.ndarray) -> BatchTimeInterval:
+    """The 5-50-95 percentiles of resampled batch times."""
+    p5, p50, p95 = np.percentile(times, [5, 50, 95])
+    return BatchTimeInterval(float(p5), float(p50), float(p95), int(times.size))
+
+
+def has_samples(costs: Costs) -> bool:
+    """Whether any duration came from samples (else there is no interval to give)."""
+    return any(costs.sampled.values())
+
+
+def relative_reach(costs: Costs, resamples: int = DEFAULT_RESAMPLES, seed: int = SEED,
+                   cache: dict[tuple[str, str], tuple[float, float]] | None = None) -> tuple[float, float]:
+    """(down, up): the largest relative distances from a sampled duration to the 5th and to the 95th percentile
+    of its own draws ((0, 0) without samples). With every source at its 5th (95th) percentile at once, the
+    batch time is at least (1 - down) (at most (1 + up)) times the prediction: the timeline is monotone in
+    its durations and scales with them; the interval, of independent draws, lies inside those corners. Each
+    source is drawn from a generator seeded by the source itself, so its figures do not depend on the others,
+    and `cache` ((part, event id) -> figures) keeps them across the candidates of one profile and options."""
+    cache = {} if cache is None else cache
+    down = up = 0.0
+    for part, table in costs.sampled.items():
+        for eid, samples in table.items():
+            key = (part, eid)
+            if key not in cache:
+                point = _point(costs, part, eid)
+                rng = np.random.default_rng([seed, zlib.crc32(f"{part}/{eid}".encode())])
+                drawn = bootstrap_statistics(samples, resamples, rng)
+                low, high = (float(v) for v in np.percentile(drawn, [5, 95]))
+                cache[key] = ((max(0.0, (point - low) / point), max(0.0, (high - point) / point)) if point > 0
+                              else (0.0, 0.0))
+            down, up = max(down, cache[key][0]), max(up, cache[key][1])
+    return down, up
+
+
+def _point(costs: Costs, part: str, eid: str) -> float:
+    """The predicted duration of one sampled source."""
+    if part == "events":
+        return costs.events[eid].seconds
+    return {"host_issue": costs.host_issue, "composites": costs.composites}[part][eid]
 
 
 def batch_time_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
                         resamples: int = DEFAULT_RESAMPLES, seed: int = SEED) -> BatchTimeInterval | None:
     """The batch time's 5-50-95 percentiles over bootstrap resamples (None with no resamples or no samples)."""
-    if resamples <= 0 or not any(costs.sampled.values()):
+    if resamples <= 0 or not has_samples(costs):
         return None
-    times = np.array([simulate(plan, c, dp_overlap).batch_time_s for c in resampled_costs(costs, resamples, seed)])
-    p5, p50, p95 = np.percentile(times, [5, 50, 95])
-    return BatchTimeInterval(float(p5), float(p50), float(p95), resamples)
+    return interval_of(resampled_batch_times(plan, costs, dp_overlap, resamples, seed))
+
+
+PART_LABELS = {"events": "", "host_issue": " (host issue)", "composites": " (with its all-reduces)"}
+NAMED_SHARE = 0.75  # the explanation names the largest sources until they hold this much of the variance
+NAMED_AT_MOST = 2
+
+
+@dataclass(frozen=True)
+class IntervalSource:
+    """One sampled duration's part in the interval: the batch time at its draws' 95th percentile less that at
+    their 5th, every other duration as predicted, and its share of the variance (swing squared over the sum
+    of every source's swing squared)."""
+
+    part: str  # events | host_issue | composites (Costs.sampled)
+    event_id: str
+    name: str
+    swing_s: float
+    share: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"part": self.part, "id": self.event_id, "name": self.name, "swing_s": self.swing_s,
+                "share": self.share}
+
+
+@dataclass(frozen=True)
+class IntervalExplanation:
+    """What makes an interval as wide as it is: its sources by share, largest first."""
+
+    interval: BatchTimeInterval
+    sources: tuple[IntervalSource, ...]
+
+    @property
+    def first_order_fraction(self) -> float | None:
+        """The sum of the sources' swings squared over the interval's width squared: near 1 where the batch
+        time adds its sources' noise up; further off where they interact (a max of two paths); None for a zero
+        width."""
+        width = self.interval.p95_s - self.interval.p5_s
+        return sum(s.swing_s ** 2 for s in self.sources) / width ** 2 if width > 0 else None
+
+    @property
+    def named(self) -> tuple[IntervalSource, ...]:
+        """The largest sources until they hold NAMED_SHARE of the variance, at most NAMED_AT_MOST; none where
+        that many hold less (the noise is spread)."""
+        out, held = [], 0.0
+        for source in self.sources[:NAMED_AT_MOST]:
+            out.append(source)
+            held += source.share
+            if held >= NAMED_SHARE:
+                return tuple(out)
+        return ()
+
+    def text(self) -> str:
+        """One line, the answer first: what makes the interval as wide as it is, and what it leaves out."""
+        count = len({s.event_id for s in self.sources})
+        what = f"{self.interval.width:.1%} wide from {count} measured event{'s' if count != 1 else ''}' sampling noise"
+        if not any(s.share > 0 for s in self.sources):
+            return f"{what}, which does not move the batch time"
+        named = self.named
+        if named:
+            where = " and ".join(f"{s.name} {s.share:.0%}" for s in named) + " of its variance"
+        else:
+            top = self.sources[0]
+            where = f"spread over them (the largest, {top.name}, {top.share:.0%} of its variance)"
+        return f"{what}, {where}; it leaves out the machine's drift before a run and the model's own error"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text(), "first_order_fraction": self.first_order_fraction,
+                "named": [s.name for s in self.named], "sources": [s.to_dict() for s in self.sources]}
+
+
+def explain_interval(plan: EventPlan, costs: Costs, interval: BatchTimeInterval | None,
+                     dp_overlap: bool | None = None, seed: int = SEED) -> IntervalExplanation | None:
+    """Each sampled source's swing and share of the interval (rules above), from the same draws as the
+    interval's (its resamples, the same seed); None without an interval. Two simulations a source."""
+    if interval is None or not has_samples(costs):
+        return None
+    drawn = draws(costs, interval.resamples, seed)
+    swings = []
+    for part, table in drawn.items():
+        for eid, values in table.items():
+            low, high = np.percentile(values, [5, 95])
+            at = [simulate(plan, costs_with(costs, {part: {eid: float(v)}}), dp_overlap).batch_time_s
+                  for v in (low, high)]
+            swings.append((part, eid, at[1] - at[0]))
+    total = sum(swing ** 2 for _, _, swing in swings)
+    sources = [IntervalSource(part, eid, plan.events[eid].name + PART_LABELS.get(part, f" ({part})"), swing,
+                              swing ** 2 / total if total > 0 else 0.0) for part, eid, swing in swings]
+    sources.sort(key=lambda s: (-s.share, s.name, s.event_id))
+    return IntervalExplanation(interval, tuple(sources))

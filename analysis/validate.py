@@ -120,6 +120,7 @@ class Validation:
             "predicted_batch_time_p95_s": self.interval.p95_s if self.interval else None,
             "interval_resamples": self.interval.resamples if self.interval else 0,
             "measured_in_interval": self.measured_in_interval,
+            "in_interval": self.measured_in_interval,  # the same, by the name bench/generalization.py's jobs use
             "compute_statistic": self.timeline.costs.compute_stat,
             "rank_speed": self.timeline.costs.rank_speed,
             "batch_time_error_pct": self.batch_time_error_pct,

@@ -38,6 +38,18 @@ def test_simulate_on_the_real_profile(capsys):
     assert (report["batch_time_p5_s"], report["batch_time_p95_s"]) == pytest.approx(
         (0.2259277571700878, 0.23214372876406897), rel=EXACT)
     assert report["interval_resamples"] == 200
+    # what makes it as wide as it is: each event's draws moved alone from their 5th to their 95th percentile
+    explained = report["interval_explanation"]
+    shares = {s["name"]: s["share"] for s in explained["sources"]}
+    assert len(shares) == 9 and sum(shares.values()) == pytest.approx(1.0, rel=EXACT)
+    assert shares["gpt2.block.bwd"] == pytest.approx(0.5546540596229492, rel=EXACT)
+    assert shares["gpt2.block.fwd"] == pytest.approx(0.34760584321845694, rel=EXACT)
+    assert shares["gpt2.head.fwd"] == pytest.approx(0.07061386941797997, rel=EXACT)
+    # stage 1 (its optimizer step) ends 24 ms before stage 0: off the critical path, its noise moves nothing
+    assert shares["optimizer(2x gpt2.block, gpt2.head)"] == 0.0
+    assert explained["named"] == ["gpt2.block.bwd", "gpt2.block.fwd"]  # the two that hold 75% of it
+    # the one-at-a-time swings add up to 92% of the interval's width squared: the noise mostly adds up
+    assert explained["first_order_fraction"] == pytest.approx(0.9190712760711853, rel=EXACT)
 
 
 def test_validate_on_the_real_run(capsys):
@@ -47,6 +59,7 @@ def test_validate_on_the_real_run(capsys):
     assert result["batch_time_error_pct"] == pytest.approx(-0.23219248378785626, rel=EXACT)
     assert result["replay_error_pct"] == pytest.approx(-1.9719823457559313, rel=EXACT)
     assert result["measured_in_interval"] is True  # the run's 229.4 ms lies inside 225.9 to 232.1 ms
+    assert result["in_interval"] is True  # the same, by the generalization suite's name
     assert [d["error_pct"] for d in result["devices"]] == pytest.approx([-2.8676823707926515, 2.735786994945674],
                                                                         rel=EXACT)
     assert len(result["layers"]) == 8 and len(result["measured_iteration_s"]) == 6
@@ -77,8 +90,20 @@ def test_the_terminal_report_on_the_real_profile(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == ("batch time   228.836 ms (90% interval 225.928 ms to 232.144 ms, 2.7% wide, from the "
                         "profile's samples)")
-    assert lines[4] == "memory       53.9 MB per device at most (stage 0, activations 17.3 MB)"
-    assert len(lines) <= 12
+    assert lines[2] == ("interval     2.7% wide from 9 measured events' sampling noise, gpt2.block.bwd 55% and "
+                        "gpt2.block.fwd 35% of its variance; it leaves out the machine's drift before a run and the "
+                        "model's own error")
+    assert lines[5] == "memory       53.9 MB per device at most (stage 0, activations 17.3 MB)"
+    assert len(lines) <= 13
+
+
+def test_the_validation_says_in_one_line_whether_the_run_lies_in_the_interval(capsys):
+    assert analysis_main(["validate", str(TRACE), str(PROFILE)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("in interval:")]
+    assert lines == ["in interval: yes, the measured median is inside the prediction's 90% interval, 225.928 to "
+                     "232.144 ms (2.7% wide, from the profile's samples)"]
+    assert analysis_main(["validate", str(TRACE), str(PROFILE), "--resamples", "0"]) == 0
+    assert "in interval: not known (no interval: --resamples 0" in capsys.readouterr().out
 
 
 COMM_PROFILE = DATA / "dp2pp2-profile.h5"

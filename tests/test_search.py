@@ -6,11 +6,14 @@ import json
 
 import pytest
 
+import analysis.search as search_module
 from analysis.cli import main
 from analysis.profile_reader import load_profile
-from analysis.search import pareto_front, search
+from analysis.search import CandidateResult, pareto_front, recommend, search
+from analysis.uncertainty import BatchTimeInterval
 from harness.candidates import expand
 from harness.spec import load_spec, parse_spec
+from tests.conftest import ROOT
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 
 GRID = {"tp": [1, 2], "pp": [1, 2], "micro": [1, 2], "schedule": ["gpipe", "1f1b"]}
@@ -97,7 +100,10 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
                  "--csv", str(table), "--png", str(chart), "--quiet"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("gpt2-small: 16 candidate strategies") and out[1].startswith("best: ")
-    assert out[2].startswith("training 1,000 iterations:") and "of running every candidate" in out[3]
+    # the hand-made profile's samples are exact: pp=1 runs gpipe and 1f1b alike, the same time and memory
+    assert out[2] == ("recommended: dp=4 tp=1 pp=1 1f1b micro=2 m=2, the fastest - 1 other indistinguishable from it "
+                      "(90% intervals overlap) needs no less memory and no fewer devices")
+    assert out[3].startswith("training 1,000 iterations:") and "of running every candidate" in out[4]
     assert any("13 more (--top 0" in line for line in out)
     assert main(["search", str(path), "--json", "--iterations", "1000"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -112,6 +118,15 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
     assert written.batch.micro == best["micro"] and written.strategy.schedule == best["schedule"]
     rows = list(csv.DictReader(table.open()))
     assert len(rows) == 16 and rows[0]["strategy"] == best["strategy"]
+    # the CSV says what the JSON says
+    by_label = {c["strategy"]: c for c in report["candidates"]}
+    for row in rows:
+        candidate = by_label[row["strategy"]]
+        assert row["indistinguishable_from_best"] == str(candidate["indistinguishable_from_best"])
+        assert row["recommended"] == str(candidate["recommended"])
+        assert row["batch_time_p5_s"] == ("" if candidate["batch_time_p5_s"] is None
+                                          else repr(candidate["batch_time_p5_s"]))
+    assert sum(row["recommended"] == "True" for row in rows) == 1
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -144,3 +159,105 @@ def test_a_profile_of_the_grid_costs_every_candidate(tmp_path, project_env):
     assert all(c.predicted and c.feasible and c.peak_memory_bytes > 0 for c in result.candidates)
     assert not any("activations not measured" in flag for c in result.candidates for flag in c.flags)
     assert result.profiling_cost()["fraction"] > 0
+
+
+PP2 = ROOT / "tests" / "data" / "pp2-profile.h5"
+PP2_GRID = '\n[search]\nschedule = ["gpipe", "1f1b"]\nrecompute = ["none", "full"]\n'
+
+
+def _pp2_grid(tmp_path):
+    """The committed real profile's spec (tests/data/pp2.toml) with a grid of its schedules and recompute: four
+    candidates the profile can cost."""
+    path = tmp_path / "grid.toml"
+    path.write_text((ROOT / "tests" / "data" / "pp2.toml").read_text() + PP2_GRID)
+    return path
+
+
+def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path, capsys):
+    """1F1B and GPipe are 0.8% apart, inside each other's 2.7%-wide intervals: indistinguishable, and 1F1B, the
+    fastest, also needs less memory. Recompute is 27% slower: out of reach, told apart without resampling."""
+    assert main(["search", str(PP2), "--spec", str(_pp2_grid(tmp_path)), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema_version"] == 2 and report["interval_resamples"] == 200
+    by_label = {c["strategy"]: c for c in report["candidates"]}
+    one_f_one_b, gpipe = by_label["dp=1 tp=1 pp=2 1f1b micro=2 m=4"], by_label["dp=1 tp=1 pp=2 gpipe micro=2 m=4"]
+    # the fastest's interval is the one `simulate` gives (tests/test_fixtures.py)
+    assert (one_f_one_b["batch_time_p5_s"], one_f_one_b["batch_time_p95_s"]) == pytest.approx(
+        (0.2259277571700878, 0.23214372876406897), rel=1e-9)
+    assert (gpipe["batch_time_p5_s"], gpipe["batch_time_p95_s"]) == pytest.approx(
+        (0.22786951717008783, 0.23408548876406898), rel=1e-9)
+    assert one_f_one_b["indistinguishable_from_best"] is True and gpipe["indistinguishable_from_best"] is True
+    for label in ("dp=1 tp=1 pp=2 1f1b micro=2 m=4 recompute=full", "dp=1 tp=1 pp=2 gpipe micro=2 m=4 recompute=full"):
+        slower = by_label[label]
+        assert slower["indistinguishable_from_best"] is False and slower["batch_time_p5_s"] is None
+        assert slower["batch_time_s"] > 1.25 * one_f_one_b["batch_time_s"]
+    assert [c["strategy"] for c in report["candidates"] if c["recommended"]] == [one_f_one_b["strategy"]]
+    assert report["recommendation"] == {
+        "strategy": one_f_one_b["strategy"], "fastest": one_f_one_b["strategy"],
+        "indistinguishable": [one_f_one_b["strategy"], gpipe["strategy"]], "basis": "intervals",
+        "memory_saving_fraction": 0.0, "devices_saved": 0,
+        "text": "recommended: dp=1 tp=1 pp=2 1f1b micro=2 m=4, the fastest - 1 other indistinguishable from it (90% "
+                "intervals overlap) needs no less memory and no fewer devices"}
+    assert (one_f_one_b["peak_memory_bytes"], gpipe["peak_memory_bytes"]) == (53884928, 73568272)
+
+
+def test_the_reach_holds_the_intervals_and_workers_give_the_same_ones(tmp_path, monkeypatch):
+    profile, spec = load_profile(PP2), load_spec(_pp2_grid(tmp_path), import_factory=False)
+    alone = search(profile, spec, jobs=1)
+    for c in alone.candidates[:2]:
+        low, high = c.reach_s
+        assert low < c.interval.p5_s < c.interval.p95_s < high
+    assert alone.candidates[0].reach_s == pytest.approx((0.21690820883389092, 0.24460414349457393), rel=1e-9)
+    monkeypatch.setattr(search_module, "PARALLEL_INTERVALS_FROM_S", 0.0)  # spread even these over processes
+    pooled = search(profile, spec, jobs=2)
+    assert [(c.label, c.interval, c.indistinguishable_from_best) for c in pooled.candidates] == [
+        (c.label, c.interval, c.indistinguishable_from_best) for c in alone.candidates]
+
+
+def test_without_resamples_the_search_cannot_tell_and_says_so(tmp_path, capsys):
+    assert main(["search", str(PP2), "--spec", str(_pp2_grid(tmp_path)), "--resamples", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == ("recommended: dp=1 tp=1 pp=2 1f1b micro=2 m=4, the fastest by its prediction - without "
+                      "resamples (--resamples 0) or samples the search cannot tell which others are as fast")
+    result = search(load_profile(PP2), load_spec(_pp2_grid(tmp_path), import_factory=False), jobs=1, resamples=0)
+    assert all(c.indistinguishable_from_best is None and c.interval is None for c in result.candidates)
+    assert result.recommendation.basis == "none" and result.candidates[0].recommended
+
+
+def _candidate(dp: int, pp: int, seconds: float, peak_gb: float, interval: tuple[float, float] | None,
+               reach: tuple[float, float] | None, feasible: bool = True) -> CandidateResult:
+    """A candidate as the search leaves it, built by hand: its prediction, peak memory, reach and interval."""
+    c = CandidateResult(make_spec(dp=dp, pp=pp, micro_batches=4 * pp), batch_time_s=seconds, bubble_fraction=0.1,
+                        comm_fraction=0.0, peak_memory_bytes=int(peak_gb * 1e9), feasible=feasible)
+    c.reach_s = reach
+    if interval is not None:
+        c.interval = BatchTimeInterval(interval[0], seconds, interval[1], 200)
+    return c
+
+
+def test_the_recommendation_takes_the_least_memory_among_the_indistinguishable():
+    fastest = _candidate(4, 2, 1.00, 80, (0.98, 1.03), (0.95, 1.06))
+    close = _candidate(2, 4, 1.02, 60, (1.00, 1.05), (0.97, 1.08))  # overlaps the fastest: 25% less memory
+    apart = _candidate(1, 8, 1.10, 10, (1.07, 1.13), (1.04, 1.16))  # within reach, but its interval is clear of it
+    far = _candidate(8, 1, 1.50, 5, None, (1.40, 1.60))  # out of reach: no interval needed
+    misfit = _candidate(2, 2, 0.90, 200, (0.88, 0.92), (0.85, 0.95), feasible=False)  # faster, but does not fit
+    results = [misfit, fastest, close, apart, far]
+    chosen = recommend(results)
+    assert chosen.fastest is fastest and chosen.candidate is close and chosen.basis == "intervals"
+    assert [c.indistinguishable_from_best for c in results] == [False, True, True, False, False]
+    assert [c.recommended for c in results] == [False, False, True, False, False]
+    assert chosen.memory_saving == pytest.approx(0.25) and chosen.devices_saved == 0
+    assert chosen.text() == ("recommended: dp=2 tp=1 pp=4 1f1b micro=1 m=16 - indistinguishable from the fastest, "
+                             "dp=4 tp=1 pp=2 1f1b micro=1 m=8 (90% intervals overlap; predicted 2.0% slower), 25% less "
+                             "memory per device")
+    # the same memory on fewer devices wins the tie
+    fewer = _candidate(1, 4, 1.03, 60, (1.01, 1.06), (0.98, 1.09))
+    chosen = recommend(results + [fewer])
+    assert chosen.candidate is fewer and chosen.devices_saved == 4
+    assert chosen.text().endswith("(90% intervals overlap; predicted 3.0% slower), 25% less memory per device on 4 "
+                                  "fewer devices")
+    # nothing within reach: told apart without an interval
+    alone = _candidate(4, 2, 1.00, 80, None, (0.95, 1.06))
+    chosen = recommend([alone, far])
+    assert chosen.candidate is alone and chosen.basis == "reach" and far.indistinguishable_from_best is False
+    assert recommend([misfit]) is None

@@ -8,7 +8,8 @@ import pytest
 
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
-from analysis.uncertainty import BatchTimeInterval, batch_time_interval, bootstrap_statistics
+from analysis.uncertainty import (BatchTimeInterval, batch_time_interval, bootstrap_statistics, explain_interval,
+                                  interval_of, relative_reach, resampled_batch_times)
 from harness.events import build_plan
 from harness.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
 from harness.spec import loads_spec
@@ -135,3 +136,60 @@ def test_costs_without_samples_have_no_interval():
     interval = BatchTimeInterval(1.0, 2.0, 3.0, 10)
     assert interval.to_dict()["batch_time_p95_s"] == 3.0 and interval.width == 1.0
     assert interval.contains(1.0) and interval.contains(3.0) and not interval.contains(3.01)
+
+
+def test_slices_of_the_resamples_join_up_to_the_whole():
+    """The search spreads one interval's resamples over processes: any slice holds the same batch times."""
+    plan, costs = _sampled_costs(0.1)
+    whole = resampled_batch_times(plan, costs, resamples=50)
+    parts = [resampled_batch_times(plan, costs, resamples=50, start=a, stop=a + 17) for a in (0, 17, 34)]
+    assert np.array_equal(np.concatenate(parts), whole)
+    interval = batch_time_interval(plan, costs, resamples=50)
+    assert interval_of(whole) == interval
+
+
+def test_the_reach_holds_the_interval():
+    """Every sampled duration at its own 5th (95th) percentile at once bounds the interval from below (above)."""
+    plan, costs = _sampled_costs(0.2)
+    T = simulate(plan, costs).batch_time_s
+    interval = batch_time_interval(plan, costs)
+    down, up = relative_reach(costs)
+    assert 0 < down < 0.2 and 0 < up < 0.2
+    assert T * (1 - down) < interval.p5_s and interval.p95_s < T * (1 + up)
+    cache = {}
+    assert relative_reach(costs, cache=cache) == (down, up) and len(cache) == len(costs.sampled["events"])
+    _, exact = _sampled_costs(0.0)
+    assert relative_reach(exact) == pytest.approx((0.0, 0.0), abs=1e-12)
+
+
+def test_the_explanation_names_the_event_whose_noise_makes_the_width():
+    """One event sampled with a spread, every other exactly: it holds all of the interval's variance."""
+    plan, costs = _sampled_costs(0.0)
+    noisy = next(eid for eid, e in plan.events.items() if e.name == "gpt2.block.bwd")
+    costs.sampled["events"][noisy] = SampleSet(1e-3 * (1 + 0.2 * np.random.default_rng(5).standard_normal(40)),
+                                               "mean")
+    interval = batch_time_interval(plan, costs)
+    explained = explain_interval(plan, costs, interval)
+    assert [s.name for s in explained.sources if s.share > 0] == ["gpt2.block.bwd"]
+    assert explained.sources[0].share == 1.0 and explained.named == explained.sources[:1]
+    assert explained.text() == (f"{interval.width:.1%} wide from {len(plan.events)} measured events' sampling noise, "
+                                "gpt2.block.bwd 100% of its variance; it leaves out the machine's drift before a "
+                                "run and the model's own error")
+    # its swing, from its draws' 5th to 95th percentile, is the width itself: nothing else moves
+    assert explained.sources[0].swing_s == pytest.approx(interval.p95_s - interval.p5_s, rel=0.2)
+    exact_plan, exact = _sampled_costs(0.0)
+    still = explain_interval(exact_plan, exact, batch_time_interval(exact_plan, exact))
+    assert still.text().endswith("sampling noise, which does not move the batch time")
+    assert still.first_order_fraction is None
+    assert explain_interval(plan, costs, None) is None
+
+
+def test_noise_spread_over_many_events_is_said_to_be_spread():
+    """Every event with a 10% spread: the largest two hold 69% of the variance, under the 75% that names them."""
+    plan, costs = _sampled_costs(0.1)
+    explained = explain_interval(plan, costs, batch_time_interval(plan, costs))
+    assert sum(s.share for s in explained.sources) == pytest.approx(1.0)
+    assert [s.name for s in explained.sources[:2]] == ["p2p 1KiB intra", "gpt2.block.bwd"]
+    assert sum(s.share for s in explained.sources[:2]) == pytest.approx(0.6877, abs=1e-4)
+    assert explained.named == ()
+    assert "sampling noise, spread over them (the largest, p2p 1KiB intra, 39% of its variance);" in explained.text()

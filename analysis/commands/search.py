@@ -19,7 +19,8 @@ NAME = "search"
 HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"
 CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks", "micro", "micro_batches",
                "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction", "comm_fraction",
-               "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours")
+               "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours", "batch_time_p5_s",
+               "batch_time_p95_s", "indistinguishable_from_best", "recommended")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--iterations", type=int, metavar="I", help="also the time and GPU-hours to train I iterations")
     group.add_argument("--tokens", type=float, metavar="T", help="also the time and GPU-hours to train T tokens")
     parser.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per core)")
-    add_prediction_arguments(parser, interval=False)  # the search reports no interval (yet)
+    add_prediction_arguments(parser)  # --resamples: the fastest's interval and those within reach of it
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     options = prediction_options(args)
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
                     sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
-                    rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid)
+                    rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid,
+                    resamples=options["resamples"])
     progress.close()
     written = []
     training = {"iterations": args.iterations, "tokens": args.tokens}
@@ -105,9 +107,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | None, memory_scale: float) -> tuple:
+def against_fastest(c: CandidateResult, fastest: CandidateResult | None) -> str:
+    """The table's word for a candidate against the fastest: fastest, overlaps (indistinguishable), apart, or
+    '-' (not feasible, or no intervals to tell by)."""
+    if c is fastest:
+        return "fastest"
+    if c.indistinguishable_from_best is None or not c.feasible:
+        return "-"
+    return "overlaps" if c.indistinguishable_from_best else "apart"
+
+
+def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | None, memory_scale: float,
+         fastest: CandidateResult | None) -> tuple:
     trained = c.training(iterations, tokens)
-    cells = [rank, c.label, c.batch_time_s * 1e3 if c.predicted else None, c.throughput_samples_s,
+    interval = f"{c.interval.p5_s * 1e3:.1f}-{c.interval.p95_s * 1e3:.1f}" if c.interval is not None else "-"
+    cells = [rank, c.label, c.batch_time_s * 1e3 if c.predicted else None, interval, against_fastest(c, fastest),
+             c.throughput_samples_s,
              c.throughput_tokens_s, 100 * c.bubble_fraction if c.predicted else None,
              100 * c.comm_fraction if c.predicted else None,
              c.peak_memory_bytes / memory_scale if c.peak_memory_bytes is not None else None,
@@ -120,7 +135,7 @@ def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | 
 
 def format_search(result: SearchResult, top: int = 20, iterations: int | None = None,
                   tokens: float | None = None) -> str:
-    """The answer first (the best candidate, what profiling cost), then the ranked table."""
+    """The answer first (the best candidate, the recommendation, what profiling cost), then the ranked table."""
     spec, best = result.spec, result.best
     capacity = (f"{format_bytes(result.capacity_bytes)} per device" if result.capacity_bytes
                 else "no memory limit given")
@@ -134,6 +149,8 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
                 f"{format_bytes(best.peak_memory_bytes)} per device ({best.dominant}), "
                 f"{best.speedup or float('inf'):.2f}x the slowest that fits")
         out.append(line)
+        if result.recommendation is not None:
+            out.append(result.recommendation.text())
         trained = best.training(iterations, tokens)
         if trained:
             what = f"{iterations:,} iterations" if iterations is not None else f"{tokens:,.0f} tokens"
@@ -145,12 +162,14 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
                    f"({cost['brute_force_device_s']:,.0f} device-s, the same warm-up and repeats)")
     shown = result.candidates if top == 0 else result.candidates[:top]
     unit, scale = byte_unit([c.peak_memory_bytes for c in shown])
-    headers = ["#", "strategy", "batch ms", "samples/s", "tokens/s", "bubble %", "comm %", f"peak {unit}", "fits",
-               "speed-up"]
+    headers = ["#", "strategy", "batch ms", "90% ms", "vs fastest", "samples/s", "tokens/s", "bubble %", "comm %",
+               f"peak {unit}", "fits", "speed-up"]
     if iterations is not None or tokens is not None:
         headers += ["train h", "GPU-h"]
     headers.append("note")
-    out += ["", format_table(headers, [_row(i + 1, c, iterations, tokens, scale) for i, c in enumerate(shown)])]
+    fastest = result.recommendation.fastest if result.recommendation is not None else None
+    out += ["", format_table(headers, [_row(i + 1, c, iterations, tokens, scale, fastest)
+                                       for i, c in enumerate(shown)])]
     if len(shown) < len(result.candidates):
         out.append(f"... {len(result.candidates) - len(shown)} more (--top 0 for all, --csv FILE for a spreadsheet)")
     return "\n".join(out)

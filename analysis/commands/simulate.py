@@ -10,6 +10,7 @@ from harness.output import writable, write_csv
 from analysis.devices import plot_devices, select_devices
 from analysis.predict import add_prediction_arguments, predict, prediction_options
 from analysis.report import format_report, summary
+from analysis.uncertainty import explain_interval
 
 NAME = "simulate"
 HELP = "predict one training iteration's timeline on every device from a profile (table, --json, trace, PNG)"
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
                          **prediction_options(args))
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
-    report = summary(timeline, ranks, selection, args.profile, prediction.memory, prediction.interval)
+    explanation = explain_interval(prediction.plan, prediction.costs, prediction.interval, timeline.dp_overlap)
+    report = summary(timeline, ranks, selection, args.profile, prediction.memory, prediction.interval, explanation)
     written = []
     if args.trace:
         from analysis.perfetto import write_trace
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"WARNING: {warning}", file=sys.stderr)
     else:
         print(format_report(timeline, ranks if args.devices else None, details=args.details,
-                            memory=prediction.memory, interval=prediction.interval))
+                            memory=prediction.memory, interval=prediction.interval, explanation=explanation))
     for what, path in written:
         print(f"wrote {path}: {what}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -56,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
         iv = result.interval
         where = "inside" if result.measured_in_interval else (
             "BELOW" if result.measured_batch_s < iv.p5_s else "ABOVE")
-        print(f"the measured median is {where} the prediction's 90% interval, {ms(iv.p5_s):.3f} to "
+        print(f"in interval: {'yes' if result.measured_in_interval else 'no'}, the measured median is {where} "
+              f"the prediction's 90% interval, {ms(iv.p5_s):.3f} to "
               f"{ms(iv.p95_s):.3f} ms ({iv.width:.1%} wide, from the profile's samples)")
+    else:
+        print("in interval: not known (no interval: --resamples 0, or costs without samples)")
     if result.replay_error_pct is not None and result.compute_cost_error_pct is not None:
         print(f"of the batch-time error, {result.replay_error_pct:+.1f} points are the timeline model's (the replay) "
               f"and {result.compute_cost_error_pct:+.1f} the profile's compute costs")
