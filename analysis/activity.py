@@ -348,7 +348,7 @@ def from_trace(trace) -> RunActivity:
         # a zero-bubble schedule's weight-gradient steps (W) are backward too
         phases = {"forward": of(phase == "F"), "backward": of(np.isin(phase, ["B", "W"])),
                   "optimizer": of(phase == "opt"),
-                  "dp-sync": of(np.isin(phase, ["dp", "zero"])), "tensor-parallel": tp,
+                  "dp-sync": of(np.isin(phase, ["dp", "zero", "tie"])), "tensor-parallel": tp,
                   "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}
         ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,

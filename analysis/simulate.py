@@ -22,6 +22,8 @@ Hierarchy (docs/analysis.md):
   bucket's interval holds its averaging (the division by the replica count, Costs.bucket_divide) and then
   its all-reduce; the optimizer phase ends with each bucket zeroed for the next iteration
   (Costs.bucket_zero);
+- tied embeddings (tie_embeddings, pp > 1): the first and the last device all-reduce the token table's
+  gradient between them once both are done with their buckets, blocking, and step their optimizer after it;
 
 Data-parallel replicas (but for that lag) and tensor-parallel ranks are identical, so one pipeline replica
 (pp devices holding `chunks` virtual stages each) is simulated step by step, with each step's events
@@ -95,7 +97,7 @@ def transfer_name(transfer: Transfer, verb: str) -> str:
 
 
 class BucketRecord(NamedTuple):
-    """One data-parallel gradient bucket all-reduce of a virtual stage."""
+    """One data-parallel gradient bucket all-reduce of a virtual stage (or, index -1, its tied embedding's)."""
 
     virtual_stage: int
     index: int
@@ -217,6 +219,9 @@ class PipelineDevice:
     replica_window_s: float = 0.0  # the compute span whose speed the lag is taken over (first step to last)
     # the host's posts of sends after steps (Costs.send_post): communication on the device's compute track
     posts: list[Post] = field(default_factory=list)
+    # tie_embeddings with pp > 1, on the first and the last device: the token table's gradient all-reduce
+    # between the two, once both have their gradients (their backward and buckets done), before the optimizer
+    tie: BucketRecord | None = None
 
     @property
     def end_s(self) -> float:
@@ -495,6 +500,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
                                        optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0),
                                        lag(compute_end), window, schedule.posts[d]))
+    _tie_embeddings(plan, costs, pipeline)
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
         device.usage = _usage(device, per_stage, batch_time, m)
@@ -526,6 +532,22 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     return lag, window
 
 
+def _tie_embeddings(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
+    """tie_embeddings with pp > 1: the first and the last device all-reduce the token table's gradient once both
+    are ready for their optimizer step (as harness train and Megatron-LM do, after the data-parallel buckets);
+    both step their optimizer after it."""
+    tie = plan.stages[0].tie
+    if not tie:
+        return
+    ends = (pipeline[0], 0), (pipeline[-1], len(plan.stages) - 1)
+    start = max(device.optimizer_start_s for device, _ in ends)
+    end = start + costs.seconds(tie)
+    for device, vs in ends:
+        device.tie = BucketRecord(vs, -1, tie, plan.events[tie].bytes, device.optimizer_start_s, start, end)
+        device.optimizer_end_s += end - device.optimizer_start_s
+        device.optimizer_start_s = end
+
+
 def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: float,
            micro_batches: int) -> Usage:
     compute = tp_comm = 0.0
@@ -538,7 +560,7 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
     compute += device.optimizer_end_s - device.optimizer_start_s
     busy.append((device.optimizer_start_s, device.optimizer_end_s))
     asynchronous = spans([(t.start_s, t.end_s) for t in device.sends + device.receives]
-                         + [(b.start_s, b.end_s) for b in device.buckets]
+                         + [(b.start_s, b.end_s) for b in device.buckets + ([device.tie] if device.tie else [])]
                          + [(p.start_s, p.end_s) for p in device.posts])
     hidden = (asynchronous & spans(busy)).length
     exposed = tp_comm + asynchronous.length - hidden
@@ -652,6 +674,10 @@ class Timeline:
             out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,
                                 f"dp {plan.events[b.event].name} bucket {b.index} s{b.virtual_stage}",
                                 b.virtual_stage, -1, -1))
+        if device.tie:
+            b = device.tie
+            out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,
+                                f"tie {plan.events[b.event].name} s{b.virtual_stage}", b.virtual_stage, -1, -1))
         t = device.optimizer_start_s
         for chunk in range(self.spec.strategy.chunks):
             vs = chunk * self.spec.strategy.pp + stage

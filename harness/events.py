@@ -186,6 +186,9 @@ class StageProgram:
     # the stage's all-reduces over its tp group by the name harness.models.tp gives them (tp.allreduce, a
     # vocabulary-parallel head's tp.loss_max and tp.loss_sums): what harness train records each as
     tp_events: dict[str, str] = field(default_factory=dict)
+    # tie_embeddings with pp > 1: on the first and the last virtual stage, the all-reduce of the token table's
+    # gradient between the two copies (Megatron-LM's embedding group), after the iteration's backward and buckets
+    tie: str | None = None
 
     def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
         """The items of micro-batch `micro`'s forward step and their layers."""
@@ -378,6 +381,13 @@ class EventPlan:
             if o_id:
                 self.multiplicity[o_id] += devices_per_stage
                 self.stages[pp_i].optimizer.append(o_id)
+        if spec.model.tie_embeddings and s.pp > 1:
+            shards = s.tp if s.vocab_sharded else 1
+            pairs = self._placements([self.rank_of(d, t, 0), self.rank_of(d, t, s.pp - 1)]
+                                     for d in range(s.dp) for t in range(s.tp))
+            tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * dtype_bytes, 2, pairs,
+                                   1, "tied embedding pairs")
+            self.stages[0].tie = self.stages[-1].tie = tie
         for vs in range(s.virtual_stages - 1):
             # What crosses the boundary: the sending stage's last output (hidden for the built-ins).
             features = stages[vs][-1].out_features or (spec.model.hidden,)
@@ -501,7 +511,7 @@ class EventPlan:
 
         phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
         a backward step, recompute = "full"), W (a split backward's weight gradients), send/recv (P2P),
-        dp (gradient all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
+        dp (gradient all-reduce), tie (the tied embedding's gradient all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
         """
         s = self.spec.strategy
         if not 0 <= rank < s.world:
@@ -535,6 +545,10 @@ class EventPlan:
                                 yield bucket.event, "dp", vs, step.micro
                 if program.send_backward:
                     yield program.send_backward, "send", vs, step.micro
+        for chunk in range(s.chunks):
+            vs = virtual_stage(chunk, pp_i, s.pp)
+            if self.stages[vs].tie:
+                yield self.stages[vs].tie, "tie", vs, -1
         for chunk in range(s.chunks):
             for eid in self.stages[virtual_stage(chunk, pp_i, s.pp)].optimizer:
                 yield eid, "opt", virtual_stage(chunk, pp_i, s.pp), -1

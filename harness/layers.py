@@ -88,14 +88,16 @@ def embedding_params(model: ModelSpec, shards: int = 1) -> int:
     return v * h + model.seq_len * h
 
 
-def head_params(model: ModelSpec, shards: int = 1) -> int:
-    """A head's parameters, its projection (and BERT's decoder bias) split by vocabulary over `shards`."""
+def head_params(model: ModelSpec, shards: int = 1, tied: bool = False) -> int:
+    """A head's parameters, its projection (and BERT's decoder bias) split by vocabulary over `shards`; `tied`:
+    its projection is the embedding's token table, counted there."""
     h, v = model.hidden, model.vocab // shards
+    projection = 0 if tied else v * h
     if model.family == "llama":
-        return h + v * h  # RMSNorm, untied lm head without bias
+        return h + projection  # RMSNorm, lm head without bias
     if model.family == "bert":
-        return h * h + h + 2 * h + v * h + v  # transform, LayerNorm, decoder
-    return 2 * h + v * h  # final LayerNorm, untied lm head without bias
+        return h * h + h + 2 * h + projection + v  # transform, LayerNorm, decoder
+    return 2 * h + projection  # final LayerNorm, lm head without bias
 
 
 # A vocabulary-parallel layer's all-reduces (LayerDesc.tp_forward, tp_backward): hidden-sized ones (the
@@ -105,13 +107,14 @@ HIDDEN_ALLREDUCE = "tp.allreduce"
 LOSS_MAX, LOSS_SUMS = "tp.loss_max", "tp.loss_sums"
 
 
-def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False) -> list[LayerDesc]:
+def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1) -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
     embedding and the head are split by vocabulary as Megatron-LM's VocabParallelEmbedding, its
     column-parallel output layer and vocab_parallel_cross_entropy (their all-reduces in tp_forward and
-    tp_backward), else replicated.
+    tp_backward), else replicated. With tie_embeddings on one pipeline stage (pp = 1) the head's projection is
+    the embedding's token table (the head "tied", its parameters without it); on several each keeps a copy.
     """
     h, ffn = model.hidden, model.ffn
     shards = tp if vocab_parallel and tp > 1 else 1
@@ -136,8 +139,9 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False) ->
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
                           + sharded, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
                           out_features=(h,), tp_forward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
-    head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded,
-                     params=head_params(model, shards),
+    tied = model.tie_embeddings and pp == 1
+    head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied,
+                     params=head_params(model, shards, tied),
                      fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
                      out_features=(), tp_forward=((LOSS_MAX, 4, "float32"), (LOSS_SUMS, 8, "float32")) * bool(sharded),
                      tp_backward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
@@ -156,7 +160,7 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
 
             user_layers = describe_user_model(spec)
         return user_layers
-    return describe_builtin(spec.model, spec.strategy.tp, spec.strategy.vocab_parallel)
+    return describe_builtin(spec.model, spec.strategy.tp, spec.strategy.vocab_parallel, spec.strategy.pp)
 
 
 def recomputed(layer: LayerDesc) -> bool:

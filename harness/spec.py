@@ -39,7 +39,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 _SECTIONS = {
     "spec_version": None,
-    "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype"},
+    "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
+              "tie_embeddings"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel"},
@@ -66,6 +67,9 @@ class ModelSpec:
     vocab: int
     dtype: str = "float32"
     factory: str | None = None
+    # the head's projection is the embedding's token table: one weight on one device, or with the two on
+    # different pipeline stages a copy on each, their gradients all-reduced between them (Megatron-LM)
+    tie_embeddings: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -427,13 +431,17 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
     for key in ("hidden", "ffn"):
         ints[key] = _int(merged, key, "model", minimum=0 if merged["family"] == "user" else 1)
     dtype = _choice(m, "dtype", "model", "float32", tuple(DTYPES))
+    tie = _flag(m, "tie_embeddings", "model", False)
+    if tie and merged["family"] == "user":
+        raise SpecError("a factory model ties its own weights; tie_embeddings is for the built-in models",
+                        field="model.tie_embeddings")
     if merged["family"] != "user":
         if ints["hidden"] % ints["heads"]:
             raise SpecError(f"hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})", field="model.hidden")
         if ints["heads"] % ints["kv_heads"]:
             raise SpecError(f"heads ({ints['heads']}) must be divisible by kv_heads ({ints['kv_heads']})",
                             field="model.kv_heads")
-    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, **ints)
+    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie, **ints)
 
 
 def _parse_search(s: dict) -> SearchSpec:
@@ -519,6 +527,12 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     if strategy.zero and strategy.tp > 1:
         raise SpecError(f"zero = {strategy.zero} with tensor parallelism (tp > 1) is not built (FSDP over "
                         "tensor-parallel shards); set tp = 1 or zero = 0", field="strategy.zero")
+    if model.tie_embeddings and strategy.zero:
+        raise SpecError(f"tie_embeddings with zero = {strategy.zero} is not built (FSDP2 units sharing a weight); "
+                        "set zero = 0, or tie_embeddings = false", field="model.tie_embeddings")
+    if model.tie_embeddings and strategy.split_backward:
+        raise SpecError(f"tie_embeddings with {schedule} is not built (a split backward of a shared weight); use "
+                        "schedule = '1f1b', or tie_embeddings = false", field="model.tie_embeddings")
     if schedule not in INTERLEAVED and chunks != 1:
         raise SpecError(f"chunks = {chunks} needs an interleaved schedule ({' or '.join(INTERLEAVED)}); "
                         f"{schedule} runs one chunk per device", field="strategy.chunks")

@@ -45,9 +45,13 @@ def shared_dir(tmp_path):
     _lazy_barrier(comm)
 
 
-def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, factory: bool = False, **kwargs) -> str:
-    """tests.helpers.tiny_spec_text with the strategy's dp_overlap, the model's kv_heads, or a factory model."""
+def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, factory: bool = False,
+              tie: bool = False, **kwargs) -> str:
+    """tests.helpers.tiny_spec_text with the strategy's dp_overlap, the model's kv_heads or tie_embeddings, or a
+    factory model."""
     text = tiny_spec_text(**kwargs)
+    if tie:
+        text = text.replace("[model]\n", "[model]\ntie_embeddings = true\n", 1)
     if factory:
         text = text.replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
     if kv_heads is not None:
@@ -118,6 +122,11 @@ CONFIGS = {
                            dict(factory=True, dp=n // 2, pp=2, layers=4, micro=1, global_batch=2 * (n // 2)), {}),
     "dp-tp-pp": (lambda n: None if n % 4 else
                  dict(dp=2, tp=2, pp=n // 4, layers=2 * (n // 4), micro=1, global_batch=4), {}),
+    # tie_embeddings: one token table on one stage (its gradient accumulated twice before its bucket goes), or a
+    # copy on the first and the last stage whose gradients are all-reduced between them
+    "tied-dp": (lambda n: {**_dp(n), "tie": True}, {}),
+    "tied-pp": (lambda n: {**_pp(n, "1f1b"), "tie": True}, {"layer_times": True}),
+    "tied-tp-pp": (lambda n: None if n % 4 else {**_tp(2), "pp": n // 2, "layers": n // 2, "tie": True}, {}),
 }
 ITERATIONS = 3
 STALLED_IDLE_PCT = 80.0  # trace.h5's idle share here: 6-10%, 21-26% with both cores busy elsewhere
@@ -157,7 +166,8 @@ def _check_trace(spec, trace, options):
         check_layer_rows(spec, trace)
     else:
         assert all(device.layers is None for device in trace.devices.values())
-    flow_phase = {"F": "tp", "R": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt"}
+    flow_phase = {"F": "tp", "R": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt",
+                  "tie": "tie"}
     # The clock uncertainty between two ranks (zero on one host with a shared clock).
     rtt = trace.clock["rtt_s"]
     same = trace.clock["method"]
@@ -175,7 +185,7 @@ def _check_trace(spec, trace, options):
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
         assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter"}
-        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "dp", "opt", "zero"}
+        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "dp", "opt", "zero", "tie"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)

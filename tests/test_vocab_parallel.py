@@ -176,3 +176,71 @@ def test_shards_loss_and_gradients_match_the_whole_layers(name):
                 torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=1e-7, msg=param_name)
     finally:
         destroy_process_group()
+
+
+# ---- tie_embeddings: the head's projection is the embedding's token table ----------------------------------------
+TIE = "tie_embeddings = true\n"
+
+
+def test_a_tied_head_on_the_embeddings_stage_holds_no_projection_of_its_own():
+    tied, untied = build_plan(_spec(tp=2, extra=TIE)), build_plan(_spec(tp=2))
+    assert dict(tied.layers[-1].signature)["tied"] is True
+    assert tied.layers[-1].params == untied.layers[-1].params - VOCAB // 2 * HIDDEN
+    assert not any(program.tie for program in tied.stages)
+    from analysis.memory import estimate_memory
+
+    saved = untied.layers[-1].params * 4
+    saved -= tied.layers[-1].params * 4
+    (one_weight,), (two,) = estimate_memory(tied, {}).stages, estimate_memory(untied, {}).stages
+    assert (two.weights - one_weight.weights, two.gradients - one_weight.gradients) == (saved, saved)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), (2, 2, 1), (1, 4, 2), (2, 4, 2)])
+def test_the_tied_copies_on_the_first_and_last_stage_all_reduce_their_gradients(tp, pp, dp):
+    spec = loads_spec(tiny_spec_text(tp=tp, pp=pp, dp=dp, layers=pp, hidden=HIDDEN, heads=4, ffn=64, seq=SEQ,
+                                     vocab=VOCAB, micro=MICRO, global_batch=4 * MICRO * dp)
+                      .replace("[model]\n", f"[model]\n{TIE}"))
+    plan = build_plan(spec)
+    tie = plan.events[plan.stages[0].tie]
+    assert plan.stages[-1].tie == tie.id and not any(p.tie for p in plan.stages[1:-1])
+    assert (tie.kind, tie.bytes, tie.group_size) == ("allreduce", VOCAB // tp * HIDDEN * 4, 2)
+    assert plan.multiplicity[tie.id] == dp * tp  # one call per pair of ends, once an iteration
+    assert "tied" not in dict(plan.layers[-1].signature)  # each end keeps its copy
+    for rank in range(spec.strategy.world):
+        phases = [phase for _, phase, _, _ in plan.device_flow(rank)]
+        stage = plan.coords(rank)[2]
+        if stage in (0, pp - 1):
+            assert phases.count("tie") == 1 and phases.index("tie") == phases.index("opt") - 1
+        else:
+            assert "tie" not in phases
+
+
+def test_the_tie_waits_for_both_ends_and_delays_their_optimizer():
+    """pp = 2: both devices' optimizer steps start after the tie's all-reduce, which starts once the later of
+    the two is done with its backward."""
+    from analysis.costs import Costs
+    from analysis.simulate import simulate
+
+    plain, tied = (build_plan(_spec(pp=2, extra=extra)) for extra in ("", TIE))
+    timelines = []
+    for plan in (plain, tied):
+        seconds = {eid: {"compute": 1e-3, "p2p": 1e-4}.get(e.kind, 5e-3) for eid, e in plan.events.items()}
+        timelines.append(simulate(plan, Costs.from_seconds(plan, seconds)))
+    before, after = timelines
+    first, last = after.pipeline
+    assert first.tie.start_s == last.tie.start_s == pytest.approx(max(d.optimizer_start_s for d in before.pipeline))
+    assert first.optimizer_start_s == last.optimizer_start_s == pytest.approx(first.tie.end_s)
+    assert first.tie.end_s - first.tie.start_s == pytest.approx(5e-3)
+    assert after.batch_time_s == pytest.approx(before.batch_time_s + 5e-3)
+    assert any(i.name.startswith("tie allreduce") for i in after.intervals(0))
+
+
+@pytest.mark.parametrize("strategy, words", [
+    (dict(dp=2, zero=1), "tie_embeddings with zero = 1 is not built"),
+    (dict(pp=2, schedule="zb-h1"), "tie_embeddings with zb-h1 is not built")])
+def test_ties_that_are_not_built_are_refused(strategy, words):
+    text = tiny_spec_text(layers=2, global_batch=8, **strategy).replace("[model]\n", f"[model]\n{TIE}")
+    with pytest.raises(SpecError, match=words):
+        loads_spec(text)
+    with pytest.raises(SpecError, match="a factory model ties its own weights"):
+        loads_spec(text.replace('name = "gpt2-small"', 'factory = "tests.user_model:build"'))

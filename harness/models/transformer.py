@@ -143,9 +143,10 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy. With tp > 1 the
     projection holds shard `tp_index`'s vocab / tp outputs, its input's gradient is all-reduced over `group`
-    (copy_to_tp) and the loss is vocabulary-parallel."""
+    (copy_to_tp) and the loss is vocabulary-parallel. `tied`: the projection's weight is not the head's own
+    parameter but a buffer (a stand-in of its shape until `tie` makes it the embedding's token table)."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, tied: bool = False):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         h = model.hidden
@@ -164,6 +165,14 @@ class Head(nn.Module):
         else:
             self.norm = nn.LayerNorm(h, dtype=dtype)
             self.out = nn.Linear(h, vocab, bias=False, dtype=dtype)
+        if tied:
+            self.tie(self.out.weight.detach().requires_grad_())
+
+    def tie(self, weight: torch.Tensor) -> None:
+        """Make `weight` (the embedding's token table, or its shard) the projection's, held but not owned."""
+        self.out._parameters.pop("weight", None)
+        self.out._buffers["weight"] = weight
+        self.out._non_persistent_buffers_set.add("weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "bert":
@@ -183,13 +192,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0) -> nn.Module:
+def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0,
+                tied: bool = False) -> nn.Module:
     """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
-    embedding's or head's by vocabulary)."""
+    embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie)."""
     if kind == "embedding":
         return Embedding(model, tp, group, tp_index)
     if kind == "block":
         return TransformerBlock(model, tp, group)
     if kind == "head":
-        return Head(model, tp, group, tp_index)
+        return Head(model, tp, group, tp_index, tied)
     raise ValueError(f"unknown layer kind {kind!r}")

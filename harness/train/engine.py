@@ -53,7 +53,7 @@ MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps
 ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "W": "distsim:backward.weight",
                "tp": "distsim:allreduce.tp",
                "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
-               "opt": "distsim:optimizer", "zero": "distsim:zero.bucket"}
+               "opt": "distsim:optimizer", "zero": "distsim:zero.bucket", "tie": "distsim:allreduce.tie"}
 
 
 class MpiAllreduce:
@@ -231,11 +231,13 @@ class PipelineEngine:
 
     def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
                  modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None,
+                 tie_group=None,
                  lr: float = 1e-3, timeout_s: float = 600.0, recorder: Recorder | None = None,
                  layer_times: bool = False, dp_comm=None, annotate: bool = False):
         """`layer_times`: also time every layer of every step (recorder.layer_rows). `dp_comm`: an mpi4py
         communicator of this rank's data-parallel group, which then all-reduces the buckets instead of
-        torch.distributed. `annotate`: mark every recorded interval for torch.profiler (ANNOTATIONS)."""
+        torch.distributed. `annotate`: mark every recorded interval for torch.profiler (ANNOTATIONS).
+        `tie_group`: tie_embeddings with pp > 1, this rank and the other end of its pipeline (first, last stage)."""
         self.spec, self.plan, self.rank, self.device = spec, plan, rank, device
         s = spec.strategy
         self.dp, self.tp, self.pp, self.chunks = s.dp, s.tp, s.pp, s.chunks
@@ -243,7 +245,7 @@ class PipelineEngine:
         self.last_vs = s.virtual_stages - 1
         self.dp_i, self.tp_i, self.pp_i = plan.coords(rank)
         self.overlap = s.dp_overlap
-        self.tp_group, self.dp_group = tp_group, dp_group
+        self.tp_group, self.dp_group, self.tie_group = tp_group, dp_group, tie_group
         self.dp_comm = dp_comm
         self.annotate = annotate
         self.p2p_groups = p2p_groups or {}
@@ -703,6 +705,21 @@ class PipelineEngine:
                 self.rec.add(pending.start_ns, pending.end_ns, blocked, "allreduce", f"dp.bucket{bucket.index}",
                              "dp", bucket.event_id, vs, self.m - 1)
 
+    def _all_reduce_tied(self) -> None:
+        """tie_embeddings with pp > 1: the first stage's token table and the last stage's copy of it sum their
+        gradients (each replica's already averaged over dp), so that both take the same optimizer step."""
+        for vs in self.local_vs:
+            event = self.plan.stages[vs].tie
+            if not event:
+                continue
+            module = self.stage_modules[vs][0 if vs == 0 else -1]
+            weight = module.tokens.weight if vs == 0 else module.out.weight
+            start = self.now()
+            with self._annotated("tie"):
+                dist.all_reduce(weight.grad, group=self.tie_group)
+            end = self.now()
+            self.rec.add(start, end, end - start, "allreduce", "tie.allreduce", "tie", event, vs, -1)
+
     def _optimizer_steps(self) -> None:
         if self.optimizer is not None:
             start = self.now()
@@ -739,6 +756,7 @@ class PipelineEngine:
                 else:
                     self._backward(vs, step.micro)
             self._finish_data_parallel()
+            self._all_reduce_tied()
             self._optimizer_steps()
             self._reap_sends(block=True)
         finally:

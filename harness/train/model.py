@@ -55,21 +55,28 @@ def shard_tensor(name: str, full: torch.Tensor, model: ModelSpec, tp: int, tp_in
     return full  # replicated: norms, row-parallel biases
 
 
-def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int) -> nn.Module:
-    """A whole (tp = 1) built-in layer, initialised from its own seed; the global RNG is left untouched."""
+def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int, tied: bool = False) -> nn.Module:
+    """A whole (tp = 1) built-in layer, initialised from its own seed; the global RNG is left untouched. With
+    tie_embeddings a head that keeps a copy of the token table (`tied` false: another pipeline stage holds the
+    embedding) starts from the embedding's weights, as Megatron-LM initializes it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, position))
-        return build_layer(model, kind, 1, None)
+        layer = build_layer(model, kind, 1, None, tied=tied)
+    if kind == "head" and model.tie_embeddings and not tied:
+        with torch.no_grad():
+            layer.out.weight.copy_(build_full_layer(model, "embedding", seed, 0).tokens.weight)
+    return layer
 
 
-def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group) -> nn.Module:
+def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group,
+                tied: bool = False) -> nn.Module:
     """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
-    Megatron shard, an embedding's or head's by vocabulary)."""
-    full = build_full_layer(model, kind, seed, position)
+    Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding."""
+    full = build_full_layer(model, kind, seed, position, tied)
     if tp == 1:
         return full
     with torch.random.fork_rng(devices=[]):
-        shard = build_layer(model, kind, tp, group, tp_index)
+        shard = build_layer(model, kind, tp, group, tp_index, tied)
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, param in shard.named_parameters():
@@ -93,7 +100,8 @@ def build_user_layers(model: ModelSpec, seed: int) -> list[nn.Module]:
 def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence[int], seed: int, tp_index: int = 0,
                  group=None, device: torch.device | str = "cpu", whole: bool = False) -> dict[int, nn.Module]:
     """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`
-    (`whole`: the unsharded layers, whatever the spec's tp)."""
+    (`whole`: the unsharded layers, whatever the spec's tp); a tied head among them holds the embedding's token
+    table (tie_embeddings on one pipeline stage)."""
     out: dict[int, nn.Module] = {}
     if spec.model.family == "user":
         every = build_user_layers(spec.model, seed)
@@ -101,9 +109,12 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
             out[position] = every[position].to(device)
         return out
     for position in positions:
-        layer = layers[position]
-        shards = 1 if whole else int(dict(layer.signature).get("tp", 1))  # a replicated embedding or head: 1
-        out[position] = build_shard(spec.model, layer.kind, seed, position, shards, tp_index, group).to(device)
+        signature = dict(layers[position].signature)
+        shards = 1 if whole else int(signature.get("tp", 1))  # a replicated embedding or head: 1
+        out[position] = build_shard(spec.model, layers[position].kind, seed, position, shards, tp_index, group,
+                                    tied=bool(signature.get("tied", False))).to(device)
+        if signature.get("tied"):
+            out[position].tie(out[0].tokens.weight)  # the embedding: a tied head is on its stage
     return out
 
 
@@ -157,6 +168,8 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
         layers = build_plan(spec).layers
     modules = build_layers(spec, layers, range(len(layers)), seed, whole=True)
     ordered = [modules[i] for i in range(len(layers))]
+    if spec.model.tie_embeddings:  # one weight, whichever stages the parallel run puts the two on
+        ordered[-1].tie(ordered[0].tokens.weight)
     optimizer = torch.optim.Adam([p for m in ordered for p in m.parameters()], lr=lr)  # one, as harness train
     dp, m = spec.strategy.dp, spec.micro_batches
     losses = []

@@ -146,7 +146,10 @@ def _make_groups(plan, p2p_channels: bool):
                         if key not in p2p_groups:
                             p2p_groups[key] = dist.new_group([a, b])
         p2p_groups = {k: g for k, g in p2p_groups.items() if rank in k[1:]}
-    return tp_group, dp_group, p2p_groups
+    # tie_embeddings, pp > 1: the first and the last stage of each (dp, tp) coordinate (Megatron's embedding group)
+    tie_group = mine([plan.rank_of(d, t, 0), plan.rank_of(d, t, s.pp - 1)] for d in range(s.dp)
+                     for t in range(s.tp)) if plan.stages[0].tie else None
+    return tp_group, dp_group, p2p_groups, tie_group
 
 
 def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
@@ -211,14 +214,15 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         s = spec.strategy
         dp_i, tp_i, pp_i = plan.coords(rank)
         channels = backend == "nccl" if p2p_channels is None else p2p_channels
-        tp_group, dp_group, p2p_groups = _make_groups(plan, channels)
+        tp_group, dp_group, p2p_groups, tie_group = _make_groups(plan, channels)
         # mpi4py: the same data-parallel groups as MPI communicators (every rank splits, collectively)
         dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i) if dp_backend == "mpi4py" and s.dp > 1 else None
         positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
         modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev)
         recorder = Recorder()
         engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
-                                dp_group=dp_group, p2p_groups=p2p_groups, lr=lr, timeout_s=timeout,
+                                dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group, lr=lr,
+                                timeout_s=timeout,
                                 recorder=recorder, layer_times=layer_times, dp_comm=dp_comm,
                                 annotate=torch_profiler is not None)
         first_sync = sync_clocks(comm, clock_samples)
