@@ -26,7 +26,7 @@ hidden = 12288
 heads = 96
 ffn = 49152
 seq_len = 2048
-vocab = 50257
+vocab = 51200             # GPT-3 padded for tp = 8 as Megatron-LM pads it (a multiple of 128 x tp)
 [batch]
 global = 16384
 micro = 1

@@ -33,7 +33,7 @@ from bench.synthetic import write_synthetic_profile  # noqa: E402
 
 SPEC = {
     "model": {"name": "gpt2-xl", "layers": 96, "hidden": 12288, "heads": 96, "ffn": 49152, "seq_len": 2048,
-              "vocab": 50257, "dtype": "bfloat16"},
+              "vocab": 51200, "dtype": "bfloat16"},
     "batch": {"global": 16384, "micro": 1},
     "strategy": {"dp": 256, "tp": 8, "pp": 8, "schedule": "1f1b", "dp_overlap": True},
     "cluster": {"nodes": 2048, "gpus_per_node": 8},

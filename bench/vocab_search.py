@@ -19,16 +19,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = """
-[model]
-name = "gpt2-small"
-layers = 4
-hidden = 256
-heads = 8
-ffn = 1024
-seq_len = 64
-vocab = 16384
-[batch]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy import MODEL  # noqa: E402  (the accuracy bench's model, at a shorter sequence, a larger vocabulary)
+
+JOB = MODEL.replace("seq_len = 128", "seq_len = 64").replace("vocab = 2048", "vocab = 16384") + """[batch]
 global = 16
 micro = 1
 [strategy]
