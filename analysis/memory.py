@@ -12,7 +12,8 @@
   stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
   backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
   interleaved 1F1B as it interleaves); with recompute = "full" a recomputed layer (harness.layers.recomputed)
-  keeps only its input (torch.utils.checkpoint), and the backward of a micro-batch re-makes one layer's
+  keeps only its input (torch.utils.checkpoint; a factory model's last layer also what the loss after it, outside
+  the checkpoint, saves: loss_saved_bytes), and the backward of a micro-batch re-makes one layer's
   saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
 - pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
   back (from its end until the send completes);
@@ -152,6 +153,13 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     return spec.model.dtype_bytes * states, 0
 
 
+def loss_saved_bytes(spec: JobSpec) -> int:
+    """What the loss saves for its backward, beside the last layer's output: the float32 log-probabilities of
+    a micro-batch's whole logits and its int64 targets (torch's cross_entropy, harness.models.transformer)."""
+    tokens = spec.batch.micro * spec.model.seq_len
+    return tokens * spec.model.vocab * LOSS_BYTES + tokens * 8
+
+
 def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, str]]:
     """A built-in layer's backward moments as (temporaries, freed, when): what its backward holds then beyond its
     saved activations and its output's gradient, what of its own saved activations it has let go of by then, and
@@ -253,6 +261,10 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             shard = -(-plan.layers[index].params // s.dp) * dtype
             if s.recompute == "full" and recomputed(plan.layers[index]):
                 kept_input = input_bytes(spec, plan.layers, index)
+                if index == len(plan.layers) - 1:
+                    # a factory model's last layer: the loss after it, outside the checkpoint, keeps its own
+                    loss = loss_saved_bytes(spec)
+                    kept_input, layer_saves = kept_input + loss, max(0, layer_saves - loss)
                 saved += kept_input
                 largest = max(largest, layer_saves)
                 again += 1

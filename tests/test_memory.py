@@ -132,13 +132,18 @@ def test_a_split_backward_frees_every_saved_activation_after_its_weight_step():
         assert all(p.grad is not None for p in layers.parameters()) and x.grad is not None
 
 
-@pytest.mark.parametrize("recompute,schedule", [("none", "gpipe"), ("full", "gpipe"), ("none", "zb-h1")])
-def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, schedule):
+@pytest.mark.parametrize("recompute,schedule,factory", [("none", "gpipe", False), ("full", "gpipe", False),
+                                                        ("none", "zb-h1", False), ("full", "gpipe", True)])
+def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, schedule, factory):
     """Profile and train one pipeline job on 2 ranks: each stage's predicted peak is within 1% of what the run
-    held (the model and the run count the same parts; tests/README: docs/analysis.md, Memory)."""
+    held (the model and the run count the same parts; tests/README: docs/analysis.md, Memory). A factory
+    model's last layer is recomputed too, and the loss after it keeps its log-probabilities (once 12% short
+    here); within 2%, as the model knows nothing of a factory layer's backward (here one b s h, 1.1%, held as
+    a backward's moment)."""
     spec = tmp_path / "job.toml"
-    spec.write_text(tiny_spec_text(layers=4, hidden=64, heads=4, ffn=256, seq=32, vocab=256, pp=2, global_batch=8,
-                                   micro=2, schedule=schedule, warmup=1, repeats=2, recompute=recompute))
+    text = tiny_spec_text(layers=4, hidden=64, heads=4, ffn=256, seq=32, vocab=1024 if factory else 256, pp=2,
+                          global_batch=8, micro=2, schedule=schedule, warmup=1, repeats=2, recompute=recompute)
+    spec.write_text(text.replace('name = "gpt2-small"', 'factory = "tests.user_model:build"') if factory else text)
     profiled = mpirun_harness(2, ["profile", str(spec), "-o", str(tmp_path / "out"), "--quiet"], project_env)
     assert profiled.returncode == 0, profiled.stderr
     trained = mpirun_harness(2, ["train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3"], project_env)
@@ -152,6 +157,6 @@ def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, sche
     result = validate(read_trace(tmp_path / "run"), load_profile(tmp_path / "out"))
     assert len(result.memory) == 2
     for row in result.memory:
-        assert abs(row["error_pct"]) < 1.0, row
+        assert abs(row["error_pct"]) < (2.0 if factory else 1.0), row
         assert row["measured_parts"]["weights"] == row["predicted_parts"]["weights"]
     assert main(["validate", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
