@@ -174,6 +174,15 @@ class Head(nn.Module):
         self.out._buffers["weight"] = weight
         self.out._non_persistent_buffers_set.add("weight")
 
+    def _apply(self, fn, recurse=True):
+        """Moved or cast, a tied head's stand-in weight stays a leaf of its own (a copy made by `.to()` would
+        send its gradient back to where it was); the embedding's own weight, once tied, is left as it is."""
+        out = super()._apply(fn, recurse)
+        weight = self.out.weight
+        if "weight" in self.out._buffers and not isinstance(weight, nn.Parameter) and weight.grad_fn is not None:
+            self.out._buffers["weight"] = weight.detach().requires_grad_()
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "bert":
             x = F.gelu(self.transform(x))
