@@ -4,7 +4,8 @@
 - weights: its layers' parameters (per tensor-parallel shard; the embedding and head split by vocabulary, or
   whole with vocab_parallel = false) x dtype bytes;
 - gradients: as many, in the weights' dtype (data-parallel buckets are views of them, as DDP's
-  gradient_as_bucket_view and harness train make them: nothing more);
+  gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets, else
+  each chunk's once its first backward (a split backward's W) has made them;
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
   in fp32 with master weights, which add an fp32 copy of the weights;
 - activations: what a micro-batch's forward saves for its backward, the sum of its layers' `activation_bytes`
@@ -38,7 +39,7 @@
   every such input until the backward ends (temporaries); gradients are held from the first backward (they
   are freed with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
-optimizer state, activations in flight, and the gradients once a backward has made them, or from the start
+optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all from the start
 with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
 micro-batch's activations; its worst moment, with the temporaries) and after it (its activations freed, its
 gradients made, both buffers held).
@@ -297,11 +298,19 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             optimizer = shard * (state + master)
             weights = own + (params * dtype if s.zero < 3 else 0)
             gradients = params * dtype if s.zero == 1 else shard * dtype
-        live, in_flight, gradients_live = 0, 0, s.dp > 1 and not s.zero
+        # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
+        # backward (a split backward's W) has made them
+        chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}
+        made: set[int] = set(local) if s.dp > 1 and not s.zero else set()
+
+        def gradients_made() -> int:
+            return gradients * sum(chunk_params[vs] for vs in made) // max(1, params)
+
+        live, in_flight = 0, 0
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
         best = (-1, 0, 0, 0, 0, 0, 0, 0)  # (total, weights, gradients, activations, pipeline, in flight, re-made,
         # temporaries)
-        # (gradients live?, activations, buffers, in flight, re-made, temporaries, weights and gradients beyond
+        # (gradients made, activations, buffers, in flight, re-made, temporaries, weights and gradients beyond
         # the stage's between-layer count) at each moment of the schedule
         points = []
         for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
@@ -309,40 +318,40 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_live, live, kept_buffers, in_flight, 0, 0, 0, 0))
+                points.append((gradients_made(), live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
                 if vs == 0:  # the first stage's W runs its whole backward
                     extra, temporaries, again, more_weights, more_gradients = worst[vs]
-                    points.append((gradients_live, live + extra, kept_buffers, in_flight, again, temporaries,
+                    points.append((gradients_made(), live + extra, kept_buffers, in_flight, again, temporaries,
                                    more_weights, more_gradients))
                 live -= held[vs] + kept[vs] - let_go[vs]
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
-                gradients_live = True
-                points.append((True, live, kept_buffers, in_flight, 0, 0, 0, 0))
+                made.add(vs)
+                points.append((gradients_made(), live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_live, live, received + kept_buffers, in_flight, 0, 0, 0, 0))
+            points.append((gradients_made(), live, received + kept_buffers, in_flight, 0, 0, 0, 0))
             if not s.split_backward or vs:  # a split backward's B of the first stage does nothing
                 moment = worst_last[vs] if step.micro == spec.micro_batches - 1 else worst[vs]
                 extra, temporaries, again, more_weights, more_gradients = moment
-                points.append((gradients_live, live + extra, received + kept_buffers, in_flight, again, temporaries,
+                points.append((gradients_made(), live + extra, received + kept_buffers, in_flight, again, temporaries,
                                more_weights, more_gradients))
             if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
                 live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
                 kept_buffers += waiting[vs]
-                points.append((gradients_live, live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
+                points.append((gradients_made(), live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
                 live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]
             in_flight -= 1
-            gradients_live = True
-            points.append((True, live, received + sent, in_flight, 0, 0, 0, 0))
+            made.add(vs)
+            points.append((gradients_made(), live, received + sent, in_flight, 0, 0, 0, 0))
         metered = 0
-        for grads_live, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
-            grads = (gradients if grads_live else 0) + more_gradients
+        for grads_made, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
+            grads = grads_made + more_gradients
             total = weights + more_weights + optimizer + grads + act + buffers + temporaries
             metered = max(metered, total - again - temporaries)
             if total > best[0]:

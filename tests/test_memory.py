@@ -132,17 +132,22 @@ def test_a_split_backward_frees_every_saved_activation_after_its_weight_step():
         assert all(p.grad is not None for p in layers.parameters()) and x.grad is not None
 
 
-@pytest.mark.parametrize("recompute,schedule,factory", [("none", "gpipe", False), ("full", "gpipe", False),
-                                                        ("none", "zb-h1", False), ("full", "gpipe", True)])
-def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, schedule, factory):
+@pytest.mark.parametrize("recompute,schedule,factory,micro_batches", [
+    ("none", "gpipe", False, 4), ("full", "gpipe", False, 4), ("none", "zb-h1", False, 4), ("full", "gpipe", True, 4),
+    ("none", "interleaved-zb", True, 1)])
+def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, schedule, factory, micro_batches):
     """Profile and train one pipeline job on 2 ranks: each stage's predicted peak is within 1% of what the run
     held (the model and the run count the same parts; tests/README: docs/analysis.md, Memory). A factory
     model's last layer is recomputed too, and the loss after it keeps its log-probabilities (once 12% short
     here); within 2%, as the model knows nothing of a factory layer's backward (here one b s h, 1.1%, held as
-    a backward's moment)."""
+    a backward's moment). A device's gradients are counted chunk by chunk as their backward makes them: one
+    micro-batch of interleaved-zb once had both chunks' counted from the first W (the suite's job: 6.6% over,
+    now 0.4%); here within the issue's 3%, as the first stage's W makes its token table's gradient while its
+    output and received gradient are still held, a moment the model leaves out (2.4%)."""
     spec = tmp_path / "job.toml"
     text = tiny_spec_text(layers=4, hidden=64, heads=4, ffn=256, seq=32, vocab=1024 if factory else 256, pp=2,
-                          global_batch=8, micro=2, schedule=schedule, warmup=1, repeats=2, recompute=recompute)
+                          global_batch=2 * micro_batches, micro=2, schedule=schedule, warmup=1, repeats=2,
+                          recompute=recompute)
     spec.write_text(text.replace('name = "gpt2-small"', 'factory = "tests.user_model:build"') if factory else text)
     profiled = mpirun_harness(2, ["profile", str(spec), "-o", str(tmp_path / "out"), "--quiet"], project_env)
     assert profiled.returncode == 0, profiled.stderr
@@ -157,6 +162,6 @@ def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, sche
     result = validate(read_trace(tmp_path / "run"), load_profile(tmp_path / "out"))
     assert len(result.memory) == 2
     for row in result.memory:
-        assert abs(row["error_pct"]) < (2.0 if factory else 1.0), row
+        assert abs(row["error_pct"]) < (1.0 if not factory else 2.0 if micro_batches > 1 else 3.0), row
         assert row["measured_parts"]["weights"] == row["predicted_parts"]["weights"]
     assert main(["validate", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
