@@ -39,8 +39,8 @@
   every such input until the backward ends (temporaries); gradients are held from the first backward (they
   are freed with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
-optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all from the start
-with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
+optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
+from the start with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
 micro-batch's activations; its worst moment, with the temporaries) and after it (its activations freed, its
 gradients made, both buffers held).
 """
