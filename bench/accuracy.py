@@ -84,7 +84,8 @@ def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micr
               zero: int = 0, changes: dict | None = None, *, repeats: int) -> str:
     changes = changes or {}
     model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}")
-    vocab_parallel = f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes else ""
+    vocab_parallel = (f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes
+                      else "")
     return (model + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
             f"zero = {zero}\n{vocab_parallel}"

@@ -90,7 +90,8 @@ def main() -> int:
         rows.append({"strategy": label, "tp": old["tp"],
                      "before_ms": 1e3 * old["batch_time_s"], "after_ms": 1e3 * new["batch_time_s"],
                      "time_change_pct": 100 * (new["batch_time_s"] / old["batch_time_s"] - 1),
-                     "before_memory_mb": old["peak_memory_bytes"] / 1e6, "after_memory_mb": new["peak_memory_bytes"] / 1e6,
+                     "before_memory_mb": old["peak_memory_bytes"] / 1e6,
+                     "after_memory_mb": new["peak_memory_bytes"] / 1e6,
                      "memory_change_pct": 100 * (new["peak_memory_bytes"] / old["peak_memory_bytes"] - 1),
                      "fits_before": old["feasible"], "fits_after": new["feasible"]})
     best = {layout: next((c["strategy"] for c in searches[layout]["candidates"] if c["feasible"]), None)

@@ -511,7 +511,8 @@ class EventPlan:
 
         phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
         a backward step, recompute = "full"), W (a split backward's weight gradients), send/recv (P2P),
-        dp (gradient all-reduce), tie (the tied embedding's gradient all-reduce) or opt (optimizer). Receives are listed where the device waits for them.
+        dp (gradient all-reduce), tie (the tied embedding's gradient all-reduce) or opt (optimizer).
+        Receives are listed where the device waits for them.
         """
         s = self.spec.strategy
         if not 0 <= rank < s.world:

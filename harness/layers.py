@@ -138,7 +138,8 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     hidden_bytes = h * model.dtype_bytes
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
                           + sharded, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
-                          out_features=(h,), tp_forward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
+                          out_features=(h,),
+                          tp_forward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
     tied = model.tie_embeddings and pp == 1
     head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied,
                      params=head_params(model, shards, tied),
