@@ -244,6 +244,11 @@ class SearchResult:
     def best(self) -> CandidateResult | None:
         return next((c for c in self.candidates if c.feasible), None)
 
+    @property
+    def to_run(self) -> CandidateResult | None:
+        """The candidate to run (what --write-spec writes): the recommendation's, else the best."""
+        return self.recommendation.candidate if self.recommendation is not None else self.best
+
     def profiling_cost(self) -> dict[str, float] | None:
         """What profiling held its devices for (its wall time x its ranks, as bench/profile_scaling.py counts it)
         against running every predicted candidate for real with the same warm-up and repeats (each candidate's

@@ -9,7 +9,7 @@ import pytest
 import analysis.search as search_module
 from analysis.cli import main
 from analysis.profile_reader import load_profile
-from analysis.search import CandidateResult, pareto_front, recommend, search
+from analysis.search import CandidateResult, SearchResult, pareto_front, recommend, search
 from analysis.uncertainty import BatchTimeInterval
 from harness.candidates import expand
 from harness.spec import load_spec, parse_spec
@@ -244,6 +244,9 @@ def test_the_recommendation_takes_the_least_memory_among_the_indistinguishable()
     results = [misfit, fastest, close, apart, far]
     chosen = recommend(results)
     assert chosen.fastest is fastest and chosen.candidate is close and chosen.basis == "intervals"
+    # what --write-spec writes
+    assert SearchResult(None, None, results, [], None, recommendation=chosen).to_run is close
+    assert SearchResult(None, None, results, [], None).to_run is fastest
     assert [c.indistinguishable_from_best for c in results] == [False, True, True, False, False]
     assert [c.recommended for c in results] == [False, False, True, False, False]
     assert chosen.memory_saving == pytest.approx(0.25) and chosen.devices_saved == 0

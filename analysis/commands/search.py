@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
-    parser.add_argument("--write-spec", metavar="BEST.toml", help="write the best candidate as a runnable spec")
+    parser.add_argument("--write-spec", metavar="BEST.toml",
+                        help="write the recommended candidate (the fastest, or among those the search cannot tell "
+                             "from it the least memory) as a runnable spec")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -82,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
         from analysis.plot import write_search_chart
 
         written.append(("chart", writable(args.png, lambda: write_search_chart(args.png, result))))
-    best = result.best
+    best = result.to_run
     if args.write_spec and best is not None:
         from pathlib import Path
 
-        header = (f"The best candidate of `python -m analysis search {args.profile}`: {best.label}, predicted "
-                  f"{format_seconds(best.batch_time_s)} per iteration.")
+        header = (f"The recommended candidate of `python -m analysis search {args.profile}`: {best.label}, "
+                  f"predicted {format_seconds(best.batch_time_s)} per iteration.")
+        if result.recommendation is not None and best is not result.recommendation.fastest:
+            header += "\n" + result.recommendation.text
         path = Path(args.write_spec)
 
         def write_spec() -> Path:
