@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import MODEL  # noqa: E402  (the accuracy bench's model, at a shorter sequence, a larger vocabulary)
+from accuracy import MODEL, run  # noqa: E402  (the accuracy bench's model, at a shorter sequence, a larger vocabulary)
 
 JOB = MODEL.replace("seq_len = 128", "seq_len = 64").replace("vocab = 2048", "vocab = 16384") + """[batch]
 global = 16
@@ -45,13 +44,6 @@ micro = [1, 2]
 schedule = ["1f1b"]
 """
 MEMORY_GB = 0.1  # per device: a whole head's weights, gradients and Adam states (67 MB) do not leave room for much
-
-
-def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
-    if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(args)}\n{result.stderr[-3000:]}")
-    return result
 
 
 def profile_and_search(workdir: Path, vocab_parallel: bool, env: dict) -> dict:
