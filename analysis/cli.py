@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from harness.subcommands import build_parser, run_cli
 
-SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "breakdown", "scaling")
+SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "network", "breakdown", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:

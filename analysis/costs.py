@@ -12,10 +12,12 @@ with their reasons, are in docs/analysis.md ("Where durations come from"):
   compute statistic of their samples, else the rate of the largest all-reduce that has them;
 - communication not measured at its size: interpolated on the measured points of its kind, placement and
   group size (`CommCurve`: straight lines between neighbouring sizes on log-log axes) where they bracket its
-  size; else (beyond them, or at a group size or placement not measured) an alpha-beta (ring) model fitted
-  to the measured points of its kind and placement (`fit_alpha_beta`; `_choose_fit` for the fallbacks),
-  marked extrapolated; a collective benchmark's points (`extra_points`, analysis.collectives) join the
-  profile's;
+  size; else (beyond them, or at a group size or placement not measured) the network model
+  (analysis.network): the spec's `[[cluster.network]]`, or tiers calibrated from the profile's own points
+  (alpha-beta fits per kind and placement, `fit_alpha_beta`), costing the collective by NCCL's algorithms or
+  the profiling backend's ring over where its group lies, marked extrapolated; a collective benchmark's
+  points (`extra_points`, analysis.collectives) join the profile's; a what-if network (`network_only`) costs
+  every communication event by the model;
 - data-parallel replica skew (dp > 1): analysis.skew.
 """
 from __future__ import annotations
@@ -29,14 +31,17 @@ import numpy as np
 from harness.errors import UserError
 from harness.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
 
+from harness.spec import JobSpec
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
 
+from analysis.network import NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import MeasuredEvent, Profile
 from analysis.skew import ReplicaSkew, replica_skew
 
 PLACEMENTS = (INTRA, INTER)
 MEASURED, INTERPOLATED, FITTED, UNAVAILABLE, GIVEN = "measured", "interpolated", "fit", "unavailable", "given"
+MODELLED = "network"  # costed by the network model (analysis.network)
 CommPoints = Mapping[tuple[str, str], Iterable[tuple[float, int, float]]]  # (kind, placement) -> (bytes, group, s)
 
 
@@ -50,7 +55,9 @@ def comm_features(kind: str, nbytes: float, group: int) -> tuple[float, float]:
         return 2.0 * (group - 1), 2.0 * (group - 1) / group * float(nbytes)
     if kind in ("allgather", "reducescatter"):  # ring: n - 1 steps, each moving a rank's share of the array
         return float(group - 1), (group - 1) / group * float(nbytes)
-    raise ValueError(f"no communication model for kind {kind!r}; known: {', '.join(COMM_KINDS)}")
+    if kind == "alltoall":  # every pair at once (analysis.network): one hop, all shares but a rank's own
+        return 1.0, (group - 1) / group * float(nbytes)
+    raise ValueError(f"no communication model for kind {kind!r}; known: {', '.join(COMM_KINDS)}, alltoall")
 
 
 @dataclass(frozen=True)
@@ -198,13 +205,13 @@ class EventCost:
     name: str
     kind: str
     seconds: float
-    source: str  # measured | fit | unavailable (costed 0) | given
+    source: str  # measured | interpolated | network | fit | unavailable (costed 0) | given
     fit: tuple[str, str] | None = None  # (kind, placement) of the fit used
     note: str = ""
 
     @property
     def extrapolated(self) -> bool:
-        return self.source in (FITTED, UNAVAILABLE)
+        return self.source in (FITTED, MODELLED, UNAVAILABLE)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "kind": self.kind, "seconds": self.seconds, "source": self.source,
@@ -248,6 +255,8 @@ class Costs:
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
     # how well the communication curves hold between measured sizes (held_out_checks; filled by analysis.predict)
     held_out: list["HeldOutCheck"] = field(default_factory=list)
+    # what costs communication beyond the measured curves (the spec's network or one calibrated from the profile)
+    network: NetworkModel | None = None
 
     def seconds(self, eid: str) -> float:
         return self.events[eid].seconds
@@ -380,15 +389,59 @@ def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]])
     return per_rank[rank] if 0 <= rank < len(per_rank) else 1.0
 
 
+def network_for(spec: JobSpec, profile: Profile, points: CommPoints | None = None,
+                fits: Mapping[tuple[str, str], CommFit] | None = None) -> NetworkModel | None:
+    """The target's network: the spec's `[[cluster.network]]`, else tiers calibrated from the profile's points
+    (a node of the spec's gpus_per_node, then every device); None when the profile measured no communication."""
+    cluster = spec.cluster
+    if points is None:
+        points = measured_comm_points(profile)
+    if fits is None:
+        fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(points.items())}
+    if cluster.network:
+        return spec_network(cluster.network)
+    backend = str(profile.environment.get("backend", ""))
+    return calibrated_network(points, cluster.gpus_per_node, cluster.devices, "nccl" if "nccl" in backend else backend,
+                              profile.path.name, lambda kind, placement, _: fits[(kind, placement)])
+
+
+def what_if_network(spec: JobSpec, profile: Profile, what_if: str, points: CommPoints | None = None,
+                    fits: Mapping[tuple[str, str], CommFit] | None = None) -> NetworkModel:
+    """The network of `--network`: another spec's `[[cluster.network]]` (a TOML path), or 'TIER.FIELD=VALUE,...'
+    changes to `spec`'s network (network_for's); UserError when it is neither or breaks a tier's rule."""
+    from pathlib import Path
+
+    from harness.network import check_tiers, parse_overrides
+    from harness.spec import load_spec
+
+    devices = spec.cluster.devices
+    if what_if.endswith(".toml") or Path(what_if).is_file():
+        other = load_spec(what_if, import_factory=False)
+        if not other.cluster.network:
+            raise UserError(f"--network {what_if}: that spec has no [[cluster.network]] to take the tiers from")
+        check_tiers(other.cluster.network, devices, f"--network {what_if} for {devices} GPUs")
+        return NetworkModel(other.cluster.network, origin=f"what-if {what_if}")
+    overrides = parse_overrides(what_if)
+    base = network_for(spec, profile, points, fits)
+    if base is None:
+        raise UserError(f"--network {what_if}: {profile.path.name} measured no communication, so it has no network "
+                        "to change; give a spec with [[cluster.network]] instead")
+    return base.with_overrides(overrides, devices)
+
+
 def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
-                   rank_speed: bool = True, extra_points: CommPoints | None = None) -> Costs:
+                   rank_speed: bool = True, extra_points: CommPoints | None = None,
+                   network: NetworkModel | None = None, network_only: bool = False,
+                   what_if: str | None = None) -> Costs:
     """The duration of every event of `plan` from `profile` (rules in the module docstring).
 
     Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
     is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
     `rank_speed`: refer each compute event to the profiling ranks' mean speed (where the profile has the probe).
     `extra_points`: more communication points (a collective benchmark's), interpolated and fitted with the
-    profile's.
+    profile's. `network`: the network model beyond the measured curves (default: network_for's); with
+    `network_only` (a what-if network) every communication event comes from it. `what_if`: --network's text
+    (what_if_network), which sets both.
     """
     _check_statistic(compute_stat)
 
@@ -404,8 +457,11 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     for key, extra in (extra_points or {}).items():
         points[key] = list(points.get(key, [])) + list(extra)
     fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(points.items())}
+    if what_if:
+        network, network_only = what_if_network(plan.spec, profile, what_if, points, fits), True
+    network = network or network_for(plan.spec, profile, points, fits)
     costs = Costs(events={}, fits=fits, curves=comm_curves(points), compute_stat=compute_stat,
-                  rank_speed=rank_speed_factors(profile) if rank_speed else {})
+                  rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network)
     # tensor-parallel shards also measured with their all-reduces, as composites
     composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
                   and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
@@ -413,6 +469,9 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     no_comm_events: list[str] = []
     uncorrected: list[str] = []  # compute events from a profiling run without a probe, where others have one
     for eid, event in plan.events.items():
+        if network_only and network is not None and event.kind in COMM_KINDS:
+            costs.events[eid] = _modelled(plan, eid, network, "what-if network; ")
+            continue
         if measured(eid):
             measurement = profile.measurements[eid]
             seconds = representative_seconds(measurement, compute_stat)
@@ -444,6 +503,10 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                 note=f"interpolated between the {human_bytes(low)} and {human_bytes(high)} measured{bare}")
             continue
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
+        if network is not None:
+            cost = _modelled(plan, eid, network, bare.removeprefix("; ") + "; " if bare else "")
+            costs.events[eid] = cost
+            continue
         fit, note = _choose_fit(fits, event.kind, event.placement or INTER)
         if fit is None:
             costs.events[eid] = EventCost(eid, event.name, event.kind, 0.0, UNAVAILABLE,
@@ -485,6 +548,42 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             costs.warnings.append(f"the {kind} {placement} fit misses its measured points by up to "
                                   f"{fit.max_rel_error:.0%}; its extrapolations are uncertain")
     return costs
+
+
+def communication_by_tier(plan: EventPlan, costs: Costs) -> dict[str, float]:
+    """Each network tier's share of an iteration's communication time, summed over every device (an event's
+    seconds x its count), by the outermost tier its group crosses; without a network model, by placement."""
+    from harness.network import group_span
+
+    seconds: dict[str, float] = {}
+    tiers = costs.network.tiers if costs.network is not None else None
+    for eid, event in plan.events.items():
+        if event.kind not in COMM_KINDS or eid not in costs.events:
+            continue
+        if tiers is not None:
+            ranks = plan.group_ranks.get(eid) or tuple(range(event.group_size))
+            name = tiers[group_span(ranks, tiers).crossing].name
+        else:
+            name = event.placement or INTER
+        seconds[name] = seconds.get(name, 0.0) + costs.seconds(eid) * plan.multiplicity[eid]
+    total = sum(seconds.values())
+    order = [t.name for t in tiers] if tiers is not None else list(PLACEMENTS)
+    return {name: seconds[name] / total for name in order if name in seconds} if total > 0 else {}
+
+
+def _modelled(plan: EventPlan, eid: str, network: NetworkModel, prefix: str = "") -> EventCost:
+    """An event costed by the network model, its note naming the algorithm, protocol and tiers."""
+    event = plan.events[eid]
+    op = "sendrecv" if event.kind == "p2p" else event.kind
+    ranks = plan.group_ranks.get(eid) or tuple(range(event.group_size))
+    estimate = network.estimate_group(op, float(event.bytes), ranks)
+    fit = network.link_fits.get((event.kind, estimate.span.crossing))
+    borrowed = ""
+    if fit is not None and fit != (event.kind, network.tiers[estimate.span.crossing].name):
+        borrowed = (f"; no {event.kind} measured {network.tiers[estimate.span.crossing].name}: the {fit[0]} {fit[1]} "
+                    "fit's link" + (" (the same link alpha and beta)" if fit[0] != event.kind else ""))
+    return EventCost(eid, event.name, event.kind, estimate.seconds, MODELLED, fit,
+                     f"{prefix}network model ({network.origin}): {estimate.describe(network.tiers)}{borrowed}")
 
 
 def _sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None:

@@ -131,15 +131,21 @@ def write_gantt(path: str | Path, timeline: Timeline, ranks: Sequence[int], note
     return save(fig, path)
 
 
-def write_search_chart(path: str | Path, result) -> Path:
+def write_search_chart(path: str | Path, result, iterations: int | None = None, tokens: float | None = None) -> Path:
     """Throughput against peak memory per device, one point per predicted candidate (filled where it fits),
-    the feasible Pareto front joined, the memory limit as a line, the best candidate named."""
+    the feasible Pareto front joined, the memory limit as a line, the best candidate named; where the grid
+    has several device counts, beside it the booking curve (booking_panel)."""
     from harness.output import byte_unit
 
-    from analysis.search import pareto_front
+    from analysis.search import best_per_gpu_count, pareto_front
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 6))
+    per_count = best_per_gpu_count(result.candidates)
+    if len(per_count) > 1:
+        fig, (ax, booking) = plt.subplots(1, 2, figsize=(16, 6))
+        booking_panel(booking, per_count, iterations, tokens)
+    else:
+        fig, ax = plt.subplots(figsize=(10, 6))
     predicted = [c for c in result.candidates if c.predicted]
     unit, GB = byte_unit([c.peak_memory_bytes for c in predicted] + [result.capacity_bytes or 0])
     for feasible, marker in ((True, "o"), (False, "x")):
@@ -165,3 +171,30 @@ def write_search_chart(path: str | Path, result) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return save(fig, path)
+
+
+def booking_panel(ax, per_count, iterations: int | None, tokens: float | None) -> None:
+    """The curve an operator books from: the fastest feasible candidate per device count, its time to train
+    (or, without --iterations/--tokens, its batch time) and GPU-hours (GPU-seconds per iteration) on a second
+    axis, each point named by its strategy."""
+    counts = sorted(per_count)
+    best = [per_count[n] for n in counts]
+    if iterations is not None or tokens is not None:
+        trained = [c.training(iterations, tokens) for c in best]
+        times, cost = [t[0] / 3600 for t in trained], [t[1] for t in trained]
+        time_label, cost_label = "time to train (h)", "GPU-hours"
+    else:
+        times = [c.batch_time_s * 1e3 for c in best]
+        cost = [c.batch_time_s * c.spec.strategy.world for c in best]
+        time_label, cost_label = "batch time (ms)", "GPU-seconds per iteration"
+    ax.plot(counts, times, marker="o", color="#4C72B0", label=time_label)
+    for n, t, c in zip(counts, times, best):
+        ax.annotate(c.label, (n, t), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("devices")
+    ax.set_ylabel(time_label, color="#4C72B0")
+    twin = ax.twinx()
+    twin.plot(counts, cost, marker="s", color="#DD8452", label=cost_label)
+    twin.set_ylabel(cost_label, color="#DD8452")
+    ax.set_title("the fastest candidate that fits, per device count", fontsize=10)
+    ax.grid(linestyle=":", linewidth=0.5)

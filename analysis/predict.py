@@ -32,11 +32,14 @@ class Prediction:
 
 def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, strategy: str | None = None,
             dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True,
-            resamples: int = DEFAULT_RESAMPLES, collectives: Sequence[str | Path] = ()) -> Prediction:
+            resamples: int = DEFAULT_RESAMPLES, collectives: Sequence[str | Path] = (),
+            network: str | None = None) -> Prediction:
     """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
     (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs),
     simulate one iteration and, with `resamples`, the batch time's interval. dp_overlap None follows the spec.
     `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication.
+    `network`: a what-if network (--network: a spec's [[cluster.network]] or TIER.FIELD=VALUE changes) that
+    costs every communication event.
     Raises UserError on bad input."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
@@ -49,7 +52,7 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
         extra = profile_points(load(collectives), str(profile.environment.get("backend", "?")),
                                str(profile.environment.get("device", "?")), profile.path.name)
     costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
-                           compute_stat=compute_stat, rank_speed=rank_speed, extra_points=extra)
+                           compute_stat=compute_stat, rank_speed=rank_speed, extra_points=extra, what_if=network)
     costs.held_out = held_out_checks(profile, extra)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
                       estimate_memory(plan, activation_bytes(profile), released_bytes(profile)),
@@ -72,6 +75,14 @@ def add_prediction_arguments(parser: argparse.ArgumentParser, interval: bool = T
     parser.add_argument("--resamples", type=_resamples, default=DEFAULT_RESAMPLES, metavar="N",
                         help="bootstrap resamples of the profile's samples for the batch time's 90%% interval "
                              f"(default {DEFAULT_RESAMPLES}; 0: no interval)")
+
+
+def add_network_argument(parser: argparse.ArgumentParser) -> None:
+    """--network: the what-if network of simulate and search."""
+    parser.add_argument("--network", metavar="TIER.FIELD=VALUE,...|SPEC",
+                        help="what-if: cost all communication on a changed network (e.g. inter.bandwidth_gbs=100; "
+                             "the tiers are the spec's [[cluster.network]], else intra and inter calibrated from the "
+                             "profile) or on another spec's [[cluster.network]]")
 
 
 def _resamples(text: str) -> int:

@@ -76,6 +76,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "interpolated": [c.to_dict() for c in costs.interpolated],
         "comm_held_out": [c.to_dict() for c in costs.held_out],
         "unmeasured": list(costs.unmeasured),
+        "network": costs.network.to_dict() if costs.network is not None else None,
         "fits": [{**fit.to_dict(), "mean_rel_error": finite(fit.mean_rel_error),
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
         "p2p_sender_busy_extra": [{"id": eid, "name": timeline.plan.events[eid].name, "extra_s": extra}
@@ -173,7 +174,9 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
     extrapolated, interpolated = costs.extrapolated, costs.interpolated
     if (extrapolated or interpolated) and not details:
         parts = [f"{len(interpolated)} interpolated between measured sizes"] if interpolated else []
-        parts += [f"{len(extrapolated)} costed by a fit"] if extrapolated else []
+        modelled = sum(c.source == "network" for c in extrapolated)
+        parts += [f"{modelled} by the network model ({costs.network.origin})"] if modelled else []
+        parts += [f"{len(extrapolated) - modelled} costed by a fit"] if len(extrapolated) > modelled else []
         out += ["", f"{len(extrapolated) + len(interpolated)} communication event(s) the profile did not measure "
                     f"at their size: {', '.join(parts)} (--details)"]
     if details:

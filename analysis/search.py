@@ -33,7 +33,7 @@ from harness.errors import UserError
 from harness.events import build_plan
 from harness.spec import JobSpec
 
-from analysis.costs import estimate_costs
+from analysis.costs import communication_by_tier, estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for
 from analysis.simulate import simulate
@@ -55,6 +55,7 @@ class CandidateResult:
     batch_time_s: float | None = None
     bubble_fraction: float | None = None
     comm_fraction: float | None = None  # device time communicating while not computing (mean over devices)
+    comm_by_tier: dict[str, float] = field(default_factory=dict)  # analysis.costs.communication_by_tier
     peak_memory_bytes: int | None = None
     peak_stage: int | None = None
     dominant: str | None = None  # the memory part that holds the most on the largest device
@@ -103,7 +104,8 @@ class CandidateResult:
                "micro_batches": self.spec.micro_batches,
                "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,
                "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
-               "comm_fraction": self.comm_fraction, "peak_memory_bytes": self.peak_memory_bytes,
+               "comm_fraction": self.comm_fraction, "comm_by_tier": self.comm_by_tier,
+               "peak_memory_bytes": self.peak_memory_bytes,
                "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
                "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "speedup": self.speedup,
                "batch_time_p5_s": self.interval.p5_s if self.interval else None,
@@ -113,6 +115,16 @@ class CandidateResult:
         if trained is not None:
             out["train_s"], out["gpu_hours"] = trained
         return out
+
+
+def best_per_gpu_count(candidates: Sequence[CandidateResult]) -> dict[int, CandidateResult]:
+    """Device count -> its fastest feasible candidate (the booking curve)."""
+    best: dict[int, CandidateResult] = {}
+    for c in candidates:
+        n = c.spec.strategy.world
+        if c.feasible and c.batch_time_s is not None and (n not in best or c.batch_time_s < best[n].batch_time_s):
+            best[n] = c
+    return best
 
 
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -315,6 +327,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.bubble_fraction = timeline.bubble_fraction
     result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
                             if T > 0 else 0.0)
+    result.comm_by_tier = communication_by_tier(plan, costs)
     try:
         memory = estimate_memory(plan, activations, _SHARED["released"])
     except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
@@ -331,8 +344,8 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
         result.reach_s = (T * (1 - down), T * (1 + up))
     if costs.extrapolated:
         names = sorted({c.name for c in costs.extrapolated})
-        result.flags.append(f"{len(costs.extrapolated)} communication event(s) from fits ({', '.join(names[:2])}"
-                            + (", ..." if len(names) > 2 else "") + ")")
+        result.flags.append(f"{len(costs.extrapolated)} communication event(s) from the network model "
+                            f"({', '.join(names[:2])}" + (", ..." if len(names) > 2 else "") + ")")
     tp = spec.strategy.tp
     if tp > 1 and any(e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd") and eid not in costs.composites
                       for eid, e in plan.events.items() if e.content.get("signature", {}).get("tp") == tp):
@@ -348,13 +361,14 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
            capacity_bytes: float | None = None, sort: str = "time", dp_overlap: bool | None = None,
            compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
            progress: Callable[[int], None] | None = None, grid: Grid | None = None,
-           resamples: int = DEFAULT_RESAMPLES) -> SearchResult:
+           resamples: int = DEFAULT_RESAMPLES, network: str | None = None) -> SearchResult:
     """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`,
     then tell the fastest from those it cannot be told apart from and recommend one (module docstring).
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
     processes (default: one per core); `progress(n)`: called as candidates complete; `grid`: the grid when
     the caller has expanded it already (harness.candidates.expand(spec, gpus)); `resamples`: the intervals'
-    bootstrap resamples (0: no intervals, the fastest recommended)."""
+    bootstrap resamples (0: no intervals, the fastest recommended); `network`: a what-if network for every
+    candidate (analysis.costs.what_if_network)."""
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
     spec = spec or profile.spec
@@ -365,7 +379,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     grid = grid if grid is not None else expand(spec, gpus)
     _SHARED.update(profile=profile, activations=activation_bytes(profile), released=released_bytes(profile),
                    capacity=capacity_bytes,
-                   options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed},
+                   options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed, "what_if": network},
                             "dp_overlap": dp_overlap, "resamples": max(0, resamples)})
     _REACH.clear()
     _COSTED.clear()

@@ -26,22 +26,26 @@ sys.path.insert(0, str(ROOT))
 FIT_MEAN_GOAL, FIT_MAX_GOAL, HELD_OUT_GOAL = 0.05, 0.10, 0.05
 
 
-def run_benchmarks(ranks: list[int], backends: list[str], end: str, iters: int, folder: Path) -> list[Path]:
+def run_collectives(n: int, backend: str, out: Path, end: str, iters: int, begin: str = "8", factor: int = 4,
+                    ops: str | None = None, ranks_per_node: int | None = None) -> Path:
+    """`harness collectives` on n ranks into `out` (nodes emulated with `ranks_per_node`); exits on failure."""
     mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    files = []
-    for n in ranks:
-        for backend in backends:
-            out = folder / f"{backend}-{n}.h5"
-            command = [mpirun, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "harness", "collectives",
-                       "--backend", backend, "-b", "8", "-e", end, "-f", "4", "--iters", str(iters), "-o", str(out),
-                       "--quiet"]
-            print(f"# {' '.join(command[1:3])} harness collectives --backend {backend} -e {end}", flush=True)
-            result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-            if result.returncode != 0:
-                sys.exit(f"harness collectives failed:\n{result.stderr[-3000:]}")
-            files.append(out)
-    return files
+    if ranks_per_node:
+        env["DISTSIM_EMULATE_RANKS_PER_NODE"] = str(ranks_per_node)
+    command = [mpirun, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "harness", "collectives",
+               "--backend", backend, "-b", begin, "-e", end, "-f", str(factor), "--iters", str(iters), "-o", str(out),
+               "--quiet"] + (["--ops", ops] if ops else [])
+    nodes = f" ({n // ranks_per_node} emulated node(s) of {ranks_per_node})" if ranks_per_node else ""
+    print(f"# {' '.join(command[1:3])} harness collectives --backend {backend} -b {begin} -e {end}{nodes}", flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"harness collectives failed:\n{result.stderr[-3000:]}")
+    return out
+
+
+def run_benchmarks(ranks: list[int], backends: list[str], end: str, iters: int, folder: Path) -> list[Path]:
+    return [run_collectives(n, backend, folder / f"{backend}-{n}.h5", end, iters) for n in ranks for backend in backends]
 
 
 def report_benchmarks(files: list[Path]) -> None:

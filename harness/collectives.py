@@ -30,7 +30,7 @@ GROUPS = ("all", "intra", "inter")
 ELEMENT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4}
 # the profile's kinds of communication that a benchmark operation measures too (analysis.costs)
 PROFILE_KINDS = {"allreduce": "allreduce", "allgather": "allgather", "reducescatter": "reducescatter",
-                 "sendrecv": "p2p"}
+                 "sendrecv": "p2p", "alltoall": "alltoall"}
 GB = 1e9
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -203,6 +203,15 @@ class StageProgram:
         return self.backward, self.backward_layers, self.backward_again or [False] * len(self.backward)
 
 
+class GroupPlacements(Counter):
+    """How many groups of one kind lie within a node (INTRA) or across nodes (INTER), and one group's ranks of
+    each (`examples`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examples: dict[str, tuple[int, ...]] = {}
+
+
 class EventPlan:
     """The unique events of one iteration, their multiplicities and the per-stage programs."""
 
@@ -212,6 +221,8 @@ class EventPlan:
         self.events: dict[str, Event] = {}
         self.multiplicity: Counter[str] = Counter()
         self.placement_mixed: list[str] = []
+        # communication event id -> the ranks of one group that runs it (where it lies on a network's tiers)
+        self.group_ranks: dict[str, tuple[int, ...]] = {}
         self._build()
 
     # ---- construction -------------------------------------------------------------------------
@@ -236,14 +247,17 @@ class EventPlan:
         s = self.spec.strategy
         return (rank // s.tp) % s.dp, rank % s.tp, rank // (s.tp * s.dp)
 
-    def _placements(self, groups: Iterator[list[int]]) -> Counter[str]:
-        counts: Counter[str] = Counter()
+    def _placements(self, groups: Iterator[list[int]]) -> "GroupPlacements":
+        counts = GroupPlacements()
         for ranks in groups:
             nodes = {self._node(r) for r in ranks}
-            counts[INTRA if len(nodes) == 1 else INTER] += 1
+            placement = INTRA if len(nodes) == 1 else INTER
+            counts[placement] += 1
+            if placement not in counts.examples:
+                counts.examples[placement] = tuple(ranks)
         return counts
 
-    def _collective(self, kind: str, nbytes: int, group: int, placements: Counter[str],
+    def _collective(self, kind: str, nbytes: int, group: int, placements: "GroupPlacements",
                     calls_per_group: int, what: str, fsdp: dict | None = None, dtype: str | None = None) -> str:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
         slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp` (the layer:
@@ -263,6 +277,7 @@ class EventPlan:
                     + (" fsdp" if fsdp else "")
                 chosen = self._add(kind, label, content, float(nbytes),
                                    placements[placement] * calls_per_group)
+                self.group_ranks.setdefault(chosen, placements.examples[placement])
         if len(placements) > 1 and what not in self.placement_mixed:
             self.placement_mixed.append(what)
         assert chosen is not None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import SpecError
+from harness.network import NetworkTier, parse_network
 from harness.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
 
 SPEC_VERSION = 1
@@ -44,7 +45,7 @@ _SECTIONS = {
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel"},
-    "cluster": {"nodes", "gpus_per_node", "device_memory_gb"},
+    "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
     "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero"},
@@ -123,6 +124,8 @@ class ClusterSpec:
     nodes: int = 1
     gpus_per_node: int = 1
     device_memory_gb: float | None = None  # each device's memory (GB = 1e9 bytes); None: not limited
+    # the target's network, innermost tier first (harness.network); empty: calibrated from the profile
+    network: tuple[NetworkTier, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -198,10 +201,12 @@ class JobSpec:
             "model": m,
             "batch": {"global": self.batch.global_size, "micro": self.batch.micro},
             "strategy": s,
-            "cluster": {k: v for k, v in dataclasses.asdict(self.cluster).items() if v is not None},
+            "cluster": {k: v for k, v in dataclasses.asdict(self.cluster).items() if v is not None and k != "network"},
             "optimizer": dataclasses.asdict(self.optimizer),
             "profile": dataclasses.asdict(self.profile),
         }
+        if self.cluster.network:
+            out["cluster"]["network"] = [tier.to_dict() for tier in self.cluster.network]
         if search:
             out["search"] = search
         return out
@@ -218,8 +223,12 @@ class JobSpec:
         lines = [f"# {line}" for line in header.splitlines()]
         lines.append(f"spec_version = {data.pop('spec_version')}")
         for section, values in data.items():
+            tables = values.pop("network", []) if section == "cluster" else []
             lines += ["", f"[{section}]"]
             lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+            for table in tables:  # arrays of tables after their parent's keys, as TOML requires
+                lines += ["", f"[[{section}.network]]"]
+                lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
         return "\n".join(lines) + "\n"
 
     def with_changes(self, **changes: Any) -> "JobSpec":
@@ -501,6 +510,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
                           device_memory_gb=None if memory is None else _number(c, "device_memory_gb", "cluster", 1.0))
+    if "network" in c:
+        cluster = dataclasses.replace(cluster, network=parse_network(c["network"], cluster.devices))
     o = data.get("optimizer", {})
     master = _flag(o, "master_weights", "optimizer", False)
     momentum = o.get("momentum", 0.9)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from analysis.cli import main
-from analysis.costs import FITTED, INTERPOLATED, UNAVAILABLE, comm_curves, estimate_costs, fit_alpha_beta
+from analysis.costs import INTERPOLATED, MODELLED, UNAVAILABLE, comm_curves, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile_reader import load_profile
 from harness.events import build_plan
@@ -65,13 +65,13 @@ def dp_profile(tmp_path, extra):
 
 
 def test_unmeasured_allreduce_is_extrapolated_and_flagged(tmp_path):
-    """Measured on groups of 4 only: the group of 2 the job needs comes from the fit."""
+    """Measured on groups of 4 only: the group of 2 the job needs comes from the network calibrated by the fit."""
     extra = [comm_point("allreduce", n, "intra", allreduce_s(n, 4), group=4) for n in SIZES]
     prediction = predict(dp_profile(tmp_path, extra))
     plan, costs = prediction.plan, prediction.costs
     (bucket,) = plan.stages[0].buckets
     cost = costs.events[bucket.event]
-    assert cost.source == FITTED and cost.extrapolated and cost.fit == ("allreduce", "intra")
+    assert cost.source == MODELLED and cost.extrapolated and cost.fit == ("allreduce", "intra")
     assert cost.seconds == pytest.approx(allreduce_s(bucket.nbytes, 2), rel=1e-9)
     assert [c.id for c in costs.extrapolated] == [bucket.event]
     assert costs.unmeasured == [{"id": bucket.event, "name": plan.events[bucket.event].name, "kind": "allreduce",
@@ -96,10 +96,10 @@ def test_a_size_between_measured_sizes_is_interpolated_not_extrapolated(tmp_path
     assert cost.source == INTERPOLATED and not cost.extrapolated and cost.fit is None
     assert cost.seconds == pytest.approx(power_law(bucket.nbytes), rel=1e-12)
     assert costs.interpolated == [cost] and costs.extrapolated == [] and costs.unmeasured == []
-    # both points below the bucket's size: fitted, and flagged as extrapolated
+    # both points below the bucket's size: the network model, flagged as extrapolated
     below = [comm_point("allreduce", n, "intra", power_law(n)) for n in (low // 4, low)]
     cost = predict(dp_profile(tmp_path / "b", below)).costs.events[bucket.event]
-    assert cost.source == FITTED and cost.extrapolated
+    assert cost.source == MODELLED and cost.extrapolated
 
 
 def test_curve_keeps_one_time_per_size_and_knows_its_range():

@@ -8,6 +8,7 @@ import pytest
 
 import analysis.search as search_module
 from analysis.cli import main
+from analysis.commands.search import spec_header
 from analysis.profile_reader import load_profile
 from analysis.search import CandidateResult, SearchResult, pareto_front, recommend, search
 from analysis.uncertainty import BatchTimeInterval
@@ -247,6 +248,9 @@ def test_the_recommendation_takes_the_least_memory_among_the_indistinguishable()
     # what --write-spec writes
     assert SearchResult(None, None, results, [], None, recommendation=chosen).to_run is close
     assert SearchResult(None, None, results, [], None).to_run is fastest
+    header = spec_header(SearchResult(None, None, results, [], None, recommendation=chosen), "grid/profile.h5")
+    assert header.splitlines()[1] == chosen.text()  # where the written candidate is not the fastest
+    assert close.spec.to_toml(header).startswith("# The recommended candidate of `python -m analysis search grid/")
     assert [c.indistinguishable_from_best for c in results] == [False, True, True, False, False]
     assert [c.recommended for c in results] == [False, False, True, False, False]
     assert chosen.memory_saving == pytest.approx(0.25) and chosen.devices_saved == 0

@@ -11,14 +11,15 @@ from harness.output import (byte_unit, format_bytes, format_duration, format_sec
 from harness.progress import Progress
 
 from analysis.memory import GB
-from analysis.predict import add_prediction_arguments, prediction_options
+from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile, resolve_spec
-from analysis.search import SORTS, CandidateResult, SearchResult, search
+from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, search
 
 NAME = "search"
 HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"
 CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks", "micro", "micro_batches",
                "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction", "comm_fraction",
+               "comm_by_tier",
                "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours", "batch_time_p5_s",
                "batch_time_p95_s", "indistinguishable_from_best", "recommended")
 
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokens", type=float, metavar="T", help="also the time and GPU-hours to train T tokens")
     parser.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per core)")
     add_prediction_arguments(parser)  # --resamples: the fastest's interval and those within reach of it
+    add_network_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
@@ -67,31 +69,32 @@ def run(args: argparse.Namespace) -> int:
     from harness.candidates import expand
 
     grid = expand(spec, args.gpus)
+    if args.network:  # bad --network is one message here, before the workers start
+        from analysis.costs import what_if_network
+
+        what_if_network(spec, profile, args.network)
     progress = Progress("search", len(grid), enabled=not args.quiet and not args.json, unit="candidate")
     options = prediction_options(args)
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
                     sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
                     rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid,
-                    resamples=options["resamples"])
+                    resamples=options["resamples"], network=args.network)
     progress.close()
     written = []
     training = {"iterations": args.iterations, "tokens": args.tokens}
     if args.csv:
-        rows = [[i + 1] + [c.to_dict(**training).get(k) for k in CSV_COLUMNS[1:]]
+        rows = [[i + 1] + [_csv_cell(c.to_dict(**training).get(k)) for k in CSV_COLUMNS[1:]]
                 for i, c in enumerate(result.candidates)]
         written.append(("CSV", write_csv(args.csv, CSV_COLUMNS, rows)))
     if args.png:
         from analysis.plot import write_search_chart
 
-        written.append(("chart", writable(args.png, lambda: write_search_chart(args.png, result))))
+        written.append(("chart", writable(args.png, lambda: write_search_chart(args.png, result, **training))))
     best = result.to_run
     if args.write_spec and best is not None:
         from pathlib import Path
 
-        header = (f"The recommended candidate of `python -m analysis search {args.profile}`: {best.label}, "
-                  f"predicted {format_seconds(best.batch_time_s)} per iteration.")
-        if result.recommendation is not None and best is not result.recommendation.fastest:
-            header += "\n" + result.recommendation.text
+        header = spec_header(result, args.profile)
         path = Path(args.write_spec)
 
         def write_spec() -> Path:
@@ -111,6 +114,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def spec_header(result: SearchResult, profile: str) -> str:
+    """The comment atop --write-spec's file: which candidate, its prediction and, where it is not the fastest,
+    the recommendation's line."""
+    best = result.to_run
+    header = (f"The recommended candidate of `python -m analysis search {profile}`: {best.label}, "
+              f"predicted {format_seconds(best.batch_time_s)} per iteration.")
+    if result.recommendation is not None and best is not result.recommendation.fastest:
+        header += "\n" + result.recommendation.text()
+    return header
+
+
+def _csv_cell(value):
+    """A CSV cell: a tier's shares as 'name share' pairs ('intra 0.25; inter 0.75'), else the value."""
+    if isinstance(value, dict):
+        return "; ".join(f"{name} {share:.4f}" for name, share in value.items())
+    return value
+
+
+def tier_shares(shares: dict[str, float]) -> str:
+    """'inter 75%, intra 25%': the tiers, largest share first."""
+    return ", ".join(f"{name} {100 * share:.0f}%" for name, share in sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
 def against_fastest(c: CandidateResult, fastest: CandidateResult | None) -> str:
     """The table's word for a candidate against the fastest: fastest, overlaps (indistinguishable), apart, or
     '-' (not feasible, or no intervals to tell by)."""
@@ -128,7 +154,7 @@ def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | 
     cells = [rank, c.label, c.batch_time_s * 1e3 if c.predicted else None, interval, against_fastest(c, fastest),
              c.throughput_samples_s,
              c.throughput_tokens_s, 100 * c.bubble_fraction if c.predicted else None,
-             100 * c.comm_fraction if c.predicted else None,
+             100 * c.comm_fraction if c.predicted else None, tier_shares(c.comm_by_tier) if c.predicted else None,
              c.peak_memory_bytes / memory_scale if c.peak_memory_bytes is not None else None,
              "yes" if c.feasible else "no", c.speedup]
     if iterations is not None or tokens is not None:
@@ -159,6 +185,16 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
         if trained:
             what = f"{iterations:,} iterations" if iterations is not None else f"{tokens:,.0f} tokens"
             out.append(f"training {what}: {format_duration(trained[0])}, {trained[1]:,.3g} GPU-hours")
+    per_count = best_per_gpu_count(result.candidates)
+    if len(per_count) > 1:
+        rows = []
+        for n, c in sorted(per_count.items()):
+            trained = c.training(iterations, tokens)
+            rows.append([n, c.label, c.batch_time_s * 1e3, trained[0] / 3600 if trained else None,
+                         trained[1] if trained else c.batch_time_s * n / 3600, tier_shares(c.comm_by_tier)])
+        cost_header = "GPU-h" if iterations is not None or tokens is not None else "GPU-h per iteration"
+        out += ["", format_table(["devices", "fastest that fits", "batch ms", "train h", cost_header,
+                                  "comm by tier"], rows, title="per device count (the booking curve; --png draws it):")]
     cost = result.profiling_cost()
     if cost:
         out.append(f"profiling the whole search held its devices for {cost['profile_device_s']:,.1f} device-s "
@@ -167,7 +203,7 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
     shown = result.candidates if top == 0 else result.candidates[:top]
     unit, scale = byte_unit([c.peak_memory_bytes for c in shown])
     headers = ["#", "strategy", "batch ms", "90% ms", "vs fastest", "samples/s", "tokens/s", "bubble %", "comm %",
-               f"peak {unit}", "fits", "speed-up"]
+               "comm by tier", f"peak {unit}", "fits", "speed-up"]
     if iterations is not None or tokens is not None:
         headers += ["train h", "GPU-h"]
     headers.append("note")

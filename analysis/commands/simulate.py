@@ -8,7 +8,7 @@ import sys
 from harness.output import writable, write_csv
 
 from analysis.devices import plot_devices, select_devices
-from analysis.predict import add_prediction_arguments, predict, prediction_options
+from analysis.predict import add_network_argument, add_prediction_arguments, predict, prediction_options
 from analysis.report import format_report, summary
 from analysis.uncertainty import explain_interval
 
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices to report, trace, draw and store: all, one per pipeline stage, or ranks like "
                              "0,3,8-11 (default: all up to 1024 devices, else stages; the chart: up to 16 rows)")
     add_prediction_arguments(parser)
+    add_network_argument(parser)
     parser.add_argument("--collectives", nargs="+", default=(), metavar="FILE.h5",
                         help="collective benchmarks (harness collectives -o) of the profile's backend and device: "
                              "their points join the profile's, to interpolate and fit communication")
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prediction = predict(args.profile, args.spec, args.strategy, collectives=args.collectives,
-                         **prediction_options(args))
+                         network=args.network, **prediction_options(args))
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     explanation = explain_interval(prediction.plan, prediction.costs, prediction.interval, timeline.dp_overlap)

@@ -1,0 +1,315 @@
+"""Collectives over a tiered network, as NCCL's tuner costs them (docs/analysis.md, "The network model").
+
+Each algorithm and protocol costs `base + steps x hop latency + bytes moved / bandwidth`, and the fastest is the
+prediction, as NCCL's tuner picks per size (src/graph/tuning.cc, NCCL 2.30: its base and per-hop latencies and
+its protocols' bandwidth shares, below). The rules, for a group of n ranks in d innermost domains of at most g:
+- ring (all-reduce 2(n-1) steps, all-gather and reduce-scatter n-1), 2(d-1) (or d-1) of them between domains;
+  its bandwidth the slowest link on the ring: the innermost tier's, and g links in parallel (one NIC a GPU, NCCL
+  a channel on each) of every tier it crosses;
+- tree (all-reduce): 2((g-1) intra + log2(d) inter) hops, at 0.92 of the ring's bandwidth;
+- NVLS (all-reduce in one domain of an `nvls` tier): each byte once to the switch and back, at 0.85 of the link;
+- NVLS-tree (all-reduce over domains of an `nvls` tier): NVLS inside, a tree between, pipelined (the slower
+  part's bandwidth);
+- hierarchical (all-reduce over several domains): reduce-scatter in each domain, an all-reduce of 1/g of the
+  bytes between domains on each rail, an all-gather back, one after the other;
+- all-to-all: every pair at once, a GPU's bytes to its own domain over the innermost tier, the rest over its
+  NIC, whichever is slower; off-rail pairs of a `rails` tier take one more innermost hop (NCCL's PXN);
+- send/recv: one hop over the outermost tier the pair crosses.
+A hop between domains is costed at the outermost tier the group crosses. A network calibrated from a profile
+(no `[[cluster.network]]`) has the profiling backend's algorithms: ring and pairwise for gloo and MPI, and one
+protocol, whose per-kind latency and bandwidth are the profile's own fits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from harness.collectives import bus_factor
+from harness.errors import UserError
+from harness.events import INTER, INTRA
+from harness.network import GroupSpan, NetworkTier, check_tiers, contiguous_span, group_span, with_overrides
+
+NCCL_VERSION = "2.30"
+OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
+KIND_OF_OP = {"sendrecv": "p2p"}  # the plan's name for an op, where it differs
+PROTOCOLS = ("LL", "LL128", "Simple")
+PROTOCOL_BANDWIDTH = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}  # LL: a flag per word; LL128: NCCL's 0.92 cap
+BASE_LATENCY_US = {"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
+                   "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 8.4}}
+# per hop, by the tier's class: the innermost (scale-up, NVLink) and the others (the network)
+HOP_LATENCY_US = {
+    "scale-up": {"ring": {"LL": 0.6, "LL128": 1.9, "Simple": 3.4}, "tree": {"LL": 0.6, "LL128": 1.25, "Simple": 4.0},
+                 "nvls": {"Simple": 25.0}},
+    "scale-out": {"ring": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0}, "tree": {"LL": 5.0, "LL128": 8.5, "Simple": 14.0},
+                  "nvls": {"Simple": 18.0}, "nvls_tree": {"Simple": 20.9}},
+}
+TREE_EFFICIENCY = 0.92
+NVLS_EFFICIENCY = 0.85  # Hopper
+NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or what a calibrated gloo/MPI profile ran (ring)
+CALIBRATED_NAMES = (INTRA, INTER)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One collective's predicted time and how: the algorithm and protocol chosen, the span of its group."""
+
+    op: str
+    nbytes: float
+    seconds: float
+    algorithm: str
+    protocol: str
+    span: GroupSpan
+
+    def describe(self, tiers: Sequence[NetworkTier]) -> str:
+        protocol = "" if self.protocol == MEASURED else f"/{self.protocol}"
+        return f"{self.algorithm}{protocol}, {self.span.describe(tiers)}"
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """Tiers (innermost first), the algorithm set (NCCL's, or the calibrated backend's ring) and, for a calibrated
+    network, each (op kind, tier) link's own latency and bandwidth measured by the profile."""
+
+    tiers: tuple[NetworkTier, ...]
+    algorithms: str = NCCL
+    origin: str = "spec"  # spec | calibrated from PROFILE | what-if
+    links: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # -> (latency s, bytes/s)
+    notes: tuple[str, ...] = ()
+    # (op kind, tier) -> the (kind, placement) of the profile's fit its link came from (a calibrated network)
+    link_fits: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
+
+    def with_overrides(self, overrides: Mapping[str, float | bool], devices: int) -> "NetworkModel":
+        """A what-if: the tiers with fields replaced; a calibrated link's measured values give way to them."""
+        tiers = with_overrides(self.tiers, overrides, max(devices, 1))
+        changed = {key.partition(".")[0] for key in overrides}
+        kept = {key: value for key, value in self.links.items() if self.tiers[key[1]].name not in changed}
+        return NetworkModel(tiers, self.algorithms, f"{self.origin}, what-if {_overrides_text(overrides)}", kept,
+                            self.notes, {key: value for key, value in self.link_fits.items() if key in kept})
+
+    # ---- the links ---------------------------------------------------------------------------------------
+    def _link(self, kind: str, tier: int) -> tuple[float, float]:
+        """(hop latency s for Simple or the calibrated protocol, bytes/s per GPU) of `tier` for `kind`."""
+        if (kind, tier) in self.links:
+            return self.links[(kind, tier)]
+        t = self.tiers[tier]
+        default = HOP_LATENCY_US[_tier_class(tier)]["ring"]["Simple"]
+        latency = default if t.latency_us is None else t.latency_us
+        return latency * 1e-6, t.bytes_per_s
+
+    def hop_s(self, kind: str, tier: int, algorithm: str, protocol: str) -> float:
+        latency, _ = self._link(kind, tier)
+        if self.algorithms != NCCL:
+            return latency
+        table = HOP_LATENCY_US[_tier_class(tier)]
+        ring_simple = table["ring"]["Simple"]
+        return latency * table.get(algorithm, table["ring"]).get(protocol, ring_simple) / ring_simple
+
+    def bandwidth(self, kind: str, tier: int) -> float:
+        return self._link(kind, tier)[1]
+
+    def _crossing_bandwidth(self, kind: str, span: GroupSpan) -> float:
+        """Bytes/s a ring reaches through the tiers between domains: g GPUs' links in parallel, the slowest tier."""
+        return span.per_domain * min(self.bandwidth(kind, k) for k in range(1, span.crossing + 1))
+
+    def _ring_bandwidth(self, kind: str, span: GroupSpan) -> float:
+        inner = self.bandwidth(kind, 0)
+        if span.crossing == 0:
+            return inner
+        crossing = self._crossing_bandwidth(kind, span)
+        return min(inner, crossing) if span.per_domain > 1 else crossing
+
+    def _protocols(self) -> tuple[str, ...]:
+        return PROTOCOLS if self.algorithms == NCCL else (MEASURED,)
+
+    def _base_s(self, algorithm: str, protocol: str) -> float:
+        if self.algorithms != NCCL:
+            return 0.0
+        return BASE_LATENCY_US.get(algorithm, {}).get(protocol, 0.0) * 1e-6
+
+    # ---- the algorithms ------------------------------------------------------------------------------------
+    def _ring(self, op: str, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        kind = KIND_OF_OP.get(op, op)
+        n, d = span.ranks, span.domains
+        steps, inter = (2 * (n - 1), 2 * (d - 1)) if op == "allreduce" else (n - 1, d - 1)
+        moved = steps / n * nbytes
+        out = []
+        for protocol in self._protocols():
+            latency = (self._base_s("ring", protocol) + (steps - inter) * self.hop_s(kind, 0, "ring", protocol)
+                       + inter * self.hop_s(kind, span.crossing, "ring", protocol))
+            bandwidth = self._ring_bandwidth(kind, span) * PROTOCOL_BANDWIDTH.get(protocol, 1.0)
+            out.append((latency + moved / bandwidth, "ring", protocol))
+        return out
+
+    def _tree(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        n, d, g = span.ranks, span.domains, span.per_domain
+        moved = 2 * (n - 1) / n * nbytes
+        out = []
+        for protocol in PROTOCOLS:
+            latency = self._base_s("tree", protocol) + 2 * (
+                (g - 1) * self.hop_s("allreduce", 0, "tree", protocol)
+                + math.log2(d) * self.hop_s("allreduce", span.crossing, "tree", protocol))
+            bandwidth = self._ring_bandwidth("allreduce", span) * TREE_EFFICIENCY * PROTOCOL_BANDWIDTH[protocol]
+            out.append((latency + moved / bandwidth, "tree", protocol))
+        return out
+
+    def _nvls(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        inner = NVLS_EFFICIENCY * self.bandwidth("allreduce", 0)
+        nvls_hop = self.hop_s("allreduce", 0, "nvls", "Simple")
+        if span.crossing == 0:
+            return [(nvls_hop + nbytes / inner, "nvls", "Simple")]
+        latency = nvls_hop + 2 * math.log2(span.domains) * self.hop_s("allreduce", span.crossing, "nvls_tree", "Simple")
+        between = self._crossing_bandwidth("allreduce", span)
+        return [(latency + nbytes / min(inner, between), "nvls_tree", "Simple")]
+
+    def _hierarchical(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        g, d = span.per_domain, span.domains
+        inside = GroupSpan(g, 1, g, 0)
+        between = GroupSpan(d, d, 1, span.crossing)
+        seconds = (self._best(self._ring("reducescatter", nbytes, inside))[0]
+                   + self._best(self._ring("allreduce", nbytes / g, between))[0]
+                   + self._best(self._ring("allgather", nbytes, inside))[0])
+        return [(seconds, "hierarchical", "Simple")]
+
+    def _alltoall(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        n, g = span.ranks, span.per_domain
+        share = nbytes / n
+        inside = (g - 1) * share / self.bandwidth("alltoall", 0) if g > 1 else 0.0
+        protocol = "Simple" if self.algorithms == NCCL else MEASURED
+        if span.crossing == 0:
+            return [(self._base_s("ring", protocol) + self.hop_s("alltoall", 0, "ring", protocol) + inside,
+                     "pairwise", protocol)]
+        remote = (n - g) * share / min(self.bandwidth("alltoall", k) for k in range(1, span.crossing + 1))
+        pxn = self.hop_s("alltoall", 0, "ring", protocol) if self.tiers[span.crossing].rails and g > 1 else 0.0
+        latency = self._base_s("ring", protocol) + self.hop_s("alltoall", span.crossing, "ring", protocol) + pxn
+        return [(latency + max(inside, remote), "pairwise", protocol)]
+
+    def _sendrecv(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        tier = span.crossing
+        out = []
+        for protocol in self._protocols():
+            pxn = (self.hop_s("p2p", 0, "ring", protocol)
+                   if span.off_rail and tier and self.tiers[tier].rails else 0.0)
+            latency = self._base_s("ring", protocol) + self.hop_s("p2p", tier, "ring", protocol) + pxn
+            out.append((latency + nbytes / (self.bandwidth("p2p", tier) * PROTOCOL_BANDWIDTH.get(protocol, 1.0)),
+                        "p2p", protocol))
+        return out
+
+    @staticmethod
+    def _best(options: Iterable[tuple[float, str, str]]) -> tuple[float, str, str]:
+        return min(options, key=lambda o: o[0])
+
+    def candidates(self, op: str, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+        """Every (seconds, algorithm, protocol) this network can run `op` of `nbytes` over `span` with."""
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+        if op == "sendrecv":
+            return self._sendrecv(nbytes, span)
+        if span.ranks <= 1:
+            return [(0.0, "none", "-")]
+        if op == "alltoall":
+            return self._alltoall(nbytes, span)
+        options = self._ring(op, nbytes, span)
+        if op == "allreduce" and self.algorithms == NCCL:
+            options += self._tree(nbytes, span)
+            if self.tiers[0].nvls:
+                options += self._nvls(nbytes, span)
+            if span.crossing and span.per_domain > 1:
+                options += self._hierarchical(nbytes, span)
+        return options
+
+    def estimate(self, op: str, nbytes: float, span: GroupSpan) -> Estimate:
+        """The fastest way to run `op` of `nbytes` (nccl-tests' size: the whole array; a message for sendrecv)."""
+        seconds, algorithm, protocol = self._best(self.candidates(op, nbytes, span))
+        return Estimate(op, nbytes, seconds, algorithm, protocol, span)
+
+    def estimate_group(self, op: str, nbytes: float, ranks: Iterable[int]) -> Estimate:
+        return self.estimate(op, nbytes, group_span(ranks, self.tiers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"origin": self.origin, "algorithms": self.algorithms,
+                "nccl_version": NCCL_VERSION if self.algorithms == NCCL else None,
+                "tiers": [{**t.to_dict(), "latency_us": self._link("allreduce", i)[0] * 1e6,
+                           "bytes_per_s": self._link("allreduce", i)[1]} for i, t in enumerate(self.tiers)],
+                "notes": list(self.notes)}
+
+
+def _tier_class(tier: int) -> str:
+    return "scale-up" if tier == 0 else "scale-out"
+
+
+def _overrides_text(overrides: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def spec_network(tiers: Sequence[NetworkTier]) -> NetworkModel:
+    return NetworkModel(tuple(tiers), NCCL, "spec")
+
+
+def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, int, float]]], gpus_per_node: int,
+                       devices: int, backend: str, source: str, fit) -> NetworkModel | None:
+    """A two-tier network (`intra`: a node of `gpus_per_node`; `inter`: every device) whose links are the
+    profile's own: per op kind and placement the latency and bandwidth `fit` (analysis.costs.fit_alpha_beta)
+    draws from its points. A (kind, placement) without points takes, in turn, the same kind's other placement,
+    another kind's at the same placement, another kind's at the other (COMM_KINDS' order: the formulas share the
+    link's alpha and beta). None when nothing was measured."""
+    from harness.events import COMM_KINDS
+
+    kinds = (*COMM_KINDS, "alltoall")
+    measured: dict[tuple[str, int], tuple[float, float]] = {}
+    for (kind, placement), pts in points.items():
+        if placement in CALIBRATED_NAMES and (link := _link_of(fit(kind, placement, list(pts)))):
+            measured[(kind, CALIBRATED_NAMES.index(placement))] = link
+    if not measured:
+        return None
+    links: dict[tuple[str, int], tuple[float, float]] = {}
+    origin: dict[tuple[str, int], tuple[str, str]] = {}
+    for tier in range(2):
+        for kind in kinds:
+            others = [k for k in kinds if k != kind]
+            order = [(kind, tier), (kind, 1 - tier), *((k, tier) for k in others), *((k, 1 - tier) for k in others)]
+            key = next((k for k in order if k in measured), None)
+            if key is not None:
+                links[(kind, tier)] = measured[key]
+                origin[(kind, tier)] = (key[0], CALIBRATED_NAMES[key[1]])
+    notes = [f"no {CALIBRATED_NAMES[t]}-node {kind} measured: its link is the {o[0]} {o[1]} fit's"
+             for (kind, t), o in sorted(origin.items(), key=lambda item: item[0][::-1])
+             if (kind, CALIBRATED_NAMES[t]) != o and any(p[0] == kind for p in points)]
+
+    def typical(tier: int) -> tuple[float, float]:  # what the tier's row shows: its all-reduce link
+        return links[("allreduce", tier)]
+
+    tiers = (NetworkTier(INTRA, max(1, gpus_per_node), typical(0)[1] / 1e9, typical(0)[0] * 1e6),
+             NetworkTier(INTER, max(devices, gpus_per_node * 2), typical(1)[1] / 1e9, typical(1)[0] * 1e6))
+    algorithms = NCCL if backend == "nccl" else MEASURED
+    return NetworkModel(tiers, algorithms, f"calibrated from {source}", links, tuple(notes), origin)
+
+
+def _link_of(fit) -> tuple[float, float] | None:
+    """(latency s, bytes/s) of a fit with points; an infinite bandwidth (latency-only) or none: None."""
+    if not fit.points or fit.beta_s_per_byte <= 0:
+        return None
+    return fit.alpha_s, 1.0 / fit.beta_s_per_byte
+
+
+def check_network_devices(model: NetworkModel, devices: int, where: str) -> None:
+    """UserError when `devices` do not fit the model's tiers (analysis network --nodes, a larger what-if)."""
+    try:
+        check_tiers(model.tiers, devices, where)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+
+
+def nccl_tests_rows(model: NetworkModel, op: str, ranks: int, sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """nccl-tests' columns for `op` on ranks 0..ranks-1: size, time, algbw, busbw (its factors), algorithm."""
+    span = contiguous_span(ranks, model.tiers) if op != "sendrecv" else group_span(
+        (0, ranks - 1), model.tiers)
+    rows = []
+    for size in sizes:
+        estimate = model.estimate(op, float(size), span)
+        algbw = size / estimate.seconds / 1e9 if estimate.seconds > 0 else 0.0
+        rows.append({"op": op, "ranks": ranks, "size_bytes": int(size), "time_s": estimate.seconds,
+                     "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, span.ranks),
+                     "algorithm": estimate.algorithm + ("" if estimate.protocol in (MEASURED, "-")
+                                                        else f"/{estimate.protocol}")})
+    return rows

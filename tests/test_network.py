@@ -1,0 +1,245 @@
+"""The target's network: `[[cluster.network]]` in the spec, its bad input, the collective cost model's formulas by
+hand, NCCL's choices, the plan's groups over the tiers, the what-if and `analysis network` (docs/analysis.md,
+"The network model")."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from analysis.network import (BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, NetworkModel, nccl_tests_rows,
+                              spec_network)
+from harness.errors import SpecError
+from harness.events import build_plan
+from harness.network import GroupSpan, NetworkTier, group_span, parse_network, parse_overrides
+from harness.spec import loads_spec
+from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, write_handmade_profile
+
+DGX = [dict(name="nvlink", size=8, bandwidth_gbs=450, latency_us=1.0, nvls=True),
+       dict(name="ib", size=2048, bandwidth_gbs=50, latency_us=5.0, rails=True)]
+SPEC = """
+spec_version = 1
+[model]
+name = "gpt2-small"
+layers = 4
+hidden = 64
+heads = 4
+ffn = 128
+seq_len = 32
+vocab = 256
+[batch]
+global = 64
+micro = 1
+[strategy]
+dp = {dp}
+tp = {tp}
+pp = 1
+[cluster]
+nodes = {nodes}
+gpus_per_node = 8
+{network}
+"""
+NETWORK = """
+[[cluster.network]]
+name = "nvlink"
+size = 8
+bandwidth_gbs = 450
+latency_us = 1.0
+nvls = true
+[[cluster.network]]
+name = "ib"
+size = 2048
+bandwidth_gbs = 50
+latency_us = 5.0
+rails = true
+"""
+
+
+def spec_text(dp=16, tp=1, nodes=2, network=NETWORK):
+    return SPEC.format(dp=dp, tp=tp, nodes=nodes, network=network)
+
+
+def test_spec_reads_the_tiers_and_writes_them_back():
+    spec = loads_spec(spec_text())
+    assert [t.name for t in spec.cluster.network] == ["nvlink", "ib"]
+    assert spec.cluster.network[0].nvls and spec.cluster.network[1].rails
+    assert spec.cluster.network[1].bytes_per_s == 50e9
+    again = loads_spec(spec.to_toml())
+    assert again.cluster.network == spec.cluster.network
+    assert "[[cluster.network]]" in spec.to_toml()
+    assert "network" not in loads_spec(spec_text(network="")).to_dict()["cluster"]
+
+
+@pytest.mark.parametrize("tiers, message", [
+    ([dict(name="a", size=8, bandwidth_gbs=1), dict(name="b", size=12, bandwidth_gbs=1)], "does not nest"),
+    ([dict(name="a", size=3, bandwidth_gbs=1), dict(name="b", size=48, bandwidth_gbs=1)], "does not divide"),
+    ([dict(name="a", size=8, bandwidth_gbs=1)], "do not fit in the outermost tier"),
+    ([dict(name="a", size=8, bandwidth_gbs=0), dict(name="b", size=16, bandwidth_gbs=1)], "must be positive"),
+    ([dict(name="a", size=8, bandwidth_gbs=1, latency_us=-1), dict(name="b", size=16, bandwidth_gbs=1)], ">= 0"),
+    ([dict(name="a", size=8, bandwidth_gbs=1, speed=3), dict(name="b", size=16, bandwidth_gbs=1)], "unknown field"),
+    ([dict(name="a", size=8), dict(name="b", size=16, bandwidth_gbs=1)], "is required"),
+    ([dict(name="a", size=8, bandwidth_gbs=1), dict(name="a", size=16, bandwidth_gbs=1)], "two tiers"),
+    ([dict(name="a", size=8, bandwidth_gbs=1), dict(name="b", size=16, bandwidth_gbs=1, nvls=True)], "innermost"),
+    ([dict(name="a", size=8, bandwidth_gbs=1, efficiency=1.5), dict(name="b", size=16, bandwidth_gbs=1)], "at most 1"),
+    ([], "no tier"),
+])
+def test_bad_tiers_are_one_message_naming_the_field(tiers, message):
+    with pytest.raises(SpecError, match=message):
+        parse_network(tiers, 16)
+
+
+def test_bad_overrides_are_refused():
+    assert parse_overrides("ib.bandwidth_gbs=100, nvlink.nvls=false") == {"ib.bandwidth_gbs": 100.0,
+                                                                            "nvlink.nvls": False}
+    for text in ("ib=3", "ib.bandwidth_gbs=fast", ""):
+        with pytest.raises(SpecError):
+            parse_overrides(text)
+    model = spec_network(parse_network(DGX, 16))
+    with pytest.raises(SpecError, match="no tier 'eth'"):
+        model.with_overrides({"eth.bandwidth_gbs": 1.0}, 16)
+    with pytest.raises(SpecError, match="must be positive"):
+        model.with_overrides({"ib.bandwidth_gbs": -1.0}, 16)
+
+
+def test_group_spans():
+    tiers = parse_network(DGX, 2048)
+    assert group_span(range(8), tiers) == GroupSpan(8, 1, 8, 0)
+    assert group_span(range(0, 64, 8), tiers) == GroupSpan(8, 8, 1, 1)  # one GPU a node: a dp group under tp = 8
+    assert group_span(range(32), tiers) == GroupSpan(32, 4, 8, 1)
+    assert group_span((7, 8), tiers).off_rail and not group_span((0, 8), tiers).off_rail
+
+
+def _simple(model, op, nbytes, span, algorithm):
+    return next(s for s, a, p in model.candidates(op, nbytes, span) if a == algorithm and p in ("Simple", "measured"))
+
+
+def test_ring_tree_and_hierarchical_formulas_by_hand():
+    """One network, every formula of the module docstring worked out by hand (Simple protocol)."""
+    tiers = (NetworkTier("node", 4, 100.0, 2.0), NetworkTier("net", 64, 10.0, 10.0))
+    model = spec_network(tiers)
+    s, us = 64e6, 1e-6
+    inside = GroupSpan(4, 1, 4, 0)
+    assert _simple(model, "allreduce", s, inside, "ring") == pytest.approx(
+        BASE_LATENCY_US["ring"]["Simple"] * us + 6 * 2 * us + 6 / 4 * s / 100e9)
+    span = GroupSpan(16, 4, 4, 1)  # 4 nodes of 4
+    ring = (8.4 + (30 - 6) * 2.0 + 6 * 10.0) * us + 30 / 16 * s / min(100e9, 4 * 10e9)
+    assert _simple(model, "allreduce", s, span, "ring") == pytest.approx(ring)
+    tree = (8.4 + 2 * (3 * 2.0 * 4.0 / 3.4 + 2 * 10.0)) * us + 30 / 16 * s / (TREE_EFFICIENCY * 40e9)
+    assert _simple(model, "allreduce", s, span, "tree") == pytest.approx(tree)
+    rs = (8.4 + 3 * 2.0) * us + 3 / 4 * s / 100e9
+    between = (8.4 + 6 * 10.0) * us + 6 / 4 * (s / 4) / 10e9
+    assert _simple(model, "allreduce", s, span, "hierarchical") == pytest.approx(2 * rs + between)
+    gather = (8.4 + (15 - 3) * 2.0 + 3 * 10.0) * us + 15 / 16 * s / 40e9
+    assert _simple(model, "allgather", s, span, "ring") == pytest.approx(gather)
+    # all-to-all: 3 shares inside over the node's link, 12 over the NIC, at once
+    assert _simple(model, "alltoall", s, span, "pairwise") == pytest.approx(
+        (8.4 + 10.0) * us + max(3 * s / 16 / 100e9, 12 * s / 16 / 10e9))
+
+
+def test_nvls_and_rails():
+    tiers = parse_network(DGX, 2048)
+    model = spec_network(tiers)
+    one_node = GroupSpan(8, 1, 8, 0)
+    nvls = next(s for s, a, _ in model.candidates("allreduce", 1 << 30, one_node) if a == "nvls")
+    assert nvls == pytest.approx(25.0 / 3.4 * 1e-6 + (1 << 30) / (NVLS_EFFICIENCY * 450e9))
+    assert model.estimate("allreduce", 1 << 30, one_node).algorithm == "nvls"
+    assert model.estimate("allreduce", 1 << 30, GroupSpan(16, 2, 8, 1)).algorithm == "nvls_tree"
+    on_rail, off_rail = group_span((0, 8), tiers), group_span((7, 8), tiers)
+    extra = model.estimate("sendrecv", 8, off_rail).seconds - model.estimate("sendrecv", 8, on_rail).seconds
+    assert extra == pytest.approx(0.6 / 3.4 * 1e-6)  # one NVLink LL hop: NCCL's PXN
+
+
+def test_nccl_choices_and_the_flat_ring_they_replace():
+    """Small messages take a low-latency protocol and the tree across many nodes; a large one takes the bandwidth
+    algorithm; a 256-node all-reduce of a small bucket costs a fraction of a flat ring's 2(n-1) latencies."""
+    model = spec_network(parse_network(DGX, 2048))
+    small = model.estimate("allreduce", 64 << 10, group_span(range(0, 2048, 8), model.tiers))
+    assert small.algorithm == "tree" and small.protocol == "LL"
+    flat_ring = 2 * 255 * 5e-6
+    assert small.seconds < flat_ring / 10
+    big = model.estimate("allreduce", 1 << 32, group_span(range(16), model.tiers))
+    assert (big.algorithm, big.protocol) == ("nvls_tree", "Simple")
+    rows = nccl_tests_rows(model, "allgather", 8, [1 << 30])
+    assert rows[0]["busbw_gbs"] == pytest.approx(1e-9 * 7 / 8 * (1 << 30) / rows[0]["time_s"])
+
+
+def test_the_plan_costs_its_groups_where_they_lie(tmp_path):
+    """A 2-rank profile's fits calibrate the tiers; the 16-rank target's dp groups (one GPU a node under tp = 4)
+    and tp groups (one node) are costed by the model with their own spans, and the spec's network replaces the
+    calibration."""
+    from analysis.costs import estimate_costs, what_if_network
+    from analysis.profile_reader import load_profile
+
+    spec = make_spec(dp=2, tp=1, pp=1, micro_batches=2, nodes=2)
+    target = make_spec(dp=4, tp=4, pp=1, micro_batches=2, nodes=4)
+    extra = [comm_point("allreduce", n, "inter", 5e-5 + n * 2e-10) for n in (2**10, 2**16, 2**20)]
+    extra += [comm_point("p2p", n, "inter", 2e-5 + n * 1e-10) for n in (2**10, 2**20)]
+    path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  by_name({"gpt2.block.fwd": 1e-3, "gpt2.block.bwd": 2e-3, "gpt2.embedding.fwd": 1e-4,
+                                           "gpt2.head.fwd": 2e-4, "p2p": None, "allreduce": None}, 1e-4),
+                                  extra, world_size=2, also=[target])
+    profile = load_profile(path)
+    plan = build_plan(target)
+    costs = estimate_costs(plan, profile)
+    modelled = [c for c in costs.events.values() if c.source == "network"]
+    assert modelled and costs.network.origin.startswith("calibrated from")
+    notes = {c.note for c in modelled}
+    assert any("4 intra domains of 1 over inter" in n for n in notes), notes
+    assert any("4 in one intra domain" in n for n in notes), notes
+    faster = estimate_costs(plan, profile, what_if="inter.bandwidth_gbs=1000,inter.latency_us=0")
+    dp_event = next(c.id for c in modelled if "domains of 1" in c.note)
+    assert faster.events[dp_event].seconds < costs.events[dp_event].seconds / 2
+    with pytest.raises(SpecError, match="no tier 'ib'"):
+        what_if_network(target, profile, "ib.bandwidth_gbs=10")
+
+
+def run_analysis(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True, cwd=cwd or REPO,
+                          timeout=120)
+
+
+def test_analysis_network_command(tmp_path):
+    spec = tmp_path / "job.toml"
+    spec.write_text(spec_text(dp=32, nodes=4))
+    out = run_analysis("network", str(spec), "--nodes", "1,4", "-b", "1K", "-e", "1M", "-f", "32",
+                       "--csv", str(tmp_path / "n.csv"), "--png", str(tmp_path / "n.png"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("network (spec): nvlink (8 GPUs")
+    assert "allreduce, 4 node(s) x 8 = 32 ranks" in out.stdout and "Avg bus bandwidth" in out.stdout
+    assert (tmp_path / "n.png").stat().st_size > 0
+    assert (tmp_path / "n.csv").read_text().splitlines()[0] == \
+        "op,nodes,ranks,size_bytes,time_s,algbw_gbs,busbw_gbs,algorithm"
+    data = json.loads(run_analysis("network", str(spec), "--op", "alltoall", "--nodes", "2", "-b", "8", "-e", "64",
+                                   "--json", "--network", "ib.bandwidth_gbs=100").stdout)
+    assert [r["size_bytes"] for r in data["rows"]] == [8, 16, 32, 64]
+    assert set(data["rows"][0]) == {"op", "nodes", "ranks", "size_bytes", "time_s", "algbw_gbs", "busbw_gbs",
+                                    "algorithm"}
+    assert data["network"]["tiers"][1]["bandwidth_gbs"] == 100 and "what-if" in data["network"]["origin"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "512"], "do not fit in the outermost tier"),
+    (["--nodes", "two"], "--nodes 'two'"),
+    (["--network", "eth.latency_us=1"], "no tier 'eth'"),
+    (["-b", "1M", "-e", "1K"], "smallest size"),
+])
+def test_analysis_network_bad_input(tmp_path, args, message):
+    spec = tmp_path / "job.toml"
+    spec.write_text(spec_text())
+    out = run_analysis("network", str(spec), *args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_spec_without_a_network_says_what_to_give(tmp_path):
+    spec = tmp_path / "job.toml"
+    spec.write_text(spec_text(network=""))
+    out = run_analysis("network", str(spec))
+    assert out.returncode == 2 and "has no [[cluster.network]]" in out.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(spec_text(network=NETWORK.replace("size = 2048", "size = 12")))
+    out = run_analysis("network", str(bad))
+    assert out.returncode == 2 and "[cluster.network[1].size]" in out.stderr and "does not nest" in out.stderr
