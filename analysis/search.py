@@ -6,7 +6,9 @@ its per-device peak memory (analysis.memory). A candidate is feasible when its l
 memory capacity (none: every candidate fits). A candidate the profile cannot cost (compute events it lacks:
 a profile of another spec) is infeasible with that reason; one costed partly from fits (a group larger than
 the profiling run, a tensor-parallel layer measured without its all-reduces) is flagged. Feasible candidates
-come first, fastest (or smallest) first. Candidates are spread over processes (fork) when there are many.
+come first, fastest (or smallest) first. Candidates are spread over processes (fork) when there are many, or
+over the ranks of an MPI job started as `mpirun -n N python -m mpi4py.futures -m analysis search ...` (its N - 1
+workers; the analysis uses the pool that launch made and never imports mpi4py itself).
 
 Telling candidates apart (docs/analysis.md, "Search"): each feasible candidate's reach is its prediction T
 from T (1 - down) to T (1 + up) (analysis.uncertainty.relative_reach: every sampled duration at its own 5th or
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ from harness.spec import JobSpec
 
 from analysis.costs import communication_by_tier, estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
-from analysis.profile_reader import Profile, layers_for
+from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
 from analysis.uncertainty import (DEFAULT_RESAMPLES, SEED, BatchTimeInterval, batch_time_interval, has_samples,
                                   interval_of, relative_reach, resampled_batch_times)
@@ -385,8 +388,17 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     _COSTED.clear()
     jobs = jobs or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
     results: list[CandidateResult] = []
+    mpi_pool = mpi_futures_pool()
     try:
-        if jobs > 1 and len(grid) >= PARALLEL_FROM:
+        if mpi_pool is not None:
+            tasks = [(str(profile.path), capacity_bytes, _SHARED["options"], c) for c in grid.candidates]
+            with mpi_pool() as pool:
+                chunk = max(1, len(tasks) // (8 * mpi_workers()))
+                for result in pool.map(_evaluate_on_worker, tasks, chunksize=chunk):
+                    results.append(result)
+                    if progress:
+                        progress(1)
+        elif jobs > 1 and len(grid) >= PARALLEL_FROM:
             chunk = max(1, len(grid) // (jobs * 8))
             with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
                 for result in pool.map(_evaluate, grid.candidates, chunksize=chunk):
@@ -411,6 +423,37 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
         _COSTED.clear()
     return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort, recommend(ranked),
                         max(0, resamples))
+
+
+def mpi_futures_pool():
+    """mpi4py.futures' MPIPoolExecutor where this process is the master of `python -m mpi4py.futures` on 2 or more
+    ranks (the others its workers), else None. Read from the modules that launch loaded: the analysis never
+    imports mpi4py."""
+    core = sys.modules.get("mpi4py.futures._core")
+    if core is None or getattr(core, "SharedPool", None) is None or mpi_workers() < 1:
+        return None
+    return sys.modules["mpi4py.futures"].MPIPoolExecutor
+
+
+def mpi_workers() -> int:
+    """The workers of the mpi4py.futures job this process leads (its world size - 1), 0 outside one."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_WORLD.Get_size() - 1 if mpi is not None else 0
+
+
+_WORKER: dict[str, Any] = {}  # an MPI worker's profile, by path, loaded at its first task
+
+
+def _evaluate_on_worker(task: tuple[str, float | None, dict, JobSpec]) -> CandidateResult:
+    """_evaluate on an MPI worker: the search's shared state from the task (the profile read once per worker)."""
+    path, capacity, options, spec = task
+    if _WORKER.get("path") != path:
+        profile = load_profile(path)
+        _WORKER.update(path=path, profile=profile, activations=activation_bytes(profile),
+                       released=released_bytes(profile))
+    _SHARED.update(profile=_WORKER["profile"], activations=_WORKER["activations"], released=_WORKER["released"],
+                   capacity=capacity, options=options)
+    return _evaluate(spec)
 
 
 def _interval_pass(results: Sequence[CandidateResult], resamples: int, jobs: int) -> None:

@@ -5,10 +5,12 @@ over gpus 1,024..16,384, dp 16..256, tp 1..8, pp 1..16, micro-batch sizes 1..32 
 (interleaved with 2 and 4 chunks), on 141 GB devices (an H200; without activation recompute no candidate fits 80 GB). The profile is synthetic (bench/synthetic.py): what a
 2-node profile of the grid's union would hold.
 
-    python bench/search_scale.py [--jobs N] [--keep DIR]
+    python bench/search_scale.py [--jobs N] [--keep DIR] [--ranks 1,2,3]
 
 Prints the whole `python -m analysis search` process's wall time (goal: under 30 s on 2 cores) and the time
-per candidate as the grid grows (it should grow no faster than linearly); exits 1 past the goal.
+per candidate as the grid grows (it should grow no faster than linearly); exits 1 past the goal. `--ranks`:
+instead, the whole grid (without intervals, `--resamples 0`: the part spread over ranks) once per rank count, in
+one process (1) or under `mpirun -n R python -m mpi4py.futures` (R - 1 workers), and the candidates per second.
 """
 from __future__ import annotations
 
@@ -48,12 +50,16 @@ SUBSETS = ({"gpus": [16384], "micro": [1, 2]}, {"gpus": [8192, 16384], "micro": 
            {"gpus": [4096, 8192, 16384]}, {})
 
 
-def run_search(profile: Path, spec: dict, tmp: Path, jobs: int | None) -> tuple[float, dict]:
-    """The whole process of `python -m analysis search` on `spec`'s grid: wall seconds and its JSON."""
+def run_search(profile: Path, spec: dict, tmp: Path, jobs: int | None, ranks: int = 0,
+               extra: tuple[str, ...] = ()) -> tuple[float, dict]:
+    """The whole process of `python -m analysis search` on `spec`'s grid: wall seconds and its JSON; with `ranks`,
+    under `mpirun -n ranks python -m mpi4py.futures`."""
     spec_path = tmp / "grid.toml"
     spec_path.write_text(parse_spec(spec, source="bench").to_toml(search=True))
-    command = [sys.executable, "-m", "analysis", "search", str(profile), "--spec", str(spec_path), "--json",
-               "--quiet"] + (["--jobs", str(jobs)] if jobs else [])
+    mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+    launch = [mpirun, "-n", str(ranks), sys.executable, "-m", "mpi4py.futures"] if ranks else [sys.executable]
+    command = launch + ["-m", "analysis", "search", str(profile), "--spec", str(spec_path), "--json",
+                        "--quiet", *extra] + (["--jobs", str(jobs)] if jobs else [])
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -67,6 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, help="worker processes of the search (default: one per core)")
     parser.add_argument("--keep", type=Path, help="keep the synthetic profile here")
+    parser.add_argument("--ranks", help="rank counts to spread the whole grid over (1: one process, one core)")
     args = parser.parse_args()
     spec = parse_spec(SPEC, source="bench")
     grid = expand(spec)
@@ -78,6 +85,8 @@ def main() -> int:
         unique = write_synthetic_profile(folder / "profile.h5", spec, np.random.default_rng(0))
         print(f"grid: {len(grid)} candidates ({len(grid.rejected)} combinations rejected); synthetic profile of "
               f"their {unique} unique events written in {time.perf_counter() - start:.1f} s")
+        if args.ranks:
+            return by_ranks(folder / "profile.h5", [int(r) for r in args.ranks.split(",")], len(grid), tmp)
         print(f"\n{'candidates':>10} {'whole process s':>16} {'ms per candidate':>17} {'feasible':>9}  best")
         rows = []
         for subset in SUBSETS:
@@ -91,6 +100,16 @@ def main() -> int:
     count, seconds = rows[-1]
     print(f"\nthe whole grid: {count:,} candidates in {seconds:.1f} s (goal: at least 1,000 in under {GOAL_S:.0f} s)")
     return 0 if count >= 1000 and seconds < GOAL_S else 1
+
+
+def by_ranks(profile: Path, ranks: list[int], count: int, tmp: Path) -> int:
+    """The whole grid without intervals at each rank count: wall seconds and candidates per second."""
+    print(f"\n{'ranks':>5} {'workers':>7} {'whole process s':>16} {'candidates/s':>13}  best")
+    for r in ranks:
+        seconds, report = run_search(profile, SPEC, tmp, 1, ranks=r if r > 1 else 0, extra=("--resamples", "0"))
+        best = report["best"]["strategy"] if report["best"] else "-"
+        print(f"{r:>5} {max(r - 1, 1):>7} {seconds:>16.1f} {count / seconds:>13.1f}  {best}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ Rules (docs/spec.md, "[search]"):
   none (2 by default);
 - the node size stays the spec's (`gpus_per_node`); a device count that does not fill whole nodes runs on
   one node if it is smaller than one, else is rejected;
-- identical candidates are one.
+- identical candidates are one;
+- `auto` (`[search] auto = true` or `analysis search --auto`): every field the grid does not list takes every
+  value that can make a job of the device count: each factorization of the count into dp x tp x pp, each
+  micro-batch size that divides the global batch over dp, every schedule (interleaved ones with the grid's
+  chunks, else 2), both recompute modes and every ZeRO stage; the spec's rules then reject what the model
+  cannot run (heads not divisible by tp, layers by pp, ...), as for any grid.
 """
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import SpecError, UserError
-from harness.schedules import INTERLEAVED
-from harness.spec import JobSpec, parse_spec
+from harness.schedules import INTERLEAVED, SCHEDULES
+from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
 
 GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero")
 
@@ -75,26 +80,53 @@ def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:
     return getattr(grid, field) or (getattr(spec.strategy, field),)
 
 
-def expand(spec: JobSpec, gpus: int | None = None) -> Grid:
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _auto_combinations(spec: JobSpec, fields: dict[str, tuple]) -> list[tuple]:
+    """(world, dp, tp, pp, micro) of every factorization and micro-batch size the grid leaves open (`auto`)."""
+    grid, global_size = spec.search, spec.batch.global_size
+    out = []
+    for world in fields["gpus"]:
+        for tp in grid.tp or divisors(world):
+            for pp in grid.pp or divisors(world // tp if world % tp == 0 else 1):
+                dp = world // (tp * pp) if world % (tp * pp) == 0 else None
+                if dp is None or (grid.dp and dp not in grid.dp):
+                    continue
+                micros = grid.micro or (divisors(global_size // dp) if global_size % dp == 0 else (1,))
+                out += [(world, dp, tp, pp, micro) for micro in micros]
+    return out
+
+
+def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> Grid:
     """Every candidate of `spec`'s [search] grid (the spec itself when it has none); `gpus` replaces the grid's
-    device counts. UserError if no combination is a valid job (naming the first reasons)."""
+    device counts; `auto` (default: the grid's own) fills the fields it does not list with every value (module
+    docstring). UserError if no combination is a valid job (naming the first reasons)."""
     if gpus is not None and gpus < 1:
         raise UserError(f"--gpus {gpus}: give a device count of 1 or more")
+    auto = spec.search.auto if auto is None else auto
     fields = {f: _values(spec, f, gpus) for f in GRID_FIELDS}
+    if auto:
+        grid = spec.search
+        fields.update(schedule=grid.schedule or SCHEDULES, recompute=grid.recompute or RECOMPUTE,
+                      zero=grid.zero or ZERO_STAGES)
+        shapes = _auto_combinations(spec, fields)
+    else:
+        shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"]))
     schedules = fields["schedule"]
     interleaved_chunks = spec.search.chunks or (spec.strategy.chunks if spec.strategy.chunks > 1 else 2,)
     base = spec.to_dict()
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for world, dp, tp, pp, micro, schedule, recompute, zero in itertools.product(
-            fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"], schedules, fields["recompute"],
-            fields["zero"]):
+    for (world, dp, tp, pp, micro), schedule, recompute, zero in itertools.product(
+            shapes, schedules, fields["recompute"], fields["zero"]):
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
                       ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
-                + ((("recompute", recompute),) if spec.search.recompute else ()) \
-                + ((("zero", zero),) if spec.search.zero else ())
+                + ((("recompute", recompute),) if spec.search.recompute or auto else ()) \
+                + ((("zero", zero),) if spec.search.zero or auto else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
                 candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute, zero)

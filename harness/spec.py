@@ -48,7 +48,7 @@ _SECTIONS = {
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "auto"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -166,6 +166,7 @@ class SearchSpec:
     gpus: tuple[int, ...] = ()
     recompute: tuple[str, ...] = ()
     zero: tuple[int, ...] = ()
+    auto: bool = False  # every valid value of each field the grid does not list (harness.candidates)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -195,7 +196,7 @@ class JobSpec:
         if m["factory"] is None:
             del m["factory"]
         s = dataclasses.asdict(self.strategy)
-        search = {k: list(v) for k, v in dataclasses.asdict(self.search).items() if v}
+        search = {k: v if isinstance(v, bool) else list(v) for k, v in dataclasses.asdict(self.search).items() if v}
         out = {
             "spec_version": SPEC_VERSION,
             "model": m,
@@ -457,6 +458,9 @@ def _parse_search(s: dict) -> SearchSpec:
     values = {}
     for key in _SECTIONS["search"]:
         if key not in s:
+            continue
+        if key == "auto":
+            values[key] = _flag(s, key, "search", False)
             continue
         items = s[key]
         if not isinstance(items, list) or not items:

@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from harness.errors import UserError
+from harness.launch_env import promised_world_size
 
 # Test-only: pretend every `k` consecutive ranks form one node (multi-node placement on one machine).
 EMULATE_VAR = "DISTSIM_EMULATE_RANKS_PER_NODE"
@@ -106,19 +107,6 @@ def _cpu_sets_by_host(hostnames, cpus) -> list[list[set[int]]]:
     for name, rank_cpus in zip(hostnames, cpus):
         by_host.setdefault(name, []).append(set(rank_cpus))
     return list(by_host.values())
-
-
-def promised_world_size(environ: dict[str, str] | None = None) -> tuple[int, str] | None:
-    """The world size the launcher promised, and the variable that says so (None if no launcher says)."""
-    env = os.environ if environ is None else environ
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        if name in env:
-            return int(env[name]), name
-    if "SLURM_STEP_ID" in env or "SLURM_PROCID" in env:
-        for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
-            if name in env:
-                return int(env[name]), name
-    return None
 
 
 def launcher_name(environ: dict[str, str] | None = None) -> str:

@@ -98,3 +98,25 @@ def test_harness_events_reports_the_union(tmp_path, project_env):
     text = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
                           env=project_env, timeout=60).stdout
     assert "a search of 5 candidate strategies (1 combinations rejected)" in text and "fewer to profile" in text
+
+
+def test_auto_fills_every_open_field_with_every_value():
+    """`auto`: every factorization of the devices and every micro-batch size that divides the batch over dp; the
+    fields the grid lists keep their values; the spec's rules reject the rest, each with its reason."""
+    spec = _spec('auto = true\nschedule = ["1f1b"]\nrecompute = ["none"]\nzero = [0]\n', dp=4, global_batch=8)
+    grid = expand(spec)
+    shapes = {(c.strategy.dp, c.strategy.tp, c.strategy.pp) for c in grid.candidates}
+    assert shapes == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)}
+    assert sorted(c.batch.micro for c in grid.candidates if c.strategy.dp == 4) == [1, 2]
+    assert sorted(c.batch.micro for c in grid.candidates if c.strategy.tp == 4) == [1, 2, 4, 8]
+    assert {c.strategy.schedule for c in grid.candidates} == {"1f1b"}
+    assert len(grid) + len(grid.rejected) == 20 and all(r.reason for r in grid.rejected)
+    # without the listed fields: every schedule, recompute and ZeRO stage too; `--auto` asks the same of any grid
+    everything = expand(_spec('auto = true\n', dp=4, global_batch=8))
+    assert {c.strategy.zero for c in everything.candidates} == {0, 1, 2, 3}
+    assert {c.strategy.recompute for c in everything.candidates} == {"none", "full"}
+    assert {c.strategy.schedule for c in everything.candidates} >= {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
+    assert all(c.strategy.tp == 1 for c in everything.candidates if c.strategy.zero)
+    plain = _spec('tp = [1]\n', dp=4, global_batch=8)
+    assert len(expand(plain)) == 1 and {c.strategy.tp for c in expand(plain, auto=True).candidates} == {1}
+    assert loads_spec(spec.to_toml(search=True)).search.auto

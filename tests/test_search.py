@@ -268,3 +268,34 @@ def test_the_recommendation_takes_the_least_memory_among_the_indistinguishable()
     chosen = recommend([alone, far])
     assert chosen.candidate is alone and chosen.basis == "reach" and far.indistinguishable_from_best is False
     assert recommend([misfit]) is None
+
+
+
+def _run(*command: str, ranks: int | None = None):
+    """`python ARGS` from the project's root, under the suite's mpirun on `ranks` ranks when given."""
+    import os
+    import subprocess
+    import sys
+
+    launcher = os.environ.get("DISTSIM_MPIRUN") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    prefix = [launcher, "-n", str(ranks)] if ranks else []
+    return subprocess.run([*prefix, sys.executable, *command], capture_output=True, text=True, cwd=ROOT, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_an_mpi_launch_spreads_the_candidates_over_its_ranks(tmp_path):
+    """Under `mpirun -n 2 python -m mpi4py.futures`, rank 1 evaluates every candidate for rank 0 and the ranking is
+    the one the search makes alone; under a plain mpirun each rank would repeat the search: refused."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text((ROOT / "tests/data/pp2.toml").read_text() + '\n[search]\nschedule = ["gpipe", "1f1b"]\n'
+                    'micro = [1, 2]\n')
+    args = ["-m", "analysis", "search", str(ROOT / "tests/data/pp2-profile.h5"), "--spec", str(grid), "--json",
+            "--quiet", "--resamples", "0"]
+    spread, alone = _run("-m", "mpi4py.futures", *args, ranks=2), _run(*args)
+    assert spread.returncode == alone.returncode == 0, spread.stderr + alone.stderr
+    spread, alone = json.loads(spread.stdout)["candidates"], json.loads(alone.stdout)["candidates"]
+    assert [(c["strategy"], c["batch_time_s"]) for c in spread] == [(c["strategy"], c["batch_time_s"]) for c in alone]
+    assert sum(c["feasible"] for c in spread) == 2  # the profile's micro-batch size, both schedules
+    refused = _run(*args, ranks=2)
+    assert refused.returncode == 2 and "python -m mpi4py.futures" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -8,12 +8,14 @@ import sys
 
 from harness.output import (byte_unit, format_bytes, format_duration, format_seconds, format_table, writable,
                             write_csv)
+from harness.errors import UserError
+from harness.launch_env import promised_world_size
 from harness.progress import Progress
 
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile, resolve_spec
-from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, search
+from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, mpi_futures_pool, search
 
 NAME = "search"
 HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"
@@ -28,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", help="profile.h5 of `harness profile` on a spec with a [search] grid")
     parser.add_argument("--spec", help="search this spec's grid instead of the profile's own")
     parser.add_argument("--gpus", type=int, metavar="N", help="the device count (replaces the grid's gpus)")
+    parser.add_argument("--auto", action="store_true",
+                        help="every valid value of each field the grid does not list: every dp x tp x pp, micro-batch "
+                             "size, schedule, recompute and ZeRO stage (docs/spec.md, [search])")
     parser.add_argument("--memory-gb", type=float, metavar="G",
                         help="each device's memory in GB (1e9 bytes); default: the spec's [cluster] device_memory_gb")
     parser.add_argument("--top", type=int, default=20, metavar="K", help="rows to print (default 20; 0: all)")
@@ -48,8 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from harness.errors import UserError
-
     if args.memory_gb is not None and not args.memory_gb > 0:
         raise UserError(f"--memory-gb {args.memory_gb:g}: give each device's memory in GB, above 0")
     if args.top < 0:
@@ -64,11 +67,16 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    promised = promised_world_size()
+    if promised is not None and promised[0] > 1 and mpi_futures_pool() is None:
+        raise UserError(f"launched on {promised[0]} ranks ({promised[1]}), each of which would run the whole search; "
+                        f"spread it over them with mpi4py.futures: mpirun -n {promised[0]} python -m mpi4py.futures "
+                        "-m analysis search ...")
     profile = load_profile(args.profile)
     spec = resolve_spec(profile, args.spec)
     from harness.candidates import expand
 
-    grid = expand(spec, args.gpus)
+    grid = expand(spec, args.gpus, auto=args.auto or None)
     if args.network:  # bad --network is one message here, before the workers start
         from analysis.costs import what_if_network
 
