@@ -35,9 +35,10 @@ from harness.spec import JobSpec
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
 
+from analysis.calibration import device_kind
 from analysis.network import NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import MeasuredEvent, Profile
-from analysis.skew import ReplicaSkew, replica_skew
+from analysis.skew import MachineDrift, ReplicaSkew, machine_drift, replica_skew
 
 PLACEMENTS = (INTRA, INTER)
 MEASURED, INTERPOLATED, FITTED, UNAVAILABLE, GIVEN = "measured", "interpolated", "fit", "unavailable", "given"
@@ -257,6 +258,10 @@ class Costs:
     held_out: list["HeldOutCheck"] = field(default_factory=list)
     # what costs communication beyond the measured curves (the spec's network or one calibrated from the profile)
     network: NetworkModel | None = None
+    # how the machine's speed moved over the profile (analysis.skew), and the kind of device it ran on ('cpu',
+    # 'cuda'; '' for durations given by hand): what a prediction's interval adds to its sampling noise
+    machine_drift: MachineDrift | None = None
+    device: str = ""
 
     def seconds(self, eid: str) -> float:
         return self.events[eid].seconds
@@ -461,7 +466,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
         network, network_only = what_if_network(plan.spec, profile, what_if, points, fits), True
     network = network or network_for(plan.spec, profile, points, fits)
     costs = Costs(events={}, fits=fits, curves=comm_curves(points), compute_stat=compute_stat,
-                  rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network)
+                  rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network,
+                  machine_drift=machine_drift(profile), device=device_kind(profile.environment))
     # tensor-parallel shards also measured with their all-reduces, as composites
     composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
                   and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None

@@ -14,7 +14,7 @@ from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
-from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, batch_time_interval
+from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
 
 
 @dataclass
@@ -56,7 +56,7 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
     costs.held_out = held_out_checks(profile, extra)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
                       estimate_memory(plan, activation_bytes(profile), released_bytes(profile)),
-                      batch_time_interval(plan, costs, dp_overlap, resamples))
+                      prediction_interval(plan, costs, dp_overlap, resamples))
 
 
 def add_prediction_arguments(parser: argparse.ArgumentParser, interval: bool = True) -> None:

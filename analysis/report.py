@@ -61,7 +61,9 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "seq_len": spec.model.seq_len,
         "batch_time_s": timeline.batch_time_s,
         **(interval.to_dict() if interval is not None else
-           {"batch_time_p5_s": None, "batch_time_p50_s": None, "batch_time_p95_s": None, "interval_resamples": 0}),
+           {"batch_time_p5_s": None, "batch_time_p50_s": None, "batch_time_p95_s": None, "interval_resamples": 0,
+            "interval_sampling_p5_s": None, "interval_sampling_p95_s": None, "interval_drift_sigma": None,
+            "interval_model_residuals": None}),
         "interval_explanation": explanation.to_dict() if explanation is not None else None,
         "compute_statistic": costs.compute_stat,
         "rank_speed": costs.rank_speed,
@@ -120,11 +122,14 @@ def _ms_or_dash(seconds: float | None) -> float | str:
 
 
 def interval_text(interval: BatchTimeInterval | None) -> str:
-    """' (90% interval 271-340 ms over the profile's samples)', or nothing without one."""
+    """' (90% interval 271 ms to 340 ms, 22.6% wide, with the model's error and the machine's drift)', or
+    nothing without one."""
     if interval is None:
         return ""
     return (f" (90% interval {format_seconds(interval.p5_s)} to {format_seconds(interval.p95_s)}, "
-            f"{interval.width:.1%} wide, from the profile's samples)")
+            f"{interval.width:.1%} wide, " + ("with the model's held-out error)" if interval.residuals else
+                                              "with the machine's drift)" if interval.sampling else
+                                              "from the profile's samples)"))
 
 
 def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False,

@@ -123,9 +123,9 @@ class ReplicaSkew:
         return expected_max_of_normals(replicas) * self.spread(window_s)[0]
 
 
-def replica_skew(profile: Profile) -> ReplicaSkew | None:
-    """The speed series of the profile's compute samples (None with fewer than two ranks timed, or ranks that
-    never measured at the same time)."""
+def compute_series(profile: Profile) -> list[RankSpeedSeries]:
+    """Each rank's compute samples in the order they ended, from the profiling run (compute phase) with the most
+    samples; empty without sample end times."""
     by_run: dict[float, dict[int, list[tuple[np.ndarray, np.ndarray, float]]]] = {}
     for m in profile.measurements.values():
         if m.kind != "compute" or not m.count or not m.ranks:
@@ -136,7 +136,7 @@ def replica_skew(profile: Profile) -> ReplicaSkew | None:
         run = float(m.attrs.get(COMPUTE_PHASE_ATTR, 0.0))
         by_run.setdefault(run, {}).setdefault(m.ranks[0], []).append((ends, m.samples_s, m.median_s))
     if not by_run:
-        return None
+        return []
     ranks = max(by_run.values(), key=lambda per_rank: sum(len(v) for v in per_rank.values()))
     series = []
     for rank, parts in sorted(ranks.items()):
@@ -146,8 +146,53 @@ def replica_skew(profile: Profile) -> ReplicaSkew | None:
         order = np.argsort(ends, kind="stable")
         if medians.sum() > 0:
             series.append(RankSpeedSeries(rank, ends[order], samples[order], medians[order]))
+    return series
+
+
+def replica_skew(profile: Profile) -> ReplicaSkew | None:
+    """The speed series of the profile's compute samples (None with fewer than two ranks timed, or ranks that
+    never measured at the same time)."""
+    series = compute_series(profile)
     if len(series) < 2:
         return None
     skew = ReplicaSkew(series)
     return skew if skew.span_s > 0 else None  # the ranks never measured at the same time (few repeats)
 
+
+DRIFT_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class MachineDrift:
+    """How the machine's speed moved over the profile: each of DRIFT_BLOCKS equal spans of its compute phase,
+    every rank's samples together, as time taken over the events' medians; `sigma` their relative standard
+    deviation (ddof 1), what a run at another moment may differ by."""
+
+    block_speeds: tuple[float, ...]
+    span_s: float
+
+    @property
+    def sigma(self) -> float:
+        speeds = np.asarray(self.block_speeds)
+        return float(np.std(speeds, ddof=1) / np.mean(speeds)) if speeds.size >= 2 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"block_speeds": list(self.block_speeds), "span_s": self.span_s, "sigma": self.sigma}
+
+
+def machine_drift(profile: Profile, blocks: int = DRIFT_BLOCKS) -> MachineDrift | None:
+    """The machine's drift over the profile (MachineDrift); None without sample end times or with fewer than two
+    spans holding samples."""
+    series = compute_series(profile)
+    if not series:
+        return None
+    ends = np.concatenate([s.end_s for s in series])
+    taken = np.concatenate([s.sample_s for s in series])
+    nominal = np.concatenate([s.median_s for s in series])
+    first, last = float(ends.min()), float(ends.max())
+    if last <= first:
+        return None
+    which = np.minimum(((ends - first) / (last - first) * blocks).astype(int), blocks - 1)
+    speeds = tuple(float(taken[which == b].sum() / nominal[which == b].sum()) for b in range(blocks)
+                   if nominal[which == b].sum() > 0)
+    return MachineDrift(speeds, last - first) if len(speeds) >= 2 else None

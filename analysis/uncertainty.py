@@ -5,11 +5,16 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   measured P2P and all-reduces) is drawn again as its statistic (mean, median or minimum) of a circular block
   resample of its samples in the order taken (bootstrap_statistics: the machine's drift makes samples in a row
   alike, which a resample of single samples would not keep); each resample is simulated as the prediction is;
-- what does not come from an event's own samples stays as predicted: fits of unmeasured communication, the
+- what does not come from an event's own samples stays as predicted: the network model's communication, the
   sender-busy and post times, the buckets' division and zeroing, the replica skew;
-- the interval is the 5th, 50th and 95th percentile of the resampled batch times: it says how much the
-  prediction would move with another profile of the same length on the same machine, not how far the
-  machine's state (or the model's assumptions) can move a run;
+- the sampling interval (batch_time_interval) is the 5th, 50th and 95th percentile of the resampled batch times:
+  how much the prediction would move with another profile of the same length on the same machine; the search
+  tells candidates apart by it (what moves every candidate alike cancels there);
+- the prediction's interval (prediction_interval) also holds what moves a run: each resampled batch time is
+  drawn CALIBRATION_DRAWS times more, times a factor of the model's own error on held-out runs of the profile's
+  device kind (analysis.calibration). Those runs were a profile and then a run on such a machine, so their
+  errors hold the machine's drift between the two; only for a kind without them is the factor 1 + the drift
+  over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -26,21 +31,28 @@ import numpy as np
 from harness.events import EventPlan
 from harness.precision import BATCHES, MIN_BATCHED
 
+from analysis.calibration import model_residuals
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
 
 DEFAULT_RESAMPLES = 200
 SEED = 20261201
+CALIBRATION_DRAWS = 20  # draws of the run's own factors per resampled batch time
 
 
 @dataclass(frozen=True)
 class BatchTimeInterval:
-    """The batch time's percentiles over `resamples` bootstrap resamples of the profile's samples."""
+    """The batch time's percentiles over `resamples` bootstrap resamples of the profile's samples; a prediction's
+    interval (prediction_interval) also holds the machine's drift and the model's error, and keeps `sampling`,
+    the bootstrap's alone."""
 
     p5_s: float
     p50_s: float
     p95_s: float
     resamples: int
+    sampling: "BatchTimeInterval | None" = None
+    drift_sigma: float | None = None  # the machine's drift over the profile (held only without `residuals`)
+    residuals: str | None = None  # the held-out runs whose errors it holds (ModelResiduals.source)
 
     def contains(self, seconds: float) -> bool:
         return self.p5_s <= seconds <= self.p95_s
@@ -51,8 +63,11 @@ class BatchTimeInterval:
         return (self.p95_s - self.p5_s) / self.p50_s if self.p50_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        sampling = self.sampling or self
         return {"batch_time_p5_s": self.p5_s, "batch_time_p50_s": self.p50_s, "batch_time_p95_s": self.p95_s,
-                "interval_resamples": self.resamples}
+                "interval_resamples": self.resamples, "interval_sampling_p5_s": sampling.p5_s,
+                "interval_sampling_p95_s": sampling.p95_s, "interval_drift_sigma": self.drift_sigma,
+                "interval_model_residuals": self.residuals}
 
 
 def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -166,6 +181,30 @@ def batch_time_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
     return interval_of(resampled_batch_times(plan, costs, dp_overlap, resamples, seed))
 
 
+def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
+                        resamples: int = DEFAULT_RESAMPLES, seed: int = SEED) -> BatchTimeInterval | None:
+    """The prediction's 90% interval: the sampling interval's resamples times the model's held-out error and the
+    machine's drift (module docstring); the sampling interval alone where neither is known; None with no
+    resamples or no samples."""
+    if resamples <= 0 or not has_samples(costs):
+        return None
+    times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
+    sampling = interval_of(times)
+    residuals = model_residuals(costs.device) if costs.device else None
+    drift = costs.machine_drift.sigma if costs.machine_drift is not None else None
+    if residuals is None and not drift:
+        return sampling
+    rng = np.random.default_rng([seed, CALIBRATION_DRAWS])
+    spread = np.repeat(times, CALIBRATION_DRAWS)
+    if residuals is not None:  # their errors hold a run's drift from its profile: not counted twice
+        spread = spread * rng.choice(np.asarray(residuals.ratios), size=spread.size)
+    else:
+        spread = spread * np.clip(1.0 + drift * rng.standard_normal(spread.size), 0.05, None)
+    p5, p50, p95 = (float(v) for v in np.percentile(spread, [5, 50, 95]))
+    return BatchTimeInterval(p5, p50, p95, int(times.size), sampling, drift,
+                             residuals.source if residuals is not None else None)
+
+
 PART_LABELS = {"events": "", "host_issue": " (host issue)", "composites": " (with its all-reduces)"}
 NAMED_SHARE = 0.75  # the explanation names the largest sources until they hold this much of the variance
 NAMED_AT_MOST = 2
@@ -200,7 +239,8 @@ class IntervalExplanation:
         """The sum of the sources' swings squared over the interval's width squared: near 1 where the batch
         time adds its sources' noise up; further off where they interact (a max of two paths); None for a zero
         width."""
-        width = self.interval.p95_s - self.interval.p5_s
+        sampling = self.interval.sampling or self.interval
+        width = sampling.p95_s - sampling.p5_s
         return sum(s.swing_s ** 2 for s in self.sources) / width ** 2 if width > 0 else None
 
     @property
@@ -217,17 +257,29 @@ class IntervalExplanation:
 
     def text(self) -> str:
         """One line, the answer first: what makes the interval as wide as it is, and what it leaves out."""
+        interval, sampling = self.interval, self.interval.sampling or self.interval
         count = len({s.event_id for s in self.sources})
-        what = f"{self.interval.width:.1%} wide from {count} measured event{'s' if count != 1 else ''}' sampling noise"
+        noise = f"{count} measured event{'s' if count != 1 else ''}' sampling noise"
         if not any(s.share > 0 for s in self.sources):
-            return f"{what}, which does not move the batch time"
-        named = self.named
-        if named:
-            where = " and ".join(f"{s.name} {s.share:.0%}" for s in named) + " of its variance"
+            where = "which does not move the batch time"
+        elif self.named:
+            where = " and ".join(f"{s.name} {s.share:.0%}" for s in self.named) + " of its variance"
         else:
             top = self.sources[0]
             where = f"spread over them (the largest, {top.name}, {top.share:.0%} of its variance)"
-        return f"{what}, {where}; it leaves out the machine's drift before a run and the model's own error"
+        if interval.sampling is None:
+            if not any(s.share > 0 for s in self.sources):
+                return f"{interval.width:.1%} wide from {noise}, {where}"
+            return (f"{interval.width:.1%} wide from {noise}, {where}; it leaves out the machine's drift before a run "
+                    "and the model's own error")
+        drift = f"{interval.drift_sigma:.1%}" if interval.drift_sigma is not None else "not measured"
+        if interval.residuals:
+            what = (f"the model's error on {interval.residuals}, which holds a run's drift from its profile (this "
+                    f"profile's: {drift})")
+        else:
+            what = (f"the machine's drift over the profile ({drift}; no held-out runs of this device kind: not the "
+                    "model's own error)")
+        return f"{interval.width:.1%} wide: {what}, around {sampling.width:.1%} from {noise}, {where}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text(), "first_order_fraction": self.first_order_fraction,

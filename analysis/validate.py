@@ -34,7 +34,7 @@ from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_me
 from analysis.profile_reader import Profile, parse_spec_offline
 from analysis.trace_reader import Trace
 from analysis.simulate import StageCosts, StepCost, Timeline, simulate
-from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, batch_time_interval
+from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
 
 REPORT_VERSION = 1
 
@@ -119,6 +119,11 @@ class Validation:
             "predicted_batch_time_p5_s": self.interval.p5_s if self.interval else None,
             "predicted_batch_time_p95_s": self.interval.p95_s if self.interval else None,
             "interval_resamples": self.interval.resamples if self.interval else 0,
+            "predicted_batch_time_sampling_p5_s": (self.interval.sampling or self.interval).p5_s if self.interval else None,
+            "predicted_batch_time_sampling_p95_s": (self.interval.sampling or self.interval).p95_s if self.interval
+            else None,
+            "measured_in_sampling_interval": (self.interval.sampling or self.interval).contains(self.measured_batch_s)
+            if self.interval else None,
             "measured_in_interval": self.measured_in_interval,
             "in_interval": self.measured_in_interval,  # the same, by the name bench/generalization.py's jobs use
             "compute_statistic": self.timeline.costs.compute_stat,
@@ -222,7 +227,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     result.memory = _memory_rows(trace, estimate_memory(plan, activation_bytes(profile), released_bytes(profile)))
     replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept, measured_steps))
     result.replay_batch_s = replayed.batch_time_s
-    result.interval = batch_time_interval(plan, costs, dp_overlap, resamples)
+    result.interval = prediction_interval(plan, costs, dp_overlap, resamples)
     return result
 
 

@@ -34,9 +34,15 @@ def test_simulate_on_the_real_profile(capsys):
     assert s1["compute_s"] == pytest.approx(0.19147113852571562, rel=EXACT)
     assert s1["end_s"] == pytest.approx(0.20489096982908764, rel=EXACT)
     assert s0["comm_s"] == pytest.approx(0.0009215080000000136, rel=1e-6)
-    # the bootstrap is seeded: the same profile gives the same interval
-    assert (report["batch_time_p5_s"], report["batch_time_p95_s"]) == pytest.approx(
+    # the bootstrap is seeded: the same profile gives the same interval, its sampling part alone as before, and
+    # with the model's error on the held-out CPU runs (analysis/data/model_residuals.json) the prediction's; the
+    # machine's drift over the profile (its 4 spans' speeds moved 2.9%) is said, held in those runs' errors
+    assert (report["interval_sampling_p5_s"], report["interval_sampling_p95_s"]) == pytest.approx(
         (0.2259277571700878, 0.23214372876406897), rel=EXACT)
+    assert (report["batch_time_p5_s"], report["batch_time_p95_s"]) == pytest.approx(
+        (0.2016388690022543, 0.3256425136719185), rel=EXACT)
+    assert report["interval_drift_sigma"] == pytest.approx(0.029359725720357603, rel=EXACT)
+    assert report["interval_model_residuals"].startswith("96 held-out CPU runs of bench/generalization.py")
     assert report["interval_resamples"] == 200
     # what makes it as wide as it is: each event's draws moved alone from their 5th to their 95th percentile
     explained = report["interval_explanation"]
@@ -58,7 +64,8 @@ def test_validate_on_the_real_run(capsys):
     assert result["predicted_batch_time_s"] == pytest.approx(0.22883617898841035, rel=EXACT)
     assert result["batch_time_error_pct"] == pytest.approx(-0.23219248378785626, rel=EXACT)
     assert result["replay_error_pct"] == pytest.approx(-1.9719823457559313, rel=EXACT)
-    assert result["measured_in_interval"] is True  # the run's 229.4 ms lies inside 225.9 to 232.1 ms
+    assert result["measured_in_interval"] is True  # the run's 229.4 ms lies inside 201.6 to 325.6 ms
+    assert result["measured_in_sampling_interval"] is True  # and inside the sampling part alone, 225.9 to 232.1
     assert result["in_interval"] is True  # the same, by the generalization suite's name
     assert [d["error_pct"] for d in result["devices"]] == pytest.approx([-2.8676823707926515, 2.735786994945674],
                                                                         rel=EXACT)
@@ -88,11 +95,12 @@ def test_show_on_the_real_profile(capsys, tmp_path):
 def test_the_terminal_report_on_the_real_profile(capsys):
     assert analysis_main(["simulate", str(PROFILE)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == ("batch time   228.836 ms (90% interval 225.928 ms to 232.144 ms, 2.7% wide, from the "
-                        "profile's samples)")
-    assert lines[2] == ("interval     2.7% wide from 9 measured events' sampling noise, gpt2.block.bwd 55% and "
-                        "gpt2.block.fwd 35% of its variance; it leaves out the machine's drift before a run and the "
-                        "model's own error")
+    assert lines[1] == ("batch time   228.836 ms (90% interval 201.639 ms to 325.643 ms, 48.2% wide, with the "
+                        "model's held-out error)")
+    assert lines[2] == ("interval     48.2% wide: the model's error on 96 held-out CPU runs of bench/generalization.py "
+                        "(seeds 20261201, 610975364, 332022879, 304290446; 2026-12-02), which holds a run's drift "
+                        "from its profile (this profile's: 2.9%), around 2.7% from 9 measured events' sampling noise, "
+                        "gpt2.block.bwd 55% and gpt2.block.fwd 35% of its variance")
     assert lines[5] == "memory       53.9 MB per device at most (stage 0, activations 17.3 MB)"
     assert len(lines) <= 13
 
@@ -100,8 +108,8 @@ def test_the_terminal_report_on_the_real_profile(capsys):
 def test_the_validation_says_in_one_line_whether_the_run_lies_in_the_interval(capsys):
     assert analysis_main(["validate", str(TRACE), str(PROFILE)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("in interval:")]
-    assert lines == ["in interval: yes, the measured median is inside the prediction's 90% interval, 225.928 to "
-                     "232.144 ms (2.7% wide, from the profile's samples)"]
+    assert lines == ["in interval: yes, the measured median is inside the prediction's 90% interval, 201.639 to "
+                     "325.643 ms (48.2% wide, with the model's held-out error)"]
     assert analysis_main(["validate", str(TRACE), str(PROFILE), "--resamples", "0"]) == 0
     assert "in interval: not known (no interval: --resamples 0" in capsys.readouterr().out
 

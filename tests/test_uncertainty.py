@@ -6,10 +6,13 @@ import math
 import numpy as np
 import pytest
 
+from analysis.calibration import device_kind, model_residuals
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
-from analysis.uncertainty import (BatchTimeInterval, batch_time_interval, bootstrap_statistics, explain_interval,
-                                  interval_of, relative_reach, resampled_batch_times)
+from analysis.skew import DRIFT_BLOCKS, MachineDrift, machine_drift
+from analysis.uncertainty import (CALIBRATION_DRAWS, SEED, BatchTimeInterval, batch_time_interval,
+                                  bootstrap_statistics, explain_interval, interval_of, prediction_interval,
+                                  relative_reach, resampled_batch_times)
 from harness.events import build_plan
 from harness.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
 from harness.spec import loads_spec
@@ -193,3 +196,54 @@ def test_noise_spread_over_many_events_is_said_to_be_spread():
     assert sum(s.share for s in explained.sources[:2]) == pytest.approx(0.6877, abs=1e-4)
     assert explained.named == ()
     assert "sampling noise, spread over them (the largest, p2p 1KiB intra, 39% of its variance);" in explained.text()
+
+
+def test_the_model_residuals_are_the_held_out_runs_as_factors(tmp_path):
+    residuals = model_residuals("cpu")
+    assert len(residuals.ratios) == 96 and residuals.seeds == (20261201, 610975364, 332022879, 304290446)
+    assert residuals.ratios[0] == pytest.approx(1 / (1 - 0.087))  # G2's first pair: -8.7%, the run 9.5% longer
+    assert model_residuals("cuda") is None  # no held-out GPU runs yet
+    assert device_kind({"device": "cuda:3"}) == "cuda" and device_kind({"device": "cpu"}) == "cpu"
+    other = tmp_path / "r.json"
+    other.write_text('{"kind": "something else"}')
+    assert model_residuals("cpu", other) is None
+
+
+def test_the_prediction_interval_adds_the_model_error_or_the_drift():
+    """Exact samples: the sampling interval is the point; the model's held-out errors give the prediction's its
+    width, seeded (they hold a run's drift from its profile: this profile's is not added again); a kind of device
+    without held-out runs takes the drift instead; with neither, the sampling interval."""
+    plan, costs = _sampled_costs(0.0)
+    point = simulate(plan, costs).batch_time_s
+    assert prediction_interval(plan, costs) == batch_time_interval(plan, costs)  # no device kind: by hand
+    costs.device = "cpu"
+    interval = prediction_interval(plan, costs)
+    ratios = np.asarray(model_residuals("cpu").ratios)
+    assert interval.sampling.width == pytest.approx(0.0, abs=1e-12) and interval.drift_sigma is None
+    # every resampled time is the point: the interval is the held-out factors' percentiles (20 draws of 200)
+    drawn = np.random.default_rng([SEED, CALIBRATION_DRAWS]).choice(ratios, size=200 * CALIBRATION_DRAWS)
+    assert (interval.p5_s, interval.p95_s) == pytest.approx(tuple(point * np.percentile(drawn, [5, 95])))
+    assert interval.contains(point * float(np.median(ratios)))
+    assert prediction_interval(plan, costs) == interval
+    costs.machine_drift = MachineDrift((0.9, 1.1), 10.0)  # sigma: 0.1414 / 1
+    said = prediction_interval(plan, costs)
+    assert said.drift_sigma == pytest.approx(math.sqrt(0.02)) and (said.p5_s, said.p95_s) == (interval.p5_s,
+                                                                                              interval.p95_s)
+    assert "which holds a run's drift from its profile (this profile's: 14.1%)" in explain_interval(
+        plan, costs, said).text()
+    costs.device = "cuda"
+    drift_only = prediction_interval(plan, costs)
+    assert drift_only.residuals is None and drift_only.width == pytest.approx(2 * 1.645 * math.sqrt(0.02), rel=0.1)
+    assert "no held-out runs of this device kind" in explain_interval(plan, costs, drift_only).text()
+
+
+def test_machine_drift_from_the_samples_end_times():
+    """Four spans of the compute phase, every rank's samples together: the spans' time taken over the medians."""
+    from analysis.profile_reader import load_profile
+    from tests.conftest import ROOT
+
+    drift = machine_drift(load_profile(ROOT / "tests/data/pp2-profile.h5"))
+    assert len(drift.block_speeds) == DRIFT_BLOCKS
+    assert drift.sigma == pytest.approx(float(np.std(drift.block_speeds, ddof=1) / np.mean(drift.block_speeds)))
+    assert drift.sigma == pytest.approx(0.029359725720357603, rel=1e-9)
+    assert MachineDrift((1.0,), 1.0).sigma == 0.0

@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
             "BELOW" if result.measured_batch_s < iv.p5_s else "ABOVE")
         print(f"in interval: {'yes' if result.measured_in_interval else 'no'}, the measured median is {where} "
               f"the prediction's 90% interval, {ms(iv.p5_s):.3f} to "
-              f"{ms(iv.p95_s):.3f} ms ({iv.width:.1%} wide, from the profile's samples)")
+              f"{ms(iv.p95_s):.3f} ms ({iv.width:.1%} wide, "
+              + ("with the model's held-out error)" if iv.residuals else "with the machine's drift)" if iv.sampling
+                 else "from the profile's samples)"))
     else:
         print("in interval: not known (no interval: --resamples 0, or costs without samples)")
     if result.replay_error_pct is not None and result.compute_cost_error_pct is not None:
