@@ -69,3 +69,24 @@ def test_bad_input_exits_2_with_one_message(options, names):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_the_peer_bench_describes_each_job_as_a_user_would_and_refuses_a_missing_peer(tmp_path):
+    """bench/peers.py: what llm-analysis is told of a drawn job, which device's peak it is held to, and a missing
+    scratch environment is one message, exit 2 (llm-analysis itself is never imported here)."""
+    from bench.generalization import draw_jobs
+    from bench.peers import describe, largest_device
+
+    job = draw_jobs(20261201, 1, 2)[0]
+    described = describe(job)
+    m, s = job.spec.model, job.spec.strategy
+    assert (described["layers"], described["hidden"], described["ffn"], described["vocab"], described["seq"]) == (
+        m.layers, m.hidden, m.ffn, m.vocab, m.seq_len)
+    assert (described["dp"], described["tp"], described["pp"], described["micro_batches"]) == (
+        s.dp, s.tp, s.pp, job.spec.micro_batches)
+    rows = [{"measured_bytes": 10, "error_pct": 1.0}, {"measured_bytes": 30, "error_pct": -2.0},
+            {"measured_bytes": 50, "error_pct": None}]
+    assert largest_device({"memory": rows})["error_pct"] == -2.0 and largest_device({"memory": []}) is None
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--peer-python",
+                           str(tmp_path / "none" / "python")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "install llm-analysis into a scratch environment" in done.stderr
