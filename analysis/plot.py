@@ -191,6 +191,7 @@ def booking_panel(ax, per_count, iterations: int | None, tokens: float | None) -
     for n, t, c in zip(counts, times, best):
         ax.annotate(c.label, (n, t), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [f"{n:,}" for n in counts])
     ax.set_xlabel("devices")
     ax.set_ylabel(time_label, color="#4C72B0")
     twin = ax.twinx()

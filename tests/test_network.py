@@ -243,3 +243,42 @@ def test_a_spec_without_a_network_says_what_to_give(tmp_path):
     bad.write_text(spec_text(network=NETWORK.replace("size = 2048", "size = 12")))
     out = run_analysis("network", str(bad))
     assert out.returncode == 2 and "[cluster.network[1].size]" in out.stderr and "does not nest" in out.stderr
+
+
+def test_what_if_and_the_booking_curve_on_a_profile(tmp_path):
+    """simulate --network with another spec's tiers; search over two device counts: the booking rows, each
+    candidate's communication by tier (JSON and CSV) and the PNG's second panel."""
+    from analysis.cli import main
+
+    spec = make_spec(dp=2, tp=1, pp=1, micro_batches=4, nodes=2)  # a global batch of 8
+    targets = [make_spec(dp=4, tp=1, pp=1, micro_batches=2, nodes=2), make_spec(dp=8, tp=1, pp=1, micro_batches=1,
+                                                                                nodes=4)]
+    extra = [comm_point("allreduce", n, "inter", 5e-5 + n * 2e-10) for n in (2**10, 2**16, 2**20)]
+    path = write_handmade_profile(tmp_path / "profile.h5", spec,
+                                  by_name({"gpt2.block.fwd": 1e-3, "gpt2.block.bwd": 2e-3, "gpt2.embedding.fwd": 1e-4,
+                                           "gpt2.head.fwd": 2e-4, "p2p": None, "allreduce": None}, 1e-4),
+                                  extra, world_size=2, also=targets)
+    fast = tmp_path / "fast.toml"
+    fast.write_text(targets[0].to_toml() + "\n[[cluster.network]]\nname = \"node\"\nsize = 2\nbandwidth_gbs = 1000\n"
+                    "latency_us = 0\n[[cluster.network]]\nname = \"net\"\nsize = 64\nbandwidth_gbs = 1000\n"
+                    "latency_us = 0\n")
+    base, what_if = (run_analysis("simulate", str(path), "--strategy", "dp=4", "--json", *extra_args)
+                     for extra_args in ((), ("--network", str(fast))))
+    assert base.returncode == what_if.returncode == 0, base.stderr + what_if.stderr
+    base, what_if = json.loads(base.stdout), json.loads(what_if.stdout)
+    assert what_if["network"]["origin"] == f"what-if {fast}" and base["network"]["origin"].startswith("calibrated")
+    assert what_if["batch_time_s"] < base["batch_time_s"]
+    grid = tmp_path / "grid.toml"
+    grid.write_text(spec.to_toml() + "\n[search]\ngpus = [4, 8]\nmicro = [1]\n")
+    out = run_analysis("search", str(path), "--spec", str(grid), "--tokens", "1e6", "--png", str(tmp_path / "s.png"),
+                       "--csv", str(tmp_path / "s.csv"), "--resamples", "0", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert "per device count (the booking curve; --png draws it):" in out.stdout
+    booking = out.stdout.split("per device count")[1].split("\n\n")[0]
+    assert "dp=4 tp=1 pp=1" in booking and "dp=8 tp=1 pp=1" in booking
+    assert (tmp_path / "s.png").stat().st_size > 0
+    rows = (tmp_path / "s.csv").read_text().splitlines()
+    assert "comm_by_tier" in rows[0].split(",") and "inter 1.0000" in rows[1]
+    data = json.loads(run_analysis("search", str(path), "--spec", str(grid), "--json", "--resamples", "0",
+                                   "--quiet").stdout)
+    assert all(c["comm_by_tier"] == {"inter": pytest.approx(1.0)} for c in data["candidates"] if c["feasible"])
