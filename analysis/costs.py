@@ -36,7 +36,7 @@ from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_
                                   ZERO_SERIES, compute_phase_key)
 
 from analysis.calibration import device_kind
-from analysis.network import NetworkModel, calibrated_network, spec_network
+from analysis.network import Estimate, NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import MeasuredEvent, Profile
 from analysis.skew import MachineDrift, ReplicaSkew, machine_drift, replica_skew
 
@@ -397,7 +397,7 @@ def _rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]])
 def network_for(spec: JobSpec, profile: Profile, points: CommPoints | None = None,
                 fits: Mapping[tuple[str, str], CommFit] | None = None) -> NetworkModel | None:
     """The target's network: the spec's `[[cluster.network]]`, else tiers calibrated from the profile's points
-    (a node of the spec's gpus_per_node, then every device); None when the profile measured no communication."""
+    (a node of the spec's gpus_per_node, then the rest); None when the profile measured no communication."""
     cluster = spec.cluster
     if points is None:
         points = measured_comm_points(profile)
@@ -405,9 +405,8 @@ def network_for(spec: JobSpec, profile: Profile, points: CommPoints | None = Non
         fits = {key: fit_alpha_beta(key[0], key[1], pts) for key, pts in sorted(points.items())}
     if cluster.network:
         return spec_network(cluster.network)
-    backend = str(profile.environment.get("backend", ""))
-    return calibrated_network(points, cluster.gpus_per_node, cluster.devices, "nccl" if "nccl" in backend else backend,
-                              profile.path.name, lambda kind, placement, _: fits[(kind, placement)])
+    return calibrated_network(points, cluster.gpus_per_node, profile.path.name,
+                              lambda kind, placement, _: fits[(kind, placement)])
 
 
 def what_if_network(spec: JobSpec, profile: Profile, what_if: str, points: CommPoints | None = None,
@@ -558,17 +557,15 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
 
 def communication_by_tier(plan: EventPlan, costs: Costs) -> dict[str, float]:
     """Each network tier's share of an iteration's communication time, summed over every device (an event's
-    seconds x its count), by the outermost tier its group crosses; without a network model, by placement."""
-    from harness.network import group_span
-
+    seconds x its count), by the outermost tier its slowest group crosses; without a network model, by
+    placement."""
     seconds: dict[str, float] = {}
     tiers = costs.network.tiers if costs.network is not None else None
     for eid, event in plan.events.items():
         if event.kind not in COMM_KINDS or eid not in costs.events:
             continue
-        if tiers is not None:
-            ranks = plan.group_ranks.get(eid) or tuple(range(event.group_size))
-            name = tiers[group_span(ranks, tiers).crossing].name
+        if costs.network is not None:
+            name = tiers[slowest_group(plan, eid, costs.network).span.crossing].name
         else:
             name = event.placement or INTER
         seconds[name] = seconds.get(name, 0.0) + costs.seconds(eid) * plan.multiplicity[eid]
@@ -577,12 +574,20 @@ def communication_by_tier(plan: EventPlan, costs: Costs) -> dict[str, float]:
     return {name: seconds[name] / total for name in order if name in seconds} if total > 0 else {}
 
 
+def slowest_group(plan: EventPlan, eid: str, network: NetworkModel) -> Estimate:
+    """The network model's estimate for the slowest of the groups the plan keeps for a communication event (they
+    may lie differently on the tiers: one pipeline boundary inside a leaf, the next across the spine)."""
+    event = plan.events[eid]
+    op = "sendrecv" if event.kind == "p2p" else event.kind
+    groups = plan.group_ranks.get(eid) or [tuple(range(event.group_size))]
+    return max((network.estimate_group(op, float(event.bytes), ranks) for ranks in groups),
+               key=lambda estimate: estimate.seconds)
+
+
 def _modelled(plan: EventPlan, eid: str, network: NetworkModel, prefix: str = "") -> EventCost:
     """An event costed by the network model, its note naming the algorithm, protocol and tiers."""
     event = plan.events[eid]
-    op = "sendrecv" if event.kind == "p2p" else event.kind
-    ranks = plan.group_ranks.get(eid) or tuple(range(event.group_size))
-    estimate = network.estimate_group(op, float(event.bytes), ranks)
+    estimate = slowest_group(plan, eid, network)
     fit = network.link_fits.get((event.kind, estimate.span.crossing))
     borrowed = ""
     if fit is not None and fit != (event.kind, network.tiers[estimate.span.crossing].name):

@@ -16,8 +16,9 @@ its protocols' bandwidth shares, below). The rules, for a group of n ranks in d 
   NIC, whichever is slower; off-rail pairs of a `rails` tier take one more innermost hop (NCCL's PXN);
 - send/recv: one hop over the outermost tier the pair crosses.
 A hop between domains is costed at the outermost tier the group crosses. A network calibrated from a profile
-(no `[[cluster.network]]`) has the profiling backend's algorithms: ring and pairwise for gloo and MPI, and one
-protocol, whose per-kind latency and bandwidth are the profile's own fits.
+(no `[[cluster.network]]`) costs a group as the fits it came from do, whatever the backend: ring (and pairwise
+all-to-all) steps at the latency and bandwidth fitted for the outermost placement the group crosses, one
+protocol, no base, so that it gives back the fit at every measured point.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from harness.collectives import bus_factor
-from harness.errors import UserError
 from harness.events import INTER, INTRA
+from harness.spec import MAX_DEVICES
 from harness.network import GroupSpan, NetworkTier, check_tiers, contiguous_span, group_span, with_overrides
 
 NCCL_VERSION = "2.30"
@@ -46,7 +47,8 @@ HOP_LATENCY_US = {
 }
 TREE_EFFICIENCY = 0.92
 NVLS_EFFICIENCY = 0.85  # Hopper
-NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or what a calibrated gloo/MPI profile ran (ring)
+NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or the calibrated fits' own form (ring)
+LINK_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")  # what a measured link stands for
 CALIBRATED_NAMES = (INTRA, INTER)
 
 
@@ -68,7 +70,7 @@ class Estimate:
 
 @dataclass(frozen=True)
 class NetworkModel:
-    """Tiers (innermost first), the algorithm set (NCCL's, or the calibrated backend's ring) and, for a calibrated
+    """Tiers (innermost first), the algorithm set (NCCL's, or the calibrated fits' ring) and, for a calibrated
     network, each (op kind, tier) link's own latency and bandwidth measured by the profile."""
 
     tiers: tuple[NetworkTier, ...]
@@ -82,7 +84,7 @@ class NetworkModel:
     def with_overrides(self, overrides: Mapping[str, float | bool], devices: int) -> "NetworkModel":
         """A what-if: the tiers with fields replaced; a calibrated link's measured values give way to them."""
         tiers = with_overrides(self.tiers, overrides, max(devices, 1))
-        changed = {key.partition(".")[0] for key in overrides}
+        changed = {key.partition(".")[0] for key in overrides if key.partition(".")[2] in LINK_FIELDS}
         kept = {key: value for key, value in self.links.items() if self.tiers[key[1]].name not in changed}
         return NetworkModel(tiers, self.algorithms, f"{self.origin}, what-if {_overrides_text(overrides)}", kept,
                             self.notes, {key: value for key, value in self.link_fits.items() if key in kept})
@@ -113,6 +115,8 @@ class NetworkModel:
         return span.per_domain * min(self.bandwidth(kind, k) for k in range(1, span.crossing + 1))
 
     def _ring_bandwidth(self, kind: str, span: GroupSpan) -> float:
+        if self.algorithms == MEASURED:  # the fit's own link for the placement it crosses
+            return self.bandwidth(kind, span.crossing)
         inner = self.bandwidth(kind, 0)
         if span.crossing == 0:
             return inner
@@ -132,6 +136,8 @@ class NetworkModel:
         kind = KIND_OF_OP.get(op, op)
         n, d = span.ranks, span.domains
         steps, inter = (2 * (n - 1), 2 * (d - 1)) if op == "allreduce" else (n - 1, d - 1)
+        if self.algorithms == MEASURED and span.crossing:
+            inter = steps  # the fit of the placement it crosses stands for every step, as it was fitted
         moved = steps / n * nbytes
         out = []
         for protocol in self._protocols():
@@ -158,6 +164,8 @@ class NetworkModel:
         nvls_hop = self.hop_s("allreduce", 0, "nvls", "Simple")
         if span.crossing == 0:
             return [(nvls_hop + nbytes / inner, "nvls", "Simple")]
+        if span.per_domain < 2:  # one GPU a domain: nothing for the switch to reduce
+            return []
         latency = nvls_hop + 2 * math.log2(span.domains) * self.hop_s("allreduce", span.crossing, "nvls_tree", "Simple")
         between = self._crossing_bandwidth("allreduce", span)
         return [(latency + nbytes / min(inner, between), "nvls_tree", "Simple")]
@@ -174,8 +182,11 @@ class NetworkModel:
     def _alltoall(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
         n, g = span.ranks, span.per_domain
         share = nbytes / n
-        inside = (g - 1) * share / self.bandwidth("alltoall", 0) if g > 1 else 0.0
         protocol = "Simple" if self.algorithms == NCCL else MEASURED
+        if self.algorithms == MEASURED:  # the fit's form: one hop, every other rank's share over its link
+            return [(self.hop_s("alltoall", span.crossing, "ring", protocol)
+                     + (n - 1) * share / self.bandwidth("alltoall", span.crossing), "pairwise", protocol)]
+        inside = (g - 1) * share / self.bandwidth("alltoall", 0) if g > 1 else 0.0
         if span.crossing == 0:
             return [(self._base_s("ring", protocol) + self.hop_s("alltoall", 0, "ring", protocol) + inside,
                      "pairwise", protocol)]
@@ -203,10 +214,10 @@ class NetworkModel:
         """Every (seconds, algorithm, protocol) this network can run `op` of `nbytes` over `span` with."""
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
-        if op == "sendrecv":
-            return self._sendrecv(nbytes, span)
         if span.ranks <= 1:
             return [(0.0, "none", "-")]
+        if op == "sendrecv":
+            return self._sendrecv(nbytes, span)
         if op == "alltoall":
             return self._alltoall(nbytes, span)
         options = self._ring(op, nbytes, span)
@@ -247,8 +258,8 @@ def spec_network(tiers: Sequence[NetworkTier]) -> NetworkModel:
 
 
 def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, int, float]]], gpus_per_node: int,
-                       devices: int, backend: str, source: str, fit) -> NetworkModel | None:
-    """A two-tier network (`intra`: a node of `gpus_per_node`; `inter`: every device) whose links are the
+                       source: str, fit) -> NetworkModel | None:
+    """A two-tier network (`intra`: a node of `gpus_per_node`; `inter`: the rest, unbounded) whose links are the
     profile's own: per op kind and placement the latency and bandwidth `fit` (analysis.costs.fit_alpha_beta)
     draws from its points. A (kind, placement) without points takes, in turn, the same kind's other placement,
     another kind's at the same placement, another kind's at the other (COMM_KINDS' order: the formulas share the
@@ -274,15 +285,18 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
                 origin[(kind, tier)] = (key[0], CALIBRATED_NAMES[key[1]])
     notes = [f"no {CALIBRATED_NAMES[t]}-node {kind} measured: its link is the {o[0]} {o[1]} fit's"
              for (kind, t), o in sorted(origin.items(), key=lambda item: item[0][::-1])
-             if (kind, CALIBRATED_NAMES[t]) != o and any(p[0] == kind for p in points)]
+             if (kind, CALIBRATED_NAMES[t]) != o and any(k == kind for k, _ in measured)]
 
     def typical(tier: int) -> tuple[float, float]:  # what the tier's row shows: its all-reduce link
         return links[("allreduce", tier)]
 
-    tiers = (NetworkTier(INTRA, max(1, gpus_per_node), typical(0)[1] / 1e9, typical(0)[0] * 1e6),
-             NetworkTier(INTER, max(devices, gpus_per_node * 2), typical(1)[1] / 1e9, typical(1)[0] * 1e6))
-    algorithms = NCCL if backend == "nccl" else MEASURED
-    return NetworkModel(tiers, algorithms, f"calibrated from {source}", links, tuple(notes), origin)
+    per_node = max(1, gpus_per_node)
+    # the inter tier holds any cluster the spec may grow to (harness.spec's device limit): a calibration has no
+    # outer edge to ask about
+    tiers = (NetworkTier(INTRA, per_node, typical(0)[1] / 1e9, typical(0)[0] * 1e6),
+             NetworkTier(INTER, per_node * max(2, -(-MAX_DEVICES // per_node)), typical(1)[1] / 1e9,
+                         typical(1)[0] * 1e6))
+    return NetworkModel(tiers, MEASURED, f"calibrated from {source}", links, tuple(notes), origin)
 
 
 def _link_of(fit) -> tuple[float, float] | None:
@@ -293,11 +307,9 @@ def _link_of(fit) -> tuple[float, float] | None:
 
 
 def check_network_devices(model: NetworkModel, devices: int, where: str) -> None:
-    """UserError when `devices` do not fit the model's tiers (analysis network --nodes, a larger what-if)."""
-    try:
-        check_tiers(model.tiers, devices, where)
-    except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
+    """SpecError (a UserError naming `where`) when `devices` do not fit the model's tiers (analysis network
+    --nodes, a larger what-if)."""
+    check_tiers(model.tiers, devices, where)
 
 
 def nccl_tests_rows(model: NetworkModel, op: str, ranks: int, sizes: Sequence[int]) -> list[dict[str, Any]]:

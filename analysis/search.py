@@ -36,7 +36,7 @@ from harness.errors import UserError
 from harness.events import build_plan
 from harness.spec import JobSpec
 
-from analysis.costs import communication_by_tier, estimate_costs
+from analysis.costs import MODELLED, communication_by_tier, estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
@@ -347,7 +347,9 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
         result.reach_s = (T * (1 - down), T * (1 + up))
     if costs.extrapolated:
         names = sorted({c.name for c in costs.extrapolated})
-        result.flags.append(f"{len(costs.extrapolated)} communication event(s) from the network model "
+        modelled = sum(c.source == MODELLED for c in costs.extrapolated)
+        source = "the network model" if modelled == len(costs.extrapolated) else "models, not measurements"
+        result.flags.append(f"{len(costs.extrapolated)} communication event(s) from {source} "
                             f"({', '.join(names[:2])}" + (", ..." if len(names) > 2 else "") + ")")
     tp = spec.strategy.tp
     if tp > 1 and any(e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd") and eid not in costs.composites
@@ -415,8 +417,8 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
             raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the "
                             "search spec itself: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR")
         ranked = rank(results, sort)
-        if resamples > 0:
-            _interval_pass(ranked, resamples, jobs)
+        if resamples > 0:  # in this process alone under MPI: forking an MPI process is not safe on every transport
+            _interval_pass(ranked, resamples, 1 if mpi_pool is not None else jobs)
     finally:
         _SHARED.clear()
         _REACH.clear()

@@ -57,7 +57,7 @@ def evaluate(files: dict[str, Path]) -> dict:
     (held_out,) = load([files["held-out"]])
     backend, device = calibration[0].backend, str(calibration[0].environment.get("device", "?"))
     points = profile_points(calibration, backend, device, "the 2-rank runs")
-    model = calibrated_network(points, 2, 4, backend, "2-rank harness collectives", fit_alpha_beta)
+    model = calibrated_network(points, 2, "2-rank harness collectives", fit_alpha_beta)
     span = contiguous_span(len(held_out.ranks), model.tiers)
     rows, summary = [], {}
     for op in OPS:

@@ -203,13 +203,30 @@ class StageProgram:
         return self.backward, self.backward_layers, self.backward_again or [False] * len(self.backward)
 
 
+MAX_GROUP_EXAMPLES = 16
+
+
 class GroupPlacements(Counter):
-    """How many groups of one kind lie within a node (INTRA) or across nodes (INTER), and one group's ranks of
-    each (`examples`)."""
+    """How many groups of one kind lie within a node (INTRA) or across nodes (INTER), and some groups' ranks of
+    each (`examples`): the 1st, 2nd, 4th, 8th, ... and the last, so that groups which lie differently on a
+    network's tiers (pipeline boundaries, dp groups at other offsets) are among them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.examples: dict[str, tuple[int, ...]] = {}
+        self.examples: dict[str, list[tuple[int, ...]]] = {}
+        self._last: dict[str, tuple[int, ...]] = {}
+
+    def add(self, placement: str, ranks: list[int]) -> None:
+        self[placement] += 1
+        count = self[placement]
+        if count & (count - 1) == 0:  # a power of two
+            self.examples.setdefault(placement, []).append(tuple(ranks))
+        else:
+            self._last[placement] = tuple(ranks)
+
+    def groups(self, placement: str) -> list[tuple[int, ...]]:
+        last = self._last.get(placement)
+        return self.examples.get(placement, []) + ([last] if last is not None else [])
 
 
 class EventPlan:
@@ -221,8 +238,9 @@ class EventPlan:
         self.events: dict[str, Event] = {}
         self.multiplicity: Counter[str] = Counter()
         self.placement_mixed: list[str] = []
-        # communication event id -> the ranks of one group that runs it (where it lies on a network's tiers)
-        self.group_ranks: dict[str, tuple[int, ...]] = {}
+        # communication event id -> the ranks of some groups that run it (where they lie on a network's tiers;
+        # the slowest of them is what the analysis costs)
+        self.group_ranks: dict[str, list[tuple[int, ...]]] = {}
         self._build()
 
     # ---- construction -------------------------------------------------------------------------
@@ -251,10 +269,7 @@ class EventPlan:
         counts = GroupPlacements()
         for ranks in groups:
             nodes = {self._node(r) for r in ranks}
-            placement = INTRA if len(nodes) == 1 else INTER
-            counts[placement] += 1
-            if placement not in counts.examples:
-                counts.examples[placement] = tuple(ranks)
+            counts.add(INTRA if len(nodes) == 1 else INTER, ranks)
         return counts
 
     def _collective(self, kind: str, nbytes: int, group: int, placements: "GroupPlacements",
@@ -277,7 +292,8 @@ class EventPlan:
                     + (" fsdp" if fsdp else "")
                 chosen = self._add(kind, label, content, float(nbytes),
                                    placements[placement] * calls_per_group)
-                self.group_ranks.setdefault(chosen, placements.examples[placement])
+                known = self.group_ranks.setdefault(chosen, [])
+                known += [g for g in placements.groups(placement) if g not in known][:MAX_GROUP_EXAMPLES - len(known)]
         if len(placements) > 1 and what not in self.placement_mixed:
             self.placement_mixed.append(what)
         assert chosen is not None

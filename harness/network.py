@@ -6,7 +6,8 @@ order: a rank's domain at a tier is rank // size, so the innermost tier's domain
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from harness.errors import SpecError
@@ -73,8 +74,8 @@ def _parse_tier(table: dict, where: str) -> NetworkTier:
             if key == "bandwidth_gbs":
                 raise SpecError("is required (GB/s per GPU, one direction)", field=f"{where}.{key}")
             continue
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise SpecError(f"must be a number, got {raw!r}", field=f"{where}.{key}")
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+            raise SpecError(f"must be a finite number, got {raw!r}", field=f"{where}.{key}")
         if key == "latency_us" and raw < 0:
             raise SpecError(f"must be >= 0 microseconds, got {raw!r}", field=f"{where}.{key}")
         if key != "latency_us" and raw <= 0:
@@ -189,7 +190,3 @@ def group_span(ranks: Iterable[int], tiers: Sequence[NetworkTier]) -> GroupSpan:
 def contiguous_span(ranks: int, tiers: Sequence[NetworkTier]) -> GroupSpan:
     """The span of ranks 0..ranks-1 (nccl-tests' layout: whole nodes in order)."""
     return group_span(range(ranks), tiers)
-
-
-def renamed(tiers: Sequence[NetworkTier], **fields: Any) -> tuple[NetworkTier, ...]:
-    return tuple(replace(t, **fields) for t in tiers)

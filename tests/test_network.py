@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from analysis.network import (BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, NetworkModel, nccl_tests_rows,
-                              spec_network)
+from analysis.network import (BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, check_network_devices,
+                              nccl_tests_rows, spec_network)
 from harness.errors import SpecError
 from harness.events import build_plan
 from harness.network import GroupSpan, NetworkTier, group_span, parse_network, parse_overrides
@@ -282,3 +282,46 @@ def test_what_if_and_the_booking_curve_on_a_profile(tmp_path):
     data = json.loads(run_analysis("search", str(path), "--spec", str(grid), "--json", "--resamples", "0",
                                    "--quiet").stdout)
     assert all(c["comm_by_tier"] == {"inter": pytest.approx(1.0)} for c in data["candidates"] if c["feasible"])
+
+
+def test_a_calibrated_network_gives_back_its_fits_at_the_measured_points():
+    """Calibrated from inter points of 4 ranks on 2 nodes of 2 (the fit's beta already holds both NICs), the model
+    gives back the fit at those points and sizes, whatever the profile's backend."""
+    from analysis.costs import fit_alpha_beta
+    from analysis.network import calibrated_network
+
+    points = {("allreduce", "inter"): [(n, 4, 2 * 3 * 40e-6 + 2 * 3 / 4 * n / 1e9) for n in (2**10, 2**16, 2**20)],
+              ("allreduce", "intra"): [(n, 2, 2 * 10e-6 + n / 5e9) for n in (2**10, 2**16, 2**20)]}
+    model = calibrated_network(points, 2, "p.h5", fit_alpha_beta)
+    four = group_span(range(4), model.tiers)
+    assert (four.domains, four.per_domain, four.crossing) == (2, 2, 1)
+    for n in (2**10, 2**18, 2**22):
+        fit = fit_alpha_beta("allreduce", "inter", points[("allreduce", "inter")])
+        assert model.estimate("allreduce", n, four).seconds == pytest.approx(fit.predict("allreduce", n, 4))
+    assert model.estimate("allreduce", 2**16, group_span((0, 1), model.tiers)).seconds == pytest.approx(
+        2 * 10e-6 + 2**16 / 5e9)
+    assert model.estimate("allreduce", 8, group_span((0,), model.tiers)).seconds == 0.0
+    # the inter tier has no outer edge: any node count can be asked about
+    check_network_devices(model, 2 * 4096, "--nodes 4096")
+
+
+def test_the_slowest_of_an_events_groups_is_costed():
+    """nvlink 8, a leaf of 16 and a tapered spine: with tp = 8 and pp = 4 one pipeline event stands for three
+    boundaries; the first stays in a leaf, the second crosses the spine: it is costed at the spine."""
+    from analysis.costs import slowest_group
+
+    network = spec_network(parse_network([dict(name="nvlink", size=8, bandwidth_gbs=450),
+                                          dict(name="leaf", size=16, bandwidth_gbs=50),
+                                          dict(name="spine", size=64, bandwidth_gbs=50, oversubscription=4)], 32))
+    plan = build_plan(loads_spec(SPEC.format(dp=1, tp=8, nodes=4, network="").replace("pp = 1", "pp = 4")
+                                 .replace("global = 64", "global = 8").replace("heads = 4", "heads = 8")))
+    (p2p,) = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
+    assert {(0, 8), (8, 16)} <= set(plan.group_ranks[p2p])
+    estimate = slowest_group(plan, p2p, network)
+    assert network.tiers[estimate.span.crossing].name == "spine"
+
+
+def test_non_finite_numbers_are_refused():
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(SpecError, match="finite"):
+            parse_network([dict(name="a", size=8, bandwidth_gbs=value), dict(name="b", size=16, bandwidth_gbs=1)], 16)

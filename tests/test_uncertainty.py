@@ -244,6 +244,5 @@ def test_machine_drift_from_the_samples_end_times():
 
     drift = machine_drift(load_profile(ROOT / "tests/data/pp2-profile.h5"))
     assert len(drift.block_speeds) == DRIFT_BLOCKS
-    assert drift.sigma == pytest.approx(float(np.std(drift.block_speeds, ddof=1) / np.mean(drift.block_speeds)))
     assert drift.sigma == pytest.approx(0.029359725720357603, rel=1e-9)
     assert MachineDrift((1.0,), 1.0).sigma == 0.0

@@ -77,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from harness.candidates import expand
 
     grid = expand(spec, args.gpus, auto=args.auto or None)
-    if args.network:  # bad --network is one message here, before the workers start
+    if args.network:  # bad --network is one message here, for every device count, before the workers start
         from analysis.costs import what_if_network
 
-        what_if_network(spec, profile, args.network)
+        for candidate in {c.strategy.world: c for c in grid.candidates}.values():
+            what_if_network(candidate, profile, args.network)
     progress = Progress("search", len(grid), enabled=not args.quiet and not args.json, unit="candidate")
     options = prediction_options(args)
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
@@ -199,8 +200,8 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
         for n, c in sorted(per_count.items()):
             trained = c.training(iterations, tokens)
             rows.append([n, c.label, c.batch_time_s * 1e3, trained[0] / 3600 if trained else None,
-                         trained[1] if trained else c.batch_time_s * n / 3600, tier_shares(c.comm_by_tier)])
-        cost_header = "GPU-h" if iterations is not None or tokens is not None else "GPU-h per iteration"
+                         trained[1] if trained else c.batch_time_s * n, tier_shares(c.comm_by_tier)])
+        cost_header = "GPU-h" if iterations is not None or tokens is not None else "GPU-s per iteration"
         out += ["", format_table(["devices", "fastest that fits", "batch ms", "train h", cost_header,
                                   "comm by tier"], rows, title="per device count (the booking curve; --png draws it):")]
     cost = result.profiling_cost()
