@@ -283,9 +283,16 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
             if key is not None:
                 links[(kind, tier)] = measured[key]
                 origin[(kind, tier)] = (key[0], CALIBRATED_NAMES[key[1]])
-    notes = [f"no {CALIBRATED_NAMES[t]}-node {kind} measured: its link is the {o[0]} {o[1]} fit's"
-             for (kind, t), o in sorted(origin.items(), key=lambda item: item[0][::-1])
-             if (kind, CALIBRATED_NAMES[t]) != o and any(k == kind for k, _ in measured)]
+    notes = []
+    for tier, placement in enumerate(CALIBRATED_NAMES):
+        borrowed = [(kind, o) for (kind, t), o in sorted(origin.items()) if t == tier
+                    and (kind, placement) != o and any(k == kind for k, _ in measured)]
+        own_kind = [kind for kind, o in borrowed if o[0] == kind]
+        if own_kind:
+            notes.append(f"no {placement}-node {', '.join(own_kind)} measured: each takes its own "
+                         f"{CALIBRATED_NAMES[1 - tier]}-node fit")
+        notes += [f"no {placement}-node {kind} measured: its link is the {o[0]} {o[1]} fit's"
+                  for kind, o in borrowed if o[0] != kind]
 
     def typical(tier: int) -> tuple[float, float]:  # what the tier's row shows: its all-reduce link
         return links[("allreduce", tier)]

@@ -25,9 +25,11 @@ def test_zero3_meets_pytorchs_own_peak(tmp_path):
     all-gather buffer as its backward starts) beside the shards, and the reduce-scatter inputs of the layers
     whose backward has run. Which of a few moments peaks depends on when gloo's asynchronous collectives
     complete and let their buffers go: MemTracker's peak here took 2.42, 2.45, 2.49 and 2.55 MB over runs of
-    this job, one layer whole more or less beside different buffers. So the model (2.40 MB) is held to that
-    range: never more than 2% above the run's peak, at most 7% below it; the gradients at the peak (the same in
-    every run) are MemTracker's within 2%."""
+    this job on 2 ranks, one layer whole more or less beside different buffers; on 4 ranks, whose shards are
+    smaller, 1.88 MB in two runs of three, 8% above the model's 1.73 MB. So the model is held to that
+    range: never more than 2% above the run's peak, and below it by at most the largest layer whole (a buffer
+    gloo had not let go yet) and 2%; the gradients at the peak (the same in every run) are MemTracker's within
+    2%."""
     import torch
     from mpi4py import MPI
 
@@ -52,5 +54,7 @@ def test_zero3_meets_pytorchs_own_peak(tmp_path):
         run_training(spec, comm, rundir, iterations=3, warmup=1, timeout_s=120)
     peak = tracker_peak(tracker)
     _lazy_barrier(comm)
-    assert -0.07 < (stage.total - peak["total"]) / peak["total"] < 0.02, (stage.to_dict(), peak)
+    layer_whole = max(layer.params for layer in plan.layers) * spec.model.dtype_bytes
+    assert -0.02 - layer_whole / peak["total"] < (stage.total - peak["total"]) / peak["total"] < 0.02, (
+        stage.to_dict(), peak, layer_whole)
     assert stage.gradients == pytest.approx(peak["gradient"], rel=0.02)

@@ -11,7 +11,7 @@ from harness.collectives import parse_size, sweep_sizes
 from harness.errors import UserError
 from harness.network import parse_overrides
 from harness.output import format_table, writable, write_csv
-from harness.spec import load_spec
+from harness.spec import MAX_DEVICES, load_spec
 
 from analysis.network import OPS, NetworkModel, check_network_devices, nccl_tests_rows, spec_network
 
@@ -105,10 +105,11 @@ def describe(model: NetworkModel) -> str:
     for tier in model.to_dict()["tiers"]:
         flags = [flag for flag in ("nvls", "rails") if tier[flag]]
         taper = f", 1:{tier['oversubscription']:g}" if tier["oversubscription"] != 1 else ""
-        parts.append(f"{tier['name']} ({tier['size']} GPUs, {tier['bytes_per_s'] / 1e9:.3g} GB/s, "
+        size = "any number of" if tier["size"] >= MAX_DEVICES else f"{tier['size']:,}"
+        parts.append(f"{tier['name']} ({size} GPUs, {tier['bytes_per_s'] / 1e9:.3g} GB/s, "
                      f"{tier['latency_us']:.3g} us{taper}{''.join(', ' + f for f in flags)})")
     algorithms = (f"NCCL {model.to_dict()['nccl_version']}'s algorithms" if model.algorithms == "nccl"
-                  else "the profiling backend's ring and pairwise algorithms")
+                  else "the calibrated fits' own ring and pairwise form")
     return f"network ({model.origin}): {' < '.join(parts)}; {algorithms}"
 
 
