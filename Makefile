@@ -49,7 +49,7 @@ demo: setup
 	DISTSIM_EMULATE_RANKS_PER_NODE=2 $(MPIRUN) -n $(DEMO_RANKS) $(PY) -m mpi4py -m harness profile harness/jobs/search.toml -o $(DEMO_OUT)
 	$(PY) -m analysis search $(DEMO_OUT)/profile.h5 --top 6 --write-spec $(DEMO_OUT)/best.toml --png $(DEMO_OUT)/search.png
 	$(PY) -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --trace $(DEMO_OUT)/best.json.gz --png $(DEMO_OUT)/best.png --json > $(DEMO_OUT)/best.json
-	@echo "more: python -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --details; python -m harness show $(DEMO_OUT)/profile.h5"
+	@echo "more: python -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --details; python -m harness show $(DEMO_OUT)/profile.h5; python -m analysis network $(DEMO_OUT)/profile.h5 --nodes 1,2,16"
 
 test: setup slurm-deps
 	$(MAKE) --no-print-directory test-serial test-mpi
