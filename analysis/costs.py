@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from harness.errors import UserError
 from harness.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
-
-from harness.spec import JobSpec
 from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
+from harness.network import check_tiers, group_span, parse_overrides
+from harness.spec import JobSpec, load_spec
 
 from analysis.calibration import device_kind
 from analysis.network import Estimate, NetworkModel, calibrated_network, spec_network
@@ -413,11 +414,6 @@ def what_if_network(spec: JobSpec, profile: Profile, what_if: str, points: CommP
                     fits: Mapping[tuple[str, str], CommFit] | None = None) -> NetworkModel:
     """The network of `--network`: another spec's `[[cluster.network]]` (a TOML path), or 'TIER.FIELD=VALUE,...'
     changes to `spec`'s network (network_for's); UserError when it is neither or breaks a tier's rule."""
-    from pathlib import Path
-
-    from harness.network import check_tiers, parse_overrides
-    from harness.spec import load_spec
-
     devices = spec.cluster.devices
     if what_if.endswith(".toml") or Path(what_if).is_file():
         other = load_spec(what_if, import_factory=False)
@@ -557,15 +553,16 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
 
 def communication_by_tier(plan: EventPlan, costs: Costs) -> dict[str, float]:
     """Each network tier's share of an iteration's communication time, summed over every device (an event's
-    seconds x its count), by the outermost tier its slowest group crosses; without a network model, by
+    seconds x its count), by the outermost tier any of its groups crosses; without a network model, by
     placement."""
     seconds: dict[str, float] = {}
     tiers = costs.network.tiers if costs.network is not None else None
     for eid, event in plan.events.items():
         if event.kind not in COMM_KINDS or eid not in costs.events:
             continue
-        if costs.network is not None:
-            name = tiers[slowest_group(plan, eid, costs.network).span.crossing].name
+        if tiers is not None:
+            groups = plan.group_ranks.get(eid) or [tuple(range(event.group_size))]
+            name = tiers[max(group_span(ranks, tiers).crossing for ranks in groups)].name
         else:
             name = event.placement or INTER
         seconds[name] = seconds.get(name, 0.0) + costs.seconds(eid) * plan.multiplicity[eid]

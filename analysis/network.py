@@ -29,11 +29,10 @@ from typing import Any, Iterable, Mapping, Sequence
 from harness.collectives import bus_factor
 from harness.events import INTER, INTRA
 from harness.spec import MAX_DEVICES
-from harness.network import GroupSpan, NetworkTier, check_tiers, contiguous_span, group_span, with_overrides
+from harness.network import GroupSpan, NetworkTier, contiguous_span, group_span, with_overrides
 
 NCCL_VERSION = "2.30"
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
-KIND_OF_OP = {"sendrecv": "p2p"}  # the plan's name for an op, where it differs
 PROTOCOLS = ("LL", "LL128", "Simple")
 PROTOCOL_BANDWIDTH = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}  # LL: a flag per word; LL128: NCCL's 0.92 cap
 BASE_LATENCY_US = {"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
@@ -133,7 +132,7 @@ class NetworkModel:
 
     # ---- the algorithms ------------------------------------------------------------------------------------
     def _ring(self, op: str, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
-        kind = KIND_OF_OP.get(op, op)
+        kind = op  # all-reduce, all-gather, reduce-scatter: the plan's kinds too
         n, d = span.ranks, span.domains
         steps, inter = (2 * (n - 1), 2 * (d - 1)) if op == "allreduce" else (n - 1, d - 1)
         if self.algorithms == MEASURED and span.crossing:
@@ -311,12 +310,6 @@ def _link_of(fit) -> tuple[float, float] | None:
     if not fit.points or fit.beta_s_per_byte <= 0:
         return None
     return fit.alpha_s, 1.0 / fit.beta_s_per_byte
-
-
-def check_network_devices(model: NetworkModel, devices: int, where: str) -> None:
-    """SpecError (a UserError naming `where`) when `devices` do not fit the model's tiers (analysis network
-    --nodes, a larger what-if)."""
-    check_tiers(model.tiers, devices, where)
 
 
 def nccl_tests_rows(model: NetworkModel, op: str, ranks: int, sizes: Sequence[int]) -> list[dict[str, Any]]:

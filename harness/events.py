@@ -214,7 +214,7 @@ class GroupPlacements(Counter):
     def __init__(self) -> None:
         super().__init__()
         self.examples: dict[str, list[tuple[int, ...]]] = {}
-        self._last: dict[str, tuple[int, ...]] = {}
+        self._last: dict[str, list[int]] = {}
 
     def add(self, placement: str, ranks: list[int]) -> None:
         self[placement] += 1
@@ -222,11 +222,11 @@ class GroupPlacements(Counter):
         if count & (count - 1) == 0:  # a power of two
             self.examples.setdefault(placement, []).append(tuple(ranks))
         else:
-            self._last[placement] = tuple(ranks)
+            self._last[placement] = ranks
 
     def groups(self, placement: str) -> list[tuple[int, ...]]:
         last = self._last.get(placement)
-        return self.examples.get(placement, []) + ([last] if last is not None else [])
+        return self.examples.get(placement, []) + ([tuple(last)] if last is not None else [])
 
 
 class EventPlan:

@@ -10,11 +10,10 @@ import sys
 
 import pytest
 
-from analysis.network import (BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, check_network_devices,
-                              nccl_tests_rows, spec_network)
+from analysis.network import BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, nccl_tests_rows, spec_network
 from harness.errors import SpecError
 from harness.events import build_plan
-from harness.network import GroupSpan, NetworkTier, group_span, parse_network, parse_overrides
+from harness.network import GroupSpan, NetworkTier, check_tiers, group_span, parse_network, parse_overrides
 from harness.spec import loads_spec
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, write_handmade_profile
 
@@ -302,7 +301,7 @@ def test_a_calibrated_network_gives_back_its_fits_at_the_measured_points():
         2 * 10e-6 + 2**16 / 5e9)
     assert model.estimate("allreduce", 8, group_span((0,), model.tiers)).seconds == 0.0
     # the inter tier has no outer edge: any node count can be asked about
-    check_network_devices(model, 2 * 4096, "--nodes 4096")
+    check_tiers(model.tiers, 2 * 4096, "--nodes 4096")
 
 
 def test_the_slowest_of_an_events_groups_is_costed():

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from harness.collectives import parse_size, sweep_sizes
 from harness.errors import UserError
-from harness.network import parse_overrides
+from harness.network import check_tiers, parse_overrides
 from harness.output import format_table, writable, write_csv
 from harness.spec import MAX_DEVICES, load_spec
 
-from analysis.network import OPS, NetworkModel, check_network_devices, nccl_tests_rows, spec_network
+from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
 
 NAME = "network"
 HELP = "the network model's collectives (spec's [[cluster.network]] or calibrated from a profile) as nccl-tests prints"
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.network:
         model = model.with_overrides(parse_overrides(args.network), max(counts) * per_node)
     for count in counts:
-        check_network_devices(model, count * per_node, f"--nodes {count} ({count} x {per_node} GPUs)")
+        check_tiers(model.tiers, count * per_node, f"--nodes {count} ({count} x {per_node} GPUs)")
     sizes = sweep_sizes(parse_size(args.minbytes, "-b"), parse_size(args.maxbytes, "-e"), args.stepfactor)
     rows = []
     for count in counts:
