@@ -22,6 +22,8 @@ Hierarchy (docs/analysis.md):
   bucket's interval holds its averaging (the division by the replica count, Costs.bucket_divide) and then
   its all-reduce; the optimizer phase ends with each bucket zeroed for the next iteration
   (Costs.bucket_zero);
+- sequence parallelism: each device all-reduces its replicated parameters' gradients over tp once its buckets
+  are done, blocking, before the tie and the optimizer;
 - tied embeddings (tie_embeddings, pp > 1): the first and the last device all-reduce the token table's
   gradient between them once both are done with their buckets, blocking, and step their optimizer after it;
 
@@ -38,7 +40,7 @@ from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
 from harness.events import SHARDED_KINDS, EventPlan
-from harness.schedules import device_steps
+from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 
 from analysis.costs import Costs
@@ -222,6 +224,9 @@ class PipelineDevice:
     # tie_embeddings with pp > 1, on the first and the last device: the token table's gradient all-reduce
     # between the two, once both have their gradients (their backward and buckets done), before the optimizer
     tie: BucketRecord | None = None
+    # sequence parallelism: each chunk's all-reduce of its replicated parameters' gradients over tp, blocking,
+    # after the backward and buckets, before the tie and the optimizer
+    sequence_grads: list[BucketRecord] = field(default_factory=list)
 
     @property
     def end_s(self) -> float:
@@ -500,6 +505,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
                                        optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0),
                                        lag(compute_end), window, schedule.posts[d]))
+    _sequence_grads(plan, costs, pipeline)
     _tie_embeddings(plan, costs, pipeline)
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
@@ -532,6 +538,22 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     return lag, window
 
 
+def _sequence_grads(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
+    """Sequence parallelism: each device's chunks all-reduce their replicated gradients over tp, one after
+    another, before its optimizer step (harness train's order)."""
+    s = plan.spec.strategy
+    for device in pipeline:
+        for chunk in range(s.chunks):
+            vs = virtual_stage(chunk, device.stage, s.pp)
+            event = plan.stages[vs].sequence_grads
+            if not event:
+                continue
+            start = device.optimizer_start_s
+            end = start + costs.seconds(event)
+            device.sequence_grads.append(BucketRecord(vs, -1, event, plan.events[event].bytes, start, start, end))
+            device.optimizer_start_s, device.optimizer_end_s = end, device.optimizer_end_s + end - start
+
+
 def _tie_embeddings(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
     """tie_embeddings with pp > 1: the first and the last device all-reduce the token table's gradient once both
     are ready for their optimizer step (as harness train and Megatron-LM do, after the data-parallel buckets);
@@ -559,6 +581,9 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
         busy.append((r.start_s, r.end_s))
     compute += device.optimizer_end_s - device.optimizer_start_s
     busy.append((device.optimizer_start_s, device.optimizer_end_s))
+    for g in device.sequence_grads:
+        tp_comm += g.end_s - g.start_s
+        busy.append((g.start_s, g.end_s))
     asynchronous = spans([(t.start_s, t.end_s) for t in device.sends + device.receives]
                          + [(b.start_s, b.end_s) for b in device.buckets + ([device.tie] if device.tie else [])]
                          + [(p.start_s, p.end_s) for p in device.posts])
@@ -645,7 +670,7 @@ class Timeline:
                 event = plan.events[eid]
                 if layers[k] >= 0:
                     layer = layers[k]
-                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather":
+                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather" and "fsdp" in event.content:
                     layer = layers[k + 1]  # FSDP gathers a layer's weights right before it
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"
@@ -653,7 +678,7 @@ class Timeline:
                 if event.kind == "compute":
                     out.append(Interval(start, end, COMPUTE_TRACK, RECOMPUTE if again[k] else category, eid,
                                         f"{phase} {event.name} {suffix}", r.virtual_stage, r.micro, layer))
-                elif event.kind in SHARDED_KINDS:
+                elif event.kind in SHARDED_KINDS and "fsdp" in event.content:
                     out.append(Interval(start, end, COMPUTE_TRACK, ZERO_ALLGATHER if event.kind == "allgather"
                                         else ZERO_REDUCESCATTER, eid, f"{phase} zero {event.name} {suffix}",
                                         r.virtual_stage, r.micro, layer))
@@ -674,6 +699,10 @@ class Timeline:
             out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,
                                 f"dp {plan.events[b.event].name} bucket {b.index} s{b.virtual_stage}",
                                 b.virtual_stage, -1, -1))
+        for g in device.sequence_grads:
+            out.append(Interval(g.start_s, g.end_s, COMPUTE_TRACK, TP_ALLREDUCE, g.event,
+                                f"tp {plan.events[g.event].name} replicated gradients s{g.virtual_stage}",
+                                g.virtual_stage, -1, -1))
         if device.tie:
             b = device.tie
             out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,

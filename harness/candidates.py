@@ -15,7 +15,8 @@ Rules (docs/spec.md, "[search]"):
 - `auto` (`[search] auto = true` or `analysis search --auto`): every field the grid does not list takes every
   value that can make a job of the device count: each factorization of the count into dp x tp x pp, each
   micro-batch size that divides the global batch over dp, every schedule (interleaved ones with the grid's
-  chunks, else 2), both recompute modes and every ZeRO stage; the spec's rules then reject what the model
+  chunks, else 2), both recompute modes, every ZeRO stage and, with tp > 1, sequence parallelism on and off; the
+  spec's rules then reject what the model
   cannot run (heads not divisible by tp, layers by pp, ...), as for any grid.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from harness.errors import SpecError, UserError
 from harness.schedules import INTERLEAVED, SCHEDULES
 from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
 
-GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero")
+GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Grid:
 def strategy_key(spec: JobSpec) -> tuple:
     """What tells two candidates apart."""
     s = spec.strategy
-    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero)
+    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero, s.sp)
 
 
 def candidate_label(spec: JobSpec) -> str:
@@ -65,7 +66,8 @@ def candidate_label(spec: JobSpec) -> str:
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
     recompute = f" recompute={s.recompute}" if s.recompute != "none" else ""
     zero = f" zero={s.zero}" if s.zero else ""
-    return (f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
+    sp = " sp" if s.sp else ""
+    return (f"dp={s.dp} tp={s.tp}{sp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
             f"{recompute}{zero}")
 
 
@@ -110,7 +112,7 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     if auto:
         grid = spec.search
         fields.update(schedule=grid.schedule or SCHEDULES, recompute=grid.recompute or RECOMPUTE,
-                      zero=grid.zero or ZERO_STAGES)
+                      zero=grid.zero or ZERO_STAGES, sp=grid.sp or (False, True))
         shapes = _auto_combinations(spec, fields)
     else:
         shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"]))
@@ -120,16 +122,19 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for (world, dp, tp, pp, micro), schedule, recompute, zero in itertools.product(
-            shapes, schedules, fields["recompute"], fields["zero"]):
+    for (world, dp, tp, pp, micro), schedule, recompute, zero, sp in itertools.product(
+            shapes, schedules, fields["recompute"], fields["zero"], fields["sp"]):
+        if sp and tp == 1 and auto and not spec.search.sp:
+            continue  # the same job as sp = false: auto offers sp where there is a tensor-parallel group
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
                       ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
                 + ((("recompute", recompute),) if spec.search.recompute or auto else ()) \
-                + ((("zero", zero),) if spec.search.zero or auto else ())
+                + ((("zero", zero),) if spec.search.zero or auto else ()) \
+                + ((("sp", sp),) if spec.search.sp or auto else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute, zero)
+                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute, zero, sp)
             except SpecError as exc:
                 rejected.append(Rejected(choice, _reason(exc)))
                 continue
@@ -142,7 +147,7 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
 
 
 def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, pp: int, micro: int,
-               schedule: str, chunks: int, recompute: str, zero: int) -> JobSpec:
+               schedule: str, chunks: int, recompute: str, zero: int, sp: bool) -> JobSpec:
     if dp is None:
         if world % (tp * pp):
             raise SpecError(f"{world} devices are not a multiple of tp x pp = {tp * pp}")
@@ -158,7 +163,7 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, p
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
     data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks, "recompute": recompute, "zero": zero},
+                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
     return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)

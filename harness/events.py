@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from harness.candidates import Grid, expand
-from harness.layers import HIDDEN_ALLREDUCE, LayerDesc, describe, recomputed, split_into_stages
+from harness.layers import (HIDDEN_ALLREDUCE, LayerDesc, collective_kind, describe, recomputed, replicated_params,
+                            sequence_shards, split_into_stages)
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
 
@@ -189,6 +190,9 @@ class StageProgram:
     # tie_embeddings with pp > 1: on the first and the last virtual stage, the all-reduce of the token table's
     # gradient between the two copies (Megatron-LM's embedding group), after the iteration's backward and buckets
     tie: str | None = None
+    # sequence parallelism: the all-reduce over the stage's tp group of its replicated parameters' gradients
+    # (harness.layers.replicated_params), after the iteration's backward and buckets, before the optimizer
+    sequence_grads: str | None = None
 
     def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
         """The items of micro-batch `micro`'s forward step and their layers."""
@@ -322,12 +326,13 @@ class EventPlan:
                                             "tensor-parallel groups") if calls else ""
             tp_events = {HIDDEN_ALLREDUCE: tp_allreduce} if tp_allreduce else {}
 
-            def vocab_collectives(layer: LayerDesc, pass_: str) -> list[tuple[str, int]]:
-                """A vocabulary-parallel layer's own all-reduces in its forward or backward (LayerDesc.tp_forward)."""
+            def layer_collectives(layer: LayerDesc, pass_: str) -> list[tuple[str, int]]:
+                """A layer's own tensor-parallel collectives in its forward or backward (LayerDesc.tp_forward: a
+                vocabulary-parallel layer's all-reduces, sequence parallelism's all-gathers and reduce-scatters)."""
                 out = []
                 for name, per_token, dtype in layer.tp_forward if pass_ == "fwd" else layer.tp_backward:
                     runs = 2 if pass_ == "fwd" and id(layer) in again else 1
-                    eid = self._collective("allreduce", micro * seq * per_token, s.tp, tp_groups, m * runs,
+                    eid = self._collective(collective_kind(name), micro * seq * per_token, s.tp, tp_groups, m * runs,
                                            "tensor-parallel groups", dtype=dtype)
                     tp_events[name] = eid
                     out.append((eid, -1))
@@ -359,8 +364,8 @@ class EventPlan:
                                               "data-parallel groups", fsdp=unit)
                     scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
                                                "data-parallel groups", fsdp=unit)
-                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces + vocab_collectives(layer, "fwd")
-                per_stage.append((layer, index, items, b_id, gather, scatter, vocab_collectives(layer, "bwd")))
+                items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces + layer_collectives(layer, "fwd")
+                per_stage.append((layer, index, items, b_id, gather, scatter, layer_collectives(layer, "bwd")))
                 weights.append((w_id, index))
 
             def forward(first: bool) -> list[tuple[str, int]]:
@@ -403,7 +408,7 @@ class EventPlan:
                 first_forward=([e for e, _ in first_fwd], [i for _, i in first_fwd]) if first_fwd != fwd else None,
                 last_backward=([e for e, _ in last_bwd], [i for _, i in last_bwd], last_again)
                 if last_bwd != bwd else None, weight=[e for e, _ in weight], weight_layers=[i for _, i in weight],
-                tp_events=tp_events))
+                tp_events=tp_events, sequence_grads=self._sequence_grads(stage_layers, tp_groups)))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it
@@ -420,15 +425,24 @@ class EventPlan:
                                    1, "tied embedding pairs")
             self.stages[0].tie = self.stages[-1].tie = tie
         for vs in range(s.virtual_stages - 1):
-            # What crosses the boundary: the sending stage's last output (hidden for the built-ins).
+            # What crosses the boundary: the sending stage's last output (hidden for the built-ins, seq / tp
+            # tokens of it with sequence parallelism).
             features = stages[vs][-1].out_features or (spec.model.hidden,)
-            activation = micro * seq * math.prod(features) * dtype_bytes
+            activation = micro * seq * math.prod(features) * dtype_bytes // sequence_shards(spec)
             src, dst = vs % s.pp, (vs + 1) % s.pp
             pairs = self._placements([self.rank_of(d, t, src), self.rank_of(d, t, dst)]
                                      for d in range(s.dp) for t in range(s.tp))
             what = f"pipeline pairs {vs}->{vs + 1}"
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
+
+    def _sequence_grads(self, layers: list[LayerDesc], tp_groups: "GroupPlacements") -> str | None:
+        """Sequence parallelism: the stage's all-reduce of its replicated parameters' gradients over tp."""
+        s = self.spec.strategy
+        if not s.sp:
+            return None
+        nbytes = sum(replicated_params(self.spec.model, layer.kind) for layer in layers) * self.spec.model.dtype_bytes
+        return self._collective("allreduce", nbytes, s.tp, tp_groups, 1, "tensor-parallel groups")
 
     def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int,
                       split: bool) -> tuple[str, str, str]:
@@ -542,7 +556,8 @@ class EventPlan:
 
         phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
         a backward step, recompute = "full"), W (a split backward's weight gradients), send/recv (P2P),
-        dp (gradient all-reduce), tie (the tied embedding's gradient all-reduce) or opt (optimizer).
+        dp (gradient all-reduce), tp (sequence parallelism's all-reduce of replicated gradients), tie (the tied
+        embedding's gradient all-reduce) or opt (optimizer).
         Receives are listed where the device waits for them.
         """
         s = self.spec.strategy
@@ -577,6 +592,10 @@ class EventPlan:
                                 yield bucket.event, "dp", vs, step.micro
                 if program.send_backward:
                     yield program.send_backward, "send", vs, step.micro
+        for chunk in range(s.chunks):
+            vs = virtual_stage(chunk, pp_i, s.pp)
+            if self.stages[vs].sequence_grads:
+                yield self.stages[vs].sequence_grads, "tp", vs, -1
         for chunk in range(s.chunks):
             vs = virtual_stage(chunk, pp_i, s.pp)
             if self.stages[vs].tie:

@@ -25,9 +25,10 @@ class LayerDesc:
     signature are identical events. `params` counts this shard's parameters; `fwd_flops_per_token`
     the forward FLOPs for one token of one sample; `attn_flops_per_token_per_seq` the part that grows
     with the sequence; `tp_allreduces` how many hidden-sized all-reduces the layer does per pass (a block's);
-    `tp_forward` and `tp_backward` the all-reduces over the tp group a vocabulary-parallel embedding or head
-    runs in its forward and its backward, in order, each (name, bytes per token, dtype): the name is the one
-    harness.models.tp gives it (what harness train records).
+    `tp_forward` and `tp_backward` the other collectives over the tp group it runs in its forward and its
+    backward, in order, each (name, bytes per token of the whole array, dtype): a vocabulary-parallel embedding's
+    and head's, and with sequence parallelism a block's all-gathers and reduce-scatters; the name is the one
+    harness.models.tp gives it (what harness train records) and says its kind (collective_kind).
     """
 
     kind: str  # embedding | block | head | user
@@ -100,14 +101,46 @@ def head_params(model: ModelSpec, shards: int = 1, tied: bool = False) -> int:
     return 2 * h + projection  # final LayerNorm, lm head without bias
 
 
+def replicated_params(model: ModelSpec, kind: str) -> int:
+    """The parameters every tensor-parallel rank of a built-in layer holds whole (norms, row-parallel biases,
+    position and token-type tables, BERT's head transform): with sequence parallelism each rank's gradient of them
+    covers its seq / tp tokens alone, and the tp group all-reduces them after the backward (Megatron-LM)."""
+    h = model.hidden
+    if kind == "block":
+        return 2 * h if model.family == "llama" else 6 * h
+    if kind == "embedding":
+        return embedding_params(model) - model.vocab * h
+    if kind == "head":
+        return head_params(model, tied=True) - (model.vocab if model.family == "bert" else 0)
+    return 0
+
+
 # A vocabulary-parallel layer's all-reduces (LayerDesc.tp_forward, tp_backward): hidden-sized ones (the
 # embedding's sum of its shards' lookups, the head's input gradient) and the cross-entropy's two per token in
 # float32, its logits' maximum and (its exponentials' sum, its target's logit) together
 HIDDEN_ALLREDUCE = "tp.allreduce"
 LOSS_MAX, LOSS_SUMS = "tp.loss_max", "tp.loss_sums"
+# sequence parallelism's (Megatron-LM, Korthikanti et al. 2022): hidden-sized, the whole array's bytes
+SEQ_ALLGATHER, SEQ_REDUCESCATTER = "tp.allgather", "tp.reducescatter"
 
 
-def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1) -> list[LayerDesc]:
+def collective_kind(name: str) -> str:
+    """The communication kind of a tensor-parallel collective by its name (events.COMM_KINDS)."""
+    return {SEQ_ALLGATHER: "allgather", SEQ_REDUCESCATTER: "reducescatter"}.get(name, "allreduce")
+
+
+def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple]:
+    """A block's collectives under sequence parallelism, forward and backward, in order (harness.models.tp):
+    forward, the attention's and the MLP's all-gather before their column-parallel linear and reduce-scatter
+    after their row-parallel one; backward, per half in reverse, the reduce-scatter's backward (an all-gather
+    of the output's gradient), the column-parallel linear's input gathered again for its weight's gradient
+    (Megatron-LM saves the sequence shard, not the gathered input) and its input's gradient reduce-scattered."""
+    gather, scatter = (SEQ_ALLGATHER, hidden_bytes, dtype), (SEQ_REDUCESCATTER, hidden_bytes, dtype)
+    return (gather, scatter) * 2, (gather, gather, scatter) * 2
+
+
+def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
+                     sp: bool = False) -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
@@ -115,6 +148,10 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     column-parallel output layer and vocab_parallel_cross_entropy (their all-reduces in tp_forward and
     tp_backward), else replicated. With tie_embeddings on one pipeline stage (pp = 1) the head's projection is
     the embedding's token table (the head "tied", its parameters without it); on several each keeps a copy.
+    With `sp` (sequence parallelism, vocab_parallel and tp > 1) the activations between the layers hold seq / tp
+    tokens: the embedding reduce-scatters its shards' lookups (its gradient all-gathered), each block all-gathers
+    and reduce-scatters (sequence_parallel_block) instead of all-reducing, and the head all-gathers its input
+    (its gradient reduce-scattered); their signatures say ("sp", True).
     """
     h, ffn = model.hidden, model.ffn
     shards = tp if vocab_parallel and tp > 1 else 1
@@ -125,27 +162,34 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
         proj = h * (model.heads + 2 * model.kv_heads) * head_dim + h * h + 3 * h * ffn
     else:
         proj = 4 * h * h + 2 * h * ffn
+    sp = sp and shards > 1
+    hidden_bytes = h * model.dtype_bytes
+    sequence = (("sp", True),) if sp else ()
+    block_fwd, block_bwd = sequence_parallel_block(hidden_bytes, model.dtype) if sp else ((), ())
     block = LayerDesc(
         kind="block",
-        signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)),
+        signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)) + sequence,
         params=block_params(model, tp),
         fwd_flops_per_token=2.0 * proj / tp,
         attn_flops_per_token_per_seq=4.0 * h / tp,  # QK^T and attention x V
-        tp_allreduces=2 if tp > 1 else 0,
+        tp_allreduces=2 if tp > 1 and not sp else 0,
         out_features=(h,),
+        tp_forward=block_fwd, tp_backward=block_bwd,
     )
     sharded = (("tp", shards),) if shards > 1 else ()
-    hidden_bytes = h * model.dtype_bytes
+    gathered = (SEQ_REDUCESCATTER if sp else HIDDEN_ALLREDUCE, hidden_bytes, model.dtype)
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
-                          + sharded, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
-                          out_features=(h,),
-                          tp_forward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
+                          + sharded + sequence, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
+                          out_features=(h,), tp_forward=(gathered,) * bool(sharded),
+                          tp_backward=((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ())
     tied = model.tie_embeddings and pp == 1
-    head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied,
-                     params=head_params(model, shards, tied),
+    loss = ((LOSS_MAX, 4, "float32"), (LOSS_SUMS, 8, "float32"))
+    head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied
+                     + sequence, params=head_params(model, shards, tied),
                      fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
-                     out_features=(), tp_forward=((LOSS_MAX, 4, "float32"), (LOSS_SUMS, 8, "float32")) * bool(sharded),
-                     tp_backward=((HIDDEN_ALLREDUCE, hidden_bytes, model.dtype),) * bool(sharded))
+                     out_features=(),
+                     tp_forward=(((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ()) + loss * bool(sharded),
+                     tp_backward=(gathered,) * bool(sharded))
     layers = [embedding]
     for i in range(model.layers):
         layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
@@ -161,7 +205,8 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
 
             user_layers = describe_user_model(spec)
         return user_layers
-    return describe_builtin(spec.model, spec.strategy.tp, spec.strategy.vocab_parallel, spec.strategy.pp)
+    s = spec.strategy
+    return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp)
 
 
 def recomputed(layer: LayerDesc) -> bool:
@@ -182,9 +227,15 @@ def input_bytes(spec: JobSpec, layers: list[LayerDesc], index: int) -> int:
     previous layer's output (a built-in model's hidden states), or the first layer's token ids (int64)."""
     micro, seq = spec.batch.micro, spec.model.seq_len
     if spec.model.family != "user":
-        return micro * seq * (8 if index == 0 else spec.model.hidden * spec.model.dtype_bytes)
+        return micro * seq * (8 if index == 0 else spec.model.hidden * spec.model.dtype_bytes // sequence_shards(spec))
     features, dtype = user_input(layers[index], spec.model.dtype)
     return micro * seq * math.prod(features) * INPUT_DTYPE_BYTES.get(dtype, spec.model.dtype_bytes)
+
+
+def sequence_shards(spec: JobSpec) -> int:
+    """Over how many ranks the activations between a built-in model's layers split the sequence: tp with
+    sequence parallelism, else 1."""
+    return spec.strategy.tp if spec.strategy.sp else 1
 
 
 def split_into_stages(layers: list[LayerDesc], model: ModelSpec, virtual_stages: int) -> list[list[LayerDesc]]:

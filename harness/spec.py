@@ -44,11 +44,11 @@ _SECTIONS = {
               "tie_embeddings"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
-                 "vocab_parallel"},
+                 "vocab_parallel", "sp"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "auto"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "auto"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -99,6 +99,9 @@ class StrategySpec:
     # tp > 1: the embedding and the head sharded over the tp group by vocabulary, the cross-entropy computed
     # vocabulary-parallel (Megatron-LM); false: both replicated on every tp rank
     vocab_parallel: bool = True
+    # tp > 1: Megatron-LM's sequence parallelism (Korthikanti et al. 2022): the norms and residuals between the
+    # tensor-parallel regions hold seq / tp tokens, each all-reduce becomes a reduce-scatter and an all-gather
+    sp: bool = False
 
     @property
     def world(self) -> int:
@@ -166,6 +169,7 @@ class SearchSpec:
     gpus: tuple[int, ...] = ()
     recompute: tuple[str, ...] = ()
     zero: tuple[int, ...] = ()
+    sp: tuple[bool, ...] = ()
     auto: bool = False  # every valid value of each field the grid does not list (harness.candidates)
 
     def __bool__(self) -> bool:
@@ -472,6 +476,8 @@ def _parse_search(s: dict) -> SearchSpec:
                 _recompute(item, "search.recompute")
             elif key == "zero":
                 _zero(item, "search.zero")
+            elif key == "sp":
+                _flag({key: item}, key, "search", False)
             else:
                 _int({key: item}, key, "search")
         values[key] = tuple(items)
@@ -509,7 +515,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             dp_overlap=dp_overlap, bucket_mb=_number(s, "bucket_mb", "strategy", 25.0),
                             recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"),
                             zero=_zero(s.get("zero", 0), "strategy.zero"),
-                            vocab_parallel=_flag(s, "vocab_parallel", "strategy", True))
+                            vocab_parallel=_flag(s, "vocab_parallel", "strategy", True),
+                            sp=_flag(s, "sp", "strategy", False))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
@@ -577,6 +584,17 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             f"and the head by vocabulary; Megatron-LM pads it to a multiple of {VOCAB_PAD} x tp = "
                             f"{multiple}: set vocab = {padded}, or vocab_parallel = false (both replicated)",
                             field="model.vocab")
+    if strategy.sp:
+        if strategy.tp == 1:
+            raise SpecError("sp = true splits the sequence over the tensor-parallel group, and tp = 1 has none: set "
+                            "tp > 1, or sp = false", field="strategy.sp")
+        if not strategy.vocab_parallel:
+            raise SpecError("sp = true with vocab_parallel = false is not built (Megatron-LM's sequence parallelism "
+                            "reduce-scatters the vocabulary-parallel embedding's output); set vocab_parallel = true, "
+                            "or sp = false", field="strategy.sp")
+        if model.seq_len % strategy.tp:
+            raise SpecError(f"seq_len ({model.seq_len}) must be divisible by tp ({strategy.tp}) to split the sequence "
+                            "(sp = true)", field="model.seq_len")
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":
         raise SpecError("the mpi4py backend cannot send bfloat16 (numpy has no such type); use backend = 'torch' "
                         "or dtype float16/float32", field="profile.backend")

@@ -46,7 +46,7 @@ def shared_dir(tmp_path):
 
 
 def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, factory: bool = False,
-              tie: bool = False, **kwargs) -> str:
+              tie: bool = False, sp: bool = False, **kwargs) -> str:
     """tests.helpers.tiny_spec_text with the strategy's dp_overlap, the model's kv_heads or tie_embeddings, or a
     factory model."""
     text = tiny_spec_text(**kwargs)
@@ -58,6 +58,8 @@ def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, fa
         text = text.replace("\nheads = ", f"\nkv_heads = {kv_heads}\nheads = ", 1)
     if dp_overlap is not None:
         text = text.replace("[strategy]\n", f"[strategy]\ndp_overlap = {str(dp_overlap).lower()}\n")
+    if sp:
+        text = text.replace("[strategy]\n", "[strategy]\nsp = true\n")
     return text
 
 
@@ -127,6 +129,11 @@ CONFIGS = {
     "tied-dp": (lambda n: {**_dp(n), "tie": True}, {}),
     "tied-pp": (lambda n: {**_pp(n, "1f1b"), "tie": True}, {"layer_times": True}),
     "tied-tp-pp": (lambda n: None if n % 4 else {**_tp(2), "pp": n // 2, "layers": n // 2, "tie": True}, {}),
+    # sp: Megatron-LM's sequence parallelism, the tp all-reduces as all-gathers and reduce-scatters
+    "tp-sp-gpt2": (lambda n: None if _tp(n) is None else {**_tp(n), "sp": True}, {"layer_times": True}),
+    "tp-sp-llama-dp-pp-recompute": (lambda n: None if n % 4 else
+                                    {**_tp(2, "llama-1b"), "sp": True, "dp": 2, "pp": n // 4, "layers": 2 * (n // 4),
+                                     "micro": 1, "global_batch": 4, "recompute": "full"}, {}),
 }
 ITERATIONS = 3
 STALLED_IDLE_PCT = 80.0  # trace.h5's idle share here: 6-10%, 21-26% with both cores busy elsewhere
@@ -167,7 +174,7 @@ def _check_trace(spec, trace, options):
     else:
         assert all(device.layers is None for device in trace.devices.values())
     flow_phase = {"F": "tp", "R": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt",
-                  "tie": "tie"}
+                  "tie": "tie", "tp": "tp"}
     # The clock uncertainty between two ranks (zero on one host with a shared clock).
     rtt = trace.clock["rtt_s"]
     same = trace.clock["method"]
@@ -194,7 +201,7 @@ def _check_trace(spec, trace, options):
         for eid, phase, vs, micro in plan.device_flow(rank):
             if phase in ("F", "R", "B", "W") and plan.events[eid].kind == "compute":
                 continue  # per layer in the plan; per stage and micro-batch in the trace
-            if plan.events[eid].kind in ("allgather", "reducescatter"):  # zero > 0: FSDP2's, named by kind
+            if "fsdp" in plan.events[eid].content:  # zero > 0: FSDP2's, named by kind
                 flow[("zero", plan.events[eid].kind, vs)] += 1
                 continue
             flow[(flow_phase[phase], eid, vs)] += 1
@@ -237,9 +244,14 @@ def _check_trace(spec, trace, options):
                                if ph == "opt" and int(vv) == v and not z]
                 assert all(a >= e for e in steps_of_vs), f"rank {rank}: {name} before its stage's optimizer step"
             # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
+            last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p in ("B", "W"))
             tp_rows = device.select(iteration=iteration, phase=("tp", "zero"))
+            optimizer_start = min(device.select(iteration=iteration, phase="opt")["start_s"], default=np.inf)
             for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],
                                          tp_rows["micro"], tp_rows["name"]):
+                if name == "tp.sequence_grads":  # sp: after the whole backward, before the optimizer
+                    assert a >= last_b_end and b <= optimizer_start
+                    continue
                 phase = "F" if name.endswith(".fwd") else "B"
                 ca, cb, _ = compute_at[(iteration, int(v), int(mb), phase, rank)]
                 assert ca <= a and b <= cb

@@ -4,8 +4,10 @@ GPT-2 (pre-LayerNorm, GELU), BERT (post-LayerNorm, GELU, token types, MLM-style 
 block (RMSNorm, SwiGLU, grouped-query attention, rotary positions). Blocks are Megatron-sharded over
 `tp` ranks (heads and FFN columns split); embedding and head built with tp > 1 are split by vocabulary
 (Megatron-LM's VocabParallelEmbedding and column-parallel output layer, the loss vocabulary-parallel),
-built with tp = 1 whole (replicated on a tensor-parallel group). Parameter counts match harness.layers,
-which the event generator uses.
+built with tp = 1 whole (replicated on a tensor-parallel group). Built with `sp` (sequence parallelism), the
+layers pass (micro, seq / tp, hidden) between them: the embedding reduce-scatters, a block's norms and residuals
+run on the shard and its column-parallel linears gather it, the head gathers its input (harness.models.tp).
+Parameter counts match harness.layers, which the event generator uses.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp,
-                               vocab_parallel_cross_entropy)
+from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, reduce_from_tp,
+                               scatter_sequence, vocab_parallel_cross_entropy)
 from harness.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,12 +44,15 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    """One transformer layer's tensor-parallel shard. `group` is the tp process group (None: no collectives)."""
+    """One transformer layer's tensor-parallel shard. `group` is the tp process group (None: no collectives);
+    `sp`: its input and output are sequence shards (Megatron-LM's sequence parallelism)."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
         self.family = model.family
         self.group = group
+        self.sp = sp
+        column = {"sequence_parallel": sp, "group": group}
         dtype = TORCH_DTYPES[model.dtype]
         h = model.hidden
         self.head_dim = h // model.heads
@@ -58,22 +63,22 @@ class TransformerBlock(nn.Module):
         if model.family == "llama":
             self.norm1, self.norm2 = RMSNorm(h, dtype=dtype), RMSNorm(h, dtype=dtype)
             qkv_out = (model.heads + 2 * model.kv_heads) * self.head_dim
-            self.qkv = ColumnParallelLinear(h, qkv_out, tp, bias=False, dtype=dtype)
-            self.proj = RowParallelLinear(h, h, tp, bias=False, dtype=dtype)
-            self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype)
-            self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype)
+            self.qkv = ColumnParallelLinear(h, qkv_out, tp, bias=False, dtype=dtype, **column)
+            self.proj = RowParallelLinear(h, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)
+            self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype, **column)
+            self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)
         else:
             self.norm1 = nn.LayerNorm(h, dtype=dtype)
             self.norm2 = nn.LayerNorm(h, dtype=dtype)
-            self.qkv = ColumnParallelLinear(h, 3 * h, tp, dtype=dtype)
-            self.proj = RowParallelLinear(h, h, tp, dtype=dtype)
-            self.fc1 = ColumnParallelLinear(h, model.ffn, tp, dtype=dtype)
-            self.fc2 = RowParallelLinear(model.ffn, h, tp, dtype=dtype)
+            self.qkv = ColumnParallelLinear(h, 3 * h, tp, dtype=dtype, **column)
+            self.proj = RowParallelLinear(h, h, tp, dtype=dtype, sequence_parallel=sp)
+            self.fc1 = ColumnParallelLinear(h, model.ffn, tp, dtype=dtype, **column)
+            self.fc2 = RowParallelLinear(model.ffn, h, tp, dtype=dtype, sequence_parallel=sp)
 
     def attention_context(self, x: torch.Tensor) -> torch.Tensor:
         """This shard's attention output before the row-parallel projection: (micro, seq, local heads x head_dim)."""
-        b, s, _ = x.shape
-        qkv = self.qkv(copy_to_tp(x, self.group))
+        qkv = self.qkv(self._into_tp(x))
+        b, s, _ = qkv.shape
         q_size, kv_size = self.local_heads * self.head_dim, self.local_kv * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -90,8 +95,12 @@ class TransformerBlock(nn.Module):
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.attention_context(x), self.group)
 
+    def _into_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel region's input: its gradient all-reduced, or with sp gathered by the linear itself."""
+        return x if self.sp else copy_to_tp(x, self.group)
+
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group)
+        x = self._into_tp(x)
         if self.family == "llama":
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up, self.group)
@@ -108,13 +117,15 @@ class TransformerBlock(nn.Module):
 class Embedding(nn.Module):
     """Token (and for GPT-2/BERT position, for BERT token-type) embeddings: ids (micro, seq) -> hidden. With
     tp > 1 the token table holds shard `tp_index`'s vocab / tp rows: ids outside it look up zeros, and the
-    shards' lookups are summed over `group` before the (replicated) positions are added."""
+    shards' lookups are summed over `group` before the (replicated) positions are added; with `sp` reduce-scattered
+    by sequence instead, each rank adding its own tokens' positions."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, sp: bool = False):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         self.family = model.family
         self.group = group
+        self.tp, self.tp_index, self.sp = tp, tp_index, sp
         self.shard_vocab = model.vocab // tp
         self.vocab_start = tp_index * self.shard_vocab
         self.sharded = tp > 1
@@ -130,11 +141,12 @@ class Embedding(nn.Module):
             local = ids - self.vocab_start
             outside = (local < 0) | (local >= self.shard_vocab)
             x = self.tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
-            x = reduce_from_tp(x, self.group)
+            x = scatter_sequence(x, self.group, self.tp) if self.sp else reduce_from_tp(x, self.group)
         else:
             x = self.tokens(ids)
         if self.family != "llama":
-            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            first = self.tp_index * x.shape[1] if self.sp else 0
+            x = x + self.positions(torch.arange(first, first + x.shape[1], device=ids.device))
         if self.family == "bert":
             x = self.norm(x + self.token_types.weight[0])
         return x
@@ -144,14 +156,17 @@ class Head(nn.Module):
     """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy. With tp > 1 the
     projection holds shard `tp_index`'s vocab / tp outputs, its input's gradient is all-reduced over `group`
     (copy_to_tp) and the loss is vocabulary-parallel. `tied`: the projection's weight is not the head's own
-    parameter but a buffer (a stand-in of its shape until `tie` makes it the embedding's token table)."""
+    parameter but a buffer (a stand-in of its shape until `tie` makes it the embedding's token table). With `sp`
+    its input is a sequence shard, all-gathered after the norm (its gradient reduce-scattered)."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, tied: bool = False):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, tied: bool = False,
+                 sp: bool = False):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         h = model.hidden
         self.family = model.family
         self.group = group
+        self.tp, self.sp = tp, sp
         self.sharded = tp > 1
         vocab = model.vocab // tp
         self.vocab_start = tp_index * vocab
@@ -187,6 +202,8 @@ class Head(nn.Module):
         if self.family == "bert":
             x = F.gelu(self.transform(x))
         x = self.norm(x)
+        if self.sp:
+            return self.out(gather_sequence(x, self.group, self.tp))
         return self.out(copy_to_tp(x, self.group) if self.sharded else x)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -202,13 +219,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0,
-                tied: bool = False) -> nn.Module:
+                tied: bool = False, sp: bool = False) -> nn.Module:
     """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
-    embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie)."""
+    embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie); `sp`,
+    sequence-parallel (tp > 1)."""
     if kind == "embedding":
-        return Embedding(model, tp, group, tp_index)
+        return Embedding(model, tp, group, tp_index, sp)
     if kind == "block":
-        return TransformerBlock(model, tp, group)
+        return TransformerBlock(model, tp, group, sp)
     if kind == "head":
-        return Head(model, tp, group, tp_index, tied)
+        return Head(model, tp, group, tp_index, tied, sp)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -55,11 +55,12 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
         features = descs[index - 1].out_features
         in_dtype = getattr(torch, signature.get("in_dtype", model.dtype))  # what the previous layer returns
         return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=in_dtype, requires_grad=True)
-    layer = build_layer(model, kind, tp=int(signature.get("tp", 1)), group=group,
-                        tied=bool(signature.get("tied", False))).to(device)
+    tp, sp = int(signature.get("tp", 1)), bool(signature.get("sp", False))
+    layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp).to(device)
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
-    return layer, lambda: torch.randn(micro, seq, model.hidden, device=device, dtype=dtype, requires_grad=True)
+    tokens = seq // tp if sp else seq  # sequence parallelism: a sequence shard enters the block or the head
+    return layer, lambda: torch.randn(micro, tokens, model.hidden, device=device, dtype=dtype, requires_grad=True)
 
 
 def parameter_shapes(spec: JobSpec, runs: list, device: torch.device,

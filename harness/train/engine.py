@@ -39,13 +39,13 @@ except ImportError:  # zero > 0 then stops in PipelineEngine._shard with a messa
 
 from harness.errors import UserError
 from harness.events import EventPlan
-from harness.layers import recomputed
+from harness.layers import collective_kind, recomputed
 from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
 from harness.profilers.memory import LiveStorages, kept_gradients, saving_into
 from harness.schedules import device_steps, virtual_stage
 from harness.spec import JobSpec
-from harness.train.model import activation_spec, loss_of, micro_batch
+from harness.train.model import activation_spec, loss_of, micro_batch, replicated
 
 ACT, GRAD = "activation", "gradient"
 MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps between Tests leaves it to compute
@@ -506,8 +506,8 @@ class PipelineEngine:
             run()
         end = self.now()
         phase, vs, micro = self.ctx
-        self.rec.add(start, end, end - start, "allreduce", f"{name}.{'fwd' if phase == 'F' else 'bwd'}", "tp",
-                     self.tp_event.get(vs, {}).get(name, ""), vs, micro)
+        self.rec.add(start, end, end - start, collective_kind(name), f"{name}.{'fwd' if phase == 'F' else 'bwd'}",
+                     "tp", self.tp_event.get(vs, {}).get(name, ""), vs, micro)
 
     def _forward(self, vs: int, micro: int, tokens: torch.Tensor) -> None:
         if vs == 0:
@@ -705,6 +705,27 @@ class PipelineEngine:
                 self.rec.add(pending.start_ns, pending.end_ns, blocked, "allreduce", f"dp.bucket{bucket.index}",
                              "dp", bucket.event_id, vs, self.m - 1)
 
+    def _all_reduce_sequence_grads(self) -> None:
+        """Sequence parallelism: each tp rank's gradients of the replicated parameters (norms, biases, positions)
+        cover its own tokens; the group sums them, one flat all-reduce per virtual stage, as Megatron-LM does
+        after the data-parallel reduction."""
+        for vs in self.local_vs:
+            event = self.plan.stages[vs].sequence_grads
+            if not event:
+                continue
+            grads = [p.grad for module in self.stage_modules[vs] for name, p in module.named_parameters()
+                     if p.grad is not None and replicated(name, self.spec.model)]
+            start = self.now()
+            with self._annotated("tp"):
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.tp_group)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            end = self.now()
+            self.rec.add(start, end, end - start, "allreduce", "tp.sequence_grads", "tp", event, vs, -1)
+
     def _all_reduce_tied(self) -> None:
         """tie_embeddings with pp > 1: the first stage's token table and the last stage's copy of it sum their
         gradients (each replica's already averaged over dp), so that both take the same optimizer step."""
@@ -756,6 +777,7 @@ class PipelineEngine:
                 else:
                     self._backward(vs, step.micro)
             self._finish_data_parallel()
+            self._all_reduce_sequence_grads()
             self._all_reduce_tied()
             self._optimizer_steps()
             self._reap_sends(block=True)

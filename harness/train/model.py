@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from harness.errors import UserError
-from harness.layers import LayerDesc, user_input
+from harness.layers import LayerDesc, sequence_shards, user_input
 from harness.models import TORCH_DTYPES, build_layer
 from harness.models.transformer import Head, cross_entropy
 from harness.spec import JobSpec, ModelSpec
@@ -68,15 +68,21 @@ def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int, tied
     return layer
 
 
+def replicated(name: str, model: ModelSpec) -> bool:
+    """Whether parameter `name` of a built-in layer is held whole by every tensor-parallel rank (shard_tensor)."""
+    return name not in _VOCAB_PARALLEL and name not in _ROW_PARALLEL and _column_sections(name, model) is None
+
+
 def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group,
-                tied: bool = False) -> nn.Module:
+                tied: bool = False, sp: bool = False) -> nn.Module:
     """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
-    Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding."""
+    Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding; `sp`:
+    sequence-parallel."""
     full = build_full_layer(model, kind, seed, position, tied)
     if tp == 1:
         return full
     with torch.random.fork_rng(devices=[]):
-        shard = build_layer(model, kind, tp, group, tp_index, tied)
+        shard = build_layer(model, kind, tp, group, tp_index, tied, sp)
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, param in shard.named_parameters():
@@ -112,7 +118,8 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
         signature = dict(layers[position].signature)
         shards = 1 if whole else int(signature.get("tp", 1))  # a replicated embedding or head: 1
         out[position] = build_shard(spec.model, layers[position].kind, seed, position, shards, tp_index, group,
-                                    tied=bool(signature.get("tied", False))).to(device)
+                                    tied=bool(signature.get("tied", False)),
+                                    sp=bool(signature.get("sp", False)) and not whole).to(device)
         if signature.get("tied"):
             out[position].tie(out[0].tokens.weight)  # the embedding: a tied head is on its stage
     return out
@@ -120,10 +127,11 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
 
 def activation_spec(spec: JobSpec, layers: Sequence[LayerDesc], first_position: int) -> tuple[tuple[int, ...],
                                                                                                  torch.dtype]:
-    """Shape and dtype of the activation entering the layer at `first_position` (> 0) of a micro-batch."""
+    """Shape and dtype of the activation entering the layer at `first_position` (> 0) of a micro-batch (with
+    sequence parallelism, this rank's seq / tp tokens of it)."""
     micro, seq = spec.batch.micro, spec.model.seq_len
     if spec.model.family != "user":
-        return (micro, seq, spec.model.hidden), TORCH_DTYPES[spec.model.dtype]
+        return (micro, seq // sequence_shards(spec), spec.model.hidden), TORCH_DTYPES[spec.model.dtype]
     features, dtype_name = user_input(layers[first_position], spec.model.dtype)
     dtype = getattr(torch, dtype_name)
     if not dtype.is_floating_point:
