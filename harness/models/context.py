@@ -1,0 +1,332 @@
+"""Context parallelism: attention over a sequence split across the cp ranks of a group (ring attention).
+
+Layout (zigzag): the sequence is cut into 2 * cp equal chunks and rank r holds chunks r and 2 * cp - 1 - r,
+concatenated in that order, so that under a causal mask every rank does the same work. cp = 1 holds the whole
+sequence (of any length).
+
+`ring_attention` runs cp steps. At step i rank r holds the keys and values that started on rank (r - i) mod cp;
+it posts their exchange (send to r + 1, receive from r - 1, over torch.distributed P2P), computes its queries'
+attention against them, merging the partial results by their log-sum-exp, then waits for the exchange. Per pair
+of (query chunk, key chunk) a causal mask makes the pair "full" (every query sees every key), "diagonal" (a
+lower-triangular mask: the same chunk) or "skip" (no query sees any key). The backward passes the keys and
+values round the ring again, each with its travelling gradient (dk, dv), and one last hop brings every
+gradient home to the rank owning those keys and values. Softmax statistics, block arithmetic and the
+travelling gradients are float32 (float64 inputs stay float64); forward messages keep the inputs' dtype.
+
+`allgather_attention` (cp_comm = "allgather") gathers every rank's keys and values first (the backward
+reduce-scatters their gradients back) and computes the local queries against the whole sequence.
+
+With a hook, every exchange is run through hook(name, run) (as `set_collective_hook` in harness.models.tp):
+"cp.kv" (keys and values, forward and backward), "cp.kv_grad" (the travelling gradients), "cp.allgather" and
+"cp.reduce_scatter". A ring exchange is posted before the step's compute and `run` is only its wait, so the
+hook times the part of the transfer the compute did not hide; the two collectives are timed whole.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+Hook = Callable[[str, Callable[[], None]], None]
+
+FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
+PAIR_COST = {FULL: 1.0, DIAGONAL: 0.5, SKIP: 0.0}
+"""The cost of a chunk pair's attention in units of a full pair's (what a planner multiplies FLOPs by)."""
+
+KV, KV_GRAD, ALLGATHER, REDUCE_SCATTER = "cp.kv", "cp.kv_grad", "cp.allgather", "cp.reduce_scatter"
+_KV_TAG, _GRAD_TAG = 0, 1  # both exchanges of the backward can be in flight to the same peer at once
+
+
+def _check_rank(cp: int, rank: int) -> None:
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp:
+        raise ValueError(f"rank must be an integer in [0, {cp}) for cp = {cp}, got {rank!r}")
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the sequence's 2 * cp chunks rank holds: r and 2 * cp - 1 - r."""
+    _check_rank(cp, rank)
+    return rank, 2 * cp - 1 - rank
+
+
+def _chunk_len(seq_len: int, cp: int) -> int:
+    if seq_len < 0 or seq_len % (2 * cp):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 * cp = {2 * cp} equal chunks")
+    return seq_len // (2 * cp)
+
+
+def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions (int64) of the tokens rank holds, its first chunk's then its second's."""
+    _check_rank(cp, rank)
+    if cp == 1:
+        return torch.arange(seq_len)
+    chunk = _chunk_len(seq_len, cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(cp, rank)])
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
+    """Rank's share of a full-sequence tensor: its two chunks along dim, concatenated."""
+    _check_rank(cp, rank)
+    if cp == 1:
+        return x
+    chunk = _chunk_len(x.shape[dim], cp)
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in zigzag_chunks(cp, rank)], dim=dim)
+
+
+def merge_sequence(parts: list[torch.Tensor], cp: int, dim: int) -> torch.Tensor:
+    """The full sequence from every rank's share (parts[r] is rank r's): the inverse of `split_sequence`."""
+    if len(parts) != cp:
+        raise ValueError(f"merge_sequence needs one part per rank: {len(parts)} parts for cp = {cp}")
+    if cp == 1:
+        return parts[0]
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        if part.shape[dim] % 2:
+            raise ValueError(f"rank {rank}'s part has {part.shape[dim]} tokens along dim {dim}: not two chunks")
+        first, second = part.chunk(2, dim=dim)
+        a, b = zigzag_chunks(cp, rank)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def pair_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
+    """"full", "diagonal" or "skip": what the queries of q_chunk see of kv_chunk's keys."""
+    if q_chunk < 0 or kv_chunk < 0:
+        raise ValueError(f"chunk indices must be non-negative, got {q_chunk} and {kv_chunk}")
+    if not causal or q_chunk > kv_chunk:
+        return FULL
+    return DIAGONAL if q_chunk == kv_chunk else SKIP
+
+
+class RingStep(NamedTuple):
+    """One rank at one step: whose keys and values it computes with (their chunks), and where they go next
+    (None at the last step, which sends nothing forward)."""
+    kv_owner: int
+    kv_chunks: tuple[int, int]
+    send_to: int | None
+    recv_from: int | None
+
+
+def ring_steps(cp: int) -> list[list[RingStep]]:
+    """The forward ring, [step][rank]: at step i rank r holds rank (r - i) mod cp's keys and values and, but at
+    the last step, sends them to r + 1 while receiving the next ones from r - 1. The backward runs the same
+    ring, the gradients one step behind the keys and values, plus a final hop to r + 1 bringing them home."""
+    _check_rank(cp, 0)
+    steps = []
+    for step in range(cp):
+        last = step == cp - 1
+        steps.append([RingStep((r - step) % cp, zigzag_chunks(cp, (r - step) % cp),
+                               None if last else (r + 1) % cp, None if last else (r - 1) % cp)
+                      for r in range(cp)])
+    return steps
+
+
+def step_pairs(cp: int, rank: int, step: int, causal: bool) -> list[tuple[int, int, str]]:
+    """The four (query chunk, key chunk, kind) pairs rank computes at step."""
+    _check_rank(cp, rank)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < cp:
+        raise ValueError(f"step must be an integer in [0, {cp}) for cp = {cp}, got {step!r}")
+    kv_chunks = zigzag_chunks(cp, (rank - step) % cp)
+    return [(q, kv, pair_kind(q, kv, causal)) for q in zigzag_chunks(cp, rank) for kv in kv_chunks]
+
+
+def rank_work(cp: int, rank: int, causal: bool) -> float:
+    """Rank's attention work over all steps, in full chunk pairs (under zigzag the same on every rank)."""
+    return sum(PAIR_COST[kind] for step in range(cp) for _, _, kind in step_pairs(cp, rank, step, causal))
+
+
+# ---- the ring -------------------------------------------------------------------------------------------------
+
+def _group_layout(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError("q, k and v must share one shape (batch, heads, s_local, head_dim) (repeat grouped keys "
+                         f"and values first), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if cp > 1 and q.shape[2] % 2:
+        raise ValueError(f"s_local = {q.shape[2]} is not this rank's two equal chunks (cp = {cp})")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _run(hook: Hook | None, name: str, run: Callable[[], None]) -> None:
+    run() if hook is None else hook(name, run)
+
+
+class _Exchange:
+    """One posted ring exchange: `send` goes to the next rank while `received` fills from the previous one."""
+
+    def __init__(self, send: torch.Tensor, group, cp: int, rank: int, tag: int):
+        self.received = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % cp), group, tag),
+               dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % cp), group, tag)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self, hook: Hook | None, name: str) -> torch.Tensor:
+        def run() -> None:
+            for work in self.works:
+                work.wait()
+
+        _run(hook, name, run)
+        return self.received
+
+
+def _blocks(cp: int, rank: int, step: int, causal: bool, s_local: int, device) -> list[tuple[slice, slice, object]]:
+    """(query slice, key slice, mask) of the local tensors to compute at step; the mask (True: hidden) is None
+    where every query sees every key. Skipped pairs are left out and a query chunk's kept keys are contiguous."""
+    if cp == 1 or not causal:
+        mask = torch.ones(s_local, s_local, dtype=torch.bool, device=device).triu(1) if causal else None
+        return [(slice(None), slice(None), mask)]
+    chunk = s_local // 2
+    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
+    clear = torch.zeros(chunk, chunk, dtype=torch.bool, device=device)
+    pairs = step_pairs(cp, rank, step, causal)
+    blocks = []
+    for a in range(2):
+        kinds = [pairs[2 * a + b][2] for b in range(2)]
+        keep = [b for b in range(2) if kinds[b] != SKIP]
+        if not keep:
+            continue
+        mask = None
+        if DIAGONAL in kinds:
+            mask = torch.cat([tri if kinds[b] == DIAGONAL else clear for b in keep], dim=1)
+        blocks.append((slice(a * chunk, (a + 1) * chunk), slice(keep[0] * chunk, (keep[-1] + 1) * chunk), mask))
+    return blocks
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    return scores if mask is None else scores.masked_fill_(mask, float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, hook):
+        cp, rank = _group_layout(group)
+        acc = _compute_dtype(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qc = q.to(acc)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack((k, v))
+        for step in range(cp):
+            exchange = _Exchange(kv, group, cp, rank, _KV_TAG) if step + 1 < cp else None
+            held_k, held_v = kv.to(acc).unbind(0)
+            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], q.device):
+                scores = _scores(qc[:, :, qs], held_k[:, :, ks], mask, scale)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), held_v[:, :, ks])
+                old = lse[:, :, qs]
+                new = torch.logaddexp(old, block_lse)
+                out[:, :, qs] = (out[:, :, qs] * torch.exp(old - new).unsqueeze(-1)
+                                 + block_out * torch.exp(block_lse - new).unsqueeze(-1))
+                lse[:, :, qs] = new
+            if exchange is not None:
+                kv = exchange.wait(hook, KV)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.hook = group, causal, hook
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, hook = ctx.group, ctx.causal, ctx.hook
+        cp, rank = _group_layout(group)
+        acc = _compute_dtype(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qc, dout = q.to(acc), grad_out.to(acc)
+        delta = (dout * out.to(acc)).sum(dim=-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack((k, v))
+        grads = None  # (dk, dv) of the keys and values held now, once this step's share is added
+        grad_exchange = None
+        for step in range(cp):
+            exchange = _Exchange(kv, group, cp, rank, _KV_TAG) if step + 1 < cp else None
+            held_k, held_v = kv.to(acc).unbind(0)
+            block_grads = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            dk, dv = block_grads.unbind(0)
+            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], q.device):
+                probs = torch.exp(_scores(qc[:, :, qs], held_k[:, :, ks], mask, scale) - lse[:, :, qs].unsqueeze(-1))
+                dv[:, :, ks] += torch.matmul(probs.transpose(-1, -2), dout[:, :, qs])
+                dprobs = torch.matmul(dout[:, :, qs], held_v[:, :, ks].transpose(-1, -2))
+                dscores = probs.mul_(dprobs - delta[:, :, qs].unsqueeze(-1)).mul_(scale)
+                dq[:, :, qs] += torch.matmul(dscores, held_k[:, :, ks])
+                dk[:, :, ks] += torch.matmul(dscores.transpose(-1, -2), qc[:, :, qs])
+            if grad_exchange is not None:
+                block_grads += grad_exchange.wait(hook, KV_GRAD)
+            grads = block_grads
+            if cp > 1:
+                # the gradients of the keys just used go on with them; after the last step this hop takes
+                # every gradient to the rank owning its keys and values
+                grad_exchange = _Exchange(grads, group, cp, rank, _GRAD_TAG)
+            if exchange is not None:
+                kv = exchange.wait(hook, KV)
+        if grad_exchange is not None:
+            grads = grad_exchange.wait(hook, KV_GRAD)
+        dk, dv = grads.unbind(0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool,
+                   hook: Hook | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, keys and values passed round the group's ring.
+
+    q, k, v: (batch, heads, s_local, head_dim), s_local this rank's two zigzag chunks (k and v already repeated
+    to q's heads). Scaled by 1 / sqrt(head_dim). With no group (or cp = 1) plain attention, equal to
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal). Saves q, k, v, the output and a float32 (float64
+    for float64 inputs) log-sum-exp per row for the backward, none of the other ranks' keys and values."""
+    _check_qkv(q, k, v, _group_layout(group)[0])
+    return _RingAttention.apply(q, k, v, group, causal, hook)
+
+
+# ---- all-gather -----------------------------------------------------------------------------------------------
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's (.., s_local, head_dim) share gathered into the full sequence in order; the backward
+    reduce-scatters the full gradient back to the shares' owners."""
+
+    @staticmethod
+    def forward(ctx, local, group, hook):
+        cp, _ = _group_layout(group)
+        local = local.contiguous()
+        gathered = torch.empty(cp * local.numel(), dtype=local.dtype, device=local.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        _run(hook, ALLGATHER, lambda: gather(gathered, local.flatten(), group=group))
+        ctx.group, ctx.hook, ctx.shape = group, hook, local.shape
+        return merge_sequence(list(gathered.view(cp, *local.shape).unbind(0)), cp, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, _ = _group_layout(ctx.group)
+        shares = torch.cat([split_sequence(grad, cp, r, dim=-2).flatten() for r in range(cp)])
+        mine = torch.empty(ctx.shape.numel(), dtype=grad.dtype, device=grad.device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        _run(ctx.hook, REDUCE_SCATTER, lambda: scatter(mine, shares, group=ctx.group))
+        return mine.view(ctx.shape), None, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool,
+                        hook: Hook | None = None) -> torch.Tensor:
+    """cp_comm = "allgather": the same result as `ring_attention`, computed against the gathered sequence's
+    keys and values with the mask of the zigzag positions (a query sees the keys at or before its position)."""
+    cp, rank = _group_layout(group)
+    _check_qkv(q, k, v, cp)
+    if cp == 1:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    full_k, full_v = _GatherSequence.apply(torch.stack((k, v)), group, hook).unbind(0)
+    mask = None
+    if causal:
+        seq_len = full_k.shape[2]
+        positions = local_positions(seq_len, cp, rank).to(q.device)
+        mask = positions.unsqueeze(1) >= torch.arange(seq_len, device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask)
