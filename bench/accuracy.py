@@ -59,7 +59,8 @@ seq_len = 128
 vocab = 2048
 """
 # name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero[, changes]]]),
-# changes: {"vocab": V} for another vocabulary, {"vocab_parallel": False} for a replicated embedding and head
+# changes: {"vocab": V} for another vocabulary, {"vocab_parallel": False} for a replicated embedding and head,
+# {"sp": True} for sequence parallelism
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -74,6 +75,8 @@ CONFIGS = {
     # issue 37: a vocabulary large beside the hidden size, its head split by vocabulary over tp, or replicated
     "tp=2 vocab=16k": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"vocab": 16384}),
     "tp=2 vocab=16k replicated": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"vocab": 16384, "vocab_parallel": False}),
+    # issue 36: Megatron-LM's sequence parallelism, the tp all-reduces as all-gathers and reduce-scatters
+    "tp=2 sp": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"sp": True}),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 TRACKER_GOAL_PCT = 2.0  # issue 32: the memory model against MemTracker's peak, every stage of every row
@@ -85,7 +88,7 @@ def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micr
     changes = changes or {}
     model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}")
     vocab_parallel = (f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes
-                      else "")
+                      else "") + ("sp = true\n" if changes.get("sp") else "")
     return (model + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
             f"zero = {zero}\n{vocab_parallel}"

@@ -11,7 +11,8 @@ harness.schedules.SCHEDULES when pp > 1, the zero-bubble ones only at tp = 1; 1f
 (hidden divisible by heads, an even head size, tp dividing heads), kv_heads (llama: a divisor of heads that tp
 divides), ffn (2-4 x hidden, a multiple of 32), seq_len (32-128), vocab (256-8192, a multiple of tp), the
 micro-batch size (1-4) and count (2-8, as the schedule allows), recompute (none or full, except under a split
-backward) and zero (0-3 where dp > 1, tp = 1 and the backward is not split). Every drawn spec is validated by
+backward), zero (0-3 where dp > 1, tp = 1 and the backward is not split) and, last and only where tp > 1,
+sequence parallelism (sp) on or off. Every drawn spec is validated by
 the project's own loader (harness.spec.parse_spec); one it refuses is drawn again from the same Generator,
 so the redraws are as deterministic as the draws. The sizes stay small: a job profiles and runs in seconds
 on 2 CPU cores.
@@ -142,6 +143,8 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
     model = {"factory": FACTORY} if family == "factory" else {"name": PRESET_OF_FAMILY[family], "kv_heads": kv_heads}
     model.update(layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq_len=seq_len, vocab=vocab, dtype="float32")
     strategy = {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "recompute": recompute, "zero": zero}
+    if tp > 1:  # drawn last, so that the jobs without a tensor-parallel group draw as before it was offered
+        strategy["sp"] = bool(rng.integers(2))
     if schedule in INTERLEAVED:
         strategy["chunks"] = chunks
     return {"model": model, "batch": {"global": micro * micro_batches * dp, "micro": micro},
@@ -151,12 +154,12 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
 
 def job_name(spec: JobSpec) -> str:
     """A short, readable description: family, sizes (L layers, h hidden / a heads [/ kv], f ffn, s seq, v vocab),
-    micro-batches (count x size), layout, schedule (x chunks), recompute (rc) and zero (z)."""
+    micro-batches (count x size), layout, schedule (x chunks), recompute (rc), zero (z) and sp."""
     m, s = spec.model, spec.strategy
     family = "factory" if m.factory else m.family
     heads = f"{m.heads}/{m.kv_heads}" if m.family == "llama" else f"{m.heads}"
     schedule = f" {s.schedule}" + (f"x{s.chunks}" if s.schedule in INTERLEAVED else "") if s.pp > 1 else ""
-    extras = (" rc" if s.recompute != "none" else "") + (f" z{s.zero}" if s.zero else "")
+    extras = (" rc" if s.recompute != "none" else "") + (f" z{s.zero}" if s.zero else "") + (" sp" if s.sp else "")
     return (f"{family} L{m.layers} h{m.hidden}/a{heads} f{m.ffn} s{m.seq_len} v{m.vocab} "
             f"m{spec.micro_batches}x{spec.batch.micro} dp{s.dp} tp{s.tp} pp{s.pp}{schedule}{extras}")
 
