@@ -342,13 +342,15 @@ def from_trace(trace) -> RunActivity:
         def of(keep: np.ndarray) -> Spans:
             return spans(start[keep], end[keep])
         tp = of(phase == "tp")
-        compute = of(np.isin(kind, ["compute", "optimizer"])) - tp
+        context = of(phase == "cp")  # context parallelism's exchanges inside a step (the part left unhidden)
+        compute = of(np.isin(kind, ["compute", "optimizer"])) - tp - context
         comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter"]))
         compute = compute - of(phase == "zero")  # FSDP's collectives inside the steps (zero > 0)
         # a zero-bubble schedule's weight-gradient steps (W) are backward too
         phases = {"forward": of(phase == "F"), "backward": of(np.isin(phase, ["B", "W"])),
                   "optimizer": of(phase == "opt"),
                   "dp-sync": of(np.isin(phase, ["dp", "zero", "tie"])), "tensor-parallel": tp,
+                  "context-parallel": context,
                   "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}
         ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,
@@ -382,7 +384,7 @@ def _trace_arrivals(device, cols: dict[str, np.ndarray]) -> list[Arrival]:
         elif phase == "tp":
             step = (iteration, vs, micro, name)
             ordinal = order[step] = order.get(step, -1) + 1
-            key = ("tp", *step, ordinal, device.dp)
+            key = ("tp", *step, ordinal, device.dp, device.cp)
             label = f"{name} #{ordinal} iteration {iteration} stage {vs} micro {micro} dp {device.dp}"
         else:
             continue

@@ -20,11 +20,12 @@ REPORT_KIND = "distsim-simulation"
 
 
 def strategy_label(timeline: Timeline) -> str:
-    """'dp=2 tp=2 pp=2 1f1b m=8' (plus chunks for interleaved schedules, recompute and zero when on)."""
+    """'dp=2 tp=2 pp=2 1f1b m=8' (plus chunks for interleaved schedules, sp, recompute and zero when on)."""
     s = timeline.spec.strategy
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
     extra = (f" recompute={s.recompute}" if s.recompute != "none" else "") + (f" zero={s.zero}" if s.zero else "")
-    return f"dp={s.dp} tp={s.tp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}{extra}"
+    sp = " sp" if s.sp else ""
+    return f"dp={s.dp} tp={s.tp}{sp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}{extra}"
 
 
 def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
@@ -33,7 +34,7 @@ def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
     rows = []
     for device in timeline.pipeline:
         u = device.usage
-        rows.append({"stage": device.stage, "devices": s.dp * s.tp,
+        rows.append({"stage": device.stage, "devices": s.dp * s.tp * s.cp,
                      "virtual_stages": [c * s.pp + device.stage for c in range(s.chunks)],
                      "compute_s": u.compute_s, "comm_s": u.comm_s, "overlapped_comm_s": u.overlapped_comm_s,
                      "idle_s": u.idle_s, "end_s": device.end_s})
@@ -167,10 +168,11 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
             for r in stage_rows(timeline)]
     headers = ("stage", "devices", "compute ms", "comm ms", "overlapped ms", "idle ms", "idle %") + (
         (f"memory {unit}",) if memory is not None else ())
+    replicas = (f"{s.dp} x {s.tp} x {s.cp} dp x tp x cp" if s.cp > 1 else f"{s.dp} x {s.tp} dp x tp")
     sync = (f"ZeRO-{s.zero} through FSDP2, its collectives inline" if s.zero else
             f"data-parallel all-reduce {'during' if timeline.dp_overlap else 'after'} the backward")
     out.append(format_table(headers, rows,
-                            title=f"per pipeline stage (its {s.dp} x {s.tp} dp x tp devices alike; {sync}):"))
+                            title=f"per pipeline stage (its {replicas} devices alike; {sync}):"))
     if ranks:
         rows = [(d.rank, d.stage, d.dp, d.tp, _ms(d.compute_s), _ms(d.comm_s), _ms(d.overlapped_comm_s), _ms(d.idle_s))
                 for d in timeline.devices(ranks)]

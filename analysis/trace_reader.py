@@ -41,6 +41,11 @@ class DeviceTrace:
     attrs: dict[str, Any] = field(default_factory=dict)
     layers: dict[str, np.ndarray] | None = None  # every layer of every step, where traced with --layer-times
 
+    @property
+    def cp(self) -> int:
+        """The context-parallel index (0 in traces without context parallelism, or written before it)."""
+        return int(self.attrs.get("cp", 0))
+
     def __len__(self) -> int:
         return len(self.columns["start_s"])
 
@@ -154,7 +159,7 @@ class Trace:
         recvs: dict[tuple, tuple[float, float]] = {}
         sends: list[tuple] = []
         for rank, device in self.devices.items():
-            cols = device.select(kind="p2p")
+            cols = device.select(kind="p2p", phase=("send", "recv"))  # not context parallelism's ring
             for i in range(len(cols["start_s"])):
                 iteration = int(cols["iteration"][i])
                 if iteration not in keep:
@@ -196,7 +201,7 @@ class Trace:
             if device.layers is None:
                 continue
             layers = device.layers
-            collectives = device.select(phase=("tp", "zero"))  # they block the main thread: they never overlap
+            collectives = device.select(phase=("tp", "zero", "cp"))  # they block the main thread: never overlap
             by_start = np.argsort(collectives["start_s"], kind="stable")
             starts, ends = collectives["start_s"][by_start], collectives["end_s"][by_start]
             for i in np.flatnonzero(np.isin(layers["iteration"], keep_iterations)):

@@ -200,7 +200,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     s = spec.strategy
     if trace.world_size != s.world:
         raise UserError(f"{trace.path}: the trace has {trace.world_size} devices but its spec has "
-                        f"dp x tp x pp = {s.world}")
+                        f"{s.layout} = {s.world}")
     for rank, device in trace.devices.items():
         stage = device.pp
         busy = [trace.busy_time(rank, int(i)) for i in kept]
@@ -299,7 +299,7 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
             vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
             if kind == "optimizer":
                 per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
-            elif phase in ("tp", "zero"):  # inline collectives, named by the step they ran in
+            elif phase in ("tp", "zero", "cp"):  # inline collectives, named by the step they ran in
                 step_phase = "F" if str(name).endswith(".fwd") else "B"
                 key = (vs, step_phase, micro, iteration)
                 per_step_comm[key] = per_step_comm.get(key, 0.0) + duration

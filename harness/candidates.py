@@ -5,7 +5,7 @@ Rules (docs/spec.md, "[search]"):
 - a field the grid does not list keeps the spec's value; `micro` is the micro-batch size at the spec's
   global batch;
 - the device count is fixed: `gpus` (or `--gpus`) when given, else the spec's cluster; without `dp` in the
-  grid, dp is the device count over tp x pp; with it, a combination that uses another count is rejected;
+  grid, dp is the device count over tp x cp x pp; with it, a combination that uses another count is rejected;
 - `chunks` applies to the interleaved schedules only (interleaved-1f1b, interleaved-zb; the others run one
   chunk per device): the grid's chunks give interleaved candidates, the spec's own chunks when the grid has
   none (2 by default);
@@ -13,7 +13,7 @@ Rules (docs/spec.md, "[search]"):
   one node if it is smaller than one, else is rejected;
 - identical candidates are one;
 - `auto` (`[search] auto = true` or `analysis search --auto`): every field the grid does not list takes every
-  value that can make a job of the device count: each factorization of the count into dp x tp x pp, each
+  value that can make a job of the device count: each factorization of the count into dp x tp x cp x pp, each
   micro-batch size that divides the global batch over dp, every schedule (interleaved ones with the grid's
   chunks, else 2), both recompute modes, every ZeRO stage and, with tp > 1, sequence parallelism on and off; the
   spec's rules then reject what the model
@@ -29,7 +29,7 @@ from harness.errors import SpecError, UserError
 from harness.schedules import INTERLEAVED, SCHEDULES
 from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
 
-GRID_FIELDS = ("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp")
+GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class Grid:
 def strategy_key(spec: JobSpec) -> tuple:
     """What tells two candidates apart."""
     s = spec.strategy
-    return (spec.strategy.world, s.dp, s.tp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero, s.sp)
+    return (spec.strategy.world, s.dp, s.tp, s.cp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero,
+            s.sp)
 
 
 def candidate_label(spec: JobSpec) -> str:
@@ -67,7 +68,8 @@ def candidate_label(spec: JobSpec) -> str:
     recompute = f" recompute={s.recompute}" if s.recompute != "none" else ""
     zero = f" zero={s.zero}" if s.zero else ""
     sp = " sp" if s.sp else ""
-    return (f"dp={s.dp} tp={s.tp}{sp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
+    cp = f" cp={s.cp}" + (" allgather" if s.cp_comm == "allgather" else "") if s.cp > 1 else ""
+    return (f"dp={s.dp} tp={s.tp}{sp}{cp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
             f"{recompute}{zero}")
 
 
@@ -87,17 +89,19 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def _auto_combinations(spec: JobSpec, fields: dict[str, tuple]) -> list[tuple]:
-    """(world, dp, tp, pp, micro) of every factorization and micro-batch size the grid leaves open (`auto`)."""
+    """(world, dp, tp, cp, pp, micro) of every factorization and micro-batch size the grid leaves open (`auto`)."""
     grid, global_size = spec.search, spec.batch.global_size
     out = []
     for world in fields["gpus"]:
         for tp in grid.tp or divisors(world):
-            for pp in grid.pp or divisors(world // tp if world % tp == 0 else 1):
-                dp = world // (tp * pp) if world % (tp * pp) == 0 else None
-                if dp is None or (grid.dp and dp not in grid.dp):
-                    continue
-                micros = grid.micro or (divisors(global_size // dp) if global_size % dp == 0 else (1,))
-                out += [(world, dp, tp, pp, micro) for micro in micros]
+            rest = world // tp if world % tp == 0 else 1
+            for cp in grid.cp or divisors(rest):
+                for pp in grid.pp or divisors(rest // cp if rest % cp == 0 else 1):
+                    dp = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else None
+                    if dp is None or (grid.dp and dp not in grid.dp):
+                        continue
+                    micros = grid.micro or (divisors(global_size // dp) if global_size % dp == 0 else (1,))
+                    out += [(world, dp, tp, cp, pp, micro) for micro in micros]
     return out
 
 
@@ -115,26 +119,28 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
                       zero=grid.zero or ZERO_STAGES, sp=grid.sp or (False, True))
         shapes = _auto_combinations(spec, fields)
     else:
-        shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["pp"], fields["micro"]))
+        shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["cp"], fields["pp"],
+                                        fields["micro"]))
     schedules = fields["schedule"]
     interleaved_chunks = spec.search.chunks or (spec.strategy.chunks if spec.strategy.chunks > 1 else 2,)
     base = spec.to_dict()
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for (world, dp, tp, pp, micro), schedule, recompute, zero, sp in itertools.product(
+    for (world, dp, tp, cp, pp, micro), schedule, recompute, zero, sp in itertools.product(
             shapes, schedules, fields["recompute"], fields["zero"], fields["sp"]):
         if sp and tp == 1 and auto and not spec.search.sp:
             continue  # the same job as sp = false: auto offers sp where there is a tensor-parallel group
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
-            choice = (("gpus", world), ("dp", dp), ("tp", tp), ("pp", pp), ("micro", micro),
+            choice = (("gpus", world), ("dp", dp), ("tp", tp)) + ((("cp", cp),) if spec.search.cp or auto else ()) \
+                + (("pp", pp), ("micro", micro),
                       ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
                 + ((("recompute", recompute),) if spec.search.recompute or auto else ()) \
                 + ((("zero", zero),) if spec.search.zero or auto else ()) \
                 + ((("sp", sp),) if spec.search.sp or auto else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, pp, micro, schedule, chunks, recompute, zero, sp)
+                candidate = _candidate(spec, base, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp)
             except SpecError as exc:
                 rejected.append(Rejected(choice, _reason(exc)))
                 continue
@@ -146,14 +152,15 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     return Grid(list(seen.values()), rejected)
 
 
-def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, pp: int, micro: int,
+def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int,
                schedule: str, chunks: int, recompute: str, zero: int, sp: bool) -> JobSpec:
+    layout = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None:
-        if world % (tp * pp):
-            raise SpecError(f"{world} devices are not a multiple of tp x pp = {tp * pp}")
-        dp = world // (tp * pp)
-    elif dp * tp * pp != world:
-        raise SpecError(f"dp x tp x pp = {dp * tp * pp} devices, not the {world} of the search (list gpus in "
+        if world % (tp * cp * pp):
+            raise SpecError(f"{world} devices are not a multiple of {layout} = {tp * cp * pp}")
+        dp = world // (tp * cp * pp)
+    elif dp * tp * cp * pp != world:
+        raise SpecError(f"dp x {layout} = {dp * tp * cp * pp} devices, not the {world} of the search (list gpus in "
                         "[search] to vary the device count)")
     per_node = spec.cluster.gpus_per_node
     if world % per_node == 0:
@@ -163,7 +170,7 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, p
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
     data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp},
+                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp, "cp": cp},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
     return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)

@@ -6,7 +6,7 @@ unique event with a multiplicity. Nothing is materialised per device unless aske
 
 Counting conventions (docs/events.md): compute events count once per device that runs them;
 a P2P event counts once per transfer; a collective counts once per group call.
-Ranks are ordered tp fastest, then dp, then pp; a device's node is rank // gpus_per_node.
+Ranks are ordered tp fastest, then cp, then dp, then pp; a device's node is rank // gpus_per_node.
 """
 from __future__ import annotations
 
@@ -260,14 +260,23 @@ class EventPlan:
     def _node(self, rank: int) -> int:
         return rank // self.spec.cluster.gpus_per_node
 
-    def rank_of(self, dp_i: int, tp_i: int, pp_i: int) -> int:
+    def rank_of(self, dp_i: int, tp_i: int, pp_i: int, cp_i: int = 0) -> int:
         s = self.spec.strategy
-        return (pp_i * s.dp + dp_i) * s.tp + tp_i
+        return ((pp_i * s.dp + dp_i) * s.cp + cp_i) * s.tp + tp_i
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp index, tp index, pp index) of a global rank."""
         s = self.spec.strategy
-        return (rank // s.tp) % s.dp, rank % s.tp, rank // (s.tp * s.dp)
+        return (rank // (s.tp * s.cp)) % s.dp, rank % s.tp, rank // (s.tp * s.cp * s.dp)
+
+    def cp_index(self, rank: int) -> int:
+        """The context-parallel index of a global rank (0 without context parallelism)."""
+        return (rank // self.spec.strategy.tp) % self.spec.strategy.cp
+
+    def replicas(self) -> list[tuple[int, int]]:
+        """Every (dp index, cp index): the ranks of a pipeline stage and tp index that hold the same parameters."""
+        s = self.spec.strategy
+        return [(d, c) for d in range(s.dp) for c in range(s.cp)]
 
     def _placements(self, groups: Iterator[list[int]]) -> "GroupPlacements":
         counts = GroupPlacements()
@@ -305,19 +314,29 @@ class EventPlan:
 
     def _build(self) -> None:
         spec, s = self.spec, self.spec.strategy
-        m, micro, seq = spec.micro_batches, spec.batch.micro, spec.model.seq_len
+        # with context parallelism a rank holds seq / cp tokens of every micro-batch
+        m, micro, seq = spec.micro_batches, spec.batch.micro, spec.model.seq_len // s.cp
         dtype_bytes = spec.model.dtype_bytes
-        devices_per_stage = s.dp * s.tp
+        devices_per_stage = s.dp * s.tp * s.cp
         stages = split_into_stages(self.layers, spec.model, s.virtual_stages)
         activation = micro * seq * spec.model.hidden * dtype_bytes
-        tp_groups_of_stage = [self._placements([self.rank_of(d, t, p) for t in range(s.tp)] for d in range(s.dp))
-                              for p in range(s.pp)]
+        tp_groups_of_stage = [self._placements([self.rank_of(d, t, p, c) for t in range(s.tp)]
+                                               for d, c in self.replicas()) for p in range(s.pp)]
+        # context parallelism: each rank's ring pair (it and the next cp rank), or the cp groups (all-gather)
+        cp_pairs_of_stage = [self._placements([self.rank_of(d, t, p, c), self.rank_of(d, t, p, (c + 1) % s.cp)]
+                                              for d in range(s.dp) for t in range(s.tp) for c in range(s.cp))
+                             for p in range(s.pp)] if s.cp > 1 else []
+        cp_groups_of_stage = [self._placements([self.rank_of(d, t, p, c) for c in range(s.cp)]
+                                               for d in range(s.dp) for t in range(s.tp))
+                              for p in range(s.pp)] if s.cp > 1 else []
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         per_layer: dict[tuple, tuple[str, str]] = {}  # identical layers share their events (ids cost a hash)
         for vs, stage_layers in enumerate(stages):
             tp_groups = tp_groups_of_stage[vs % s.pp]
-            dp_groups = self._placements([self.rank_of(d, t, vs % s.pp) for d in range(s.dp)] for t in range(s.tp))
+            # the gradients' groups: the dp x cp ranks holding the same parameters (cp = 1: the dp replicas)
+            dp_groups = self._placements([self.rank_of(d, t, vs % s.pp, c) for d, c in self.replicas()]
+                                         for t in range(s.tp))
             # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
             again = {id(layer) for layer in stage_layers if s.recompute == "full" and recomputed(layer)}
             calls = sum(layer.tp_allreduces for layer in stage_layers)
@@ -330,12 +349,19 @@ class EventPlan:
                 """A layer's own tensor-parallel collectives in its forward or backward (LayerDesc.tp_forward: a
                 vocabulary-parallel layer's all-reduces, sequence parallelism's all-gathers and reduce-scatters)."""
                 out = []
+                runs = 2 if pass_ == "fwd" and id(layer) in again else 1
                 for name, per_token, dtype in layer.tp_forward if pass_ == "fwd" else layer.tp_backward:
-                    runs = 2 if pass_ == "fwd" and id(layer) in again else 1
                     eid = self._collective(collective_kind(name), micro * seq * per_token, s.tp, tp_groups, m * runs,
                                            "tensor-parallel groups", dtype=dtype)
                     tp_events[name] = eid
                     out.append((eid, -1))
+                for name, per_token, dtype, count in layer.cp_forward if pass_ == "fwd" else layer.cp_backward:
+                    kind = collective_kind(name)
+                    groups = (cp_pairs_of_stage if kind == "p2p" else cp_groups_of_stage)[vs % s.pp]
+                    eid = self._collective(kind, micro * seq * per_token, s.cp, groups, m * runs * count,
+                                           "context-parallel groups", dtype=dtype)
+                    tp_events[name] = eid
+                    out += [(eid, -1)] * count
                 return out
             # per layer, in forward order: its forward items, backward event, and (zero > 0) its FSDP collectives
             per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str, list[tuple[str, int]]]] = []
@@ -400,7 +426,7 @@ class EventPlan:
                 for (w_id, index), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
                     position += bool(w_id)
                     grads.append((max(position, 0), layer.params * dtype_bytes))
-            buckets = self._buckets(grads, dp_groups) if s.dp > 1 and not s.zero else []
+            buckets = self._buckets(grads, dp_groups) if s.gradient_replicas > 1 and not s.zero else []
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
                 backward=[e for e, _ in bwd], buckets=buckets, optimizer=[], send_forward=None, send_backward=None,
@@ -419,8 +445,8 @@ class EventPlan:
                 self.stages[pp_i].optimizer.append(o_id)
         if spec.model.tie_embeddings and s.pp > 1:
             shards = s.tp if s.vocab_sharded else 1
-            pairs = self._placements([self.rank_of(d, t, 0), self.rank_of(d, t, s.pp - 1)]
-                                     for d in range(s.dp) for t in range(s.tp))
+            pairs = self._placements([self.rank_of(d, t, 0, c), self.rank_of(d, t, s.pp - 1, c)]
+                                     for d, c in self.replicas() for t in range(s.tp))
             tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * dtype_bytes, 2, pairs,
                                    1, "tied embedding pairs")
             self.stages[0].tie = self.stages[-1].tie = tie
@@ -430,8 +456,8 @@ class EventPlan:
             features = stages[vs][-1].out_features or (spec.model.hidden,)
             activation = micro * seq * math.prod(features) * dtype_bytes // sequence_shards(spec)
             src, dst = vs % s.pp, (vs + 1) % s.pp
-            pairs = self._placements([self.rank_of(d, t, src), self.rank_of(d, t, dst)]
-                                     for d in range(s.dp) for t in range(s.tp))
+            pairs = self._placements([self.rank_of(d, t, src, c), self.rank_of(d, t, dst, c)]
+                                     for d, c in self.replicas() for t in range(s.tp))
             what = f"pipeline pairs {vs}->{vs + 1}"
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
@@ -516,7 +542,7 @@ class EventPlan:
         if size:
             buckets.append(Bucket("", size, last))
         for bucket in buckets:
-            bucket.event = self._collective("allreduce", bucket.nbytes, s.dp, dp_groups, 1,
+            bucket.event = self._collective("allreduce", bucket.nbytes, s.gradient_replicas, dp_groups, 1,
                                             "data-parallel groups")
         return buckets
 
@@ -536,7 +562,7 @@ class EventPlan:
             "events_version": EVENTS_VERSION,
             "model": self.spec.model.name,
             "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks,
-                         "recompute": s.recompute, "zero": s.zero},
+                         "recompute": s.recompute, "zero": s.zero, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm},
             "devices": s.world,
             "micro_batches": self.spec.micro_batches,
             **self.unique().summary(),

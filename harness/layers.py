@@ -28,7 +28,10 @@ class LayerDesc:
     `tp_forward` and `tp_backward` the other collectives over the tp group it runs in its forward and its
     backward, in order, each (name, bytes per token of the whole array, dtype): a vocabulary-parallel embedding's
     and head's, and with sequence parallelism a block's all-gathers and reduce-scatters; the name is the one
-    harness.models.tp gives it (what harness train records) and says its kind (collective_kind).
+    harness.models.tp gives it (what harness train records) and says its kind (collective_kind); `cp_forward`
+    and `cp_backward` a context-parallel block's exchanges over its cp ranks, each (name, bytes per local token,
+    dtype, how many a pass): the ring's key-and-value sends and their gradients' (harness.models.context), or
+    the all-gather and its reduce-scatter.
     """
 
     kind: str  # embedding | block | head | user
@@ -40,6 +43,8 @@ class LayerDesc:
     out_features: tuple[int, ...] = ()  # output shape after (micro, seq)
     tp_forward: tuple[tuple[str, int, str], ...] = ()
     tp_backward: tuple[tuple[str, int, str], ...] = ()
+    cp_forward: tuple[tuple[str, int, str, int], ...] = ()
+    cp_backward: tuple[tuple[str, int, str, int], ...] = ()
     index: int = 0  # position in the model; the first of identical layers for user models
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -52,8 +57,8 @@ class LayerDesc:
                 "fwd_flops_per_token": self.fwd_flops_per_token,
                 "attn_flops_per_token_per_seq": self.attn_flops_per_token_per_seq,
                 "tp_allreduces": self.tp_allreduces, "out_features": list(self.out_features), "index": self.index,
-                **{key: [list(c) for c in getattr(self, key)] for key in ("tp_forward", "tp_backward")
-                   if getattr(self, key)}}
+                **{key: [list(c) for c in getattr(self, key)]
+                   for key in ("tp_forward", "tp_backward", "cp_forward", "cp_backward") if getattr(self, key)}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerDesc":
@@ -62,7 +67,9 @@ class LayerDesc:
                    attn_flops_per_token_per_seq=float(data["attn_flops_per_token_per_seq"]),
                    tp_allreduces=int(data["tp_allreduces"]), out_features=tuple(data["out_features"]),
                    tp_forward=tuple(tuple(c) for c in data.get("tp_forward", ())),
-                   tp_backward=tuple(tuple(c) for c in data.get("tp_backward", ())), index=int(data["index"]))
+                   tp_backward=tuple(tuple(c) for c in data.get("tp_backward", ())),
+                   cp_forward=tuple(tuple(c) for c in data.get("cp_forward", ())),
+                   cp_backward=tuple(tuple(c) for c in data.get("cp_backward", ())), index=int(data["index"]))
 
 
 def block_params(model: ModelSpec, tp: int) -> int:
@@ -124,9 +131,30 @@ LOSS_MAX, LOSS_SUMS = "tp.loss_max", "tp.loss_sums"
 SEQ_ALLGATHER, SEQ_REDUCESCATTER = "tp.allgather", "tp.reducescatter"
 
 
+# context parallelism's (harness.models.context): the ring's sends of keys and values and of their gradients, or
+# the keys and values all-gathered and their gradients reduce-scattered
+CP_KV, CP_KV_GRAD, CP_ALLGATHER, CP_REDUCESCATTER = "cp.kv", "cp.kv_grad", "cp.allgather", "cp.reduce_scatter"
+_KINDS = {SEQ_ALLGATHER: "allgather", SEQ_REDUCESCATTER: "reducescatter", CP_KV: "p2p", CP_KV_GRAD: "p2p",
+          CP_ALLGATHER: "allgather", CP_REDUCESCATTER: "reducescatter"}
+
+
 def collective_kind(name: str) -> str:
-    """The communication kind of a tensor-parallel collective by its name (events.COMM_KINDS)."""
-    return {SEQ_ALLGATHER: "allgather", SEQ_REDUCESCATTER: "reducescatter"}.get(name, "allreduce")
+    """The communication kind of a tensor- or context-parallel collective by its name (events.COMM_KINDS)."""
+    return _KINDS.get(name, "allreduce")
+
+
+def context_parallel_block(model: ModelSpec, tp: int, cp: int, cp_comm: str) -> tuple[tuple, tuple]:
+    """A block's exchanges under context parallelism, forward and backward, per local token (harness.models
+    .context): the keys and values travel repeated to the query heads (this shard's heads / tp x head size
+    each), in the model's dtype, their gradients in float32. The ring sends them cp - 1 times a forward, and a
+    backward sends them cp - 1 times and the gradients cp times (the last hop brings them home); the all-gather
+    moves the whole sequence's (cp x the local bytes) once each way."""
+    per_token = 2 * model.hidden // tp * model.dtype_bytes
+    if cp_comm == "allgather":
+        return ((CP_ALLGATHER, cp * per_token, model.dtype, 1),), ((CP_REDUCESCATTER, cp * per_token, model.dtype, 1),)
+    grads = 2 * model.hidden // tp * max(4, model.dtype_bytes)
+    kv = (CP_KV, per_token, model.dtype, cp - 1)
+    return (kv,), (kv, (CP_KV_GRAD, grads, "float32" if model.dtype_bytes <= 4 else model.dtype, cp))
 
 
 def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple]:
@@ -140,7 +168,7 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
 
 
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
-                     sp: bool = False) -> list[LayerDesc]:
+                     sp: bool = False, cp: int = 1, cp_comm: str = "ring") -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
@@ -152,6 +180,10 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     tokens: the embedding reduce-scatters its shards' lookups (its gradient all-gathered), each block all-gathers
     and reduce-scatters (sequence_parallel_block) instead of all-reducing, and the head all-gathers its input
     (its gradient reduce-scattered); their signatures say ("sp", True).
+    With `cp` > 1 (context parallelism) a rank holds seq / cp tokens (the plan's events say so): each block's
+    queries attend to the whole sequence (its attention FLOPs per local token x cp) through the exchanges of
+    context_parallel_block; the block's and the embedding's signatures say ("cp", cp) (the embedding adds its
+    tokens' positions), the block's also a cp_comm other than the ring.
     """
     h, ffn = model.hidden, model.ffn
     shards = tp if vocab_parallel and tp > 1 else 1
@@ -166,20 +198,23 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     hidden_bytes = h * model.dtype_bytes
     sequence = (("sp", True),) if sp else ()
     block_fwd, block_bwd = sequence_parallel_block(hidden_bytes, model.dtype) if sp else ((), ())
+    context = (("cp", cp),) + ((("cp_comm", cp_comm),) if cp_comm != "ring" else ()) if cp > 1 else ()
+    ring_fwd, ring_bwd = context_parallel_block(model, tp, cp, cp_comm) if cp > 1 else ((), ())
     block = LayerDesc(
         kind="block",
-        signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)) + sequence,
+        signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)) + sequence
+        + context,
         params=block_params(model, tp),
         fwd_flops_per_token=2.0 * proj / tp,
-        attn_flops_per_token_per_seq=4.0 * h / tp,  # QK^T and attention x V
+        attn_flops_per_token_per_seq=4.0 * h / tp * cp,  # QK^T and attention x V, over the whole sequence's keys
         tp_allreduces=2 if tp > 1 and not sp else 0,
         out_features=(h,),
-        tp_forward=block_fwd, tp_backward=block_bwd,
+        tp_forward=block_fwd, tp_backward=block_bwd, cp_forward=ring_fwd, cp_backward=ring_bwd,
     )
     sharded = (("tp", shards),) if shards > 1 else ()
     gathered = (SEQ_REDUCESCATTER if sp else HIDDEN_ALLREDUCE, hidden_bytes, model.dtype)
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
-                          + sharded + sequence, params=embedding_params(model, shards), fwd_flops_per_token=float(h),
+                          + sharded + sequence + context[:1], params=embedding_params(model, shards), fwd_flops_per_token=float(h),
                           out_features=(h,), tp_forward=(gathered,) * bool(sharded),
                           tp_backward=((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ())
     tied = model.tie_embeddings and pp == 1
@@ -206,7 +241,7 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
             user_layers = describe_user_model(spec)
         return user_layers
     s = spec.strategy
-    return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp)
+    return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp, s.cp, s.cp_comm)
 
 
 def recomputed(layer: LayerDesc) -> bool:
@@ -225,7 +260,7 @@ def user_input(layer: LayerDesc, model_dtype: str) -> tuple[tuple[int, ...], str
 def input_bytes(spec: JobSpec, layers: list[LayerDesc], index: int) -> int:
     """Bytes of one micro-batch's input to layer `index`, which a recomputed layer keeps for its backward: the
     previous layer's output (a built-in model's hidden states), or the first layer's token ids (int64)."""
-    micro, seq = spec.batch.micro, spec.model.seq_len
+    micro, seq = spec.batch.micro, spec.model.seq_len // spec.strategy.cp
     if spec.model.family != "user":
         return micro * seq * (8 if index == 0 else spec.model.hidden * spec.model.dtype_bytes // sequence_shards(spec))
     features, dtype = user_input(layers[index], spec.model.dtype)
@@ -233,8 +268,8 @@ def input_bytes(spec: JobSpec, layers: list[LayerDesc], index: int) -> int:
 
 
 def sequence_shards(spec: JobSpec) -> int:
-    """Over how many ranks the activations between a built-in model's layers split the sequence: tp with
-    sequence parallelism, else 1."""
+    """Over how many ranks the activations between a built-in model's layers split a context-parallel rank's
+    seq / cp tokens: tp with sequence parallelism, else 1."""
     return spec.strategy.tp if spec.strategy.sp else 1
 
 

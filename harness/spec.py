@@ -21,6 +21,7 @@ DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each block's input only
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
+CP_COMMS = ("ring", "allgather")  # how context parallelism's attention gets the other ranks' keys and values
 VOCAB_PAD = 128  # Megatron-LM pads the vocabulary to a multiple of this x tp (make-vocab-size-divisible-by)
 
 # Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
@@ -44,11 +45,11 @@ _SECTIONS = {
               "tie_embeddings"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
-                 "vocab_parallel", "sp"},
+                 "vocab_parallel", "sp", "cp", "cp_comm"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "auto"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "auto"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -85,7 +86,7 @@ class BatchSpec:
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """Hybrid parallelism. Ranks are ordered tp fastest, then dp, then pp (Megatron's order)."""
+    """Hybrid parallelism. Ranks are ordered tp fastest, then cp, then dp, then pp (Megatron-Core's order)."""
 
     dp: int = 1
     tp: int = 1
@@ -102,10 +103,26 @@ class StrategySpec:
     # tp > 1: Megatron-LM's sequence parallelism (Korthikanti et al. 2022): the norms and residuals between the
     # tensor-parallel regions hold seq / tp tokens, each all-reduce becomes a reduce-scatter and an all-gather
     sp: bool = False
+    # context parallelism: the sequence split over cp ranks in 2 cp chunks (zigzag), attention over the whole of
+    # it with the keys and values passed round a ring (cp_comm "ring") or all-gathered first ("allgather")
+    cp: int = 1
+    cp_comm: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def layout(self) -> str:
+        """'dp x tp x pp' (with cp > 1 'dp x tp x cp x pp') and its numbers: how a message names the layout."""
+        if self.cp > 1:
+            return f"dp x tp x cp x pp = {self.dp} x {self.tp} x {self.cp} x {self.pp}"
+        return f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp}"
+
+    @property
+    def gradient_replicas(self) -> int:
+        """The ranks that hold the same parameters and average their gradients: dp x cp (Megatron-Core)."""
+        return self.dp * self.cp
 
     @property
     def virtual_stages(self) -> int:
@@ -170,6 +187,7 @@ class SearchSpec:
     recompute: tuple[str, ...] = ()
     zero: tuple[int, ...] = ()
     sp: tuple[bool, ...] = ()
+    cp: tuple[int, ...] = ()
     auto: bool = False  # every valid value of each field the grid does not list (harness.candidates)
 
     def __bool__(self) -> bool:
@@ -251,7 +269,8 @@ class JobSpec:
             data["strategy"]["chunks"] = default_chunks(changes["schedule"])
         if not {"nodes", "gpus_per_node"} & set(changes):
             # Another strategy usually means another device count: keep the node size, change the node count.
-            world = data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
+            world = (data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
+                     * data["strategy"].get("cp", 1))
             per_node = data["cluster"]["gpus_per_node"]
             if world % per_node == 0:
                 data["cluster"]["nodes"] = world // per_node
@@ -308,6 +327,7 @@ LIMITS = {
     "batch.micro": (1_000_000, "a micro-batch is a few to a few thousand samples"),
     "strategy.dp": (1_048_576, "2^20 devices are more than any cluster has"),
     "strategy.tp": (1_024, "tensor parallelism spans a node or a few"),
+    "strategy.cp": (1_024, "context parallelism spans a few hundred ranks at most"),
     "strategy.pp": (65_536, "a pipeline stage needs at least one layer"),
     "strategy.chunks": (1_024, "interleaved schedules use a few chunks per device"),
     "cluster.nodes": (1_048_576, "2^20 nodes are more than any cluster has"),
@@ -516,7 +536,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             recompute=_recompute(s.get("recompute", "none"), "strategy.recompute"),
                             zero=_zero(s.get("zero", 0), "strategy.zero"),
                             vocab_parallel=_flag(s, "vocab_parallel", "strategy", True),
-                            sp=_flag(s, "sp", "strategy", False))
+                            sp=_flag(s, "sp", "strategy", False), cp=_int(s, "cp", "strategy", 1),
+                            cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
@@ -540,7 +561,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     search = _parse_search(data.get("search", {}))
 
     if strategy.world != cluster.devices:
-        raise SpecError(f"dp x tp x pp = {strategy.dp} x {strategy.tp} x {strategy.pp} = {strategy.world} must equal "
+        raise SpecError(f"{strategy.layout} = {strategy.world} must equal "
                         f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
                         field="strategy")
     if strategy.zero and strategy.dp == 1:
@@ -595,6 +616,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
         if model.seq_len % strategy.tp:
             raise SpecError(f"seq_len ({model.seq_len}) must be divisible by tp ({strategy.tp}) to split the sequence "
                             "(sp = true)", field="model.seq_len")
+    if strategy.cp > 1:
+        _check_context_parallel(model, strategy)
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":
         raise SpecError("the mpi4py backend cannot send bfloat16 (numpy has no such type); use backend = 'torch' "
                         "or dtype float16/float32", field="profile.backend")
@@ -603,7 +626,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                         f"{strategy.dp} x {batch.micro} = {strategy.dp * batch.micro}", field="batch.global")
     micro_batches = batch.global_size // (strategy.dp * batch.micro)
     if strategy.world > MAX_DEVICES:
-        raise SpecError(f"dp x tp x pp = {strategy.world:,} devices is more than this tool models (at most "
+        raise SpecError(f"{strategy.layout.split(' = ')[0]} = {strategy.world:,} devices is more than this tool models (at most "
                         f"{MAX_DEVICES:,})", field="strategy")
     if micro_batches > MAX_MICRO_BATCHES:
         raise SpecError(f"{micro_batches:,} micro-batches per pipeline (global / (dp x micro)) is more than the "
@@ -623,6 +646,30 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
                    optimizer=optimizer,
                    import_factory=import_factory)
+
+
+def _check_context_parallel(model: ModelSpec, strategy: StrategySpec) -> None:
+    """What context parallelism needs of the model and the other strategies (one SpecError each)."""
+    cp = strategy.cp
+    if model.family == "user":
+        raise SpecError(f"cp = {cp} splits attention over a ring of ranks, and a factory model's attention is its "
+                        "own code, which the tool cannot split; set cp = 1, or describe the model as a built-in "
+                        "family", field="strategy.cp")
+    if model.seq_len % (2 * cp):
+        raise SpecError(f"cp = {cp} must divide seq_len / 2 ({model.seq_len} / 2): the sequence is cut into 2 x cp "
+                        "equal chunks, two a rank (zigzag)", field="strategy.cp")
+    if strategy.sp and (model.seq_len // cp) % strategy.tp:
+        raise SpecError(f"seq_len / cp ({model.seq_len // cp}) must be divisible by tp ({strategy.tp}) for sequence "
+                        "parallelism within each context-parallel rank", field="model.seq_len")
+    for name, value, off, what in (("zero", strategy.zero, 0, "FSDP2 over the data- and context-parallel ranks"),
+                                   ("schedule", strategy.schedule if strategy.split_backward else "1f1b", "1f1b",
+                                    "a backward split into input and weight gradients"),
+                                   ("tie_embeddings", model.tie_embeddings and strategy.pp > 1, False,
+                                    "the tied copies' all-reduce")):
+        if value != off:
+            raise SpecError(f"cp = {cp} with {name} = {value!r} is not built ({what} with context parallelism); set "
+                            f"{name} = {off!r}, or cp = 1", field=f"strategy.{name}" if name != "tie_embeddings"
+                            else "model.tie_embeddings")
 
 
 def parse_strategy_overrides(text: str) -> dict[str, Any]:

@@ -103,8 +103,8 @@ def test_harness_events_reports_the_union(tmp_path, project_env):
 def test_auto_fills_every_open_field_with_every_value():
     """`auto`: every factorization of the devices and every micro-batch size that divides the batch over dp; the
     fields the grid lists keep their values; the spec's rules reject the rest, each with its reason."""
-    spec = _spec('auto = true\nschedule = ["1f1b"]\nrecompute = ["none"]\nzero = [0]\nsp = [false]\n', dp=4,
-                 global_batch=8)
+    spec = _spec('auto = true\nschedule = ["1f1b"]\nrecompute = ["none"]\nzero = [0]\nsp = [false]\ncp = [1]\n',
+                 dp=4, global_batch=8)
     grid = expand(spec)
     shapes = {(c.strategy.dp, c.strategy.tp, c.strategy.pp) for c in grid.candidates}
     assert shapes == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)}
@@ -121,6 +121,8 @@ def test_auto_fills_every_open_field_with_every_value():
     # sequence parallelism on and off where there is a tensor-parallel group, and only there
     assert {c.strategy.sp for c in everything.candidates if c.strategy.tp > 1} == {False, True}
     assert not any(c.strategy.sp for c in everything.candidates if c.strategy.tp == 1)
+    # and every context-parallel size that divides the devices and half the sequence (16 tokens)
+    assert {c.strategy.cp for c in everything.candidates} == {1, 2, 4}
     plain = _spec('tp = [1]\n', dp=4, global_batch=8)
     assert len(expand(plain)) == 1 and {c.strategy.tp for c in expand(plain, auto=True).candidates} == {1}
     assert loads_spec(spec.to_toml(search=True)).search.auto

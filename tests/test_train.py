@@ -131,6 +131,13 @@ CONFIGS = {
     "tied-tp-pp": (lambda n: None if n % 4 else {**_tp(2), "pp": n // 2, "layers": n // 2, "tie": True}, {}),
     # sp: Megatron-LM's sequence parallelism, the tp all-reduces as all-gathers and reduce-scatters
     "tp-sp-gpt2": (lambda n: None if _tp(n) is None else {**_tp(n), "sp": True}, {"layer_times": True}),
+    # cp: context parallelism, attention over the whole sequence with keys and values passed round a ring
+    "cp-gpt2-ring": (lambda n: None if 16 % (2 * n) else {**_dp(1), "cp": n, "micro": 2, "global_batch": 4},
+                     {"layer_times": True}),
+    "cp-bert-allgather-dp": (lambda n: None if n % 2 else dict(name="bert-base", cp=2, dp=n // 2, layers=2, micro=1,
+                                                             global_batch=n, cp_comm="allgather"), {}),
+    "cp-llama-tp-sp-pp": (lambda n: None if n % 4 else {**_tp(2, "llama-1b"), "sp": True, "cp": 2, "pp": n // 4,
+                                                        "layers": 2 * (n // 4), "micro": 1, "global_batch": 4}, {}),
     "tp-sp-llama-dp-pp-recompute": (lambda n: None if n % 4 else
                                     {**_tp(2, "llama-1b"), "sp": True, "dp": 2, "pp": n // 4, "layers": 2 * (n // 4),
                                      "micro": 1, "global_batch": 4, "recompute": "full"}, {}),
@@ -184,6 +191,7 @@ def _check_trace(spec, trace, options):
             return 1e-9
         return (rtt[a] + rtt[b]) / 2 + 1e-9
 
+    context = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith("cp.")}
     compute_at: dict[tuple[int, int, int, str, int], tuple[float, float, int]] = {}
     for rank, device in trace.devices.items():
         dp_i, tp_i, pp_i = plan.coords(rank)
@@ -192,7 +200,7 @@ def _check_trace(spec, trace, options):
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
         assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter"}
-        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "dp", "opt", "zero", "tie"}
+        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "cp", "dp", "opt", "zero", "tie"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
@@ -204,7 +212,7 @@ def _check_trace(spec, trace, options):
             if "fsdp" in plan.events[eid].content:  # zero > 0: FSDP2's, named by kind
                 flow[("zero", plan.events[eid].kind, vs)] += 1
                 continue
-            flow[(flow_phase[phase], eid, vs)] += 1
+            flow[("cp" if eid in context else flow_phase[phase], eid, vs)] += 1
         for iteration in range(ITERATIONS):
             rows = device.select(iteration=iteration)
             lo = trace.iterations["rank_start_s"][iteration, rank]
@@ -236,7 +244,7 @@ def _check_trace(spec, trace, options):
             zeros = [(str(n), int(v), float(a)) for n, v, a, z in zip(other["name"], other["virtual_stage"],
                                                                       other["start_s"], zeroing) if z]
             expected_zeros = [(f"zero.bucket{i}", v) for v in local_vs for i in range(len(plan.stages[v].buckets))] \
-                if s.dp > 1 else []
+                if s.gradient_replicas > 1 else []
             assert sorted((n, v) for n, v, _ in zeros) == sorted(expected_zeros)
             for name, v, a in zeros:
                 steps_of_vs = [float(e) for e, ph, vv, z in zip(other["end_s"], other["phase"],
@@ -245,7 +253,7 @@ def _check_trace(spec, trace, options):
                 assert all(a >= e for e in steps_of_vs), f"rank {rank}: {name} before its stage's optimizer step"
             # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
             last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p in ("B", "W"))
-            tp_rows = device.select(iteration=iteration, phase=("tp", "zero"))
+            tp_rows = device.select(iteration=iteration, phase=("tp", "zero", "cp"))
             optimizer_start = min(device.select(iteration=iteration, phase="opt")["start_s"], default=np.inf)
             for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],
                                          tp_rows["micro"], tp_rows["name"]):

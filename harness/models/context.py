@@ -16,6 +16,9 @@ travelling gradients are float32 (float64 inputs stay float64); forward messages
 `allgather_attention` (cp_comm = "allgather") gathers every rank's keys and values first (the backward
 reduce-scatters their gradients back) and computes the local queries against the whole sequence.
 
+`LocalRing(cp, rank)` stands in for the group when one rank's share is profiled alone (harness.profilers
+.compute): the same steps, pairs, shapes and copies, each "received" block a copy of the rank's own.
+
 With a hook, every exchange is run through hook(name, run) (as `set_collective_hook` in harness.models.tp):
 "cp.kv" (keys and values, forward and backward), "cp.kv_grad" (the travelling gradients), "cp.allgather" and
 "cp.reduce_scatter". A ring exchange is posted before the step's compute and `run` is only its wait, so the
@@ -140,9 +143,17 @@ def rank_work(cp: int, rank: int, causal: bool) -> float:
 
 # ---- the ring -------------------------------------------------------------------------------------------------
 
+class LocalRing(NamedTuple):
+    """A stand-in for a cp group of `cp` ranks seen from `rank`, with no communication (module docstring)."""
+    cp: int
+    rank: int = 0
+
+
 def _group_layout(group) -> tuple[int, int]:
     if group is None:
         return 1, 0
+    if isinstance(group, LocalRing):
+        return group.cp, group.rank
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -166,6 +177,9 @@ class _Exchange:
     """One posted ring exchange: `send` goes to the next rank while `received` fills from the previous one."""
 
     def __init__(self, send: torch.Tensor, group, cp: int, rank: int, tag: int):
+        if isinstance(group, LocalRing):  # what arrives has the shape, and takes the copy, of what is sent
+            self.received, self.works = send.clone(), []
+            return
         self.received = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % cp), group, tag),
                dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % cp), group, tag)]
@@ -300,8 +314,11 @@ class _GatherSequence(torch.autograd.Function):
         cp, _ = _group_layout(group)
         local = local.contiguous()
         gathered = torch.empty(cp * local.numel(), dtype=local.dtype, device=local.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        _run(hook, ALLGATHER, lambda: gather(gathered, local.flatten(), group=group))
+        if isinstance(group, LocalRing):
+            gathered.view(cp, -1).copy_(local.flatten().expand(cp, -1))
+        else:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            _run(hook, ALLGATHER, lambda: gather(gathered, local.flatten(), group=group))
         ctx.group, ctx.hook, ctx.shape = group, hook, local.shape
         return merge_sequence(list(gathered.view(cp, *local.shape).unbind(0)), cp, dim=-2)
 
@@ -310,8 +327,11 @@ class _GatherSequence(torch.autograd.Function):
         cp, _ = _group_layout(ctx.group)
         shares = torch.cat([split_sequence(grad, cp, r, dim=-2).flatten() for r in range(cp)])
         mine = torch.empty(ctx.shape.numel(), dtype=grad.dtype, device=grad.device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        _run(ctx.hook, REDUCE_SCATTER, lambda: scatter(mine, shares, group=ctx.group))
+        if isinstance(ctx.group, LocalRing):
+            mine.copy_(shares[:mine.numel()])
+        else:
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            _run(ctx.hook, REDUCE_SCATTER, lambda: scatter(mine, shares, group=ctx.group))
         return mine.view(ctx.shape), None, None
 
 

@@ -37,11 +37,12 @@ def set_collective_hook(hook: Callable[[str, Callable[[], None]], None] | None) 
 
 
 def _all_reduce(tensor: torch.Tensor, group, name: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    _hooked(name, lambda: dist.all_reduce(tensor, op=op, group=group))
+    hooked(name, lambda: dist.all_reduce(tensor, op=op, group=group))
     return tensor
 
 
-def _hooked(name: str, run: Callable[[], None]) -> None:
+def hooked(name: str, run: Callable[[], None]) -> None:
+    """Run a collective of the given name through the hook set by set_collective_hook (if any)."""
     if _collective_hook is None:
         run()
     else:
@@ -56,7 +57,7 @@ def _gather(x: torch.Tensor, group, tp: int) -> torch.Tensor:
         shards.copy_(x.unsqueeze(0).expand_as(shards))
     else:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        _hooked(SEQ_ALLGATHER, lambda: gather(shards.flatten(0, 1), x, group=group))
+        hooked(SEQ_ALLGATHER, lambda: gather(shards.flatten(0, 1), x, group=group))
     return shards.transpose(0, 1).flatten(1, 2)
 
 
@@ -68,7 +69,7 @@ def _scatter(x: torch.Tensor, group, tp: int) -> torch.Tensor:
         return staged[0].clone()
     out = torch.empty_like(staged[0])
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    _hooked(SEQ_REDUCESCATTER, lambda: scatter(out, staged.flatten(0, 1), group=group))
+    hooked(SEQ_REDUCESCATTER, lambda: scatter(out, staged.flatten(0, 1), group=group))
     return out
 
 

@@ -7,6 +7,9 @@ block (RMSNorm, SwiGLU, grouped-query attention, rotary positions). Blocks are M
 built with tp = 1 whole (replicated on a tensor-parallel group). Built with `sp` (sequence parallelism), the
 layers pass (micro, seq / tp, hidden) between them: the embedding reduce-scatters, a block's norms and residuals
 run on the shard and its column-parallel linears gather it, the head gathers its input (harness.models.tp).
+Built with `cp` > 1 (context parallelism) a rank holds its seq / cp tokens in the zigzag order: the embedding
+adds their positions, a block's attention runs over the whole sequence through `cp_group` (ring or all-gather,
+harness.models.context; no group: a LocalRing stand-in of rank `cp_rank`), LLaMA's rotary positions are theirs.
 Parameter counts match harness.layers, which the event generator uses.
 """
 from __future__ import annotations
@@ -15,8 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, reduce_from_tp,
-                               scatter_sequence, vocab_parallel_cross_entropy)
+from harness.models.context import LocalRing, allgather_attention, local_positions, ring_attention
+from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, hooked,
+                               reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
 from harness.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,11 +37,14 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
-def _rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim)."""
+def _rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim), at `positions` (the
+    tokens' places in the sequence; default 0..seq - 1)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq, device=x.device)
+    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -45,13 +52,18 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
 
 class TransformerBlock(nn.Module):
     """One transformer layer's tensor-parallel shard. `group` is the tp process group (None: no collectives);
-    `sp`: its input and output are sequence shards (Megatron-LM's sequence parallelism)."""
+    `sp`: its input and output are sequence shards (Megatron-LM's sequence parallelism); `cp` > 1: its tokens are
+    context-parallel rank `cp_rank`'s, its attention over `cp_group` (module docstring)."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None, sp: bool = False):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, sp: bool = False, cp: int = 1, cp_group=None,
+                 cp_rank: int = 0, cp_comm: str = "ring"):
         super().__init__()
         self.family = model.family
         self.group = group
         self.sp = sp
+        self.cp, self.cp_comm = cp, cp_comm
+        self.cp_group = (cp_group or LocalRing(cp, cp_rank)) if cp > 1 else None
+        self.positions = local_positions(model.seq_len, cp, cp_rank) if cp > 1 else None
         column = {"sequence_parallel": sp, "group": group}
         dtype = TORCH_DTYPES[model.dtype]
         h = model.hidden
@@ -85,11 +97,15 @@ class TransformerBlock(nn.Module):
         k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         if self.family == "llama":
-            q, k = _rotary(q), _rotary(k)
+            q, k = _rotary(q, self.positions), _rotary(k, self.positions)
         if self.local_kv != self.local_heads:
             repeat = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.cp > 1:
+            attend = allgather_attention if self.cp_comm == "allgather" else ring_attention
+            out = attend(q, k, v, self.cp_group, self.causal, hook=hooked)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return out.transpose(1, 2).reshape(b, s, q_size)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,12 +136,15 @@ class Embedding(nn.Module):
     shards' lookups are summed over `group` before the (replicated) positions are added; with `sp` reduce-scattered
     by sequence instead, each rank adding its own tokens' positions."""
 
-    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, sp: bool = False):
+    def __init__(self, model: ModelSpec, tp: int = 1, group=None, tp_index: int = 0, sp: bool = False, cp: int = 1,
+                 cp_rank: int = 0):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         self.family = model.family
         self.group = group
         self.tp, self.tp_index, self.sp = tp, tp_index, sp
+        # the positions of the tokens this rank holds (context parallelism: its zigzag chunks)
+        self.register_buffer("token_positions", local_positions(model.seq_len, cp, cp_rank), persistent=False)
         self.shard_vocab = model.vocab // tp
         self.vocab_start = tp_index * self.shard_vocab
         self.sharded = tp > 1
@@ -146,7 +165,7 @@ class Embedding(nn.Module):
             x = self.tokens(ids)
         if self.family != "llama":
             first = self.tp_index * x.shape[1] if self.sp else 0
-            x = x + self.positions(torch.arange(first, first + x.shape[1], device=ids.device))
+            x = x + self.positions(self.token_positions[first:first + x.shape[1]])
         if self.family == "bert":
             x = self.norm(x + self.token_types.weight[0])
         return x
@@ -219,14 +238,15 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0,
-                tied: bool = False, sp: bool = False) -> nn.Module:
+                tied: bool = False, sp: bool = False, cp: int = 1, cp_group=None, cp_rank: int = 0,
+                cp_comm: str = "ring") -> nn.Module:
     """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
     embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie); `sp`,
-    sequence-parallel (tp > 1)."""
+    sequence-parallel (tp > 1); `cp` > 1, context-parallel rank `cp_rank` of `cp_group` (module docstring)."""
     if kind == "embedding":
-        return Embedding(model, tp, group, tp_index, sp)
+        return Embedding(model, tp, group, tp_index, sp, cp, cp_rank)
     if kind == "block":
-        return TransformerBlock(model, tp, group, sp)
+        return TransformerBlock(model, tp, group, sp, cp, cp_group, cp_rank, cp_comm)
     if kind == "head":
         return Head(model, tp, group, tp_index, tied, sp)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -51,7 +51,7 @@ ACT, GRAD = "activation", "gradient"
 MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps between Tests leaves it to compute
 # torch.profiler annotation of each kind of recorded interval (harness train --torch-profiler)
 ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "W": "distsim:backward.weight",
-               "tp": "distsim:allreduce.tp",
+               "tp": "distsim:allreduce.tp", "cp": "distsim:cp",
                "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
                "opt": "distsim:optimizer", "zero": "distsim:zero.bucket", "tie": "distsim:allreduce.tie"}
 
@@ -240,10 +240,12 @@ class PipelineEngine:
         `tie_group`: tie_embeddings with pp > 1, this rank and the other end of its pipeline (first, last stage)."""
         self.spec, self.plan, self.rank, self.device = spec, plan, rank, device
         s = spec.strategy
-        self.dp, self.tp, self.pp, self.chunks = s.dp, s.tp, s.pp, s.chunks
+        # self.dp: the ranks that average their gradients, the data- and context-parallel ones (dp_group's)
+        self.dp, self.tp, self.pp, self.chunks = s.gradient_replicas, s.tp, s.pp, s.chunks
         self.m = spec.micro_batches
         self.last_vs = s.virtual_stages - 1
         self.dp_i, self.tp_i, self.pp_i = plan.coords(rank)
+        self.cp_i = plan.cp_index(rank)
         self.overlap = s.dp_overlap
         self.tp_group, self.dp_group, self.tie_group = tp_group, dp_group, tie_group
         self.dp_comm = dp_comm
@@ -362,7 +364,7 @@ class PipelineEngine:
         return time.perf_counter_ns()
 
     def _rank_of_vs(self, vs: int) -> int:
-        return self.plan.rank_of(self.dp_i, self.tp_i, vs % self.pp)
+        return self.plan.rank_of(self.dp_i, self.tp_i, vs % self.pp, self.cp_i)
 
     def _tag(self, sender_vs: int, micro: int, backward: bool) -> int:
         return (sender_vs * self.m + micro) * 2 + int(backward)
@@ -507,18 +509,18 @@ class PipelineEngine:
         end = self.now()
         phase, vs, micro = self.ctx
         self.rec.add(start, end, end - start, collective_kind(name), f"{name}.{'fwd' if phase == 'F' else 'bwd'}",
-                     "tp", self.tp_event.get(vs, {}).get(name, ""), vs, micro)
+                     "cp" if name.startswith("cp.") else "tp", self.tp_event.get(vs, {}).get(name, ""), vs, micro)
 
     def _forward(self, vs: int, micro: int, tokens: torch.Tensor) -> None:
         if vs == 0:
-            ids, _ = micro_batch(tokens, self.spec, self.dp_i, micro)
+            ids, _ = micro_batch(tokens, self.spec, self.dp_i, micro, self.cp_i)
             x = ids.to(self.device)
         else:
             x = self._recv(vs, micro, ACT)
             x.requires_grad_(True)
         targets = None
         if vs == self.last_vs:
-            targets = micro_batch(tokens, self.spec, self.dp_i, micro)[1].to(self.device)
+            targets = micro_batch(tokens, self.spec, self.dp_i, micro, self.cp_i)[1].to(self.device)
         self.ctx = ("F", vs, micro)
         clock = self.layer_clock
         start = self.now()
@@ -765,7 +767,7 @@ class PipelineEngine:
         self.losses = []
         self.finished = []
         self._zero_grads()
-        set_collective_hook(self._tp_hook if self.tp > 1 else None)
+        set_collective_hook(self._tp_hook if self.tp > 1 or self.spec.strategy.cp > 1 else None)
         try:
             for step in self.steps:
                 self._reap_sends(block=False)

@@ -15,6 +15,7 @@ from torch import nn
 from harness.errors import UserError
 from harness.layers import LayerDesc, sequence_shards, user_input
 from harness.models import TORCH_DTYPES, build_layer
+from harness.models.context import split_sequence
 from harness.models.transformer import Head, cross_entropy
 from harness.spec import JobSpec, ModelSpec
 
@@ -74,15 +75,15 @@ def replicated(name: str, model: ModelSpec) -> bool:
 
 
 def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group,
-                tied: bool = False, sp: bool = False) -> nn.Module:
+                tied: bool = False, sp: bool = False, context: dict | None = None) -> nn.Module:
     """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
     Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding; `sp`:
-    sequence-parallel."""
+    sequence-parallel; `context`: context parallelism's build_layer arguments (cp, cp_group, cp_rank, cp_comm)."""
     full = build_full_layer(model, kind, seed, position, tied)
-    if tp == 1:
+    if tp == 1 and not context:
         return full
     with torch.random.fork_rng(devices=[]):
-        shard = build_layer(model, kind, tp, group, tp_index, tied, sp)
+        shard = build_layer(model, kind, tp, group, tp_index, tied, sp, **(context or {}))
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, param in shard.named_parameters():
@@ -104,10 +105,11 @@ def build_user_layers(model: ModelSpec, seed: int) -> list[nn.Module]:
 
 
 def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence[int], seed: int, tp_index: int = 0,
-                 group=None, device: torch.device | str = "cpu", whole: bool = False) -> dict[int, nn.Module]:
-    """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index`
-    (`whole`: the unsharded layers, whatever the spec's tp); a tied head among them holds the embedding's token
-    table (tie_embeddings on one pipeline stage)."""
+                 group=None, device: torch.device | str = "cpu", whole: bool = False, cp_index: int = 0,
+                 cp_group=None) -> dict[int, nn.Module]:
+    """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index` and
+    context-parallel rank `cp_index` of `cp_group` (`whole`: the unsharded layers, whatever the spec's tp and cp);
+    a tied head among them holds the embedding's token table (tie_embeddings on one pipeline stage)."""
     out: dict[int, nn.Module] = {}
     if spec.model.family == "user":
         every = build_user_layers(spec.model, seed)
@@ -117,9 +119,12 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
     for position in positions:
         signature = dict(layers[position].signature)
         shards = 1 if whole else int(signature.get("tp", 1))  # a replicated embedding or head: 1
+        cp = 1 if whole else int(signature.get("cp", 1))
+        context = {"cp": cp, "cp_group": cp_group, "cp_rank": cp_index,
+                   "cp_comm": str(signature.get("cp_comm", "ring"))} if cp > 1 else None
         out[position] = build_shard(spec.model, layers[position].kind, seed, position, shards, tp_index, group,
                                     tied=bool(signature.get("tied", False)),
-                                    sp=bool(signature.get("sp", False)) and not whole).to(device)
+                                    sp=bool(signature.get("sp", False)) and not whole, context=context).to(device)
         if signature.get("tied"):
             out[position].tie(out[0].tokens.weight)  # the embedding: a tied head is on its stage
     return out
@@ -129,7 +134,7 @@ def activation_spec(spec: JobSpec, layers: Sequence[LayerDesc], first_position: 
                                                                                                  torch.dtype]:
     """Shape and dtype of the activation entering the layer at `first_position` (> 0) of a micro-batch (with
     sequence parallelism, this rank's seq / tp tokens of it)."""
-    micro, seq = spec.batch.micro, spec.model.seq_len
+    micro, seq = spec.batch.micro, spec.model.seq_len // spec.strategy.cp
     if spec.model.family != "user":
         return (micro, seq // sequence_shards(spec), spec.model.hidden), TORCH_DTYPES[spec.model.dtype]
     features, dtype_name = user_input(layers[first_position], spec.model.dtype)
@@ -147,12 +152,18 @@ def make_tokens(spec: JobSpec, seed: int, iteration: int = 0) -> torch.Tensor:
                          generator=generator, dtype=torch.long)
 
 
-def micro_batch(tokens: torch.Tensor, spec: JobSpec, dp_index: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, targets) of micro-batch `micro` of data-parallel replica `dp_index`."""
+def micro_batch(tokens: torch.Tensor, spec: JobSpec, dp_index: int, micro: int,
+                cp_index: int | None = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets) of micro-batch `micro` of data-parallel replica `dp_index`: with context parallelism the
+    tokens of rank `cp_index`, its two zigzag chunks of the sequence (harness.models.context); None: all of them."""
     size = spec.batch.micro
     start = (dp_index * spec.micro_batches + micro) * size
     rows = tokens[start:start + size]
-    return rows[:, :-1], rows[:, 1:]
+    ids, targets = rows[:, :-1], rows[:, 1:]
+    cp = spec.strategy.cp
+    if cp > 1 and cp_index is not None:
+        ids, targets = split_sequence(ids, cp, cp_index, 1), split_sequence(targets, cp, cp_index, 1)
+    return ids, targets
 
 
 def loss_of(logits: torch.Tensor, targets: torch.Tensor, last: nn.Module | None = None) -> torch.Tensor:
@@ -188,7 +199,7 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
         total = 0.0
         for d in range(dp):
             for i in range(m):
-                x, targets = micro_batch(tokens, spec, d, i)
+                x, targets = micro_batch(tokens, spec, d, i, cp_index=None)
                 for module in ordered:
                     x = module(x)
                 loss = loss_of(x, targets)

@@ -79,7 +79,7 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
                             "all-reduces while the main thread computes); this MPI gives less: use --backend torch "
                             "or an MPI built with thread support")
     if world_size != s.world:
-        raise UserError(f"the job needs dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world} ranks but runs on "
+        raise UserError(f"the job needs {s.layout} = {s.world} ranks but runs on "
                         f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
                         "machine, the MPI world is what runs)")
     if iterations < 1:
@@ -129,27 +129,31 @@ def _make_groups(plan, p2p_channels: bool):
                 own = group
         return own
 
-    tp_group = mine([plan.rank_of(d, t, p) for t in range(s.tp)] for p in range(s.pp) for d in range(s.dp)) \
+    replicas = plan.replicas()  # (dp, cp) indexes
+    tp_group = mine([plan.rank_of(d, t, p, c) for t in range(s.tp)] for p in range(s.pp) for d, c in replicas) \
         if s.tp > 1 else None
-    dp_group = mine([plan.rank_of(d, t, p) for d in range(s.dp)] for p in range(s.pp) for t in range(s.tp)) \
-        if s.dp > 1 else None
+    # the gradients' group: the data- and context-parallel ranks of one stage and tp index (Megatron-Core's)
+    dp_group = mine([plan.rank_of(d, t, p, c) for d, c in replicas] for p in range(s.pp) for t in range(s.tp)) \
+        if s.gradient_replicas > 1 else None
+    cp_group = mine([plan.rank_of(d, t, p, c) for c in range(s.cp)] for p in range(s.pp) for d in range(s.dp)
+                    for t in range(s.tp)) if s.cp > 1 else None
     p2p_groups: dict = {}
     if p2p_channels and s.pp > 1:
         from harness.train.engine import ACT, GRAD
 
         # One group per (kind, sender, receiver): activations go to the next device, gradients come back.
-        for d in range(s.dp):
+        for d, c in replicas:
             for t in range(s.tp):
                 for p in range(s.pp):
-                    a, b = plan.rank_of(d, t, p), plan.rank_of(d, t, (p + 1) % s.pp)
+                    a, b = plan.rank_of(d, t, p, c), plan.rank_of(d, t, (p + 1) % s.pp, c)
                     for key in ((ACT, a, b), (GRAD, b, a)):
                         if key not in p2p_groups:
                             p2p_groups[key] = dist.new_group([a, b])
         p2p_groups = {k: g for k, g in p2p_groups.items() if rank in k[1:]}
     # tie_embeddings, pp > 1: the first and the last stage of each (dp, tp) coordinate (Megatron's embedding group)
-    tie_group = mine([plan.rank_of(d, t, 0), plan.rank_of(d, t, s.pp - 1)] for d in range(s.dp)
+    tie_group = mine([plan.rank_of(d, t, 0, c), plan.rank_of(d, t, s.pp - 1, c)] for d, c in replicas
                      for t in range(s.tp)) if plan.stages[0].tie else None
-    return tp_group, dp_group, p2p_groups, tie_group
+    return tp_group, dp_group, p2p_groups, tie_group, cp_group
 
 
 def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
@@ -160,7 +164,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                  torch_profiler: str | Path | None = None) -> TrainResult:
     """Train `iterations` iterations of `spec` on the ranks of `comm` and trace them into RUNDIR/trace.h5.
 
-    dp x tp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
+    dp x tp x cp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
     iteration is one timeline from a common start, as the simulator predicts it); `fresh_data` draws a new
     batch every iteration instead of training on one fixed batch. `report` prints the summary on rank 0.
     `p2p_channels` sends P2P over one process group per (kind, sender, receiver) in FIFO order instead of
@@ -214,11 +218,14 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         s = spec.strategy
         dp_i, tp_i, pp_i = plan.coords(rank)
         channels = backend == "nccl" if p2p_channels is None else p2p_channels
-        tp_group, dp_group, p2p_groups, tie_group = _make_groups(plan, channels)
-        # mpi4py: the same data-parallel groups as MPI communicators (every rank splits, collectively)
-        dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i) if dp_backend == "mpi4py" and s.dp > 1 else None
+        tp_group, dp_group, p2p_groups, tie_group, cp_group = _make_groups(plan, channels)
+        cp_i = plan.cp_index(rank)
+        # mpi4py: the same gradient groups as MPI communicators (every rank splits, collectively)
+        dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i * s.cp + cp_i) \
+            if dp_backend == "mpi4py" and s.gradient_replicas > 1 else None
         positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
-        modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev)
+        modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev, cp_index=cp_i,
+                               cp_group=cp_group)
         recorder = Recorder()
         engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
                                 dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group, lr=lr,
@@ -254,7 +261,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         timebase = Timebase(rank, first_sync.reference_ns, first_sync, last_sync)
 
         columns = columns_from_rows(recorder.rows, timebase.seconds)
-        attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "hostname": topology.hostnames[rank], "node": topology.node,
+        attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "cp": plan.cp_index(rank), "hostname": topology.hostnames[rank], "node": topology.node,
                  "device": str(dev), "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
                  "buckets_json": json.dumps(engine.bucket_info())}
         if not s.zero:  # FSDP2 frees and re-fills storages in place, which the meter cannot follow
@@ -281,7 +288,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                    host_memory=host_memory)
         merge_error = None
         if rank == 0:
-            loss_ranks = [plan.rank_of(d, 0, s.pp - 1) for d in range(s.dp)]
+            loss_ranks = [plan.rank_of(d, 0, s.pp - 1, c) for d, c in plan.replicas()]
             clock = {
                 "rank": np.arange(comm.Get_size(), dtype=np.int64),
                 "offset_s": first_sync.applied_ns / 1e9, "measured_offset_s": first_sync.measured_ns / 1e9,
