@@ -157,7 +157,7 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
 def loss_saved_bytes(spec: JobSpec) -> int:
     """What the loss saves for its backward, beside the last layer's output: the float32 log-probabilities of
     a micro-batch's whole logits and its int64 targets (torch's cross_entropy, harness.models.transformer)."""
-    tokens = spec.batch.micro * spec.model.seq_len
+    tokens = spec.batch.micro * spec.model.seq_len // spec.strategy.cp
     return tokens * spec.model.vocab * LOSS_BYTES + tokens * 8
 
 
@@ -165,7 +165,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
     """A built-in layer's backward moments as (temporaries, freed, when): what its backward holds then beyond its
     saved activations and its output's gradient, what of its own saved activations it has let go of by then, and
     whether its weights are in use ("before": not yet, "start": as its backward starts, "during") (torch's
-    autograd on harness.models, micro-batch b, sequence s, hidden h, dtype bytes d):
+    autograd on harness.models, micro-batch b, sequence s (a context-parallel rank's seq / cp), hidden h, dtype
+    bytes d):
     - head with the loss: its loss's moment, the gradient of the float32 log-probabilities and the logits'
       gradient made from it (2 b s V x 4 bytes, nothing freed, before its weights), its start, the logits'
       gradient (b s V d, the log-probabilities b s V x 4 freed), and its projection's: the logits' gradient,
@@ -179,7 +180,7 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
     (with data parallelism, always), else the gradient itself, made a moment early: counted here either way."""
     signature = dict(layer.signature)
-    b, s, d = spec.batch.micro, spec.model.seq_len, spec.model.dtype_bytes
+    b, s, d = spec.batch.micro, spec.model.seq_len // spec.strategy.cp, spec.model.dtype_bytes
     h = int(signature.get("hidden", spec.model.hidden))
     shards = int(signature.get("tp", 1)) if layer.kind in ("embedding", "head") else 1  # vocabulary-parallel
     if layer.kind == "head":

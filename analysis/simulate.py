@@ -654,6 +654,7 @@ class Timeline:
         out: list[Interval] = []
         for r in device.steps:
             program = plan.stages[r.virtual_stage]
+            context = {eid for name, eid in program.tp_events.items() if name.startswith("cp.")}
             c = self.stage_costs[r.virtual_stage]
             m = self.spec.micro_batches
             if r.phase == "F":
@@ -683,8 +684,9 @@ class Timeline:
                                         else ZERO_REDUCESCATTER, eid, f"{phase} zero {event.name} {suffix}",
                                         r.virtual_stage, r.micro, layer))
                 else:
+                    group = "cp" if eid in context else "tp"
                     out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
-                                        f"{phase} tp {event.name} {suffix}", r.virtual_stage, r.micro, layer))
+                                        f"{phase} {group} {event.name} {suffix}", r.virtual_stage, r.micro, layer))
         for p in device.posts:
             out.append(Interval(p.start_s, p.end_s, COMPUTE_TRACK, P2P_POST, p.event,
                                 f"post {plan.events[p.event].name} s{p.virtual_stage} mb{p.micro}", p.virtual_stage,

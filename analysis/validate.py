@@ -206,7 +206,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         busy = [trace.busy_time(rank, int(i)) for i in kept]
         measured_busy = float(np.median(busy))
         predicted_busy = _predicted_busy(timeline, stage)
-        result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp,
+        result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp, "cp": device.cp,
                                "measured_busy_s": measured_busy, "predicted_busy_s": predicted_busy,
                                "error_pct": _pct(predicted_busy, measured_busy)})
     if s.dp > 1 and not s.zero:  # FSDP2's collectives hold the replicas together layer by layer: no lag to model

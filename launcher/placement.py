@@ -179,13 +179,17 @@ def profile_sweep(needed: list[int]) -> list[int]:
 
 def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str]) -> list[CommTask]:
     """Each tensor-parallel layer's forward and backward, to run with its all-reduces on tp ranks of one node
-    (DistSim's composite events: they catch the skew between the ranks that separate events miss)."""
+    (DistSim's composite events: they catch the skew between the ranks that separate events miss), and each
+    context-parallel one's (tp = 1) with its ring on cp ranks (what its compute hides of the ring). A layer
+    both tensor- and context-parallel has none: it is costed as its compute and its collectives in turn."""
     out = []
     for eid, event in sorted(events.items()):
-        tp = int(event.content.get("signature", {}).get("tp", 1))
-        if event.kind != "compute" or tp < 2 or event.content.get("phase") not in ("fwd", "bwd"):
+        signature = event.content.get("signature", {})
+        tp, cp = int(signature.get("tp", 1)), int(signature.get("cp", 1))
+        size = tp if cp == 1 else cp if tp == 1 else 0
+        if event.kind != "compute" or size < 2 or event.content.get("phase") not in ("fwd", "bwd"):
             continue
-        ranks = _group_ranks(topology, tp, INTRA)
+        ranks = _group_ranks(topology, size, INTRA)
         content = composite_content(event.content)
         cid = event_id(content)
         if ranks is not None and cid not in skip:

@@ -5,7 +5,9 @@ Serially: the chunks and positions each rank holds, split/merge, the ring pinned
 chunk pair computed exactly once and the same work on every rank, and cp = 1 (no group) equal to plain
 attention with its gradients. Under mpirun (any world size of 2 or more, the world as the cp group): each
 rank's output and q, k, v gradients equal the whole sequence's at its positions, causal and not, float64 and a
-bfloat16 forward, and the hook sees every exchange.
+bfloat16 forward, and the hook sees every exchange. Then [strategy] cp and cp_comm: the plan's exchanges per block
+(the ring's sends and gradient hops, or the all-gather and its reduce-scatter), the work, pipeline and gradient
+groups split over cp, the rank order, the refusals (exit 2), and a profiled share's stand-in ring.
 """
 from __future__ import annotations
 
@@ -178,3 +180,135 @@ def test_ring_and_allgather_attention_match_the_whole_sequence():
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2, msg=attention.__name__)
     finally:
         destroy_process_group()
+
+
+# ---- the spec and the plan ([strategy] cp, cp_comm) ------------------------------------------------------------
+MICRO, SEQ, HIDDEN = 2, 32, 32
+
+
+def _plan_spec(cp: int = 2, tp: int = 1, dp: int = 1, pp: int = 1, cp_comm: str = "ring", seq: int = SEQ,
+               name: str = "gpt2-small", extra: str = "", model_extra: str = "", schedule: str = "1f1b"):
+    from harness.spec import loads_spec
+    from tests.helpers import tiny_spec_text
+
+    text = tiny_spec_text(name=name, cp=cp, tp=tp, dp=dp, pp=pp, cp_comm=cp_comm, schedule=schedule, layers=4,
+                          hidden=HIDDEN, heads=4,
+                          ffn=64, seq=seq, vocab=256, micro=MICRO, global_batch=4 * MICRO * dp)
+    return loads_spec(text.replace("[strategy]\n", f"[strategy]\n{extra}").replace("[model]\n",
+                                                                                 f"[model]\n{model_extra}"))
+
+
+def _block_items(plan, pass_: str) -> list[tuple[str, int, str]]:
+    """The first block's forward or backward: (kind, bytes, dtype) of its compute and the exchanges after it."""
+    program = plan.stages[0]
+    items = list(zip(program.forward, program.forward_layers) if pass_ == "fwd"
+                 else zip(program.backward, program.backward_layers))
+    for i, (eid, index) in enumerate(items):
+        if index >= 0 and plan.layers[index].kind == "block":
+            out = [("compute", 0, "")]
+            for other, other_index in items[i + 1:]:
+                if other_index >= 0:
+                    break
+                event = plan.events[other]
+                out.append((event.kind, event.bytes, event.content["dtype"]))
+            return out
+    raise AssertionError("no block")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_sends_keys_and_values_cp_minus_1_times_and_the_gradients_home(cp):
+    from harness.events import build_plan
+
+    plan = build_plan(_plan_spec(cp=cp))
+    local = MICRO * SEQ // cp
+    kv = ("p2p", local * 2 * HIDDEN * 4, "float32")  # keys and values of the rank's tokens
+    grads = ("p2p", local * 2 * HIDDEN * 4, "float32")  # their gradients, float32
+    assert _block_items(plan, "fwd") == [("compute", 0, "")] + [kv] * (cp - 1)
+    assert _block_items(plan, "bwd") == [("compute", 0, "")] + [kv] * (cp - 1) + [grads] * cp
+    block = next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
+    assert block.content["seq"] == SEQ // cp, "a rank computes its seq / cp tokens"
+    # each of the cp ranks sends to the next: per micro-batch and block, cp - 1 forward and cp - 1 backward, and
+    # the gradients cp times; in float32 a gradient's message is a key-and-value message: one event for both
+    kv_id = plan.stages[0].tp_events["cp.kv"]
+    assert plan.stages[0].tp_events["cp.kv_grad"] == kv_id
+    assert plan.multiplicity[kv_id] == cp * plan.spec.micro_batches * 4 * (2 * (cp - 1) + cp)
+
+
+def test_the_all_gather_variant_gathers_the_whole_sequence_once_each_way():
+    from harness.events import build_plan
+
+    plan = build_plan(_plan_spec(cp=2, cp_comm="allgather"))
+    whole = MICRO * SEQ * 2 * HIDDEN * 4
+    assert _block_items(plan, "fwd") == [("compute", 0, ""), ("allgather", whole, "float32")]
+    assert _block_items(plan, "bwd") == [("compute", 0, ""), ("reducescatter", whole, "float32")]
+    assert all(plan.events[e].group_size == 2 for n, e in plan.stages[0].tp_events.items() if n.startswith("cp."))
+
+
+def test_the_work_the_pipeline_and_the_gradients_split_over_cp():
+    from harness.events import build_plan
+
+    plain, plan = build_plan(_plan_spec(cp=1, dp=2, pp=2)), build_plan(_plan_spec(cp=2, dp=2, pp=2))
+    block, whole = plan.layers[1], plain.layers[1]
+    assert block.fwd_flops(MICRO, SEQ // 2) * 2 == whole.fwd_flops(MICRO, SEQ), "the same work, split evenly"
+    send, plain_send = plan.events[plan.stages[0].send_forward], plain.events[plain.stages[0].send_forward]
+    assert send.bytes * 2 == plain_send.bytes
+    # the gradients are averaged over dp x cp = 4 ranks, the buckets as large as without cp
+    assert {plan.events[b.event].group_size for b in plan.stages[0].buckets} == {4}
+    assert [b.nbytes for b in plan.stages[0].buckets] == [b.nbytes for b in plain.stages[0].buckets]
+    # ranks: tp fastest, then cp, then dp, then pp (Megatron-Core)
+    ordered = build_plan(_plan_spec(cp=2, tp=2, dp=2, pp=2))
+    assert [ordered.rank_of(0, t, 0, c) for c in range(2) for t in range(2)] == [0, 1, 2, 3]
+    assert ordered.rank_of(1, 0, 0, 0) == 4 and ordered.rank_of(0, 0, 1, 0) == 8
+    assert [(ordered.coords(r), ordered.cp_index(r)) for r in (3, 6, 13)] == [
+        ((0, 1, 0), 1), ((1, 0, 0), 1), ((1, 1, 1), 0)]
+
+
+@pytest.mark.parametrize("kwargs, field, words", [
+    (dict(cp=3, seq=SEQ), "strategy.cp", "must divide seq_len / 2"),
+    (dict(cp=2, extra="zero = 1\n", dp=2), "strategy.zero", "not built"),
+    (dict(cp=2, pp=2, schedule="zb-h1"), "strategy.schedule", "not built"),
+    (dict(cp=2, pp=2, model_extra="tie_embeddings = true\n"), "model.tie_embeddings", "not built"),
+    (dict(cp=2, tp=4, seq=36, extra="sp = true\n"), "model.seq_len", "seq_len / cp (18) must be divisible by tp"),
+    (dict(cp=2, extra='cp_comm = "all"\n'), "strategy.cp_comm", "ring"),
+])
+def test_context_parallelism_that_cannot_run_is_refused(kwargs, field, words):
+    from harness.errors import SpecError
+
+    if "cp_comm = " in kwargs.get("extra", ""):  # the test's own cp_comm line is the one in question
+        kwargs = {**kwargs, "cp_comm": "all"}
+        kwargs.pop("extra")
+    with pytest.raises(SpecError) as info:
+        _plan_spec(**kwargs)
+    assert f"[{field}]" in str(info.value) and words in str(info.value)
+
+
+def test_a_factory_models_attention_cannot_be_split(tmp_path, project_env):
+    import subprocess
+    import sys
+
+    from tests.helpers import tiny_spec_text
+
+    path = tmp_path / "job.toml"
+    text = tiny_spec_text(cp=2, seq=32).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
+    path.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
+                            env=project_env, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "[strategy.cp]" in result.stderr and "factory model's attention" in result.stderr
+    wrong = tmp_path / "world.toml"
+    wrong.write_text(tiny_spec_text(cp=2, seq=32).replace("gpus_per_node = 2", "gpus_per_node = 1"))
+    result = subprocess.run([sys.executable, "-m", "harness", "events", str(wrong)], capture_output=True, text=True,
+                            env=project_env, timeout=60)
+    assert result.returncode == 2 and "dp x tp x cp x pp = 1 x 1 x 2 x 1 = 2 must equal" in result.stderr
+
+
+def test_a_profiled_share_stands_in_for_the_ring_with_the_same_work():
+    """Profiled alone (no group), a context-parallel block runs rank 0's ring steps on copies of its own keys and
+    values: the output has the shape of the real one and its backward runs."""
+    from harness.models import build_layer
+
+    spec = _plan_spec(cp=2)
+    block = build_layer(spec.model, "block", cp=2)
+    x = torch.randn(MICRO, SEQ // 2, HIDDEN, requires_grad=True)
+    block(x).sum().backward()
+    assert x.grad.shape == x.shape

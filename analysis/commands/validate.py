@@ -67,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"of the batch-time error, {result.replay_error_pct:+.1f} points are the timeline model's (the replay) "
               f"and {result.compute_cost_error_pct:+.1f} the profile's compute costs")
     print()
-    print(format_table(("rank", "stage", "dp", "tp", "measured busy ms", "predicted busy ms", "error %"),
-                       [(d["rank"], d["stage"], d["dp"], d["tp"], ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]),
-                         d["error_pct"]) for d in result.devices],
+    context = any(d["cp"] for d in result.devices)  # a cp column where the run is context-parallel
+    print(format_table(("rank", "stage", "dp", "tp") + ("cp",) * context
+                       + ("measured busy ms", "predicted busy ms", "error %"),
+                       [(d["rank"], d["stage"], d["dp"], d["tp"]) + (d["cp"],) * context
+                        + (ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]), d["error_pct"]) for d in result.devices],
                        title=f"per device (max |error| {result.device_error_pct or 0:.1f}%)"))
     print()
     print(format_table(("virtual stage", "phase", "measured ms", "predicted ms", "error %", "worst micro-batch %"),

@@ -55,11 +55,21 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
         features = descs[index - 1].out_features
         in_dtype = getattr(torch, signature.get("in_dtype", model.dtype))  # what the previous layer returns
         return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=in_dtype, requires_grad=True)
-    tp, sp = int(signature.get("tp", 1)), bool(signature.get("sp", False))
-    layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp).to(device)
+    tp, sp, cp = int(signature.get("tp", 1)), bool(signature.get("sp", False)), int(signature.get("cp", 1))
+    context = {}
+    if cp > 1:  # a composite's real group is its cp ranks (tp = 1); alone, a LocalRing stands in for them
+        context = {"cp": cp, "cp_comm": str(signature.get("cp_comm", "ring"))}
+        if group is not None:
+            import torch.distributed as dist
+
+            context.update(cp_group=group, cp_rank=dist.get_rank(group))
+            group = None
+    layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp,
+                        **context).to(device)
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
-    tokens = seq // tp if sp else seq  # sequence parallelism: a sequence shard enters the block or the head
+    # the content's seq is a context-parallel rank's (seq / cp); sequence parallelism splits it over tp
+    tokens = seq // tp if sp else seq
     return layer, lambda: torch.randn(micro, tokens, model.hidden, device=device, dtype=dtype, requires_grad=True)
 
 
