@@ -60,7 +60,7 @@ vocab = 2048
 """
 # name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero[, changes]]]),
 # changes: {"vocab": V} for another vocabulary, {"vocab_parallel": False} for a replicated embedding and head,
-# {"sp": True} for sequence parallelism
+# {"sp": True} for sequence parallelism, {"cp": N} for context parallelism, {"seq_len": S} for another sequence
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -77,6 +77,8 @@ CONFIGS = {
     "tp=2 vocab=16k replicated": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"vocab": 16384, "vocab_parallel": False}),
     # issue 36: Megatron-LM's sequence parallelism, the tp all-reduces as all-gathers and reduce-scatters
     "tp=2 sp": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"sp": True}),
+    # issue 36: context parallelism, a long sequence's attention over a ring of 2 ranks
+    "cp=2 seq=1024": (1, 1, 1, "1f1b", 4, 1, "none", 0, {"cp": 2, "seq_len": 1024}),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 TRACKER_GOAL_PCT = 2.0  # issue 32: the memory model against MemTracker's peak, every stage of every row
@@ -86,13 +88,15 @@ TRACKER_ITERATIONS = 3  # MemTracker slows every operator: a short run of its ow
 def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micro: int, recompute: str = "none",
               zero: int = 0, changes: dict | None = None, *, repeats: int) -> str:
     changes = changes or {}
-    model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}")
+    model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}").replace(
+        "seq_len = 128", f"seq_len = {changes.get('seq_len', 128)}")
+    cp = changes.get("cp", 1)
     vocab_parallel = (f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes
-                      else "") + ("sp = true\n" if changes.get("sp") else "")
+                      else "") + ("sp = true\n" if changes.get("sp") else "") + (f"cp = {cp}\n" if cp > 1 else "")
     return (model + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
             f"zero = {zero}\n{vocab_parallel}"
-            f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
+            f"[cluster]\nnodes = 1\ngpus_per_node = {dp * tp * cp * pp}\n[profile]\nwarmup = 3\nrepeats = {repeats}\n")
 
 
 def traces_layers(config: tuple) -> bool:
