@@ -171,8 +171,9 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
       gradient made from it (2 b s V x 4 bytes, nothing freed, before its weights), its start, the logits'
       gradient (b s V d, the log-probabilities b s V x 4 freed), and its projection's: the logits' gradient,
       its weight's gradient (V h d) and its input's (b s h d), the log-probabilities freed;
-    - transformer block: its start (nothing) and its MLP's last projection's, its input's gradient (b s F d,
-      F = ffn / tp) and its weight's gradient (F h d);
+    - transformer block: its start (nothing; with ring attention its ring's buffers in flight, two of the rank's
+      keys and values and two of their float32 gradients, 4 b s (h / tp)(d + 4)) and its MLP's last
+      projection's, its input's gradient (b s F d, F = ffn / tp) and its weight's gradient (F h d);
     - embedding: its start and its token table's dense gradient (V h d);
     - a factory model's layer: its start (nothing more known).
     Split by vocabulary over tp (vocab_parallel), V is the shard's vocab / tp, and the head's loss makes the
@@ -189,8 +190,12 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
         return [(2 * log_probs if shards == 1 else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
                 (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
     if layer.kind == "block":
-        ffn = int(signature.get("ffn", spec.model.ffn)) // int(signature.get("tp", 1))
-        return [(0, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
+        tp = int(signature.get("tp", 1))
+        ffn = int(signature.get("ffn", spec.model.ffn)) // tp
+        ring = 0
+        if int(signature.get("cp", 1)) > 1 and signature.get("cp_comm", "ring") == "ring":
+            ring = 4 * b * s * h // tp * (d + 4)  # two key-and-value buffers and two of their float32 gradients
+        return [(ring, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
     if layer.kind == "embedding":
         return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) // shards * h * d, 0, "during")]
     return [(0, 0, "start")]

@@ -12,8 +12,9 @@ harness.schedules.SCHEDULES when pp > 1, the zero-bubble ones only at tp = 1; 1f
 divides), ffn (2-4 x hidden, a multiple of 32), seq_len (32-128), vocab (256-8192, a multiple of tp), the
 micro-batch size (1-4) and count (2-8, as the schedule allows), recompute (none or full, except under a split
 backward), zero (0-3 where dp > 1, tp = 1 and the backward is not split) and, last and only where tp > 1,
-sequence parallelism (sp) on or off. Every drawn spec is validated by
-the project's own loader (harness.spec.parse_spec); one it refuses is drawn again from the same Generator,
+sequence parallelism (sp) on or off, then where dp > 1 for a built-in family without zero or a split backward,
+context parallelism: cp a divisor of dp (1 included) that divides seq_len / 2, taken out of dp. Every drawn spec
+is validated by the project's own loader (harness.spec.parse_spec); one it refuses is drawn again from the same Generator,
 so the redraws are as deterministic as the draws. The sizes stay small: a job profiles and runs in seconds
 on 2 CPU cores.
 
@@ -145,6 +146,11 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
     strategy = {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "recompute": recompute, "zero": zero}
     if tp > 1:  # drawn last, so that the jobs without a tensor-parallel group draw as before it was offered
         strategy["sp"] = bool(rng.integers(2))
+    if dp > 1 and family != "factory" and not zero and not split:  # context parallelism: part of the dp ranks
+        cp = pick(rng, [c for c in range(1, dp + 1) if dp % c == 0 and seq_len % (2 * c) == 0])
+        if cp > 1:
+            dp //= cp
+            strategy.update(dp=dp, cp=cp)
     if schedule in INTERLEAVED:
         strategy["chunks"] = chunks
     return {"model": model, "batch": {"global": micro * micro_batches * dp, "micro": micro},
@@ -154,12 +160,13 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
 
 def job_name(spec: JobSpec) -> str:
     """A short, readable description: family, sizes (L layers, h hidden / a heads [/ kv], f ffn, s seq, v vocab),
-    micro-batches (count x size), layout, schedule (x chunks), recompute (rc), zero (z) and sp."""
+    micro-batches (count x size), layout, schedule (x chunks), recompute (rc), zero (z), sp and cp."""
     m, s = spec.model, spec.strategy
     family = "factory" if m.factory else m.family
     heads = f"{m.heads}/{m.kv_heads}" if m.family == "llama" else f"{m.heads}"
     schedule = f" {s.schedule}" + (f"x{s.chunks}" if s.schedule in INTERLEAVED else "") if s.pp > 1 else ""
-    extras = (" rc" if s.recompute != "none" else "") + (f" z{s.zero}" if s.zero else "") + (" sp" if s.sp else "")
+    extras = ((" rc" if s.recompute != "none" else "") + (f" z{s.zero}" if s.zero else "") + (" sp" if s.sp else "")
+              + (f" cp{s.cp}" if s.cp > 1 else ""))
     return (f"{family} L{m.layers} h{m.hidden}/a{heads} f{m.ffn} s{m.seq_len} v{m.vocab} "
             f"m{spec.micro_batches}x{spec.batch.micro} dp{s.dp} tp{s.tp} pp{s.pp}{schedule}{extras}")
 
