@@ -312,3 +312,18 @@ def test_a_profiled_share_stands_in_for_the_ring_with_the_same_work():
     x = torch.randn(MICRO, SEQ // 2, HIDDEN, requires_grad=True)
     block(x).sum().backward()
     assert x.grad.shape == x.shape
+
+
+def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():
+    """tp = 1: each block's forward and backward also run with their ring on cp real ranks; not the embedding,
+    whose cp is its positions'; a block both tensor- and context-parallel has none."""
+    from harness.events import build_plan
+    from launcher.placement import place
+    from launcher.topology import Topology
+
+    one_node = Topology(0, 4, (0,) * 4, ("a",) * 4)
+    composites = place(build_plan(_plan_spec(cp=2)).unique(), one_node).composites
+    assert sorted((t.content["layer"], t.content["phase"], t.ranks) for t in composites) == [
+        ("block", "bwd", (0, 1)), ("block", "fwd", (0, 1))]
+    both = place(build_plan(_plan_spec(cp=2, tp=2)).unique(), one_node).composites
+    assert not [t for t in both if int(t.content["signature"].get("cp", 1)) > 1]
