@@ -50,13 +50,14 @@ LIBRARY = r"(?:c10d::|gloo:|nccl|mpi4py:|distsim:|record_param_comms)"
 ITERATION = re.compile(r"^ProfilerStep#\d+$")
 # Phases by name, first match wins; communications that are no collective's (P2P) are pipeline waits.
 PHASES = (("tensor-parallel", re.compile(r"allreduce\.tp|tensor.?parallel", re.IGNORECASE)),
+          ("context-parallel", re.compile(r"distsim:cp|context.?parallel", re.IGNORECASE)),
           ("pipeline", re.compile(LIBRARY + r".*(?:send|recv)", re.IGNORECASE)),
           ("dp-sync", re.compile(LIBRARY + r".*(?:all_?reduce|reduce_?scatter|all_?gather|broadcast)",
                                  re.IGNORECASE)),
           ("optimizer", re.compile(r"optimizer|zero\.bucket|zero_grad", re.IGNORECASE)),
           ("backward", re.compile(r"backward|autograd::engine", re.IGNORECASE)),
           ("forward", re.compile(r"forward", re.IGNORECASE)))
-PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "pipeline")
+PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "context-parallel", "pipeline")
 COLLECTIVE_LAUNCH = re.compile(r"^((?:c10d::|mpi4py:)\w+?)_?$")  # c10d::allreduce_, ..., mpi4py:allreduce
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)

@@ -294,8 +294,9 @@ class MissingComputeError(UserError):
     def __init__(self, plan: EventPlan, missing: Sequence[str], ranks: int, spec_hint: str):
         self.missing = list(missing)
         s = plan.spec.strategy
+        extra = (",sp=true" if s.sp else "") + (f",cp={s.cp}" if s.cp > 1 else "")
         lines = [f"the profile lacks {len(missing)} compute event(s) that {plan.spec.model.name} with "
-                 f"dp={s.dp},tp={s.tp},pp={s.pp},micro={plan.spec.batch.micro} needs:"]
+                 f"dp={s.dp},tp={s.tp},pp={s.pp}{extra},micro={plan.spec.batch.micro} needs:"]
         for eid in missing:
             event = plan.events[eid]
             content = event.content
@@ -306,7 +307,8 @@ class MissingComputeError(UserError):
         lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR")
         if spec_hint == "SPEC":
             lines.append(f"  (SPEC: a job spec with this model and strategy: dp = {s.dp}, tp = {s.tp}, pp = {s.pp}, "
-                         f"micro = {plan.spec.batch.micro})")
+                         + (f"sp = true, " if s.sp else "") + (f"cp = {s.cp}, " if s.cp > 1 else "")
+                         + f"micro = {plan.spec.batch.micro})")
         super().__init__("\n".join(lines))
 
 
@@ -525,7 +527,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
             "while the others stand for the ranks' mean; profile again with --force to measure them alike")
     _sender_busy_extras(plan, profile, costs)
     _send_posts(plan, profile, costs)
-    if plan.spec.strategy.dp > 1:
+    if plan.spec.strategy.gradient_replicas > 1:
         _bucket_passes(plan, profile, costs)
         costs.replica_skew = replica_skew(profile)
         if costs.replica_skew is None:

@@ -9,10 +9,11 @@ PLOT_ROWS = 16  # default rows of a Gantt chart
 PLOT_ROWS_MAX = 64
 
 
-def rank_of_stage(spec: JobSpec, stage: int, dp_i: int = 0, tp_i: int = 0) -> int:
-    """Global rank of (pipeline stage, dp index, tp index): (pp_i * dp + dp_i) * tp + tp_i."""
+def rank_of_stage(spec: JobSpec, stage: int, dp_i: int = 0, tp_i: int = 0, cp_i: int = 0) -> int:
+    """Global rank of (pipeline stage, dp index, tp index, cp index): ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+    (harness.events.EventPlan.rank_of)."""
     s = spec.strategy
-    return (stage * s.dp + dp_i) * s.tp + tp_i
+    return ((stage * s.dp + dp_i) * s.cp + cp_i) * s.tp + tp_i
 
 
 def representatives(spec: JobSpec) -> list[int]:

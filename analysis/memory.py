@@ -307,7 +307,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
         # backward (a split backward's W) has made them
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}
-        made: set[int] = set(local) if s.dp > 1 and not s.zero else set()
+        made: set[int] = set(local) if s.gradient_replicas > 1 and not s.zero else set()
 
         def gradients_made() -> int:
             return gradients * sum(chunk_params[vs] for vs in made) // max(1, params)

@@ -64,7 +64,7 @@ def trace_events(timeline: Timeline, ranks: Sequence[int]) -> list[dict[str, Any
         stage, dp_i, tp_i = timeline.stage_dp_tp(rank)
         for transfer in timeline.pipeline[stage].sends:
             dst_stage = transfer.dst_stage % pp
-            receiver = timeline.plan.rank_of(dp_i, tp_i, dst_stage)
+            receiver = timeline.plan.rank_of(dp_i, tp_i, dst_stage, timeline.plan.cp_index(rank))
             if receiver not in chosen:
                 continue
             flow_id += 1

@@ -25,7 +25,8 @@ def strategy_label(timeline: Timeline) -> str:
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
     extra = (f" recompute={s.recompute}" if s.recompute != "none" else "") + (f" zero={s.zero}" if s.zero else "")
     sp = " sp" if s.sp else ""
-    return f"dp={s.dp} tp={s.tp}{sp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}{extra}"
+    cp = f" cp={s.cp}" + (" allgather" if s.cp_comm == "allgather" else "") if s.cp > 1 else ""
+    return f"dp={s.dp} tp={s.tp}{sp}{cp} pp={s.pp} {s.schedule}{chunks} m={timeline.spec.micro_batches}{extra}"
 
 
 def stage_rows(timeline: Timeline) -> list[dict[str, Any]]:
@@ -53,7 +54,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "kind": REPORT_KIND,
         "profile": str(profile_path) if profile_path is not None else None,
         "model": spec.model.name,
-        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks,
+        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm,
+                     "schedule": s.schedule, "chunks": s.chunks,
                      "dp_overlap": timeline.dp_overlap, "bucket_mb": s.bucket_mb},
         "world": s.world,
         "micro_batches": spec.micro_batches,
@@ -103,7 +105,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
 
 def replica_skew_summary(timeline: Timeline) -> dict[str, Any] | None:
     """dp > 1 with a skew in the profile: per stage, how far the slowest replica is expected to lag."""
-    skew, replicas = timeline.costs.replica_skew, timeline.spec.strategy.dp
+    skew, replicas = timeline.costs.replica_skew, timeline.spec.strategy.gradient_replicas
     if skew is None or replicas <= 1:
         return None
     stages = []

@@ -102,7 +102,8 @@ class CandidateResult:
 
     def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
         s = self.spec.strategy
-        out = {"strategy": self.label, "gpus": s.world, "dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule,
+        out = {"strategy": self.label, "gpus": s.world, "dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp,
+               "cp_comm": s.cp_comm, "schedule": s.schedule,
                "chunks": s.chunks, "recompute": s.recompute, "zero": s.zero, "micro": self.spec.batch.micro,
                "micro_batches": self.spec.micro_batches,
                "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,
@@ -352,8 +353,10 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
         result.flags.append(f"{len(costs.extrapolated)} communication event(s) from {source} "
                             f"({', '.join(names[:2])}" + (", ..." if len(names) > 2 else "") + ")")
     tp = spec.strategy.tp
+    # a block both tensor- and context-parallel has no composite by design (launcher.placement._composites)
     if tp > 1 and any(e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd") and eid not in costs.composites
-                      for eid, e in plan.events.items() if e.content.get("signature", {}).get("tp") == tp):
+                      for eid, e in plan.events.items() if e.content.get("signature", {}).get("tp") == tp
+                      and not (e.content.get("layer") == "block" and spec.strategy.cp > 1)):
         result.flags.append(f"tp={tp} layers measured without their all-reduces (the profiling run has no "
                             f"{tp} ranks on one node): shard alone, all-reduces from the fit")
     if memory.unmeasured:

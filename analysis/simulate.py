@@ -481,7 +481,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
     pipeline = []
     for d in range(pp):
         compute_end = free[d]
-        lag, window = _replica_lag(records[d], costs, s.dp)
+        lag, window = _replica_lag(records[d], costs, s.gradient_replicas)
         pending = []
         for chunk in range(s.chunks):
             vs = chunk * pp + d

@@ -209,7 +209,7 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.devices.append({"rank": rank, "stage": stage, "dp": device.dp, "tp": device.tp, "cp": device.cp,
                                "measured_busy_s": measured_busy, "predicted_busy_s": predicted_busy,
                                "error_pct": _pct(predicted_busy, measured_busy)})
-    if s.dp > 1 and not s.zero:  # FSDP2's collectives hold the replicas together layer by layer: no lag to model
+    if s.gradient_replicas > 1 and not s.zero:  # FSDP2 holds the replicas together layer by layer: no lag to model
         result.replica_lag = _replica_lag_rows(trace, timeline, kept)
     predicted_steps: dict[tuple[int, str, int], float] = {}
     for device in timeline.pipeline:
@@ -299,7 +299,8 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
             vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
             if kind == "optimizer":
                 per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
-            elif phase in ("tp", "zero", "cp"):  # inline collectives, named by the step they ran in
+            elif phase in ("tp", "zero", "cp") and micro >= 0:  # inline collectives, by the step they ran in
+                # (micro -1: sp's replicated gradients, all-reduced after the backward, no step's)
                 step_phase = "F" if str(name).endswith(".fwd") else "B"
                 key = (vs, step_phase, micro, iteration)
                 per_step_comm[key] = per_step_comm.get(key, 0.0) + duration
@@ -314,7 +315,7 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
     # (A split backward's buckets are divided and launched after its last W, outside every step.)
     s = timeline.spec.strategy
     inside_last_backward = {vs: sum(costs.bucket_divide.get(b.event, 0.0) for b in program.buckets)
-                            if timeline.dp_overlap and s.dp > 1 and not s.split_backward else 0.0
+                            if timeline.dp_overlap and s.gradient_replicas > 1 and not s.split_backward else 0.0
                             for vs, program in enumerate(plan.stages)}
 
     def measured(vs: int, phase: str, table: dict, less_last: float = 0.0, micros=None) -> float | None:

@@ -144,7 +144,7 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
     model = {"factory": FACTORY} if family == "factory" else {"name": PRESET_OF_FAMILY[family], "kv_heads": kv_heads}
     model.update(layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq_len=seq_len, vocab=vocab, dtype="float32")
     strategy = {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "recompute": recompute, "zero": zero}
-    if tp > 1:  # drawn last, so that the jobs without a tensor-parallel group draw as before it was offered
+    if tp > 1:  # drawn after everything else of the job (later jobs of a seed draw from where it leaves off)
         strategy["sp"] = bool(rng.integers(2))
     if dp > 1 and family != "factory" and not zero and not split:  # context parallelism: part of the dp ranks
         cp = pick(rng, [c for c in range(1, dp + 1) if dp % c == 0 and seq_len % (2 * c) == 0])

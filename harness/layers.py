@@ -161,10 +161,10 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
     """A block's collectives under sequence parallelism, forward and backward, in order (harness.models.tp):
     forward, the attention's and the MLP's all-gather before their column-parallel linear and reduce-scatter
     after their row-parallel one; backward, per half in reverse, the reduce-scatter's backward (an all-gather
-    of the output's gradient), the column-parallel linear's input gathered again for its weight's gradient
-    (Megatron-LM saves the sequence shard, not the gathered input) and its input's gradient reduce-scattered."""
+    of the output's gradient), the column-parallel linear's input gradient reduce-scattered and its input
+    gathered again for its weight's gradient (Megatron-LM saves the sequence shard, not the gathered input)."""
     gather, scatter = (SEQ_ALLGATHER, hidden_bytes, dtype), (SEQ_REDUCESCATTER, hidden_bytes, dtype)
-    return (gather, scatter) * 2, (gather, gather, scatter) * 2
+    return (gather, scatter) * 2, (gather, scatter, gather) * 2
 
 
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,

@@ -187,7 +187,8 @@ def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str])
         signature = event.content.get("signature", {})
         tp, cp = int(signature.get("tp", 1)), int(signature.get("cp", 1))
         # context parallelism communicates in the blocks alone (the embedding's signature has cp for positions)
-        size = tp if cp == 1 else cp if tp == 1 and event.content.get("layer") == "block" else 0
+        block = event.content.get("layer") == "block"
+        size = tp if cp == 1 or not block else cp if tp == 1 else 0
         if event.kind != "compute" or size < 2 or event.content.get("phase") not in ("fwd", "bwd"):
             continue
         ranks = _group_ranks(topology, size, INTRA)

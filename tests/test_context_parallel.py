@@ -316,7 +316,8 @@ def test_a_profiled_share_stands_in_for_the_ring_with_the_same_work():
 
 def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():
     """tp = 1: each block's forward and backward also run with their ring on cp real ranks; not the embedding,
-    whose cp is its positions'; a block both tensor- and context-parallel has none."""
+    whose cp is its positions'; with tp > 1 too the embedding and the head keep their tp composites and a block
+    both tensor- and context-parallel has none."""
     from harness.events import build_plan
     from launcher.placement import place
     from launcher.topology import Topology
@@ -326,4 +327,33 @@ def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():
     assert sorted((t.content["layer"], t.content["phase"], t.ranks) for t in composites) == [
         ("block", "bwd", (0, 1)), ("block", "fwd", (0, 1))]
     both = place(build_plan(_plan_spec(cp=2, tp=2)).unique(), one_node).composites
-    assert not [t for t in both if int(t.content["signature"].get("cp", 1)) > 1]
+    assert sorted((t.content["layer"], t.content["phase"], len(t.ranks)) for t in both) == [
+        ("embedding", "bwd", 2), ("embedding", "fwd", 2), ("head", "bwd", 2), ("head", "fwd", 2)]
+
+
+def test_in_16_bits_keys_and_values_travel_in_the_models_dtype_and_their_gradients_in_float32():
+    from harness.events import build_plan
+    from harness.spec import loads_spec
+    from tests.helpers import tiny_spec_text
+
+    spec = loads_spec(tiny_spec_text(cp=2, layers=4, hidden=HIDDEN, heads=4, ffn=64, seq=SEQ, vocab=256, micro=MICRO,
+                                     global_batch=4 * MICRO).replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    plan = build_plan(spec)
+    local = MICRO * SEQ // 2
+    assert _block_items(plan, "bwd") == [("compute", 0, ""), ("p2p", local * 2 * HIDDEN * 2, "bfloat16"),
+                                         ("p2p", local * 2 * HIDDEN * 4, "float32"),
+                                         ("p2p", local * 2 * HIDDEN * 4, "float32")]
+    events = plan.stages[0].tp_events
+    assert events["cp.kv"] != events["cp.kv_grad"]
+
+
+def test_with_dp_1_the_cp_ranks_average_their_gradients_in_buckets_the_memory_model_holds():
+    """cp = 2 with dp = 1: the two ranks hold the same parameters, so the plan has gradient buckets over them, and
+    the memory model holds every gradient from the start (DDP's buckets), as harness train allocates them."""
+    from analysis.memory import estimate_memory
+    from harness.events import build_plan
+
+    plan = build_plan(_plan_spec(cp=2))
+    assert plan.stages[0].buckets and {plan.events[b.event].group_size for b in plan.stages[0].buckets} == {2}
+    stage = estimate_memory(plan, {}).stages[0]
+    assert stage.gradients == sum(layer.params for layer in plan.layers) * 4

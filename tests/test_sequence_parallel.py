@@ -48,8 +48,8 @@ def test_each_all_reduce_becomes_an_all_gather_and_a_reduce_scatter(tp):
     whole = MICRO * SEQ * HIDDEN * 4  # the whole array's bytes, as nccl-tests counts a gather or scatter
     ag, rs = ("allgather", whole), ("reducescatter", whole)
     assert _items(plan, "block", "fwd") == [("compute", 0), ag, rs, ag, rs]
-    # per half: the output gradient gathered, the column linear's input gathered again, its gradient scattered
-    assert _items(plan, "block", "bwd") == [("compute", 0), ag, ag, rs, ag, ag, rs]
+    # per half: the output gradient gathered, the column linear's input gradient scattered, its input gathered again
+    assert _items(plan, "block", "bwd") == [("compute", 0), ag, rs, ag, ag, rs, ag]
     assert _items(plan, "embedding", "fwd") == [("compute", 0), rs]
     assert _items(plan, "embedding", "bwd") == [("compute", 0), ag]
     tokens = MICRO * SEQ

@@ -57,9 +57,9 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
         return layer, lambda: torch.randn(micro, seq, *features, device=device, dtype=in_dtype, requires_grad=True)
     tp, sp, cp = int(signature.get("tp", 1)), bool(signature.get("sp", False)), int(signature.get("cp", 1))
     context = {}
-    if cp > 1:  # a composite's real group is its cp ranks (tp = 1); alone, a LocalRing stands in for them
+    if cp > 1:  # a block's composite's real group is its cp ranks (tp = 1); alone, a LocalRing stands in for them
         context = {"cp": cp, "cp_comm": str(signature.get("cp_comm", "ring"))}
-        if group is not None:
+        if group is not None and kind == "block":
             import torch.distributed as dist
 
             context.update(cp_group=group, cp_rank=dist.get_rank(group))

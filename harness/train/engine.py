@@ -504,7 +504,7 @@ class PipelineEngine:
     # ---- compute ------------------------------------------------------------------------------
     def _tp_hook(self, name: str, run: Callable[[], None]) -> None:
         start = self.now()
-        with self._annotated("tp"):
+        with self._annotated("cp" if name.startswith("cp.") else "tp"):
             run()
         end = self.now()
         phase, vs, micro = self.ctx

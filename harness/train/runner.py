@@ -349,7 +349,8 @@ def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
 
     s = spec.strategy
     measured = result.measured_s
-    head = (f"{spec.model.name}: {s.dp} dp x {s.tp} tp x {s.pp} pp on {world} ranks ({result.device}, "
+    head = (f"{spec.model.name}: {s.dp} dp x {s.tp} tp{' (sp)' if s.sp else ''}"
+            + (f" x {s.cp} cp" if s.cp > 1 else "") + f" x {s.pp} pp on {world} ranks ({result.device}, "
             f"{result.backend}, gradients through {result.dp_backend}), "
             f"{s.schedule}{f' x{s.chunks} chunks' if s.chunks > 1 else ''}, "
             f"{spec.micro_batches} micro-batches of {spec.batch.micro}")
