@@ -51,13 +51,15 @@ ITERATION = re.compile(r"^ProfilerStep#\d+$")
 # Phases by name, first match wins; communications that are no collective's (P2P) are pipeline waits.
 PHASES = (("tensor-parallel", re.compile(r"allreduce\.tp|tensor.?parallel", re.IGNORECASE)),
           ("context-parallel", re.compile(r"distsim:cp|context.?parallel", re.IGNORECASE)),
+          ("expert-parallel", re.compile(r"distsim:ep|expert.?parallel|all_?to_?all", re.IGNORECASE)),
           ("pipeline", re.compile(LIBRARY + r".*(?:send|recv)", re.IGNORECASE)),
           ("dp-sync", re.compile(LIBRARY + r".*(?:all_?reduce|reduce_?scatter|all_?gather|broadcast)",
                                  re.IGNORECASE)),
           ("optimizer", re.compile(r"optimizer|zero\.bucket|zero_grad", re.IGNORECASE)),
           ("backward", re.compile(r"backward|autograd::engine", re.IGNORECASE)),
           ("forward", re.compile(r"forward", re.IGNORECASE)))
-PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "context-parallel", "pipeline")
+PHASE_NAMES = ("forward", "backward", "optimizer", "dp-sync", "tensor-parallel", "context-parallel",
+               "expert-parallel", "pipeline")
 COLLECTIVE_LAUNCH = re.compile(r"^((?:c10d::|mpi4py:)\w+?)_?$")  # c10d::allreduce_, ..., mpi4py:allreduce
 NCCL_COLLECTIVE = re.compile(r"^nccl(?:Dev)?Kernel_(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|AllToAll)",
                              re.IGNORECASE)
@@ -344,14 +346,16 @@ def from_trace(trace) -> RunActivity:
             return spans(start[keep], end[keep])
         tp = of(phase == "tp")
         context = of(phase == "cp")  # context parallelism's exchanges inside a step (the part left unhidden)
-        compute = of(np.isin(kind, ["compute", "optimizer"])) - tp - context
+        experts = of((phase == "ep") & (kind == "alltoall"))  # expert parallelism's all-to-alls inside a step
+        compute = of(np.isin(kind, ["compute", "optimizer"])) - tp - context - experts
         comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter"]))
         compute = compute - of(phase == "zero")  # FSDP's collectives inside the steps (zero > 0)
         # a zero-bubble schedule's weight-gradient steps (W) are backward too
         phases = {"forward": of(phase == "F"), "backward": of(np.isin(phase, ["B", "W"])),
                   "optimizer": of(phase == "opt"),
-                  "dp-sync": of(np.isin(phase, ["dp", "zero", "tie"])), "tensor-parallel": tp,
-                  "context-parallel": context,
+                  "dp-sync": of(np.isin(phase, ["dp", "zero", "tie"]) | ((phase == "ep") & (kind == "allreduce"))),
+                  "tensor-parallel": tp,
+                  "context-parallel": context, "expert-parallel": experts,
                   "pipeline": of(phase == "recv")}
         phases = {k: v for k, v in phases.items() if len(v)}
         ranks[rank] = RankActivity(rank, (float(start.min()), float(end.max())), compute, comm, EMPTY, phases,

@@ -265,7 +265,7 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
     link's alpha and beta). None when nothing was measured."""
     from harness.events import COMM_KINDS
 
-    kinds = (*COMM_KINDS, "alltoall")
+    kinds = tuple(dict.fromkeys((*COMM_KINDS, "alltoall")))
     measured: dict[tuple[str, int], tuple[float, float]] = {}
     for (kind, placement), pts in points.items():
         if placement in CALIBRATED_NAMES and (link := _link_of(fit(kind, placement, list(pts)))):

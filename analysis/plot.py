@@ -17,7 +17,7 @@ from analysis.simulate import (BACKWARD, BACKWARD_WEIGHT, DP_ALLREDUCE, FORWARD,
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
            RECOMPUTE: "#64B5CD", ZERO_ALLGATHER: "#DA8BC3", ZERO_REDUCESCATTER: "#BCBD22", BACKWARD_WEIGHT: "#2E7D32"}
-LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor- or context-parallel collective",
+LABELS = {FORWARD: "forward", BACKWARD: "backward", TP_ALLREDUCE: "tensor-, context- or expert-parallel collective",
           OPTIMIZER: "optimizer", P2P_SEND: "P2P send", P2P_RECV: "P2P receive",
           DP_ALLREDUCE: "data-parallel all-reduce", P2P_POST: "posting a P2P send",
           RECOMPUTE: "recomputed forward (in the backward)", ZERO_ALLGATHER: "ZeRO weight all-gather",
@@ -46,7 +46,7 @@ def measured_category(kind: str, phase: str) -> str:
     """The timeline category of a row of a real run's trace (docs/train.md: its kind and phase)."""
     if kind == "compute":
         return STEP_CATEGORY.get(phase, BACKWARD)
-    if phase in ("tp", "cp"):
+    if phase in ("tp", "cp") or (phase == "ep" and kind == "alltoall"):
         return TP_ALLREDUCE
     if kind == "p2p":
         return P2P_SEND if phase == "send" else P2P_RECV

@@ -224,8 +224,9 @@ class PipelineDevice:
     # tie_embeddings with pp > 1, on the first and the last device: the token table's gradient all-reduce
     # between the two, once both have their gradients (their backward and buckets done), before the optimizer
     tie: BucketRecord | None = None
-    # sequence parallelism: each chunk's all-reduce of its replicated parameters' gradients over tp, blocking,
-    # after the backward and buckets, before the tie and the optimizer
+    # sequence parallelism: each chunk's all-reduce of its replicated parameters' gradients over tp (and expert
+    # parallelism's of its experts' gradients), blocking, after the backward and buckets, before the tie and the
+    # optimizer
     sequence_grads: list[BucketRecord] = field(default_factory=list)
 
     @property
@@ -539,19 +540,24 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
 
 
 def _sequence_grads(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
-    """Sequence parallelism: each device's chunks all-reduce their replicated gradients over tp, one after
-    another, before its optimizer step (harness train's order)."""
+    """Sequence parallelism: each device's chunks all-reduce their replicated gradients over tp, and expert
+    parallelism (dp > ep) their experts' gradients over the ranks holding the same experts, one after another,
+    before its optimizer step (harness train's order)."""
     s = plan.spec.strategy
     for device in pipeline:
         for chunk in range(s.chunks):
             vs = virtual_stage(chunk, device.stage, s.pp)
-            event = plan.stages[vs].sequence_grads
-            if not event:
-                continue
-            start = device.optimizer_start_s
-            end = start + costs.seconds(event)
-            device.sequence_grads.append(BucketRecord(vs, -1, event, plan.events[event].bytes, start, start, end))
-            device.optimizer_start_s, device.optimizer_end_s = end, device.optimizer_end_s + end - start
+            for event in (plan.stages[vs].sequence_grads, plan.stages[vs].expert_grads):
+                if event:
+                    _blocking_before_optimizer(plan, costs, device, vs, event)
+
+
+def _blocking_before_optimizer(plan: EventPlan, costs: Costs, device: PipelineDevice, vs: int, event: str) -> None:
+    """A blocking all-reduce of gradients right before the device's optimizer step, which it delays."""
+    start = device.optimizer_start_s
+    end = start + costs.seconds(event)
+    device.sequence_grads.append(BucketRecord(vs, -1, event, plan.events[event].bytes, start, start, end))
+    device.optimizer_start_s, device.optimizer_end_s = end, device.optimizer_end_s + end - start
 
 
 def _tie_embeddings(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
@@ -654,7 +660,8 @@ class Timeline:
         out: list[Interval] = []
         for r in device.steps:
             program = plan.stages[r.virtual_stage]
-            context = {eid for name, eid in program.tp_events.items() if name.startswith("cp.")}
+            groups = {eid: name.split(".", 1)[0] for name, eid in program.tp_events.items()
+                      if name.startswith(("cp.", "ep."))}
             c = self.stage_costs[r.virtual_stage]
             m = self.spec.micro_batches
             if r.phase == "F":
@@ -684,7 +691,7 @@ class Timeline:
                                         else ZERO_REDUCESCATTER, eid, f"{phase} zero {event.name} {suffix}",
                                         r.virtual_stage, r.micro, layer))
                 else:
-                    group = "cp" if eid in context else "tp"
+                    group = groups.get(eid, "tp")
                     out.append(Interval(start, end, COMPUTE_TRACK, TP_ALLREDUCE, eid,
                                         f"{phase} {group} {event.name} {suffix}", r.virtual_stage, r.micro, layer))
         for p in device.posts:
@@ -702,8 +709,10 @@ class Timeline:
                                 f"dp {plan.events[b.event].name} bucket {b.index} s{b.virtual_stage}",
                                 b.virtual_stage, -1, -1))
         for g in device.sequence_grads:
-            out.append(Interval(g.start_s, g.end_s, COMPUTE_TRACK, TP_ALLREDUCE, g.event,
-                                f"tp {plan.events[g.event].name} replicated gradients s{g.virtual_stage}",
+            experts = g.event == plan.stages[g.virtual_stage].expert_grads
+            out.append(Interval(g.start_s, g.end_s, COMPUTE_TRACK, DP_ALLREDUCE if experts else TP_ALLREDUCE, g.event,
+                                f"{'ep' if experts else 'tp'} {plan.events[g.event].name} "
+                                f"{'expert' if experts else 'replicated'} gradients s{g.virtual_stage}",
                                 g.virtual_stage, -1, -1))
         if device.tie:
             b = device.tie

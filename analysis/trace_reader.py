@@ -201,7 +201,7 @@ class Trace:
             if device.layers is None:
                 continue
             layers = device.layers
-            collectives = device.select(phase=("tp", "zero", "cp"))  # they block the main thread: never overlap
+            collectives = device.select(phase=("tp", "zero", "cp", "ep"))  # they block the main thread
             by_start = np.argsort(collectives["start_s"], kind="stable")
             starts, ends = collectives["start_s"][by_start], collectives["end_s"][by_start]
             for i in np.flatnonzero(np.isin(layers["iteration"], keep_iterations)):

@@ -299,7 +299,7 @@ def replay_stage_costs(trace: Trace, timeline: Timeline, kept: np.ndarray,
             vs, micro, iteration, duration = int(vs), int(micro), int(iteration), float(duration)
             if kind == "optimizer":
                 per_iteration_opt[(vs, iteration)] = per_iteration_opt.get((vs, iteration), 0.0) + duration
-            elif phase in ("tp", "zero", "cp") and micro >= 0:  # inline collectives, by the step they ran in
+            elif phase in ("tp", "zero", "cp", "ep") and micro >= 0:  # inline collectives, by their step
                 # (micro -1: sp's replicated gradients, all-reduced after the backward, no step's)
                 step_phase = "F" if str(name).endswith(".fwd") else "B"
                 key = (vs, step_phase, micro, iteration)

@@ -27,7 +27,7 @@ EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
 # communication a profile measures: what plans send (P2P, all-reduce), and the collectives of sharded data
 # parallelism (all-gather, reduce-scatter), measured on every all-reduce group of a plan (launcher.placement)
-COMM_KINDS = ("p2p", "allreduce", "allgather", "reducescatter")
+COMM_KINDS = ("p2p", "allreduce", "allgather", "reducescatter", "alltoall")
 SHARDED_KINDS = ("allgather", "reducescatter")
 
 
@@ -193,6 +193,9 @@ class StageProgram:
     # sequence parallelism: the all-reduce over the stage's tp group of its replicated parameters' gradients
     # (harness.layers.replicated_params), after the iteration's backward and buckets, before the optimizer
     sequence_grads: str | None = None
+    # expert parallelism with dp > ep: the all-reduce of the stage's experts' gradients over the dp / ep ranks
+    # holding the same experts, after the backward and buckets (phase ep in device_flow)
+    expert_grads: str | None = None
 
     def forward_of(self, micro: int) -> tuple[list[str], list[int]]:
         """The items of micro-batch `micro`'s forward step and their layers."""
@@ -329,6 +332,14 @@ class EventPlan:
         cp_groups_of_stage = [self._placements([self.rank_of(d, t, p, c) for c in range(s.cp)]
                                                for d in range(s.dp) for t in range(s.tp))
                               for p in range(s.pp)] if s.cp > 1 else []
+        # expert parallelism: ep consecutive dp ranks share a block's experts; the dp / ep ranks at the same
+        # place in their ep groups hold the same experts
+        ep_groups_of_stage = [self._placements([self.rank_of(g * s.ep + e, t, p, c) for e in range(s.ep)]
+                                               for g in range(s.dp // s.ep) for t in range(s.tp) for c in range(s.cp))
+                              for p in range(s.pp)] if s.ep > 1 else []
+        expert_dp_of_stage = [self._placements([self.rank_of(g * s.ep + e, t, p, c) for g in range(s.dp // s.ep)]
+                                               for e in range(s.ep) for t in range(s.tp) for c in range(s.cp))
+                              for p in range(s.pp)] if s.dp // s.ep > 1 and spec.model.moe else []
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         per_layer: dict[tuple, tuple[str, str]] = {}  # identical layers share their events (ids cost a hash)
@@ -362,6 +373,11 @@ class EventPlan:
                                            "context-parallel groups", dtype=dtype)
                     tp_events[name] = eid
                     out += [(eid, -1)] * count
+                for name, nbytes, dtype in layer.ep_forward if pass_ == "fwd" else layer.ep_backward:
+                    eid = self._collective(collective_kind(name), nbytes, s.ep, ep_groups_of_stage[vs % s.pp],
+                                           m * runs, "expert-parallel groups", dtype=dtype)
+                    tp_events[name] = eid
+                    out.append((eid, -1))
                 return out
             # per layer, in forward order: its forward items, backward event, and (zero > 0) its FSDP collectives
             per_stage: list[tuple[LayerDesc, int, list[tuple[str, int]], str, str, str, list[tuple[str, int]]]] = []
@@ -412,7 +428,7 @@ class EventPlan:
                     own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces + after
                     out += head + redo + own
                     flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
-                    grads.append((len(out) - 1, layer.params * dtype_bytes))
+                    grads.append((len(out) - 1, (layer.params - layer.expert_params) * dtype_bytes))
                     if scatter and (last or s.zero >= 2):
                         out.append((scatter, -1))
                         flags.append(False)
@@ -425,7 +441,7 @@ class EventPlan:
                 grads, position = [], -1
                 for (w_id, index), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
                     position += bool(w_id)
-                    grads.append((max(position, 0), layer.params * dtype_bytes))
+                    grads.append((max(position, 0), (layer.params - layer.expert_params) * dtype_bytes))
             buckets = self._buckets(grads, dp_groups) if s.gradient_replicas > 1 and not s.zero else []
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
@@ -434,7 +450,9 @@ class EventPlan:
                 first_forward=([e for e, _ in first_fwd], [i for _, i in first_fwd]) if first_fwd != fwd else None,
                 last_backward=([e for e, _ in last_bwd], [i for _, i in last_bwd], last_again)
                 if last_bwd != bwd else None, weight=[e for e, _ in weight], weight_layers=[i for _, i in weight],
-                tp_events=tp_events, sequence_grads=self._sequence_grads(stage_layers, tp_groups)))
+                tp_events=tp_events, sequence_grads=self._sequence_grads(stage_layers, tp_groups),
+                expert_grads=self._expert_grads(stage_layers, expert_dp_of_stage[vs % s.pp] if expert_dp_of_stage
+                                                else None)))
         for pp_i in range(s.pp):
             # one optimizer over every parameter of the device (all its chunks), as frameworks step it; the
             # device's first virtual stage holds it
@@ -469,6 +487,15 @@ class EventPlan:
             return None
         nbytes = sum(replicated_params(self.spec.model, layer.kind) for layer in layers) * self.spec.model.dtype_bytes
         return self._collective("allreduce", nbytes, s.tp, tp_groups, 1, "tensor-parallel groups")
+
+    def _expert_grads(self, layers: list[LayerDesc], groups: "GroupPlacements | None") -> str | None:
+        """Expert parallelism with dp > ep: the stage's experts' gradient all-reduce over the dp / ep ranks holding
+        the same experts (None where each expert is on one rank, or the stage has none)."""
+        nbytes = sum(layer.expert_params for layer in layers) * self.spec.model.dtype_bytes
+        if groups is None or not nbytes:
+            return None
+        return self._collective("allreduce", nbytes, self.spec.strategy.dp // self.spec.strategy.ep, groups, 1,
+                                "expert data-parallel groups")
 
     def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int,
                       split: bool) -> tuple[str, str, str]:
@@ -562,7 +589,8 @@ class EventPlan:
             "events_version": EVENTS_VERSION,
             "model": self.spec.model.name,
             "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "schedule": s.schedule, "chunks": s.chunks,
-                         "recompute": s.recompute, "zero": s.zero, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm},
+                         "recompute": s.recompute, "zero": s.zero, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm,
+                         "ep": s.ep},
             "devices": s.world,
             "micro_batches": self.spec.micro_batches,
             **self.unique().summary(),
@@ -582,7 +610,8 @@ class EventPlan:
 
         phase is F/B (compute and tensor-parallel collectives), R (the forward run again at the start of
         a backward step, recompute = "full"), W (a split backward's weight gradients), send/recv (P2P),
-        dp (gradient all-reduce), tp (sequence parallelism's all-reduce of replicated gradients), tie (the tied
+        dp (gradient all-reduce), tp (sequence parallelism's all-reduce of replicated gradients), ep (the experts'
+        gradient all-reduce over the ranks holding the same experts), tie (the tied
         embedding's gradient all-reduce) or opt (optimizer).
         Receives are listed where the device waits for them.
         """
@@ -622,6 +651,8 @@ class EventPlan:
             vs = virtual_stage(chunk, pp_i, s.pp)
             if self.stages[vs].sequence_grads:
                 yield self.stages[vs].sequence_grads, "tp", vs, -1
+            if self.stages[vs].expert_grads:
+                yield self.stages[vs].expert_grads, "ep", vs, -1
         for chunk in range(s.chunks):
             vs = virtual_stage(chunk, pp_i, s.pp)
             if self.stages[vs].tie:

@@ -45,6 +45,11 @@ class LayerDesc:
     tp_backward: tuple[tuple[str, int, str], ...] = ()
     cp_forward: tuple[tuple[str, int, str, int], ...] = ()
     cp_backward: tuple[tuple[str, int, str, int], ...] = ()
+    # a Mixture-of-Experts block's all-to-alls over its ep ranks, forward and backward, each (name, bytes of one
+    # micro-batch, dtype), and how many of its parameters are its experts' (not in the data-parallel buckets)
+    ep_forward: tuple[tuple[str, int, str], ...] = ()
+    ep_backward: tuple[tuple[str, int, str], ...] = ()
+    expert_params: int = 0
     index: int = 0  # position in the model; the first of identical layers for user models
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -58,7 +63,9 @@ class LayerDesc:
                 "attn_flops_per_token_per_seq": self.attn_flops_per_token_per_seq,
                 "tp_allreduces": self.tp_allreduces, "out_features": list(self.out_features), "index": self.index,
                 **{key: [list(c) for c in getattr(self, key)]
-                   for key in ("tp_forward", "tp_backward", "cp_forward", "cp_backward") if getattr(self, key)}}
+                   for key in ("tp_forward", "tp_backward", "cp_forward", "cp_backward", "ep_forward", "ep_backward")
+                   if getattr(self, key)},
+                **({"expert_params": self.expert_params} if self.expert_params else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerDesc":
@@ -69,7 +76,10 @@ class LayerDesc:
                    tp_forward=tuple(tuple(c) for c in data.get("tp_forward", ())),
                    tp_backward=tuple(tuple(c) for c in data.get("tp_backward", ())),
                    cp_forward=tuple(tuple(c) for c in data.get("cp_forward", ())),
-                   cp_backward=tuple(tuple(c) for c in data.get("cp_backward", ())), index=int(data["index"]))
+                   cp_backward=tuple(tuple(c) for c in data.get("cp_backward", ())),
+                   ep_forward=tuple(tuple(c) for c in data.get("ep_forward", ())),
+                   ep_backward=tuple(tuple(c) for c in data.get("ep_backward", ())),
+                   expert_params=int(data.get("expert_params", 0)), index=int(data["index"]))
 
 
 def block_params(model: ModelSpec, tp: int) -> int:
@@ -135,7 +145,8 @@ SEQ_ALLGATHER, SEQ_REDUCESCATTER = "tp.allgather", "tp.reducescatter"
 # the keys and values all-gathered and their gradients reduce-scattered
 CP_KV, CP_KV_GRAD, CP_ALLGATHER, CP_REDUCESCATTER = "cp.kv", "cp.kv_grad", "cp.allgather", "cp.reduce_scatter"
 _KINDS = {SEQ_ALLGATHER: "allgather", SEQ_REDUCESCATTER: "reducescatter", CP_KV: "p2p", CP_KV_GRAD: "p2p",
-          CP_ALLGATHER: "allgather", CP_REDUCESCATTER: "reducescatter"}
+          CP_ALLGATHER: "allgather", CP_REDUCESCATTER: "reducescatter", "ep.dispatch": "alltoall",
+          "ep.combine": "alltoall", "ep.combine_grad": "alltoall", "ep.dispatch_grad": "alltoall"}
 
 
 def collective_kind(name: str) -> str:
@@ -168,7 +179,8 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
 
 
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
-                     sp: bool = False, cp: int = 1, cp_comm: str = "ring") -> list[LayerDesc]:
+                     sp: bool = False, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
+                     tokens: int = 0) -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
@@ -180,6 +192,7 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     tokens: the embedding reduce-scatters its shards' lookups (its gradient all-gathered), each block all-gathers
     and reduce-scatters (sequence_parallel_block) instead of all-reducing, and the head all-gathers its input
     (its gradient reduce-scattered); their signatures say ("sp", True).
+    With experts (Mixture-of-Experts) every moe_every-th block is a moe_block for `tokens` tokens a micro-batch.
     With `cp` > 1 (context parallelism) a rank holds seq / cp tokens (the plan's events say so): each block's
     queries attend to the whole sequence (its attention FLOPs per local token x cp) through the exchanges of
     context_parallel_block; the block's and the embedding's signatures say ("cp", cp) (the embedding adds its
@@ -226,10 +239,68 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
                      tp_forward=(((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ()) + loss * bool(sharded),
                      tp_backward=(gathered,) * bool(sharded))
     layers = [embedding]
+    moe_index = 0
     for i in range(model.layers):
-        layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
+        if model.is_moe_block(i + 1):
+            layers.append(moe_block(model, block, ep, tokens, moe_index, i + 1))
+            moe_index += 1
+        else:
+            layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
     layers.append(LayerDesc(**{**head.__dict__, "index": model.layers + 1}))
     return layers
+
+
+# the all-to-alls of a Mixture-of-Experts block (harness.models.moe): forward, the tokens dispatched to their
+# experts' ranks and the experts' outputs combined back; backward, the combine's and the dispatch's gradients
+EP_DISPATCH, EP_COMBINE = "ep.dispatch", "ep.combine"
+EP_COMBINE_GRAD, EP_DISPATCH_GRAD = "ep.combine_grad", "ep.dispatch_grad"
+
+
+def expert_ffn_params(model: ModelSpec, width: int) -> int:
+    """One expert FFN of `width` (GPT-2 and BERT: two linears with biases; LLaMA: SwiGLU, no biases)."""
+    h = model.hidden
+    return 3 * h * width if model.family == "llama" else 2 * h * width + width + h
+
+
+def moe_load(model: ModelSpec, ep: int, tokens: int, moe_index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tokens each expert gets of one rank's `tokens`, tokens each ep rank's experts get of them) in MoE
+    layer `moe_index` (harness.routing; every rank routes alike)."""
+    from harness.routing import expert_counts, expert_shares, rank_tokens
+
+    shares = expert_shares(model.routing, model.experts, model.expert_histogram, moe_index)
+    counts = expert_counts(shares, tokens, model.top_k, model.capacity_factor)
+    return counts, rank_tokens(counts, ep)
+
+
+def moe_block(model: ModelSpec, dense: LayerDesc, ep: int, tokens: int, moe_index: int, index: int) -> LayerDesc:
+    """A Mixture-of-Experts block (tp = 1): the dense block's attention, a router, this rank's experts / ep
+    experts and the shared ones. Its costs are the slowest ep rank's (the all-to-alls hold the ranks together):
+    its experts' token counts (each count x ep: every rank sends alike) are in the signature, and each
+    all-to-all moves, as an even all-to-all of the same largest pair message, ep x that message (the tokens
+    a rank sends its busiest peer x hidden x dtype)."""
+    h, d = model.hidden, model.dtype_bytes
+    counts, per_rank = moe_load(model, ep, tokens, moe_index)
+    slowest = max(range(ep), key=lambda j: (per_rank[j], -j))
+    local = model.experts // ep
+    received = tuple(ep * c for c in counts[slowest * local:(slowest + 1) * local])
+    dense_mlp = 3 * h * model.ffn if model.family == "llama" else 2 * h * model.ffn + model.ffn + h
+    expert = expert_ffn_params(model, model.expert_ffn)
+    shared = expert_ffn_params(model, model.shared_experts * model.expert_ffn) if model.shared_experts else 0
+    params = dense.params - dense_mlp + h * model.experts + local * expert + shared
+    mlp_flops = 2.0 * (expert * sum(received) / max(1, tokens) + shared) if tokens else 0.0
+    attention = dense.fwd_flops_per_token - 2.0 * dense_mlp
+    signature = dict(dense.signature)
+    signature.update(experts=model.experts, top_k=model.top_k, expert_ffn=model.expert_ffn,
+                     shared_experts=model.shared_experts, ep=ep, ep_rank=slowest, received=str(received))
+    if len(model.expert_histogram) > 1:  # a measured histogram per layer: which one this block routes by
+        signature["moe_layer"] = moe_index
+    message = ep * max(per_rank) * h * d if ep > 1 else 0
+    forward = ((EP_DISPATCH, message, model.dtype), (EP_COMBINE, message, model.dtype)) if message else ()
+    backward = ((EP_COMBINE_GRAD, message, model.dtype), (EP_DISPATCH_GRAD, message, model.dtype)) if message else ()
+    return LayerDesc(kind="block", signature=tuple(signature.items()), params=params,
+                     fwd_flops_per_token=attention + 2.0 * h * model.experts + mlp_flops,
+                     attn_flops_per_token_per_seq=dense.attn_flops_per_token_per_seq, out_features=(h,),
+                     ep_forward=forward, ep_backward=backward, expert_params=local * expert, index=index)
 
 
 def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[LayerDesc]:
@@ -241,7 +312,8 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
             user_layers = describe_user_model(spec)
         return user_layers
     s = spec.strategy
-    return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp, s.cp, s.cp_comm)
+    return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp, s.cp, s.cp_comm, s.ep,
+                            spec.batch.micro * spec.model.seq_len // s.cp)
 
 
 def recomputed(layer: LayerDesc) -> bool:

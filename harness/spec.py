@@ -5,6 +5,7 @@ Pure Python (stdlib tomllib): the analysis imports this module without MPI, torc
 from __future__ import annotations
 
 import dataclasses
+import math
 import importlib
 import json
 import tomllib
@@ -37,19 +38,26 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(family="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, seq_len=2048, vocab=32000),
     "llama-7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, seq_len=2048, vocab=32000),
     "llama-13b": dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, seq_len=2048, vocab=32000),
+    # Mixture-of-Experts: Mixtral 8x7B's sizes (8 experts, top-2), DeepSeek-MoE 16B's (64 fine-grained experts,
+    # top-6, 2 shared ones; its first block dense, here every block MoE)
+    "mixtral-8x7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq_len=4096,
+                         vocab=32000, experts=8, top_k=2, expert_ffn=14336),
+    "deepseek-moe-16b": dict(family="llama", layers=28, hidden=2048, heads=16, kv_heads=16, ffn=10944, seq_len=4096,
+                             vocab=102400, experts=64, top_k=6, expert_ffn=1408, shared_experts=2),
 }
 
 _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
-              "tie_embeddings"},
+              "tie_embeddings", "experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor",
+              "routing", "expert_histogram"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
-                 "vocab_parallel", "sp", "cp", "cp_comm"},
+                 "vocab_parallel", "sp", "cp", "cp_comm", "ep"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
-    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "auto"},
+    "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "ep", "auto"},
 }
 OPTIMIZERS = ("adam", "sgd")
 
@@ -72,10 +80,35 @@ class ModelSpec:
     # the head's projection is the embedding's token table: one weight on one device, or with the two on
     # different pipeline stages a copy on each, their gradients all-reduced between them (Megatron-LM)
     tie_embeddings: bool = False
+    # Mixture-of-Experts (experts > 0): each MoE block's MLP is `experts` FFNs of `expert_ffn`, each token routed
+    # to `top_k` of them, plus `shared_experts` always-on ones; every `moe_every`-th block is MoE; an expert takes
+    # at most capacity_factor x its even share of a micro-batch's routed tokens (0: dropless); `routing` how the
+    # tokens spread over the experts (harness.routing): "uniform", "zipf:S" or "file:PATH", whose histogram the
+    # spec then keeps (`expert_histogram`: per MoE layer, tokens per expert)
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    moe_every: int = 1
+    capacity_factor: float = 0.0
+    routing: str = "uniform"
+    expert_histogram: tuple[tuple[float, ...], ...] = ()
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPES[self.dtype]
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether block `block` (1 = the first) is a Mixture-of-Experts one: every moe_every-th."""
+        return self.moe and block % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.moe else 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +140,9 @@ class StrategySpec:
     # it with the keys and values passed round a ring (cp_comm "ring") or all-gathered first ("allgather")
     cp: int = 1
     cp_comm: str = "ring"
+    # expert parallelism: each MoE block's experts sharded over ep ranks carved out of the dp group
+    # (Megatron-Core); the experts' gradients are all-reduced over the dp / ep ranks holding the same ones
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -188,6 +224,7 @@ class SearchSpec:
     zero: tuple[int, ...] = ()
     sp: tuple[bool, ...] = ()
     cp: tuple[int, ...] = ()
+    ep: tuple[int, ...] = ()
     auto: bool = False  # every valid value of each field the grid does not list (harness.candidates)
 
     def __bool__(self) -> bool:
@@ -217,6 +254,12 @@ class JobSpec:
         m = dataclasses.asdict(self.model)
         if m["factory"] is None:
             del m["factory"]
+        if not self.model.moe:  # a dense model's spec names no Mixture-of-Experts field
+            for key in ("experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing",
+                        "expert_histogram"):
+                del m[key]
+        elif not m["expert_histogram"]:
+            del m["expert_histogram"]
         s = dataclasses.asdict(self.strategy)
         search = {k: v if isinstance(v, bool) else list(v) for k, v in dataclasses.asdict(self.search).items() if v}
         out = {
@@ -475,7 +518,43 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
         if ints["heads"] % ints["kv_heads"]:
             raise SpecError(f"heads ({ints['heads']}) must be divisible by kv_heads ({ints['kv_heads']})",
                             field="model.kv_heads")
-    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie, **ints)
+    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie, **ints,
+                     **_parse_experts(merged, ints))
+
+
+def _parse_experts(merged: dict, ints: dict) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of [model] (ModelSpec), checked; none of them without experts."""
+    from harness.routing import parse_routing
+
+    keys = ("top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing", "expert_histogram")
+    experts = _int(merged, "experts", "model", 0, minimum=0)
+    if not experts:
+        given = [k for k in keys if k in merged]
+        if given:
+            raise SpecError(f"{', '.join(given)} describe Mixture-of-Experts blocks; set experts > 0 (the experts per "
+                            "MoE block), or drop them", field=f"model.{given[0]}")
+        return {}
+    if merged["family"] == "user":
+        raise SpecError("a factory model builds its own layers; experts are for the built-in families",
+                        field="model.experts")
+    top_k = _int(merged, "top_k", "model", 2 if experts >= 2 else 1)
+    if top_k > experts:
+        raise SpecError(f"top_k ({top_k}) routes each token to that many experts, more than the {experts} there are; "
+                        f"set top_k between 1 and {experts}", field="model.top_k")
+    moe_every = _int(merged, "moe_every", "model", 1)
+    capacity = merged.get("capacity_factor", 0.0)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not math.isfinite(capacity) \
+            or capacity < 0:
+        raise SpecError(f"must be a number of 0 or more (0: dropless; 1.25: an expert takes at most 1.25 x its even "
+                        f"share of the tokens), got {capacity!r}", field="model.capacity_factor")
+    routing = merged.get("routing", "uniform")
+    if not isinstance(routing, str):
+        raise SpecError(f"must be a string: uniform, zipf:S or file:PATH, got {routing!r}", field="model.routing")
+    histogram = parse_routing(routing, experts, ints["layers"] // moe_every, merged.get("expert_histogram"))
+    return {"experts": experts, "top_k": top_k,
+            "expert_ffn": _int(merged, "expert_ffn", "model", ints["ffn"]),
+            "shared_experts": _int(merged, "shared_experts", "model", 0, minimum=0), "moe_every": moe_every,
+            "capacity_factor": float(capacity), "routing": routing, "expert_histogram": histogram}
 
 
 def _parse_search(s: dict) -> SearchSpec:
@@ -537,7 +616,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             zero=_zero(s.get("zero", 0), "strategy.zero"),
                             vocab_parallel=_flag(s, "vocab_parallel", "strategy", True),
                             sp=_flag(s, "sp", "strategy", False), cp=_int(s, "cp", "strategy", 1),
-                            cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS))
+                            cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS),
+                            ep=_int(s, "ep", "strategy", 1))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
@@ -618,6 +698,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             "(sp = true)", field="model.seq_len")
     if strategy.cp > 1:
         _check_context_parallel(model, strategy)
+    if model.moe or strategy.ep > 1:
+        _check_experts(model, strategy)
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":
         raise SpecError("the mpi4py backend cannot send bfloat16 (numpy has no such type); use backend = 'torch' "
                         "or dtype float16/float32", field="profile.backend")
@@ -646,6 +728,28 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
                    optimizer=optimizer,
                    import_factory=import_factory)
+
+
+def _check_experts(model: ModelSpec, strategy: StrategySpec) -> None:
+    """What expert parallelism and Mixture-of-Experts blocks need of the other strategies (one SpecError each)."""
+    ep = strategy.ep
+    if not model.moe:
+        raise SpecError(f"ep = {ep} shards a Mixture-of-Experts block's experts, and the model has none; set "
+                        "[model] experts, or ep = 1", field="strategy.ep")
+    if model.experts % ep:
+        raise SpecError(f"ep ({ep}) must divide the experts ({model.experts}): each ep rank holds experts / ep",
+                        field="strategy.ep")
+    if strategy.dp % ep:
+        raise SpecError(f"ep ({ep}) must divide dp ({strategy.dp}): the ep ranks are carved out of the data-parallel "
+                        "ones", field="strategy.ep")
+    for name, value, off, what in (("tp", strategy.tp, 1, "experts beside tensor-parallel shards"),
+                                   ("cp", strategy.cp, 1, "routing a context-parallel rank's tokens"),
+                                   ("zero", strategy.zero, 0, "FSDP2 over expert shards"),
+                                   ("schedule", strategy.schedule if strategy.split_backward else "1f1b", "1f1b",
+                                    "a split backward through the all-to-alls")):
+        if value != off:
+            raise SpecError(f"Mixture-of-Experts blocks with {name} = {value!r} are not built ({what}); set "
+                            f"{name} = {off!r}", field=f"strategy.{name}")
 
 
 def _check_context_parallel(model: ModelSpec, strategy: StrategySpec) -> None:

@@ -149,7 +149,7 @@ def place(unique: UniqueEvents, topology: Topology, skip: set[str] = frozenset()
             swept.setdefault((kind, placement, size, ranks, dtype), set()).add(event.bytes)
     for (kind, placement, size, ranks, dtype), needs in swept.items():
         for nbytes in sorted(needs) + profile_sweep(sorted(needs)):  # the needs again: a stand-in's or a kind's own
-            if kind in SHARDED_KINDS:  # whole elements per rank (harness.collectives.round_size)
+            if kind in SHARDED_KINDS or kind == "alltoall":  # whole elements per rank (harness.collectives)
                 nbytes = round_size(kind, nbytes, dtype if dtype in ELEMENT_BYTES else "float32", size)
             content = {"kind": kind, "bytes": int(nbytes), "dtype": dtype, "placement": placement}
             if kind != "p2p":

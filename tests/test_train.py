@@ -46,7 +46,7 @@ def shared_dir(tmp_path):
 
 
 def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, factory: bool = False,
-              tie: bool = False, sp: bool = False, **kwargs) -> str:
+              tie: bool = False, sp: bool = False, moe: str = "", ep: int = 1, **kwargs) -> str:
     """tests.helpers.tiny_spec_text with the strategy's dp_overlap, the model's kv_heads or tie_embeddings, or a
     factory model."""
     text = tiny_spec_text(**kwargs)
@@ -60,6 +60,10 @@ def spec_text(*, dp_overlap: bool | None = None, kv_heads: int | None = None, fa
         text = text.replace("[strategy]\n", f"[strategy]\ndp_overlap = {str(dp_overlap).lower()}\n")
     if sp:
         text = text.replace("[strategy]\n", "[strategy]\nsp = true\n")
+    if moe:
+        text = text.replace("[model]\n", f"[model]\n{moe}", 1)
+    if ep > 1:
+        text = text.replace("[strategy]\n", f"[strategy]\nep = {ep}\n")
     return text
 
 
@@ -138,6 +142,15 @@ CONFIGS = {
                                                              global_batch=n, cp_comm="allgather"), {}),
     "cp-llama-tp-sp-pp": (lambda n: None if n % 4 else {**_tp(2, "llama-1b"), "sp": True, "cp": 2, "pp": n // 4,
                                                         "layers": 2 * (n // 4), "micro": 1, "global_batch": 4}, {}),
+    # Mixture-of-Experts: experts over ep ranks (uneven all-to-alls under a skewed routing), or replicated over dp
+    "moe-ep-gpt2-zipf": (lambda n: {**_dp(n), "moe": f"experts = {2 * n}\ntop_k = 2\nexpert_ffn = 48\n"
+                                    "routing = \"zipf:1.2\"\n", "ep": n}, {"layer_times": True}),
+    "moe-llama-shared-dp-capacity": (lambda n: {**_dp(n), "name": "llama-1b", "kv_heads": 2,
+                                                "moe": "experts = 4\ntop_k = 2\nexpert_ffn = 32\nshared_experts = 1\n"
+                                                       "capacity_factor = 1.0\nrouting = \"zipf:1.0\"\n"}, {}),
+    "moe-ep-dp-pp-every-2": (lambda n: None if n % 4 else
+                             dict(dp=n // 2, pp=2, layers=4, micro=1, global_batch=2 * n, ep=2,
+                                  moe="experts = 4\ntop_k = 2\nexpert_ffn = 48\nmoe_every = 2\n"), {}),
     "tp-sp-llama-dp-pp-recompute": (lambda n: None if n % 4 else
                                     {**_tp(2, "llama-1b"), "sp": True, "dp": 2, "pp": n // 4, "layers": 2 * (n // 4),
                                      "micro": 1, "global_batch": 4, "recompute": "full"}, {}),
@@ -181,7 +194,7 @@ def _check_trace(spec, trace, options):
     else:
         assert all(device.layers is None for device in trace.devices.values())
     flow_phase = {"F": "tp", "R": "tp", "B": "tp", "send": "send", "recv": "recv", "dp": "dp", "opt": "opt",
-                  "tie": "tie", "tp": "tp"}
+                  "tie": "tie", "tp": "tp", "ep": "ep"}
     # The clock uncertainty between two ranks (zero on one host with a shared clock).
     rtt = trace.clock["rtt_s"]
     same = trace.clock["method"]
@@ -191,7 +204,8 @@ def _check_trace(spec, trace, options):
             return 1e-9
         return (rtt[a] + rtt[b]) / 2 + 1e-9
 
-    context = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith("cp.")}
+    context = {eid: name.split(".", 1)[0] for program in plan.stages for name, eid in program.tp_events.items()
+               if name.startswith(("cp.", "ep."))}
     compute_at: dict[tuple[int, int, int, str, int], tuple[float, float, int]] = {}
     for rank, device in trace.devices.items():
         dp_i, tp_i, pp_i = plan.coords(rank)
@@ -199,8 +213,8 @@ def _check_trace(spec, trace, options):
         assert len(device) > 0, f"rank {rank} recorded nothing"
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
-        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter"}
-        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "cp", "dp", "opt", "zero", "tie"}
+        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter", "alltoall"}
+        assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "cp", "ep", "dp", "opt", "zero", "tie"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
@@ -212,7 +226,7 @@ def _check_trace(spec, trace, options):
             if "fsdp" in plan.events[eid].content:  # zero > 0: FSDP2's, named by kind
                 flow[("zero", plan.events[eid].kind, vs)] += 1
                 continue
-            flow[("cp" if eid in context else flow_phase[phase], eid, vs)] += 1
+            flow[(context[eid] if eid in context else flow_phase[phase], eid, vs)] += 1
         for iteration in range(ITERATIONS):
             rows = device.select(iteration=iteration)
             lo = trace.iterations["rank_start_s"][iteration, rank]
@@ -233,7 +247,7 @@ def _check_trace(spec, trace, options):
                 compute_at[(iteration, int(v), int(mb), str(p), rank)] = (float(a), float(b), rank)
             # Every communication and optimizer event of the plan's flow, as often as the plan says.
             other = device.select(iteration=iteration, kind=("p2p", "allreduce", "optimizer", "allgather",
-                                                             "reducescatter"))
+                                                             "reducescatter", "alltoall"))
             zeroing = np.char.startswith(other["name"].astype(str), "zero.bucket")
             counts = Counter((str(ph), str(k) if ph == "zero" else str(e), int(v))
                              for ph, k, e, v, z in zip(other["phase"], other["kind"], other["event_id"],
@@ -253,11 +267,11 @@ def _check_trace(spec, trace, options):
                 assert all(a >= e for e in steps_of_vs), f"rank {rank}: {name} before its stage's optimizer step"
             # Tensor-parallel all-reduces happen inside the compute step of their stage and micro-batch.
             last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p in ("B", "W"))
-            tp_rows = device.select(iteration=iteration, phase=("tp", "zero", "cp"))
+            tp_rows = device.select(iteration=iteration, phase=("tp", "zero", "cp", "ep"))
             optimizer_start = min(device.select(iteration=iteration, phase="opt")["start_s"], default=np.inf)
             for a, b, v, mb, name in zip(tp_rows["start_s"], tp_rows["end_s"], tp_rows["virtual_stage"],
                                          tp_rows["micro"], tp_rows["name"]):
-                if name == "tp.sequence_grads":  # sp: after the whole backward, before the optimizer
+                if name in ("tp.sequence_grads", "ep.expert_grads"):  # after the whole backward, before the optimizer
                     assert a >= last_b_end and b <= optimizer_start
                     continue
                 phase = "F" if name.endswith(".fwd") else "B"

@@ -19,8 +19,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from harness.models.context import LocalRing, allgather_attention, local_positions, ring_attention
+from harness.models.moe import LocalExperts, MoEMLP
 from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, hooked,
                                reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
+from harness.routing import router
 from harness.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,10 +55,13 @@ def _rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Ten
 class TransformerBlock(nn.Module):
     """One transformer layer's tensor-parallel shard. `group` is the tp process group (None: no collectives);
     `sp`: its input and output are sequence shards (Megatron-LM's sequence parallelism); `cp` > 1: its tokens are
-    context-parallel rank `cp_rank`'s, its attention over `cp_group` (module docstring)."""
+    context-parallel rank `cp_rank`'s, its attention over `cp_group` (module docstring); `moe_layer` (not None):
+    its MLP is that MoE layer's experts (harness.models.moe), ep rank `ep_rank`'s experts / ep of them over
+    `ep_group` (no group: a LocalExperts stand-in)."""
 
     def __init__(self, model: ModelSpec, tp: int = 1, group=None, sp: bool = False, cp: int = 1, cp_group=None,
-                 cp_rank: int = 0, cp_comm: str = "ring"):
+                 cp_rank: int = 0, cp_comm: str = "ring", moe_layer: int | None = None, ep: int = 1, ep_group=None,
+                 ep_rank: int = 0):
         super().__init__()
         self.family = model.family
         self.group = group
@@ -77,13 +82,22 @@ class TransformerBlock(nn.Module):
             qkv_out = (model.heads + 2 * model.kv_heads) * self.head_dim
             self.qkv = ColumnParallelLinear(h, qkv_out, tp, bias=False, dtype=dtype, **column)
             self.proj = RowParallelLinear(h, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)
-            self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype, **column)
-            self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)
         else:
             self.norm1 = nn.LayerNorm(h, dtype=dtype)
             self.norm2 = nn.LayerNorm(h, dtype=dtype)
             self.qkv = ColumnParallelLinear(h, 3 * h, tp, dtype=dtype, **column)
             self.proj = RowParallelLinear(h, h, tp, dtype=dtype, sequence_parallel=sp)
+        self.moe = None
+        if moe_layer is not None:
+            group_or_stand_in = ep_group if ep_group is not None else LocalExperts(ep, ep_rank) if ep > 1 else None
+            self.moe = MoEMLP(h, model.expert_ffn, model.experts, model.top_k, router(model, moe_layer),
+                              shared_experts=model.shared_experts,
+                              activation="swiglu" if model.family == "llama" else "gelu", ep=ep,
+                              ep_group=group_or_stand_in, ep_rank=ep_rank, dtype=dtype)
+        elif model.family == "llama":
+            self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype, **column)
+            self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)
+        else:
             self.fc1 = ColumnParallelLinear(h, model.ffn, tp, dtype=dtype, **column)
             self.fc2 = RowParallelLinear(model.ffn, h, tp, dtype=dtype, sequence_parallel=sp)
 
@@ -116,6 +130,8 @@ class TransformerBlock(nn.Module):
         return x if self.sp else copy_to_tp(x, self.group)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:  # tp = 1 (harness.spec)
+            return self.moe(x)
         x = self._into_tp(x)
         if self.family == "llama":
             gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -239,14 +255,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0,
                 tied: bool = False, sp: bool = False, cp: int = 1, cp_group=None, cp_rank: int = 0,
-                cp_comm: str = "ring") -> nn.Module:
+                cp_comm: str = "ring", moe_layer: int | None = None, ep: int = 1, ep_group=None,
+                ep_rank: int = 0) -> nn.Module:
     """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
     embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie); `sp`,
-    sequence-parallel (tp > 1); `cp` > 1, context-parallel rank `cp_rank` of `cp_group` (module docstring)."""
+    sequence-parallel (tp > 1); `cp` > 1, context-parallel rank `cp_rank` of `cp_group` (module docstring);
+    `moe_layer`, a block whose MLP is that MoE layer's experts, ep rank `ep_rank`'s of `ep_group`."""
     if kind == "embedding":
         return Embedding(model, tp, group, tp_index, sp, cp, cp_rank)
     if kind == "block":
-        return TransformerBlock(model, tp, group, sp, cp, cp_group, cp_rank, cp_comm)
+        return TransformerBlock(model, tp, group, sp, cp, cp_group, cp_rank, cp_comm, moe_layer, ep, ep_group, ep_rank)
     if kind == "head":
         return Head(model, tp, group, tp_index, tied, sp)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -23,6 +23,10 @@ import torch.distributed as dist
 from harness.models import TORCH_DTYPES
 from harness.profilers.timer import synchronize
 from harness.events import SHARDED_KINDS
+
+# timed as the collective benchmark times them (harness.profilers.collectives): a sample is the slowest member's;
+# an all-to-all (expert parallelism's) moves its size's even shares between every pair
+BENCHED_KINDS = (*SHARDED_KINDS, "alltoall")
 from harness.mpi_errors import yielding_barrier
 from launcher.placement import CommTask
 
@@ -98,7 +102,7 @@ class CommProfiler:
         members = task.ranks
         group = self._torch_group(members) if self.backend == "torch" else None
         mpi_group = None
-        if self.backend == "mpi4py" or task.kind in SHARDED_KINDS:
+        if self.backend == "mpi4py" or task.kind in BENCHED_KINDS:
             from mpi4py import MPI
 
             member = self.rank in members
@@ -107,10 +111,10 @@ class CommProfiler:
                 mpi_group = None
         samples = None
         if self.rank in members:
-            buffer = self._buffer(task) if task.kind not in SHARDED_KINDS else None
+            buffer = self._buffer(task) if task.kind not in BENCHED_KINDS else None
             if task.kind in SHARDED_KINDS and task.content.get("fsdp") and group is not None and spec is not None:
                 samples = self._fsdp(task, spec, group, mpi_group, warmup, repeats)
-            elif task.kind in SHARDED_KINDS:
+            elif task.kind in BENCHED_KINDS:
                 samples = self._sharded(task, members, group, mpi_group, warmup, repeats)
             elif task.kind == "p2p":
                 round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
@@ -125,7 +129,7 @@ class CommProfiler:
         return samples if self.rank == members[0] else None
 
     def _sharded(self, task: CommTask, members, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
-        """An all-gather or reduce-scatter of the task's size (the whole array, harness.collectives), timed as
+        """An all-gather, reduce-scatter or all-to-all of the task's size (the whole array, harness.collectives), timed as
         the collective benchmark times it (harness.profilers.collectives): a sample is its slowest member's."""
         from harness.profilers.collectives import CollectiveBench
 

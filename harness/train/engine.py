@@ -51,7 +51,7 @@ ACT, GRAD = "activation", "gradient"
 MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps between Tests leaves it to compute
 # torch.profiler annotation of each kind of recorded interval (harness train --torch-profiler)
 ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "W": "distsim:backward.weight",
-               "tp": "distsim:allreduce.tp", "cp": "distsim:cp",
+               "tp": "distsim:allreduce.tp", "cp": "distsim:cp", "ep": "distsim:ep",
                "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
                "opt": "distsim:optimizer", "zero": "distsim:zero.bucket", "tie": "distsim:allreduce.tie"}
 
@@ -231,7 +231,7 @@ class PipelineEngine:
 
     def __init__(self, *, spec: JobSpec, plan: EventPlan, rank: int, device: torch.device,
                  modules: dict[int, nn.Module], tp_group=None, dp_group=None, p2p_groups: dict | None = None,
-                 tie_group=None,
+                 tie_group=None, expert_dp_group=None,
                  lr: float = 1e-3, timeout_s: float = 600.0, recorder: Recorder | None = None,
                  layer_times: bool = False, dp_comm=None, annotate: bool = False):
         """`layer_times`: also time every layer of every step (recorder.layer_rows). `dp_comm`: an mpi4py
@@ -248,6 +248,8 @@ class PipelineEngine:
         self.cp_i = plan.cp_index(rank)
         self.overlap = s.dp_overlap
         self.tp_group, self.dp_group, self.tie_group = tp_group, dp_group, tie_group
+        # expert parallelism with dp > ep: the ranks holding this rank's experts, who sum their gradients
+        self.expert_dp_group = expert_dp_group
         self.dp_comm = dp_comm
         self.annotate = annotate
         self.p2p_groups = p2p_groups or {}
@@ -272,6 +274,9 @@ class PipelineEngine:
             self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
             self.tp_event[vs] = program.tp_events
         self.zero = s.zero
+        # a Mixture-of-Experts block's experts: out of the data-parallel buckets (other ranks hold other experts)
+        self.expert_params = [p for vs in self.local_vs for mod in self.stage_modules[vs]
+                              if getattr(mod, "moe", None) is not None for p in mod.moe.expert_parameters()]
         self.sharded: dict[int, list[nn.Module]] = {vs: [] for vs in self.local_vs}
         if self.zero:
             self._shard(dp_group)
@@ -295,9 +300,10 @@ class PipelineEngine:
         self._grad_releases: dict[int, Any] = {}
         for vs in self.local_vs:
             for module in self.stage_modules[vs]:
+                experts = {id(p) for p in self.expert_params}
                 for param in module.parameters():
                     self.memory.hold(param, "weights")
-                    if self.dp == 1 and param.requires_grad:  # dp > 1: the bucket buffers, held below
+                    if (self.dp == 1 or id(param) in experts) and param.requires_grad:  # else in a bucket's buffer
                         param.register_post_accumulate_grad_hook(self._grad_made)
         for vs in self.local_vs:
             for bucket in self.buckets[vs]:
@@ -391,9 +397,10 @@ class PipelineEngine:
                 positions = [made_by[i] for i in range(previous + 1, bucket.ready_after + 1) if made_by[i] >= 0]
                 previous = bucket.ready_after
                 params = []
+                experts = {id(p) for p in self.expert_params}
                 for position in positions:
                     for param in modules[position].parameters():
-                        if param.requires_grad and id(param) not in seen:
+                        if param.requires_grad and id(param) not in seen and id(param) not in experts:
                             seen.add(id(param))
                             params.append(param)
                 dtype = params[0].dtype if params else torch.float32
@@ -504,12 +511,13 @@ class PipelineEngine:
     # ---- compute ------------------------------------------------------------------------------
     def _tp_hook(self, name: str, run: Callable[[], None]) -> None:
         start = self.now()
-        with self._annotated("cp" if name.startswith("cp.") else "tp"):
+        group = name.split(".", 1)[0] if name.startswith(("cp.", "ep.")) else "tp"
+        with self._annotated(group):
             run()
         end = self.now()
         phase, vs, micro = self.ctx
         self.rec.add(start, end, end - start, collective_kind(name), f"{name}.{'fwd' if phase == 'F' else 'bwd'}",
-                     "cp" if name.startswith("cp.") else "tp", self.tp_event.get(vs, {}).get(name, ""), vs, micro)
+                     group, self.tp_event.get(vs, {}).get(name, ""), vs, micro)
 
     def _forward(self, vs: int, micro: int, tokens: torch.Tensor) -> None:
         if vs == 0:
@@ -681,6 +689,12 @@ class PipelineEngine:
                     bucket.remaining = len(bucket.params)
                     bucket.ready = bucket.launched = False
                     bucket.pending = None
+            for param in self.expert_params:
+                param.grad = None
+            for release in self._grad_releases.values():
+                if release is not None:
+                    release()
+            self._grad_releases.clear()
         else:
             for vs in self.local_vs:
                 for module in self.stage_modules[vs]:
@@ -706,6 +720,32 @@ class PipelineEngine:
                     bucket.buffer.copy_(bucket.host)
                 self.rec.add(pending.start_ns, pending.end_ns, blocked, "allreduce", f"dp.bucket{bucket.index}",
                              "dp", bucket.event_id, vs, self.m - 1)
+
+    def _reduce_expert_grads(self) -> None:
+        """Expert parallelism: an expert's gradient holds the tokens every ep rank sent it; the dp / ep ranks
+        holding the same experts sum theirs (one flat all-reduce per virtual stage), and all divide by dp, as the
+        buckets average the rest."""
+        if self.dp == 1 or not self.expert_params:
+            return
+        for vs in self.local_vs:
+            params = [p for mod in self.stage_modules[vs] if getattr(mod, "moe", None) is not None
+                      for p in mod.moe.expert_parameters() if p.grad is not None]
+            if not params:
+                continue
+            event = self.plan.stages[vs].expert_grads
+            start = self.now()
+            with self._annotated("ep"):
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                if event and self.expert_dp_group is not None:
+                    dist.all_reduce(flat, group=self.expert_dp_group)
+                flat.div_(self.dp)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            end = self.now()
+            if event:
+                self.rec.add(start, end, end - start, "allreduce", "ep.expert_grads", "ep", event, vs, -1)
 
     def _all_reduce_sequence_grads(self) -> None:
         """Sequence parallelism: each tp rank's gradients of the replicated parameters (norms, biases, positions)
@@ -767,7 +807,8 @@ class PipelineEngine:
         self.losses = []
         self.finished = []
         self._zero_grads()
-        set_collective_hook(self._tp_hook if self.tp > 1 or self.spec.strategy.cp > 1 else None)
+        s = self.spec.strategy
+        set_collective_hook(self._tp_hook if self.tp > 1 or s.cp > 1 or s.ep > 1 else None)
         try:
             for step in self.steps:
                 self._reap_sends(block=False)
@@ -779,6 +820,7 @@ class PipelineEngine:
                 else:
                     self._backward(vs, step.micro)
             self._finish_data_parallel()
+            self._reduce_expert_grads()
             self._all_reduce_sequence_grads()
             self._all_reduce_tied()
             self._optimizer_steps()

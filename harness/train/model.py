@@ -16,6 +16,7 @@ from harness.errors import UserError
 from harness.layers import LayerDesc, sequence_shards, user_input
 from harness.models import TORCH_DTYPES, build_layer
 from harness.models.context import split_sequence
+from harness.routing import moe_index_of
 from harness.models.transformer import Head, cross_entropy
 from harness.spec import JobSpec, ModelSpec
 
@@ -62,7 +63,8 @@ def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int, tied
     embedding) starts from the embedding's weights, as Megatron-LM initializes it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, position))
-        layer = build_layer(model, kind, 1, None, tied=tied)
+        moe_layer = moe_index_of(model, position) if kind == "block" else None
+        layer = build_layer(model, kind, 1, None, tied=tied, moe_layer=moe_layer)
     if kind == "head" and model.tie_embeddings and not tied:
         with torch.no_grad():
             layer.out.weight.copy_(build_full_layer(model, "embedding", seed, 0).tokens.weight)
@@ -75,18 +77,26 @@ def replicated(name: str, model: ModelSpec) -> bool:
 
 
 def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group,
-                tied: bool = False, sp: bool = False, context: dict | None = None) -> nn.Module:
+                tied: bool = False, sp: bool = False, context: dict | None = None,
+                experts: dict | None = None) -> nn.Module:
     """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
     Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding; `sp`:
-    sequence-parallel; `context`: context parallelism's build_layer arguments (cp, cp_group, cp_rank, cp_comm)."""
+    sequence-parallel; `context`: context parallelism's build_layer arguments (cp, cp_group, cp_rank, cp_comm);
+    `experts`: expert parallelism's (ep, ep_group, ep_rank): a MoE block holding ep rank's experts of the whole."""
     full = build_full_layer(model, kind, seed, position, tied)
-    if tp == 1 and not context:
+    if tp == 1 and not context and not experts:
         return full
+    moe_layer = moe_index_of(model, position) if kind == "block" else None
     with torch.random.fork_rng(devices=[]):
-        shard = build_layer(model, kind, tp, group, tp_index, tied, sp, **(context or {}))
+        shard = build_layer(model, kind, tp, group, tp_index, tied, sp, **(context or {}), moe_layer=moe_layer,
+                            **(experts or {}))
     full_params = dict(full.named_parameters())
     with torch.no_grad():
+        if experts and shard.moe is not None:
+            shard.moe.load_experts_from(full.moe)
         for name, param in shard.named_parameters():
+            if name.startswith("moe."):
+                continue
             piece = shard_tensor(name, full_params[name], model, tp, tp_index)
             if piece.shape != param.shape:
                 raise RuntimeError(f"cannot shard {name}: whole {tuple(full_params[name].shape)} gives "
@@ -106,7 +116,7 @@ def build_user_layers(model: ModelSpec, seed: int) -> list[nn.Module]:
 
 def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence[int], seed: int, tp_index: int = 0,
                  group=None, device: torch.device | str = "cpu", whole: bool = False, cp_index: int = 0,
-                 cp_group=None) -> dict[int, nn.Module]:
+                 cp_group=None, ep_index: int = 0, ep_group=None) -> dict[int, nn.Module]:
     """The modules at `positions` (indexes into the plan's layers) for tensor-parallel rank `tp_index` and
     context-parallel rank `cp_index` of `cp_group` (`whole`: the unsharded layers, whatever the spec's tp and cp);
     a tied head among them holds the embedding's token table (tie_embeddings on one pipeline stage)."""
@@ -122,9 +132,12 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
         cp = 1 if whole else int(signature.get("cp", 1))
         context = {"cp": cp, "cp_group": cp_group, "cp_rank": cp_index,
                    "cp_comm": str(signature.get("cp_comm", "ring"))} if cp > 1 else None
+        ep = 1 if whole else int(signature.get("ep", 1))
+        experts = {"ep": ep, "ep_group": ep_group, "ep_rank": ep_index} if ep > 1 else None
         out[position] = build_shard(spec.model, layers[position].kind, seed, position, shards, tp_index, group,
                                     tied=bool(signature.get("tied", False)),
-                                    sp=bool(signature.get("sp", False)) and not whole, context=context).to(device)
+                                    sp=bool(signature.get("sp", False)) and not whole, context=context,
+                                    experts=experts).to(device)
         if signature.get("tied"):
             out[position].tie(out[0].tokens.weight)  # the embedding: a tied head is on its stage
     return out

@@ -137,6 +137,14 @@ def _make_groups(plan, p2p_channels: bool):
         if s.gradient_replicas > 1 else None
     cp_group = mine([plan.rank_of(d, t, p, c) for c in range(s.cp)] for p in range(s.pp) for d in range(s.dp)
                     for t in range(s.tp)) if s.cp > 1 else None
+    # expert parallelism: ep consecutive dp ranks share the experts; the dp / ep ranks at one place in them hold
+    # the same experts
+    blocks = s.dp // s.ep
+    ep_group = mine([plan.rank_of(g * s.ep + e, t, p, c) for e in range(s.ep)] for p in range(s.pp)
+                    for g in range(blocks) for t in range(s.tp) for c in range(s.cp)) if s.ep > 1 else None
+    expert_dp_group = mine([plan.rank_of(g * s.ep + e, t, p, c) for g in range(blocks)] for p in range(s.pp)
+                           for e in range(s.ep) for t in range(s.tp) for c in range(s.cp)) \
+        if blocks > 1 and plan.spec.model.moe else None
     p2p_groups: dict = {}
     if p2p_channels and s.pp > 1:
         from harness.train.engine import ACT, GRAD
@@ -153,7 +161,7 @@ def _make_groups(plan, p2p_channels: bool):
     # tie_embeddings, pp > 1: the first and the last stage of each (dp, tp) coordinate (Megatron's embedding group)
     tie_group = mine([plan.rank_of(d, t, 0, c), plan.rank_of(d, t, s.pp - 1, c)] for d, c in replicas
                      for t in range(s.tp)) if plan.stages[0].tie else None
-    return tp_group, dp_group, p2p_groups, tie_group, cp_group
+    return tp_group, dp_group, p2p_groups, tie_group, cp_group, ep_group, expert_dp_group
 
 
 def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
@@ -218,17 +226,18 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         s = spec.strategy
         dp_i, tp_i, pp_i = plan.coords(rank)
         channels = backend == "nccl" if p2p_channels is None else p2p_channels
-        tp_group, dp_group, p2p_groups, tie_group, cp_group = _make_groups(plan, channels)
+        tp_group, dp_group, p2p_groups, tie_group, cp_group, ep_group, expert_dp_group = _make_groups(plan, channels)
         cp_i = plan.cp_index(rank)
         # mpi4py: the same gradient groups as MPI communicators (every rank splits, collectively)
         dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i * s.cp + cp_i) \
             if dp_backend == "mpi4py" and s.gradient_replicas > 1 else None
         positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
         modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev, cp_index=cp_i,
-                               cp_group=cp_group)
+                               cp_group=cp_group, ep_index=dp_i % s.ep, ep_group=ep_group)
         recorder = Recorder()
         engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
-                                dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group, lr=lr,
+                                dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group,
+                                expert_dp_group=expert_dp_group, lr=lr,
                                 timeout_s=timeout,
                                 recorder=recorder, layer_times=layer_times, dp_comm=dp_comm,
                                 annotate=torch_profiler is not None)
