@@ -15,8 +15,8 @@ Rules (docs/spec.md, "[search]"):
 - `auto` (`[search] auto = true` or `analysis search --auto`): every field the grid does not list takes every
   value that can make a job of the device count: each factorization of the count into dp x tp x cp x pp, each
   micro-batch size that divides the global batch over dp, every schedule (interleaved ones with the grid's
-  chunks, else 2), both recompute modes, every ZeRO stage and, with tp > 1, sequence parallelism on and off; the
-  spec's rules then reject what the model
+  chunks, else 2), both recompute modes, every ZeRO stage, with tp > 1 sequence parallelism on and off, and for
+  a Mixture-of-Experts model every ep dividing the experts and dp; the spec's rules then reject what the model
   cannot run (heads not divisible by tp, layers by pp, ...), as for any grid.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from harness.errors import SpecError, UserError
 from harness.schedules import INTERLEAVED, SCHEDULES
 from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
 
-GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp")
+GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp", "ep")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def strategy_key(spec: JobSpec) -> tuple:
     """What tells two candidates apart."""
     s = spec.strategy
     return (spec.strategy.world, s.dp, s.tp, s.cp, s.pp, spec.batch.micro, s.schedule, s.chunks, s.recompute, s.zero,
-            s.sp)
+            s.sp, s.ep)
 
 
 def candidate_label(spec: JobSpec) -> str:
@@ -69,6 +69,7 @@ def candidate_label(spec: JobSpec) -> str:
     zero = f" zero={s.zero}" if s.zero else ""
     sp = " sp" if s.sp else ""
     cp = f" cp={s.cp}" + (" allgather" if s.cp_comm == "allgather" else "") if s.cp > 1 else ""
+    cp += f" ep={s.ep}" if s.ep > 1 else ""
     return (f"dp={s.dp} tp={s.tp}{sp}{cp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
             f"{recompute}{zero}")
 
@@ -116,7 +117,8 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     if auto:
         grid = spec.search
         fields.update(schedule=grid.schedule or SCHEDULES, recompute=grid.recompute or RECOMPUTE,
-                      zero=grid.zero or ZERO_STAGES, sp=grid.sp or (False, True))
+                      zero=grid.zero or ZERO_STAGES, sp=grid.sp or (False, True),
+                      ep=grid.ep or (divisors(spec.model.experts) if spec.model.moe else (1,)))
         shapes = _auto_combinations(spec, fields)
     else:
         shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["cp"], fields["pp"],
@@ -127,20 +129,24 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     base.pop("search", None)
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
-    for (world, dp, tp, cp, pp, micro), schedule, recompute, zero, sp in itertools.product(
-            shapes, schedules, fields["recompute"], fields["zero"], fields["sp"]):
+    for (world, dp, tp, cp, pp, micro), schedule, recompute, zero, sp, ep in itertools.product(
+            shapes, schedules, fields["recompute"], fields["zero"], fields["sp"], fields["ep"]):
         if sp and tp == 1 and auto and not spec.search.sp:
             continue  # the same job as sp = false: auto offers sp where there is a tensor-parallel group
+        if auto and not spec.search.ep and dp is not None and dp % ep:
+            continue  # auto offers the ep that divide dp
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
             choice = (("gpus", world), ("dp", dp), ("tp", tp)) + ((("cp", cp),) if spec.search.cp or auto else ()) \
                 + (("pp", pp), ("micro", micro),
                       ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
                 + ((("recompute", recompute),) if spec.search.recompute or auto else ()) \
                 + ((("zero", zero),) if spec.search.zero or auto else ()) \
-                + ((("sp", sp),) if spec.search.sp or auto else ())
+                + ((("sp", sp),) if spec.search.sp or auto else ()) \
+                + ((("ep", ep),) if spec.search.ep or (auto and spec.model.moe) else ())
             choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp)
+                candidate = _candidate(spec, base, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp,
+                                       ep)
             except SpecError as exc:
                 rejected.append(Rejected(choice, _reason(exc)))
                 continue
@@ -153,7 +159,7 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
 
 
 def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int,
-               schedule: str, chunks: int, recompute: str, zero: int, sp: bool) -> JobSpec:
+               schedule: str, chunks: int, recompute: str, zero: int, sp: bool, ep: int) -> JobSpec:
     layout = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None:
         if world % (tp * cp * pp):
@@ -170,7 +176,7 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, c
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
     data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp, "cp": cp},
+                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
     return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)
