@@ -60,7 +60,8 @@ vocab = 2048
 """
 # name: (dp, tp, pp, schedule, micro-batches per iteration, micro-batch size[, recompute[, zero[, changes]]]),
 # changes: {"vocab": V} for another vocabulary, {"vocab_parallel": False} for a replicated embedding and head,
-# {"sp": True} for sequence parallelism, {"cp": N} for context parallelism, {"seq_len": S} for another sequence
+# {"sp": True} for sequence parallelism, {"cp": N} for context parallelism, {"seq_len": S} for another sequence,
+# {"model": lines, "strategy": lines} for more [model] and [strategy] fields (Mixture-of-Experts)
 CONFIGS = {
     "dp=2": (2, 1, 1, "1f1b", 4, 2),
     "pp=2 gpipe m=4": (1, 1, 2, "gpipe", 4, 2),
@@ -79,6 +80,11 @@ CONFIGS = {
     "tp=2 sp": (1, 2, 1, "1f1b", 4, 2, "none", 0, {"sp": True}),
     # issue 36: context parallelism, a long sequence's attention over a ring of 2 ranks
     "cp=2 seq=1024": (1, 1, 1, "1f1b", 4, 1, "none", 0, {"cp": 2, "seq_len": 1024}),
+    # issue 35: Mixture-of-Experts, 4 experts (top-2) over ep = 2 ranks, routed evenly or by a zipf:1.2 skew
+    "ep=2 uniform": (2, 1, 1, "1f1b", 4, 2, "none", 0, {"model": "experts = 4\ntop_k = 2\nexpert_ffn = 512\n",
+                                                        "strategy": "ep = 2\n"}),
+    "ep=2 zipf:1.2": (2, 1, 1, "1f1b", 4, 2, "none", 0, {"model": "experts = 4\ntop_k = 2\nexpert_ffn = 512\n"
+                                                                  "routing = \"zipf:1.2\"\n", "strategy": "ep = 2\n"}),
 }
 GOAL_PCT = 5.0  # issue 5: batch-time and per-device busy-time errors at most this, in every row
 TRACKER_GOAL_PCT = 2.0  # issue 32: the memory model against MemTracker's peak, every stage of every row
@@ -91,8 +97,10 @@ def spec_text(dp: int, tp: int, pp: int, schedule: str, micro_batches: int, micr
     model = MODEL.replace("vocab = 2048", f"vocab = {changes.get('vocab', 2048)}").replace(
         "seq_len = 128", f"seq_len = {changes.get('seq_len', 128)}")
     cp = changes.get("cp", 1)
+    model = model.replace("[model]\n", "[model]\n" + changes.get("model", ""))
     vocab_parallel = (f"vocab_parallel = {str(changes['vocab_parallel']).lower()}\n" if "vocab_parallel" in changes
-                      else "") + ("sp = true\n" if changes.get("sp") else "") + (f"cp = {cp}\n" if cp > 1 else "")
+                      else "") + ("sp = true\n" if changes.get("sp") else "") + (f"cp = {cp}\n" if cp > 1 else "") \
+        + changes.get("strategy", "")
     return (model + f"[batch]\nglobal = {micro_batches * dp * micro}\nmicro = {micro}\n"
             f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\nrecompute = \"{recompute}\"\n"
             f"zero = {zero}\n{vocab_parallel}"
