@@ -13,7 +13,10 @@ divides), ffn (2-4 x hidden, a multiple of 32), seq_len (32-128), vocab (256-819
 micro-batch size (1-4) and count (2-8, as the schedule allows), recompute (none or full, except under a split
 backward), zero (0-3 where dp > 1, tp = 1 and the backward is not split) and, last and only where tp > 1,
 sequence parallelism (sp) on or off, then where dp > 1 for a built-in family without zero or a split backward,
-context parallelism: cp a divisor of dp (1 included) that divides seq_len / 2, taken out of dp. Every drawn spec
+context parallelism: cp a divisor of dp (1 included) that divides seq_len / 2, taken out of dp; then, for a
+built-in family with tp = 1, cp = 1, no zero and no split backward, Mixture-of-Experts blocks or not: 2, 4 or
+8 experts, top-1 or top-2, expert_ffn 1-2 x hidden, uniform, zipf:0.8 or zipf:1.2 routing, and ep a divisor of dp
+that divides the experts. Every drawn spec
 is validated by the project's own loader (harness.spec.parse_spec); one it refuses is drawn again from the same Generator,
 so the redraws are as deterministic as the draws. The sizes stay small: a job profiles and runs in seconds
 on 2 CPU cores.
@@ -76,6 +79,8 @@ VOCAB_RANGE = (256, 8192)
 MICRO_CHOICES = (1, 2, 3, 4)
 MICRO_BATCH_COUNTS = tuple(range(2, 9))
 CHUNK_CHOICES = (2, 3)
+EXPERT_CHOICES = (2, 4, 8)
+ROUTING_CHOICES = ("uniform", "zipf:0.8", "zipf:1.2")
 MAX_DRAWS_PER_JOB = 1000
 WARMUP_ITERATIONS = 2
 BOOTSTRAP_RESAMPLES = 2000
@@ -151,6 +156,13 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
         if cp > 1:
             dp //= cp
             strategy.update(dp=dp, cp=cp)
+    if family != "factory" and tp == 1 and strategy.get("cp", 1) == 1 and not zero and not split \
+            and rng.integers(2):  # Mixture-of-Experts blocks, their experts over ep ranks out of dp
+        experts = pick(rng, EXPERT_CHOICES)
+        model.update(experts=experts, top_k=pick(rng, [k for k in (1, 2) if k <= experts]),
+                     expert_ffn=pick(rng, range(hidden, 2 * hidden + 1, 32)),
+                     routing=pick(rng, ROUTING_CHOICES))
+        strategy["ep"] = pick(rng, [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0])
     if schedule in INTERLEAVED:
         strategy["chunks"] = chunks
     return {"model": model, "batch": {"global": micro * micro_batches * dp, "micro": micro},
@@ -160,13 +172,14 @@ def draw_spec_data(rng: np.random.Generator, ranks: int, *, repeats: int, budget
 
 def job_name(spec: JobSpec) -> str:
     """A short, readable description: family, sizes (L layers, h hidden / a heads [/ kv], f ffn, s seq, v vocab),
-    micro-batches (count x size), layout, schedule (x chunks), recompute (rc), zero (z), sp and cp."""
+    micro-batches (count x size), layout, schedule (x chunks), recompute (rc), zero (z), sp, cp and experts."""
     m, s = spec.model, spec.strategy
     family = "factory" if m.factory else m.family
     heads = f"{m.heads}/{m.kv_heads}" if m.family == "llama" else f"{m.heads}"
     schedule = f" {s.schedule}" + (f"x{s.chunks}" if s.schedule in INTERLEAVED else "") if s.pp > 1 else ""
     extras = ((" rc" if s.recompute != "none" else "") + (f" z{s.zero}" if s.zero else "") + (" sp" if s.sp else "")
-              + (f" cp{s.cp}" if s.cp > 1 else ""))
+              + (f" cp{s.cp}" if s.cp > 1 else "")
+              + (f" moe{m.experts}x{m.top_k} {m.routing} ep{s.ep}" if m.moe else ""))
     return (f"{family} L{m.layers} h{m.hidden}/a{heads} f{m.ffn} s{m.seq_len} v{m.vocab} "
             f"m{spec.micro_batches}x{spec.batch.micro} dp{s.dp} tp{s.tp} pp{s.pp}{schedule}{extras}")
 
