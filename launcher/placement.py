@@ -180,15 +180,17 @@ def profile_sweep(needed: list[int]) -> list[int]:
 def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str]) -> list[CommTask]:
     """Each tensor-parallel layer's forward and backward, to run with its all-reduces on tp ranks of one node
     (DistSim's composite events: they catch the skew between the ranks that separate events miss), and each
-    context-parallel one's (tp = 1) with its ring on cp ranks (what its compute hides of the ring). A layer
-    both tensor- and context-parallel has none: it is costed as its compute and its collectives in turn."""
+    context-parallel one's (tp = 1) with its ring on cp ranks (what its compute hides of the ring), and each
+    Mixture-of-Experts block's with its all-to-alls on ep ranks (every rank its own experts: a sample ends with
+    the slowest, the load's imbalance and the ranks' skew in it). A layer both tensor- and context-parallel has
+    none: it is costed as its compute and its collectives in turn."""
     out = []
     for eid, event in sorted(events.items()):
         signature = event.content.get("signature", {})
-        tp, cp = int(signature.get("tp", 1)), int(signature.get("cp", 1))
-        # context parallelism communicates in the blocks alone (the embedding's signature has cp for positions)
+        tp, cp, ep = (int(signature.get(key, 1)) for key in ("tp", "cp", "ep"))
+        # context and expert parallelism communicate in the blocks alone (an embedding's cp is its positions')
         block = event.content.get("layer") == "block"
-        size = tp if cp == 1 or not block else cp if tp == 1 else 0
+        size = tp if (cp == 1 and ep == 1) or not block else cp if tp == 1 and ep == 1 else ep if tp == 1 else 0
         if event.kind != "compute" or size < 2 or event.content.get("phase") not in ("fwd", "bwd"):
             continue
         ranks = _group_ranks(topology, size, INTRA)

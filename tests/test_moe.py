@@ -160,3 +160,15 @@ def test_experts_replicated_over_dp_ep_ranks_all_reduce_their_gradients():
     assert (event.kind, event.group_size) == ("allreduce", 2)
     assert event.bytes == sum(layer.expert_params for layer in plan.layers) * 4
     assert [phase for _, phase, _, _ in plan.device_flow(0)][-2:] == ["ep", "opt"]
+
+
+def test_moe_blocks_are_profiled_as_composites_on_ep_ranks():
+    """Each MoE block's forward and backward also run with their all-to-alls on ep real ranks, every rank its own
+    experts, so that the slowest rank and the ranks' skew are in the sample; a dense block has none."""
+    from launcher.placement import place
+    from launcher.topology import Topology
+
+    plan = build_plan(_spec(moe="experts = 4\ntop_k = 2\nexpert_ffn = 48\nmoe_every = 2\n"))
+    composites = place(plan.unique(), Topology(0, 2, (0, 0), ("a", "a"))).composites
+    assert sorted((t.content["layer"], t.content["phase"], t.ranks, "experts" in t.content["signature"])
+                  for t in composites) == [("block", "bwd", (0, 1), True), ("block", "fwd", (0, 1), True)]

@@ -45,7 +45,8 @@ def load_summary(path: str) -> dict:
 def _describe(content: dict) -> str:
     if content["kind"] == "composite":
         sig = content["signature"]
-        group = f"cp={sig['cp']}" if int(sig.get("cp", 1)) > 1 else f"tp={sig.get('tp')}"
+        group = (f"cp={sig['cp']}" if int(sig.get("cp", 1)) > 1 else f"ep={sig['ep']}" if int(sig.get("ep", 1)) > 1
+                 else f"tp={sig.get('tp')}")
         return f"{sig.get('family')}.{content['layer']}.{content['phase']} composite on {group}"
     extra = f" x{content['group']}" if "group" in content else ""
     return f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} (sweep point)"

@@ -64,9 +64,15 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
 
             context.update(cp_group=group, cp_rank=dist.get_rank(group))
             group = None
-    if "experts" in signature:  # a MoE block as its slowest ep rank runs it: a LocalExperts stand-in of that rank
+    if "experts" in signature:  # alone, a MoE block as its slowest ep rank runs it (a LocalExperts stand-in of
+        # that rank); a composite's real group is its ep ranks, each with its own experts
         context.update(moe_layer=int(signature.get("moe_layer", 0)), ep=int(signature.get("ep", 1)),
                        ep_rank=int(signature.get("ep_rank", 0)))
+        if group is not None and context["ep"] > 1:
+            import torch.distributed as dist
+
+            context.update(ep_group=group, ep_rank=dist.get_rank(group))
+            group = None
     layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp,
                         **context).to(device)
     if kind == "embedding":
