@@ -348,7 +348,7 @@ def from_trace(trace) -> RunActivity:
         context = of(phase == "cp")  # context parallelism's exchanges inside a step (the part left unhidden)
         experts = of((phase == "ep") & (kind == "alltoall"))  # expert parallelism's all-to-alls inside a step
         compute = of(np.isin(kind, ["compute", "optimizer"])) - tp - context - experts
-        comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter"]))
+        comm = of(np.isin(kind, ["allreduce", "p2p", "allgather", "reducescatter", "alltoall"]))
         compute = compute - of(phase == "zero")  # FSDP's collectives inside the steps (zero > 0)
         # a zero-bubble schedule's weight-gradient steps (W) are backward too
         phases = {"forward": of(phase == "F"), "backward": of(np.isin(phase, ["B", "W"])),

@@ -5,7 +5,8 @@
   whole with vocab_parallel = false) x dtype bytes;
 - gradients: as many, in the weights' dtype (data-parallel buckets are views of them, as DDP's
   gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets, else
-  each chunk's once its first backward (a split backward's W) has made them;
+  each chunk's once its first backward (a split backward's W) has made them (a MoE block's experts', out of
+  the buckets, so always);
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
   in fp32 with master weights, which add an fp32 copy of the weights;
 - activations: what a micro-batch's forward saves for its backward, the sum of its layers' `activation_bytes`
@@ -46,6 +47,7 @@ gradients made, both buffers held).
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -189,6 +191,11 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
         log_probs = b * s * vocab * LOSS_BYTES
         return [(2 * log_probs if shards == 1 else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
                 (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
+    if layer.kind == "block" and "experts" in signature:
+        # a MoE block's experts: the stacked gradient of all this rank's experts made at once, beside the
+        # busiest expert's rows' hidden gradient (harness.models.moe)
+        rows = max(ast.literal_eval(str(signature.get("received", "(0,)"))), default=0)
+        return [(0, 0, "start"), (layer.expert_params * d + rows * int(signature["expert_ffn"]) * d, 0, "during")]
     if layer.kind == "block":
         tp = int(signature.get("tp", 1))
         ffn = int(signature.get("ffn", spec.model.ffn)) // tp
@@ -305,12 +312,16 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             weights = own + (params * dtype if s.zero < 3 else 0)
             gradients = params * dtype if s.zero == 1 else shard * dtype
         # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
-        # backward (a split backward's W) has made them
+        # backward (a split backward's W) has made them; a MoE block's experts' (out of the buckets) so always
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}
-        made: set[int] = set(local) if s.gradient_replicas > 1 and not s.zero else set()
+        chunk_experts = {vs: sum(plan.layers[i].expert_params for i in plan.stages[vs].layers) for vs in local}
+        bucketed = s.gradient_replicas > 1 and not s.zero
+        made: set[int] = set()
 
         def gradients_made() -> int:
-            return gradients * sum(chunk_params[vs] for vs in made) // max(1, params)
+            held_params = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
+            held_params += sum((chunk_experts[vs] if bucketed else chunk_params[vs]) for vs in made)
+            return gradients * held_params // max(1, params)
 
         live, in_flight = 0, 0
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W

@@ -54,7 +54,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "kind": REPORT_KIND,
         "profile": str(profile_path) if profile_path is not None else None,
         "model": spec.model.name,
-        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm,
+        "strategy": {"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp, "cp_comm": s.cp_comm, "ep": s.ep,
                      "schedule": s.schedule, "chunks": s.chunks,
                      "dp_overlap": timeline.dp_overlap, "bucket_mb": s.bucket_mb},
         "world": s.world,

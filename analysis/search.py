@@ -103,7 +103,7 @@ class CandidateResult:
     def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
         s = self.spec.strategy
         out = {"strategy": self.label, "gpus": s.world, "dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp,
-               "cp_comm": s.cp_comm, "schedule": s.schedule,
+               "cp_comm": s.cp_comm, "ep": s.ep, "schedule": s.schedule,
                "chunks": s.chunks, "recompute": s.recompute, "zero": s.zero, "micro": self.spec.batch.micro,
                "micro_batches": self.spec.micro_batches,
                "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,

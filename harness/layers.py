@@ -151,7 +151,7 @@ _KINDS = {SEQ_ALLGATHER: "allgather", SEQ_REDUCESCATTER: "reducescatter", CP_KV:
 
 def collective_kind(name: str) -> str:
     """The communication kind of a tensor- or context-parallel collective by its name (events.COMM_KINDS)."""
-    return _KINDS.get(name, "allreduce")
+    return _KINDS.get(name.split("#", 1)[0], "allreduce")
 
 
 def context_parallel_block(model: ModelSpec, tp: int, cp: int, cp_comm: str) -> tuple[tuple, tuple]:
@@ -278,6 +278,8 @@ def moe_block(model: ModelSpec, dense: LayerDesc, ep: int, tokens: int, moe_inde
     its experts' token counts (each count x ep: every rank sends alike) are in the signature, and each
     all-to-all moves, as an even all-to-all of the same largest pair message, ep x that message (the tokens
     a rank sends its busiest peer x hidden x dtype)."""
+    from harness.routing import moe_tag
+
     h, d = model.hidden, model.dtype_bytes
     counts, per_rank = moe_load(model, ep, tokens, moe_index)
     slowest = max(range(ep), key=lambda j: (per_rank[j], -j))
@@ -295,8 +297,10 @@ def moe_block(model: ModelSpec, dense: LayerDesc, ep: int, tokens: int, moe_inde
     if len(model.expert_histogram) > 1:  # a measured histogram per layer: which one this block routes by
         signature["moe_layer"] = moe_index
     message = ep * max(per_rank) * h * d if ep > 1 else 0
-    forward = ((EP_DISPATCH, message, model.dtype), (EP_COMBINE, message, model.dtype)) if message else ()
-    backward = ((EP_COMBINE_GRAD, message, model.dtype), (EP_DISPATCH_GRAD, message, model.dtype)) if message else ()
+    tag = moe_tag(model, moe_index)  # the layer's own names where layers' messages differ (tp_events by name)
+    forward = ((EP_DISPATCH + tag, message, model.dtype), (EP_COMBINE + tag, message, model.dtype)) if message else ()
+    backward = ((EP_COMBINE_GRAD + tag, message, model.dtype), (EP_DISPATCH_GRAD + tag, message, model.dtype)) \
+        if message else ()
     return LayerDesc(kind="block", signature=tuple(signature.items()), params=params,
                      fwd_flops_per_token=attention + 2.0 * h * model.experts + mlp_flops,
                      attn_flops_per_token_per_seq=dense.attn_flops_per_token_per_seq, out_features=(h,),

@@ -144,6 +144,12 @@ def router(model, moe_index: int):
     return route
 
 
+def moe_tag(model, moe_index: int) -> str:
+    """What a MoE layer's all-to-alls' names carry where layers route differently (a histogram per layer: their
+    messages differ), '#' and its index; else nothing (every layer's are one event)."""
+    return f"#{moe_index}" if len(model.expert_histogram) > 1 else ""
+
+
 def moe_index_of(model, block: int) -> int | None:
     """The MoE layer index (0 = the first MoE block) of block `block` (1 = the first), None for a dense one."""
     return block // model.moe_every - 1 if model.is_moe_block(block) else None

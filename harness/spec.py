@@ -371,6 +371,8 @@ LIMITS = {
     "strategy.dp": (1_048_576, "2^20 devices are more than any cluster has"),
     "strategy.tp": (1_024, "tensor parallelism spans a node or a few"),
     "strategy.cp": (1_024, "context parallelism spans a few hundred ranks at most"),
+    "model.experts": (100_000, "the largest models have a few hundred experts a block"),
+    "model.expert_ffn": (10_000_000, "an expert's feed-forward size is at most the dense model's"),
     "strategy.pp": (65_536, "a pipeline stage needs at least one layer"),
     "strategy.chunks": (1_024, "interleaved schedules use a few chunks per device"),
     "cluster.nodes": (1_048_576, "2^20 nodes are more than any cluster has"),
@@ -519,17 +521,18 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
             raise SpecError(f"heads ({ints['heads']}) must be divisible by kv_heads ({ints['kv_heads']})",
                             field="model.kv_heads")
     return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie, **ints,
-                     **_parse_experts(merged, ints))
+                     **_parse_experts(merged, ints, m))
 
 
-def _parse_experts(merged: dict, ints: dict) -> dict[str, Any]:
-    """The Mixture-of-Experts fields of [model] (ModelSpec), checked; none of them without experts."""
+def _parse_experts(merged: dict, ints: dict, given_fields: dict) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of [model] (ModelSpec), checked; none of them given without experts (a MoE
+    preset with experts = 0 is its dense form)."""
     from harness.routing import parse_routing
 
     keys = ("top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing", "expert_histogram")
     experts = _int(merged, "experts", "model", 0, minimum=0)
     if not experts:
-        given = [k for k in keys if k in merged]
+        given = [k for k in keys if k in given_fields]
         if given:
             raise SpecError(f"{', '.join(given)} describe Mixture-of-Experts blocks; set experts > 0 (the experts per "
                             "MoE block), or drop them", field=f"model.{given[0]}")
@@ -542,6 +545,10 @@ def _parse_experts(merged: dict, ints: dict) -> dict[str, Any]:
         raise SpecError(f"top_k ({top_k}) routes each token to that many experts, more than the {experts} there are; "
                         f"set top_k between 1 and {experts}", field="model.top_k")
     moe_every = _int(merged, "moe_every", "model", 1)
+    if moe_every > ints["layers"]:
+        raise SpecError(f"moe_every = {moe_every} makes every {moe_every}-th block a Mixture-of-Experts one, and the "
+                        f"model has {ints['layers']} blocks: none would be; set moe_every <= layers",
+                        field="model.moe_every")
     capacity = merged.get("capacity_factor", 0.0)
     if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not math.isfinite(capacity) \
             or capacity < 0:
@@ -550,6 +557,10 @@ def _parse_experts(merged: dict, ints: dict) -> dict[str, Any]:
     routing = merged.get("routing", "uniform")
     if not isinstance(routing, str):
         raise SpecError(f"must be a string: uniform, zipf:S or file:PATH, got {routing!r}", field="model.routing")
+    if "expert_histogram" in merged and not routing.startswith("file:"):
+        raise SpecError(f"expert_histogram is a measured routing's, and routing is {routing!r}: set routing = "
+                        "'file:PATH' (the spec then keeps its histogram), or drop expert_histogram",
+                        field="model.expert_histogram")
     histogram = parse_routing(routing, experts, ints["layers"] // moe_every, merged.get("expert_histogram"))
     return {"experts": experts, "top_k": top_k,
             "expert_ffn": _int(merged, "expert_ffn", "model", ints["ffn"]),

@@ -115,14 +115,18 @@ def test_the_command_line_refuses_a_bad_ep_with_exit_2(tmp_path, project_env):
 
 
 def test_the_presets_hold_their_published_parameter_counts():
-    """Mixtral 8x7B: 46.7 B parameters (Jiang et al. 2024), all 8 experts of every block on one rank."""
+    """Mixtral 8x7B: 46.7 B parameters (Jiang et al. 2024), all 8 experts of every block on one rank; DeepSeek-MoE
+    16B's, less its dense first block."""
     text = tiny_spec_text(name="mixtral-8x7b").replace("layers = 4\nhidden = 32\nheads = 4\nffn = 64\nseq_len = 16\n"
                                                        "vocab = 128\n", "")
     mixtral = loads_spec(text.replace("[model]\n", "[model]\nseq_len = 4096\n"))
     total = sum(layer.params for layer in describe(mixtral))
     assert total == pytest.approx(46.7e9, rel=0.01)
+    # DeepSeek-MoE 16B: 16.4 B (Dai et al. 2024), whose first block is dense; here every block is MoE, which adds
+    # one MoE block's experts less a dense MLP's (about 0.5 B)
     deepseek = loads_spec(text.replace('name = "mixtral-8x7b"', 'name = "deepseek-moe-16b"'))
     assert (deepseek.model.experts, deepseek.model.top_k, deepseek.model.shared_experts) == (64, 6, 2)
+    assert sum(layer.params for layer in describe(deepseek)) == pytest.approx(16.4e9 + 0.5e9, rel=0.01)
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ Forward: the (token, expert) assignments sorted by expert (stable by token) give
 all-to-all with uneven splits dispatches them to the ranks owning their experts; each local expert computes on
 the rows it received from every source (grouped by expert); the reverse all-to-all combines them back; they
 are un-permuted, weighted and summed per token, and the shared experts' output added. The backward runs the
-two all-to-alls in reverse. Each is run through harness.models.tp.hooked under its name: DISPATCH, COMBINE
+two all-to-alls in reverse. Each is run through harness.models.tp.hooked under its name (and the layer's `tag`):
+DISPATCH, COMBINE
 forward, COMBINE_GRAD, DISPATCH_GRAD backward (in that order).
 
 With ep = 1 nothing is communicated. `LocalExperts(ep, rank)` stands in for the group when one rank's share is
@@ -148,7 +149,7 @@ class MoEMLP(nn.Module):
 
     def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, route: Route, *,
                  shared_experts: int = 0, activation: str = "gelu", ep: int = 1, ep_group=None, ep_rank: int = 0,
-                 dtype=None):
+                 dtype=None, tag: str = ""):
         super().__init__()
         per_rank = _experts_per_rank(experts, ep)
         if not 1 <= top_k <= experts:
@@ -173,6 +174,7 @@ class MoEMLP(nn.Module):
         self.hidden, self.expert_ffn, self.experts, self.top_k = hidden, expert_ffn, experts, top_k
         self.route, self.shared_experts, self.activation = route, shared_experts, activation
         self.ep, self.ep_group, self.ep_rank = ep, ep_group, ep_rank
+        self.tag = tag  # appended to the all-to-alls' names: which MoE layer's, where layers' differ
         self.local_experts, self.first_expert = per_rank, ep_rank * per_rank
         self._layouts: dict[tuple[int, torch.device], _Layout] = {}
 
@@ -274,14 +276,14 @@ class MoEMLP(nn.Module):
         rows = flat.index_select(0, layout.token)
         communicates = self.ep > 1 or isinstance(self.ep_group, LocalExperts)
         if communicates:
-            rows = self._exchange(rows, layout.send, layout.recv, DISPATCH, DISPATCH_GRAD)
+            rows = self._exchange(rows, layout.send, layout.recv, DISPATCH + self.tag, DISPATCH_GRAD + self.tag)
             rows = rows.index_select(0, layout.regroup)
         params = list(zip(*(p.unbind(0) for p in self.expert_parameters())))  # one stack in the backward
         out = torch.cat([_ffn(part, self.activation, params[j])
                          for j, part in enumerate(rows.split(layout.grouped_counts))])
         if communicates:
             out = out.index_select(0, layout.ungroup)
-            out = self._exchange(out, layout.recv, layout.send, COMBINE, COMBINE_GRAD)
+            out = self._exchange(out, layout.recv, layout.send, COMBINE + self.tag, COMBINE_GRAD + self.tag)
 
         routed = torch.zeros(flat.shape, dtype=acc, device=flat.device)
         routed = routed.index_add(0, layout.token, out.to(acc) * weights.unsqueeze(-1)).to(flat.dtype)

@@ -22,7 +22,7 @@ from harness.models.context import LocalRing, allgather_attention, local_positio
 from harness.models.moe import LocalExperts, MoEMLP
 from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, hooked,
                                reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
-from harness.routing import router
+from harness.routing import moe_tag, router
 from harness.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +93,7 @@ class TransformerBlock(nn.Module):
             self.moe = MoEMLP(h, model.expert_ffn, model.experts, model.top_k, router(model, moe_layer),
                               shared_experts=model.shared_experts,
                               activation="swiglu" if model.family == "llama" else "gelu", ep=ep,
-                              ep_group=group_or_stand_in, ep_rank=ep_rank, dtype=dtype)
+                              ep_group=group_or_stand_in, ep_rank=ep_rank, dtype=dtype, tag=moe_tag(model, moe_layer))
         elif model.family == "llama":
             self.gate_up = ColumnParallelLinear(h, 2 * model.ffn, tp, bias=False, dtype=dtype, **column)
             self.down = RowParallelLinear(model.ffn, h, tp, bias=False, dtype=dtype, sequence_parallel=sp)

@@ -52,6 +52,7 @@ MPI_POLL_S = 150e-6  # MPICH's blocking Wait spins a core; a watcher that sleeps
 # torch.profiler annotation of each kind of recorded interval (harness train --torch-profiler)
 ANNOTATIONS = {"F": "distsim:forward", "B": "distsim:backward", "W": "distsim:backward.weight",
                "tp": "distsim:allreduce.tp", "cp": "distsim:cp", "ep": "distsim:ep",
+               "ep_grads": "distsim:allreduce.ep",
                "recv.activation": "distsim:recv.activation", "recv.gradient": "distsim:recv.gradient",
                "opt": "distsim:optimizer", "zero": "distsim:zero.bucket", "tie": "distsim:allreduce.tie"}
 
@@ -734,7 +735,7 @@ class PipelineEngine:
                 continue
             event = self.plan.stages[vs].expert_grads
             start = self.now()
-            with self._annotated("ep"):
+            with self._annotated("ep_grads"):
                 flat = torch.cat([p.grad.reshape(-1) for p in params])
                 if event and self.expert_dp_group is not None:
                     dist.all_reduce(flat, group=self.expert_dp_group)

@@ -14,7 +14,7 @@ from torch import nn
 
 from harness.errors import UserError
 from harness.layers import LayerDesc, sequence_shards, user_input
-from harness.models import TORCH_DTYPES, build_layer
+from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.context import split_sequence
 from harness.routing import moe_index_of
 from harness.models.transformer import Head, cross_entropy
@@ -191,7 +191,7 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
                      layers: Sequence[LayerDesc] | None = None) -> list[float]:
     """Train the whole model in this process (no parallelism) and return the loss of every iteration.
 
-    The same initial weights, data and Adam steps as `harness train` with any strategy of the spec: the
+    The same initial weights, data and optimizer steps as `harness train` with any strategy of the spec: the
     loss of a parallel run must match these up to float rounding.
     """
     from harness.events import build_plan
@@ -202,7 +202,9 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
     ordered = [modules[i] for i in range(len(layers))]
     if spec.model.tie_embeddings:  # one weight, whichever stages the parallel run puts the two on
         ordered[-1].tie(ordered[0].tokens.weight)
-    optimizer = torch.optim.Adam([p for m in ordered for p in m.parameters()], lr=lr)  # one, as harness train
+    # one, as harness train steps it: the spec's (SGD without momentum shows a gradient's scale, Adam hides it)
+    optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.momentum, [p for m in ordered for p in m.parameters()],
+                               lr)
     dp, m = spec.strategy.dp, spec.micro_batches
     losses = []
     for iteration in range(iterations):
