@@ -78,6 +78,8 @@ def test_each_ep_ranks_load_and_the_slowest_one_set_the_blocks_cost():
     ("top_k = 2\n", 1, 2, "", "model.top_k", "set experts > 0"),
     ("experts = 4\n", 1, 1, "", "strategy.tp", "not built"),
     ("experts = 4\n", 1, 2, "zero = 1\n", "strategy.zero", "not built"),
+    ("experts = 4\nmoe_every = 5\n", 1, 2, "", "model.moe_every", "none would be"),
+    ("experts = 4\nexpert_histogram = [[1, 1, 1, 1]]\n", 1, 2, "", "model.expert_histogram", "file:PATH"),
 ])
 def test_mixture_of_experts_that_cannot_run_is_refused(moe, ep, dp, extra, field, words):
     tp = 2 if field == "strategy.tp" else 1
@@ -176,3 +178,9 @@ def test_moe_blocks_are_profiled_as_composites_on_ep_ranks():
     composites = place(plan.unique(), Topology(0, 2, (0, 0), ("a", "a"))).composites
     assert sorted((t.content["layer"], t.content["phase"], t.ranks, "experts" in t.content["signature"])
                   for t in composites) == [("block", "bwd", (0, 1), True), ("block", "fwd", (0, 1), True)]
+
+
+def test_a_moe_preset_with_no_experts_is_its_dense_form():
+    text = tiny_spec_text(name="mixtral-8x7b", layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=128)
+    dense = loads_spec(text.replace("[model]\n", "[model]\nexperts = 0\nkv_heads = 4\n", 1))
+    assert not dense.model.moe and "experts" not in dense.to_dict()["model"]
