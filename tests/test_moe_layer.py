@@ -84,6 +84,17 @@ def _run(fn, layer: MoEMLP, x: torch.Tensor, grad: torch.Tensor):
     return out.detach(), grads
 
 
+def _run_hooked(layer, x, grad):
+    """_run of the layer's forward with the collective hook recording every collective's name."""
+    seen: list[str] = []
+    set_collective_hook(lambda name, run: (seen.append(name), run()))
+    try:
+        out, grads = _run(MoEMLP.__call__, layer, x, grad)
+    finally:
+        set_collective_hook(None)
+    return out, grads, seen
+
+
 def _inputs(shape, seed: int, dtype=torch.float64):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2)]
@@ -100,12 +111,7 @@ def test_it_equals_a_per_token_loop(activation, shared):
     for p in _params(layer):  # larger weights, so that the gate and the activations matter
         torch.nn.init.normal_(p, std=0.5)
     x, grad = _inputs((2, 7, HIDDEN), seed=1)
-    seen: list[str] = []
-    set_collective_hook(lambda name, run: (seen.append(name), run()))
-    try:
-        got, got_grads = _run(MoEMLP.__call__, layer, x, grad)
-    finally:
-        set_collective_hook(None)
+    got, got_grads, seen = _run_hooked(layer, x, grad)
     expected, expected_grads = _run(naive, layer, x, grad)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     for a, b in zip(got_grads, expected_grads):
@@ -237,12 +243,7 @@ def test_expert_parallel_equals_the_whole_model(activation):
         assert len(set(send_counts(table, experts, ep))) > 1  # uneven
         assert sum(layer.tokens_received(18)) == ep * send_counts(table, experts, ep)[rank]
 
-        seen: list[str] = []
-        set_collective_hook(lambda name, run: (seen.append(name), run()))
-        try:
-            got, got_grads = _run(MoEMLP.__call__, layer, x, grad)
-        finally:
-            set_collective_hook(None)
+        got, got_grads, seen = _run_hooked(layer, x, grad)
         assert seen == [DISPATCH, COMBINE, COMBINE_GRAD, DISPATCH_GRAD]
         expected, expected_grads = _run(MoEMLP.__call__, whole, x, grad)
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
