@@ -18,7 +18,10 @@ which fit (ZeRO runs have no meter peak on a CPU: FSDP2 refills storages in plac
 --grid schedules ranks the pipeline schedules, zero-bubble among them: pp = 2 with GPipe, 1F1B and ZB-H1 at
 micro-batch sizes 1, 2 and 4 (9 candidates).
 
-    python bench/search_accuracy.py [--grid parallelism|strategies|schedules] [--iterations 12] [--repeats 40]
+--grid experts searches a Mixture-of-Experts form of the model (4 experts of 512, top-2, zipf:1.2 routing): ep 1
+and 2 (out of dp), pp 1 and 2, micro-batch sizes 1, 2 and 4.
+
+    python bench/search_accuracy.py [--grid parallelism|strategies|schedules|experts] [--iterations 12] [--repeats 40]
                                     [--keep DIR] [--json]
 """
 from __future__ import annotations
@@ -51,10 +54,12 @@ warmup = 3
 repeats = {repeats}
 [search]
 """
-# each grid: the job's micro-batch size and its [search] lines
-GRIDS = {"parallelism": (1, 'tp = [1, 2]\npp = [1, 2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b"]\n'),
-         "strategies": (2, 'pp = [1, 2]\nrecompute = ["none", "full"]\nzero = [0, 1, 3]\n'),
-         "schedules": (1, 'pp = [2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b", "zb-h1"]\n')}
+# each grid: the job's micro-batch size, its [search] lines and [model] lines it adds
+GRIDS = {"parallelism": (1, 'tp = [1, 2]\npp = [1, 2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b"]\n', ""),
+         "strategies": (2, 'pp = [1, 2]\nrecompute = ["none", "full"]\nzero = [0, 1, 3]\n', ""),
+         "schedules": (1, 'pp = [2]\nmicro = [1, 2, 4]\nschedule = ["gpipe", "1f1b", "zb-h1"]\n', ""),
+         "experts": (2, 'ep = [1, 2]\npp = [1, 2]\nmicro = [1, 2, 4]\n',
+                     'experts = 4\ntop_k = 2\nexpert_ffn = 512\nrouting = "zipf:1.2"\n')}
 
 
 def ranks(values: list[float]) -> np.ndarray:
@@ -92,7 +97,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the rows and figures as JSON")
     parser.add_argument("--grid", choices=list(GRIDS), default="parallelism",
                         help="what to search: dp, tp, pp, micro-batches and schedules (default), recompute and ZeRO "
-                        "under a memory limit that only they fit, or the pipeline schedules with zero-bubble")
+                        "under a memory limit that only they fit, the pipeline schedules with zero-bubble, or ep "
+                        "with pp and micro-batches for a Mixture-of-Experts model")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
@@ -106,8 +112,9 @@ def main() -> int:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         spec = root / "grid.toml"
-        micro, grid = GRIDS[args.grid]
-        spec.write_text(MODEL + JOB.format(micro=micro, repeats=args.repeats) + grid)
+        micro, grid, model = GRIDS[args.grid]
+        spec.write_text(MODEL.replace("[model]\n", "[model]\n" + model) + JOB.format(micro=micro, repeats=args.repeats)
+                        + grid)
         run(launch + ["profile", str(spec), "-o", str(root / "prof"), "--quiet", "--force"], env)
         search = [sys.executable, "-m", "analysis", "search", str(root / "prof"), "--json", "--quiet"]
         found = json.loads(run(search, env).stdout)
