@@ -25,8 +25,9 @@ from harness.spec import JobSpec
 
 EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
-# communication a profile measures: what plans send (P2P, all-reduce), and the collectives of sharded data
-# parallelism (all-gather, reduce-scatter), measured on every all-reduce group of a plan (launcher.placement)
+# communication a profile measures: what plans send (P2P, all-reduce; expert parallelism's all-to-all), and the
+# collectives of sharded data parallelism (all-gather, reduce-scatter), measured on every all-reduce group of a
+# plan (launcher.placement)
 COMM_KINDS = ("p2p", "allreduce", "allgather", "reducescatter", "alltoall")
 SHARDED_KINDS = ("allgather", "reducescatter")
 
@@ -184,8 +185,9 @@ class StageProgram:
     # virtual stage's whole backward, as torch.distributed.pipelining runs it); buckets index into them
     weight: list[str] = field(default_factory=list)
     weight_layers: list[int] = field(default_factory=list)
-    # the stage's all-reduces over its tp group by the name harness.models.tp gives them (tp.allreduce, a
-    # vocabulary-parallel head's tp.loss_max and tp.loss_sums): what harness train records each as
+    # the stage's collectives inside its layers, by the name the models give them (harness.models.tp: tp.allreduce,
+    # a vocabulary-parallel head's tp.loss_max and tp.loss_sums, sp's tp.allgather and tp.reducescatter;
+    # harness.models.context's cp.*; harness.models.moe's ep.*): what harness train records each as
     tp_events: dict[str, str] = field(default_factory=dict)
     # tie_embeddings with pp > 1: on the first and the last virtual stage, the all-reduce of the token table's
     # gradient between the two copies (Megatron-LM's embedding group), after the iteration's backward and buckets
