@@ -227,7 +227,7 @@ class PipelineDevice:
     # sequence parallelism: each chunk's all-reduce of its replicated parameters' gradients over tp (and expert
     # parallelism's of its experts' gradients), blocking, after the backward and buckets, before the tie and the
     # optimizer
-    sequence_grads: list[BucketRecord] = field(default_factory=list)
+    gradient_syncs: list[BucketRecord] = field(default_factory=list)
 
     @property
     def end_s(self) -> float:
@@ -506,7 +506,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
                                        optimizer_start + optimizer_s, Usage(0.0, 0.0, 0.0, 0.0),
                                        lag(compute_end), window, schedule.posts[d]))
-    _sequence_grads(plan, costs, pipeline)
+    _gradient_syncs(plan, costs, pipeline)
     _tie_embeddings(plan, costs, pipeline)
     batch_time = max(device.end_s for device in pipeline)
     for device in pipeline:
@@ -539,7 +539,7 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     return lag, window
 
 
-def _sequence_grads(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
+def _gradient_syncs(plan: EventPlan, costs: Costs, pipeline: list[PipelineDevice]) -> None:
     """Sequence parallelism: each device's chunks all-reduce their replicated gradients over tp, and expert
     parallelism (dp > ep) their experts' gradients over the ranks holding the same experts, one after another,
     before its optimizer step (harness train's order)."""
@@ -556,7 +556,7 @@ def _blocking_before_optimizer(plan: EventPlan, costs: Costs, device: PipelineDe
     """A blocking all-reduce of gradients right before the device's optimizer step, which it delays."""
     start = device.optimizer_start_s
     end = start + costs.seconds(event)
-    device.sequence_grads.append(BucketRecord(vs, -1, event, plan.events[event].bytes, start, start, end))
+    device.gradient_syncs.append(BucketRecord(vs, -1, event, plan.events[event].bytes, start, start, end))
     device.optimizer_start_s, device.optimizer_end_s = end, device.optimizer_end_s + end - start
 
 
@@ -587,7 +587,7 @@ def _usage(device: PipelineDevice, per_stage: Sequence[StageCosts], batch_time: 
         busy.append((r.start_s, r.end_s))
     compute += device.optimizer_end_s - device.optimizer_start_s
     busy.append((device.optimizer_start_s, device.optimizer_end_s))
-    for g in device.sequence_grads:
+    for g in device.gradient_syncs:
         tp_comm += g.end_s - g.start_s
         busy.append((g.start_s, g.end_s))
     asynchronous = spans([(t.start_s, t.end_s) for t in device.sends + device.receives]
@@ -708,7 +708,7 @@ class Timeline:
             out.append(Interval(b.start_s, b.end_s, COMM_TRACK, DP_ALLREDUCE, b.event,
                                 f"dp {plan.events[b.event].name} bucket {b.index} s{b.virtual_stage}",
                                 b.virtual_stage, -1, -1))
-        for g in device.sequence_grads:
+        for g in device.gradient_syncs:
             experts = g.event == plan.stages[g.virtual_stage].expert_grads
             out.append(Interval(g.start_s, g.end_s, COMPUTE_TRACK, DP_ALLREDUCE if experts else TP_ALLREDUCE, g.event,
                                 f"{'ep' if experts else 'tp'} {plan.events[g.event].name} "

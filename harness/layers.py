@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.routing import expert_counts, expert_shares, moe_tag, rank_tokens
 from harness.spec import DTYPES, JobSpec, ModelSpec
 
 # bytes per element of what a factory model's layer may take as input (its signature's in_dtype)
@@ -265,8 +266,6 @@ def expert_ffn_params(model: ModelSpec, width: int) -> int:
 def moe_load(model: ModelSpec, ep: int, tokens: int, moe_index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(tokens each expert gets of one rank's `tokens`, tokens each ep rank's experts get of them) in MoE
     layer `moe_index` (harness.routing; every rank routes alike)."""
-    from harness.routing import expert_counts, expert_shares, rank_tokens
-
     shares = expert_shares(model.routing, model.experts, model.expert_histogram, moe_index)
     counts = expert_counts(shares, tokens, model.top_k, model.capacity_factor)
     return counts, rank_tokens(counts, ep)
@@ -278,8 +277,6 @@ def moe_block(model: ModelSpec, dense: LayerDesc, ep: int, tokens: int, moe_inde
     its experts' token counts (each count x ep: every rank sends alike) are in the signature, and each
     all-to-all moves, as an even all-to-all of the same largest pair message, ep x that message (the tokens
     a rank sends its busiest peer x hidden x dtype)."""
-    from harness.routing import moe_tag
-
     h, d = model.hidden, model.dtype_bytes
     counts, per_rank = moe_load(model, ep, tokens, moe_index)
     slowest = max(range(ep), key=lambda j: (per_rank[j], -j))

@@ -302,16 +302,27 @@ def test_a_factory_models_attention_cannot_be_split(tmp_path, project_env):
     assert result.returncode == 2 and "dp x tp x cp x pp = 1 x 1 x 2 x 1 = 2 must equal" in result.stderr
 
 
-def test_a_profiled_share_stands_in_for_the_ring_with_the_same_work():
+def test_a_profiled_share_runs_rank_0s_ring_steps_alone(monkeypatch):
     """Profiled alone (no group), a context-parallel block runs rank 0's ring steps on copies of its own keys and
-    values: the output has the shape of the real one and its backward runs."""
+    values: every step's blocks of rank 0 (as the real ring computes them), no communication, a backward."""
     from harness.models import build_layer
+    from harness.models import context
 
     spec = _plan_spec(cp=2)
     block = build_layer(spec.model, "block", cp=2)
     x = torch.randn(MICRO, SEQ // 2, HIDDEN, requires_grad=True)
-    block(x).sum().backward()
-    assert x.grad.shape == x.shape
+    computed = []
+    real_blocks = context._blocks
+
+    def counted(cp, rank, step, causal, s_local, device):
+        computed.append((rank, step))
+        return real_blocks(cp, rank, step, causal, s_local, device)
+
+    monkeypatch.setattr(context, "_blocks", counted)
+    out = block(x)
+    assert computed == [(0, 0), (0, 1)]  # the forward's two steps, as rank 0 of a ring of 2
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape
 
 
 def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():

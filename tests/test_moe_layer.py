@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from harness.models import moe
 from harness.models.moe import (COMBINE, COMBINE_GRAD, DISPATCH, DISPATCH_GRAD, LocalExperts, MoEMLP,
-                                expert_counts, send_counts)
+                                send_counts, table_counts)
 from harness.models.tp import set_collective_hook
 
 HIDDEN, FFN = 8, 12
@@ -149,7 +149,7 @@ def test_bfloat16_in_bfloat16_out(activation):
 
 def test_send_and_receive_counts_on_a_small_table():
     table = [(0, 3), (3,), (), (1, 2), (0, 1), (3, 2)]
-    assert expert_counts(table, 4) == [2, 2, 2, 3]
+    assert table_counts(table, 4) == [2, 2, 2, 3]
     assert send_counts(table, 4, 1) == [9]
     assert send_counts(table, 4, 2) == [4, 5]
     assert send_counts(table, 4, 4) == [2, 2, 2, 3]
@@ -180,7 +180,7 @@ def test_local_experts_compute_at_the_rows_they_would_receive(monkeypatch):
             out.sum().backward()
         finally:
             set_collective_hook(None)
-        counts = expert_counts(table, 8)
+        counts = table_counts(table, 8)
         assert layer.tokens_received(18) == [4 * counts[e] for e in range(2 * rank, 2 * rank + 2)]
         assert calls == [(n, HIDDEN) for n in layer.tokens_received(18)]
         assert out.shape == x.shape and seen == []  # a stand-in communicates nothing

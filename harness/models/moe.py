@@ -53,7 +53,7 @@ class LocalExperts(NamedTuple):
     rank: int = 0
 
 
-def expert_counts(route_table: Sequence[Sequence[int]], experts: int) -> list[int]:
+def table_counts(route_table: Sequence[Sequence[int]], experts: int) -> list[int]:
     """How many of the table's tokens go to each expert."""
     counts = [0] * experts
     for chosen in route_table:
@@ -65,7 +65,7 @@ def expert_counts(route_table: Sequence[Sequence[int]], experts: int) -> list[in
 def send_counts(route_table: Sequence[Sequence[int]], experts: int, ep: int) -> list[int]:
     """How many token rows a rank routing its tokens by route_table sends to each ep rank (itself included)."""
     per_rank = _experts_per_rank(experts, ep)
-    counts = expert_counts(route_table, experts)
+    counts = table_counts(route_table, experts)
     return [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
 
 
@@ -232,7 +232,7 @@ class MoEMLP(nn.Module):
 
     def tokens_received(self, tokens: int) -> list[int]:
         """Rows each local expert computes when every ep rank has `tokens` tokens (every rank's together)."""
-        counts = expert_counts(self.route_table(tokens), self.experts)
+        counts = table_counts(self.route_table(tokens), self.experts)
         return [self.ep * counts[e] for e in self.expert_ids]
 
     # ---- forward ------------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ class MoEMLP(nn.Module):
         if key not in self._layouts:
             table = self.route_table(tokens)
             pairs = sorted(((e, t) for t, chosen in enumerate(table) for e in chosen))
-            counts = expert_counts(table, self.experts)
+            counts = table_counts(table, self.experts)
             local = [counts[e] for e in self.expert_ids]
             per_source = sum(local)
             starts = [sum(local[:j]) for j in range(len(local))]

@@ -73,26 +73,17 @@ def _scatter(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     return out
 
 
-class _GatherSequence(torch.autograd.Function):
+class _SequenceExchange(torch.autograd.Function):
+    """All-gather by sequence (`gather`) or reduce-scatter, its backward the other one."""
+
     @staticmethod
-    def forward(ctx, x, group, tp):
-        ctx.group, ctx.tp = group, tp
-        return _gather(x, group, tp)
+    def forward(ctx, x, group, tp, gather):
+        ctx.group, ctx.tp, ctx.gather = group, tp, gather
+        return (_gather if gather else _scatter)(x, group, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, ctx.group, ctx.tp), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tp):
-        ctx.group, ctx.tp = group, tp
-        return _scatter(x, group, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.tp), None, None
+        return (_scatter if ctx.gather else _gather)(grad, ctx.group, ctx.tp), None, None, None
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -117,13 +108,13 @@ class _GatheredLinear(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     """Sequence shards -> the whole sequence (all-gather; the gradient reduce-scattered)."""
-    return _GatherSequence.apply(x, group, tp)
+    return _SequenceExchange.apply(x, group, tp, True)
 
 
 def scatter_sequence(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     """Partial sums over the whole sequence -> this rank's shard of their sum (reduce-scatter; the gradient
     all-gathered)."""
-    return _ScatterSequence.apply(x, group, tp)
+    return _SequenceExchange.apply(x, group, tp, False)
 
 
 class _CopyToTP(torch.autograd.Function):

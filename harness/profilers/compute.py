@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
@@ -60,8 +61,6 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
     if cp > 1:  # a block's composite's real group is its cp ranks (tp = 1); alone, a LocalRing stands in for them
         context = {"cp": cp, "cp_comm": str(signature.get("cp_comm", "ring"))}
         if group is not None and kind == "block":
-            import torch.distributed as dist
-
             context.update(cp_group=group, cp_rank=dist.get_rank(group))
             group = None
     if "experts" in signature:  # alone, a MoE block as its slowest ep rank runs it (a LocalExperts stand-in of
@@ -69,8 +68,6 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
         context.update(moe_layer=int(signature.get("moe_layer", 0)), ep=int(signature.get("ep", 1)),
                        ep_rank=int(signature.get("ep_rank", 0)))
         if group is not None and context["ep"] > 1:
-            import torch.distributed as dist
-
             context.update(ep_group=group, ep_rank=dist.get_rank(group))
             group = None
     layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp,
