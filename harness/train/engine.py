@@ -278,6 +278,7 @@ class PipelineEngine:
         # a Mixture-of-Experts block's experts: out of the data-parallel buckets (other ranks hold other experts)
         self.expert_params = [p for vs in self.local_vs for mod in self.stage_modules[vs]
                               if getattr(mod, "moe", None) is not None for p in mod.moe.expert_parameters()]
+        self._expert_ids = {id(p) for p in self.expert_params}
         self.sharded: dict[int, list[nn.Module]] = {vs: [] for vs in self.local_vs}
         if self.zero:
             self._shard(dp_group)
@@ -301,10 +302,9 @@ class PipelineEngine:
         self._grad_releases: dict[int, Any] = {}
         for vs in self.local_vs:
             for module in self.stage_modules[vs]:
-                experts = {id(p) for p in self.expert_params}
                 for param in module.parameters():
                     self.memory.hold(param, "weights")
-                    if (self.dp == 1 or id(param) in experts) and param.requires_grad:  # else in a bucket's buffer
+                    if (self.dp == 1 or id(param) in self._expert_ids) and param.requires_grad:  # else in a bucket
                         param.register_post_accumulate_grad_hook(self._grad_made)
         for vs in self.local_vs:
             for bucket in self.buckets[vs]:
@@ -398,10 +398,9 @@ class PipelineEngine:
                 positions = [made_by[i] for i in range(previous + 1, bucket.ready_after + 1) if made_by[i] >= 0]
                 previous = bucket.ready_after
                 params = []
-                experts = {id(p) for p in self.expert_params}
                 for position in positions:
                     for param in modules[position].parameters():
-                        if param.requires_grad and id(param) not in seen and id(param) not in experts:
+                        if param.requires_grad and id(param) not in seen and id(param) not in self._expert_ids:
                             seen.add(id(param))
                             params.append(param)
                 dtype = params[0].dtype if params else torch.float32
@@ -736,14 +735,7 @@ class PipelineEngine:
             event = self.plan.stages[vs].expert_grads
             start = self.now()
             with self._annotated("ep_grads"):
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-                if event and self.expert_dp_group is not None:
-                    dist.all_reduce(flat, group=self.expert_dp_group)
-                flat.div_(self.dp)
-                offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                _sum_in_place([p.grad for p in params], self.expert_dp_group if event else None, self.dp)
             end = self.now()
             if event:
                 self.rec.add(start, end, end - start, "allreduce", "ep.expert_grads", "ep", event, vs, -1)
@@ -760,12 +752,7 @@ class PipelineEngine:
                      if p.grad is not None and replicated(name, self.spec.model)]
             start = self.now()
             with self._annotated("tp"):
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.tp_group)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                _sum_in_place(grads, self.tp_group)
             end = self.now()
             self.rec.add(start, end, end - start, "allreduce", "tp.sequence_grads", "tp", event, vs, -1)
 
@@ -836,6 +823,19 @@ class PipelineEngine:
 
     def close(self, join: bool = True) -> None:
         self.completer.close(join)
+
+
+def _sum_in_place(tensors: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum `tensors` over `group` (None: none) in one flat all-reduce and divide them by `divide`, in place."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat.div_(divide)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class _TimedCollective:
