@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
@@ -195,11 +196,19 @@ class StageCosts:
     def forward_step(self, micro: int) -> StepCost:
         if micro == 0 and self.first_forward is not None:
             return self.first_forward
-        return StepCost(self.forward_s, self.forward_comm_s, self.forward_offsets)
+        return self._forward
 
     def backward_step(self, micro: int, micro_batches: int) -> StepCost:
         if micro == micro_batches - 1 and self.last_backward is not None:
             return self.last_backward
+        return self._backward
+
+    @cached_property
+    def _forward(self) -> StepCost:
+        return StepCost(self.forward_s, self.forward_comm_s, self.forward_offsets)
+
+    @cached_property
+    def _backward(self) -> StepCost:
         return StepCost(self.backward_s, self.backward_comm_s, self.backward_offsets)
 
 
@@ -321,6 +330,12 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
 MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computing sender keeps changing
 
 
+@lru_cache(maxsize=1024)
+def _device_steps(schedule: str, stage: int, pp: int, micro_batches: int, chunks: int) -> tuple:
+    """harness.schedules.device_steps, kept: a search simulates one layout hundreds of times (its intervals)."""
+    return tuple(device_steps(schedule, stage, pp, micro_batches, chunks))
+
+
 class _Schedule(NamedTuple):
     records: list[list[StepRecord]]
     transfers: dict[tuple[str, int, int], tuple[float, float]]  # (direction, src stage, micro) -> start, end
@@ -345,7 +360,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     computes at that moment in the `previous` pass."""
     s = plan.spec.strategy
     pp, V, m = s.pp, s.virtual_stages, plan.spec.micro_batches
-    schedules = [device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
+    schedules = [_device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
     forward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_start: list[list[float]] = [[0.0] * m for _ in range(V)]
@@ -378,6 +393,8 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
         transfers[(direction, src, micro)] = (start, start + duration)
         return start + duration
 
+    no_post = ((None, 0.0),) * V
+    gradients_begin = "W" if s.split_backward else "B"  # the step whose start backward_start keeps
     remaining = sum(len(steps) for steps in schedules)
     while remaining:
         progressed = False
@@ -418,11 +435,11 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                     forward_end[vs][micro] = end
                 elif phase == "B":
                     backward_end[vs][micro] = end
-                if phase == ("W" if s.split_backward else "B"):
+                if phase == gradients_begin:
                     backward_start[vs][micro] = start
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
                 # a step that sends posts its send before the device goes on (a W sends nothing)
-                event, post = post_after.get(phase, ((None, 0.0),) * V)[vs]
+                event, post = post_after.get(phase, no_post)[vs]
                 if post:
                     posts[d].append(Post(end, end + post, event, vs, micro))
                 free[d] = end + post
@@ -444,6 +461,16 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
     a run's own compute so); the transfers, posts and buckets still take their costs from `costs`. Such a
     timeline is for its batch time and usage: its `intervals()` still lay out the optimizer's events at
     their costs."""
+    return _simulate(plan, costs, dp_overlap, per_stage, usage=True)
+
+
+def batch_time(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> float:
+    """simulate(plan, costs, dp_overlap).batch_time_s, without the devices' usage (what a resample needs)."""
+    return _simulate(plan, costs, dp_overlap, None, usage=False).batch_time_s
+
+
+def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage: Sequence[StageCosts] | None,
+              usage: bool) -> "Timeline":
     spec = plan.spec
     s = spec.strategy
     overlap = s.dp_overlap if dp_overlap is None else dp_overlap
@@ -465,7 +492,7 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
 
     sends: list[list[Transfer]] = [[] for _ in range(pp)]
     receives: list[list[Transfer]] = [[] for _ in range(pp)]
-    for d in range(pp):
+    for d in range(pp) if usage else ():  # the transfers as each device sees them: for its usage alone
         for r in records[d]:
             program = plan.stages[r.virtual_stage]
             if r.phase == "F" and program.send_forward:
@@ -508,10 +535,11 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
                                        lag(compute_end), window, schedule.posts[d]))
     _gradient_syncs(plan, costs, pipeline)
     _tie_embeddings(plan, costs, pipeline)
-    batch_time = max(device.end_s for device in pipeline)
-    for device in pipeline:
-        device.usage = _usage(device, per_stage, batch_time, m)
-    return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time, pipeline=pipeline,
+    batch_time_s = max(device.end_s for device in pipeline)
+    if usage:
+        for device in pipeline:
+            device.usage = _usage(device, per_stage, batch_time_s, m)
+    return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time_s, pipeline=pipeline,
                     stage_costs=per_stage)
 
 

@@ -33,7 +33,7 @@ from harness.precision import BATCHES, MIN_BATCHED
 
 from analysis.calibration import model_residuals
 from analysis.costs import Costs, SampleSet
-from analysis.simulate import simulate
+from analysis.simulate import batch_time
 
 DEFAULT_RESAMPLES = 200
 SEED = 20261201
@@ -127,7 +127,7 @@ def resampled_batch_times(plan: EventPlan, costs: Costs, dp_overlap: bool | None
                           stop: int | None = None) -> np.ndarray:
     """The simulated batch time of resamples start..stop-1 of `resamples` (slices of one set of draws: joined,
     they are the whole, so the work can be split over processes)."""
-    return np.array([simulate(plan, c, dp_overlap).batch_time_s
+    return np.array([batch_time(plan, c, dp_overlap)
                      for c in resampled_costs(costs, resamples, seed, start, stop)], dtype=float)
 
 
@@ -297,7 +297,7 @@ def explain_interval(plan: EventPlan, costs: Costs, interval: BatchTimeInterval 
     for part, table in drawn.items():
         for eid, values in table.items():
             low, high = np.percentile(values, [5, 95])
-            at = [simulate(plan, costs_with(costs, {part: {eid: float(v)}}), dp_overlap).batch_time_s
+            at = [batch_time(plan, costs_with(costs, {part: {eid: float(v)}}), dp_overlap)
                   for v in (low, high)]
             swings.append((part, eid, at[1] - at[0]))
     total = sum(swing ** 2 for _, _, swing in swings)
