@@ -318,10 +318,11 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         bucketed = s.gradient_replicas > 1 and not s.zero
         made: set[int] = set()
 
-        def gradients_made() -> int:
+        def gradients_of(made: set[int]) -> int:
             held_params = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
             held_params += sum((chunk_experts[vs] if bucketed else chunk_params[vs]) for vs in made)
             return gradients * held_params // max(1, params)
+        grads_made = gradients_of(made)  # again each time a chunk's gradients are made
 
         live, in_flight = 0, 0
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
@@ -335,40 +336,42 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
-                points.append((gradients_made(), live, kept_buffers, in_flight, 0, 0, 0, 0))
+                points.append((grads_made, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             if step.phase == "W":  # its activations and what its B kept freed, its gradients made
                 if vs == 0:  # the first stage's W runs its whole backward
                     extra, temporaries, again, more_weights, more_gradients = worst[vs]
-                    points.append((gradients_made(), live + extra, kept_buffers, in_flight, again, temporaries,
+                    points.append((grads_made, live + extra, kept_buffers, in_flight, again, temporaries,
                                    more_weights, more_gradients))
                 live -= held[vs] + kept[vs] - let_go[vs]
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
                 made.add(vs)
-                points.append((gradients_made(), live, kept_buffers, in_flight, 0, 0, 0, 0))
+                grads_made = gradients_of(made)
+                points.append((grads_made, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
             sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
-            points.append((gradients_made(), live, received + kept_buffers, in_flight, 0, 0, 0, 0))
+            points.append((grads_made, live, received + kept_buffers, in_flight, 0, 0, 0, 0))
             if not s.split_backward or vs:  # a split backward's B of the first stage does nothing
                 moment = worst_last[vs] if step.micro == spec.micro_batches - 1 else worst[vs]
                 extra, temporaries, again, more_weights, more_gradients = moment
-                points.append((gradients_made(), live + extra, received + kept_buffers, in_flight, again, temporaries,
+                points.append((grads_made, live + extra, received + kept_buffers, in_flight, again, temporaries,
                                more_weights, more_gradients))
             if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
                 live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
                 kept_buffers += waiting[vs]
-                points.append((gradients_made(), live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
+                points.append((grads_made, live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
                 live -= let_go[vs]  # as the step ends and lets go of its output
                 continue
             live -= held[vs]
             in_flight -= 1
             made.add(vs)
-            points.append((gradients_made(), live, received + sent, in_flight, 0, 0, 0, 0))
+            grads_made = gradients_of(made)
+            points.append((grads_made, live, received + sent, in_flight, 0, 0, 0, 0))
         metered = 0
-        for grads_made, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
-            grads = grads_made + more_gradients
+        for made_then, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
+            grads = made_then + more_gradients
             total = weights + more_weights + optimizer + grads + act + buffers + temporaries
             metered = max(metered, total - again - temporaries)
             if total > best[0]:

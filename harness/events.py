@@ -262,9 +262,6 @@ class EventPlan:
         self.multiplicity[eid] += count
         return eid
 
-    def _node(self, rank: int) -> int:
-        return rank // self.spec.cluster.gpus_per_node
-
     def rank_of(self, dp_i: int, tp_i: int, pp_i: int, cp_i: int = 0) -> int:
         s = self.spec.strategy
         return ((pp_i * s.dp + dp_i) * s.cp + cp_i) * s.tp + tp_i
@@ -285,9 +282,9 @@ class EventPlan:
 
     def _placements(self, groups: Iterator[list[int]]) -> "GroupPlacements":
         counts = GroupPlacements()
-        for ranks in groups:
-            nodes = {self._node(r) for r in ranks}
-            counts.add(INTRA if len(nodes) == 1 else INTER, ranks)
+        per_node = self.spec.cluster.gpus_per_node
+        for ranks in groups:  # a node holds consecutive ranks: a group is on one if its ends are
+            counts.add(INTRA if min(ranks) // per_node == max(ranks) // per_node else INTER, ranks)
         return counts
 
     def _collective(self, kind: str, nbytes: int, group: int, placements: "GroupPlacements",
@@ -342,14 +339,14 @@ class EventPlan:
         expert_dp_of_stage = [self._placements([self.rank_of(g * s.ep + e, t, p, c) for g in range(s.dp // s.ep)]
                                                for e in range(s.ep) for t in range(s.tp) for c in range(s.cp))
                               for p in range(s.pp)] if s.dp // s.ep > 1 and spec.model.moe else []
+        # the gradients' groups: the dp x cp ranks holding the same parameters (cp = 1: the dp replicas)
+        dp_groups_of_stage = [self._placements([self.rank_of(d, t, p, c) for d, c in self.replicas()]
+                                               for t in range(s.tp)) for p in range(s.pp)]
         self.stages: list[StageProgram] = []
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         per_layer: dict[tuple, tuple[str, str]] = {}  # identical layers share their events (ids cost a hash)
         for vs, stage_layers in enumerate(stages):
-            tp_groups = tp_groups_of_stage[vs % s.pp]
-            # the gradients' groups: the dp x cp ranks holding the same parameters (cp = 1: the dp replicas)
-            dp_groups = self._placements([self.rank_of(d, t, vs % s.pp, c) for d, c in self.replicas()]
-                                         for t in range(s.tp))
+            tp_groups, dp_groups = tp_groups_of_stage[vs % s.pp], dp_groups_of_stage[vs % s.pp]
             # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
             again = {id(layer) for layer in stage_layers if s.recompute == "full" and recomputed(layer)}
             calls = sum(layer.tp_allreduces for layer in stage_layers)
