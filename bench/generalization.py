@@ -1,7 +1,7 @@
 """The generalization suite: jobs drawn from a seed, each profiled and run for real in interleaved pairs.
 
     .venv/bin/python bench/generalization.py [--seed S] [--jobs N] [--ranks 2|4] [--pairs K] [--json]
-        [--iterations 10] [--repeats 20] [--budget-s 5] [--keep DIR] [--list]
+        [--iterations 10] [--repeats 20] [--budget-s 5] [--keep DIR] [--no-tracker] [--list]
 
 Drawing (numpy's Generator from --seed; the same seed and --ranks give the same jobs on any machine): each
 job picks, uniformly, a model family (gpt2, bert, llama, or the factory model bench/factory_model.py), a
@@ -27,7 +27,10 @@ most --budget-s a phase) and right after it a run (harness train, --iterations w
 cancels the machine's drift over minutes, not what moves within a pair. A job reports the median over its pairs of the
 batch-time error, with its confidence interval: the 5th-95th percentiles of the median over 2,000
 resamples of the pairs (bootstrap) for K >= 3, the pairs' min and max for K < 3 (error_ci_method says
-which); the median over pairs of the largest device busy-time error and of the largest stage memory error;
+which); the median over pairs of the largest device busy-time error and of the largest stage memory error
+against the run's meter (a job the meter cannot see, ZeRO on a CPU, runs once more after its pairs under torch's
+MemTracker, and its error is against that: memory_source "tracker", a "t" in the table; --no-tracker leaves
+it unmeasured);
 each pair's in_interval (validate's measured_in_interval: the run's median inside the prediction's 90%
 interval; a list in pair order); the median interval width (p95 - p5 over the prediction); and the noise
 floor: the larger of the runs' spread against each other and the profiles' predictions' spread against
@@ -60,7 +63,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.accuracy import ROOT, interval_width_pct, median_of, run, validate  # noqa: E402
+from bench.accuracy import ROOT, interval_width_pct, median_of, run, tracker_rows, validate  # noqa: E402
 from harness.errors import UserError  # noqa: E402
 from harness.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, zero_bubble_rounds  # noqa: E402
 from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec  # noqa: E402
@@ -247,6 +250,7 @@ def job_result(job: DrawnJob, pairs: list[dict], seed: int) -> dict:
             "interval_width_pct": median_of(interval_width_pct(p) for p in pairs),
             "noise_floor_pct": None if run_spread is None else max(run_spread, profile_spread),
             "run_spread_pct": run_spread, "profile_spread_pct": profile_spread,
+            "memory_source": "meter" if any(p.get("memory_error_pct") is not None for p in pairs) else None,
             "pair_errors_pct": errors,
             "measured_ms": [p["measured_batch_time_s"] * 1e3 for p in pairs],
             "predicted_ms": [p["predicted_batch_time_s"] * 1e3 for p in pairs],
@@ -256,8 +260,8 @@ def job_result(job: DrawnJob, pairs: list[dict], seed: int) -> dict:
 def failed_result(job: DrawnJob, message: str) -> dict:
     """A job whose profile, run or validation failed: its figures null, the failing command's message kept."""
     return {"name": job.name, "spec": job.spec.to_dict(), "error_pct": None, "error_ci_pct": None,
-            "error_ci_method": None, "device_error_pct": None, "memory_error_pct": None, "in_interval": [],
-            "interval_width_pct": None, "noise_floor_pct": None, "failed": message}
+            "error_ci_method": None, "device_error_pct": None, "memory_error_pct": None, "memory_source": None,
+            "in_interval": [], "interval_width_pct": None, "noise_floor_pct": None, "failed": message}
 
 
 def measure_job(job: DrawnJob, args: argparse.Namespace, env: dict, root: Path) -> dict:
@@ -277,7 +281,28 @@ def measure_job(job: DrawnJob, args: argparse.Namespace, env: dict, root: Path) 
               f"{result['predicted_batch_time_s'] * 1e3:.1f} ms, error {result['batch_time_error_pct']:+.1f}% "
               f"({time.monotonic() - started:.0f} s)",
               file=sys.stderr, flush=True)
-    return job_result(job, pairs, args.seed)
+    row = job_result(job, pairs, args.seed)
+    if row["memory_error_pct"] is None and not args.no_tracker:
+        row["memory_error_pct"], row["memory_source"] = tracked_memory_error(job, root, args, env), "tracker"
+    return row
+
+
+def tracked_memory_error(job: DrawnJob, root: Path, args: argparse.Namespace, env: dict) -> float | None:
+    """A job the meter cannot see (FSDP2 refills storages in place on a CPU): its largest stage error against
+    torch's MemTracker, from a short run of its own under the tracker (bench/accuracy.py's --tracked-run) beside
+    its first pair's profile; None if that run fails (its message on stderr)."""
+    mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+    folder = root / f"job{job.index + 1:02d}-pair1"
+    try:
+        run([mpirun, "--bind-to", "core", "-n", str(args.ranks), sys.executable, "-m", "mpi4py",
+             str(Path(__file__).resolve().parent / "accuracy.py"), "--tracked-run", str(folder / "job.toml"),
+             str(folder / "tracked")], env)
+    except SystemExit as exc:
+        print(f"[job {job.index + 1}/{args.jobs}] {job.name}: the run under MemTracker FAILED: {exc.code}",
+              file=sys.stderr)
+        return None
+    rows = tracker_rows(folder)
+    return max(abs(r["error_pct"]) for r in rows) if rows else None
 
 
 def suite_summary(rows: list[dict]) -> dict:
@@ -294,6 +319,8 @@ def suite_summary(rows: list[dict]) -> dict:
                "device_median_error_pct": float(np.median(devices)) if devices else None,
                "memory_max_error_pct": max(memories) if memories else None,
                "memory_unmetered_jobs": len(measured) - len(memories),
+               "memory_tracker_jobs": sum(r.get("memory_source") == "tracker" and r["memory_error_pct"] is not None
+                                          for r in measured),
                "noise_floor_median_pct": median_of(r["noise_floor_pct"] for r in measured),
                "mean_interval_width_pct": (float(np.mean(widths)) if (widths := [
                    r["interval_width_pct"] for r in measured if r["interval_width_pct"] is not None]) else None),
@@ -323,7 +350,7 @@ def print_table(rows: list[dict], summary: dict, args: argparse.Namespace) -> No
         noise = ("-" if r["noise_floor_pct"] is None
                  else f"{cell(r['run_spread_pct'])}/{cell(r['profile_spread_pct'])}")
         print(f"{r['name']:<{width}} {r['error_pct']:>+8.1f} {f'{low:+.1f}..{high:+.1f}':>18} "
-              f"{cell(r['device_error_pct']):>9} {cell(r['memory_error_pct'], '.2f'):>9} "
+              f"{cell(r['device_error_pct']):>9} {memory_cell(r):>9} "
               f"{f'{sum(held)}/{len(held)}' if held else '-':>7} {cell(r['interval_width_pct']):>8} "
               f"{noise:>17}  {' '.join(f'{e:+.1f}' for e in r['pair_errors_pct'])}")
     s, met = summary, summary["goals_met"]
@@ -335,11 +362,18 @@ def print_table(rows: list[dict], summary: dict, args: argparse.Namespace) -> No
              "profiles)" if s["noise_floor_median_pct"] is not None else "noise floor: needs --pairs 2 or more")
     coverage = (f"the 90% interval held {cell(s['coverage_pct'], '.0f')}% of {s['coverage_pairs']} pairs "
                 f"(mean width {cell(s['mean_interval_width_pct'])}%)" if s["coverage_pairs"] else "no intervals")
-    unmetered = f", {s['memory_unmetered_jobs']} jobs unmetered" if s["memory_unmetered_jobs"] else ""
+    unmetered = ((f" ({s['memory_tracker_jobs']} by MemTracker, t)" if s["memory_tracker_jobs"] else "")
+                 + (f", {s['memory_unmetered_jobs']} jobs unmetered" if s["memory_unmetered_jobs"] else ""))
     print(f"\n{against('median_abs_error_pct', 'median |batch error|')}, {against('p90_abs_error_pct', 'p90')}, "
           f"{against('device_median_error_pct', 'device median')}, "
           f"{against('memory_max_error_pct', 'memory worst job', '.2f')}{unmetered}; {floor}; {coverage}"
           + (f"; jobs FAILED: {s['failed_jobs']}" if s["failed_jobs"] else ""))
+
+
+def memory_cell(row: dict) -> str:
+    """A job's memory error; "t" after it where torch's MemTracker measured it (the meter could not)."""
+    return cell(row["memory_error_pct"], ".2f") + ("t" if row.get("memory_source") == "tracker"
+                                                   and row["memory_error_pct"] is not None else "")
 
 
 class OneMessageParser(argparse.ArgumentParser):
@@ -411,6 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", dest="budget_s", type=seconds, default=5.0,
                         help="the profile's budget per phase for its precision (the spec's profile.budget_s)")
     parser.add_argument("--keep", metavar="DIR", help="keep every pair's spec, profile and run under DIR")
+    parser.add_argument("--no-tracker", dest="no_tracker", action="store_true",
+                        help="leave the memory of jobs the meter cannot see (ZeRO on a CPU) unmeasured instead of "
+                        "running each once more under torch's MemTracker")
     parser.add_argument("--list", action="store_true", help="print the drawn jobs and measure nothing")
     parser.add_argument("--json", action="store_true", help="print the suite as JSON instead of a table")
     args = parser.parse_args(argv)

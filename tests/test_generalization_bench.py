@@ -53,6 +53,22 @@ def test_error_interval_is_min_max_below_three_pairs_and_a_bootstrap_of_the_medi
     assert bench.spread_pct([0.3, 0.4, 0.5]) == pytest.approx(50.0)
 
 
+def test_a_job_the_meter_cannot_see_counts_by_memtracker_and_says_so():
+    bench = _generalization_module()
+    job = bench.draw_jobs(7, 1, 2)[0]
+    pair = {"batch_time_error_pct": 1.0, "measured_batch_time_s": 0.2, "predicted_batch_time_s": 0.2,
+            "device_error_pct": 2.0, "memory_error_pct": None, "measured_in_interval": True}
+    unmetered = bench.job_result(job, [pair, pair], 7)
+    assert unmetered["memory_error_pct"] is None and unmetered["memory_source"] is None
+    metered = bench.job_result(job, [dict(pair, memory_error_pct=0.5)] * 2, 7)
+    assert metered["memory_source"] == "meter" and bench.memory_cell(metered) == "0.50"
+    tracked = dict(unmetered, memory_error_pct=2.5, memory_source="tracker")
+    assert bench.memory_cell(tracked) == "2.50t"
+    summary = bench.suite_summary([metered, tracked, unmetered])
+    assert summary["memory_max_error_pct"] == 2.5
+    assert (summary["memory_tracker_jobs"], summary["memory_unmetered_jobs"]) == (1, 1)
+
+
 @pytest.mark.parametrize("options, names", [
     (["--seed", "abc"], "--seed"),
     (["--seed", "1.5"], "--seed"),
