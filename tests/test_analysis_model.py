@@ -333,3 +333,19 @@ def test_each_device_steps_one_optimizer_then_zeroes_every_chunks_buckets(tmp_pa
         assert phase[-1].end_s == pytest.approx(device.optimizer_end_s)
         assert sum(iv.end_s - iv.start_s for iv in phase) == pytest.approx(
             device.optimizer_end_s - device.optimizer_start_s)
+
+
+@pytest.mark.parametrize("schedule,pp,dp,chunks", [("1f1b", 2, 1, 1), ("zb-h1", 2, 1, 1), ("interleaved-1f1b", 2, 1, 2),
+                                                   ("gpipe", 1, 2, 1), ("interleaved-zb", 2, 2, 2)])
+def test_the_batch_time_alone_is_the_full_simulations(tmp_path, schedule, pp, dp, chunks):
+    """simulate.batch_time (what the intervals' resamples run) skips the usage, never the batch time."""
+    from analysis.simulate import batch_time, simulate
+
+    spec = make_spec(pp=pp, dp=dp, micro_batches=4, schedule=schedule, chunks=chunks)
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(uniform({"p2p": 0.5, "allreduce": 0.3})),
+                                  sender_busy=[0.5, 0.75, 1.0], send_post=[0.1])
+    timeline = predict(path).timeline
+    for overlap in (True, False):
+        full = simulate(timeline.plan, timeline.costs, overlap)
+        assert batch_time(timeline.plan, timeline.costs, overlap) == full.batch_time_s
+    assert full.pipeline[0].usage.compute_s > 0
