@@ -35,6 +35,8 @@ def test_tiers_group_what_the_runs_cannot_tell_from_the_fastest(bench):
 def test_concordance_counts_only_the_pairs_told_apart(bench):
     # 0-2 is not told apart, so predicting 2 faster than 0 costs nothing; 1 before 3 predicted the wrong way does
     assert bench.concordance([1.1, 2.5, 1.0, 2.0], MEASURED) == (4, 5)
+    # 0 and 1 predicted alike (to rounding): not ordered
+    assert bench.concordance([1.1, 1.1 * (1 + 1e-15), 1.0, 2.0], MEASURED) == (4, 5)
 
 
 def test_regret_is_paired_within_each_round(bench):
