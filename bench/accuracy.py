@@ -169,15 +169,16 @@ def tracker_rows(workdir: Path) -> list[dict] | None:
     if not found.exists():
         return None
     from analysis.memory import activation_bytes, estimate_memory, released_bytes
-    from analysis.profile_reader import load_profile
+    from analysis.profile_reader import layers_for, load_profile
     from analysis.trace_reader import read_trace
     from harness.events import build_plan
     from harness.hdf5_schema import PEAK_MEMORY_ATTR
     from harness.spec import load_spec
 
     peaks = json.loads(found.read_text())
-    plan = build_plan(load_spec(workdir / "job.toml", import_factory=False))
     profile = load_profile(workdir / "prof")
+    spec = load_spec(workdir / "job.toml", import_factory=False)
+    plan = build_plan(spec, layers_for(profile, spec))  # a factory model's layers are its profile's
     memory = estimate_memory(plan, activation_bytes(profile), released_bytes(profile))
     devices = read_trace(workdir / "tracked").devices
     rows = []
