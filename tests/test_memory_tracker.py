@@ -72,3 +72,19 @@ def test_a_stage_input_is_freed_under_the_tracker():
             gc.collect()
     assert not any(ref() is not None for ref in inputs)
     assert tracker_peak(tracker)["temp"] > 0
+
+
+def test_the_trackers_peak_leaves_out_the_meta_device():
+    """A factory model is described by tracing it on the meta device, inside harness train and so inside the
+    tracker: MemTracker counts those tensors, which hold no memory, under the meta device."""
+    with pytorch_tracker() as tracker:
+        with torch.device("meta"):
+            traced = torch.nn.Linear(256, 256)
+            traced(torch.zeros(4, 256))
+        real = torch.nn.Linear(64, 64)
+        real(torch.zeros(4, 64)).sum().backward()
+    peak = tracker_peak(tracker)
+    real_params = sum(p.numel() * p.element_size() for p in real.parameters())
+    assert peak["parameter"] == real_params
+    assert peak["total"] < 256 * 256 * 4  # the meta layer's weight alone would be more
+    assert any(torch.device(d).type == "meta" for d in tracker.get_tracker_snapshot("peak"))  # it was counted there

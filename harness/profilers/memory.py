@@ -211,9 +211,12 @@ def pytorch_tracker() -> Iterator["torch.distributed._tools.mem_tracker.MemTrack
 
 def tracker_peak(tracker) -> dict[str, int]:
     """A MemTracker's peak: bytes by its categories (lower-case: parameter, buffer, gradient, activation, temp,
-    optstate, other) and `total`, summed over devices."""
+    optstate, other) and `total`, summed over devices but the meta device, which holds no memory (MemTracker
+    counts its tensors: a factory model is described by tracing it there)."""
     out: dict[str, int] = {}
-    for snapshot in tracker.get_tracker_snapshot("peak").values():
+    for device, snapshot in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(device).type == "meta":
+            continue
         for key, value in snapshot.items():
             name = getattr(key, "value", str(key)).lower()
             out[name] = out.get(name, 0) + int(value)
