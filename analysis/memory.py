@@ -318,9 +318,9 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         bucketed = s.gradient_replicas > 1 and not s.zero
         made: set[int] = set()
 
-        def gradients_of(made: set[int]) -> int:
+        def gradients_of(chunks_made: set[int]) -> int:
             held_params = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
-            held_params += sum((chunk_experts[vs] if bucketed else chunk_params[vs]) for vs in made)
+            held_params += sum((chunk_experts[vs] if bucketed else chunk_params[vs]) for vs in chunks_made)
             return gradients * held_params // max(1, params)
         grads_made = gradients_of(made)  # again each time a chunk's gradients are made
 

@@ -174,13 +174,14 @@ def main() -> int:
         micro, grid, model = GRIDS[args.grid]
         spec.write_text(MODEL.replace("[model]\n", "[model]\n" + model) + JOB.format(micro=micro, repeats=args.repeats)
                         + grid)
-        limit_gb, rounds = None, []
+        limit_gb, rounds, profiling = None, [], None
         for r in range(args.rounds):
             found, limit_gb = search_round(spec, root / f"round{r}", limit_gb, args.grid == "strategies", env)
+            profiling = profiling or found["profiling"]  # the first round's: every round profiles the same grid
             rounds.append(run_round(found, spec, root / f"round{r}", r, args, env))
     labels = [label for label in rounds[0] if all(label in runs for runs in rounds)]
     rows = [candidate_row(label, [runs[label] for runs in rounds]) for label in labels]
-    figures = paired_figures(rows, rounds, limit_gb)
+    figures = {**paired_figures(rows, rounds, limit_gb), "profiling": profiling}
     if args.json:
         print(json.dumps({"rows": rows, **figures}, indent=2))
         return 0
@@ -236,8 +237,7 @@ def run_round(found: dict, spec: Path, folder: Path, index: int, args: argparse.
             "predicted_s": candidate["batch_time_s"], "measured_s": measured_s,
             "predicted_peak_bytes": candidate["peak_memory_bytes"], "measured_peak_bytes": measured_peak,
             "memory_error_pct": (compared - measured_peak) / measured_peak * 100 if measured_peak else None,
-            "feasible": candidate["feasible"], "recommended": candidate["recommended"],
-            "profiling": found["profiling"]}
+            "feasible": candidate["feasible"], "recommended": candidate["recommended"]}
         if not args.json:
             print(f"round {index + 1}/{args.rounds}  {candidate['strategy']:<48} predicted "
                   f"{candidate['batch_time_s'] * 1e3:7.1f} ms  measured {measured_s * 1e3:7.1f} ms", flush=True)
@@ -280,8 +280,7 @@ def paired_figures(rows: list[dict], rounds: list[dict], limit_gb: float | None)
                "fastest_predicted_regret_pct": None, "recommended": None,
                "memory_error_pct": max((row["memory_error_pct"] for row in rows if row["memory_error_pct"] is not None),
                                        default=None),
-               "memory_limit_gb": limit_gb, "feasible": [rows[i]["strategy"] for i in fitting] if limit_gb else None,
-               "profiling": rounds[0][rows[0]["strategy"]]["profiling"] if rows else None}
+               "memory_limit_gb": limit_gb, "feasible": [rows[i]["strategy"] for i in fitting] if limit_gb else None}
     if not fitting:
         return figures
     fit_measured = [measured[i] for i in fitting]
@@ -329,7 +328,7 @@ def report(figures: dict) -> int:
           + (" (the runs cannot tell them apart)" if figures["regret_within_noise"] else "")
           + f"; the fastest predicted: {figures['fastest_predicted_regret_pct']:.2f}%")
     print(f"memory within {memory} (goal <= {GOALS['memory_error_pct']:g}%: {_met(goals['memory_error_pct'])})")
-    if figures["profiling"]:
+    if figures.get("profiling"):
         print(f"profiling the grid: {figures['profiling']['profile_device_s']:.1f} device-s, "
               f"{100 * figures['profiling']['fraction']:.1f}% of running every candidate with the same repeats")
     return 0

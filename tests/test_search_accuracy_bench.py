@@ -48,7 +48,7 @@ def test_regret_is_paired_within_each_round(bench):
 def test_figures_mark_a_pick_the_runs_cannot_tell_from_the_best(bench):
     def run(predicted, measured, recommended):
         return {"predicted_s": predicted, "measured_s": measured, "recommended": recommended, "feasible": True,
-                "profiling": None, "predicted_peak_bytes": 1, "measured_peak_bytes": None, "memory_error_pct": None}
+                "predicted_peak_bytes": 1, "measured_peak_bytes": None, "memory_error_pct": None}
     rounds = [{"a": run(1.0, m0, False), "b": run(0.9, m2, True), "c": run(2.0, m3, False)}
               for m0, m2, m3 in zip(MEASURED[0], MEASURED[2], MEASURED[3])]
     rows = [bench.candidate_row(label, [r[label] for r in rounds]) for label in "abc"]
