@@ -35,8 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.errors import UserError
-from harness.progress import Progress
+from harness.common.errors import UserError
+from harness.common.progress import Progress
 
 from analysis.intervals import EMPTY, Spans, spans
 from analysis.kineto import (LAUNCH_CATEGORIES, STREAM_CATEGORIES, TRACE_SUFFIXES, Events, KinetoTrace,

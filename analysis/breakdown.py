@@ -232,7 +232,7 @@ def csv_rows(result: Breakdown) -> tuple[list[str], list[list[Any]]]:
 
 
 def format_breakdown(result: Breakdown) -> str:
-    from harness.output import format_seconds, format_table
+    from harness.common.output import format_seconds, format_table
 
     run = result.run
     lines = [f"breakdown of {run.source}: {run_description(run)}"]

@@ -1,11 +1,11 @@
 """`python -m analysis`: a registry of subcommands, each a thin front end over one analysis module.
 
-Same contract as harness.subcommands: every module in analysis.commands defines NAME, HELP, add_arguments(parser)
+Same contract as harness.common.subcommands: every module in analysis.commands defines NAME, HELP, add_arguments(parser)
 and run(args) -> int; bad input (UserError) becomes one message on stderr and exit status 2.
 """
 from __future__ import annotations
 
-from harness.subcommands import build_parser, run_cli
+from harness.common.subcommands import build_parser, run_cli
 
 SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "network", "breakdown", "scaling")
 

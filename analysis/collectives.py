@@ -1,6 +1,6 @@
 """Collective benchmark results read and compared: the runs side by side, bus bandwidth against size as a picture,
-and as communication points for a profile's costs (definitions: harness.collectives; one run's tables and JSON:
-harness.collectives_report; the command: `python -m analysis collectives`).
+and as communication points for a profile's costs (definitions: harness.plan.collectives; one run's tables and JSON:
+harness.store.collectives_report; the command: `python -m analysis collectives`).
 """
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.collectives import OPS, PROFILE_KINDS, average_busbw
-from harness.collectives_file import CollectivesRun, read_collectives
-from harness.collectives_report import JSON_SCHEMA_VERSION, run_json, wrong_outputs
-from harness.errors import UserError
-from harness.output import format_table
+from harness.plan.collectives import OPS, PROFILE_KINDS, average_busbw
+from harness.store.collectives_file import CollectivesRun, read_collectives
+from harness.store.collectives_report import JSON_SCHEMA_VERSION, run_json, wrong_outputs
+from harness.common.errors import UserError
+from harness.common.output import format_table
 
 
 def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
-    """Benchmark files, each checked (harness.collectives_file); the same file twice is bad input."""
+    """Benchmark files, each checked (harness.store.collectives_file); the same file twice is bad input."""
     seen: set[Path] = set()
     runs = []
     for path in paths:
@@ -31,7 +31,7 @@ def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
 
 def profile_points(runs: Sequence[CollectivesRun], profile_backend: str, profile_device: str, profile_name: str
                    ) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
-    """Benchmark results as communication points of a profile's kinds (harness.collectives.PROFILE_KINDS:
+    """Benchmark results as communication points of a profile's kinds (harness.plan.collectives.PROFILE_KINDS:
     send/recv as P2P, at its minimum; the collectives at their median, as analysis.costs takes a profile's),
     keyed (kind, placement) with (bytes, group size, seconds). A run on another backend or device, or with
     wrong outputs, is bad input."""

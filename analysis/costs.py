@@ -29,12 +29,12 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from harness.errors import UserError
-from harness.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
-from harness.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
+from harness.common.errors import UserError
+from harness.plan.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
+from harness.store.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
                                   ZERO_SERIES, compute_phase_key)
-from harness.network import check_tiers, group_span, parse_overrides
-from harness.spec import JobSpec, load_spec
+from harness.plan.network import check_tiers, group_span, parse_overrides
+from harness.plan.spec import JobSpec, load_spec
 
 from analysis.calibration import device_kind
 from analysis.network import Estimate, NetworkModel, calibrated_network, spec_network

@@ -1,8 +1,8 @@
 """Which devices to report, trace, draw or store: all, one representative per pipeline stage, or a list."""
 from __future__ import annotations
 
-from harness.errors import UserError
-from harness.spec import JobSpec
+from harness.common.errors import UserError
+from harness.plan.spec import JobSpec
 
 ALL_DEVICES_LIMIT = 1024  # larger worlds default to one representative per stage
 PLOT_ROWS = 16  # default rows of a Gantt chart
@@ -11,7 +11,7 @@ PLOT_ROWS_MAX = 64
 
 def rank_of_stage(spec: JobSpec, stage: int, dp_i: int = 0, tp_i: int = 0, cp_i: int = 0) -> int:
     """Global rank of (pipeline stage, dp index, tp index, cp index): ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
-    (harness.events.EventPlan.rank_of)."""
+    (harness.plan.events.EventPlan.rank_of)."""
     s = spec.strategy
     return ((stage * s.dp + dp_i) * s.cp + cp_i) * s.tp + tp_i
 

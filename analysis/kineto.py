@@ -26,7 +26,7 @@ from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 KEPT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_sync", "gpu_user_annotation", "cpu_op",
                    "user_annotation", "python_function", "cuda_runtime", "cuda_driver")

@@ -10,10 +10,10 @@
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
   in fp32 with master weights, which add an fp32 copy of the weights;
 - activations: what a micro-batch's forward saves for its backward, the sum of its layers' `activation_bytes`
-  as the profile measured them (harness.profilers.memory), and on every virtual stage but the last the
+  as the profile measured them (harness.profile.memory), and on every virtual stage but the last the
   stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
   backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
-  interleaved 1F1B as it interleaves); with recompute = "full" a recomputed layer (harness.layers.recomputed)
+  interleaved 1F1B as it interleaves); with recompute = "full" a recomputed layer (harness.plan.layers.recomputed)
   keeps only its input (torch.utils.checkpoint; a factory model's last layer also what the loss after it, outside
   the checkpoint, saves: loss_saved_bytes), and the backward of a micro-batch re-makes one layer's
   saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
@@ -51,13 +51,13 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from harness.events import EventPlan
-from harness.errors import UserError
-from harness.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
-from harness.layers import LayerDesc, input_bytes, recomputed
-from harness.output import format_bytes
-from harness.schedules import device_steps, virtual_stage
-from harness.spec import JobSpec
+from harness.plan.events import EventPlan
+from harness.common.errors import UserError
+from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
+from harness.plan.layers import LayerDesc, input_bytes, recomputed
+from harness.common.output import format_bytes
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
 
 from analysis.profile_reader import Profile
 
@@ -79,7 +79,7 @@ class StageMemory:
     in_flight: int  # micro-batches (over the device's chunks) holding activations at the peak
     remade: int = 0  # of `activations`: a recomputed layer's, re-made in its backward (recompute = "full")
     temporaries: int = 0  # a backward's, at the peak (backward_moments)
-    # the peak over the same moments of what the meter counts (harness.profilers.memory): re-made activations
+    # the peak over the same moments of what the meter counts (harness.profile.memory): re-made activations
     # (out of the saved-tensor hooks' sight) and temporaries left out
     metered: int = 0
 

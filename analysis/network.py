@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from harness.collectives import bus_factor
-from harness.events import INTER, INTRA
-from harness.spec import MAX_DEVICES
-from harness.network import GroupSpan, NetworkTier, contiguous_span, group_span, with_overrides
+from harness.plan.collectives import bus_factor
+from harness.plan.events import INTER, INTRA
+from harness.plan.spec import MAX_DEVICES
+from harness.plan.network import GroupSpan, NetworkTier, contiguous_span, group_span, with_overrides
 
 NCCL_VERSION = "2.30"
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
@@ -263,7 +263,7 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
     draws from its points. A (kind, placement) without points takes, in turn, the same kind's other placement,
     another kind's at the same placement, another kind's at the other (COMM_KINDS' order: the formulas share the
     link's alpha and beta). None when nothing was measured."""
-    from harness.events import COMM_KINDS
+    from harness.plan.events import COMM_KINDS
 
     kinds = tuple(dict.fromkeys((*COMM_KINDS, "alltoall")))
     measured: dict[tuple[str, int], tuple[float, float]] = {}
@@ -297,7 +297,7 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
         return links[("allreduce", tier)]
 
     per_node = max(1, gpus_per_node)
-    # the inter tier holds any cluster the spec may grow to (harness.spec's device limit): a calibration has no
+    # the inter tier holds any cluster the spec may grow to (harness.plan.spec's device limit): a calibration has no
     # outer edge to ask about
     tiers = (NetworkTier(INTRA, per_node, typical(0)[1] / 1e9, typical(0)[0] * 1e6),
              NetworkTier(INTER, per_node * max(2, -(-MAX_DEVICES // per_node)), typical(1)[1] / 1e9,

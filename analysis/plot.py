@@ -137,7 +137,7 @@ def write_search_chart(path: str | Path, result, iterations: int | None = None, 
     """Throughput against peak memory per device, one point per predicted candidate (filled where it fits),
     the feasible Pareto front joined, the memory limit as a line, the best candidate named; where the grid
     has several device counts, beside it the booking curve (booking_panel)."""
-    from harness.output import byte_unit
+    from harness.common.output import byte_unit
 
     from analysis.search import best_per_gpu_count, pareto_front
 

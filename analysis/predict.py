@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from harness.events import EventPlan, build_plan
-from harness.spec import JobSpec
+from harness.plan.events import EventPlan, build_plan
+from harness.plan.spec import JobSpec
 
 from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes

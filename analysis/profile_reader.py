@@ -1,4 +1,4 @@
-"""The profile as the analysis uses it: harness.profile_reader's `Profile` (read whole, checked and verified),
+"""The profile as the analysis uses it: harness.store.profile_reader's `Profile` (read whole, checked and verified),
 the spec to simulate and the layers to plan it with.
 
 The analysis runs offline: it never imports torch, MPI or the profilers, and it does not import a user
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.errors import UserError
-from harness.layers import LayerDesc
-from harness.profile_reader import MeasuredEvent, Profile, load_profile, parse_spec_offline
-from harness.spec import JobSpec, load_spec, parse_strategy_overrides
+from harness.common.errors import UserError
+from harness.plan.layers import LayerDesc
+from harness.store.profile_reader import MeasuredEvent, Profile, load_profile, parse_spec_offline
+from harness.plan.spec import JobSpec, load_spec, parse_strategy_overrides
 
 __all__ = ["MeasuredEvent", "Profile", "layers_for", "load_profile", "parse_spec_offline", "resolve_spec"]
 

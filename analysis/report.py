@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from harness.events import human_bytes
-from harness.output import byte_unit, format_bytes, format_seconds, format_table
+from harness.plan.events import human_bytes
+from harness.common.output import byte_unit, format_bytes, format_seconds, format_table
 
 from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 from analysis.activity import RunActivity
 from analysis.breakdown import breakdown
@@ -136,7 +136,7 @@ def _predict(run: RunActivity, profiles: Sequence[Any]) -> float:
     from analysis.costs import estimate_costs
     from analysis.profile_reader import layers_for, parse_spec_offline
     from analysis.simulate import simulate
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     if not run.spec:
         raise UserError(f"{run.source}: --profile predicts runs of `harness train` (a trace.h5), whose spec it "
@@ -216,7 +216,7 @@ def rows(result: Scaling) -> tuple[list[str], list[list[Any]]]:
 
 
 def format_scaling(result: Scaling) -> str:
-    from harness.output import format_seconds, format_table
+    from harness.common.output import format_seconds, format_table
 
     table = []
     with_prediction = any(p.predicted_s is not None for s in result.series for p in s.points)

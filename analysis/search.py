@@ -31,10 +31,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from harness.candidates import Grid, Rejected, candidate_label, expand
-from harness.errors import UserError
-from harness.events import build_plan
-from harness.spec import JobSpec
+from harness.plan.candidates import Grid, Rejected, candidate_label, expand
+from harness.common.errors import UserError
+from harness.plan.events import build_plan
+from harness.plan.spec import JobSpec
 
 from analysis.costs import MODELLED, communication_by_tier, estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
@@ -374,7 +374,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     then tell the fastest from those it cannot be told apart from and recommend one (module docstring).
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
     processes (default: one per core); `progress(n)`: called as candidates complete; `grid`: the grid when
-    the caller has expanded it already (harness.candidates.expand(spec, gpus)); `resamples`: the intervals'
+    the caller has expanded it already (harness.plan.candidates.expand(spec, gpus)); `resamples`: the intervals'
     bootstrap resamples (0: no intervals, the fastest recommended); `network`: a what-if network for every
     candidate (analysis.costs.what_if_network)."""
     if sort not in SORTS:

@@ -7,7 +7,7 @@ Hierarchy (docs/analysis.md):
   inline too, in the steps StageProgram.forward_of and backward_of list them (the iteration's first forward
   and last backward differ for zero 1 and 2);
 - pipeline: each device runs its forward (F) and backward (B) steps in the schedule's order
-  (harness.schedules); a step starts when the device is free and its P2P input has arrived. A zero-bubble
+  (harness.plan.schedules); a step starts when the device is free and its P2P input has arrived. A zero-bubble
   schedule's B computes the input's gradient only and its W step, after its own B, the weights' (no P2P;
   StageProgram.weight); its data-parallel buckets are ready as the last micro-batch's W makes them. A P2P
   transfer starts when the sender has finished the step and the receiver has posted its receive (on
@@ -40,9 +40,9 @@ from functools import cached_property, lru_cache
 from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
-from harness.events import SHARDED_KINDS, EventPlan
-from harness.schedules import device_steps, virtual_stage
-from harness.spec import JobSpec
+from harness.plan.events import SHARDED_KINDS, EventPlan
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
 
 from analysis.costs import Costs
 from analysis.intervals import spans
@@ -332,7 +332,7 @@ MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computi
 
 @lru_cache(maxsize=1024)
 def _device_steps(schedule: str, stage: int, pp: int, micro_batches: int, chunks: int) -> tuple:
-    """harness.schedules.device_steps, kept: a search simulates one layout hundreds of times (its intervals)."""
+    """harness.plan.schedules.device_steps, kept: a search simulates one layout hundreds of times (its intervals)."""
     return tuple(device_steps(schedule, stage, pp, micro_batches, chunks))
 
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from harness.hdf5_schema import COMPUTE_PHASE_ATTR
+from harness.store.hdf5_schema import COMPUTE_PHASE_ATTR
 
 from analysis.profile_reader import Profile
 

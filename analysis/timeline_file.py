@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-from harness.hdf5_io import (GROUP_CREATION, create, create_group, open_file, read_attrs, read_column, reading,
+from harness.store.hdf5_io import (GROUP_CREATION, create, create_group, open_file, read_attrs, read_column, reading,
                              write_dataset, write_text)
-from harness.hdf5_schema import READ_VERSIONS, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION
+from harness.store.hdf5_schema import READ_VERSIONS, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION
 
 from analysis.report import strategy_label
 from analysis.simulate import Timeline
@@ -78,7 +78,7 @@ def _write_scalar_attrs(gid: h5py.h5g.GroupID, values: dict[str, int | float]) -
 
 def read_timeline(path: str | Path) -> dict[str, Any]:
     """Read a timeline file: {"attrs": root attributes, "summary": columns, "devices": {rank: {"attrs", columns}}};
-    checked and verified (harness.hdf5_io.open_file)."""
+    checked and verified (harness.store.hdf5_io.open_file)."""
     with open_file(path, TIMELINE_KIND, READ_VERSIONS) as f, reading(Path(path), TIMELINE_KIND):
         attrs = read_attrs(f)
         summary = {k: f["summary"][k][()] for k in f["summary"]}

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
-from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS,
+from harness.store.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
+from harness.store.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS,
                                   TRACE_LAYER_GROUP)
 
 
@@ -223,7 +223,7 @@ class Trace:
 
 def read_trace(path: str | Path) -> Trace:
     """Load a whole trace.h5 into memory (a few MB for realistic runs), checked and verified
-    (harness.hdf5_io.open_file); UserError if it is missing, damaged or not a merged trace."""
+    (harness.store.hdf5_io.open_file); UserError if it is missing, damaged or not a merged trace."""
     path = Path(path)
     if path.is_dir():  # a RUNDIR of `harness train`
         path = path / "trace.h5"

@@ -28,8 +28,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from harness.events import EventPlan
-from harness.precision import BATCHES, MIN_BATCHED
+from harness.plan.events import EventPlan
+from harness.plan.precision import BATCHES, MIN_BATCHED
 
 from analysis.calibration import model_residuals
 from analysis.costs import Costs, SampleSet
@@ -73,7 +73,7 @@ class BatchTimeInterval:
 def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """`resamples` values of the statistic, each of a circular block resample of the samples in the order taken:
     blocks of n // BATCHES consecutive samples (1 below MIN_BATCHED samples: a plain bootstrap) from random
-    starts, wrapping past the end, joined up to n (harness.precision says why samples in a row are not independent)."""
+    starts, wrapping past the end, joined up to n (harness.plan.precision says why samples in a row are not independent)."""
     values = samples.values[np.isfinite(samples.values)]
     n = values.size
     if n <= 1:

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import UserError
-from harness.events import EventPlan, build_plan
-from harness.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
-from harness.layers import LayerDesc
+from harness.common.errors import UserError
+from harness.plan.events import EventPlan, build_plan
+from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
+from harness.plan.layers import LayerDesc
 
 from analysis.costs import Costs, estimate_costs
 from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory, released_bytes

@@ -19,7 +19,7 @@ measures it), which one profile and one run, each a few seconds, cannot. Goals: 
 at most 5% in every row (DistSim reports under 4% and 5% on GPUs); the memory model's error (each stage's
 predicted peak against the run's, the largest, median over trials) at most 3%, against the project's meter
 (which counts what the model counts, temporaries left out) and against PyTorch's own accounting: each trial
-also trains its job for 3 iterations under torch's MemTracker (harness.profilers.pytorch_tracker), which sees
+also trains its job for 3 iterations under torch's MemTracker (harness.profile.pytorch_tracker), which sees
 every storage, the backward's temporaries included (goal: within 2%; `--no-tracker` leaves it out).
 A closing line counts the trials whose run's median lies inside their prediction's 90% interval (analysis
 validate's `measured_in_interval`; goal: 90% of them) and the intervals' mean width.
@@ -150,8 +150,8 @@ def tracked_run(spec_path: str, rundir: str) -> None:
     category to RUNDIR/tracker.json (rank 0)."""
     from mpi4py import MPI
 
-    from harness.profilers.memory import pytorch_tracker, tracker_peak
-    from harness.spec import load_spec
+    from harness.profile.memory import pytorch_tracker, tracker_peak
+    from harness.plan.spec import load_spec
     from harness.train.runner import run_training
 
     comm = MPI.COMM_WORLD
@@ -171,9 +171,9 @@ def tracker_rows(workdir: Path) -> list[dict] | None:
     from analysis.memory import activation_bytes, estimate_memory, released_bytes
     from analysis.profile_reader import layers_for, load_profile
     from analysis.trace_reader import read_trace
-    from harness.events import build_plan
-    from harness.hdf5_schema import PEAK_MEMORY_ATTR
-    from harness.spec import load_spec
+    from harness.plan.events import build_plan
+    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
+    from harness.plan.spec import load_spec
 
     peaks = json.loads(found.read_text())
     profile = load_profile(workdir / "prof")

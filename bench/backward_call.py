@@ -8,7 +8,7 @@ loss), medians over the repeats of the host's time:
   per layer   one backward() per layer (each on its own graph, as the profiler does), summed
   one call    one backward() over the same layers chained, as in a training step
 The difference of the two over (layers - 1) is what the sum counts too often. Beside it, what the profiler
-stores (harness.profilers.compute.measure_backward_call: the same difference on tiny linear layers).
+stores (harness.profile.compute.measure_backward_call: the same difference on tiny linear layers).
 
     python bench/backward_call.py SPEC.toml [--device cuda:0] [--repeats N]
 """
@@ -20,8 +20,8 @@ import statistics
 import torch
 
 from harness.models import build_layer
-from harness.profilers.compute import backward_call_times, measure_backward_call
-from harness.spec import load_spec
+from harness.profile.compute import backward_call_times, measure_backward_call
+from harness.plan.spec import load_spec
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.output import format_table  # noqa: E402
+from harness.common.output import format_table  # noqa: E402
 
 MEMORY_LIMIT = 3.0  # peak memory over JSON size
 

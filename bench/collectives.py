@@ -62,7 +62,7 @@ def report_benchmarks(files: list[Path]) -> None:
 def report_profile(path: str) -> None:
     from analysis.costs import estimate_costs, held_out_checks
     from analysis.profile_reader import layers_for, load_profile, resolve_spec
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     profile = load_profile(path)
     spec = resolve_spec(profile, None, None)

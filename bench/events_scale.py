@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.events import build_plan  # noqa: E402
-from harness.spec import loads_spec  # noqa: E402
+from harness.plan.events import build_plan  # noqa: E402
+from harness.plan.spec import loads_spec  # noqa: E402
 
 SPEC = """
 [model]

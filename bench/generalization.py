@@ -6,7 +6,7 @@
 Drawing (numpy's Generator from --seed; the same seed and --ranks give the same jobs on any machine): each
 job picks, uniformly, a model family (gpt2, bert, llama, or the factory model bench/factory_model.py), a
 layout dp x tp x pp of exactly --ranks devices (tp = 1 for the factory model), a schedule (any of
-harness.schedules.SCHEDULES when pp > 1, the zero-bubble ones only at tp = 1; 1f1b without a pipeline),
+harness.plan.schedules.SCHEDULES when pp > 1, the zero-bubble ones only at tp = 1; 1f1b without a pipeline),
 2 or 3 chunks for an interleaved schedule, then layers (at most 6), hidden (64-320, a multiple of 32), heads
 (hidden divisible by heads, an even head size, tp dividing heads), kv_heads (llama: a divisor of heads that tp
 divides), ffn (2-4 x hidden, a multiple of 32), seq_len (32-128), vocab (256-8192, a multiple of tp), the
@@ -17,7 +17,7 @@ context parallelism: cp a divisor of dp (1 included) that divides seq_len / 2, t
 built-in family with tp = 1, cp = 1, no zero and no split backward, Mixture-of-Experts blocks or not: 2, 4 or
 8 experts, top-1 or top-2, expert_ffn 1-2 x hidden, uniform, zipf:0.8 or zipf:1.2 routing, and ep a divisor of dp
 that divides the experts. Every drawn spec
-is validated by the project's own loader (harness.spec.parse_spec); one it refuses is drawn again from the same Generator,
+is validated by the project's own loader (harness.plan.spec.parse_spec); one it refuses is drawn again from the same Generator,
 so the redraws are as deterministic as the draws. The sizes stay small: a job profiles and runs in seconds
 on 2 CPU cores.
 
@@ -64,9 +64,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.accuracy import ROOT, interval_width_pct, median_of, run, tracker_rows, validate  # noqa: E402
-from harness.errors import UserError  # noqa: E402
-from harness.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, zero_bubble_rounds  # noqa: E402
-from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec  # noqa: E402
+from harness.common.errors import UserError  # noqa: E402
+from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, zero_bubble_rounds  # noqa: E402
+from harness.plan.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec  # noqa: E402
 
 DEFAULT_SEED = 20261201  # picked once; never tune it to its jobs (the docstring's last paragraph)
 RANK_CHOICES = (2, 4)
@@ -110,7 +110,7 @@ def layer_counts(family: str, pp: int, chunks: int) -> list[int]:
 
 def micro_batch_counts(schedule: str, pp: int) -> list[int]:
     """The micro-batch counts the schedule runs: interleaved-1f1b a multiple of pp, the zero-bubble schedules a
-    multiple of their rounds (harness.schedules.zero_bubble_rounds)."""
+    multiple of their rounds (harness.plan.schedules.zero_bubble_rounds)."""
     if schedule == "interleaved-1f1b":
         return [m for m in MICRO_BATCH_COUNTS if m % pp == 0]
     if schedule in SPLIT_BACKWARD:
@@ -188,7 +188,7 @@ def job_name(spec: JobSpec) -> str:
 
 
 def draw_jobs(seed: int, count: int, ranks: int, *, repeats: int = 20, budget_s: float = 5.0) -> list[DrawnJob]:
-    """`count` jobs drawn from `seed` for `ranks` devices, each accepted by harness.spec's loader (a refused
+    """`count` jobs drawn from `seed` for `ranks` devices, each accepted by harness.plan.spec's loader (a refused
     draw is drawn again). repeats and budget_s go into every spec's [profile] and draw nothing."""
     rng = np.random.default_rng(seed)
     jobs = []

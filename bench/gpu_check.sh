@@ -65,7 +65,7 @@ print(subprocess.run(['$MPIRUN', '--version'], capture_output=True, text=True).s
 # CUDA events against the wall clock (synchronized) for one region of known work.
 step 01-timer $PY -c "
 import time, torch
-from harness.profilers.timer import synchronize, time_region
+from harness.profile.timer import synchronize, time_region
 device = torch.device('$DEVICE')
 n = 8192 if device.type == 'cuda' else 512
 dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32

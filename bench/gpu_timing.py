@@ -3,9 +3,9 @@
 A training step keeps the GPU's queue full: the host issues a layer while the GPU still runs earlier ones.
 A sample taken after a synchronize starts on an idle GPU, whose kernels then wait for their own launches.
 Per compute event of a spec, medians over the repeats:
-  isolated   CUDA events around one sample after a synchronize (harness.profilers.timer.time_region)
+  isolated   CUDA events around one sample after a synchronize (harness.profile.timer.time_region)
   issued     the same with the GPU held busy while the host issues the sample: the device's time alone
-             (harness.profilers.timer.time_issued, what the profiler stores for forwards and backwards)
+             (harness.profile.timer.time_issued, what the profiler stores for forwards and backwards)
   host       the host's time to issue one sample while the GPU is held busy
   x4 device, x4 host
              the profiler's own samples (ComputeRunner): the mean of 4 issued back to back, as a stage
@@ -22,10 +22,10 @@ import statistics
 
 import torch
 
-from harness.events import build_plan
-from harness.profilers.compute import ComputeRunner, _forward
-from harness.profilers.timer import time_issued, time_region
-from harness.spec import load_spec
+from harness.plan.events import build_plan
+from harness.profile.compute import ComputeRunner, _forward
+from harness.profile.timer import time_issued, time_region
+from harness.plan.spec import load_spec
 
 LEAD_S = 0.01  # longer than any layer here takes to issue
 

@@ -51,7 +51,7 @@ def evaluate(files: dict[str, Path]) -> dict:
     from analysis.collectives import load, profile_points
     from analysis.costs import fit_alpha_beta
     from analysis.network import calibrated_network
-    from harness.network import contiguous_span
+    from harness.plan.network import contiguous_span
 
     calibration = load([files["inter"], files["intra"]])
     (held_out,) = load([files["held-out"]])
@@ -80,7 +80,7 @@ def evaluate(files: dict[str, Path]) -> dict:
 def report(result: dict) -> str:
     from analysis.commands.network import describe
     from analysis.network import NetworkModel  # noqa: F401  (describe's argument type)
-    from harness.output import format_table
+    from harness.common.output import format_table
 
     held = sum(s["holds"] for s in result["summary"].values())
     lines = [f"network model held out: {held} of {len(result['summary'])} operations within "
@@ -109,8 +109,8 @@ NVLINK_GBS, RING_BUSBW_GBS, PUBLISHED_BYTES = 450.0, 369.0, 8 << 30
 def published() -> dict:
     """The model of an H100 cluster against the published all-reduce bus bandwidths (docstring, part 3)."""
     from analysis.network import spec_network
-    from harness.collectives import bus_factor
-    from harness.network import contiguous_span, parse_network
+    from harness.plan.collectives import bus_factor
+    from harness.plan.network import contiguous_span, parse_network
 
     tiers = parse_network([dict(name="nvlink", size=8, bandwidth_gbs=NVLINK_GBS,
                                 efficiency=RING_BUSBW_GBS / NVLINK_GBS, nvls=True),
@@ -128,7 +128,7 @@ def published() -> dict:
 
 
 def published_report(result: dict) -> str:
-    from harness.output import format_table
+    from harness.common.output import format_table
 
     rows = [[r["system"], r["nodes"], r["published_busbw_gbs"], r["model_busbw_gbs"], 100 * r["error"],
              r["algorithm"]] for r in result["rows"]]

@@ -148,7 +148,7 @@ def compare(args: argparse.Namespace) -> dict:
 
 
 def report(result: dict) -> str:
-    from harness.output import format_table
+    from harness.common.output import format_table
 
     s = result["summary"]
     lines = [f"time: median |error| over the {s['jobs'] - 1} jobs after the calibration one: this project "

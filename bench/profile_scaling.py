@@ -20,8 +20,8 @@ import h5py
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.events import build_plan  # noqa: E402
-from harness.spec import loads_spec  # noqa: E402
+from harness.plan.events import build_plan  # noqa: E402
+from harness.plan.spec import loads_spec  # noqa: E402
 
 SPEC = """
 [model]

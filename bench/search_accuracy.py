@@ -212,9 +212,9 @@ def run_round(found: dict, spec: Path, folder: Path, index: int, args: argparse.
     """Run every predicted candidate of one round's search, in the round's order; per candidate label, its
     prediction, the run's median and both peaks."""
     from analysis.trace_reader import read_trace
-    from harness.candidates import candidate_label, expand
-    from harness.hdf5_schema import PEAK_MEMORY_ATTR
-    from harness.spec import load_spec
+    from harness.plan.candidates import candidate_label, expand
+    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
+    from harness.plan.spec import load_spec
 
     jobs = {candidate_label(job): job for job in expand(load_spec(spec, import_factory=False)).candidates}
     candidates = [c for c in found["candidates"] if c["batch_time_s"] is not None]

@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.events import build_plan  # noqa: E402
-from harness.spec import parse_spec  # noqa: E402
+from harness.plan.events import build_plan  # noqa: E402
+from harness.plan.spec import parse_spec  # noqa: E402
 
 from analysis.costs import estimate_costs  # noqa: E402
 from analysis.devices import select_devices  # noqa: E402

@@ -4,7 +4,7 @@ Compute times from FLOPs at a plausible bf16 rate (optimizer steps from their me
 forward saves from Korthikanti et al.'s count for a transformer block (a few bytes per token for the
 embedding and head), communication measured as 2 nodes of 8 would measure it (all-reduce sweeps over 2..16
 ranks, P2P sweeps, intra and inter node), so that larger groups are extrapolated by the alpha-beta fit. The
-file is written by harness.profile_store, as `harness profile` writes it; a spec with [search] gets the union
+file is written by harness.store.profile_store, as `harness profile` writes it; a spec with [search] gets the union
 of its candidates' events.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.events import event_id, events_to_profile
-from harness.hdf5_schema import ACTIVATION_BYTES_ATTR
-from harness.profile_store import Measurement, write_profile
-from harness.spec import JobSpec
+from harness.plan.events import event_id, events_to_profile
+from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR
+from harness.store.profile_store import Measurement, write_profile
+from harness.plan.spec import JobSpec
 
 COMPUTE_FLOPS = 400e12  # sustained bf16 FLOP/s of one GPU
 OPTIMIZER_BYTES_PER_PARAM, MEMORY_BW = 16, 2.5e12  # Adam reads and writes ~16 bytes per parameter

@@ -18,8 +18,8 @@ from typing import Any
 
 from typing import Mapping
 
-from harness.events import INTER, INTRA, SHARDED_KINDS, Event, UniqueEvents, composite_content, event_id
-from harness.collectives import ELEMENT_BYTES, round_size
+from harness.plan.events import INTER, INTRA, SHARDED_KINDS, Event, UniqueEvents, composite_content, event_id
+from harness.plan.collectives import ELEMENT_BYTES, round_size
 from launcher.topology import Topology
 
 SWEEP_FACTOR = 4  # between a sweep's sizes: powers of 4 times MIN_SWEEP_BYTES
@@ -149,7 +149,7 @@ def place(unique: UniqueEvents, topology: Topology, skip: set[str] = frozenset()
             swept.setdefault((kind, placement, size, ranks, dtype), set()).add(event.bytes)
     for (kind, placement, size, ranks, dtype), needs in swept.items():
         for nbytes in sorted(needs) + profile_sweep(sorted(needs)):  # the needs again: a stand-in's or a kind's own
-            if kind in SHARDED_KINDS or kind == "alltoall":  # whole elements per rank (harness.collectives)
+            if kind in SHARDED_KINDS or kind == "alltoall":  # whole elements per rank (harness.plan.collectives)
                 nbytes = round_size(kind, nbytes, dtype if dtype in ELEMENT_BYTES else "float32", size)
             content = {"kind": kind, "bytes": int(nbytes), "dtype": dtype, "placement": placement}
             if kind != "p2p":
@@ -206,7 +206,7 @@ def benchmark_group(topology: Topology, group: str) -> tuple[tuple[int, ...], st
     one node); `intra` the ranks of one node (rank 0's, else the first with two ranks); `inter` the first
     rank of every node, so that every link it uses crosses nodes. UserError where the topology has no such
     group of two or more ranks."""
-    from harness.errors import UserError
+    from harness.common.errors import UserError
 
     if group == "all":
         return tuple(range(topology.size)), INTRA if topology.nodes == 1 else INTER

@@ -10,8 +10,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from harness.errors import UserError
-from harness.launch_env import promised_world_size
+from harness.common.errors import UserError
+from harness.common.launch_env import promised_world_size
 
 # Test-only: pretend every `k` consecutive ranks form one node (multi-node placement on one machine).
 EMULATE_VAR = "DISTSIM_EMULATE_RANKS_PER_NODE"

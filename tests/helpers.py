@@ -46,7 +46,7 @@ def check_layer_rows(spec, trace, slack_s: float = 1e-4) -> None:
     """What a trace of `harness train --layer-times` must hold: for every compute step, one interval per module
     of its stage, inside the step, named by the plan's event of that module and phase, back to back in the
     stage's order (a backward's in reverse)."""
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(spec)
     for rank, device in trace.devices.items():

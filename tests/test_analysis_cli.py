@@ -15,8 +15,8 @@ import pytest
 from analysis.cli import main
 from analysis.profile_reader import parse_spec_offline
 from analysis.timeline_file import read_timeline
-from harness.layers import LayerDesc
-from harness.hdf5_schema import SENDER_BUSY_SERIES
+from harness.plan.layers import LayerDesc
+from harness.store.hdf5_schema import SENDER_BUSY_SERIES
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_python, write_handmade_profile
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
@@ -175,7 +175,7 @@ def test_offline_run_loads_neither_torch_nor_mpi4py(tmp_path):
             runpy.run_module("analysis", run_name="__main__", alter_sys=True)
         except SystemExit as exit:
             status = exit.code
-        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.profilers",
+        loaded = sorted(m for m in ("torch", "mpi4py", "tests.user_model", "harness.models", "harness.profile",
                                   "harness.train", "launcher")
                         if m in sys.modules)
         print("LOADED", loaded, file=sys.stderr)

@@ -9,9 +9,9 @@ from analysis.cli import main
 from analysis.costs import INTERPOLATED, MODELLED, UNAVAILABLE, comm_curves, estimate_costs, fit_alpha_beta
 from analysis.predict import predict
 from analysis.profile_reader import load_profile
-from harness.events import build_plan
-from harness.hdf5_schema import DIVIDE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
-from harness.profile_store import Measurement
+from harness.plan.events import build_plan
+from harness.store.hdf5_schema import DIVIDE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+from harness.store.profile_store import Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
 ALPHA, BETA = 5e-6, 1e-10  # 10 GB/s links
@@ -362,7 +362,7 @@ def test_events_of_a_run_without_a_probe_stay_as_taken_and_say_so(tmp_path):
 
 
 def test_a_tensor_parallel_shard_with_its_composite_is_left_as_taken(tmp_path):
-    from harness.events import composite_content, event_id
+    from harness.plan.events import composite_content, event_id
 
     spec = make_spec(tp=2, micro_batches=2, layers=1)
     plan = build_plan(spec)

@@ -1,5 +1,5 @@
 """Hand-made profiles for the analysis tests: a plan's events with chosen durations, written with
-harness.profile_store.write_profile exactly as the harness writes a merged profile.h5."""
+harness.store.profile_store.write_profile exactly as the harness writes a merged profile.h5."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,13 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from harness.events import Event, UniqueEvents, build_plan, event_id
-from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
+from harness.plan.events import Event, UniqueEvents, build_plan, event_id
+from harness.store.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
                                   RANK_SPEED_PROBE_ENV, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
                                   compute_phase_key)
-from harness.layers import LayerDesc
-from harness.spec import JobSpec, parse_spec
-from harness.profile_store import Measurement, write_profile
+from harness.plan.layers import LayerDesc
+from harness.plan.spec import JobSpec, parse_spec
+from harness.store.profile_store import Measurement, write_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.events import build_plan
+from harness.plan.events import build_plan
 from analysis.costs import Costs
 from analysis.simulate import COMM_TRACK, COMPUTE_TRACK, DP_ALLREDUCE, OPTIMIZER, simulate
 from tests.test_analysis_helpers import make_spec

@@ -221,7 +221,7 @@ def test_composite_replaces_a_tensor_parallel_layer_and_its_all_reduces():
     compute alone does not explain; other layers are untouched."""
     from analysis.costs import Costs
     from analysis.simulate import stage_costs
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     spec = make_spec(tp=2, micro_batches=1, layers=2)
     plan = build_plan(spec)
@@ -253,7 +253,7 @@ def test_a_gpu_step_runs_as_the_host_issues_its_layers():
 def one_stage(seconds: float):
     """A 2-block, 1-stage plan with every event costed `seconds`: (plan, its first stage, costs)."""
     from analysis.costs import Costs
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(make_spec(micro_batches=1, layers=2))
     return plan, plan.stages[0], Costs.from_seconds(plan, {eid: seconds for eid in plan.events})

@@ -12,9 +12,9 @@ from analysis.predict import predict
 from analysis.profile_reader import load_profile
 from analysis.simulate import simulate
 from analysis.skew import RankSpeedSeries, ReplicaSkew, expected_max_of_normals, replica_skew
-from harness.events import build_plan
-from harness.hdf5_schema import SAMPLE_END_SERIES
-from harness.profile_store import Measurement
+from harness.plan.events import build_plan
+from harness.store.hdf5_schema import SAMPLE_END_SERIES
+from harness.store.profile_store import Measurement
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 
 STEP = 0.01  # seconds between sample ends, and every event's median

@@ -1,28 +1,41 @@
-"""The data flow's boundaries, read from the sources (not from what one command happened to import).
+"""The data flow's boundaries, by package, read from the sources (not from what one command happened to import).
 
-Rules, each checked at any depth (module level or inside a function) in the package's own modules, and at
-module level in the project modules it imports, followed on:
-- `analysis` runs offline: it never imports torch, mpi4py, the launcher or the runtime half of the harness
-  (profilers, training, models, MPI helpers, commands);
-- `harness` never imports `analysis` (the data flows harness -> analysis);
-- `launcher` uses harness's events and other pure harness modules, never the runtime half nor `analysis`.
+Each stage is a package; DEPENDS says which packages each may import, at any depth (module level or inside a
+function), and HEAVY which third-party runtimes it must never import. The table is a one-way graph (checked), so
+no two packages import each other, and `analysis` runs offline: it reaches only the pure and storage halves of
+the harness, never torch, mpi4py or the launcher.
 """
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 from tests.conftest import ROOT
 
-HARNESS_RUNTIME = ("harness.profilers", "harness.train", "harness.models", "harness.distributed", "harness.profiling",
-                   "harness.host_memory", "harness.mpi_errors", "harness.commands")
-FORBIDDEN = {"analysis": ("torch", "mpi4py", "launcher", *HARNESS_RUNTIME),
-             "harness": ("analysis",),
-             "launcher": ("analysis", *HARNESS_RUNTIME)}
-PROJECT_PACKAGES = ("harness", "analysis", "launcher")
-# Function-level imports of the runtime in the harness's pure modules, each used only where the analysis never
-# goes (tests/test_analysis_cli.py runs a user model's simulation and checks that torch stays unloaded):
-KNOWN_LAZY = {("harness.layers", "harness.models.user")}  # a factory model without its stored description
+HARNESS_BASE = ("harness.common",)
+DEPENDS = {
+    "harness.common": (),
+    "harness.plan": ("harness.common",),
+    "harness.store": ("harness.common", "harness.plan"),
+    "launcher": ("harness.common", "harness.plan"),
+    "harness.models": ("harness.common", "harness.plan"),
+    "harness.runtime": ("harness.common", "launcher"),
+    "harness.profile": ("harness.common", "harness.plan", "harness.store", "harness.runtime", "harness.models",
+                        "launcher"),
+    "harness.train": ("harness.common", "harness.plan", "harness.store", "harness.runtime", "harness.models",
+                      "harness.profile", "launcher"),
+    "harness.commands": ("harness.common", "harness.plan", "harness.store", "harness.runtime", "harness.models",
+                         "harness.profile", "harness.train", "launcher"),
+    "harness": ("harness.commands",),  # the package's own __init__ and __main__
+    "analysis": ("harness.common", "harness.plan", "harness.store"),
+}
+HEAVY = {"harness.common": ("torch", "mpi4py", "h5py"),
+         "harness.plan": ("torch", "mpi4py", "h5py"),
+         "harness.store": ("torch", "mpi4py"),
+         "launcher": ("torch",),
+         "analysis": ("torch", "mpi4py")}
+PROJECT = ("harness", "analysis", "launcher")
 
 
 def _module_file(name: str, root: Path) -> Path | None:
@@ -33,111 +46,110 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
-def _imports(path: Path, module: str, root: Path = ROOT) -> list[tuple[str, bool]]:
-    """(imported module, at module level?) for every import in a file; `from x import y` also yields x.y, which
-    is a module where one exists."""
+def _imports(path: Path, module: str, root: Path = ROOT) -> list[str]:
+    """Every module a file imports, at any depth; `from x import y` also yields x.y where that is a module."""
     tree = ast.parse(path.read_text(), str(path))
-    top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(alias.name, id(node) in top_level) for alias in node.names]
+            found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the module's own package
                 package = module.split(".")[: -node.level] if not path.name == "__init__.py" else module.split(".")
                 base = ".".join(package + ([base] if base else []))
-            found.append((base, id(node) in top_level))
-            found += [(f"{base}.{alias.name}", id(node) in top_level) for alias in node.names
+            found.append(base)
+            found += [f"{base}.{alias.name}" for alias in node.names
                       if _module_file(f"{base}.{alias.name}", root) is not None]
     return found
 
 
-def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def package_of(module: str) -> str:
+    """The stage package a project module belongs to: the longest DEPENDS key that contains it."""
+    return max((p for p in DEPENDS if module == p or module.startswith(p + ".")), key=len)
 
 
-def _package_modules(package: str, root: Path) -> list[str]:
+def _modules(root: Path) -> list[str]:
     return sorted(".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-                  for p in (root / package).rglob("*.py"))
+                  for package in PROJECT for p in (root / package).rglob("*.py"))
 
 
-def crossings(package: str, root: Path = ROOT) -> tuple[list[str], set[tuple[str, str]], set[str]]:
-    """What `package` imports against its rule (FORBIDDEN): (violations, lazy, modules seen). Every import of the
-    package's own modules counts; of the project modules they import, what loads with them (module level), and a
-    forbidden import inside one of their functions is `lazy` (module, name) instead."""
-    forbidden = FORBIDDEN[package]
-    seen, violations, lazy = set(), [], set()
-    queue = [(m, True) for m in _package_modules(package, root)]
-    while queue:
-        module, own = queue.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        path = _module_file(module, root)
-        if path is None:
-            continue
-        for name, top in _imports(path, module, root):
-            if _matches(name, forbidden):
-                if own or top:
-                    violations.append(f"{module} imports {name}")
-                else:
-                    lazy.add((module, name))
-            elif _matches(name, PROJECT_PACKAGES) and (own or top):
-                queue.append((name, _matches(name, (package,))))
-    return violations, lazy, seen
+def crossings(root: Path = ROOT) -> tuple[list[str], dict[str, set[str]]]:
+    """(imports against DEPENDS or HEAVY, the package graph the sources draw)."""
+    violations, graph = [], {p: set() for p in DEPENDS}
+    for module in _modules(root):
+        own = package_of(module)
+        for name in _imports(_module_file(module, root), module, root):
+            top = name.split(".")[0]
+            if top in HEAVY.get(own, ()):
+                violations.append(f"{module} imports {name}")
+            if top not in PROJECT:
+                continue
+            other = package_of(name)
+            if other == own:
+                continue
+            graph[own].add(other)
+            if other not in DEPENDS[own]:
+                violations.append(f"{module} imports {name} ({own} may use {', '.join(DEPENDS[own]) or 'nothing'})")
+    return violations, graph
 
 
-def test_the_analysis_imports_nothing_of_the_runtime():
-    violations, lazy, seen = crossings("analysis")
+def test_every_import_follows_the_flow():
+    violations, graph = crossings()
     assert not violations, "\n".join(violations)
-    assert lazy <= KNOWN_LAZY, f"new function-level imports of the runtime in pure harness modules: {lazy - KNOWN_LAZY}"
-    assert len([m for m in seen if m.startswith("analysis.")]) > 10
-    assert {"harness.spec", "harness.events", "harness.hdf5_io", "harness.profile_reader"} <= seen
+    assert "harness.store" in graph["analysis"] and "harness.plan" in graph["launcher"]
 
 
-def test_the_harness_never_imports_the_analysis():
-    violations, lazy, seen = crossings("harness")
-    assert not violations, "\n".join(violations)
-    assert not lazy
-    assert {"harness.commands.show", "harness.commands.collectives", "harness.profilers.compute"} <= seen
+def test_the_packages_import_one_way():
+    list(TopologicalSorter({p: set(d) for p, d in DEPENDS.items()}).static_order())  # raises on a cycle
+    _, graph = crossings()
+    list(TopologicalSorter(graph).static_order())
 
 
-def test_the_launcher_uses_only_pure_harness_modules():
-    violations, lazy, seen = crossings("launcher")
-    assert not violations, "\n".join(violations)
-    assert lazy <= KNOWN_LAZY, f"new function-level imports of the runtime in pure harness modules: {lazy - KNOWN_LAZY}"
-    assert {"launcher.placement", "launcher.topology", "harness.events"} <= seen
+def test_every_module_lies_in_a_stage_package():
+    """A new module of the harness goes in a stage package, not beside them."""
+    loose = [m for m in _modules(ROOT) if package_of(m) == "harness" and m not in ("harness", "harness.__main__")]
+    assert not loose, loose
 
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):
     """The reader finds imports at any depth, so a lazy `import torch` in an analysis function would fail."""
     source = tmp_path / "m.py"
     source.write_text("import json\n\ndef f():\n    if True:\n        from mpi4py import MPI\n")
-    assert ("mpi4py", False) in _imports(source, "m") and ("json", True) in _imports(source, "m")
+    assert {"mpi4py", "json"} <= set(_imports(source, "m"))
 
 
 def test_the_check_flags_planted_imports(tmp_path):
-    """A small copy of the three packages with forbidden imports planted in each: every one is reported, those
-    inside functions too, and nothing once they are gone."""
+    """A small tree with forbidden imports planted: every one is reported, those inside functions too, a cycle is
+    found, and nothing is reported once they are gone."""
     files = {"harness/__init__.py": "",
-             "harness/events.py": "import json\n",
-             "harness/report.py": "def show():\n    from analysis.costs import Costs\n",
-             "harness/profiling.py": "import torch\n",
+             "harness/plan/__init__.py": "",
+             "harness/plan/events.py": "import json\n\ndef f():\n    import torch\n",
+             "harness/store/__init__.py": "",
+             "harness/store/report.py": "def show():\n    from analysis.costs import Costs\n",
+             "harness/profile/__init__.py": "",
+             "harness/profile/run.py": "import torch\nfrom harness.plan import events\n",
              "analysis/__init__.py": "",
-             "analysis/costs.py": "from harness import events\n\ndef f():\n    from launcher import topology\n",
+             "analysis/costs.py": "from harness.plan import events\n\ndef f():\n    from launcher import topology\n",
              "launcher/__init__.py": "",
-             "launcher/topology.py": "from harness.events import json\n\ndef g():\n    import harness.profiling\n",
-             "launcher/placement.py": "from analysis import costs\n"}
+             "launcher/topology.py": "from harness.plan.events import json\n\ndef g():\n    import harness.profile.run\n"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert crossings("harness", tmp_path)[0] == ["harness.report imports analysis.costs"]
-    assert sorted(crossings("analysis", tmp_path)[0]) == ["analysis.costs imports launcher",
-                                                          "analysis.costs imports launcher.topology"]
-    assert sorted(crossings("launcher", tmp_path)[0]) == ["launcher.placement imports analysis",
-                                                          "launcher.placement imports analysis.costs",
-                                                          "launcher.topology imports harness.profiling"]
-    (tmp_path / "harness/report.py").write_text("def show():\n    return 0\n")
-    assert crossings("harness", tmp_path) == ([], set(), {"harness", "harness.events", "harness.report",
-                                                          "harness.profiling"})
+    violations, graph = crossings(tmp_path)
+    assert sorted(v.split(" (")[0] for v in violations) == [
+        "analysis.costs imports launcher", "analysis.costs imports launcher.topology",
+        "harness.plan.events imports torch", "harness.store.report imports analysis.costs",
+        "launcher.topology imports harness.profile.run"]
+    graph["harness.plan"].add("harness.store")  # store -> plan is drawn nowhere here; plant the cycle by hand
+    graph["harness.store"].add("harness.plan")
+    try:
+        list(TopologicalSorter(graph).static_order())
+        raise AssertionError("a cycle went unseen")
+    except CycleError:
+        pass
+    for name, text in {"harness/plan/events.py": "import json\n", "harness/store/report.py": "",
+                       "analysis/costs.py": "from harness.plan import events\n",
+                       "launcher/topology.py": "from harness.plan.events import json\n"}.items():
+        (tmp_path / name).write_text(text)
+    assert crossings(tmp_path)[0] == []

@@ -13,7 +13,7 @@ import analysis.kineto as kineto
 from analysis.activity import innermost, load_run, load_runs
 from analysis.breakdown import CATEGORIES, breakdown, phase_summary, to_json
 from analysis.cli import main
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 US = 1e-6

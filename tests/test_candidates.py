@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from harness.candidates import candidate_label, expand
-from harness.errors import SpecError, UserError
-from harness.events import build_plan, events_to_profile
-from harness.spec import loads_spec
+from harness.plan.candidates import candidate_label, expand
+from harness.common.errors import SpecError, UserError
+from harness.plan.events import build_plan, events_to_profile
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 

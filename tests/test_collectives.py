@@ -10,11 +10,11 @@ import h5py
 import numpy as np
 import pytest
 
-from harness.collectives import (OPS, SizeResult, average_busbw, bus_factor, expected_output, input_values,
+from harness.plan.collectives import (OPS, SizeResult, average_busbw, bus_factor, expected_output, input_values,
                                  parse_size, round_size, sweep_sizes)
-from harness.collectives_file import CollectivesRun, read_collectives, write_collectives
-from harness.errors import UserError
-from harness.hdf5_io import plain
+from harness.store.collectives_file import CollectivesRun, read_collectives, write_collectives
+from harness.common.errors import UserError
+from harness.store.hdf5_io import plain
 from tests.conftest import ROOT
 from tests.helpers import mpirun_harness
 
@@ -88,7 +88,7 @@ def test_expected_outputs_match_the_operations(op, ranks):
 
 
 def test_check_counts_wrong_elements():
-    from harness.profilers.collectives import CollectiveBench
+    from harness.profile.collectives import CollectiveBench
 
     class _Comm:
         def Get_size(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.collectives import OPS, round_size
+from harness.plan.collectives import OPS, round_size
 
 
 def _world():
@@ -32,7 +32,7 @@ def _check(results, comm) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_every_operation_right_through_mpi4py():
-    from harness.profilers.collectives import CollectiveBench
+    from harness.profile.collectives import CollectiveBench
 
     comm = _world()
     sub = comm.Dup()
@@ -47,9 +47,9 @@ def test_every_operation_right_through_torch_on_a_subgroup():
     import torch
     import torch.distributed as dist
 
-    from harness.distributed import destroy_process_group, init_process_group
-    from harness.mpi_errors import yielding_barrier
-    from harness.profilers.collectives import CollectiveBench
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from harness.runtime.mpi_errors import yielding_barrier
+    from harness.profile.collectives import CollectiveBench
     from launcher.topology import discover
 
     comm = _world()

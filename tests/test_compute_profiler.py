@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from harness.events import build_plan
-from harness.profilers.compute import (ComputeRunner, backward_call_times, heavy_light_order, last_level_cache_bytes,
+from harness.plan.events import build_plan
+from harness.profile.compute import (ComputeRunner, backward_call_times, heavy_light_order, last_level_cache_bytes,
                                        measure_backward_call, measure_compute_share, measure_split_call)
-from harness.spec import loads_spec
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 
@@ -72,7 +72,7 @@ class _FakeIssue:
         self.host_s, self.synchronizes, self.leads = host_s, synchronizes, []
 
     def __call__(self, run, device, lead_s):
-        from harness.profilers.timer import IssuedSample
+        from harness.profile.timer import IssuedSample
 
         self.leads.append(lead_s)
         run()
@@ -82,7 +82,7 @@ class _FakeIssue:
 
 
 def _gpu_like_runner(monkeypatch, phase: str, fake: _FakeIssue) -> ComputeRunner:
-    import harness.profilers.compute as compute
+    import harness.profile.compute as compute
 
     plan = _plan()
     (event,) = [e for e in plan.events.values() if e.name == f"gpt2.block.{phase}"]
@@ -93,7 +93,7 @@ def _gpu_like_runner(monkeypatch, phase: str, fake: _FakeIssue) -> ComputeRunner
 
 
 def test_issued_forward_is_retaken_with_a_longer_lead_and_counted_per_layer(monkeypatch):
-    from harness.profilers.compute import MIN_LEAD_S
+    from harness.profile.compute import MIN_LEAD_S
 
     fake = _FakeIssue(host_s=0.003)
     runner = _gpu_like_runner(monkeypatch, "fwd", fake)
@@ -106,7 +106,7 @@ def test_issued_forward_is_retaken_with_a_longer_lead_and_counted_per_layer(monk
 
 
 def test_a_chained_samples_host_time_leaves_out_its_cold_first_issue(monkeypatch):
-    import harness.profilers.compute as compute
+    import harness.profile.compute as compute
 
     runner = _gpu_like_runner(monkeypatch, "fwd", _FakeIssue(host_s=0.003))
     clock = [0]
@@ -132,7 +132,7 @@ def test_issued_backward_is_never_retaken(monkeypatch):
 
 
 def test_a_layer_that_synchronizes_is_timed_alone_and_the_lead_stays_bounded(monkeypatch):
-    from harness.profilers.compute import MAX_LEAD_S
+    from harness.profile.compute import MAX_LEAD_S
 
     fake = _FakeIssue(host_s=0.003, synchronizes=True)
     runner = _gpu_like_runner(monkeypatch, "fwd", fake)
@@ -199,7 +199,7 @@ def test_measure_backward_call_is_a_small_nonnegative_time():
 def test_a_composite_sample_starts_when_the_last_member_started():
     """Member A leaves the barrier at 0 and waits 2 ms for B at the first all-reduce (its own time 11 ms);
     B starts at 2 and takes 9 ms: the layer, as in a step where both arrive together, takes 9 ms."""
-    from harness.profilers.comm import composite_samples
+    from harness.profile.comm import composite_samples
 
     starts, ends = np.array([[0.0, 5.0], [2.0, 5.5]]), np.array([[11.0, 12.0], [11.0, 13.0]])
     assert composite_samples(starts.max(axis=0), ends.max(axis=0)) == pytest.approx([9.0, 7.5])
@@ -219,7 +219,7 @@ def test_a_split_backward_is_timed_in_its_two_parts():
     """zb-h1: a block's bwd_input sample computes its input's gradient and no weight's, its bwd_weight sample the
     weights' (after an untimed bwd_input at the previous sample); bwd_input's measurement records what it keeps
     for the W (profilers.memory.kept_for_weights), a forward's what it saves."""
-    from harness.profilers.memory import activation_bytes, kept_for_weights
+    from harness.profile.memory import activation_bytes, kept_for_weights
 
     plan = build_plan(loads_spec(tiny_spec_text(layers=2, pp=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
                                                 schedule="zb-h1")))
@@ -249,7 +249,7 @@ def test_a_split_backward_is_timed_in_its_two_parts():
 def test_a_heads_input_gradient_lets_go_of_the_loss_part():
     """Above a head's last weight is the loss: once stage_backward_input has run and the loss is dropped, the
     log-probabilities it saved (micro x seq x vocab floats) go, which a stage's last layer then no longer holds."""
-    from harness.profilers.memory import kept_for_weights
+    from harness.profile.memory import kept_for_weights
 
     plan = build_plan(loads_spec(tiny_spec_text(layers=2, pp=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
                                                 micro=2, schedule="zb-h1")))

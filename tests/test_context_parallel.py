@@ -148,7 +148,7 @@ def test_ring_and_allgather_attention_match_the_whole_sequence():
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.distributed import destroy_process_group, init_process_group
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     comm = MPI.COMM_WORLD
@@ -188,7 +188,7 @@ MICRO, SEQ, HIDDEN = 2, 32, 32
 
 def _plan_spec(cp: int = 2, tp: int = 1, dp: int = 1, pp: int = 1, cp_comm: str = "ring", seq: int = SEQ,
                name: str = "gpt2-small", extra: str = "", model_extra: str = "", schedule: str = "1f1b"):
-    from harness.spec import loads_spec
+    from harness.plan.spec import loads_spec
     from tests.helpers import tiny_spec_text
 
     text = tiny_spec_text(name=name, cp=cp, tp=tp, dp=dp, pp=pp, cp_comm=cp_comm, schedule=schedule, layers=4,
@@ -217,7 +217,7 @@ def _block_items(plan, pass_: str) -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_ring_sends_keys_and_values_cp_minus_1_times_and_the_gradients_home(cp):
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(_plan_spec(cp=cp))
     local = MICRO * SEQ // cp
@@ -235,7 +235,7 @@ def test_the_ring_sends_keys_and_values_cp_minus_1_times_and_the_gradients_home(
 
 
 def test_the_all_gather_variant_gathers_the_whole_sequence_once_each_way():
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(_plan_spec(cp=2, cp_comm="allgather"))
     whole = MICRO * SEQ * 2 * HIDDEN * 4
@@ -245,7 +245,7 @@ def test_the_all_gather_variant_gathers_the_whole_sequence_once_each_way():
 
 
 def test_the_work_the_pipeline_and_the_gradients_split_over_cp():
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plain, plan = build_plan(_plan_spec(cp=1, dp=2, pp=2)), build_plan(_plan_spec(cp=2, dp=2, pp=2))
     block, whole = plan.layers[1], plain.layers[1]
@@ -272,7 +272,7 @@ def test_the_work_the_pipeline_and_the_gradients_split_over_cp():
     (dict(cp=2, extra='cp_comm = "all"\n'), "strategy.cp_comm", "ring"),
 ])
 def test_context_parallelism_that_cannot_run_is_refused(kwargs, field, words):
-    from harness.errors import SpecError
+    from harness.common.errors import SpecError
 
     if "cp_comm = " in kwargs.get("extra", ""):  # the test's own cp_comm line is the one in question
         kwargs = {**kwargs, "cp_comm": "all"}
@@ -329,7 +329,7 @@ def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():
     """tp = 1: each block's forward and backward also run with their ring on cp real ranks; not the embedding,
     whose cp is its positions'; with tp > 1 too the embedding and the head keep their tp composites and a block
     both tensor- and context-parallel has none."""
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
     from launcher.placement import place
     from launcher.topology import Topology
 
@@ -343,8 +343,8 @@ def test_context_parallel_blocks_are_profiled_as_composites_on_cp_ranks():
 
 
 def test_in_16_bits_keys_and_values_travel_in_the_models_dtype_and_their_gradients_in_float32():
-    from harness.events import build_plan
-    from harness.spec import loads_spec
+    from harness.plan.events import build_plan
+    from harness.plan.spec import loads_spec
     from tests.helpers import tiny_spec_text
 
     spec = loads_spec(tiny_spec_text(cp=2, layers=4, hidden=HIDDEN, heads=4, ffn=64, seq=SEQ, vocab=256, micro=MICRO,
@@ -362,7 +362,7 @@ def test_with_dp_1_the_cp_ranks_average_their_gradients_in_buckets_the_memory_mo
     """cp = 2 with dp = 1: the two ranks hold the same parameters, so the plan has gradient buckets over them, and
     the memory model holds every gradient from the start (DDP's buckets), as harness train allocates them."""
     from analysis.memory import estimate_memory
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(_plan_spec(cp=2))
     assert plan.stages[0].buckets and {plan.events[b.event].group_size for b in plan.stages[0].buckets} == {2}

@@ -12,12 +12,12 @@ import h5py
 import pytest
 import torch
 
-from harness.events import build_plan
-from harness.profilers.compute import ComputeRunner
-from harness.profilers.timer import can_time_issued, time_issued, time_region
-from harness.spec import loads_spec
-from harness.hdf5_io import plain
-from harness.hdf5_schema import HOST_ISSUE_SERIES
+from harness.plan.events import build_plan
+from harness.profile.compute import ComputeRunner
+from harness.profile.timer import can_time_issued, time_issued, time_region
+from harness.plan.spec import loads_spec
+from harness.store.hdf5_io import plain
+from harness.store.hdf5_schema import HOST_ISSUE_SERIES
 from tests.helpers import tiny_spec_text, write_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

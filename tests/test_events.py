@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from harness.events import build_plan
-from harness.layers import describe_builtin
-from harness.schedules import Step, device_steps
-from harness.spec import loads_spec
+from harness.plan.events import build_plan
+from harness.plan.layers import describe_builtin
+from harness.plan.schedules import Step, device_steps
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 
@@ -89,7 +89,7 @@ def test_identical_layers_collapse_and_different_shapes_do_not():
 
 
 def test_ids_stable_across_processes(project_env):
-    code = ("from harness.events import build_plan; from harness.spec import loads_spec; "
+    code = ("from harness.plan.events import build_plan; from harness.plan.spec import loads_spec; "
             "from tests.helpers import tiny_spec_text; import json; "
             "print(json.dumps(sorted(build_plan(loads_spec(tiny_spec_text(layers=4, pp=2, dp=2, global_batch=16)))"
             ".events)))")
@@ -121,7 +121,7 @@ def test_param_counts_match_the_torch_models():
 
 
     from harness.models import build_layer
-    from harness.spec import MODEL_PRESETS
+    from harness.plan.spec import MODEL_PRESETS
 
     for name in ("gpt2-small", "bert-base", "llama-1b"):
         spec = loads_spec(tiny_spec_text(name=name, layers=2, hidden=64, heads=16, ffn=96, tp=2, global_batch=4))
@@ -160,7 +160,7 @@ def test_user_model_pipeline_transfers_carry_the_stage_output():
 
 
 def test_byte_sizes_keep_three_significant_digits():
-    from harness.events import human_bytes
+    from harness.plan.events import human_bytes
 
     assert [human_bytes(n) for n in (512, 1536, 65536, 1321472, 1353216)] == \
         ["512B", "1.5KiB", "64KiB", "1.26MiB", "1.29MiB"]  # two gradient buckets keep apart
@@ -181,7 +181,7 @@ def test_an_optimizer_step_names_its_optimizer_unless_it_is_adam():
 
 
 def test_harness_train_refuses_master_weights():
-    from harness.errors import UserError
+    from harness.common.errors import UserError
     from harness.train.runner import check_run
 
     spec = loads_spec(tiny_spec_text().replace('dtype = "float32"', 'dtype = "bfloat16"')

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import UserError, WriteError
-from harness.folder_lock import LOCK_NAME, FolderBusy, FolderLock
-from harness.hdf5_io import create, remove_temporaries, write_dataset
-from harness.output import writable
-from harness.profile_store import read_measurements
+from harness.common.errors import UserError, WriteError
+from harness.store.folder_lock import LOCK_NAME, FolderBusy, FolderLock
+from harness.store.hdf5_io import create, remove_temporaries, write_dataset
+from harness.common.output import writable
+from harness.store.profile_store import read_measurements
 from tests.helpers import mpirun_harness, write_spec
 
 EVENTS = 7  # the tiny spec's unique events, all compute on one pipeline device
@@ -186,7 +186,7 @@ def test_two_profiles_started_together_one_runs_the_other_is_refused(tmp_path, s
 
 
 def test_a_lock_left_by_a_killed_process_is_taken_over_with_a_note(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from harness.folder_lock import FolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from harness.store.folder_lock import FolderLock; "
                                f"FolderLock({str(tmp_path)!r}, 'a job that dies').acquire(); print('held', flush=True);"
                                " time.sleep(60)"], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))

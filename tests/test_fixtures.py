@@ -9,7 +9,7 @@ import json
 import pytest
 
 from analysis.cli import main as analysis_main
-from harness.cli import main as harness_main
+from harness.commands.cli import main as harness_main
 from tests.conftest import ROOT
 
 DATA = ROOT / "tests" / "data"

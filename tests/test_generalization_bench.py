@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness.spec import loads_spec
+from harness.plan.spec import loads_spec
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "bench" / "generalization.py"

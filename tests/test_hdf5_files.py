@@ -15,15 +15,15 @@ from analysis.cli import main as analysis_main
 from analysis.predict import predict
 from analysis.timeline_file import read_timeline, write_timeline
 from analysis.trace_reader import read_trace
-from harness.cli import main as harness_main
-from harness.errors import UserError
-from harness.hdf5_io import LONG_ATTRS, LONG_TEXT_BYTES, create, open_file, read_attrs, set_attrs
-from harness.hdf5_schema import PROFILE_KIND, READ_VERSIONS
-from harness.profile_store import Measurement, read_measurements, write_rank_file
+from harness.commands.cli import main as harness_main
+from harness.common.errors import UserError
+from harness.store.hdf5_io import LONG_ATTRS, LONG_TEXT_BYTES, create, open_file, read_attrs, set_attrs
+from harness.store.hdf5_schema import PROFILE_KIND, READ_VERSIONS
+from harness.store.profile_store import Measurement, read_measurements, write_rank_file
 from harness.train.trace_writer import merge_traces
 from tests.conftest import ROOT
-from harness.collectives import SizeResult
-from harness.collectives_file import CollectivesRun, write_collectives
+from harness.plan.collectives import SizeResult
+from harness.store.collectives_file import CollectivesRun, write_collectives
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 from tests.test_validate import write_scaled_trace
 
@@ -171,7 +171,7 @@ def test_a_file_of_another_kind_is_named_for_what_it_is(files, capsys):
 
 
 def test_a_damaged_rank_file_is_measured_again_not_fatal(files, capsys):
-    from harness.profiling import _stored
+    from harness.profile.run import _stored
 
     _flip_data(files["rank"], "measurements/abc/samples_s")
     assert _stored(files["rank"].parent, "env") == {}
@@ -228,7 +228,7 @@ def test_an_error_of_the_readers_own_is_not_blamed_on_the_file(files, tmp_path):
         with open_file(files["profile"], PROFILE_KIND, READ_VERSIONS):
             (tmp_path / "no" / "such" / "folder" / "x").write_text("")
     with pytest.raises(UserError, match="damaged or incomplete"):  # a part missing, read under `reading`
-        from harness.hdf5_io import reading
+        from harness.store.hdf5_io import reading
 
         with open_file(files["profile"], PROFILE_KIND, READ_VERSIONS) as f, reading(files["profile"], PROFILE_KIND):
             f["no-such-group"]

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from harness.cli import DEFAULT_PROFILE_DIR
-from harness.progress import Progress
+from harness.commands.cli import DEFAULT_PROFILE_DIR
+from harness.common.progress import Progress
 from tests.conftest import ROOT
 from tests.helpers import mpirun_harness
 

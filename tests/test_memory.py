@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from analysis.memory import backward_moments, estimate_memory
-from harness.events import build_plan
-from harness.profilers.memory import LiveStorages, activation_bytes, saving_into
-from harness.spec import parse_spec
+from harness.plan.events import build_plan
+from harness.profile.memory import LiveStorages, activation_bytes, saving_into
+from harness.plan.spec import parse_spec
 from tests.helpers import mpirun_harness, tiny_spec_text
 from tests.test_analysis_helpers import make_spec
 

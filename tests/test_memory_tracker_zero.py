@@ -33,10 +33,10 @@ def test_zero3_meets_pytorchs_own_peak(tmp_path):
     from mpi4py import MPI
 
     from analysis.memory import estimate_memory
-    from harness.events import build_plan
-    from harness.profilers.compute import measure_compute_share
-    from harness.profilers.memory import pytorch_tracker, tracker_peak
-    from harness.spec import loads_spec
+    from harness.plan.events import build_plan
+    from harness.profile.compute import measure_compute_share
+    from harness.profile.memory import pytorch_tracker, tracker_peak
+    from harness.plan.spec import loads_spec
     from harness.train.runner import run_training
 
     comm = MPI.COMM_WORLD

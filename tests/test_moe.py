@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from harness.errors import SpecError
-from harness.events import build_plan
-from harness.layers import EP_COMBINE, EP_COMBINE_GRAD, EP_DISPATCH, EP_DISPATCH_GRAD, describe, moe_load
-from harness.routing import expert_counts, expert_shares, rank_tokens, route_table
-from harness.spec import loads_spec
+from harness.common.errors import SpecError
+from harness.plan.events import build_plan
+from harness.plan.layers import EP_COMBINE, EP_COMBINE_GRAD, EP_DISPATCH, EP_DISPATCH_GRAD, describe, moe_load
+from harness.plan.routing import expert_counts, expert_shares, rank_tokens, route_table
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 MICRO, SEQ, HIDDEN = 2, 16, 32

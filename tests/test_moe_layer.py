@@ -219,7 +219,7 @@ def test_expert_parallel_equals_the_whole_model(activation):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.distributed import destroy_process_group, init_process_group
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     comm = MPI.COMM_WORLD

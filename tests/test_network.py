@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from analysis.network import BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, nccl_tests_rows, spec_network
-from harness.errors import SpecError
-from harness.events import build_plan
-from harness.network import GroupSpan, NetworkTier, check_tiers, group_span, parse_network, parse_overrides
-from harness.spec import loads_spec
+from harness.common.errors import SpecError
+from harness.plan.events import build_plan
+from harness.plan.network import GroupSpan, NetworkTier, check_tiers, group_span, parse_network, parse_overrides
+from harness.plan.spec import loads_spec
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, write_handmade_profile
 
 DGX = [dict(name="nvlink", size=8, bandwidth_gbs=450, latency_us=1.0, nvls=True),

@@ -5,8 +5,8 @@ import csv
 
 import pytest
 
-from harness.errors import UserError
-from harness.output import format_table, write_csv
+from harness.common.errors import UserError
+from harness.common.output import format_table, write_csv
 
 
 def test_numbers_align_right_and_text_left():

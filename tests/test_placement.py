@@ -1,8 +1,8 @@
 """Placement over ranks: compute shares disjoint, complete and balanced; groups of the right placement."""
 from __future__ import annotations
 
-from harness.events import build_plan
-from harness.spec import loads_spec
+from harness.plan.events import build_plan
+from harness.plan.spec import loads_spec
 from launcher.placement import balance, place
 from launcher.topology import (LaunchError, Topology, check_world_size, classify_cpu_binding,
                                mpi_library_version,
@@ -104,8 +104,8 @@ def test_mpi_library_version_drops_open_mpis_trailing_nul():
 
 
 def test_two_ranks_on_one_gpu_are_refused_before_nccl():
-    from harness.distributed import check_one_rank_per_gpu
-    from harness.errors import UserError
+    from harness.runtime.distributed import check_one_rank_per_gpu
+    from harness.common.errors import UserError
 
     check_one_rank_per_gpu([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a"), ("n2", "GPU-b")])
     check_one_rank_per_gpu([("n1", None), ("n1", None)])  # CPU ranks

@@ -11,8 +11,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from harness.hdf5_io import plain, read_environment
-from harness.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
+from harness.store.hdf5_io import plain, read_environment
+from harness.store.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 from tests.conftest import ROOT
 from tests.helpers import write_spec
 
@@ -79,7 +79,7 @@ def test_a_failing_rank_ends_the_job_naming_the_rank(tmp_path, spec_file, projec
 
 
 def test_a_run_stopped_before_its_merge_keeps_its_speed_probe_for_the_resume(tmp_path, spec_file, project_env):
-    from harness.profile_store import read_rank_probes
+    from harness.store.profile_store import read_rank_probes
 
     out = tmp_path / "out"
     stopped = mpirun(2, ["profile", str(spec_file), "-o", str(out), "--quiet"],
@@ -137,9 +137,9 @@ def test_bad_precision_or_budget_exits_2_once(tmp_path, spec_file, project_env, 
 def test_a_resume_measures_again_what_misses_a_precision_it_now_asks_more_of():
     import numpy as np
 
-    from harness.hdf5_schema import PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
-    from harness.profile_store import Measurement
-    from harness.profiling import _complete
+    from harness.store.hdf5_schema import PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
+    from harness.store.profile_store import Measurement
+    from harness.profile.run import _complete
 
     wide = np.array([1.0, 2.0, 1.0, 2.0, 1.0, 2.0])  # its mean known within about 22%
     taken = Measurement("id", "compute", {"phase": "fwd"}, wide, [0], "env",
@@ -166,10 +166,10 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     GPU forward or backward without host issue times are incomplete; everything else stored is reused."""
     import numpy as np
 
-    from harness.profiling import _complete
-    from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
+    from harness.profile.run import _complete
+    from harness.store.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
                                       ZERO_SERIES)
-    from harness.profile_store import Measurement
+    from harness.store.profile_store import Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=(), **attrs):
         content = {"phase": phase} if phase else {}
@@ -191,8 +191,8 @@ def test_resume_measures_again_what_this_version_measures_more_of():
 
 
 def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
-    from harness.profiling import RankRecorder, _rank_file_speeds
-    from harness.profile_store import read_rank_probes, write_rank_file
+    from harness.profile.run import RankRecorder, _rank_file_speeds
+    from harness.store.profile_store import read_rank_probes, write_rank_file
 
     class Probe:
         def __init__(self, median):
@@ -214,7 +214,7 @@ def test_rank_files_read_their_probes_and_older_files_have_none(tmp_path):
 
 
 def test_the_failure_hook_refuses_a_phase_it_does_not_know(monkeypatch):
-    from harness.profiling import _fail_if_asked
+    from harness.profile.run import _fail_if_asked
 
     monkeypatch.setenv("DISTSIM_FAIL_RANK", "1")
     monkeypatch.setenv("DISTSIM_FAIL_PHASE", "tensor-parallel composites")

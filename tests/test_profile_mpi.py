@@ -6,9 +6,9 @@ from pathlib import Path
 import h5py
 import pytest
 
-from harness.events import build_plan
-from harness.spec import loads_spec
-from harness.hdf5_io import plain, read_attrs, read_environment
+from harness.plan.events import build_plan
+from harness.plan.spec import loads_spec
+from harness.store.hdf5_io import plain, read_attrs, read_environment
 from tests.helpers import tiny_spec_text
 
 
@@ -46,7 +46,7 @@ def test_placement_disjoint_and_complete():
 
 @pytest.mark.mpi(min_size=2)
 def test_end_to_end_profile_then_resume(tmp_path):
-    from harness.profiling import run_profile
+    from harness.profile.run import run_profile
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "profile"
@@ -116,10 +116,10 @@ def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
     """Repeats are a minimum: a compute event is sampled until its mean is known within the precision (5 samples
     at least) or the budget is spent, communication alike on its median; a resume asking for a finer precision
     measures the events that miss it again."""
-    from harness.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
-    from harness.precision import MIN_SAMPLES
+    from harness.store.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
+    from harness.plan.precision import MIN_SAMPLES
 
-    from harness.profiling import run_profile
+    from harness.profile.run import run_profile
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "profile"
@@ -154,7 +154,7 @@ def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
 @pytest.mark.mpi(min_size=4)
 def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
     """4 ranks as 2 nodes of 2 (test-only setting): inter-node P2P and intra-node groups are measured."""
-    from harness.profiling import run_profile
+    from harness.profile.run import run_profile
 
     comm = _world()
     monkeypatch.setenv("DISTSIM_EMULATE_RANKS_PER_NODE", str(comm.size // 2))
@@ -182,8 +182,8 @@ def test_emulated_nodes_form_intra_and_inter_groups(tmp_path, monkeypatch):
 def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
     """tp=2 blocks run with their all-reduces on a real group of 2 ranks; a sample runs from the last
     member's start to the last member's end."""
-    from harness.events import composite_content, event_id
-    from harness.profiling import run_profile
+    from harness.plan.events import composite_content, event_id
+    from harness.profile.run import run_profile
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "tp"
@@ -204,8 +204,8 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch):
     """zero = 3 over dp = 2: every all-gather and reduce-scatter of the plan is measured through FSDP2 on a real
     group of 2 ranks (its copies and allocations included), not as the bare collective."""
-    from harness.profilers.comm import CommProfiler
-    from harness.profiling import run_profile
+    from harness.profile.comm import CommProfiler
+    from harness.profile.run import run_profile
 
     measured = []
     through_fsdp = CommProfiler._fsdp
@@ -245,8 +245,8 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.distributed import destroy_process_group, init_process_group
-    from harness.profilers.comm import CommProfiler
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from harness.profile.comm import CommProfiler
     from launcher.topology import discover
 
     after_sum: list[np.ndarray] = []  # the buffer as each summing all-reduce left it

@@ -11,7 +11,7 @@ from analysis.activity import RankActivity, RunActivity
 from analysis.cli import main
 from analysis.intervals import spans
 from analysis.scaling import parse_labels, scaling
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 MODEL = {"name": "gpt2-small", "layers": 4, "hidden": 32}

@@ -12,8 +12,8 @@ from analysis.commands.search import spec_header
 from analysis.profile_reader import load_profile
 from analysis.search import CandidateResult, SearchResult, pareto_front, recommend, search
 from analysis.uncertainty import BatchTimeInterval
-from harness.candidates import expand
-from harness.spec import load_spec, parse_spec
+from harness.plan.candidates import expand
+from harness.plan.spec import load_spec, parse_spec
 from tests.conftest import ROOT
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 

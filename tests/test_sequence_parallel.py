@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from harness.errors import SpecError
-from harness.events import build_plan
-from harness.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER, replicated_params
-from harness.spec import loads_spec
+from harness.common.errors import SpecError
+from harness.plan.events import build_plan
+from harness.plan.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER, replicated_params
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 MICRO, SEQ, HIDDEN, VOCAB = 2, 16, 32, 1024
@@ -126,7 +126,7 @@ def test_the_saved_activations_shrink_as_korthikanti_et_al_write(tp):
     import torch
 
     from harness.models import build_layer
-    from harness.profilers.memory import activation_bytes
+    from harness.profile.memory import activation_bytes
 
     b, s, h = 2, 64, 128
     saved = {}
@@ -150,7 +150,7 @@ def test_shards_loss_and_gradients_match_the_whole_layers(name):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.distributed import destroy_process_group, init_process_group
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from harness.train.model import build_full_layer, build_shard, replicated, shard_tensor
     from launcher.topology import discover
 

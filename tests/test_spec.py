@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from harness.errors import SpecError
-from harness.spec import MODEL_PRESETS, load_spec, loads_spec, parse_strategy_overrides
+from harness.common.errors import SpecError
+from harness.plan.spec import MODEL_PRESETS, load_spec, loads_spec, parse_strategy_overrides
 from tests.helpers import tiny_spec_text, write_spec
 
 ISSUE_EXAMPLE = """
@@ -46,7 +46,7 @@ def test_issue_example_loads():
 
 
 def test_round_trip_through_dict():
-    from harness.spec import parse_spec
+    from harness.plan.spec import parse_spec
 
     spec = loads_spec(ISSUE_EXAMPLE)
     again = parse_spec(spec.to_dict())
@@ -186,7 +186,7 @@ def test_many_identical_layers_share_their_events():
     """The events stage is built on unique events: 10,000 identical blocks are still one forward and one
     backward event, with the multiplicities of all of them, and the device's one optimizer step names them as
     one run."""
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     plan = build_plan(loads_spec(tiny_spec_text(layers=10_000)))
     blocks = [e for e in plan.events.values() if e.name.startswith("gpt2.block")]

@@ -14,10 +14,10 @@ from analysis.memory import estimate_memory
 from analysis.profile_reader import load_profile
 from analysis.search import search
 from analysis.simulate import BACKWARD, RECOMPUTE, simulate
-from harness.errors import SpecError, UserError
-from harness.events import build_plan
-from harness.layers import input_bytes
-from harness.spec import loads_spec, parse_spec
+from harness.common.errors import SpecError, UserError
+from harness.plan.events import build_plan
+from harness.plan.layers import input_bytes
+from harness.plan.spec import loads_spec, parse_spec
 from tests.helpers import tiny_spec_text
 from tests.test_analysis_helpers import make_spec
 from tests.test_search import _profile as grid_profile
@@ -44,7 +44,7 @@ def test_unknown_recompute_is_refused(value, message):
 
 
 def test_recompute_is_a_search_dimension():
-    from harness.candidates import candidate_label, expand
+    from harness.plan.candidates import candidate_label, expand
 
     data = json.loads(make_spec(dp=2, micro_batches=4, layers=4).to_json())
     data["search"] = {"pp": [1, 2], "recompute": ["none", "full"]}
@@ -337,7 +337,7 @@ def test_a_replay_takes_the_distinct_steps_from_their_own_micro_batches():
 def test_zb_h1_order_pinned():
     """ZB-H1 over pp = 2 with 4 micro-batches, as torch.distributed.pipelining orders it (the MPI test compares
     with its real schedule): the first device runs each W right after its B, the last defers W by one."""
-    from harness.schedules import device_steps
+    from harness.plan.schedules import device_steps
 
     def text(stage):
         return " ".join(f"{s.phase}{s.micro}" for s in device_steps("zb-h1", stage, 2, 4))
@@ -349,7 +349,7 @@ def test_zb_h1_order_pinned():
 @pytest.mark.parametrize("schedule,chunks", [("zb-h1", 1), ("interleaved-zb", 2), ("interleaved-zb", 3)])
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (2, 6), (3, 3), (4, 8), (4, 2)])
 def test_zero_bubble_steps_run_every_f_b_and_w_once_in_dependency_order(schedule, chunks, pp, m):
-    from harness.schedules import device_steps
+    from harness.plan.schedules import device_steps
 
     for stage in range(pp):
         steps = device_steps(schedule, stage, pp, m, chunks)
@@ -489,7 +489,7 @@ def test_a_middle_stage_lets_its_output_go_at_the_end_of_its_b():
     """torch's stage_backward_input detaches a stage's output: past the first stage it is gone once B ends,
     while the saved activations wait for W. Middle stage of ZB-H1 over pp = 3, 6 micro-batches: the peak holds
     every micro-batch whose W has not run (saved + kept) and the outputs only of those whose B has not."""
-    from harness.schedules import device_steps
+    from harness.plan.schedules import device_steps
 
     plan = plan_of(layers=3, pp=3, global_batch=6, micro=1, schedule="zb-h1")
     kept = {eid: 300 for eid, e in plan.events.items() if e.content.get("phase") == "bwd_input"}

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.errors import UserError
-from harness.spec import loads_spec
+from harness.common.errors import UserError
+from harness.plan.spec import loads_spec
 from launcher.topology import classify_cpu_binding
 from tests.helpers import check_layer_rows, tiny_spec_text
 
@@ -185,8 +185,8 @@ def _run(config: str, rundir: Path):
 
 def _check_trace(spec, trace, options):
     """Everything a trace must satisfy, checked on rank 0."""
-    from harness.events import build_plan
-    from harness.schedules import device_steps, virtual_stage
+    from harness.plan.events import build_plan
+    from harness.plan.schedules import device_steps, virtual_stage
 
     plan = build_plan(spec)
     s = spec.strategy
@@ -401,7 +401,7 @@ def test_world_size_must_match_the_strategy(shared_dir):
 def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     """--torch-profiler: one Kineto trace per rank of the measured iterations, annotated as trace.h5's rows, whose
     breakdown agrees with trace.h5's within 2 points in every category."""
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
     from harness.train.runner import run_training
 
     comm = _comm()
@@ -494,8 +494,8 @@ def test_schedule_steps_are_torch_pipelinings_order(schedule, chunks):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
-    from harness.distributed import destroy_process_group, init_process_group
-    from harness.schedules import Step, device_steps
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from harness.plan.schedules import Step, device_steps
     from launcher.topology import discover
 
     comm = _comm()

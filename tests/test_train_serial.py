@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.errors import UserError
-from harness.spec import loads_spec
+from harness.common.errors import UserError
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_tensor_parallel_shards_are_cut_from_the_whole_layer(family, kv_heads):
     """Each shard has the parameters the event plan counts, and the shards' partial sums are the whole layer's."""
     import torch
 
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
     from harness.train.model import build_full_layer, build_shard
 
     text = tiny_spec_text(name=family, tp=2, layers=2, heads=4, hidden=32, ffn=64, micro=1, global_batch=1)

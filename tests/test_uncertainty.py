@@ -1,4 +1,4 @@
-"""The precision of a set of samples (harness.precision) and the prediction's interval (analysis.uncertainty)."""
+"""The precision of a set of samples (harness.plan.precision) and the prediction's interval (analysis.uncertainty)."""
 from __future__ import annotations
 
 import math
@@ -13,9 +13,9 @@ from analysis.skew import DRIFT_BLOCKS, MachineDrift, machine_drift
 from analysis.uncertainty import (CALIBRATION_DRAWS, SEED, BatchTimeInterval, batch_time_interval,
                                   bootstrap_statistics, explain_interval, interval_of, prediction_interval,
                                   relative_reach, resampled_batch_times)
-from harness.events import build_plan
-from harness.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
-from harness.spec import loads_spec
+from harness.plan.events import build_plan
+from harness.plan.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
+from harness.plan.spec import loads_spec
 
 SPEC = """
 spec_version = 1

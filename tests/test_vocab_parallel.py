@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import SpecError
-from harness.events import build_plan
-from harness.layers import HIDDEN_ALLREDUCE, LOSS_MAX, LOSS_SUMS
-from harness.spec import loads_spec
+from harness.common.errors import SpecError
+from harness.plan.events import build_plan
+from harness.plan.layers import HIDDEN_ALLREDUCE, LOSS_MAX, LOSS_SUMS
+from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
 MICRO, SEQ, HIDDEN, VOCAB = 2, 16, 32, 1024
@@ -85,7 +85,7 @@ def test_a_vocabulary_tp_does_not_divide_is_refused_with_megatrons_padded_size()
 
 def test_a_stored_spec_without_the_field_reads_as_the_replicated_layout():
     """Profiles and traces written before vocab_parallel existed measured replicated heads."""
-    from harness.profile_reader import parse_spec_offline
+    from harness.store.profile_reader import parse_spec_offline
 
     data = _spec(tp=2).to_dict()
     assert data["strategy"]["vocab_parallel"] is True
@@ -96,12 +96,12 @@ def test_a_stored_spec_without_the_field_reads_as_the_replicated_layout():
 @pytest.mark.parametrize("name", ["gpt2-small", "bert-base", "llama-1b"])
 def test_the_logits_memory_shrinks_by_tp(name):
     """What the head's forward saves for its backward (the float32 softmax of its logits) as measured on the
-    layer (harness.profilers.memory), and the memory model's backward temporaries of the head: split by tp."""
+    layer (harness.profile.memory), and the memory model's backward temporaries of the head: split by tp."""
     import torch
 
     from analysis.memory import backward_moments
-    from harness.profilers.compute import ComputeRunner
-    from harness.profilers.memory import activation_bytes
+    from harness.profile.compute import ComputeRunner
+    from harness.profile.memory import activation_bytes
 
     saved, temporaries = {}, {}
     for tp in (1, 2, 4):
@@ -141,7 +141,7 @@ def test_shards_loss_and_gradients_match_the_whole_layers(name):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.distributed import destroy_process_group, init_process_group
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from harness.train.model import build_full_layer, build_shard, shard_tensor
     from launcher.topology import discover
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from harness.errors import UserError
-from harness.output import writable, write_csv
+from harness.common.errors import UserError
+from harness.common.output import writable, write_csv
 
 NAME = "breakdown"
 SPAN_CHOICES = ("trace", "hta")  # analysis.activity.SPANS, spelled here so that --help imports no numpy

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from harness.collectives_report import run_report
-from harness.output import writable, write_csv
+from harness.store.collectives_report import run_report
+from harness.common.output import writable, write_csv
 
 from analysis.collectives import compare_json, compare_report, compare_rows, load, write_png
 

@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from harness.collectives import parse_size, sweep_sizes
-from harness.errors import UserError
-from harness.network import check_tiers, parse_overrides
-from harness.output import format_table, writable, write_csv
-from harness.spec import MAX_DEVICES, load_spec
+from harness.plan.collectives import parse_size, sweep_sizes
+from harness.common.errors import UserError
+from harness.plan.network import check_tiers, parse_overrides
+from harness.common.output import format_table, writable, write_csv
+from harness.plan.spec import MAX_DEVICES, load_spec
 
 from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from harness.output import writable, write_csv
+from harness.common.output import writable, write_csv
 
 NAME = "scaling"
 HELP = "compare real runs of one model at several device counts: speed-up, parallel efficiency, shares, series"

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from harness.output import (byte_unit, format_bytes, format_duration, format_seconds, format_table, writable,
+from harness.common.output import (byte_unit, format_bytes, format_duration, format_seconds, format_table, writable,
                             write_csv)
-from harness.errors import UserError
-from harness.launch_env import promised_world_size
-from harness.progress import Progress
+from harness.common.errors import UserError
+from harness.common.launch_env import promised_world_size
+from harness.common.progress import Progress
 
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                         "-m analysis search ...")
     profile = load_profile(args.profile)
     spec = resolve_spec(profile, args.spec)
-    from harness.candidates import expand
+    from harness.plan.candidates import expand
 
     grid = expand(spec, args.gpus, auto=args.auto or None)
     if args.network:  # bad --network is one message here, for every device count, before the workers start

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from harness.output import writable, write_csv
+from harness.common.output import writable, write_csv
 
 from analysis.devices import plot_devices, select_devices
 from analysis.predict import add_network_argument, add_prediction_arguments, predict, prediction_options

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness.output import format_table, writable, write_csv
+from harness.common.output import format_table, writable, write_csv
 
 from analysis.predict import add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile

@@ -1,1 +1,1 @@
-"""Subcommands of `python -m harness` (see harness.subcommands for the contract)."""
+"""Subcommands of `python -m harness` (see harness.common.subcommands for the contract)."""

@@ -1,7 +1,7 @@
 """`python -m harness collectives`: collective operations timed over sizes, printed as nccl-tests prints them.
 
 Run under mpirun or srun, best as `mpirun -n N python -m mpi4py -m harness collectives ...`. Definitions
-(sizes, bandwidths, the check) in harness.collectives; the file layout in docs/hdf5.md; the figures on this
+(sizes, bandwidths, the check) in harness.plan.collectives; the file layout in docs/hdf5.md; the figures on this
 machine in docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
-from harness.errors import UserError
-from harness.mpi_errors import stop_on_error, yielding_barrier
+from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
+from harness.common.errors import UserError
+from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
 NAME = "collectives"
 HELP = "time collective operations over message sizes on the ranks of this MPI job, as nccl-tests does"
@@ -60,7 +60,7 @@ class Options:
         if args.dtype not in ELEMENT_BYTES:
             raise UserError(f"--dtype: unknown type {args.dtype!r}; known: {', '.join(ELEMENT_BYTES)}")
         if args.backend == "mpi4py":
-            from harness.profilers.collectives import MPI4PY_DTYPES
+            from harness.profile.collectives import MPI4PY_DTYPES
 
             if args.dtype not in MPI4PY_DTYPES:
                 raise UserError(f"--dtype {args.dtype} cannot go through mpi4py (numpy and MPI have no such "
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     leader = ranks[0]
     results = {}
     if bench is not None:
-        from harness.progress import Progress
+        from harness.common.progress import Progress
 
         total = sum(len(s) for s in sizes.values())
         progress = Progress("collectives", total, enabled=comm.Get_rank() == leader and not args.quiet, unit="size")
@@ -161,19 +161,19 @@ def run(args: argparse.Namespace) -> int:
         results = comm.recv(source=leader)
     yielding_barrier(comm, 0.001)
     if torch_backend is not None:
-        from harness.distributed import destroy_process_group
+        from harness.runtime.distributed import destroy_process_group
 
         destroy_process_group()
     record = write_error = None
     if comm.Get_rank() == 0:
-        from harness.collectives_file import CollectivesRun, write_collectives
+        from harness.store.collectives_file import CollectivesRun, write_collectives
 
         record = CollectivesRun(path=options.output or Path("-"), backend=label, group=options.group,
                                 placement=placement, ranks=list(ranks), dtype=options.dtype, iters=options.iters,
                                 warmup=options.warmup, results=results,
                                 environment=_environment(topology, label, device, started))
         if options.output is not None:
-            from harness.output import writable
+            from harness.common.output import writable
 
             try:
                 writable(options.output, lambda: write_collectives(options.output, record))
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _results_text(record, notes: list[str], as_json: bool) -> str:
-    from harness.collectives_report import run_json, run_report
+    from harness.store.collectives_report import run_json, run_report
 
     return json.dumps(run_json(record, notes), indent=1) if as_json else run_report(record, notes)
 
@@ -202,11 +202,11 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
     backend's label, the device's name)."""
     from mpi4py import MPI
 
-    from harness.profilers.collectives import CollectiveBench
+    from harness.profile.collectives import CollectiveBench
 
     import torch
 
-    from harness.profiling import device_name
+    from harness.profile.run import device_name
 
     member = comm.Get_rank() in ranks
     sub = comm.Split(0 if member else MPI.UNDEFINED, key=comm.Get_rank())
@@ -215,7 +215,7 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
         return bench, "mpi4py", device_name(torch.device("cpu"))
     import torch.distributed as dist
 
-    from harness.distributed import init_process_group, pick_device
+    from harness.runtime.distributed import init_process_group, pick_device
 
     torch.set_num_threads(1)
     device = pick_device(topology, "cuda" if device_type == "cuda" else "cpu", comm)
@@ -227,7 +227,7 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
 
 def _environment(topology, backend: str, device: str, started: float) -> dict:
     from launcher.topology import mpi_library_version
-    from harness.profiling import module_version
+    from harness.profile.run import module_version
 
     import torch
 

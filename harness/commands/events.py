@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness.cli import default_spec_path
-from harness.errors import UserError
-from harness.candidates import candidate_label
-from harness.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
-from harness.spec import load_spec
-from harness.output import format_table, write_csv
+from harness.commands.cli import default_spec_path
+from harness.common.errors import UserError
+from harness.plan.candidates import candidate_label
+from harness.plan.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
+from harness.plan.spec import load_spec
+from harness.common.output import format_table, write_csv
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec or default_spec_path())
     if spec.search:
         return _run_search(spec, args)
-    plan = build_plan(spec)
+    plan = build_plan(spec, _factory_layers(spec))
     summary = plan.summary()
     if args.device is not None and not 0 <= args.device < spec.strategy.world:
         raise UserError(f"--device {args.device} is outside the job's ranks 0..{spec.strategy.world - 1}")
@@ -70,7 +70,7 @@ def _run_search(spec, args: argparse.Namespace) -> int:
     if args.device is not None:
         raise UserError("--device shows one job's flow; a spec with [search] has many (drop --device, or the "
                         "[search] section)")
-    unique, grid = events_to_profile(spec)
+    unique, grid = events_to_profile(spec, _factory_layers(spec))
     summary = {"events_version": EVENTS_VERSION, "model": spec.model.name, "candidates": len(grid),
                "rejected": len(grid.rejected), **unique.summary(),
                "separate_unique_events": unique.separate,
@@ -112,3 +112,12 @@ def _write_events_csv(path: str, table: list[dict]) -> None:
     columns = ("id", "kind", "name", "multiplicity", "cost")
     write_csv(path, (*columns, "content_json"),
               [[r[c] for c in columns] + [json.dumps(r["content"], sort_keys=True)] for r in table])
+
+
+def _factory_layers(spec):
+    """A factory model's layer descriptions (torch is loaded only for one)."""
+    if spec.model.family != "user":
+        return None
+    from harness.models.user import factory_layers
+
+    return factory_layers(spec)

@@ -10,13 +10,13 @@ import math
 import sys
 from pathlib import Path
 
-from harness.cli import default_spec_path
-from harness.errors import UserError
-from harness.mpi_errors import AgreedError, stop_agreed, stop_on_error
-from harness.events import events_to_profile
-from harness.spec import load_spec
-from harness.output import format_seconds
-from harness.precision import MIN_SAMPLES
+from harness.commands.cli import default_spec_path
+from harness.common.errors import UserError
+from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
+from harness.plan.events import events_to_profile
+from harness.plan.spec import load_spec
+from harness.common.output import format_seconds
+from harness.plan.precision import MIN_SAMPLES
 
 NAME = "profile"
 HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def precision_option(text: str | None) -> float | None:
-    """--precision's value: '0.02' or '2%' -> 0.02 (validated with the spec's rule, harness.spec)."""
+    """--precision's value: '0.02' or '2%' -> 0.02 (validated with the spec's rule, harness.plan.spec)."""
     if text is None:
         return None
     try:
@@ -62,8 +62,8 @@ def budget_option(text: str | None) -> float | None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from harness.folder_lock import FolderLock, clear_for_this_job, command_line
-    from harness.profiling import check_outdir, run_profile
+    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
+    from harness.profile.run import check_outdir, run_profile
 
     comm = MPI.COMM_WORLD
     spec = unique = grid = None
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if changes:
             spec = spec.with_changes(**changes)
         check_outdir(outdir)
-        unique, grid = events_to_profile(spec)
+        unique, grid = events_to_profile(spec, _factory_layers(spec))
         if comm.Get_rank() == 0:  # one job at a time in a folder; held until this process ends
             lock = FolderLock(outdir, command_line()).acquire()
     except UserError as exc:
@@ -132,3 +132,12 @@ def summary_text(spec, grid, unique, result, ranks: int) -> str:
 
 def _precision_text(reached: float) -> str:
     return f"{reached:.1%}" if math.isfinite(reached) else f"unknown, under {MIN_SAMPLES} samples"
+
+
+def _factory_layers(spec):
+    """A factory model's layer descriptions (torch is loaded only for one)."""
+    if spec.model.family != "user":
+        return None
+    from harness.models.user import factory_layers
+
+    return factory_layers(spec)

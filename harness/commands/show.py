@@ -1,6 +1,6 @@
 """`python -m harness show OUTDIR/profile.h5`: what a profile holds (table, --json, --csv).
 
-The profile is read whole, checked and verified, by the reader the analysis builds on (harness.profile_reader).
+The profile is read whole, checked and verified, by the reader the analysis builds on (harness.store.profile_reader).
 """
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import argparse
 import json
 import math
 
-from harness.events import human_bytes
-from harness.output import format_seconds, format_table, write_csv
-from harness.precision import precision_statistic, relative_half_width
-from harness.profile_reader import load_profile
-from harness.profile_store import summarize
+from harness.plan.events import human_bytes
+from harness.common.output import format_seconds, format_table, write_csv
+from harness.plan.precision import precision_statistic, relative_half_width
+from harness.store.profile_reader import load_profile
+from harness.store.profile_store import summarize
 
 NAME = "show"
 HELP = "summarise a profile.h5: environment, measured events with statistics, what is unmeasured"

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness.cli import default_spec_path
-from harness.errors import UserError
-from harness.mpi_errors import AgreedError, stop_agreed, stop_on_error
+from harness.commands.cli import default_spec_path
+from harness.common.errors import UserError
+from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "train"
 HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"
@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from harness.folder_lock import FolderLock, clear_for_this_job, command_line
-    from harness.spec import load_spec
+    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
+    from harness.plan.spec import load_spec
     from harness.train.runner import check_run, run_training
 
     comm = MPI.COMM_WORLD

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 from harness.models.transformer import TORCH_DTYPES, build_layer
 
 __all__ = ["TORCH_DTYPES", "build_layer", "make_optimizer", "split_backward"]

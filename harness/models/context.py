@@ -16,7 +16,7 @@ travelling gradients are float32 (float64 inputs stay float64); forward messages
 `allgather_attention` (cp_comm = "allgather") gathers every rank's keys and values first (the backward
 reduce-scatters their gradients back) and computes the local queries against the whole sequence.
 
-`LocalRing(cp, rank)` stands in for the group when one rank's share is profiled alone (harness.profilers
+`LocalRing(cp, rank)` stands in for the group when one rank's share is profiled alone (harness.profile
 .compute): the same steps, pairs, shapes and copies, each "received" block a copy of the rank's own.
 
 With a hook, every exchange is run through hook(name, run) (as `set_collective_hook` in harness.models.tp):

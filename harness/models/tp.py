@@ -13,7 +13,7 @@ the shard, not the gathered input, and gathers it again in its backward for its 
 group (one shard profiled alone) each stands in with the same shapes and copies: tp copies of the shard, or the
 first shard of the sum, so that the shard's compute is timed at its real sizes.
 A hook (`set_collective_hook`) lets real runs time every tensor-parallel collective, by the names
-harness.layers gives them.
+harness.plan.layers gives them.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from harness.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER
+from harness.plan.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER
 
 _collective_hook: Callable[[str, Callable[[], None]], None] | None = None
 

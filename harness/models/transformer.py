@@ -10,7 +10,7 @@ run on the shard and its column-parallel linears gather it, the head gathers its
 Built with `cp` > 1 (context parallelism) a rank holds its seq / cp tokens in the zigzag order: the embedding
 adds their positions, a block's attention runs over the whole sequence through `cp_group` (ring or all-gather,
 harness.models.context; no group: a LocalRing stand-in of rank `cp_rank`), LLaMA's rotary positions are theirs.
-Parameter counts match harness.layers, which the event generator uses.
+Parameter counts match harness.plan.layers, which the event generator uses.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from harness.models.context import LocalRing, allgather_attention, local_positio
 from harness.models.moe import LocalExperts, MoEMLP
 from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, hooked,
                                reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
-from harness.routing import moe_tag, router
-from harness.spec import ModelSpec
+from harness.plan.routing import moe_tag, router
+from harness.plan.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,7 +130,7 @@ class TransformerBlock(nn.Module):
         return x if self.sp else copy_to_tp(x, self.group)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.moe is not None:  # tp = 1 (harness.spec)
+        if self.moe is not None:  # tp = 1 (harness.plan.spec)
             return self.moe(x)
         x = self._into_tp(x)
         if self.family == "llama":

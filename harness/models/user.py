@@ -13,9 +13,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from harness.errors import SpecError
-from harness.layers import LayerDesc
-from harness.spec import JobSpec, ModelSpec
+from harness.common.errors import SpecError
+from harness.plan.layers import LayerDesc
+from harness.plan.spec import JobSpec, ModelSpec
 
 
 def load_factory_layers(model: ModelSpec) -> list[nn.Module]:
@@ -74,3 +74,9 @@ def describe_user_model(spec: JobSpec) -> list[LayerDesc]:
                             f"{(spec.batch.micro, model.seq_len, model.vocab)}, got {tuple(x.shape)}",
                             field="model.factory")
     return out
+
+
+def factory_layers(spec: JobSpec) -> list[LayerDesc] | None:
+    """A factory model's layer descriptions, traced with torch, for the plan; None for a built-in model (the plan
+    describes those from the spec alone)."""
+    return describe_user_model(spec) if spec.model.family == "user" else None

@@ -1,7 +1,7 @@
 """The pipeline engine of `harness train`: one device's steps of one iteration, exactly in the order of
-harness.schedules.device_steps, with P2P between adjacent virtual stages, Megatron tensor parallelism inside
+harness.plan.schedules.device_steps, with P2P between adjacent virtual stages, Megatron tensor parallelism inside
 the blocks, DDP-style bucketed gradient all-reduces and one optimizer step over the device's parameters (the
-spec's: Adam or SGD), every interval recorded, and what the device holds counted by part (harness.profilers.memory).
+spec's: Adam or SGD), every interval recorded, and what the device holds counted by part (harness.profile.memory).
 
 A zero-bubble schedule's backward runs in two steps as torch.distributed.pipelining's stages run it: B with
 stage_backward_input (the stage input's gradient, sent on at once), W with stage_backward_weight (the
@@ -37,14 +37,14 @@ try:  # what FSDPModule.set_custom_all_gather and set_custom_reduce_scatter take
 except ImportError:  # zero > 0 then stops in PipelineEngine._shard with a message
     AllGather = ReduceScatter = object
 
-from harness.errors import UserError
-from harness.events import EventPlan
-from harness.layers import collective_kind, recomputed
+from harness.common.errors import UserError
+from harness.plan.events import EventPlan
+from harness.plan.layers import collective_kind, recomputed
 from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
-from harness.profilers.memory import LiveStorages, kept_gradients, saving_into
-from harness.schedules import device_steps, virtual_stage
-from harness.spec import JobSpec
+from harness.profile.memory import LiveStorages, kept_gradients, saving_into
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
 from harness.train.model import activation_spec, loss_of, micro_batch, replicated
 
 ACT, GRAD = "activation", "gradient"
@@ -271,7 +271,7 @@ class PipelineEngine:
             program = plan.stages[vs]
             self.stage_modules[vs] = [modules[p] for p in program.layers]
             # recompute = "full": torch.utils.checkpoint keeps these modules' inputs and runs them again in the
-            # backward, as Megatron-LM's full recompute (harness.layers.recomputed)
+            # backward, as Megatron-LM's full recompute (harness.plan.layers.recomputed)
             self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
             self.tp_event[vs] = program.tp_events
         self.zero = s.zero
@@ -296,7 +296,7 @@ class PipelineEngine:
         self.buckets: dict[int, list[BucketState]] = {vs: [] for vs in self.local_vs}
         if self.dp > 1 and not self.zero:
             self._make_buckets(modules)
-        # what this device holds, by part, and its peak (harness.profilers.memory; the memory model counts alike)
+        # what this device holds, by part, and its peak (harness.profile.memory; the memory model counts alike)
         self.memory = LiveStorages()
         self._held_states: set[int] = set()
         self._grad_releases: dict[int, Any] = {}

@@ -12,13 +12,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from harness.errors import UserError
-from harness.layers import LayerDesc, sequence_shards, user_input
+from harness.common.errors import UserError
+from harness.plan.layers import LayerDesc, sequence_shards, user_input
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.context import split_sequence
-from harness.routing import moe_index_of
+from harness.plan.routing import moe_index_of
 from harness.models.transformer import Head, cross_entropy
-from harness.spec import JobSpec, ModelSpec
+from harness.plan.spec import JobSpec, ModelSpec
+from harness.models.user import factory_layers
 
 _ROW_PARALLEL = ("proj.weight", "fc2.weight", "down.weight")
 _VOCAB_PARALLEL = ("tokens.weight", "out.weight", "out.bias")  # an embedding's and a head's, split by vocabulary
@@ -194,10 +195,10 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
     The same initial weights, data and optimizer steps as `harness train` with any strategy of the spec: the
     loss of a parallel run must match these up to float rounding.
     """
-    from harness.events import build_plan
+    from harness.plan.events import build_plan
 
     if layers is None:
-        layers = build_plan(spec).layers
+        layers = build_plan(spec, factory_layers(spec)).layers
     modules = build_layers(spec, layers, range(len(layers)), seed, whole=True)
     ordered = [modules[i] for i in range(len(layers))]
     if spec.model.tie_embeddings:  # one weight, whichever stages the parallel run puts the two on

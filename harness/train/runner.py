@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import UserError, WriteError
-from harness.mpi_errors import raise_if_any, yielding_barrier
-from harness.host_memory import prepare_host_memory
-from harness.spec import JobSpec
+from harness.common.errors import UserError, WriteError
+from harness.runtime.mpi_errors import raise_if_any, yielding_barrier
+from harness.runtime.host_memory import prepare_host_memory
+from harness.plan.spec import JobSpec
+from harness.models.user import factory_layers
 from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
@@ -184,9 +185,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     check_run(spec, comm.Get_size(), iterations, warmup, dp_backend, layer_times)
     import torch
 
-    from harness.distributed import init_process_group, pick_device
-    from harness.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
-    from harness.events import build_plan
+    from harness.runtime.distributed import init_process_group, pick_device
+    from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
+    from harness.plan.events import build_plan
     from harness.models.tp import set_collective_hook
     from harness.train.clock import Timebase, sync_clocks
     from harness.train.engine import PipelineEngine, Recorder
@@ -222,7 +223,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         timeout = timeout_s or spec.profile.timeout_s
         start_time = time.time()
         backend = init_process_group(comm, topology, dev, timeout)
-        plan = build_plan(spec)
+        plan = build_plan(spec, factory_layers(spec))
         s = spec.strategy
         dp_i, tp_i, pp_i = plan.coords(rank)
         channels = backend == "nccl" if p2p_channels is None else p2p_channels
@@ -317,8 +318,8 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                 merge_error = UserError(f"{exc}; the run's trace.h5 was not written: free space and run again")
         raise_if_any(comm, merge_error)
         if rank == 0:
-            from harness.hdf5_io import open_file, reading
-            from harness.hdf5_schema import READ_VERSIONS, TRACE_KIND
+            from harness.store.hdf5_io import open_file, reading
+            from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND
 
             with open_file(trace_path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f, reading(trace_path,
                                                                                                   TRACE_KIND):
@@ -341,7 +342,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     engine.close()
     if dp_comm is not None:
         dp_comm.Free()
-    from harness.distributed import destroy_process_group
+    from harness.runtime.distributed import destroy_process_group
 
     destroy_process_group()
     torch.set_num_threads(old_threads)
@@ -354,7 +355,7 @@ def _dp_backend_name(dp_backend: str, torch_backend: str) -> str:
 
 
 def summary_text(spec: JobSpec, result: TrainResult, world: int) -> str:
-    from harness.output import format_seconds, format_table
+    from harness.common.output import format_seconds, format_table
 
     s = spec.strategy
     measured = result.measured_s

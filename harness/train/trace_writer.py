@@ -1,6 +1,6 @@
 """Writing traces of real runs: one file per rank, merged into trace.h5 (layout in docs/train.md).
 
-h5py and numpy only, through harness.hdf5_io (atomic, checksummed files).
+h5py and numpy only, through harness.store.hdf5_io (atomic, checksummed files).
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any, Iterable, Sequence
 import h5py
 import numpy as np
 
-from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_column, reading, set_attrs,
+from harness.store.hdf5_io import (create, create_group, open_file, read_attrs, read_column, reading, set_attrs,
                              write_dataset, write_text)
-from harness.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS,
+from harness.store.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS,
                                   TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
                                   TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
                                   TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
@@ -93,7 +93,7 @@ def _read_group(group: h5py.Group) -> dict[str, Any]:
 
 
 def _write_group(group: h5py.Group, data: dict[str, Any]) -> None:
-    """What _read_group read, written with the checksums of harness.hdf5_io."""
+    """What _read_group read, written with the checksums of harness.store.hdf5_io."""
     for name, values in data.items():
         if isinstance(values, dict):
             _write_group(create_group(group, name), values)

@@ -17,11 +17,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from harness.candidates import Grid, expand
-from harness.layers import (HIDDEN_ALLREDUCE, LayerDesc, collective_kind, describe, recomputed, replicated_params,
+from harness.plan.candidates import Grid, expand
+from harness.plan.layers import (HIDDEN_ALLREDUCE, LayerDesc, collective_kind, describe, recomputed, replicated_params,
                             sequence_shards, split_into_stages)
-from harness.schedules import device_steps, virtual_stage
-from harness.spec import JobSpec
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
 
 EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
@@ -173,7 +173,7 @@ class StageProgram:
     send_backward: str | None  # gradient to the previous virtual stage
     forward_layers: list[int] = field(default_factory=list)  # layer index of each forward item (-1: collective)
     backward_layers: list[int] = field(default_factory=list)
-    # recompute = "full": which backward items run a recomputed layer's forward (harness.layers.recomputed)
+    # recompute = "full": which backward items run a recomputed layer's forward (harness.plan.layers.recomputed)
     # again, its tensor-parallel all-reduces included, right before that layer's backward
     backward_again: list[bool] = field(default_factory=list)
     # zero > 0: the first micro-batch's forward (events, layers) where it differs (FSDP gathers the weights
@@ -193,7 +193,7 @@ class StageProgram:
     # gradient between the two copies (Megatron-LM's embedding group), after the iteration's backward and buckets
     tie: str | None = None
     # sequence parallelism: the all-reduce over the stage's tp group of its replicated parameters' gradients
-    # (harness.layers.replicated_params), after the iteration's backward and buckets, before the optimizer
+    # (harness.plan.layers.replicated_params), after the iteration's backward and buckets, before the optimizer
     sequence_grads: str | None = None
     # expert parallelism with dp > ep: the all-reduce of the stage's experts' gradients over the dp / ep ranks
     # holding the same experts, after the backward and buckets (phase ep in device_flow)
@@ -292,7 +292,7 @@ class EventPlan:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
         slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp` (the layer:
         {"layer", "signature"}): an all-gather or reduce-scatter as FSDP2 runs it for a unit holding that
-        layer's parameters (its copies in and out per parameter, its allocations; harness.profilers.comm).
+        layer's parameters (its copies in and out per parameter, its allocations; harness.profile.comm).
         `dtype`: the elements' (the model's by default)."""
         dtype = dtype or self.spec.model.dtype
         chosen = None
@@ -669,8 +669,7 @@ def build_plan(spec: JobSpec, layers: list[LayerDesc] | None = None) -> EventPla
 def events_to_profile(spec: JobSpec, layers: list[LayerDesc] | None = None,
                       gpus: int | None = None) -> tuple[UniqueEvents, Grid]:
     """What a profile of `spec` measures: its plan's events or, with a [search] grid, the union of every
-    candidate's (harness.candidates); and the grid (the spec alone without one)."""
+    candidate's (harness.plan.candidates); and the grid (the spec alone without one). A factory model's
+    `layers` are described once for all its candidates (harness.models.user.factory_layers)."""
     grid = expand(spec, gpus) if spec.search else Grid([spec], [])
-    if layers is None and spec.model.family == "user":
-        layers = describe(spec)  # a factory model is described once for all its candidates
     return UniqueEvents.union(build_plan(candidate, layers) for candidate in grid.candidates), grid

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from harness.errors import SpecError
+from harness.common.errors import SpecError
 
 
 def parse_routing(text: str, experts: int, moe_layers: int, histogram=None) -> tuple[tuple[float, ...], ...]:

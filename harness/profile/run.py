@@ -26,21 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import UserError, WriteError
-from harness.events import COMM_KINDS, UniqueEvents, build_plan
-from harness.hdf5_io import open_file, read_environment, reading
-from harness.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
+from harness.common.errors import UserError, WriteError
+from harness.plan.events import COMM_KINDS, UniqueEvents, build_plan
+from harness.store.hdf5_io import open_file, read_environment, reading
+from harness.store.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
                                   HOST_ISSUE_SERIES, PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR,
                                   PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, RELEASED_BYTES_ATTR,
                                   SAMPLE_END_SERIES,
                                   SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
                                   compute_phase_key)
-from harness.host_memory import prepare_host_memory
-from harness.mpi_errors import AgreedError, raise_if_any, yielding_barrier
-from harness.precision import precision_statistic, relative_half_width
-from harness.progress import Progress
-from harness.spec import JobSpec
-from harness.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
+from harness.runtime.host_memory import prepare_host_memory
+from harness.runtime.mpi_errors import AgreedError, raise_if_any, yielding_barrier
+from harness.plan.precision import precision_statistic, relative_half_width
+from harness.common.progress import Progress
+from harness.plan.spec import JobSpec
+from harness.store.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
+from harness.models.user import factory_layers
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -122,7 +123,7 @@ def rank_file(outdir: Path, rank: int) -> Path:
 
 def reached_precision(m: Measurement) -> float:
     """A measurement's precision: the half-width of the 95% interval of its mean (compute) or median
-    (communication, whose statistics are the median and the minimum, harness.precision) over it."""
+    (communication, whose statistics are the median and the minimum, harness.plan.precision) over it."""
     return relative_half_width(m.samples_s, precision_statistic(m.kind))
 
 
@@ -278,9 +279,9 @@ class ProfileRun:
     stored_ids: list[str] = field(default_factory=list)
     placement: Placement | None = None
     recorder: RankRecorder | None = None
-    probe: Any = None  # harness.profilers.probe.SpeedProbe, from the compute phase on
+    probe: Any = None  # harness.profile.probe.SpeedProbe, from the compute phase on
     compute_phase: float = 0.0  # rank 0's Unix time at the compute phase's start: names this run's phase
-    profiler: Any = None  # harness.profilers.comm.CommProfiler
+    profiler: Any = None  # harness.profile.comm.CommProfiler
     busy_s: float = 0.0  # this rank's time spent measuring
     compute_wall_s: float = 0.0
     comm_start: float = 0.0  # perf_counter at the communication phase's start
@@ -312,7 +313,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     """Profile the unique `events` (default: those of `spec`'s plan) on the ranks of `comm` into `outdir`, one
     phase after another; rank 0 returns the result, others None."""
     topology = discover(comm)
-    run = ProfileRun(spec, events if events is not None else build_plan(spec).unique(), outdir, comm, topology,
+    run = ProfileRun(spec, events if events is not None else build_plan(spec, factory_layers(spec)).unique(), outdir, comm, topology,
                      Watchdog(comm, topology.rank, spec.profile.timeout_s), force=force, show_progress=show_progress)
     try:
         run.begin("set-up")
@@ -345,8 +346,8 @@ def _set_up(run: ProfileRun) -> None:
     """Device, process group, what is stored already, placement (rank 0 decides, everyone gets its answer)."""
     import torch
 
-    from harness.distributed import init_process_group, pick_device
-    from harness.profilers.comm import CommProfiler
+    from harness.runtime.distributed import init_process_group, pick_device
+    from harness.profile.comm import CommProfiler
 
     comm, topology = run.comm, run.topology
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -383,8 +384,8 @@ def _profile_compute(run: ProfileRun) -> None:
     """Every rank its own share of the compute events, all at once, round-robin; the speed probe once a round."""
     from mpi4py import MPI
 
-    from harness.profilers.compute import Precision, measure_compute_share
-    from harness.profilers.probe import SpeedProbe
+    from harness.profile.compute import Precision, measure_compute_share
+    from harness.profile.probe import SpeedProbe
 
     comm, rank, placement = run.comm, run.rank, run.placement
     run.compute_phase = comm.bcast(time.time() if rank == 0 else None, root=0)
@@ -459,7 +460,7 @@ def _to_precision(run: ProfileRun, task, measure_once, samples_of, statistic: st
 def _profile_composites(run: ProfileRun) -> None:
     """Tensor-parallel layers with their all-reduces on real tp groups, one group at a time, each to the precision
     (on its mean) within its share of the phase's budget."""
-    from harness.profilers.comm import COMPOSITE_SAMPLE
+    from harness.profile.comm import COMPOSITE_SAMPLE
 
     tasks = run.placement.composites
     progress = run.progress(run.phase, len(tasks))
@@ -489,7 +490,7 @@ def _profile_communication(run: ProfileRun) -> None:
     """P2P pairs and all-reduce groups, one at a time, every rank in step; each task's `repeats`, then more
     rounds of them while its median is not known within the precision and its share of the budget lasts (the
     task's first rank decides, every rank follows)."""
-    from harness.profilers.comm import CommSamples
+    from harness.profile.comm import CommSamples
 
     run.comm_start = time.perf_counter()
     tasks = run.placement.comm
@@ -528,7 +529,7 @@ def _profile_communication(run: ProfileRun) -> None:
 def _merge(run: ProfileRun) -> ProfileResult | None:
     """Every rank's time and probe to rank 0, which merges the rank files (and what was stored) into
     profile.h5; rank 0 returns the result. A profile.h5 that cannot be written stops every rank (AgreedError)."""
-    from harness.distributed import destroy_process_group
+    from harness.runtime.distributed import destroy_process_group
 
     comm, outdir = run.comm, run.outdir
     busy = comm.gather(run.busy_s, root=0)
@@ -551,7 +552,7 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
     """Rank 0: the rank files (and what was stored) merged into OUTDIR/profile.h5."""
     import torch
 
-    from harness.profilers.probe import DESCRIPTION as PROBE_DESCRIPTION
+    from harness.profile.probe import DESCRIPTION as PROBE_DESCRIPTION
 
     topology, outdir = run.topology, run.outdir
     finished = time.time()

@@ -13,7 +13,7 @@ import os
 import select
 import sys
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 
 def build_parser(prog: str, package: str, names: tuple[str, ...], description: str) -> argparse.ArgumentParser:

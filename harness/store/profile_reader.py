@@ -2,7 +2,7 @@
 
 `harness show` and the analysis (analysis.profile_reader) read profiles through this module. It never imports
 torch, MPI or the profilers, nor a user model's factory module (only its "module:function" form is checked).
-The file is opened, checked and verified by harness.hdf5_io and read whole while it is open.
+The file is opened, checked and verified by harness.store.hdf5_io and read whole while it is open.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from typing import Any
 import h5py
 import numpy as np
 
-from harness.errors import UserError
-from harness.events import CommunicationFields
-from harness.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
-from harness.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
+from harness.common.errors import UserError
+from harness.plan.events import CommunicationFields
+from harness.store.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
+from harness.store.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
                                   SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
-from harness.layers import LayerDesc
-from harness.profile_store import read_measurement
-from harness.spec import JobSpec, parse_spec
+from harness.plan.layers import LayerDesc
+from harness.store.profile_store import read_measurement
+from harness.plan.spec import JobSpec, parse_spec
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Profile:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.hdf5_io.open_file);
+    """Read profile.h5 (or the profile.h5 of an OUTDIR), checked and verified (harness.store.hdf5_io.open_file);
     UserError if it is missing, damaged, not a merged profile, or of a schema this version does not read."""
     path = Path(path)
     if path.is_dir():  # an OUTDIR of `harness profile`

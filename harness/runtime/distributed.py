@@ -25,7 +25,7 @@ def check_one_rank_per_gpu(gpus: list[tuple[str, str | None]]) -> None:
             continue
         other = first.setdefault((host, gpu), rank)
         if other != rank:
-            from harness.errors import UserError
+            from harness.common.errors import UserError
 
             count = len({g for h, g in gpus if h == host and g is not None})
             on_host = sum(1 for h, g in gpus if h == host and g is not None)
@@ -52,7 +52,7 @@ def pick_device(topology: Topology, wanted: str = "auto", comm=None) -> torch.de
         torch.cuda.set_device(index)
         device, gpu = torch.device("cuda", index), _gpu_identity(index)
     elif wanted == "cuda":
-        from harness.errors import UserError
+        from harness.common.errors import UserError
 
         raise UserError("profile.device = 'cuda' but torch sees no CUDA device on "
                         f"{topology.hostnames[topology.rank]}; use device = 'auto' or 'cpu'")

@@ -2,7 +2,7 @@
 
 The event generator works from these, so generating events needs neither torch nor a model instance.
 Built-in families are described here; a user's factory model is described by instantiating it
-(harness.models.user.describe_user_model), and the result is stored in the profile for the analysis.
+(harness.models.user.factory_layers, with torch, outside the plan), and the result is stored in the profile for the analysis.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.routing import expert_counts, expert_shares, moe_tag, rank_tokens
-from harness.spec import DTYPES, JobSpec, ModelSpec
+from harness.common.errors import UserError
+from harness.plan.routing import expert_counts, expert_shares, moe_tag, rank_tokens
+from harness.plan.spec import DTYPES, JobSpec, ModelSpec
 
 # bytes per element of what a factory model's layer may take as input (its signature's in_dtype)
 INPUT_DTYPE_BYTES = {**DTYPES, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -265,7 +266,7 @@ def expert_ffn_params(model: ModelSpec, width: int) -> int:
 
 def moe_load(model: ModelSpec, ep: int, tokens: int, moe_index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(tokens each expert gets of one rank's `tokens`, tokens each ep rank's experts get of them) in MoE
-    layer `moe_index` (harness.routing; every rank routes alike)."""
+    layer `moe_index` (harness.plan.routing; every rank routes alike)."""
     shares = expert_shares(model.routing, model.experts, model.expert_histogram, moe_index)
     counts = expert_counts(shares, tokens, model.top_k, model.capacity_factor)
     return counts, rank_tokens(counts, ep)
@@ -308,9 +309,9 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
     """The model's layers in order; user models need their description (from the profile or the factory)."""
     if spec.model.family == "user":
         if user_layers is None:
-            from harness.models.user import describe_user_model  # needs torch: only for factory models
-
-            user_layers = describe_user_model(spec)
+            raise UserError(f"model {spec.model.factory!r} is a factory model: its layers are described by "
+                            "tracing it with torch (harness.models.user.factory_layers) or read from its "
+                            "profile; the plan cannot describe it alone")
         return user_layers
     s = spec.strategy
     return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp, s.cp, s.cp_comm, s.ep,

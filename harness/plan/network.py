@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from harness.errors import SpecError
+from harness.common.errors import SpecError
 
 TIER_FIELDS = ("name", "size", "bandwidth_gbs", "latency_us", "efficiency", "nvls", "rails", "oversubscription")
 NUMBER_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")

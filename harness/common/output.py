@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from harness.errors import WriteError
+from harness.common.errors import WriteError
 
 T = TypeVar("T")
 

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES
-from harness.profilers.timer import synchronize
-from harness.events import SHARDED_KINDS
+from harness.profile.timer import synchronize
+from harness.plan.events import SHARDED_KINDS
 
-# timed as the collective benchmark times them (harness.profilers.collectives): a sample is the slowest member's;
+# timed as the collective benchmark times them (harness.profile.collectives): a sample is the slowest member's;
 # an all-to-all (expert parallelism's) moves its size's even shares between every pair
 BENCHED_KINDS = (*SHARDED_KINDS, "alltoall")
-from harness.mpi_errors import yielding_barrier
+from harness.runtime.mpi_errors import yielding_barrier
 from launcher.placement import CommTask
 
 
@@ -70,7 +70,7 @@ class CommProfiler:
         layer's forward (or backward) timed on every member. A sample runs from when the last member started
         to when the last one finished (composite_samples). Collective over the world (the group is created
         by all ranks); samples on the task's first rank, None elsewhere."""
-        from harness.profilers.compute import ComputeRunner
+        from harness.profile.compute import ComputeRunner
 
         members = task.ranks
         group = self._torch_group(members)
@@ -129,9 +129,9 @@ class CommProfiler:
         return samples if self.rank == members[0] else None
 
     def _sharded(self, task: CommTask, members, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
-        """An all-gather, reduce-scatter or all-to-all of the task's size (the whole array, harness.collectives), timed as
-        the collective benchmark times it (harness.profilers.collectives): a sample is its slowest member's."""
-        from harness.profilers.collectives import CollectiveBench
+        """An all-gather, reduce-scatter or all-to-all of the task's size (the whole array, harness.plan.collectives), timed as
+        the collective benchmark times it (harness.profile.collectives): a sample is its slowest member's."""
+        from harness.profile.collectives import CollectiveBench
 
         backend = "mpi4py" if self.backend == "mpi4py" else "torch"
         bench = CollectiveBench(mpi_group, members, backend, task.content["dtype"], self.device, group)
@@ -153,7 +153,7 @@ class CommProfiler:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        from harness.profilers.compute import parameter_shapes
+        from harness.profile.compute import parameter_shapes
 
         shapes = parameter_shapes(spec, [[task.content["fsdp"], 1]], self.device, trainable=False)
         one = torch.ones((), dtype=shapes[0][1], device=self.device)

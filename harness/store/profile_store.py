@@ -1,8 +1,8 @@
 """profile.h5 and the rank files of `harness profile` (layout in docs/hdf5.md), written and read through
-harness.hdf5_io. h5py and numpy only: the analysis reads measurements with the same functions.
+harness.store.hdf5_io. h5py and numpy only: the analysis reads measurements with the same functions.
 
 Each rank writes its measurements to its own file, rewritten whole now and then; rank 0 merges them into
-profile.h5. A file is renamed into place only when complete (harness.hdf5_io.create).
+profile.h5. A file is renamed into place only when complete (harness.store.hdf5_io.create).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any, Iterable, Iterator
 import h5py
 import numpy as np
 
-from harness.hdf5_io import (create, create_group, open_file, read_attrs, read_text, reading, set_attrs,
+from harness.store.hdf5_io import (create, create_group, open_file, read_attrs, read_text, reading, set_attrs,
                              write_dataset, write_text)
-from harness.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION, RANK_PROFILE_KIND,
+from harness.store.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION, RANK_PROFILE_KIND,
                                   RANK_SPEED_PROBE_ENV, READ_VERSIONS, SERIES, STATS)
 
 @dataclass
@@ -92,7 +92,7 @@ def write_rank_file(path: str | Path, rank: int, measurements: Iterable[Measurem
 
 @contextmanager
 def _open(path: str | Path) -> Iterator[h5py.File]:
-    """A rank file or merged profile, checked (harness.hdf5_io.open_file), its reads' errors the file's."""
+    """A rank file or merged profile, checked (harness.store.hdf5_io.open_file), its reads' errors the file's."""
     with open_file(path, (PROFILE_KIND, RANK_PROFILE_KIND), READ_VERSIONS) as f, reading(Path(path), PROFILE_KIND):
         yield f
 

@@ -1,14 +1,14 @@
 """One run of `harness collectives` as its user reads it: nccl-tests' tables with the answer first, or JSON for
-scripts (definitions: harness.collectives; the documents: docs/collectives.md). The analysis prints one run so
+scripts (definitions: harness.plan.collectives; the documents: docs/collectives.md). The analysis prints one run so
 too and builds its side-by-side comparisons on it (analysis.collectives).
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from harness.collectives import TABLE_HEADERS, average_busbw, bus_factor, table_rows
-from harness.collectives_file import CollectivesRun
-from harness.output import format_table
+from harness.plan.collectives import TABLE_HEADERS, average_busbw, bus_factor, table_rows
+from harness.store.collectives_file import CollectivesRun
+from harness.common.output import format_table
 
 JSON_SCHEMA_VERSION = 1  # the documents of run_json and of analysis.collectives.compare_json (docs/collectives.md)
 FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reducescatter": "(n-1)/n", "alltoall": "(n-1)/n",

@@ -1,5 +1,5 @@
 """A spec's `[search]` grid expanded into candidate strategies: every combination of its fields, each one
-validated by the spec's own rules (harness.spec), the rejected ones with their reasons. Pure Python.
+validated by the spec's own rules (harness.plan.spec), the rejected ones with their reasons. Pure Python.
 
 Rules (docs/spec.md, "[search]"):
 - a field the grid does not list keeps the spec's value; `micro` is the micro-batch size at the spec's
@@ -25,9 +25,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import SpecError, UserError
-from harness.schedules import INTERLEAVED, SCHEDULES
-from harness.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
+from harness.common.errors import SpecError, UserError
+from harness.plan.schedules import INTERLEAVED, SCHEDULES
+from harness.plan.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
 
 GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp", "ep")
 

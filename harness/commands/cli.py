@@ -1,5 +1,5 @@
 """`python -m harness`: its subcommands (events, profile, show, train, collectives), each a thin front end over
-the registry of harness.subcommands, and the bare command.
+the registry of harness.common.subcommands, and the bare command.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from importlib import resources
 
-from harness.subcommands import build_parser, run_cli
+from harness.common.subcommands import build_parser, run_cli
 
 SUBCOMMANDS = ("events", "profile", "show", "train", "collectives")
 

@@ -11,7 +11,7 @@ Rules (nccl-tests' PERFORMANCE.md, docs/collectives.md):
   GB = 1e9 bytes;
 - an iteration's time is that of its slowest rank; a size's time is the mean over its iterations.
 
-`harness collectives` measures (harness.profilers.collectives), `harness.collectives_file` stores, and the
+`harness collectives` measures (harness.profile.collectives), `harness.store.collectives_file` stores, and the
 analysis reads and compares (analysis.collectives) with these same definitions.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall", "sendrecv")
 SPLIT_OPS = frozenset({"allgather", "reducescatter", "alltoall"})  # a size holds one share per rank

@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from harness.profilers.timer import time_region
+from harness.profile.timer import time_region
 
 MIN_SAMPLES = 10  # a rank with fewer rounds tops up right after its share, still in the compute phase
 # (rows, width, hidden, dtype) per device type: about 1 ms a run on a CPU core; on a GPU large enough to time

@@ -19,7 +19,7 @@ class SpecError(UserError):
 
 class WriteError(UserError):
     """A file that could not be written (a full disk, a read-only or unwritable folder): names the folder and, for a
-    full disk, the bytes the file needs and the bytes free (harness.output.write_failure builds it)."""
+    full disk, the bytes the file needs and the bytes free (harness.common.output.write_failure builds it)."""
 
     def __init__(self, message: str, path: str, disk_full: bool = False):
         self.path = path

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from harness.errors import UserError
+from harness.common.errors import UserError
 
 
 def yielding_barrier(comm, sleep_s: float = 0.0) -> None:

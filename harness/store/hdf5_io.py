@@ -4,7 +4,7 @@ docs/timeline.md). h5py and numpy only: the analysis reads with it offline.
 Writing (`create`): a file is built in memory, then written whole under a temporary name beside its target
 and renamed into place, so a reader never sees half a file and a stopped run keeps every file it finished.
 HDF5 never writes to the disk itself: a full disk or a read-only folder is one UserError naming the folder,
-the bytes the file needs and the bytes free (harness.output.write_failure), and no temporary is left. Every
+the bytes the file needs and the bytes free (harness.common.output.write_failure), and no temporary is left. Every
 file is written so that HDF5 itself detects damage:
 - HDF5 1.10's file format, whose metadata (object headers, indexes) carries checksums, and which HDF5 1.10
   and later read;
@@ -32,9 +32,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import h5py
 import numpy as np
 
-from harness.errors import UserError
-from harness.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
-from harness.output import free_bytes, write_failure
+from harness.common.errors import UserError
+from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
+from harness.common.output import free_bytes, write_failure
 
 LONG_ATTRS = "long_attrs"
 LONG_TEXT_BYTES = 60_000
@@ -51,7 +51,7 @@ def temporary_path(path: Path) -> Path:
 
 def remove_temporaries(folder: Path) -> list[Path]:
     """Remove the temporaries that writers killed mid-write left in `folder` (call it holding the folder's lock,
-    harness.folder_lock, so that no live writer's is among them); returns those removed."""
+    harness.store.folder_lock, so that no live writer's is among them); returns those removed."""
     removed = []
     for tmp in folder.glob(".*.tmp-*"):
         if tmp.is_file() and tmp.name.rsplit(".tmp-", 1)[1].isdigit():
@@ -87,7 +87,7 @@ def create(path: str | Path, kind: str, version: int, attrs: Mapping[str, Any] |
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
     """`data` written to a temporary beside `path`, then renamed into place; checked against the free space
-    first. A failure removes the temporary and is a UserError (harness.output.write_failure)."""
+    first. A failure removes the temporary and is a UserError (harness.common.output.write_failure)."""
     tmp = temporary_path(path)
     free = free_bytes(path.parent)
     if free is not None and free < len(data):
@@ -263,7 +263,7 @@ def describe_kind(kind: str) -> str:
 def open_file(path: str | Path, kinds: str | Sequence[str], versions: Sequence[int], *, verify_all: bool = True
               ) -> Iterator[h5py.File]:
     """Open `path` for reading as one of `kinds` of one of schema `versions`; every problem is a UserError
-    naming the file and what to do (harness.hdf5_schema.REMEDIES; module docstring)."""
+    naming the file and what to do (harness.store.hdf5_schema.REMEDIES; module docstring)."""
     path = Path(path)
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     remedy = REMEDIES[kinds[0]]

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
-from harness.precision import relative_half_width
-from harness.profilers.memory import activation_bytes, kept_for_weights
-from harness.profilers.timer import can_time_issued, synchronize, time_issued, time_region
-from harness.spec import JobSpec
+from harness.plan.precision import relative_half_width
+from harness.profile.memory import activation_bytes, kept_for_weights
+from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
+from harness.plan.spec import JobSpec
 
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
@@ -32,10 +32,9 @@ _USER_MODELS: dict[JobSpec, tuple] = {}
 def _user_model(spec: JobSpec) -> tuple:
     """A factory model's description and layers, built once per spec and shared by its events' runners."""
     if spec not in _USER_MODELS:
-        from harness.layers import describe
-        from harness.models.user import load_factory_layers
+        from harness.models.user import describe_user_model, load_factory_layers
 
-        _USER_MODELS[spec] = (describe(spec), load_factory_layers(spec.model))
+        _USER_MODELS[spec] = (describe_user_model(spec), load_factory_layers(spec.model))
     return _USER_MODELS[spec]
 
 
@@ -332,7 +331,7 @@ class ComputeRunner:
 @dataclass(frozen=True)
 class Precision:
     """The stopping rule of a compute share: after `repeats` rounds, keep sampling every event whose
-    `statistic`'s 95% interval is wider than `goal` of it (harness.precision) until the timed rounds, the
+    `statistic`'s 95% interval is wider than `goal` of it (harness.plan.precision) until the timed rounds, the
     repeats included, have run `budget_s` seconds."""
 
     goal: float

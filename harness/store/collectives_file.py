@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from harness.collectives import OPS, SizeResult, bus_factor
-from harness.hdf5_io import create, create_group, open_file, read_attrs, read_environment, reading, set_attrs, \
+from harness.plan.collectives import OPS, SizeResult, bus_factor
+from harness.store.hdf5_io import create, create_group, open_file, read_attrs, read_environment, reading, set_attrs, \
     write_dataset
-from harness.hdf5_schema import COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS, COLLECTIVES_SCHEMA_VERSION
+from harness.store.hdf5_schema import COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS, COLLECTIVES_SCHEMA_VERSION
 
 
 @dataclass
@@ -42,7 +42,7 @@ class CollectivesRun:
 
 
 def write_collectives(path: str | Path, run: CollectivesRun) -> Path:
-    """Write a benchmark run atomically (harness.hdf5_io): run attributes at the root, /environment, and one
+    """Write a benchmark run atomically (harness.store.hdf5_io): run attributes at the root, /environment, and one
     group per operation with its sizes, wrong counts and every iteration's time."""
     path = Path(path)
     attrs = {"written_at": time.time(), **{k: v for k, v in run.summary().items() if k != "file"}}
@@ -59,7 +59,7 @@ def write_collectives(path: str | Path, run: CollectivesRun) -> Path:
 
 
 def read_collectives(path: str | Path) -> CollectivesRun:
-    """A benchmark file, checked and verified (harness.hdf5_io.open_file); operations in OPS order."""
+    """A benchmark file, checked and verified (harness.store.hdf5_io.open_file); operations in OPS order."""
     path = Path(path)
     with open_file(path, COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS) as f, reading(path, COLLECTIVES_KIND):
         attrs = read_attrs(f, decode_json=True)

@@ -1,13 +1,13 @@
 """Names and versions in the project's HDF5 files, written down once (layouts: docs/hdf5.md, docs/train.md,
 docs/timeline.md).
 
-Constants and one key format, importing nothing: the writers (harness.profile_store, harness.train.trace_writer,
-analysis.timeline_file) and the readers (harness.profile_reader, analysis.trace_reader, analysis.timeline_file)
-take the same names from here; harness.hdf5_io writes and reads them.
+Constants and one key format, importing nothing: the writers (harness.store.profile_store, harness.train.trace_writer,
+analysis.timeline_file) and the readers (harness.store.profile_reader, analysis.trace_reader, analysis.timeline_file)
+take the same names from here; harness.store.hdf5_io writes and reads them.
 """
 
 # Version 2: every dataset checksummed (fletcher32), text fixed-length UTF-8, HDF5's newest format
-# (harness.hdf5_io); version 1 files hold the same layout without checksums and are still read.
+# (harness.store.hdf5_io); version 1 files hold the same layout without checksums and are still read.
 READ_VERSIONS = (1, 2)
 
 # ---- profile.h5 and the rank files of `harness profile` (docs/hdf5.md)
@@ -19,11 +19,11 @@ STATS = ("median_s", "mean_s", "std_s", "min_s", "max_s", "p5_s", "p95_s")
 # a measurement's attributes that are its own fields; the rest are free-form (name, warmup, bytes, ...)
 MEASUREMENT_FIELD_ATTRS = frozenset({"kind", "content_json", "ranks", "env_key", "count", *STATS})
 # A measurement's optional sample series, next to samples_s:
-# P2P only: the receive timed while the sender computes (harness.profilers.comm)
+# P2P only: the receive timed while the sender computes (harness.profile.comm)
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
 # P2P only: the sender's time in the call that posted its send (the receiver waiting), per ping-pong sample
 SEND_POST_SERIES = "send_post_samples_s"
-# GPU forwards and backwards only: the host's time to issue each sample (harness.profilers.timer.time_issued)
+# GPU forwards and backwards only: the host's time to issue each sample (harness.profile.timer.time_issued)
 HOST_ISSUE_SERIES = "host_issue_samples_s"
 # compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
 # `compute_phase`: that phase's start, Unix time, the same on every rank of one profiling run)
@@ -36,15 +36,15 @@ DIVIDE_SERIES = "divide_samples_s"
 ZERO_SERIES = "zero_samples_s"
 SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
-# (harness.profilers.compute.measure_backward_call); every sample paid it, a training step pays it once
+# (harness.profile.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"
-# compute forwards only, an attribute: the bytes one forward saves for its backward (harness.profilers.memory),
+# compute forwards only, an attribute: the bytes one forward saves for its backward (harness.profile.memory),
 # what a micro-batch in flight holds on its stage (analysis.memory)
 ACTIVATION_BYTES_ATTR = "activation_bytes"
 # a split backward's bwd_input: the saved activations its input gradient lets go of when its layer is a stage's last
 RELEASED_BYTES_ATTR = "released_bytes"
 # compute only, attributes: the precision asked for (`[profile] precision`, a fraction) and the one reached, the
-# 95% interval's half-width of the samples' mean over the mean (harness.precision; inf with too few samples)
+# 95% interval's half-width of the samples' mean over the mean (harness.plan.precision; inf with too few samples)
 PRECISION_GOAL_ATTR = "precision_goal"
 PRECISION_ATTR = "precision"
 PRECISION_BUDGET_ATTR = "precision_budget_s"  # compute only: the budget the samples were taken with
@@ -52,7 +52,7 @@ PRECISION_BUDGET_ATTR = "precision_budget_s"  # compute only: the budget the sam
 # rank of one profiling run)
 COMPUTE_PHASE_ATTR = "compute_phase"
 # /environment, JSON: per compute phase (compute_phase_key), every rank's median speed-probe time
-# (harness.profilers.probe), so that the analysis can refer each rank's samples to the ranks' mean speed
+# (harness.profile.probe), so that the analysis can refer each rank's samples to the ranks' mean speed
 RANK_SPEED_PROBE_ENV = "rank_speed_probe_s"
 SPEED_PROBE_ENV = "speed_probe"  # /environment: what the probe is
 
@@ -72,7 +72,7 @@ TRACE_STRING_COLUMNS = ("kind", "name", "phase", "event_id")
 TRACE_INT_COLUMNS = ("virtual_stage", "micro", "iteration", "peer")
 TRACE_COLUMNS = TRACE_FLOAT_COLUMNS + TRACE_STRING_COLUMNS + TRACE_INT_COLUMNS
 # a device's attributes: the most bytes it held over the measured iterations, counted as the memory model counts
-# (harness.profilers.memory), and each part's bytes at that peak (JSON); on a GPU also CUDA's own peak
+# (harness.profile.memory), and each part's bytes at that peak (JSON); on a GPU also CUDA's own peak
 PEAK_MEMORY_ATTR = "peak_memory_bytes"
 MEMORY_PARTS_ATTR = "memory_at_peak_json"
 CUDA_PEAK_MEMORY_ATTR = "cuda_max_allocated_bytes"

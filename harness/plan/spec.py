@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import SpecError
-from harness.network import NetworkTier, parse_network
-from harness.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
+from harness.common.errors import SpecError
+from harness.plan.network import NetworkTier, parse_network
+from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
 
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,7 +83,7 @@ class ModelSpec:
     # Mixture-of-Experts (experts > 0): each MoE block's MLP is `experts` FFNs of `expert_ffn`, each token routed
     # to `top_k` of them, plus `shared_experts` always-on ones; every `moe_every`-th block is MoE; an expert takes
     # at most capacity_factor x its even share of a micro-batch's routed tokens (0: dropless); `routing` how the
-    # tokens spread over the experts (harness.routing): "uniform", "zipf:S" or "file:PATH", whose histogram the
+    # tokens spread over the experts (harness.plan.routing): "uniform", "zipf:S" or "file:PATH", whose histogram the
     # spec then keeps (`expert_histogram`: per MoE layer, tokens per expert)
     experts: int = 0
     top_k: int = 0
@@ -128,7 +128,7 @@ class StrategySpec:
     chunks: int = 1  # model chunks per pipeline device (interleaved schedules only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
-    recompute: str = "none"  # full: each block's forward is run again before its backward (harness.layers.recomputed)
+    recompute: str = "none"  # full: each block's forward is run again before its backward (harness.plan.layers.recomputed)
     zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
     # tp > 1: the embedding and the head sharded over the tp group by vocabulary, the cross-entropy computed
     # vocabulary-parallel (Megatron-LM); false: both replicated on every tp rank
@@ -180,7 +180,7 @@ class ClusterSpec:
     nodes: int = 1
     gpus_per_node: int = 1
     device_memory_gb: float | None = None  # each device's memory (GB = 1e9 bytes); None: not limited
-    # the target's network, innermost tier first (harness.network); empty: calibrated from the profile
+    # the target's network, innermost tier first (harness.plan.network); empty: calibrated from the profile
     network: tuple[NetworkTier, ...] = ()
 
     @property
@@ -211,7 +211,7 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """Candidate values for a strategy search (harness.candidates expands them)."""
+    """Candidate values for a strategy search (harness.plan.candidates expands them)."""
 
     dp: tuple[int, ...] = ()
     tp: tuple[int, ...] = ()
@@ -225,7 +225,7 @@ class SearchSpec:
     sp: tuple[bool, ...] = ()
     cp: tuple[int, ...] = ()
     ep: tuple[int, ...] = ()
-    auto: bool = False  # every valid value of each field the grid does not list (harness.candidates)
+    auto: bool = False  # every valid value of each field the grid does not list (harness.plan.candidates)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -527,7 +527,7 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
 def _parse_experts(merged: dict, ints: dict, given_fields: dict) -> dict[str, Any]:
     """The Mixture-of-Experts fields of [model] (ModelSpec), checked; none of them given without experts (a MoE
     preset with experts = 0 is its dense form)."""
-    from harness.routing import parse_routing
+    from harness.plan.routing import parse_routing
 
     keys = ("top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing", "expert_histogram")
     experts = _int(merged, "experts", "model", 0, minimum=0)

@@ -1,5 +1,5 @@
 """Collective operations timed the nccl-tests way, through torch.distributed or mpi4py (definitions:
-harness.collectives).
+harness.plan.collectives).
 
 Every member of the benchmark's group calls `measure` for every (operation, size) in the same order. A size
 is first run once on known inputs and its output checked (the wrong elements, summed over the ranks, are
@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from harness.collectives import ELEMENT_BYTES, SizeResult, element_count, expected_output, input_elements, input_values
+from harness.plan.collectives import ELEMENT_BYTES, SizeResult, element_count, expected_output, input_elements, input_values
 
 # mpi4py's buffers are numpy arrays; numpy has no bfloat16 and MPI no standard half type
 MPI4PY_DTYPES = ("float32", "float64", "int32")
@@ -31,7 +31,7 @@ class CollectiveBench:
         self.device, self.torch_group = device, torch_group
 
     def measure(self, op: str, nbytes: int, warmup: int, iters: int) -> SizeResult:
-        """`op` at `nbytes` (a size of whole elements, harness.collectives.round_size): checked once, then
+        """`op` at `nbytes` (a size of whole elements, harness.plan.collectives.round_size): checked once, then
         timed; the same result on every member."""
         inp_n, out_n = input_elements(op, nbytes, self.dtype, self.size)
         inp, out, run, to_numpy = (self._torch if self.backend != "mpi4py" else self._mpi)(op, inp_n, out_n)

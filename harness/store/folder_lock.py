@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.errors import UserError
-from harness.output import write_failure
+from harness.common.errors import UserError
+from harness.common.output import write_failure
 
 LOCK_NAME = ".harness.lock"
 NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
@@ -121,7 +121,7 @@ class FolderLock:
 
 def clear_for_this_job(lock: FolderLock, program: str) -> None:
     """Holding the lock: remove what writers killed mid-write left, and say so when this job took the lock over."""
-    from harness.hdf5_io import remove_temporaries
+    from harness.store.hdf5_io import remove_temporaries
 
     removed = remove_temporaries(lock.folder)
     note = lock.note()
