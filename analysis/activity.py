@@ -29,18 +29,26 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from analysis.intervals import EMPTY, Spans, spans
+from analysis.kineto import (
+    LAUNCH_CATEGORIES,
+    STREAM_CATEGORIES,
+    TRACE_SUFFIXES,
+    Events,
+    KinetoTrace,
+    is_kineto_path,
+    read_kineto,
+    trace_files,
+)
 from harness.common.errors import UserError
 from harness.common.progress import Progress
-
-from analysis.intervals import EMPTY, Spans, spans
-from analysis.kineto import (LAUNCH_CATEGORIES, STREAM_CATEGORIES, TRACE_SUFFIXES, Events, KinetoTrace,
-                             is_kineto_path, read_kineto, trace_files)
 
 # A communication's name: a library's prefix, or the name of a collective, send, receive or barrier (a bare
 # "broadcast" is not one: aten::broadcast_tensors computes).

@@ -4,16 +4,17 @@ harness.store.collectives_report; the command: `python -m analysis collectives`)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from harness.common.errors import UserError
+from harness.common.output import format_table
 from harness.plan.collectives import OPS, PROFILE_KINDS, average_busbw
 from harness.store.collectives_file import CollectivesRun, read_collectives
 from harness.store.collectives_report import JSON_SCHEMA_VERSION, run_json, wrong_outputs
-from harness.common.errors import UserError
-from harness.common.output import format_table
 
 
 def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:

@@ -23,23 +23,29 @@ with their reasons, are in docs/analysis.md ("Where durations come from"):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
-
-from harness.common.errors import UserError
-from harness.plan.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
-from harness.store.hdf5_schema import (BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, RANK_SPEED_PROBE_ENV,
-                                  ZERO_SERIES, compute_phase_key)
-from harness.plan.network import check_tiers, group_span, parse_overrides
-from harness.plan.spec import JobSpec, load_spec
 
 from analysis.calibration import device_kind
 from analysis.network import Estimate, NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import MeasuredEvent, Profile
 from analysis.skew import MachineDrift, ReplicaSkew, machine_drift, replica_skew
+from harness.common.errors import UserError
+from harness.plan.events import COMM_KINDS, INTER, INTRA, EventPlan, composite_content, event_id, human_bytes
+from harness.plan.network import check_tiers, group_span, parse_overrides
+from harness.plan.spec import JobSpec, load_spec
+from harness.store.hdf5_schema import (
+    BACKWARD_CALL_ATTR,
+    COMPUTE_PHASE_ATTR,
+    DIVIDE_SERIES,
+    RANK_SPEED_PROBE_ENV,
+    ZERO_SERIES,
+    compute_phase_key,
+)
 
 PLACEMENTS = (INTRA, INTER)
 MEASURED, INTERPOLATED, FITTED, UNAVAILABLE, GIVEN = "measured", "interpolated", "fit", "unavailable", "given"
@@ -256,7 +262,7 @@ class Costs:
     warnings: list[str] = field(default_factory=list)
     unmeasured: list[dict[str, str]] = field(default_factory=list)  # needed events without a measurement
     # how well the communication curves hold between measured sizes (held_out_checks; filled by analysis.predict)
-    held_out: list["HeldOutCheck"] = field(default_factory=list)
+    held_out: list[HeldOutCheck] = field(default_factory=list)
     # what costs communication beyond the measured curves (the spec's network or one calibrated from the profile)
     network: NetworkModel | None = None
     # how the machine's speed moved over the profile (analysis.skew), and the kind of device it ran on ('cpu',
@@ -279,7 +285,7 @@ class Costs:
                       key=lambda c: (c.kind, c.name, c.id))
 
     @classmethod
-    def from_seconds(cls, plan: EventPlan, seconds: Mapping[str, float]) -> "Costs":
+    def from_seconds(cls, plan: EventPlan, seconds: Mapping[str, float]) -> Costs:
         """Costs given directly (what-if studies, tests): every event of the plan needs a duration."""
         missing = [eid for eid in plan.events if eid not in seconds]
         if missing:
@@ -307,7 +313,7 @@ class MissingComputeError(UserError):
         lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR")
         if spec_hint == "SPEC":
             lines.append(f"  (SPEC: a job spec with this model and strategy: dp = {s.dp}, tp = {s.tp}, pp = {s.pp}, "
-                         + (f"sp = true, " if s.sp else "") + (f"cp = {s.cp}, " if s.cp > 1 else "")
+                         + ("sp = true, " if s.sp else "") + (f"cp = {s.cp}, " if s.cp > 1 else "")
                          + f"micro = {plan.spec.batch.micro})")
         super().__init__("\n".join(lines))
 

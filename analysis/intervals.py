@@ -11,7 +11,8 @@ numpy only; n log n in the number of intervals, but `lanes`, n x rows.
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,13 +33,13 @@ class Spans(NamedTuple):
     def pairs(self) -> list[tuple[float, float]]:
         return list(zip(self.start.tolist(), self.end.tolist()))
 
-    def __or__(self, other: "Spans") -> "Spans":
+    def __or__(self, other: Spans) -> Spans:
         return _combine(self, other, np.logical_or)
 
-    def __and__(self, other: "Spans") -> "Spans":
+    def __and__(self, other: Spans) -> Spans:
         return _combine(self, other, np.logical_and)
 
-    def __sub__(self, other: "Spans") -> "Spans":
+    def __sub__(self, other: Spans) -> Spans:
         return _combine(self, other, lambda a, b: a & ~b)
 
 

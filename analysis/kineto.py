@@ -20,9 +20,10 @@ import io
 import json
 import re
 from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 import numpy as np
 

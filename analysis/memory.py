@@ -48,18 +48,18 @@ gradients made, both buffers held).
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
-
-from harness.plan.events import EventPlan
-from harness.common.errors import UserError
-from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
-from harness.plan.layers import LayerDesc, input_bytes, recomputed
-from harness.common.output import format_bytes
-from harness.plan.schedules import device_steps, virtual_stage
-from harness.plan.spec import JobSpec
+from typing import Any
 
 from analysis.profile_reader import Profile
+from harness.common.errors import UserError
+from harness.common.output import format_bytes
+from harness.plan.events import EventPlan
+from harness.plan.layers import LayerDesc, input_bytes, recomputed
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
+from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline", "temporaries")
 LOSS_BYTES = 4  # the loss takes the logits in float32 (harness.train.model.loss_of)

@@ -23,13 +23,14 @@ protocol, no base, so that it gives back the fit at every measured point.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from harness.plan.collectives import bus_factor
 from harness.plan.events import INTER, INTRA
-from harness.plan.spec import MAX_DEVICES
 from harness.plan.network import GroupSpan, NetworkTier, contiguous_span, group_span, with_overrides
+from harness.plan.spec import MAX_DEVICES
 
 NCCL_VERSION = "2.30"
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
@@ -80,7 +81,7 @@ class NetworkModel:
     # (op kind, tier) -> the (kind, placement) of the profile's fit its link came from (a calibrated network)
     link_fits: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
 
-    def with_overrides(self, overrides: Mapping[str, float | bool], devices: int) -> "NetworkModel":
+    def with_overrides(self, overrides: Mapping[str, float | bool], devices: int) -> NetworkModel:
         """A what-if: the tiers with fields replaced; a calibrated link's measured values give way to them."""
         tiers = with_overrides(self.tiers, overrides, max(devices, 1))
         changed = {key.partition(".")[0] for key in overrides if key.partition(".")[2] in LINK_FIELDS}

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from analysis.intervals import lanes
 from analysis.report import strategy_label

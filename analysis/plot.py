@@ -7,12 +7,25 @@ all-reduces); time in milliseconds. A predicted timeline (`write_gantt`) and a m
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from analysis.report import strategy_label
-from analysis.simulate import (BACKWARD, BACKWARD_WEIGHT, DP_ALLREDUCE, FORWARD, OPTIMIZER, P2P_POST, P2P_RECV,
-                               P2P_SEND, RECOMPUTE, TP_ALLREDUCE, ZERO_ALLGATHER, ZERO_REDUCESCATTER, Timeline)
+from analysis.simulate import (
+    BACKWARD,
+    BACKWARD_WEIGHT,
+    DP_ALLREDUCE,
+    FORWARD,
+    OPTIMIZER,
+    P2P_POST,
+    P2P_RECV,
+    P2P_SEND,
+    RECOMPUTE,
+    TP_ALLREDUCE,
+    ZERO_ALLGATHER,
+    ZERO_REDUCESCATTER,
+    Timeline,
+)
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
@@ -137,9 +150,8 @@ def write_search_chart(path: str | Path, result, iterations: int | None = None, 
     """Throughput against peak memory per device, one point per predicted candidate (filled where it fits),
     the feasible Pareto front joined, the memory limit as a line, the best candidate named; where the grid
     has several device counts, beside it the booking curve (booking_panel)."""
-    from harness.common.output import byte_unit
-
     from analysis.search import best_per_gpu_count, pareto_front
+    from harness.common.output import byte_unit
 
     plt = pyplot()
     per_count = best_per_gpu_count(result.candidates)

@@ -3,18 +3,17 @@ command-line options that shape a prediction, shared by every command that predi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
-
-from harness.plan.events import EventPlan, build_plan
-from harness.plan.spec import JobSpec
 
 from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
+from harness.plan.events import EventPlan, build_plan
+from harness.plan.spec import JobSpec
 
 
 @dataclass

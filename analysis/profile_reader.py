@@ -10,8 +10,8 @@ from pathlib import Path
 
 from harness.common.errors import UserError
 from harness.plan.layers import LayerDesc
-from harness.store.profile_reader import MeasuredEvent, Profile, load_profile, parse_spec_offline
 from harness.plan.spec import JobSpec, load_spec, parse_strategy_overrides
+from harness.store.profile_reader import MeasuredEvent, Profile, load_profile, parse_spec_offline
 
 __all__ = ["MeasuredEvent", "Profile", "layers_for", "load_profile", "parse_spec_offline", "resolve_spec"]
 

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
-from harness.plan.events import human_bytes
-from harness.common.output import byte_unit, format_bytes, format_seconds, format_table
+from typing import Any
 
 from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline
 from analysis.uncertainty import BatchTimeInterval, IntervalExplanation
+from harness.common.output import byte_unit, format_bytes, format_seconds, format_table
+from harness.plan.events import human_bytes
 
 RANK_SPEED_ROWS = 16  # beyond this many profiling ranks, the table shows the fastest and slowest half each
 

@@ -14,16 +14,16 @@ way.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from harness.common.errors import UserError
-
 from analysis.activity import RunActivity
 from analysis.breakdown import breakdown
+from harness.common.errors import UserError
 
 MODES = ("strong", "weak")
 SCHEMA_VERSION = 1  # of the JSON (docs/runs.md)

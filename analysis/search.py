@@ -24,24 +24,32 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
-
-from harness.plan.candidates import Grid, Rejected, candidate_label, expand
-from harness.common.errors import UserError
-from harness.plan.events import build_plan
-from harness.plan.spec import JobSpec
 
 from analysis.costs import MODELLED, communication_by_tier, estimate_costs
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
-from analysis.uncertainty import (DEFAULT_RESAMPLES, SEED, BatchTimeInterval, batch_time_interval, has_samples,
-                                  interval_of, relative_reach, resampled_batch_times)
+from analysis.uncertainty import (
+    DEFAULT_RESAMPLES,
+    SEED,
+    BatchTimeInterval,
+    batch_time_interval,
+    has_samples,
+    interval_of,
+    relative_reach,
+    resampled_batch_times,
+)
+from harness.common.errors import UserError
+from harness.plan.candidates import Grid, Rejected, candidate_label, expand
+from harness.plan.events import build_plan
+from harness.plan.spec import JobSpec
 
 SEARCH_SCHEMA_VERSION = 2  # 2: intervals, indistinguishable_from_best, recommended, recommendation
 SEARCH_KIND = "distsim-search"

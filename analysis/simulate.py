@@ -35,17 +35,17 @@ traces, plots and timeline files. A device's rank is (pp_i * dp + dp_i) * tp + t
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from itertools import accumulate
-from typing import Any, NamedTuple, Sequence
-
-from harness.plan.events import SHARDED_KINDS, EventPlan
-from harness.plan.schedules import device_steps, virtual_stage
-from harness.plan.spec import JobSpec
+from typing import Any, NamedTuple
 
 from analysis.costs import Costs
 from analysis.intervals import spans
+from harness.plan.events import SHARDED_KINDS, EventPlan
+from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.spec import JobSpec
 
 COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
 FORWARD, BACKWARD, TP_ALLREDUCE = "forward", "backward", "tp-allreduce"
@@ -455,7 +455,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
 
 
 def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
-             per_stage: Sequence[StageCosts] | None = None) -> "Timeline":
+             per_stage: Sequence[StageCosts] | None = None) -> Timeline:
     """Simulate one iteration of `plan` with `costs`; dp_overlap None takes the spec's strategy.dp_overlap.
     `per_stage` replaces the step durations that stage_costs sums from `costs` (`analysis validate` replays
     a run's own compute so); the transfers, posts and buckets still take their costs from `costs`. Such a
@@ -470,7 +470,7 @@ def batch_time(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) ->
 
 
 def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage: Sequence[StageCosts] | None,
-              usage: bool) -> "Timeline":
+              usage: bool) -> Timeline:
     spec = plan.spec
     s = spec.strategy
     overlap = s.dp_overlap if dp_overlap is None else dp_overlap

@@ -30,9 +30,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from harness.store.hdf5_schema import COMPUTE_PHASE_ATTR
-
 from analysis.profile_reader import Profile
+from harness.store.hdf5_schema import COMPUTE_PHASE_ATTR
 
 WINDOW_STEP = 0.25  # window positions every quarter window
 MIN_COVERAGE = 0.25  # a rank counts at a position when its samples there add up to this share of the window

@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import h5py
 import numpy as np
 
-from harness.store.hdf5_io import (GROUP_CREATION, create, create_group, open_file, read_attrs, read_column, reading,
-                             write_dataset, write_text)
-from harness.store.hdf5_schema import READ_VERSIONS, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION
-
 from analysis.report import strategy_label
 from analysis.simulate import Timeline
+from harness.store.hdf5_io import (
+    GROUP_CREATION,
+    create,
+    create_group,
+    open_file,
+    read_attrs,
+    read_column,
+    reading,
+    write_dataset,
+    write_text,
+)
+from harness.store.hdf5_schema import READ_VERSIONS, TIMELINE_KIND, TIMELINE_SCHEMA_VERSION
 
 COLUMNS = ("start_s", "end_s", "track", "kind", "name", "event_id", "stage", "micro", "layer")
 USAGE = ("compute_s", "comm_s", "overlapped_comm_s", "idle_s")

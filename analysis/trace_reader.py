@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from harness.store.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
-from harness.store.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_KIND, TRACE_LAYER_COLUMNS,
-                                  TRACE_LAYER_GROUP)
+from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP
+from harness.store.hdf5_schema import TRACE_COLUMNS as COLUMNS
 
 
 class TraceError(ValueError):

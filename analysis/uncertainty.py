@@ -23,17 +23,17 @@ The generator is seeded, so the same profile gives the same interval every time.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
-
-from harness.plan.events import EventPlan
-from harness.plan.precision import BATCHES, MIN_BATCHED
 
 from analysis.calibration import model_residuals
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import batch_time
+from harness.plan.events import EventPlan
+from harness.plan.precision import BATCHES, MIN_BATCHED
 
 DEFAULT_RESAMPLES = 200
 SEED = 20261201
@@ -50,7 +50,7 @@ class BatchTimeInterval:
     p50_s: float
     p95_s: float
     resamples: int
-    sampling: "BatchTimeInterval | None" = None
+    sampling: BatchTimeInterval | None = None
     drift_sigma: float | None = None  # the machine's drift over the profile (held only without `residuals`)
     residuals: str | None = None  # the held-out runs whose errors it holds (ModelResiduals.source)
 

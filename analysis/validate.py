@@ -24,17 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from harness.common.errors import UserError
-from harness.plan.events import EventPlan, build_plan
-from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
-from harness.plan.layers import LayerDesc
-
 from analysis.costs import Costs, estimate_costs
 from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, parse_spec_offline
-from analysis.trace_reader import Trace
 from analysis.simulate import StageCosts, StepCost, Timeline, simulate
+from analysis.trace_reader import Trace
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
+from harness.common.errors import UserError
+from harness.plan.events import EventPlan, build_plan
+from harness.plan.layers import LayerDesc
+from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
 
 REPORT_VERSION = 1
 

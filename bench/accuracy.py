@@ -150,8 +150,8 @@ def tracked_run(spec_path: str, rundir: str) -> None:
     category to RUNDIR/tracker.json (rank 0)."""
     from mpi4py import MPI
 
-    from harness.profile.memory import pytorch_tracker, tracker_peak
     from harness.plan.spec import load_spec
+    from harness.profile.memory import pytorch_tracker, tracker_peak
     from harness.train.runner import run_training
 
     comm = MPI.COMM_WORLD
@@ -172,8 +172,8 @@ def tracker_rows(workdir: Path) -> list[dict] | None:
     from analysis.profile_reader import layers_for, load_profile
     from analysis.trace_reader import read_trace
     from harness.plan.events import build_plan
-    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
     from harness.plan.spec import load_spec
+    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
 
     peaks = json.loads(found.read_text())
     profile = load_profile(workdir / "prof")

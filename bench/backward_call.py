@@ -20,8 +20,8 @@ import statistics
 import torch
 
 from harness.models import build_layer
-from harness.profile.compute import backward_call_times, measure_backward_call
 from harness.plan.spec import load_spec
+from harness.profile.compute import backward_call_times, measure_backward_call
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ import statistics
 import torch
 
 from harness.plan.events import build_plan
+from harness.plan.spec import load_spec
 from harness.profile.compute import ComputeRunner, _forward
 from harness.profile.timer import time_issued, time_region
-from harness.plan.spec import load_spec
 
 LEAD_S = 0.01  # longer than any layer here takes to issue
 

@@ -78,14 +78,13 @@ def evaluate(files: dict[str, Path]) -> dict:
 
 
 def report(result: dict) -> str:
-    from analysis.commands.network import describe
     from analysis.network import NetworkModel  # noqa: F401  (describe's argument type)
     from harness.common.output import format_table
 
     held = sum(s["holds"] for s in result["summary"].values())
     lines = [f"network model held out: {held} of {len(result['summary'])} operations within "
              f"{MAX_GOAL:.0%} at every size >= {FROM_BYTES >> 10} KiB and {MEDIAN_GOAL:.0%} at the median",
-             f"calibrated tiers: " + "; ".join(f"{t['name']} {t['bytes_per_s'] / 1e9:.3g} GB/s {t['latency_us']:.3g} us"
+             "calibrated tiers: " + "; ".join(f"{t['name']} {t['bytes_per_s'] / 1e9:.3g} GB/s {t['latency_us']:.3g} us"
                                                 for t in result["network"]["tiers"]),
              f"held out: 4 ranks, {result['span']}", ""]
     rows = [[r["op"], r["size_bytes"], r["measured_s"] * 1e6, r["predicted_s"] * 1e6, 100 * r["error"],

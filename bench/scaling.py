@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.accuracy import run, spec_text as accuracy_spec  # noqa: E402
+from bench.accuracy import run  # noqa: E402
+from bench.accuracy import spec_text as accuracy_spec
 
 BACKENDS = ("torch", "mpi4py")
 GLOBAL_BATCH, MICRO = 16, 2

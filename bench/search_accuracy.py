@@ -213,8 +213,8 @@ def run_round(found: dict, spec: Path, folder: Path, index: int, args: argparse.
     prediction, the run's median and both peaks."""
     from analysis.trace_reader import read_trace
     from harness.plan.candidates import candidate_label, expand
-    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
     from harness.plan.spec import load_spec
+    from harness.store.hdf5_schema import PEAK_MEMORY_ATTR
 
     jobs = {candidate_label(job): job for job in expand(load_spec(spec, import_factory=False)).candidates}
     candidates = [c for c in found["candidates"] if c["batch_time_s"] is not None]

@@ -27,10 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.synthetic import write_synthetic_profile  # noqa: E402
 from harness.plan.candidates import expand  # noqa: E402
 from harness.plan.spec import parse_spec  # noqa: E402
-
-from bench.synthetic import write_synthetic_profile  # noqa: E402
 
 GOAL_S = 30.0
 SPEC = {

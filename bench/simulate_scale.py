@@ -21,15 +21,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.plan.events import build_plan  # noqa: E402
-from harness.plan.spec import parse_spec  # noqa: E402
-
 from analysis.costs import estimate_costs  # noqa: E402
 from analysis.devices import select_devices  # noqa: E402
 from analysis.profile_reader import layers_for, load_profile, resolve_spec  # noqa: E402
 from analysis.report import summary  # noqa: E402
 from analysis.simulate import simulate  # noqa: E402
 from bench.synthetic import write_synthetic_profile  # noqa: E402
+from harness.plan.events import build_plan  # noqa: E402
+from harness.plan.spec import parse_spec  # noqa: E402
 
 SPEC = {
     "model": {"name": "gpt2-xl", "layers": 96, "hidden": 12288, "heads": 96, "ffn": 49152, "seq_len": 2048,

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from harness.plan.events import event_id, events_to_profile
+from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR
 from harness.store.profile_store import Measurement, write_profile
-from harness.plan.spec import JobSpec
 
 COMPUTE_FLOPS = 400e12  # sustained bf16 FLOP/s of one GPU
 OPTIMIZER_BYTES_PER_PARAM, MEMORY_BW = 16, 2.5e12  # Adam reads and writes ~16 bytes per parameter

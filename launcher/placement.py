@@ -13,13 +13,12 @@ extrapolation.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from typing import Mapping
-
-from harness.plan.events import INTER, INTRA, SHARDED_KINDS, Event, UniqueEvents, composite_content, event_id
 from harness.plan.collectives import ELEMENT_BYTES, round_size
+from harness.plan.events import INTER, INTRA, SHARDED_KINDS, Event, UniqueEvents, composite_content, event_id
 from launcher.topology import Topology
 
 SWEEP_FACTOR = 4  # between a sweep's sizes: powers of 4 times MIN_SWEEP_BYTES

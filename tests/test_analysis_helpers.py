@@ -6,17 +6,26 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from harness.plan.events import Event, UniqueEvents, build_plan, event_id
-from harness.store.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES, HOST_ISSUE_SERIES,
-                                  RANK_SPEED_PROBE_ENV, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES,
-                                  compute_phase_key)
 from harness.plan.layers import LayerDesc
 from harness.plan.spec import JobSpec, parse_spec
+from harness.store.hdf5_schema import (
+    ACTIVATION_BYTES_ATTR,
+    BACKWARD_CALL_ATTR,
+    COMPUTE_PHASE_ATTR,
+    DIVIDE_SERIES,
+    HOST_ISSUE_SERIES,
+    RANK_SPEED_PROBE_ENV,
+    SEND_POST_SERIES,
+    SENDER_BUSY_SERIES,
+    ZERO_SERIES,
+    compute_phase_key,
+)
 from harness.store.profile_store import Measurement, write_profile
 
 REPO = Path(__file__).resolve().parents[1]

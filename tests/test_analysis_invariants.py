@@ -5,9 +5,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.plan.events import build_plan
 from analysis.costs import Costs
 from analysis.simulate import COMM_TRACK, COMPUTE_TRACK, DP_ALLREDUCE, OPTIMIZER, simulate
+from harness.plan.events import build_plan
 from tests.test_analysis_helpers import make_spec
 
 EPS = 1e-9

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from harness.plan.candidates import candidate_label, expand
 from harness.common.errors import SpecError, UserError
+from harness.plan.candidates import candidate_label, expand
 from harness.plan.events import build_plan, events_to_profile
 from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text

@@ -10,10 +10,19 @@ import h5py
 import numpy as np
 import pytest
 
-from harness.plan.collectives import (OPS, SizeResult, average_busbw, bus_factor, expected_output, input_values,
-                                 parse_size, round_size, sweep_sizes)
-from harness.store.collectives_file import CollectivesRun, read_collectives, write_collectives
 from harness.common.errors import UserError
+from harness.plan.collectives import (
+    OPS,
+    SizeResult,
+    average_busbw,
+    bus_factor,
+    expected_output,
+    input_values,
+    parse_size,
+    round_size,
+    sweep_sizes,
+)
+from harness.store.collectives_file import CollectivesRun, read_collectives, write_collectives
 from harness.store.hdf5_io import plain
 from tests.conftest import ROOT
 from tests.helpers import mpirun_harness

@@ -47,9 +47,9 @@ def test_every_operation_right_through_torch_on_a_subgroup():
     import torch
     import torch.distributed as dist
 
+    from harness.profile.collectives import CollectiveBench
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from harness.runtime.mpi_errors import yielding_barrier
-    from harness.profile.collectives import CollectiveBench
     from launcher.topology import discover
 
     comm = _world()

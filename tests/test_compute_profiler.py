@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from harness.plan.events import build_plan
-from harness.profile.compute import (ComputeRunner, backward_call_times, heavy_light_order, last_level_cache_bytes,
-                                       measure_backward_call, measure_compute_share, measure_split_call)
 from harness.plan.spec import loads_spec
+from harness.profile.compute import (
+    ComputeRunner,
+    backward_call_times,
+    heavy_light_order,
+    last_level_cache_bytes,
+    measure_backward_call,
+    measure_compute_share,
+    measure_split_call,
+)
 from tests.helpers import tiny_spec_text
 
 

@@ -17,10 +17,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.models.context import (ALLGATHER, DIAGONAL, FULL, KV, KV_GRAD, REDUCE_SCATTER, SKIP, RingStep,
-                                    allgather_attention, local_positions, merge_sequence, pair_kind,
-                                    rank_work, ring_attention, ring_steps, split_sequence, step_pairs,
-                                    zigzag_chunks)
+from harness.models.context import (
+    ALLGATHER,
+    DIAGONAL,
+    FULL,
+    KV,
+    KV_GRAD,
+    REDUCE_SCATTER,
+    SKIP,
+    RingStep,
+    allgather_attention,
+    local_positions,
+    merge_sequence,
+    pair_kind,
+    rank_work,
+    ring_attention,
+    ring_steps,
+    split_sequence,
+    step_pairs,
+    zigzag_chunks,
+)
 
 BATCH, HEADS, CHUNK, HEAD_DIM = 2, 2, 4, 8
 
@@ -305,8 +321,7 @@ def test_a_factory_models_attention_cannot_be_split(tmp_path, project_env):
 def test_a_profiled_share_runs_rank_0s_ring_steps_alone(monkeypatch):
     """Profiled alone (no group), a context-parallel block runs rank 0's ring steps on copies of its own keys and
     values: every step's blocks of rank 0 (as the real ring computes them), no communication, a backward."""
-    from harness.models import build_layer
-    from harness.models import context
+    from harness.models import build_layer, context
 
     spec = _plan_spec(cp=2)
     block = build_layer(spec.model, "block", cp=2)

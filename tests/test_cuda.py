@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from harness.plan.events import build_plan
+from harness.plan.spec import loads_spec
 from harness.profile.compute import ComputeRunner
 from harness.profile.timer import can_time_issued, time_issued, time_region
-from harness.plan.spec import loads_spec
 from harness.store.hdf5_io import plain
 from harness.store.hdf5_schema import HOST_ISSUE_SERIES
 from tests.helpers import tiny_spec_text, write_spec

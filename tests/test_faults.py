@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness.common.errors import UserError, WriteError
+from harness.common.output import writable
 from harness.store.folder_lock import LOCK_NAME, FolderBusy, FolderLock
 from harness.store.hdf5_io import create, remove_temporaries, write_dataset
-from harness.common.output import writable
 from harness.store.profile_store import read_measurements
 from tests.helpers import mpirun_harness, write_spec
 

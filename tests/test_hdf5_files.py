@@ -17,13 +17,13 @@ from analysis.timeline_file import read_timeline, write_timeline
 from analysis.trace_reader import read_trace
 from harness.commands.cli import main as harness_main
 from harness.common.errors import UserError
+from harness.plan.collectives import SizeResult
+from harness.store.collectives_file import CollectivesRun, write_collectives
 from harness.store.hdf5_io import LONG_ATTRS, LONG_TEXT_BYTES, create, open_file, read_attrs, set_attrs
 from harness.store.hdf5_schema import PROFILE_KIND, READ_VERSIONS
 from harness.store.profile_store import Measurement, read_measurements, write_rank_file
 from harness.train.trace_writer import merge_traces
 from tests.conftest import ROOT
-from harness.plan.collectives import SizeResult
-from harness.store.collectives_file import CollectivesRun, write_collectives
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
 from tests.test_validate import write_scaled_trace
 

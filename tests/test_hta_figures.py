@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.activity import SPANS, kernel_class, load_run, MEMORY_CLASS, COMMUNICATION_CLASS, COMPUTE
+from analysis.activity import COMMUNICATION_CLASS, COMPUTE, MEMORY_CLASS, SPANS, kernel_class, load_run
 from analysis.breakdown import CATEGORIES, breakdown, to_json
 from analysis.cli import main
 from analysis.commands.breakdown import SPAN_CHOICES

@@ -10,10 +10,11 @@ import torch
 
 from analysis.memory import backward_moments, estimate_memory
 from harness.plan.events import build_plan
-from harness.profile.memory import LiveStorages, activation_bytes, saving_into
 from harness.plan.spec import parse_spec
+from harness.profile.memory import LiveStorages, activation_bytes, saving_into
 from tests.helpers import mpirun_harness, tiny_spec_text
 from tests.test_analysis_helpers import make_spec
+
 
 def _estimate(spec, block_bytes: int = 10**7):
     """The plan and its memory with every block's forward saving `block_bytes` (the embedding and head none)."""
@@ -154,7 +155,6 @@ def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, sche
     trained = mpirun_harness(2, ["train", str(spec), "-o", str(tmp_path / "run"), "--iterations", "3"], project_env)
     assert trained.returncode == 0, trained.stderr
     from analysis.cli import main
-
     from analysis.profile_reader import load_profile
     from analysis.trace_reader import read_trace
     from analysis.validate import validate

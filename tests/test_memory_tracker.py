@@ -10,9 +10,9 @@ import torch
 
 from analysis.memory import estimate_memory
 from harness.plan.events import build_plan
+from harness.plan.spec import parse_spec
 from harness.profile.compute import measure_compute_share
 from harness.profile.memory import pytorch_tracker, tracker_peak
-from harness.plan.spec import parse_spec
 from harness.train.engine import PipelineEngine
 from harness.train.model import build_layers, make_tokens
 from tests.test_analysis_helpers import make_spec

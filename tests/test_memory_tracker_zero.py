@@ -34,9 +34,9 @@ def test_zero3_meets_pytorchs_own_peak(tmp_path):
 
     from analysis.memory import estimate_memory
     from harness.plan.events import build_plan
+    from harness.plan.spec import loads_spec
     from harness.profile.compute import measure_compute_share
     from harness.profile.memory import pytorch_tracker, tracker_peak
-    from harness.plan.spec import loads_spec
     from harness.train.runner import run_training
 
     comm = MPI.COMM_WORLD

@@ -16,8 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from harness.models import moe
-from harness.models.moe import (COMBINE, COMBINE_GRAD, DISPATCH, DISPATCH_GRAD, LocalExperts, MoEMLP,
-                                send_counts, table_counts)
+from harness.models.moe import (
+    COMBINE,
+    COMBINE_GRAD,
+    DISPATCH,
+    DISPATCH_GRAD,
+    LocalExperts,
+    MoEMLP,
+    send_counts,
+    table_counts,
+)
 from harness.models.tp import set_collective_hook
 
 HIDDEN, FFN = 8, 12

@@ -4,7 +4,6 @@ hand, NCCL's choices, the plan's groups over the tiers, the what-if and `analysi
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -247,7 +246,6 @@ def test_a_spec_without_a_network_says_what_to_give(tmp_path):
 def test_what_if_and_the_booking_curve_on_a_profile(tmp_path):
     """simulate --network with another spec's tiers; search over two device counts: the booking rows, each
     candidate's communication by tier (JSON and CSV) and the PNG's second panel."""
-    from analysis.cli import main
 
     spec = make_spec(dp=2, tp=1, pp=1, micro_batches=4, nodes=2)  # a global batch of 8
     targets = [make_spec(dp=4, tp=1, pp=1, micro_batches=2, nodes=2), make_spec(dp=8, tp=1, pp=1, micro_batches=1,

@@ -1,15 +1,20 @@
 """Placement over ranks: compute shares disjoint, complete and balanced; groups of the right placement."""
 from __future__ import annotations
 
+import pytest
+
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
 from launcher.placement import balance, place
-from launcher.topology import (LaunchError, Topology, check_world_size, classify_cpu_binding,
-                               mpi_library_version,
-                               promised_world_size)
+from launcher.topology import (
+    LaunchError,
+    Topology,
+    check_world_size,
+    classify_cpu_binding,
+    mpi_library_version,
+    promised_world_size,
+)
 from tests.helpers import tiny_spec_text
-
-import pytest
 
 
 def topology(size: int, per_node: int) -> Topology:
@@ -104,8 +109,8 @@ def test_mpi_library_version_drops_open_mpis_trailing_nul():
 
 
 def test_two_ranks_on_one_gpu_are_refused_before_nccl():
-    from harness.runtime.distributed import check_one_rank_per_gpu
     from harness.common.errors import UserError
+    from harness.runtime.distributed import check_one_rank_per_gpu
 
     check_one_rank_per_gpu([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a"), ("n2", "GPU-b")])
     check_one_rank_per_gpu([("n1", None), ("n1", None)])  # CPU ranks

@@ -137,9 +137,9 @@ def test_bad_precision_or_budget_exits_2_once(tmp_path, spec_file, project_env, 
 def test_a_resume_measures_again_what_misses_a_precision_it_now_asks_more_of():
     import numpy as np
 
+    from harness.profile.run import _complete
     from harness.store.hdf5_schema import PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
     from harness.store.profile_store import Measurement
-    from harness.profile.run import _complete
 
     wide = np.array([1.0, 2.0, 1.0, 2.0, 1.0, 2.0])  # its mean known within about 22%
     taken = Measurement("id", "compute", {"phase": "fwd"}, wide, [0], "env",
@@ -167,8 +167,13 @@ def test_resume_measures_again_what_this_version_measures_more_of():
     import numpy as np
 
     from harness.profile.run import _complete
-    from harness.store.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES,
-                                      ZERO_SERIES)
+    from harness.store.hdf5_schema import (
+        DIVIDE_SERIES,
+        HOST_ISSUE_SERIES,
+        SEND_POST_SERIES,
+        SENDER_BUSY_SERIES,
+        ZERO_SERIES,
+    )
     from harness.store.profile_store import Measurement
 
     def measurement(kind, phase=None, device="cpu:x", series=(), **attrs):

@@ -116,10 +116,9 @@ def test_sampling_to_a_precision_then_resuming_for_a_finer_one(tmp_path):
     """Repeats are a minimum: a compute event is sampled until its mean is known within the precision (5 samples
     at least) or the budget is spent, communication alike on its median; a resume asking for a finer precision
     measures the events that miss it again."""
-    from harness.store.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
     from harness.plan.precision import MIN_SAMPLES
-
     from harness.profile.run import run_profile
+    from harness.store.hdf5_schema import PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "profile"
@@ -245,8 +244,8 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from harness.runtime.distributed import destroy_process_group, init_process_group
     from harness.profile.comm import CommProfiler
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     after_sum: list[np.ndarray] = []  # the buffer as each summing all-reduce left it

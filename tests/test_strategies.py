@@ -6,7 +6,6 @@ import json
 from collections import Counter
 
 import numpy as np
-
 import pytest
 
 from analysis.costs import Costs

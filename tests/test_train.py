@@ -339,8 +339,8 @@ def _check_trace(spec, trace, options):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_training_run_traces_the_schedule_and_matches_a_single_process(config, shared_dir):
-    from harness.train.model import reference_losses
     from analysis.trace_reader import read_trace
+    from harness.train.model import reference_losses
 
     comm = _comm()
     spec, result, options = _run(config, shared_dir / config)
@@ -494,8 +494,8 @@ def test_schedule_steps_are_torch_pipelinings_order(schedule, chunks):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
-    from harness.runtime.distributed import destroy_process_group, init_process_group
     from harness.plan.schedules import Step, device_steps
+    from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     comm = _comm()

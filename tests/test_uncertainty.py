@@ -10,9 +10,18 @@ from analysis.calibration import device_kind, model_residuals
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import simulate
 from analysis.skew import DRIFT_BLOCKS, MachineDrift, machine_drift
-from analysis.uncertainty import (CALIBRATION_DRAWS, SEED, BatchTimeInterval, batch_time_interval,
-                                  bootstrap_statistics, explain_interval, interval_of, prediction_interval,
-                                  relative_reach, resampled_batch_times)
+from analysis.uncertainty import (
+    CALIBRATION_DRAWS,
+    SEED,
+    BatchTimeInterval,
+    batch_time_interval,
+    bootstrap_statistics,
+    explain_interval,
+    interval_of,
+    prediction_interval,
+    relative_reach,
+    resampled_batch_times,
+)
 from harness.plan.events import build_plan
 from harness.plan.precision import CONFIDENCE_Z, precision_statistic, relative_half_width, t_quantile
 from harness.plan.spec import loads_spec

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from analysis.predict import predict
+from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import environment_differences, replay_stage_costs, validate
-from analysis.profile_reader import load_profile
 from harness.train.trace_writer import merge_traces, write_rank_trace
 from tests.conftest import ROOT
 from tests.helpers import write_spec

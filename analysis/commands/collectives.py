@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 
-from harness.store.collectives_report import run_report
-from harness.common.output import writable, write_csv
-
 from analysis.collectives import compare_json, compare_report, compare_rows, load, write_png
+from harness.common.output import writable, write_csv
+from harness.store.collectives_report import run_report
 
 NAME = "collectives"
 HELP = "show collective benchmarks of `harness collectives -o`: one run's tables, several side by side, a PNG"
@@ -19,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE.h5", help="results of `harness collectives -o FILE.h5`")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/collectives.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the side-by-side table as CSV")
-    parser.add_argument("--png", metavar="FILE.png", 
+    parser.add_argument("--png", metavar="FILE.png",
                         help="draw bus bandwidth against size, a line per operation and run")
 
 

@@ -7,13 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from harness.plan.collectives import parse_size, sweep_sizes
-from harness.common.errors import UserError
-from harness.plan.network import check_tiers, parse_overrides
-from harness.common.output import format_table, writable, write_csv
-from harness.plan.spec import MAX_DEVICES, load_spec
-
 from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
+from harness.common.errors import UserError
+from harness.common.output import format_table, writable, write_csv
+from harness.plan.collectives import parse_size, sweep_sizes
+from harness.plan.network import check_tiers, parse_overrides
+from harness.plan.spec import MAX_DEVICES, load_spec
 
 NAME = "network"
 HELP = "the network model's collectives (spec's [[cluster.network]] or calibrated from a profile) as nccl-tests prints"

@@ -6,16 +6,22 @@ import argparse
 import json
 import sys
 
-from harness.common.output import (byte_unit, format_bytes, format_duration, format_seconds, format_table, writable,
-                            write_csv)
-from harness.common.errors import UserError
-from harness.common.launch_env import promised_world_size
-from harness.common.progress import Progress
-
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile, resolve_spec
 from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, mpi_futures_pool, search
+from harness.common.errors import UserError
+from harness.common.launch_env import promised_world_size
+from harness.common.output import (
+    byte_unit,
+    format_bytes,
+    format_duration,
+    format_seconds,
+    format_table,
+    writable,
+    write_csv,
+)
+from harness.common.progress import Progress
 
 NAME = "search"
 HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"

@@ -5,12 +5,11 @@ import argparse
 import json
 import sys
 
-from harness.common.output import writable, write_csv
-
 from analysis.devices import plot_devices, select_devices
 from analysis.predict import add_network_argument, add_prediction_arguments, predict, prediction_options
 from analysis.report import format_report, summary
 from analysis.uncertainty import explain_interval
+from harness.common.output import writable, write_csv
 
 NAME = "simulate"
 HELP = "predict one training iteration's timeline on every device from a profile (table, --json, trace, PNG)"

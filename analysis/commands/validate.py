@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness.common.output import format_table, writable, write_csv
-
 from analysis.predict import add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import validate
+from harness.common.output import format_table, writable, write_csv
 
 NAME = "validate"
 HELP = "compare a real run (trace.h5 of `harness train`) with the prediction from a profile"

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.common.errors import UserError
+from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
 NAME = "collectives"
@@ -200,12 +200,10 @@ def _results_text(record, notes: list[str], as_json: bool) -> str:
 def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
     """The group's communicator (and torch's process group and group): (bench or None off the group, the
     backend's label, the device's name)."""
+    import torch
     from mpi4py import MPI
 
     from harness.profile.collectives import CollectiveBench
-
-    import torch
-
     from harness.profile.run import device_name
 
     member = comm.Get_rank() in ranks
@@ -226,10 +224,10 @@ def _start(comm, topology, options: Options, ranks, torch_backend, device_type):
 
 
 def _environment(topology, backend: str, device: str, started: float) -> dict:
-    from launcher.topology import mpi_library_version
-    from harness.profile.run import module_version
-
     import torch
+
+    from harness.profile.run import module_version
+    from launcher.topology import mpi_library_version
 
     finished = time.time()
     return {"hosts": topology.hosts(), "world_size": topology.size, "nodes": topology.nodes,

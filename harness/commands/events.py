@@ -6,10 +6,10 @@ import json
 
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
+from harness.common.output import format_table, write_csv
 from harness.plan.candidates import candidate_label
 from harness.plan.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
 from harness.plan.spec import load_spec
-from harness.common.output import format_table, write_csv
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
-from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
-from harness.plan.events import events_to_profile
-from harness.plan.spec import load_spec
 from harness.common.output import format_seconds
+from harness.plan.events import events_to_profile
 from harness.plan.precision import MIN_SAMPLES
+from harness.plan.spec import load_spec
+from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "profile"
 HELP = "profile the unique events of a job spec on the ranks of this MPI job (writes OUTDIR/profile.h5)"
@@ -62,8 +62,8 @@ def budget_option(text: str | None) -> float | None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
     from harness.profile.run import check_outdir, run_profile
+    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
 
     comm = MPI.COMM_WORLD
     spec = unique = grid = None

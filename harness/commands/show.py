@@ -8,8 +8,8 @@ import argparse
 import json
 import math
 
-from harness.plan.events import human_bytes
 from harness.common.output import format_seconds, format_table, write_csv
+from harness.plan.events import human_bytes
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.store.profile_reader import load_profile
 from harness.store.profile_store import summarize

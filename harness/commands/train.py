@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
     from harness.plan.spec import load_spec
+    from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
     from harness.train.runner import check_run, run_training
 
     comm = MPI.COMM_WORLD

@@ -14,8 +14,9 @@ import csv
 import errno
 import math
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from harness.common.errors import WriteError
 

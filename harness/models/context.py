@@ -27,7 +27,8 @@ hook times the part of the transfer the compute did not hide; the two collective
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist

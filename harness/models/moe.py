@@ -31,7 +31,8 @@ counts, and the rows "sent back" likewise.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist

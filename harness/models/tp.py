@@ -18,7 +18,7 @@ harness.plan.layers gives them.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -20,8 +20,16 @@ from torch.nn import functional as F
 
 from harness.models.context import LocalRing, allgather_attention, local_positions, ring_attention
 from harness.models.moe import LocalExperts, MoEMLP
-from harness.models.tp import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_sequence, hooked,
-                               reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
+from harness.models.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tp,
+    gather_sequence,
+    hooked,
+    reduce_from_tp,
+    scatter_sequence,
+    vocab_parallel_cross_entropy,
+)
 from harness.plan.routing import moe_tag, router
 from harness.plan.spec import ModelSpec
 

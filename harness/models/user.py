@@ -8,7 +8,7 @@ tensor); the last returns logits of shape (micro, seq_len, vocab), trained with 
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -17,8 +17,9 @@ analysis reads and compares (analysis.collectives) with these same definitions.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -11,15 +11,24 @@ Ranks are ordered tp fastest, then cp, then dp, then pp; a device's node is rank
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from harness.plan.candidates import Grid, expand
-from harness.plan.layers import (HIDDEN_ALLREDUCE, LayerDesc, collective_kind, describe, recomputed, replicated_params,
-                            sequence_shards, split_into_stages)
+from harness.plan.layers import (
+    HIDDEN_ALLREDUCE,
+    LayerDesc,
+    collective_kind,
+    describe,
+    recomputed,
+    replicated_params,
+    sequence_shards,
+    split_into_stages,
+)
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 
@@ -113,7 +122,7 @@ class UniqueEvents:
     separate: int  # the sum of each plan's own unique events (what profiling each plan alone measures)
 
     @classmethod
-    def union(cls, plans: "Iterable[EventPlan]") -> "UniqueEvents":
+    def union(cls, plans: Iterable[EventPlan]) -> UniqueEvents:
         """The events of several plans (a search's candidates), each measured once; plans may be a generator."""
         events: dict[str, Event] = {}
         multiplicity: Counter = Counter()
@@ -280,14 +289,14 @@ class EventPlan:
         s = self.spec.strategy
         return [(d, c) for d in range(s.dp) for c in range(s.cp)]
 
-    def _placements(self, groups: Iterator[list[int]]) -> "GroupPlacements":
+    def _placements(self, groups: Iterator[list[int]]) -> GroupPlacements:
         counts = GroupPlacements()
         per_node = self.spec.cluster.gpus_per_node
         for ranks in groups:  # a node holds consecutive ranks: a group is on one if its ends are
             counts.add(INTRA if min(ranks) // per_node == max(ranks) // per_node else INTER, ranks)
         return counts
 
-    def _collective(self, kind: str, nbytes: int, group: int, placements: "GroupPlacements",
+    def _collective(self, kind: str, nbytes: int, group: int, placements: GroupPlacements,
                     calls_per_group: int, what: str, fsdp: dict | None = None, dtype: str | None = None) -> str:
         """Add a collective (or P2P) once per placement it occurs with; the simulated replica uses the
         slowest (inter-node) variant when groups of one kind straddle nodes unevenly. `fsdp` (the layer:
@@ -479,7 +488,7 @@ class EventPlan:
             self.stages[vs].send_forward = self._collective("p2p", activation, 2, pairs, m, what)
             self.stages[vs + 1].send_backward = self._collective("p2p", activation, 2, pairs, m, what)
 
-    def _sequence_grads(self, layers: list[LayerDesc], tp_groups: "GroupPlacements") -> str | None:
+    def _sequence_grads(self, layers: list[LayerDesc], tp_groups: GroupPlacements) -> str | None:
         """Sequence parallelism: the stage's all-reduce of its replicated parameters' gradients over tp."""
         s = self.spec.strategy
         if not s.sp:
@@ -487,7 +496,7 @@ class EventPlan:
         nbytes = sum(replicated_params(self.spec.model, layer.kind) for layer in layers) * self.spec.model.dtype_bytes
         return self._collective("allreduce", nbytes, s.tp, tp_groups, 1, "tensor-parallel groups")
 
-    def _expert_grads(self, layers: list[LayerDesc], groups: "GroupPlacements | None") -> str | None:
+    def _expert_grads(self, layers: list[LayerDesc], groups: GroupPlacements | None) -> str | None:
         """Expert parallelism with dp > ep: the stage's experts' gradient all-reduce over the dp / ep ranks holding
         the same experts (None where each expert is on one rank, or the stage has none)."""
         nbytes = sum(layer.expert_params for layer in layers) * self.spec.model.dtype_bytes

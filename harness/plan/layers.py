@@ -70,7 +70,7 @@ class LayerDesc:
                 **({"expert_params": self.expert_params} if self.expert_params else {})}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LayerDesc":
+    def from_dict(cls, data: dict[str, Any]) -> LayerDesc:
         return cls(kind=data["kind"], signature=tuple(tuple(item) for item in data["signature"]),
                    params=int(data["params"]), fwd_flops_per_token=float(data["fwd_flops_per_token"]),
                    attn_flops_per_token_per_seq=float(data["attn_flops_per_token_per_seq"]),

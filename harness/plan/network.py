@@ -7,8 +7,9 @@ order: a rank's domain at a tier is rank // size, so the innermost tier's domain
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from harness.common.errors import SpecError
 

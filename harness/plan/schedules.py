@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
 INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules that run several chunks per device
 SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")  # schedules whose backward is split into B and W steps

@@ -5,9 +5,9 @@ Pure Python (stdlib tomllib): the analysis imports this module without MPI, torc
 from __future__ import annotations
 
 import dataclasses
-import math
 import importlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,7 +297,7 @@ class JobSpec:
                 lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
         return "\n".join(lines) + "\n"
 
-    def with_changes(self, **changes: Any) -> "JobSpec":
+    def with_changes(self, **changes: Any) -> JobSpec:
         """A new validated spec with strategy/batch/cluster fields replaced (e.g. dp=4, micro=2)."""
         data = self.to_dict()
         for key, value in changes.items():

@@ -10,11 +10,18 @@ iteration's time is its slowest rank's.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from harness.plan.collectives import ELEMENT_BYTES, SizeResult, element_count, expected_output, input_elements, input_values
+from harness.plan.collectives import (
+    ELEMENT_BYTES,
+    SizeResult,
+    element_count,
+    expected_output,
+    input_elements,
+    input_values,
+)
 
 # mpi4py's buffers are numpy arrays; numpy has no bfloat16 and MPI no standard half type
 MPI4PY_DTYPES = ("float32", "float64", "int32")

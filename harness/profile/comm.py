@@ -21,15 +21,14 @@ import torch
 import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES
-from harness.profile.timer import synchronize
 from harness.plan.events import SHARDED_KINDS
+from harness.profile.timer import synchronize
 
 # timed as the collective benchmark times them (harness.profile.collectives): a sample is the slowest member's;
 # an all-to-all (expert parallelism's) moves its size's even shares between every pair
 BENCHED_KINDS = (*SHARDED_KINDS, "alltoall")
 from harness.runtime.mpi_errors import yielding_barrier
 from launcher.placement import CommTask
-
 
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then

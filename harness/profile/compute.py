@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,10 +22,9 @@ import torch.distributed as dist
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
 from harness.plan.precision import relative_half_width
+from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, kept_for_weights
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
-from harness.plan.spec import JobSpec
-
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 
@@ -179,7 +179,7 @@ class _NoHandle:
 
 
 @contextmanager
-def pytorch_tracker() -> Iterator["torch.distributed._tools.mem_tracker.MemTracker"]:
+def pytorch_tracker() -> Iterator[torch.distributed._tools.mem_tracker.MemTracker]:
     """torch's own accounting over the block (torch.distributed._tools.mem_tracker.MemTracker, which sees
     every storage an operator makes: parameters, gradients, optimizer states, activations and the backward's
     temporaries). MemTracker refuses a top-level module called again outside a backward: each time one is (a

@@ -27,21 +27,35 @@ from typing import Any
 import numpy as np
 
 from harness.common.errors import UserError, WriteError
+from harness.common.progress import Progress
+from harness.models.user import factory_layers
 from harness.plan.events import COMM_KINDS, UniqueEvents, build_plan
-from harness.store.hdf5_io import open_file, read_environment, reading
-from harness.store.hdf5_schema import (ACTIVATION_BYTES_ATTR, BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, DIVIDE_SERIES,
-                                  HOST_ISSUE_SERIES, PRECISION_ATTR, PRECISION_BUDGET_ATTR, PRECISION_GOAL_ATTR,
-                                  PROFILE_KIND, RANK_SPEED_PROBE_ENV, READ_VERSIONS, RELEASED_BYTES_ATTR,
-                                  SAMPLE_END_SERIES,
-                                  SEND_POST_SERIES, SENDER_BUSY_SERIES, SPEED_PROBE_ENV, ZERO_SERIES,
-                                  compute_phase_key)
+from harness.plan.precision import precision_statistic, relative_half_width
+from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
 from harness.runtime.mpi_errors import AgreedError, raise_if_any, yielding_barrier
-from harness.plan.precision import precision_statistic, relative_half_width
-from harness.common.progress import Progress
-from harness.plan.spec import JobSpec
+from harness.store.hdf5_io import open_file, read_environment, reading
+from harness.store.hdf5_schema import (
+    ACTIVATION_BYTES_ATTR,
+    BACKWARD_CALL_ATTR,
+    COMPUTE_PHASE_ATTR,
+    DIVIDE_SERIES,
+    HOST_ISSUE_SERIES,
+    PRECISION_ATTR,
+    PRECISION_BUDGET_ATTR,
+    PRECISION_GOAL_ATTR,
+    PROFILE_KIND,
+    RANK_SPEED_PROBE_ENV,
+    READ_VERSIONS,
+    RELEASED_BYTES_ATTR,
+    SAMPLE_END_SERIES,
+    SEND_POST_SERIES,
+    SENDER_BUSY_SERIES,
+    SPEED_PROBE_ENV,
+    ZERO_SERIES,
+    compute_phase_key,
+)
 from harness.store.profile_store import Measurement, read_measurements, read_rank_probes, write_profile, write_rank_file
-from harness.models.user import factory_layers
 from launcher.placement import Placement, place
 from launcher.topology import Topology, discover, mpi_library_version
 
@@ -346,8 +360,8 @@ def _set_up(run: ProfileRun) -> None:
     """Device, process group, what is stored already, placement (rank 0 decides, everyone gets its answer)."""
     import torch
 
-    from harness.runtime.distributed import init_process_group, pick_device
     from harness.profile.comm import CommProfiler
+    from harness.runtime.distributed import init_process_group, pick_device
 
     comm, topology = run.comm, run.topology
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -11,8 +11,16 @@ from typing import Any
 import numpy as np
 
 from harness.plan.collectives import OPS, SizeResult, bus_factor
-from harness.store.hdf5_io import create, create_group, open_file, read_attrs, read_environment, reading, set_attrs, \
-    write_dataset
+from harness.store.hdf5_io import (
+    create,
+    create_group,
+    open_file,
+    read_attrs,
+    read_environment,
+    reading,
+    set_attrs,
+    write_dataset,
+)
 from harness.store.hdf5_schema import COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS, COLLECTIVES_SCHEMA_VERSION
 
 

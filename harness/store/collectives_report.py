@@ -4,11 +4,12 @@ too and builds its side-by-side comparisons on it (analysis.collectives).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from harness.common.output import format_table
 from harness.plan.collectives import TABLE_HEADERS, average_busbw, bus_factor, table_rows
 from harness.store.collectives_file import CollectivesRun
-from harness.common.output import format_table
 
 JSON_SCHEMA_VERSION = 1  # the documents of run_json and of analysis.collectives.compare_json (docs/collectives.md)
 FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reducescatter": "(n-1)/n", "alltoall": "(n-1)/n",

@@ -51,7 +51,7 @@ class FolderLock:
         self.taken_over: dict | None = None  # the holder named in the file when this job took the lock
         self._fd: int | None = None
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -112,7 +112,7 @@ class FolderLock:
         os.close(self._fd)  # closing lets go of the flock
         self._fd = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -25,16 +25,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import h5py
 import numpy as np
 
 from harness.common.errors import UserError
-from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
 from harness.common.output import free_bytes, write_failure
+from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
 
 LONG_ATTRS = "long_attrs"
 LONG_TEXT_BYTES = 60_000

@@ -17,12 +17,22 @@ import numpy as np
 
 from harness.common.errors import UserError
 from harness.plan.events import CommunicationFields
-from harness.store.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
-from harness.store.hdf5_schema import (DIVIDE_SERIES, HOST_ISSUE_SERIES, PROFILE_KIND, READ_VERSIONS, REMEDIES,
-                                  SAMPLE_END_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, SERIES, ZERO_SERIES)
 from harness.plan.layers import LayerDesc
-from harness.store.profile_store import read_measurement
 from harness.plan.spec import JobSpec, parse_spec
+from harness.store.hdf5_io import open_file, read_attrs, read_environment, read_text, reading
+from harness.store.hdf5_schema import (
+    DIVIDE_SERIES,
+    HOST_ISSUE_SERIES,
+    PROFILE_KIND,
+    READ_VERSIONS,
+    REMEDIES,
+    SAMPLE_END_SERIES,
+    SEND_POST_SERIES,
+    SENDER_BUSY_SERIES,
+    SERIES,
+    ZERO_SERIES,
+)
+from harness.store.profile_store import read_measurement
 
 
 @dataclass

@@ -8,18 +8,37 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
 
-from harness.store.hdf5_io import (create, create_group, open_file, read_attrs, read_text, reading, set_attrs,
-                             write_dataset, write_text)
-from harness.store.hdf5_schema import (MEASUREMENT_FIELD_ATTRS, PROFILE_KIND, PROFILE_SCHEMA_VERSION, RANK_PROFILE_KIND,
-                                  RANK_SPEED_PROBE_ENV, READ_VERSIONS, SERIES, STATS)
+from harness.store.hdf5_io import (
+    create,
+    create_group,
+    open_file,
+    read_attrs,
+    read_text,
+    reading,
+    set_attrs,
+    write_dataset,
+    write_text,
+)
+from harness.store.hdf5_schema import (
+    MEASUREMENT_FIELD_ATTRS,
+    PROFILE_KIND,
+    PROFILE_SCHEMA_VERSION,
+    RANK_PROFILE_KIND,
+    RANK_SPEED_PROBE_ENV,
+    READ_VERSIONS,
+    SERIES,
+    STATS,
+)
+
 
 @dataclass
 class Measurement:

@@ -24,8 +24,9 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,13 +39,13 @@ except ImportError:  # zero > 0 then stops in PipelineEngine._shard with a messa
     AllGather = ReduceScatter = object
 
 from harness.common.errors import UserError
-from harness.plan.events import EventPlan
-from harness.plan.layers import collective_kind, recomputed
 from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
-from harness.profile.memory import LiveStorages, kept_gradients, saving_into
+from harness.plan.events import EventPlan
+from harness.plan.layers import collective_kind, recomputed
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
+from harness.profile.memory import LiveStorages, kept_gradients, saving_into
 from harness.train.model import activation_spec, loss_of, micro_batch, replicated
 
 ACT, GRAD = "activation", "gradient"
@@ -842,7 +843,7 @@ class _TimedCollective:
     """FSDP2's collective as torch runs it, waited for and recorded as a row (zero > 0; the engine's context
     names the step it ran in); buffers allocated as FSDP2's default does."""
 
-    def __init__(self, engine: "PipelineEngine"):
+    def __init__(self, engine: PipelineEngine):
         self.engine = engine
 
     def allocate(self, size, *, dtype, device):

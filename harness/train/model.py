@@ -7,19 +7,19 @@ a spec starts from the same model as `reference_losses`, and their losses agree 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from harness.common.errors import UserError
-from harness.plan.layers import LayerDesc, sequence_shards, user_input
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer
 from harness.models.context import split_sequence
-from harness.plan.routing import moe_index_of
 from harness.models.transformer import Head, cross_entropy
-from harness.plan.spec import JobSpec, ModelSpec
 from harness.models.user import factory_layers
+from harness.plan.layers import LayerDesc, sequence_shards, user_input
+from harness.plan.routing import moe_index_of
+from harness.plan.spec import JobSpec, ModelSpec
 
 _ROW_PARALLEL = ("proj.weight", "fc2.weight", "down.weight")
 _VOCAB_PARALLEL = ("tokens.weight", "out.weight", "out.bias")  # an embedding's and a head's, split by vocabulary

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 BACKGROUND_THREAD = "distsim background communication"  # a name, not a number: no real thread has it
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from harness.common.errors import UserError, WriteError
-from harness.runtime.mpi_errors import raise_if_any, yielding_barrier
-from harness.runtime.host_memory import prepare_host_memory
-from harness.plan.spec import JobSpec
 from harness.models.user import factory_layers
+from harness.plan.spec import JobSpec
+from harness.runtime.host_memory import prepare_host_memory
+from harness.runtime.mpi_errors import raise_if_any, yielding_barrier
 from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
@@ -185,16 +185,21 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     check_run(spec, comm.Get_size(), iterations, warmup, dp_backend, layer_times)
     import torch
 
+    from harness.models.tp import set_collective_hook
+    from harness.plan.events import build_plan
     from harness.runtime.distributed import init_process_group, pick_device
     from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
-    from harness.plan.events import build_plan
-    from harness.models.tp import set_collective_hook
     from harness.train.clock import Timebase, sync_clocks
     from harness.train.engine import PipelineEngine, Recorder
     from harness.train.model import build_layers, make_tokens
     from harness.train.profiler_trace import start_profiler, write_profiler_trace
-    from harness.train.trace_writer import (columns_from_rows, layer_columns_from_rows, merge_traces, rank_file_name,
-                                     write_rank_trace)
+    from harness.train.trace_writer import (
+        columns_from_rows,
+        layer_columns_from_rows,
+        merge_traces,
+        rank_file_name,
+        write_rank_trace,
+    )
     from launcher.topology import discover
 
     rank = comm.Get_rank()

@@ -5,18 +5,37 @@ h5py and numpy only, through harness.store.hdf5_io (atomic, checksummed files).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import h5py
 import numpy as np
 
-from harness.store.hdf5_io import (create, create_group, open_file, read_attrs, read_column, reading, set_attrs,
-                             write_dataset, write_text)
-from harness.store.hdf5_schema import (READ_VERSIONS, TRACE_COLUMNS as COLUMNS, TRACE_INT_COLUMNS as INT_COLUMNS,
-                                  TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP, TRACE_LAYER_INT_COLUMNS,
-                                  TRACE_LAYER_STRING_COLUMNS, TRACE_RANK_KIND as RANK_KIND,
-                                  TRACE_SCHEMA_VERSION as SCHEMA_VERSION, TRACE_STRING_COLUMNS as STRING_COLUMNS)
+from harness.store.hdf5_io import (
+    create,
+    create_group,
+    open_file,
+    read_attrs,
+    read_column,
+    reading,
+    set_attrs,
+    write_dataset,
+    write_text,
+)
+from harness.store.hdf5_schema import (
+    READ_VERSIONS,
+    TRACE_KIND,
+    TRACE_LAYER_COLUMNS,
+    TRACE_LAYER_GROUP,
+    TRACE_LAYER_INT_COLUMNS,
+    TRACE_LAYER_STRING_COLUMNS,
+)
+from harness.store.hdf5_schema import TRACE_COLUMNS as COLUMNS
+from harness.store.hdf5_schema import TRACE_INT_COLUMNS as INT_COLUMNS
+from harness.store.hdf5_schema import TRACE_RANK_KIND as RANK_KIND
+from harness.store.hdf5_schema import TRACE_SCHEMA_VERSION as SCHEMA_VERSION
+from harness.store.hdf5_schema import TRACE_STRING_COLUMNS as STRING_COLUMNS
 
 
 def rank_file_name(rank: int) -> str:

@@ -89,7 +89,7 @@ class SlurmCluster:
                 out.append(f"--- {path}\n" + "\n".join(text))
         return "\n".join(out)
 
-    def start(self) -> "SlurmCluster":
+    def start(self) -> SlurmCluster:
         """Use a reachable Slurm, or start a private one; sets skip_reason when neither."""
         t0 = time.monotonic()
         try:
@@ -129,7 +129,7 @@ class SlurmCluster:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
