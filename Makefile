@@ -27,11 +27,11 @@ DEMO_RANKS ?= 4
 # Run a set-up command without its chatter; on failure show everything it printed.
 quietly = out=$$($(1) 2>&1) || { echo "$$out"; exit 1; }
 
-.PHONY: setup demo test test-serial test-mpi test-slurm slurm-deps bench bench-accuracy clean
+.PHONY: setup demo test lint test-serial test-mpi test-slurm slurm-deps bench bench-accuracy clean
 
 setup: $(VENV)/.setup-$(MPI)
 
-$(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py
+$(VENV)/.setup-$(MPI): requirements.txt requirements-mpich.txt setup.py pyproject.toml
 	@echo "setting up $(VENV): pinned dependencies$(if $(filter mpich,$(MPI)), and MPICH from PyPI), this package (editable)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(call quietly,$(PY) -m pip install --disable-pip-version-check --upgrade pip)
@@ -52,7 +52,11 @@ demo: setup
 	@echo "more: python -m analysis simulate $(DEMO_OUT)/profile.h5 --spec $(DEMO_OUT)/best.toml --details; python -m harness show $(DEMO_OUT)/profile.h5; python -m analysis network $(DEMO_OUT)/profile.h5 --nodes 1,2,16"
 
 test: setup slurm-deps
-	$(MAKE) --no-print-directory test-serial test-mpi
+	$(MAKE) --no-print-directory lint test-serial test-mpi
+
+# ruff over the whole tree (settings in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
 
 test-serial: setup
 	$(PY) -m pytest -q tests
