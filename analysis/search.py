@@ -14,9 +14,10 @@ Telling candidates apart (docs/analysis.md, "Search"): each feasible candidate's
 from T (1 - down) to T (1 + up) (analysis.uncertainty.relative_reach: every sampled duration at its own 5th or
 95th percentile at once), which holds its 90% interval. A feasible candidate whose reach overlaps the
 fastest's is within reach of it: it and the fastest get the batch time's 90% interval (as `simulate` gives
-it), and it is indistinguishable from the fastest where the two intervals overlap; one out of reach is told
-apart without resampling. Among the indistinguishable (the fastest included) the search recommends the least
-peak memory per device, then the fewest devices, then the fastest.
+it), and it is indistinguishable from the fastest (within its noise) where the two intervals overlap; one out of
+reach is told apart without resampling. The search recommends the fastest that fits, and one within its noise
+instead only where it buys what the user asked for (Recommendation): fewer devices, or memory headroom where the
+memory limit was asked for.
 """
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ from analysis.uncertainty import (
     resampled_batch_times,
 )
 from harness.common.errors import UserError
+from harness.common.output import format_bytes
 from harness.plan.candidates import Grid, Rejected, candidate_label, expand
 from harness.plan.events import build_plan
 from harness.plan.spec import JobSpec
 
-SEARCH_SCHEMA_VERSION = 2  # 2: intervals, indistinguishable_from_best, recommended, recommendation
+SEARCH_SCHEMA_VERSION = 3  # 2: intervals, indistinguishable_from_best, recommended, recommendation; 3: the fastest
+# recommended unless another buys something (recommendation.preferred_for, memory_headroom_asked)
 SEARCH_KIND = "distsim-search"
 PARALLEL_FROM = 24  # candidates: fewer run in this process (a worker's start costs more than they take)
 SORTS = ("time", "memory")
@@ -156,14 +159,17 @@ def _share(fraction: float) -> str:
 
 @dataclass
 class Recommendation:
-    """The candidate to run: among those indistinguishable from the fastest (the fastest included), the least
-    peak memory per device, then the fewest devices, then the fastest; without samples to tell by, the
-    fastest."""
+    """The candidate to run: the fastest that fits, unless one within its noise (indistinguishable from it) buys
+    what the user asked for - fewer devices, or, where the memory limit was asked for (`headroom_asked`: search's
+    --memory-gb), more headroom under it on as many devices; then the fewest devices, the least peak memory (where
+    asked), the fastest. Without samples to tell by, the fastest."""
 
     candidate: CandidateResult
     fastest: CandidateResult
     indistinguishable: list[CandidateResult]  # the fastest first, then by batch time
     basis: str  # intervals (some computed) | reach (every other one out of reach) | none (nothing to tell by)
+    headroom_asked: bool = False
+    capacity_bytes: float | None = None
 
     @property
     def memory_saving(self) -> float | None:
@@ -175,8 +181,40 @@ class Recommendation:
     def devices_saved(self) -> int:
         return self.fastest.spec.strategy.world - self.candidate.spec.strategy.world
 
+    @property
+    def preferred_for(self) -> list[str]:
+        """What the recommended candidate buys over the fastest: fewer_devices, memory_headroom (empty: the
+        fastest itself)."""
+        if self.candidate is self.fastest:
+            return []
+        bought = ["fewer_devices"] if self.devices_saved > 0 else []
+        if self.headroom_asked and self.candidate.peak_memory_bytes < self.fastest.peak_memory_bytes:
+            bought.append("memory_headroom")
+        return bought
+
+    def _slower(self, c: CandidateResult) -> str:
+        """'predicted 9.7% slower' (or 'as fast', where the point predictions agree to 0.05%)."""
+        slower = c.batch_time_s / self.fastest.batch_time_s - 1
+        return "predicted as fast" if slower < 5e-4 else f"predicted {_share(slower)} slower"
+
+    def _versus_fastest(self, c: CandidateResult) -> str:
+        """'9.7% slower, 1.4% less memory per device, on 4 fewer devices': a candidate against the fastest."""
+        fastest = self.fastest
+        parts = [self._slower(c)]
+        saving = 1 - c.peak_memory_bytes / fastest.peak_memory_bytes if fastest.peak_memory_bytes else 0.0
+        if saving:
+            parts.append(f"{_share(abs(saving))} {'less' if saving > 0 else 'more'} memory per device")
+        fewer = fastest.spec.strategy.world - c.spec.strategy.world
+        if fewer:
+            parts.append(f"on {abs(fewer):,} {'fewer' if fewer > 0 else 'more'} devices")
+        return ", ".join(parts)
+
+    def _headroom(self, c: CandidateResult) -> str:
+        """'2.1 MB free': a candidate's headroom under the memory limit."""
+        return f"{format_bytes(self.capacity_bytes - c.peak_memory_bytes)} free"
+
     def text(self) -> str:
-        """One line, the answer first: what to run and why."""
+        """One line, the answer first: what to run and why, and which others are within the fastest's noise."""
         chosen, fastest = self.candidate, self.fastest
         if self.basis == "none":
             return (f"recommended: {chosen.label}, the fastest by its prediction - without resamples (--resamples 0) "
@@ -184,28 +222,40 @@ class Recommendation:
         if self.basis == "reach":
             return (f"recommended: {chosen.label}, the fastest - no other candidate comes within its sampling "
                     "noise (every measured duration at its 5th or 95th percentile keeps them apart)")
-        others = len(self.indistinguishable) - 1
+        others = [c for c in self.indistinguishable if c is not fastest and c is not chosen]
+        shown = "; ".join(f"{c.label} ({self._versus_fastest(c)})" for c in others[:3])
+        if len(others) > 3:
+            shown += f"; {len(others) - 3:,} more"
         if chosen is fastest:
             if not others:
                 return (f"recommended: {chosen.label}, the fastest - no other candidate's 90% interval overlaps "
                         "its own")
-            return (f"recommended: {chosen.label}, the fastest - {others} other{'s' if others > 1 else ''} "
-                    f"indistinguishable from it (90% intervals overlap) need{'s' if others == 1 else ''} no less "
-                    "memory and no fewer devices")
-        slower = chosen.batch_time_s / fastest.batch_time_s - 1
-        if chosen.peak_memory_bytes < fastest.peak_memory_bytes:
-            gain = f"{_share(self.memory_saving)} less memory per device"
-            if self.devices_saved > 0:
-                gain += f" on {self.devices_saved:,} fewer devices"
-        else:
-            gain = f"the same memory per device on {self.devices_saved:,} fewer devices"
-        return (f"recommended: {chosen.label} - indistinguishable from the fastest, {fastest.label} (90% intervals "
-                f"overlap; predicted {_share(slower)} slower), {gain}")
+            unasked = ("" if self.headroom_asked or all(c.peak_memory_bytes >= fastest.peak_memory_bytes
+                                                        for c in others)
+                       else "; memory headroom is weighed only where --memory-gb asks for it")
+            none_buys = ("runs on fewer devices or leaves more memory headroom on as many" if self.headroom_asked
+                         else "runs on fewer devices")
+            return (f"recommended: {chosen.label}, the fastest - within its noise (90% intervals overlap): "
+                    f"{shown}; none of them {none_buys}{unasked}")
+        bought = []
+        if "fewer_devices" in self.preferred_for:
+            bought.append(f"{self.devices_saved:,} fewer devices")
+        saving = self.memory_saving
+        if "memory_headroom" in self.preferred_for:
+            bought.append(f"{_share(saving)} less memory per device ({self._headroom(chosen)} of "
+                          f"{format_bytes(self.capacity_bytes)}, the fastest {self._headroom(fastest)})")
+        elif saving and saving < 0:
+            bought.append(f"at {_share(-saving)} more memory per device")
+        also = f"; also within its noise: {shown}" if others else ""
+        return (f"recommended: {chosen.label} - within the noise of the fastest, {fastest.label} (90% intervals "
+                f"overlap; {self._slower(chosen)}), for "
+                f"{', '.join(bought)}{also}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.candidate.label, "fastest": self.fastest.label,
                 "indistinguishable": [c.label for c in self.indistinguishable], "basis": self.basis,
                 "memory_saving_fraction": self.memory_saving, "devices_saved": self.devices_saved,
+                "memory_headroom_asked": self.headroom_asked, "preferred_for": self.preferred_for,
                 "text": self.text()}
 
 
@@ -229,11 +279,14 @@ def indistinguishable(candidate: CandidateResult, fastest: CandidateResult) -> b
     return overlap(span(candidate.interval), span(fastest.interval))
 
 
-def recommend(results: Sequence[CandidateResult]) -> Recommendation | None:
+def recommend(results: Sequence[CandidateResult], headroom_asked: bool = False,
+              capacity_bytes: float | None = None) -> Recommendation | None:
     """Mark every candidate's indistinguishable_from_best (infeasible ones False; None where not known) and
     recommended from the reaches and intervals they carry, and return the recommendation (None without a
-    feasible candidate). Without the fastest's reach (no resamples or no samples) nothing is marked and the
-    fastest is recommended."""
+    feasible candidate; the rule: Recommendation). `headroom_asked`: the user gave the memory limit
+    (`capacity_bytes`), so headroom under it counts. Without the fastest's reach (no resamples or no samples)
+    nothing is marked and the fastest is recommended."""
+    headroom_asked = headroom_asked and capacity_bytes is not None
     for r in results:
         r.recommended, r.indistinguishable_from_best = False, None
     fastest = fastest_feasible(results)
@@ -241,14 +294,16 @@ def recommend(results: Sequence[CandidateResult]) -> Recommendation | None:
         return None
     if fastest.reach_s is None:
         fastest.recommended = True
-        return Recommendation(fastest, fastest, [fastest], "none")
+        return Recommendation(fastest, fastest, [fastest], "none", headroom_asked, capacity_bytes)
     for r in results:
         r.indistinguishable_from_best = indistinguishable(r, fastest) if r.feasible and r.predicted else False
     alike = sorted((r for r in results if r.indistinguishable_from_best),
                    key=lambda r: (r is not fastest, r.batch_time_s, r.label))
-    chosen = min(alike, key=lambda r: (r.peak_memory_bytes, r.spec.strategy.world, r.batch_time_s, r.label))
+    chosen = min(alike, key=lambda r: (r.spec.strategy.world, r.peak_memory_bytes if headroom_asked else 0,
+                                       r.batch_time_s, r.label))
     chosen.recommended = True
-    return Recommendation(chosen, fastest, alike, "intervals" if fastest.interval is not None else "reach")
+    return Recommendation(chosen, fastest, alike, "intervals" if fastest.interval is not None else "reach",
+                          headroom_asked, capacity_bytes)
 
 
 @dataclass
@@ -377,14 +432,16 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
            capacity_bytes: float | None = None, sort: str = "time", dp_overlap: bool | None = None,
            compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
            progress: Callable[[int], None] | None = None, grid: Grid | None = None,
-           resamples: int = DEFAULT_RESAMPLES, network: str | None = None) -> SearchResult:
+           resamples: int = DEFAULT_RESAMPLES, network: str | None = None,
+           headroom_asked: bool = False) -> SearchResult:
     """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`,
     then tell the fastest from those it cannot be told apart from and recommend one (module docstring).
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
     processes (default: one per core); `progress(n)`: called as candidates complete; `grid`: the grid when
     the caller has expanded it already (harness.plan.candidates.expand(spec, gpus)); `resamples`: the intervals'
     bootstrap resamples (0: no intervals, the fastest recommended); `network`: a what-if network for every
-    candidate (analysis.costs.what_if_network)."""
+    candidate (analysis.costs.what_if_network); `headroom_asked`: the user asked for the memory limit, so the
+    recommendation weighs headroom under it (Recommendation)."""
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
     spec = spec or profile.spec
@@ -434,8 +491,8 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
         _SHARED.clear()
         _REACH.clear()
         _COSTED.clear()
-    return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort, recommend(ranked),
-                        max(0, resamples))
+    return SearchResult(profile, spec, ranked, grid.rejected, capacity_bytes, sort,
+                        recommend(ranked, headroom_asked, capacity_bytes), max(0, resamples))
 
 
 def mpi_futures_pool():

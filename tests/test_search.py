@@ -102,8 +102,9 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("gpt2-small: 16 candidate strategies") and out[1].startswith("best: ")
     # the hand-made profile's samples are exact: pp=1 runs gpipe and 1f1b alike, the same time and memory
-    assert out[2] == ("recommended: dp=4 tp=1 pp=1 1f1b micro=2 m=2, the fastest - 1 other indistinguishable from it "
-                      "(90% intervals overlap) needs no less memory and no fewer devices")
+    assert out[2] == ("recommended: dp=4 tp=1 pp=1 1f1b micro=2 m=2, the fastest - within its noise (90% intervals "
+                      "overlap): dp=4 tp=1 pp=1 gpipe micro=2 m=2 (predicted as fast, 0.3% more memory per device); "
+                      "none of them runs on fewer devices")
     assert out[3].startswith("training 1,000 iterations:") and "of running every candidate" in out[4]
     assert any("13 more (--top 0" in line for line in out)
     assert main(["search", str(path), "--json", "--iterations", "1000"]) == 0
@@ -129,6 +130,10 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
                                           else repr(candidate["batch_time_p5_s"]))
     assert sum(row["recommended"] == "True" for row in rows) == 1
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["recommendation"]["memory_headroom_asked"] is False
+    assert main(["search", str(path), "--json", "--memory-gb", "80"]) == 0
+    limited = json.loads(capsys.readouterr().out)["recommendation"]
+    assert limited["memory_headroom_asked"] is True and limited["strategy"] == best["strategy"]
 
 
 @pytest.mark.parametrize("args,words", [(["--memory-gb", "0"], "--memory-gb 0"),
@@ -179,7 +184,7 @@ def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path
     fastest, also needs less memory. Recompute is 27% slower: out of reach, told apart without resampling."""
     assert main(["search", str(PP2), "--spec", str(_pp2_grid(tmp_path)), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["schema_version"] == 2 and report["interval_resamples"] == 200
+    assert report["schema_version"] == 3 and report["interval_resamples"] == 200
     by_label = {c["strategy"]: c for c in report["candidates"]}
     one_f_one_b, gpipe = by_label["dp=1 tp=1 pp=2 1f1b micro=2 m=4"], by_label["dp=1 tp=1 pp=2 gpipe micro=2 m=4"]
     # the fastest's interval is the one `simulate` gives (tests/test_fixtures.py)
@@ -196,9 +201,10 @@ def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path
     assert report["recommendation"] == {
         "strategy": one_f_one_b["strategy"], "fastest": one_f_one_b["strategy"],
         "indistinguishable": [one_f_one_b["strategy"], gpipe["strategy"]], "basis": "intervals",
-        "memory_saving_fraction": 0.0, "devices_saved": 0,
-        "text": "recommended: dp=1 tp=1 pp=2 1f1b micro=2 m=4, the fastest - 1 other indistinguishable from it (90% "
-                "intervals overlap) needs no less memory and no fewer devices"}
+        "memory_saving_fraction": 0.0, "devices_saved": 0, "memory_headroom_asked": False, "preferred_for": [],
+        "text": "recommended: dp=1 tp=1 pp=2 1f1b micro=2 m=4, the fastest - within its noise (90% intervals "
+                "overlap): dp=1 tp=1 pp=2 gpipe micro=2 m=4 (predicted 0.8% slower, 37% more memory per device); "
+                "none of them runs on fewer devices"}
     assert (one_f_one_b["peak_memory_bytes"], gpipe["peak_memory_bytes"]) == (53884928, 73568272)
 
 
@@ -236,39 +242,76 @@ def _candidate(dp: int, pp: int, seconds: float, peak_gb: float, interval: tuple
     return c
 
 
-def test_the_recommendation_takes_the_least_memory_among_the_indistinguishable():
+def _noisy_candidates() -> tuple[CandidateResult, ...]:
+    """The fastest that fits, one within its noise with 25% less memory, one within reach but told apart (the
+    least memory), one out of reach, and a faster one that does not fit."""
     fastest = _candidate(4, 2, 1.00, 80, (0.98, 1.03), (0.95, 1.06))
     close = _candidate(2, 4, 1.02, 60, (1.00, 1.05), (0.97, 1.08))  # overlaps the fastest: 25% less memory
     apart = _candidate(1, 8, 1.10, 10, (1.07, 1.13), (1.04, 1.16))  # within reach, but its interval is clear of it
     far = _candidate(8, 1, 1.50, 5, None, (1.40, 1.60))  # out of reach: no interval needed
     misfit = _candidate(2, 2, 0.90, 200, (0.88, 0.92), (0.85, 0.95), feasible=False)  # faster, but does not fit
-    results = [misfit, fastest, close, apart, far]
+    return misfit, fastest, close, apart, far
+
+
+def test_the_recommendation_is_the_fastest_that_fits_and_names_those_within_its_noise():
+    misfit, fastest, close, apart, far = results = _noisy_candidates()
     chosen = recommend(results)
-    assert chosen.fastest is fastest and chosen.candidate is close and chosen.basis == "intervals"
-    # what --write-spec writes
-    assert SearchResult(None, None, results, [], None, recommendation=chosen).to_run is close
-    assert SearchResult(None, None, results, [], None).to_run is fastest
-    header = spec_header(SearchResult(None, None, results, [], None, recommendation=chosen), "grid/profile.h5")
-    assert header.splitlines()[1] == chosen.text()  # where the written candidate is not the fastest
-    assert close.spec.to_toml(header).startswith("# The recommended candidate of `python -m analysis search grid/")
+    assert chosen.fastest is fastest and chosen.candidate is fastest and chosen.basis == "intervals"
     assert [c.indistinguishable_from_best for c in results] == [False, True, True, False, False]
-    assert [c.recommended for c in results] == [False, False, True, False, False]
-    assert chosen.memory_saving == pytest.approx(0.25) and chosen.devices_saved == 0
-    assert chosen.text() == ("recommended: dp=2 tp=1 pp=4 1f1b micro=1 m=16 - indistinguishable from the fastest, "
-                             "dp=4 tp=1 pp=2 1f1b micro=1 m=8 (90% intervals overlap; predicted 2.0% slower), 25% less "
-                             "memory per device")
-    # the same memory on fewer devices wins the tie
-    fewer = _candidate(1, 4, 1.03, 60, (1.01, 1.06), (0.98, 1.09))
-    chosen = recommend(results + [fewer])
-    assert chosen.candidate is fewer and chosen.devices_saved == 4
-    assert chosen.text().endswith("(90% intervals overlap; predicted 3.0% slower), 25% less memory per device on 4 "
-                                  "fewer devices")
+    assert [c.recommended for c in results] == [False, True, False, False, False]
+    assert chosen.preferred_for == [] and chosen.memory_saving == 0 and chosen.devices_saved == 0
+    # less memory within the noise is named, not taken: no memory limit was asked for
+    assert chosen.text() == ("recommended: dp=4 tp=1 pp=2 1f1b micro=1 m=8, the fastest - within its noise (90% "
+                             "intervals overlap): dp=2 tp=1 pp=4 1f1b micro=1 m=16 (predicted 2.0% slower, 25% less "
+                             "memory per device); none of them runs on fewer devices; memory headroom is weighed only "
+                             "where --memory-gb asks for it")
+    searched = SearchResult(None, None, list(results), [], None, recommendation=chosen)
+    assert searched.to_run is fastest  # what --write-spec writes
+    assert len(spec_header(searched, "grid/profile.h5").splitlines()) == 1  # the fastest needs no reason
+    # headroom asked for without a limit to measure it against counts for nothing
+    assert recommend(results, headroom_asked=True).candidate is fastest
     # nothing within reach: told apart without an interval
     alone = _candidate(4, 2, 1.00, 80, None, (0.95, 1.06))
     chosen = recommend([alone, far])
     assert chosen.candidate is alone and chosen.basis == "reach" and far.indistinguishable_from_best is False
     assert recommend([misfit]) is None
 
+
+def test_with_a_memory_limit_the_one_within_noise_with_more_headroom_is_preferred_and_says_so():
+    misfit, fastest, close, apart, far = results = _noisy_candidates()
+    chosen = recommend(results, headroom_asked=True, capacity_bytes=100e9)
+    assert chosen.candidate is close and chosen.fastest is fastest  # apart has less memory, but is told apart
+    assert [c.recommended for c in results] == [False, False, True, False, False]
+    assert chosen.preferred_for == ["memory_headroom"] and chosen.memory_saving == pytest.approx(0.25)
+    assert chosen.text() == ("recommended: dp=2 tp=1 pp=4 1f1b micro=1 m=16 - within the noise of the fastest, dp=4 "
+                             "tp=1 pp=2 1f1b micro=1 m=8 (90% intervals overlap; predicted 2.0% slower), for 25% less "
+                             "memory per device (40 GB free of 100 GB, the fastest 20 GB free)")
+    assert chosen.to_dict()["memory_headroom_asked"] is True
+    searched = SearchResult(None, None, list(results), [], 100e9, recommendation=chosen)
+    assert searched.to_run is close
+    header = spec_header(searched, "grid/profile.h5")
+    assert header.splitlines()[1] == chosen.text()  # where the written candidate is not the fastest
+    assert close.spec.to_toml(header).startswith("# The recommended candidate of `python -m analysis search grid/")
+
+
+def test_fewer_devices_within_the_noise_are_preferred_and_say_what_they_cost():
+    misfit, fastest, close, apart, far = results = _noisy_candidates()
+    fewer = _candidate(1, 4, 1.03, 60, (1.01, 1.06), (0.98, 1.09))  # 4 devices, as little memory as close
+    chosen = recommend([*results, fewer])
+    assert chosen.candidate is fewer and chosen.devices_saved == 4 and chosen.preferred_for == ["fewer_devices"]
+    assert chosen.text() == ("recommended: dp=1 tp=1 pp=4 1f1b micro=1 m=16 - within the noise of the fastest, dp=4 "
+                             "tp=1 pp=2 1f1b micro=1 m=8 (90% intervals overlap; predicted 3.0% slower), for 4 fewer "
+                             "devices; also within its noise: dp=2 tp=1 pp=4 1f1b micro=1 m=16 (predicted 2.0% "
+                             "slower, 25% less memory per device)")
+    # devices first, then headroom: fewer beats close, the same memory on half the devices
+    chosen = recommend([*results, fewer], headroom_asked=True, capacity_bytes=100e9)
+    assert chosen.candidate is fewer and chosen.preferred_for == ["fewer_devices", "memory_headroom"]
+    # fewer devices at more memory per device: taken, and the cost said
+    bigger = _candidate(2, 2, 1.01, 90, (0.99, 1.04), (0.96, 1.07))
+    chosen = recommend([fastest, bigger])
+    assert chosen.candidate is bigger
+    assert chosen.text().endswith("(90% intervals overlap; predicted 1.0% slower), for 4 fewer devices, at 12% more "
+                                  "memory per device")
 
 
 def _run(*command: str, ranks: int | None = None):

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every valid value of each field the grid does not list: every dp x tp x pp, micro-batch "
                              "size, schedule, recompute and ZeRO stage (docs/spec.md, [search])")
     parser.add_argument("--memory-gb", type=float, metavar="G",
-                        help="each device's memory in GB (1e9 bytes); default: the spec's [cluster] device_memory_gb")
+                        help="each device's memory in GB (1e9 bytes); default: the spec's [cluster] device_memory_gb. "
+                             "Given here, the recommendation also weighs headroom under it")
     parser.add_argument("--top", type=int, default=20, metavar="K", help="rows to print (default 20; 0: all)")
     parser.add_argument("--sort", choices=SORTS, default="time", help="rank by batch time (default) or peak memory")
     group = parser.add_mutually_exclusive_group()
@@ -53,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
     parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
     parser.add_argument("--write-spec", metavar="BEST.toml",
-                        help="write the recommended candidate (the fastest, or among those the search cannot tell "
-                             "from it the least memory) as a runnable spec")
+                        help="write the recommended candidate (the fastest that fits, or one within its noise on "
+                             "fewer devices or, with --memory-gb, with more headroom) as a runnable spec")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
                     sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
                     rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid,
-                    resamples=options["resamples"], network=args.network)
+                    resamples=options["resamples"], network=args.network, headroom_asked=args.memory_gb is not None)
     progress.close()
     written = []
     training = {"iterations": args.iterations, "tokens": args.tokens}
