@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from harness.common.errors import UserError
 from harness.plan.events import build_plan
 from harness.plan.layers import describe_builtin
 from harness.plan.schedules import Step, device_steps
@@ -108,10 +109,20 @@ def test_sixteen_thousand_devices_are_not_materialised():
     assert plan.total_events > 3e7  # tens of millions of events, never a list of them
 
 
+def test_a_factory_model_needs_its_layers_handed_to_the_plan():
+    """The plan stays pure: it never traces a factory model itself."""
+    text = tiny_spec_text(layers=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
+    with pytest.raises(UserError, match="factory model"):
+        build_plan(loads_spec(text))
+
+
 def test_user_factory_model_events():
+    from harness.models.user import factory_layers
+
     text = tiny_spec_text(layers=4, pp=2, global_batch=4).replace('name = "gpt2-small"',
                                                                      'factory = "tests.user_model:build"')
-    plan = build_plan(loads_spec(text))
+    spec = loads_spec(text)
+    plan = build_plan(spec, factory_layers(spec))
     fwd = [e for e in plan.events.values() if e.name.endswith(".fwd")]
     assert len(fwd) == 3  # embedding, one mixer for both identical mixers, projection
     assert {s.virtual_stage: len(s.layers) for s in plan.stages} == {0: 2, 1: 2}
@@ -152,9 +163,12 @@ def test_every_schedule_runs_each_step_once_forward_first(schedule, chunks, pp, 
 
 
 def test_user_model_pipeline_transfers_carry_the_stage_output():
+    from harness.models.user import factory_layers
+
     text = tiny_spec_text(layers=4, pp=2, global_batch=4, micro=2, seq=16).replace('name = "gpt2-small"',
                                                                                    'factory = "tests.user_model:build"')
-    plan = build_plan(loads_spec(text))
+    spec = loads_spec(text)
+    plan = build_plan(spec, factory_layers(spec))
     (p2p,) = [e for e in plan.events.values() if e.kind == "p2p"]
     assert p2p.bytes == 2 * 16 * 32 * 4  # micro x seq x width (the factory's default 32) x float32
 
