@@ -1,24 +1,30 @@
 """Collectives over a tiered network, as NCCL's tuner costs them (docs/analysis.md, "The network model").
 
-Each algorithm and protocol costs `base + steps x hop latency + bytes moved / bandwidth`, and the fastest is the
-prediction, as NCCL's tuner picks per size (src/graph/tuning.cc, NCCL 2.30: its base and per-hop latencies and
-its protocols' bandwidth shares, below). The rules, for a group of n ranks in d innermost domains of at most g:
+Each algorithm and protocol costs `base + steps x hop latency + bytes moved / bandwidth (+ the buffer's pass through
+device memory)`, and the fastest is the prediction, as NCCL's tuner picks per size (src/graph/tuning.cc, NCCL 2.30:
+its base and per-hop latencies and its protocols' bandwidth shares, below). The rules, for a group of n ranks in d
+innermost domains of at most g:
 - ring (all-reduce 2(n-1) steps, all-gather and reduce-scatter n-1), 2(d-1) (or d-1) of them between domains;
-  its bandwidth the slowest link on the ring: the innermost tier's, and g links in parallel (one NIC a GPU, NCCL
-  a channel on each) of every tier it crosses;
-- tree (all-reduce): 2((g-1) intra + log2(d) inter) hops, at 0.92 of the ring's bandwidth;
-- NVLS (all-reduce in one domain of an `nvls` tier): each byte once to the switch and back, at 0.85 of the link;
-- NVLS-tree (all-reduce over domains of an `nvls` tier): NVLS inside, a tree between, pipelined (the slower
-  part's bandwidth);
+  its bandwidth the slowest link on the ring: the innermost tier's, and g links in parallel (the rails: one NIC a
+  GPU, NCCL a channel on each) of every tier it crosses;
+- tree (all-reduce): a chain inside each domain (every byte in and out twice: half the link) pipelined with
+  NCCL's double binary tree between domains on each rail (tree_load: the busiest domain's bytes on its NIC), at
+  0.92 of the slower; 2((g-1) intra + log2(d) inter) hops;
+- NVLS (all-reduce in one domain of an `nvls` tier): each GPU pulls its reduced 1/g of the buffer from the switch
+  and multicasts it back, S (1 + 1/g) each way on its link, at 0.85 of the link (NCCL's Hopper NVLS efficiency);
+- NVLS-tree (all-reduce over domains of an `nvls` tier): NVLS inside, pipelined with the double binary tree of
+  each GPU's 1/g between domains over its rail: the slower half's bandwidth;
 - hierarchical (all-reduce over several domains): reduce-scatter in each domain, an all-reduce of 1/g of the
   bytes between domains on each rail, an all-gather back, one after the other;
 - all-to-all: every pair at once, a GPU's bytes to its own domain over the innermost tier, the rest over its
   NIC, whichever is slower; off-rail pairs of a `rails` tier take one more innermost hop (NCCL's PXN);
 - send/recv: one hop over the outermost tier the pair crosses.
-A hop between domains is costed at the outermost tier the group crosses. A network calibrated from a profile
-(no `[[cluster.network]]`) costs a group as the fits it came from do, whatever the backend: ring (and pairwise
-all-to-all) steps at the latency and bandwidth fitted for the outermost placement the group crosses, one
-protocol, no base, so that it gives back the fit at every measured point.
+A hop between domains is costed at the outermost tier the group crosses. Where the innermost tier gives
+`memory_gbs`, every algorithm also reads its input from and writes its output to device memory once, at that
+bandwidth, not hidden behind the links (MEMORY_PASSES). A network calibrated from a profile (no
+`[[cluster.network]]`) costs a group as the fits it came from do, whatever the backend: ring (and pairwise
+all-to-all) steps at the latency and bandwidth fitted for the outermost placement the group crosses, one protocol,
+no base, so that it gives back the fit at every measured point.
 """
 from __future__ import annotations
 
@@ -47,6 +53,9 @@ HOP_LATENCY_US = {
 }
 TREE_EFFICIENCY = 0.92
 NVLS_EFFICIENCY = 0.85  # Hopper
+# a collective's own pass through device memory, in buffer sizes S (the input read, the output written) per op
+MEMORY_PASSES = {"allreduce": lambda n: 2.0, "allgather": lambda n: 1.0 + 1.0 / n,
+                 "reducescatter": lambda n: 1.0 + 1.0 / n, "alltoall": lambda n: 2.0, "sendrecv": lambda n: 1.0}
 NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or the calibrated fits' own form (ring)
 LINK_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")  # what a measured link stands for
 CALIBRATED_NAMES = (INTRA, INTER)
@@ -123,6 +132,19 @@ class NetworkModel:
         crossing = self._crossing_bandwidth(kind, span)
         return min(inner, crossing) if span.per_domain > 1 else crossing
 
+    def memory_s(self, op: str, nbytes: float, ranks: int) -> float:
+        """The buffer's pass in and out of device memory (the innermost tier's `memory_gbs`; 0 without it)."""
+        memory = self.tiers[0].memory_gbs if self.algorithms == NCCL else None
+        return MEMORY_PASSES[op](ranks) * nbytes / (memory * 1e9) if memory else 0.0
+
+    def _tree_bandwidth(self, span: GroupSpan) -> float:
+        """Bytes/s of the buffer through the double binary trees between domains: each of a domain's g GPUs carries
+        its 1/g over its own rail, the busiest domain tree_load(d) shares of it each way."""
+        return span.per_domain * self._rail_bandwidth(span) / tree_load(span.domains)
+
+    def _rail_bandwidth(self, span: GroupSpan) -> float:
+        return min(self.bandwidth("allreduce", k) for k in range(1, span.crossing + 1))
+
     def _protocols(self) -> tuple[str, ...]:
         return PROTOCOLS if self.algorithms == NCCL else (MEASURED,)
 
@@ -132,51 +154,56 @@ class NetworkModel:
         return BASE_LATENCY_US.get(algorithm, {}).get(protocol, 0.0) * 1e-6
 
     # ---- the algorithms ------------------------------------------------------------------------------------
-    def _ring(self, op: str, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
+    def _ring(self, op: str, nbytes: float, span: GroupSpan, memory: bool = True) -> list[tuple[float, str, str]]:
         kind = op  # all-reduce, all-gather, reduce-scatter: the plan's kinds too
         n, d = span.ranks, span.domains
         steps, inter = (2 * (n - 1), 2 * (d - 1)) if op == "allreduce" else (n - 1, d - 1)
         if self.algorithms == MEASURED and span.crossing:
             inter = steps  # the fit of the placement it crosses stands for every step, as it was fitted
         moved = steps / n * nbytes
+        passes = self.memory_s(op, nbytes, n) if memory else 0.0
         out = []
         for protocol in self._protocols():
             latency = (self._base_s("ring", protocol) + (steps - inter) * self.hop_s(kind, 0, "ring", protocol)
                        + inter * self.hop_s(kind, span.crossing, "ring", protocol))
             bandwidth = self._ring_bandwidth(kind, span) * PROTOCOL_BANDWIDTH.get(protocol, 1.0)
-            out.append((latency + moved / bandwidth, "ring", protocol))
+            out.append((latency + moved / bandwidth + passes, "ring", protocol))
         return out
 
     def _tree(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
-        n, d, g = span.ranks, span.domains, span.per_domain
-        moved = 2 * (n - 1) / n * nbytes
+        d, g = span.domains, span.per_domain
+        chain = self.bandwidth("allreduce", 0) / 2 if g > 1 else math.inf  # up and down the chain: 2 S each way
+        between = self._tree_bandwidth(span) if span.crossing else math.inf
+        passes = self.memory_s("allreduce", nbytes, span.ranks)
         out = []
         for protocol in PROTOCOLS:
             latency = self._base_s("tree", protocol) + 2 * (
                 (g - 1) * self.hop_s("allreduce", 0, "tree", protocol)
                 + math.log2(d) * self.hop_s("allreduce", span.crossing, "tree", protocol))
-            bandwidth = self._ring_bandwidth("allreduce", span) * TREE_EFFICIENCY * PROTOCOL_BANDWIDTH[protocol]
-            out.append((latency + moved / bandwidth, "tree", protocol))
+            bandwidth = min(chain, between) * TREE_EFFICIENCY * PROTOCOL_BANDWIDTH[protocol]
+            out.append((latency + nbytes / bandwidth + passes, "tree", protocol))
         return out
 
     def _nvls(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
-        inner = NVLS_EFFICIENCY * self.bandwidth("allreduce", 0)
-        nvls_hop = self.hop_s("allreduce", 0, "nvls", "Simple")
-        if span.crossing == 0:
-            return [(nvls_hop + nbytes / inner, "nvls", "Simple")]
-        if span.per_domain < 2:  # one GPU a domain: nothing for the switch to reduce
+        g = span.per_domain
+        if g < 2:  # one GPU a domain: nothing for the switch to reduce
             return []
+        inner = NVLS_EFFICIENCY * self.bandwidth("allreduce", 0) * g / (g + 1)  # S (1 + 1/g) each way on the link
+        nvls_hop = self.hop_s("allreduce", 0, "nvls", "Simple")
+        passes = self.memory_s("allreduce", nbytes, span.ranks)
+        if span.crossing == 0:
+            return [(nvls_hop + nbytes / inner + passes, "nvls", "Simple")]
         latency = nvls_hop + 2 * math.log2(span.domains) * self.hop_s("allreduce", span.crossing, "nvls_tree", "Simple")
-        between = self._crossing_bandwidth("allreduce", span)
-        return [(latency + nbytes / min(inner, between), "nvls_tree", "Simple")]
+        return [(latency + nbytes / min(inner, self._tree_bandwidth(span)) + passes, "nvls_tree", "Simple")]
 
     def _hierarchical(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
         g, d = span.per_domain, span.domains
         inside = GroupSpan(g, 1, g, 0)
         between = GroupSpan(d, d, 1, span.crossing)
-        seconds = (self._best(self._ring("reducescatter", nbytes, inside))[0]
-                   + self._best(self._ring("allreduce", nbytes / g, between))[0]
-                   + self._best(self._ring("allgather", nbytes, inside))[0])
+        seconds = (self._best(self._ring("reducescatter", nbytes, inside, memory=False))[0]
+                   + self._best(self._ring("allreduce", nbytes / g, between, memory=False))[0]
+                   + self._best(self._ring("allgather", nbytes, inside, memory=False))[0]
+                   + self.memory_s("allreduce", nbytes, span.ranks))
         return [(seconds, "hierarchical", "Simple")]
 
     def _alltoall(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
@@ -188,12 +215,12 @@ class NetworkModel:
                      + (n - 1) * share / self.bandwidth("alltoall", span.crossing), "pairwise", protocol)]
         inside = (g - 1) * share / self.bandwidth("alltoall", 0) if g > 1 else 0.0
         if span.crossing == 0:
-            return [(self._base_s("ring", protocol) + self.hop_s("alltoall", 0, "ring", protocol) + inside,
-                     "pairwise", protocol)]
+            return [(self._base_s("ring", protocol) + self.hop_s("alltoall", 0, "ring", protocol) + inside
+                     + self.memory_s("alltoall", nbytes, n), "pairwise", protocol)]
         remote = (n - g) * share / min(self.bandwidth("alltoall", k) for k in range(1, span.crossing + 1))
         pxn = self.hop_s("alltoall", 0, "ring", protocol) if self.tiers[span.crossing].rails and g > 1 else 0.0
         latency = self._base_s("ring", protocol) + self.hop_s("alltoall", span.crossing, "ring", protocol) + pxn
-        return [(latency + max(inside, remote), "pairwise", protocol)]
+        return [(latency + max(inside, remote) + self.memory_s("alltoall", nbytes, n), "pairwise", protocol)]
 
     def _sendrecv(self, nbytes: float, span: GroupSpan) -> list[tuple[float, str, str]]:
         tier = span.crossing
@@ -202,8 +229,8 @@ class NetworkModel:
             pxn = (self.hop_s("p2p", 0, "ring", protocol)
                    if span.off_rail and tier and self.tiers[tier].rails else 0.0)
             latency = self._base_s("ring", protocol) + self.hop_s("p2p", tier, "ring", protocol) + pxn
-            out.append((latency + nbytes / (self.bandwidth("p2p", tier) * PROTOCOL_BANDWIDTH.get(protocol, 1.0)),
-                        "p2p", protocol))
+            out.append((latency + nbytes / (self.bandwidth("p2p", tier) * PROTOCOL_BANDWIDTH.get(protocol, 1.0))
+                        + self.memory_s("sendrecv", nbytes, 2), "p2p", protocol))
         return out
 
     @staticmethod
@@ -243,6 +270,35 @@ class NetworkModel:
                 "tiers": [{**t.to_dict(), "latency_us": self._link("allreduce", i)[0] * 1e6,
                            "bytes_per_s": self._link("allreduce", i)[1]} for i, t in enumerate(self.tiers)],
                 "notes": list(self.notes)}
+
+
+def tree_load(domains: int) -> float:
+    """Each way, the bytes the busiest domain moves over one rail in NCCL's double binary tree of `domains`, in
+    shares of what that rail carries (its GPU's 1/g of the buffer): the buffer is split between two trees, the second
+    the first mirrored (a domain inner in one is near a leaf in the other), and each tree edge moves a domain's half
+    once up (reduced) and once down (the result) the tree. 2 domains: 1 (each sends and receives its share once);
+    4 and more: 2 (an inner domain's parent and two children, plus a leaf's edge in the other tree)."""
+    if domains < 2:
+        return 0.0
+    edges = [0] * domains
+    for tree in range(2):
+        for a, b in _balanced_tree_edges(0, domains):
+            a, b = (a, b) if tree == 0 else (domains - 1 - a, domains - 1 - b)
+            edges[a] += 1
+            edges[b] += 1
+    return max(edges) / 2
+
+
+def _balanced_tree_edges(root: int, count: int) -> list[tuple[int, int]]:
+    """(parent, child) edges of a binary tree over root..root+count-1: the root, then a balanced subtree of the rest
+    (its middle rank the child, each half under it)."""
+    def below(parent: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        if lo > hi:
+            return []
+        mid = (lo + hi) // 2
+        return [(parent, mid), *below(mid, lo, mid - 1), *below(mid, mid + 1, hi)]
+
+    return below(root, root + 1, root + count - 1)
 
 
 def _tier_class(tier: int) -> str:

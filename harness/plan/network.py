@@ -13,8 +13,9 @@ from typing import Any
 
 from harness.common.errors import SpecError
 
-TIER_FIELDS = ("name", "size", "bandwidth_gbs", "latency_us", "efficiency", "nvls", "rails", "oversubscription")
-NUMBER_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")
+TIER_FIELDS = ("name", "size", "bandwidth_gbs", "latency_us", "efficiency", "nvls", "rails", "oversubscription",
+               "memory_gbs")
+NUMBER_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription", "memory_gbs")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class NetworkTier:
     nvls: bool = False  # the switch reduces (NVLink SHARP): NCCL's NVLS algorithms inside a domain
     rails: bool = False  # rail-optimized: GPU i of every domain below on switch i (off-rail traffic hops first)
     oversubscription: float = 1.0  # taper: crossing this tier divides its bandwidth by it
+    # innermost tier only: each GPU's device-memory bandwidth (GB/s); a collective's pass of its buffer in and out of
+    # device memory is costed at it (analysis.network); None: not costed
+    memory_gbs: float | None = None
 
     @property
     def bytes_per_s(self) -> float:
@@ -39,8 +43,9 @@ class NetworkTier:
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in TIER_FIELDS}
-        if out["latency_us"] is None:
-            del out["latency_us"]
+        for optional in ("latency_us", "memory_gbs"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -93,7 +98,8 @@ def _parse_tier(table: dict, where: str) -> NetworkTier:
             raise SpecError(f"must be true or false, got {raw!r}", field=f"{where}.{key}")
         flags[key] = raw
     return NetworkTier(name=name, size=size, bandwidth_gbs=float(numbers["bandwidth_gbs"]),
-                       latency_us=numbers.get("latency_us"), efficiency=numbers.get("efficiency") or 1.0,
+                       latency_us=numbers.get("latency_us"), memory_gbs=numbers.get("memory_gbs"),
+                       efficiency=numbers.get("efficiency") or 1.0,
                        oversubscription=numbers.get("oversubscription") or 1.0, **flags)
 
 
@@ -113,6 +119,9 @@ def check_tiers(tiers: Sequence[NetworkTier], devices: int, where: str = "cluste
         if tier.nvls and i:
             raise SpecError(f"nvls (a reducing switch) is modelled in the innermost tier only, not {tier.name!r}",
                             field=f"{where}[{i}].nvls")
+        if tier.memory_gbs is not None and i:
+            raise SpecError(f"memory_gbs (the GPU's device memory) belongs to the innermost tier, not {tier.name!r}",
+                            field=f"{where}[{i}].memory_gbs")
         if tier.size < devices and devices % tier.size:
             raise SpecError(f"tier {tier.name!r} (size {tier.size}) does not divide the cluster's {devices} GPUs "
                             "into whole domains; give a size that divides it", field=f"{where}[{i}].size")
