@@ -7,7 +7,7 @@ setup(
     description="Profile the unique events of a hybrid-parallel training job with MPI and rebuild every device's timeline offline",
     python_requires=">=3.11",
     packages=find_packages(include=["harness", "harness.*", "launcher", "launcher.*", "analysis", "analysis.*"]),
-    package_data={"harness": ["jobs/*.toml"], "analysis": ["data/*.json"]},
+    package_data={"harness": ["jobs/*.toml", "plan/devices/*.toml"], "analysis": ["data/*.json"]},
     install_requires=[
         "torch>=2.3",
         "numpy>=1.26",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.common.errors import SpecError
+from harness.plan.device import load_device
 from harness.plan.network import NetworkTier, parse_network
 from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
 
@@ -54,7 +55,7 @@ _SECTIONS = {
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel", "sp", "cp", "cp_comm", "ep"},
-    "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "network"},
+    "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "device", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
     "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "ep", "auto"},
@@ -180,6 +181,8 @@ class ClusterSpec:
     nodes: int = 1
     gpus_per_node: int = 1
     device_memory_gb: float | None = None  # each device's memory (GB = 1e9 bytes); None: not limited
+    # the device's description (harness.plan.device): a shipped name or a TOML file's path; None: none given
+    device: str | None = None
     # the target's network, innermost tier first (harness.plan.network); empty: calibrated from the profile
     network: tuple[NetworkTier, ...] = ()
 
@@ -631,8 +634,10 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             ep=_int(s, "ep", "strategy", 1))
     c = data["cluster"]
     memory = c.get("device_memory_gb")
+    device = None if c.get("device") is None else load_device(c["device"])  # validated here; its memory by default
     cluster = ClusterSpec(nodes=_int(c, "nodes", "cluster", 1), gpus_per_node=_int(c, "gpus_per_node", "cluster", 1),
-                          device_memory_gb=None if memory is None else _number(c, "device_memory_gb", "cluster", 1.0))
+                          device_memory_gb=(device and device.memory_gb) if memory is None
+                          else _number(c, "device_memory_gb", "cluster", 1.0), device=c.get("device"))
     if "network" in c:
         cluster = dataclasses.replace(cluster, network=parse_network(c["network"], cluster.devices))
     o = data.get("optimizer", {})

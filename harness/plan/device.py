@@ -1,0 +1,232 @@
+"""A device described as data: a datasheet's peaks and the efficiency curves that make a roofline honest.
+
+`[cluster] device = "NAME"` names a shipped description (harness/plan/devices/NAME.toml) and `device = "PATH.toml"`
+a user's. The format (version DEVICE_FORMAT), its fields and each shipped figure's source are in docs/devices.md.
+Pure Python (stdlib tomllib); analysis.device_model costs kernels with it.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.common.errors import SpecError
+
+DEVICE_FORMAT = 1
+SHIPPED_DIR = Path(__file__).with_name("devices")
+# the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
+PEAK_DTYPES = ("float32", "tfloat32", "bfloat16", "float16", "float8")
+REQUIRED_DTYPES = ("float32", "bfloat16", "float16")
+# efficiency curves: what each is a fraction of, and what its size is measured in
+CURVES = {
+    "gemm": "the matrix peak, by the GEMM's FLOPs (2 m n k x batch)",
+    "sdpa_forward": "the matrix peak, by a fused (flash / memory-efficient) attention forward's FLOPs",
+    "sdpa_backward": "the matrix peak, by a fused attention backward's FLOPs",
+    "materialized_attention": "the matrix peak, by a materialised-softmax attention's FLOPs (older Megatron-LM)",
+    "memory": "the HBM bandwidth, by a memory-bound kernel's bytes",
+}
+_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency"}
+_DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
+_EFFICIENCY = {"launch_us", *CURVES}
+_CURVE = {"max_fraction", "half_at", "steepness"}
+_GEMM_CURVE = _CURVE | {"half_dim"}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Achieved fraction of a peak as a saturating function of a kernel's size x (FLOPs or bytes):
+    max_fraction x^p / (x^p + half_at^p), p = steepness; half_at is where half of max_fraction is reached.
+    A GEMM's also falls with its smallest dimension d (tiles left empty): x d / (d + half_dim)."""
+
+    max_fraction: float
+    half_at: float
+    steepness: float = 1.0
+    half_dim: float = 0.0
+
+    def fraction(self, size: float, smallest_dim: float | None = None) -> float:
+        if size <= 0:
+            return 0.0
+        ramp = 1.0 if self.half_at == 0 else 1.0 / (1.0 + (self.half_at / size) ** self.steepness)
+        if self.half_dim and smallest_dim is not None:
+            ramp *= smallest_dim / (smallest_dim + self.half_dim)
+        return self.max_fraction * ramp
+
+    def to_dict(self) -> dict[str, float]:
+        out = {"max_fraction": self.max_fraction, "half_at": self.half_at, "steepness": self.steepness}
+        return {**out, "half_dim": self.half_dim} if self.half_dim else out
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    """One device: peaks in FLOP/s per dtype for its matrix (tensor core) and vector units, HBM bandwidth in
+    bytes/s and capacity in GB (1e9 bytes), a kernel launch's seconds, and the efficiency curves (CURVES).
+    `fitted`: whether the curves were fitted on measurements (`fitted_on` says which), or are starting values."""
+
+    name: str
+    title: str
+    memory_gb: float
+    memory_bandwidth: float  # bytes/s
+    matrix_peak: Mapping[str, float]  # dtype -> FLOP/s
+    vector_peak: Mapping[str, float]
+    launch_s: float
+    curves: Mapping[str, Curve]
+    fitted: bool = False
+    fitted_on: str = ""
+    source: str = field(default="<device>", compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The description as plain data in the file's form (parse_device reads it back)."""
+        out: dict[str, Any] = {"format": DEVICE_FORMAT, "name": self.name, "title": self.title, "fitted": self.fitted}
+        if self.fitted_on:
+            out["fitted_on"] = self.fitted_on
+        out["datasheet"] = {"memory_gb": self.memory_gb, "memory_bandwidth_gb_s": self.memory_bandwidth / 1e9,
+                            "matrix_tflops": {k: v / 1e12 for k, v in self.matrix_peak.items()},
+                            "vector_tflops": {k: v / 1e12 for k, v in self.vector_peak.items()}}
+        out["efficiency"] = {"launch_us": self.launch_s * 1e6,
+                             **{name: curve.to_dict() for name, curve in self.curves.items()}}
+        return out
+
+    def to_toml(self, header: str = "") -> str:
+        """The description as a TOML file (what a fit or a calibration writes); `header` becomes comments."""
+        data = self.to_dict()
+        lines = [f"# {line}" for line in header.splitlines()]
+        lines += [f"{key} = {_toml(data[key])}" for key in ("format", "name", "title", "fitted", "fitted_on")
+                  if key in data]
+        sheet = data["datasheet"]
+        lines += ["", "[datasheet]"] + [f"{key} = {_toml(value)}" for key, value in sheet.items()]
+        efficiency = data["efficiency"]
+        lines += ["", "[efficiency]", f"launch_us = {_toml(efficiency.pop('launch_us'))}"]
+        for name, curve in efficiency.items():
+            lines += ["", f"[efficiency.{name}]"] + [f"{key} = {_toml(value)}" for key, value in curve.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + " }"
+    return repr(float(value)) if isinstance(value, float) else repr(value)
+
+
+def shipped_devices() -> list[str]:
+    """The names of the shipped descriptions (harness/plan/devices/*.toml)."""
+    return sorted(path.stem for path in SHIPPED_DIR.glob("*.toml"))
+
+
+def is_device_path(text: str) -> bool:
+    """Whether `device = TEXT` is a file's path (ends in .toml or has a folder) rather than a shipped name."""
+    return text.endswith(".toml") or "/" in text or "\\" in text
+
+
+def load_device(text: str) -> DeviceDescription:
+    """The description `[cluster] device = TEXT` names: a shipped one by name, or a TOML file by path (relative to
+    the working directory). An unknown name or a missing file: SpecError on cluster.device; a bad description:
+    SpecError naming its file and field."""
+    if not isinstance(text, str) or not text:
+        raise SpecError(f"must be a device name ({', '.join(shipped_devices())}) or a description's path "
+                        f"(*.toml, docs/devices.md), got {text!r}", field="cluster.device")
+    if is_device_path(text):
+        path = Path(text)
+        if not path.is_file():
+            raise SpecError(f"device description {text!r} not found; give a TOML file's path (format in "
+                            f"docs/devices.md) or a shipped name ({', '.join(shipped_devices())})",
+                            field="cluster.device")
+    else:
+        path = SHIPPED_DIR / f"{text}.toml"
+        if not path.is_file():
+            raise SpecError(f"unknown device {text!r}; shipped: {', '.join(shipped_devices())}, or give a "
+                            "description's path (*.toml, format in docs/devices.md)", field="cluster.device")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"malformed TOML: {exc}", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read the device description: {exc}", source=str(path)) from None
+    return parse_device(data, source=str(path), default_name=path.stem)
+
+
+def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name: str = "device") -> DeviceDescription:
+    """Validate plain data (as read from TOML) into a DeviceDescription; every error names `source` and the field."""
+
+    def fail(message: str, where: str) -> SpecError:
+        return SpecError(message, field=where, source=source)
+
+    _known(data, _TOP, "", fail)
+    version = data.get("format")
+    if version != DEVICE_FORMAT:
+        raise fail(f"unsupported device format {version!r}; this harness reads format = {DEVICE_FORMAT} "
+                   "(docs/devices.md)", "format")
+    name = data.get("name", default_name)
+    title = data.get("title", name)
+    fitted_on = data.get("fitted_on", "")
+    for key, value in (("name", name), ("title", title), ("fitted_on", fitted_on)):
+        if not isinstance(value, str):
+            raise fail(f"must be a string, got {value!r}", key)
+    fitted = data.get("fitted", False)
+    if not isinstance(fitted, bool):
+        raise fail(f"must be true or false, got {fitted!r}", "fitted")
+    sheet = _table(data, "datasheet", fail)
+    _known(sheet, _DATASHEET, "datasheet", fail)
+    peaks = {}
+    for unit in ("matrix_tflops", "vector_tflops"):
+        where = f"datasheet.{unit}"
+        table = _table(sheet, unit, fail, where)
+        _known(table, set(PEAK_DTYPES), where, fail)
+        for dtype in REQUIRED_DTYPES:
+            if dtype not in table:
+                raise fail(f"is required: the {dtype} peak in TFLOP/s (dense)", f"{where}.{dtype}")
+        peaks[unit] = {dtype: _positive(table, dtype, where, fail) * 1e12 for dtype in table}
+    efficiency = _table(data, "efficiency", fail)
+    _known(efficiency, _EFFICIENCY, "efficiency", fail)
+    curves = {}
+    for curve in CURVES:
+        where = f"efficiency.{curve}"
+        table = _table(efficiency, curve, fail, where)
+        _known(table, _GEMM_CURVE if curve == "gemm" else _CURVE, where, fail)
+        fraction = _positive(table, "max_fraction", where, fail)
+        if fraction > 1:
+            raise fail(f"is a fraction of the peak, at most 1, got {fraction!r}", f"{where}.max_fraction")
+        curves[curve] = Curve(max_fraction=fraction, half_at=_positive(table, "half_at", where, fail, zero=True),
+                              steepness=_positive(table, "steepness", where, fail, default=1.0),
+                              half_dim=_positive(table, "half_dim", where, fail, default=0.0, zero=True))
+    return DeviceDescription(name=name, title=title,
+                             memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
+                             memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * 1e9,
+                             matrix_peak=peaks["matrix_tflops"], vector_peak=peaks["vector_tflops"],
+                             launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * 1e-6,
+                             curves=curves, fitted=fitted, fitted_on=fitted_on, source=source)
+
+
+def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise fail(f"unknown field {unknown[0]!r}; expected one of {', '.join(sorted(known))}",
+                   f"{where}.{unknown[0]}" if where else unknown[0])
+
+
+def _table(parent: Mapping[str, Any], key: str, fail, where: str | None = None) -> Mapping[str, Any]:
+    value = parent.get(key)
+    if value is None:
+        raise fail("is required (docs/devices.md)", where or key)
+    if not isinstance(value, dict):
+        raise fail(f"must be a table, got {value!r}", where or key)
+    return value
+
+
+def _positive(table: Mapping[str, Any], key: str, where: str, fail, default: float | None = None,
+              zero: bool = False) -> float:
+    """A finite number above 0 (or at least 0 with `zero`); `default` where the field may be left out."""
+    value = table.get(key, default)
+    if value is None:
+        raise fail("is required (docs/devices.md)", f"{where}.{key}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero):
+        bound = "0 or more" if zero else "above 0"
+        raise fail(f"must be a finite number {bound}, got {value!r}", f"{where}.{key}")
+    return float(value)
