@@ -1,0 +1,280 @@
+"""The kernels a built-in layer runs in a pass: GEMMs with their m, n, k, attention with its shape and kind, and
+memory-bound kernels (norms, activations, residual adds, copies, dropout, the loss) with their bytes.
+
+What analysis.device_model costs a compute event from when no profile measured it. Sizes are one tensor-parallel
+shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / cp), as the plan's compute events
+(harness.plan.events) and the layer's signature (its family, sizes, dtype, tp, sp, cp) say. Rules (docs/devices.md,
+"Kernels"):
+
+- FLOPs are counted as the layers count them (LayerDesc.fwd_flops): a GEMM's 2 m n k, attention's QK^T and
+  attention x V over the whole square (4 b heads s_q s_kv d), the embedding's h per token and the loss's 5 per
+  logit; a block's memory-bound kernels carry no FLOPs (they are a few per element, far below every device's
+  ridge). A backward runs each GEMM twice (input gradient: m, k, n; weight gradient: k, n, m) and counts attention
+  and the counted memory-bound kernels twice: 2 x the forward's FLOPs, as the plan's events count it.
+- bytes are what a kernel reads and writes once in HBM: a GEMM its two operands and its result; fused attention
+  q, k, v and the output (backward also their gradients and the output's); materialised attention adds its
+  scores' matrix, written and read by each of its steps; a memory-bound kernel its inputs and outputs.
+- with sequence parallelism (sp) the norms, residual adds and dropout between the tensor-parallel regions hold
+  seq / tp tokens; with context parallelism attention's keys span seq x cp (the ring runs one launch per step).
+- recompute = "full" re-runs the forward (the plan's R step: the forward event again), so the backward's kernels
+  do not change; "selective" (Megatron-LM's) runs the attention core's forward again inside the backward.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from harness.common.errors import UserError
+from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER
+from harness.plan.layers import LayerDesc
+from harness.plan.spec import DTYPES, JobSpec
+
+ATTENTION_KINDS = ("sdpa", "materialized")  # fused (flash / memory-efficient, the built-ins'), materialised softmax
+PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+RECOMPUTES = ("none", "full", "selective")
+MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
+ID_BYTES = 8  # a token id (int64)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """`batch` matrix multiplies of (m x k) by (k x n) in `dtype`; `weight_gradient`: a backward's weight GEMM (the
+    bwd_weight step of a split backward)."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    batch: int = 1
+    weight_gradient: bool = False
+    launches: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def bytes(self) -> float:
+        return float(self.batch * (self.m * self.k + self.k * self.n + self.m * self.n) * DTYPES[self.dtype])
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Attention over `batch` samples x `heads` heads, `q_len` queries against `kv_len` keys of `head_dim`: `kind`
+    sdpa (fused: the scores never leave the chip) or materialized (baddbmm, softmax, bmm: the scores in HBM);
+    `causal`: the upper triangle masked (a fused kernel skips it); `backward`: its gradient."""
+
+    name: str
+    kind: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    causal: bool = True
+    backward: bool = False
+    launches: int = 1
+
+    @property
+    def flops(self) -> float:
+        forward = 4.0 * self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
+        return 2.0 * forward if self.backward else forward
+
+    @property
+    def bytes(self) -> float:
+        rows = self.batch * self.heads * self.head_dim
+        # forward: q, k, v read and the output written; backward: q, k, v, output and its gradient read, q, k, v's
+        # gradients written
+        tensors = rows * (4 * self.q_len + 4 * self.kv_len) if self.backward else rows * 2 * (self.q_len + self.kv_len)
+        scores = 0
+        if self.kind == "materialized":
+            # forward: scores written, read and probabilities written by the softmax, read by the bmm; backward:
+            # probabilities read twice, their gradient written and read, the scores' gradient written and read twice
+            scores = self.batch * self.heads * self.q_len * self.kv_len * (7 if self.backward else 4)
+        return float((tensors + scores) * DTYPES[self.dtype])
+
+
+@dataclass(frozen=True)
+class MemoryBound:
+    """An elementwise, normalisation, copy or reduction kernel: `bytes` read and written, `flops` as the layer
+    counts them (0 for a block's)."""
+
+    name: str
+    bytes: float
+    dtype: str
+    flops: float = 0.0
+    launches: int = 1
+
+
+Kernel = Gemm | Attention | MemoryBound
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What the kernels of a layer's pass depend on beyond its signature: the micro-batch, the local sequence
+    (seq_len / cp), the recompute mode, the attention kind and the dropout probability."""
+
+    micro: int
+    seq: int
+    recompute: str = "none"
+    attention: str = "sdpa"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTES:
+            raise ValueError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {self.attention!r}; known: {', '.join(ATTENTION_KINDS)}")
+
+    @classmethod
+    def of_spec(cls, spec: JobSpec, attention: str = "sdpa") -> PassShape:
+        """A job's: its micro-batch, seq_len / cp and recompute mode."""
+        return cls(micro=spec.batch.micro, seq=spec.model.seq_len // spec.strategy.cp,
+                   recompute=spec.strategy.recompute, attention=attention)
+
+
+def layer_kernels(layer: LayerDesc, shape: PassShape, phase: str) -> list[Kernel]:
+    """The kernels of `layer`'s pass `phase` (fwd, bwd, or a split backward's bwd_input and bwd_weight) in order."""
+    return _kernels(layer.kind, dict(layer.signature), shape, phase)
+
+
+def event_kernels(content: Mapping[str, Any], recompute: str = "none", attention: str = "sdpa") -> list[Kernel]:
+    """The kernels of a plan's compute event from its content (harness.plan.events: layer, signature, micro, seq,
+    phase; or an optimizer step's params and layers)."""
+    if content.get("phase") == "optimizer":
+        return optimizer_kernels(content)
+    shape = PassShape(micro=int(content["micro"]), seq=int(content["seq"]), recompute=recompute, attention=attention)
+    return _kernels(content["layer"], dict(content["signature"]), shape, content["phase"])
+
+
+def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
+    """An optimizer step (harness.plan.events._optimizer_event): reads and writes each parameter, its gradient and
+    its states (events.OPTIMIZER_BYTES_PER_PARAMETER) with 12 FLOPs a parameter, one launch per layer (foreach
+    kernels over a layer's tensors)."""
+    params = -(-int(content["params"]) // int(content.get("shard", 1)))
+    layers = sum(count for _, count in content.get("layers", ())) or 1
+    return [MemoryBound("optimizer.step", float(params * OPTIMIZER_BYTES_PER_PARAMETER), "float32",
+                        flops=12.0 * params, launches=layers)]
+
+
+def kernels_flops(kernels: Iterable[Kernel]) -> float:
+    return sum(kernel.flops for kernel in kernels)
+
+
+def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> list[Kernel]:
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
+    if kind == "user":
+        raise UserError("a factory model's layers are its own code, whose kernels the plan cannot list; profile the "
+                        "job (python -m harness profile) to cost them")
+    if "experts" in sig:
+        raise UserError("a Mixture-of-Experts block's kernels are not listed yet (its experts' token counts differ "
+                        "by rank); profile the job (python -m harness profile) to cost it")
+    forward = {"embedding": _embedding, "block": _block, "head": _head}[kind](sig, shape)
+    if phase == "fwd":
+        return forward
+    backward = [grad for kernel in reversed(forward) for grad in _gradients(kernel)]
+    if kind == "embedding":  # PyTorch's dense gradient of this shard's token table: zeroed, then rows added
+        vocab = int(sig["vocab"]) // int(sig.get("tp", 1))
+        backward.append(MemoryBound("embedding.table_grad_fill", float(vocab * int(sig["hidden"])
+                                                                       * DTYPES[sig["dtype"]]), sig["dtype"]))
+    if kind == "block" and shape.recompute == "selective":
+        backward = [k for k in forward if isinstance(k, Attention)] + backward
+    if phase == "bwd":
+        return backward
+    weights = [k for k in backward if isinstance(k, Gemm) and k.weight_gradient]
+    return weights if phase == "bwd_weight" else [k for k in backward if k not in weights]
+
+
+def _gradients(kernel: Kernel) -> list[Kernel]:
+    """A forward kernel's backward: a GEMM's input and weight gradients (none for a weight-less batched one's
+    weight), attention's gradient, a memory-bound kernel's (its output's gradient and its input read, the input's
+    gradient written: 1.5 x its bytes; its counted FLOPs twice). Materialised attention's backward is 5 launches
+    for its forward's 3 (two bmm for the probabilities' and the values' gradients, the softmax's, two for q's and
+    k's)."""
+    if isinstance(kernel, Gemm):
+        return [Gemm(f"{kernel.name}.grad_input", kernel.m, kernel.k, kernel.n, kernel.dtype, kernel.batch),
+                Gemm(f"{kernel.name}.grad_weight", kernel.k, kernel.n, kernel.m, kernel.dtype, kernel.batch,
+                     weight_gradient=True)]
+    if isinstance(kernel, Attention):
+        return [Attention(f"{kernel.name}.grad", kernel.kind, kernel.batch, kernel.heads, kernel.q_len, kernel.kv_len,
+                          kernel.head_dim, kernel.dtype, kernel.causal, backward=True,
+                          launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches)]
+    return [MemoryBound(f"{kernel.name}.grad", 1.5 * kernel.bytes, kernel.dtype, 2.0 * kernel.flops,
+                        kernel.launches)]
+
+
+def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
+    """A transformer block's forward (harness.models.transformer): norm, QKV, (rotary, grouped keys repeated),
+    attention, its output reshaped, projection, (dropout), residual add; norm, MLP in, activation, MLP out,
+    (dropout), residual add."""
+    family, h, dtype, tp = sig["family"], int(sig["hidden"]), sig["dtype"], int(sig.get("tp", 1))
+    heads, kv_heads, ffn = int(sig["heads"]), int(sig["kv_heads"]), int(sig["ffn"])
+    cp, ring = int(sig.get("cp", 1)), sig.get("cp_comm", "ring") == "ring"
+    d = DTYPES[dtype]
+    tokens = shape.micro * shape.seq
+    between = tokens // tp if sig.get("sp") else tokens  # the tokens between the tensor-parallel regions
+    head_dim, local, local_kv = h // heads, heads // tp, kv_heads // tp
+    out: list[Kernel] = [MemoryBound("norm1", 2.0 * between * h * d, dtype),
+                         Gemm("qkv", tokens, (local + 2 * local_kv) * head_dim, h, dtype)]
+    if family == "llama":
+        out.append(MemoryBound("rotary", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype))
+    if local_kv != local:
+        out.append(MemoryBound("repeat_kv", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype))
+    attention = Attention("attention", shape.attention, shape.micro, local, shape.seq, shape.seq * cp, head_dim, dtype,
+                          causal=family != "bert", launches=(cp if ring else 1)
+                          * (3 if shape.attention == "materialized" else 1))
+    out.append(attention)
+    if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
+        out.append(MemoryBound("attention_dropout", shape.micro * local * shape.seq * shape.seq * cp
+                               * (2.0 * d + MASK_BYTES), dtype))
+    out += [MemoryBound("context_copy", 2.0 * tokens * local * head_dim * d, dtype),
+            Gemm("proj", tokens, h, local * head_dim, dtype)]
+    out += _residual("1", between, h, d, dtype, shape.dropout)
+    out.append(MemoryBound("norm2", 2.0 * between * h * d, dtype))
+    if family == "llama":
+        out += [Gemm("gate_up", tokens, 2 * ffn // tp, h, dtype),
+                MemoryBound("swiglu", 3.0 * tokens * ffn // tp * d, dtype),
+                Gemm("down", tokens, h, ffn // tp, dtype)]
+    else:
+        out += [Gemm("fc1", tokens, ffn // tp, h, dtype), MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype),
+                Gemm("fc2", tokens, h, ffn // tp, dtype)]
+    return out + _residual("2", between, h, d, dtype, shape.dropout)
+
+
+def _residual(which: str, tokens: int, h: int, d: int, dtype: str, dropout: float) -> list[Kernel]:
+    """A sub-layer's output (dropped out with `dropout`: read, written and its mask) added to the residual stream."""
+    dropped = [MemoryBound(f"dropout{which}", tokens * h * (2.0 * d + MASK_BYTES), dtype)] if dropout else []
+    return dropped + [MemoryBound(f"residual{which}", 3.0 * tokens * h * d, dtype)]
+
+
+def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
+    """The lookup of each token's row (with GPT-2's and BERT's positions, BERT's token types, added: the layer's h
+    FLOPs a token) and BERT's LayerNorm; its backward also fills this shard's dense table gradient."""
+    family, h, dtype = sig["family"], int(sig["hidden"]), sig["dtype"]
+    d = DTYPES[dtype]
+    tokens = shape.micro * shape.seq
+    tables = {"llama": 1, "gpt2": 2, "bert": 3}[family]  # rows read per token: tokens, positions, token types
+    out: list[Kernel] = [MemoryBound("embedding.lookup", tokens * (ID_BYTES + (tables + 1) * h * d), dtype,
+                                     flops=float(tokens * h))]
+    if family == "bert":
+        out.append(MemoryBound("embedding.norm", 2.0 * tokens * h * d, dtype))
+    return out
+
+
+def _head(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
+    """The final norm (BERT: its transform, GELU and LayerNorm), the logits over this shard's vocabulary and the
+    cross-entropy (5 FLOPs a logit: the maximum, the exponential, the sum, the log and the target's pick)."""
+    family, h, dtype = sig["family"], int(sig["hidden"]), sig["dtype"]
+    d = DTYPES[dtype]
+    vocab = int(sig["vocab"]) // int(sig.get("tp", 1))
+    tokens = shape.micro * shape.seq
+    out: list[Kernel] = []
+    if family == "bert":
+        out += [Gemm("transform", tokens, h, h, dtype), MemoryBound("transform_gelu", 2.0 * tokens * h * d, dtype)]
+    out += [MemoryBound("final_norm", 2.0 * tokens * h * d, dtype), Gemm("logits", tokens, vocab, h, dtype),
+            MemoryBound("cross_entropy", 3.0 * tokens * vocab * d, dtype, flops=5.0 * tokens * vocab)]
+    return out

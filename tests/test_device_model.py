@@ -1,0 +1,349 @@
+"""Devices as data (harness.plan.device), the kernels of the built-in layers (harness.plan.kernels) and the
+roofline that costs them (analysis.device_model): every formula on hand-computed cases, the shipped descriptions,
+and the refusals (exit 2, one message naming the file and the field)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+
+import pytest
+
+from analysis.device_model import DeviceModel
+from harness.common.errors import SpecError, UserError
+from harness.plan.device import (
+    CURVES,
+    REQUIRED_DTYPES,
+    Curve,
+    DeviceDescription,
+    load_device,
+    parse_device,
+    shipped_devices,
+)
+from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER, build_plan
+from harness.plan.kernels import (
+    Attention,
+    Gemm,
+    MemoryBound,
+    PassShape,
+    event_kernels,
+    kernels_flops,
+    layer_kernels,
+)
+from harness.plan.layers import describe
+from harness.plan.spec import loads_spec
+from tests.helpers import tiny_spec_text
+
+SHIPPED = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200")
+# the datasheets' figures (docs/devices.md): HBM GB, HBM GB/s, dense bfloat16 matrix TFLOP/s
+DATASHEETS = {"a100-40gb": (40, 1555, 312), "a100-80gb": (80, 2039, 312), "h100-sxm": (80, 3350, 989.5),
+              "h200": (141, 4800, 989.5), "b200": (180, 8000, 2250)}
+
+
+def flat_device(**changes) -> DeviceDescription:
+    """A device whose curves are flat (half_at 0): matrix 100 TFLOP/s at 50% (GEMMs, attention), vector 10 TFLOP/s,
+    1 TB/s of HBM at 80%, 5 us a launch; its ridge is 50e12 / 0.8e12 = 62.5 FLOPs a byte."""
+    flat = {name: Curve(max_fraction=0.5, half_at=0.0) for name in CURVES}
+    flat["memory"] = Curve(max_fraction=0.8, half_at=0.0)
+    values = dict(name="flat", title="flat", memory_gb=16.0, memory_bandwidth=1e12,
+                  matrix_peak={d: 100e12 for d in REQUIRED_DTYPES}, vector_peak={d: 10e12 for d in REQUIRED_DTYPES},
+                  launch_s=5e-6, curves=flat)
+    return DeviceDescription(**{**values, **changes})
+
+
+def spec_of(name="gpt2-small", hidden=32, heads=4, ffn=64, seq=16, vocab=128, micro=2, tp=1, cp=1, cp_comm="ring",
+            extra_strategy="", kv_heads=None):
+    text = tiny_spec_text(name=name, hidden=hidden, heads=heads, ffn=ffn, seq=seq, vocab=vocab, micro=micro, tp=tp,
+                          cp=cp, cp_comm=cp_comm, layers=2, global_batch=4)
+    if kv_heads:
+        text = text.replace("dtype = ", f"kv_heads = {kv_heads}\ndtype = ")
+    return loads_spec(text.replace("[cluster]", extra_strategy + "[cluster]"))
+
+
+# --- the kernels' formulas --------------------------------------------------------------------------------------------
+
+def test_gemm_flops_and_bytes():
+    gemm = Gemm("x", m=128, n=256, k=64, dtype="bfloat16")
+    assert gemm.flops == 2 * 128 * 256 * 64 == 4_194_304
+    assert gemm.bytes == (128 * 64 + 64 * 256 + 128 * 256) * 2 == 114_688
+    batched = Gemm("x", m=128, n=256, k=64, dtype="float32", batch=3)
+    assert batched.flops == 3 * 4_194_304 and batched.bytes == 3 * 57_344 * 4
+
+
+def test_attention_flops_and_bytes():
+    forward = Attention("a", "sdpa", batch=2, heads=4, q_len=16, kv_len=32, head_dim=8, dtype="bfloat16")
+    assert forward.flops == 4 * 2 * 4 * 16 * 32 * 8 == 131_072
+    # q, k, v read and the output written: 2 x 4 x 8 x (16 + 32 + 32 + 16) elements of 2 bytes
+    assert forward.bytes == 2 * 4 * 8 * 2 * (16 + 32) * 2 == 12_288
+    backward = Attention("a", "sdpa", 2, 4, 16, 32, 8, "bfloat16", backward=True)
+    assert backward.flops == 262_144
+    assert backward.bytes == 2 * 4 * 8 * (4 * 16 + 4 * 32) * 2 == 24_576  # q, o, do, dq and k, v, dk, dv
+    materialized = Attention("a", "materialized", 2, 4, 16, 32, 8, "bfloat16")
+    # the scores' matrix (2 x 4 x 16 x 32) written, read, written, read
+    assert materialized.bytes == 12_288 + 4 * (2 * 4 * 16 * 32) * 2 == 45_056
+    assert Attention("a", "materialized", 2, 4, 16, 32, 8, "bfloat16", backward=True).bytes == \
+        24_576 + 7 * (2 * 4 * 16 * 32) * 2
+
+
+def test_curve_fractions():
+    curve = Curve(max_fraction=0.8, half_at=1e9)
+    assert curve.fraction(1e9) == pytest.approx(0.4)
+    assert curve.fraction(3e9) == pytest.approx(0.8 * 3 / 4)
+    assert curve.fraction(0) == 0.0
+    assert Curve(0.8, 1e9, steepness=2.0).fraction(2e9) == pytest.approx(0.8 / (1 + 0.25))
+    assert Curve(0.8, 1e9, half_dim=16).fraction(1e9, smallest_dim=16) == pytest.approx(0.2)
+    assert Curve(0.8, 0.0).fraction(1.0) == 0.8  # flat: no ramp
+
+
+# --- the roofline -----------------------------------------------------------------------------------------------------
+
+def test_roofline_compute_bound_gemm():
+    model = DeviceModel(flat_device())
+    gemm = Gemm("big", 4096, 4096, 4096, "bfloat16")
+    time = model.kernel_time(gemm)
+    assert time.compute_s == pytest.approx(2 * 4096 ** 3 / 50e12)
+    assert time.memory_s == pytest.approx(3 * 4096 ** 2 * 2 / 0.8e12)
+    assert time.bound == "compute"
+    assert model.kernel_seconds(gemm) == pytest.approx(5e-6 + 2 * 4096 ** 3 / 50e12)
+
+
+def test_roofline_memory_bound_gemm_and_kernel():
+    model = DeviceModel(flat_device())
+    skinny = Gemm("skinny", 4096, 4096, 1, "bfloat16")  # 2 x 4096^2 FLOPs on 2 x (2 x 4096 + 4096^2) bytes
+    time = model.kernel_time(skinny)
+    assert time.bound == "memory"
+    assert model.kernel_seconds(skinny) == pytest.approx(5e-6 + (2 * 4096 + 4096 ** 2) * 2 / 0.8e12)
+    norm = MemoryBound("norm", 8e6, "bfloat16", flops=1e6, launches=2)  # 1e6 / 10e12 s against 8e6 / 0.8e12 s
+    assert model.kernel_seconds(norm) == pytest.approx(2 * 5e-6 + 1e-5)
+    heavy = MemoryBound("loss", 8e6, "bfloat16", flops=1e9)  # past the vector ridge: 1e9 / 10e12
+    assert model.kernel_seconds(heavy) == pytest.approx(5e-6 + 1e-4)
+    assert model.event_seconds([skinny, norm]) == pytest.approx(model.kernel_seconds(skinny)
+                                                                 + model.kernel_seconds(norm))
+
+
+def test_roofline_attention_and_curves():
+    model = DeviceModel(flat_device())
+    causal = Attention("a", "sdpa", 8, 16, 2048, 2048, 128, "bfloat16")
+    full = Attention("a", "sdpa", 8, 16, 2048, 2048, 128, "bfloat16", causal=False)
+    # a fused kernel skips the masked half; the materialised one computes the whole square
+    assert model.kernel_time(causal).compute_s == pytest.approx(causal.flops / 2 / 50e12)
+    assert model.kernel_time(full).compute_s == pytest.approx(full.flops / 50e12)
+    materialized = Attention("a", "materialized", 8, 16, 2048, 2048, 128, "bfloat16", launches=3)
+    assert model.kernel_time(materialized).compute_s == pytest.approx(full.flops / 50e12)
+    assert model.kernel_time(materialized).launch_s == pytest.approx(15e-6)
+    # a ramped GEMM curve: at half_at FLOPs half of max_fraction, times the smallest dimension's factor
+    ramped = DeviceModel(flat_device(curves={**flat_device().curves, "gemm": Curve(0.5, 2 * 64 ** 3, half_dim=64)}))
+    assert ramped.kernel_time(Gemm("g", 64, 64, 64, "float16")).compute_s == \
+        pytest.approx(2 * 64 ** 3 / (100e12 * 0.25 * 0.5))
+    # the memory curve by bytes
+    slow = DeviceModel(flat_device(curves={**flat_device().curves, "memory": Curve(0.8, 8e6)}))
+    assert slow.kernel_time(MemoryBound("m", 8e6, "float32")).memory_s == pytest.approx(8e6 / 0.4e12)
+
+
+def test_dtype_picks_its_peak():
+    device = flat_device(matrix_peak={"float32": 20e12, "bfloat16": 100e12, "float16": 100e12})
+    model = DeviceModel(device)
+    assert model.kernel_time(Gemm("g", 4096, 4096, 4096, "float32")).compute_s == pytest.approx(2 * 4096 ** 3 / 10e12)
+
+
+# --- the kernels of the built-in layers -------------------------------------------------------------------------------
+
+CONFIGS = [dict(name="gpt2-small"), dict(name="bert-base"), dict(name="llama-1b", kv_heads=2),
+           dict(name="gpt2-small", tp=2, extra_strategy="sp = true\n"), dict(name="llama-1b", tp=2, cp=2),
+           dict(name="gpt2-small", tp=2, extra_strategy="vocab_parallel = false\n"),
+           dict(name="gpt2-small", cp=2, cp_comm="allgather")]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}".strip() for k, v in c.items()))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_kernel_flops_agree_with_the_layers(config, recompute):
+    spec = spec_of(**config)
+    for attention in ("sdpa", "materialized"):
+        shape = PassShape(micro=2, seq=spec.model.seq_len // spec.strategy.cp, recompute=recompute,
+                          attention=attention)
+        for layer in describe(spec):
+            forward = layer.fwd_flops(shape.micro, shape.seq)
+            assert kernels_flops(layer_kernels(layer, shape, "fwd")) == pytest.approx(forward, rel=1e-12)
+            assert kernels_flops(layer_kernels(layer, shape, "bwd")) == pytest.approx(2 * forward, rel=1e-12)
+            split = layer_kernels(layer, shape, "bwd_input") + layer_kernels(layer, shape, "bwd_weight")
+            assert Counter(split) == Counter(layer_kernels(layer, shape, "bwd"))
+            assert all(k.weight_gradient for k in layer_kernels(layer, shape, "bwd_weight"))
+    # and every compute event of the plan, from its content alone
+    plan = build_plan(spec)
+    for event in plan.events.values():
+        if event.kind == "compute":
+            assert kernels_flops(event_kernels(event.content)) == pytest.approx(event.cost, rel=1e-12), event.name
+
+
+def test_block_kernels_by_hand():
+    """GPT-2, hidden 32, 4 heads, ffn 64, 2 x 16 tokens, float32, tp 2 with sequence parallelism."""
+    spec = spec_of(tp=2, extra_strategy="sp = true\n")
+    block = describe(spec)[1]
+    kernels = {k.name: k for k in layer_kernels(block, PassShape(micro=2, seq=16), "fwd")}
+    assert list(kernels) == ["norm1", "qkv", "attention", "context_copy", "proj", "residual1", "norm2", "fc1", "gelu",
+                             "fc2", "residual2"]
+    assert (kernels["qkv"].m, kernels["qkv"].n, kernels["qkv"].k) == (32, 48, 32)
+    assert (kernels["proj"].m, kernels["proj"].n, kernels["proj"].k) == (32, 32, 16)
+    assert (kernels["fc1"].m, kernels["fc1"].n, kernels["fc1"].k) == (32, 32, 32)
+    assert (kernels["fc2"].m, kernels["fc2"].n, kernels["fc2"].k) == (32, 32, 32)
+    attention = kernels["attention"]
+    shape = (attention.batch, attention.heads, attention.q_len, attention.kv_len, attention.head_dim)
+    assert shape == (2, 2, 16, 16, 8)
+    assert attention.causal and attention.kind == "sdpa"
+    assert kernels["norm1"].bytes == 2 * (32 // 2) * 32 * 4  # sp: seq / tp tokens, read and written
+    assert kernels["residual1"].bytes == 3 * 16 * 32 * 4
+    assert kernels["gelu"].bytes == 2 * 32 * 32 * 4
+    backward = {k.name: k for k in layer_kernels(block, PassShape(micro=2, seq=16), "bwd")}
+    grad_input, grad_weight = backward["qkv.grad_input"], backward["qkv.grad_weight"]
+    assert (grad_input.m, grad_input.n, grad_input.k) == (32, 32, 48)
+    assert (grad_weight.m, grad_weight.n, grad_weight.k) == (32, 48, 32) and grad_weight.weight_gradient
+    assert backward["norm1.grad"].bytes == 1.5 * kernels["norm1"].bytes
+    assert backward["attention.grad"].backward
+
+
+def test_llama_block_kernels_by_hand():
+    spec = spec_of(name="llama-1b", kv_heads=2)
+    kernels = {k.name: k for k in layer_kernels(describe(spec)[1], PassShape(micro=2, seq=16), "fwd")}
+    assert kernels["qkv"].n == (4 + 2 * 2) * 8
+    assert kernels["rotary"].bytes == kernels["repeat_kv"].bytes == 2 * 32 * (4 + 2) * 8 * 4
+    assert kernels["gate_up"].n == 2 * 64 and kernels["down"].k == 64
+    assert kernels["swiglu"].bytes == 3 * 32 * 64 * 4
+
+
+def test_embedding_and_head_kernels_by_hand():
+    spec = spec_of()  # GPT-2, vocab 128, hidden 32, 32 tokens, float32
+    embedding, head = describe(spec)[0], describe(spec)[-1]
+    lookup, = layer_kernels(embedding, PassShape(2, 16), "fwd")
+    assert lookup.flops == 32 * 32  # the positions added: h a token
+    assert lookup.bytes == 32 * (8 + 3 * 32 * 4)  # ids, token and position rows read, the sum written
+    fill = layer_kernels(embedding, PassShape(2, 16), "bwd")[-1]
+    assert fill.name == "embedding.table_grad_fill" and fill.bytes == 128 * 32 * 4
+    norm, logits, loss = layer_kernels(head, PassShape(2, 16), "fwd")
+    assert (logits.m, logits.n, logits.k) == (32, 128, 32)
+    assert loss.flops == 5 * 32 * 128 and loss.bytes == 3 * 32 * 128 * 4
+
+
+def test_attention_kinds_context_parallel_and_selective_recompute():
+    spec = spec_of(cp=2)
+    block = describe(spec)[1]
+    ring = next(k for k in layer_kernels(block, PassShape(2, 8), "fwd") if isinstance(k, Attention))
+    assert (ring.q_len, ring.kv_len, ring.launches) == (8, 16, 2)  # the whole sequence's keys, a launch a step
+    materialized = PassShape(2, 8, attention="materialized")
+    forward = next(k for k in layer_kernels(block, materialized, "fwd") if isinstance(k, Attention))
+    backward = next(k for k in layer_kernels(block, materialized, "bwd") if isinstance(k, Attention))
+    assert (forward.launches, backward.launches) == (6, 10)
+    dropped = [k.name for k in layer_kernels(block, PassShape(2, 8, attention="materialized", dropout=0.1), "fwd")]
+    assert {"attention_dropout", "dropout1", "dropout2"} <= set(dropped)
+    selective = PassShape(2, 8, recompute="selective")
+    attention_flops = ring.flops
+    assert kernels_flops(layer_kernels(block, selective, "bwd")) == \
+        pytest.approx(2 * block.fwd_flops(2, 8) + attention_flops)
+
+
+def test_optimizer_kernels():
+    plan = build_plan(spec_of())
+    step = next(e for e in plan.events.values() if e.content.get("phase") == "optimizer")
+    kernel, = event_kernels(step.content)
+    params = step.content["params"]
+    assert kernel.flops == 12 * params and kernel.bytes == params * OPTIMIZER_BYTES_PER_PARAMETER
+    assert kernel.launches == 4  # the embedding, 2 blocks, the head
+
+
+def test_layers_without_kernels_are_refused():
+    spec = loads_spec(tiny_spec_text(name="mixtral-8x7b", hidden=32, heads=4, ffn=64, layers=2, global_batch=4)
+                      .replace("dtype = ", "kv_heads = 4\nexperts = 4\ntop_k = 2\nexpert_ffn = 32\ndtype = "))
+    moe = describe(spec)[1]
+    with pytest.raises(UserError, match="Mixture-of-Experts"):
+        layer_kernels(moe, PassShape(2, 16), "fwd")
+    with pytest.raises(UserError, match="factory model"):
+        event_kernels({"layer": "user", "signature": {}, "micro": 1, "seq": 1, "phase": "fwd"})
+
+
+# --- the shipped descriptions and the spec ----------------------------------------------------------------------------
+
+def test_shipped_descriptions_load_and_validate():
+    assert set(SHIPPED) <= set(shipped_devices())
+    for name in SHIPPED:
+        device = load_device(name)
+        memory_gb, bandwidth_gbs, bf16_tflops = DATASHEETS[name]
+        assert (device.name, device.memory_gb) == (name, memory_gb)
+        assert device.memory_bandwidth == bandwidth_gbs * 1e9
+        assert device.matrix_peak["bfloat16"] == pytest.approx(bf16_tflops * 1e12)
+        assert not device.fitted  # starting values until a fit (docs/devices.md)
+        assert set(device.curves) == set(CURVES)
+        assert all(0 < curve.max_fraction <= 1 for curve in device.curves.values())
+        # what a fit writes back loads as the same description
+        assert parse_device(tomllib.loads(device.to_toml()), source="refit") == device
+        model = DeviceModel.named(name)
+        big = Gemm("g", 8192, 8192, 8192, "bfloat16")
+        achieved = big.flops / model.kernel_seconds(big)
+        assert 0.3 * device.matrix_peak["bfloat16"] < achieved < device.matrix_peak["bfloat16"]
+
+
+def test_spec_device_sets_the_memory(tmp_path):
+    text = tiny_spec_text().replace("[cluster]", "[cluster]\ndevice = \"h200\"")
+    spec = loads_spec(text)
+    assert spec.cluster.device == "h200" and spec.cluster.device_memory_gb == 141
+    given = loads_spec(text.replace("[cluster]", "[cluster]\ndevice_memory_gb = 100"))
+    assert given.cluster.device_memory_gb == 100  # the spec's own figure wins
+    assert loads_spec(spec.to_toml()) == spec
+    assert spec.with_changes(micro=1).cluster.device == "h200"
+    mine = tmp_path / "mine.toml"
+    mine.write_text(load_device("a100-40gb").to_toml().replace('name = "a100-40gb"', 'name = "mine"'))
+    assert loads_spec(text.replace('"h200"', f'"{mine}"')).cluster.device_memory_gb == 40
+    assert loads_spec(tiny_spec_text()).cluster.device is None
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------------
+
+def description_text(**replace) -> str:
+    text = load_device("a100-80gb").to_toml()
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.mark.parametrize("old, new, field, message", [
+    ("max_fraction = 0.8\n", "max_fration = 0.8\n", "efficiency.gemm.max_fration", "unknown field"),
+    ("memory_bandwidth_gb_s = 2039.0", "memory_bandwidth_gb_s = -2039.0", "datasheet.memory_bandwidth_gb_s",
+     "finite number above 0"),
+    ("launch_us = 4.0", "launch_us = -1.0", "efficiency.launch_us", "0 or more"),
+    ("max_fraction = 0.8\n", "max_fraction = 1.5\n", "efficiency.gemm.max_fraction", "at most 1"),
+    ("format = 1", "format = 2", "format", "unsupported device format"),
+    ("float16 = 312.0 }\n", "float16 = 312.0, int4 = 1.0 }\n", "datasheet.matrix_tflops.int4", "unknown field"),
+    ("memory_gb = 80.0", "memory_gb = \"80\"", "datasheet.memory_gb", "finite number"),
+    ("[efficiency.memory]", "[efficiency.memroy]", "efficiency.memroy", "unknown field"),
+])
+def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(description_text(**{old: new}))
+    with pytest.raises(SpecError, match=message) as caught:
+        load_device(str(path))
+    assert caught.value.field == field and caught.value.source == str(path)
+    assert str(path) in str(caught.value) and f"[{field}]" in str(caught.value)
+
+
+def test_unknown_name_and_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="unknown device 'a100-99gb'; shipped: a100-40gb") as caught:
+        load_device("a100-99gb")
+    assert caught.value.field == "cluster.device"
+    with pytest.raises(SpecError, match="not found"):
+        load_device(str(tmp_path / "absent.toml"))
+    with pytest.raises(SpecError, match=r"job.toml: \[cluster.device\] device description .*h100.toml. not found"):
+        loads_spec(tiny_spec_text().replace("[cluster]", f"[cluster]\ndevice = \"{tmp_path}/h100.toml\""),
+                   source="job.toml")
+
+
+def test_cli_refuses_bad_devices_with_exit_2(tmp_path, project_env):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(description_text(**{"memory_gb = 80.0": "memory_gb = -80.0"}))
+    for device, expected in (("a100-99gb", "[cluster.device] unknown device 'a100-99gb'"),
+                             (str(bad), f"{bad}: [datasheet.memory_gb] must be a finite number above 0")):
+        spec = tmp_path / "spec.toml"
+        spec.write_text(tiny_spec_text().replace("[cluster]", f"[cluster]\ndevice = \"{device}\""))
+        result = subprocess.run([sys.executable, "-m", "harness", "events", str(spec)], capture_output=True,
+                                text=True, env=project_env, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and "Traceback" not in result.stderr
