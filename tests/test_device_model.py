@@ -331,6 +331,10 @@ def test_unknown_name_and_missing_file(tmp_path):
     assert caught.value.field == "cluster.device"
     with pytest.raises(SpecError, match="not found"):
         load_device(str(tmp_path / "absent.toml"))
+    for value in (5, ""):
+        with pytest.raises(SpecError, match="must be a device name") as caught:
+            load_device(value)
+        assert caught.value.field == "cluster.device"
     with pytest.raises(SpecError, match=r"job.toml: \[cluster.device\] device description .*h100.toml. not found"):
         loads_spec(tiny_spec_text().replace("[cluster]", f"[cluster]\ndevice = \"{tmp_path}/h100.toml\""),
                    source="job.toml")
