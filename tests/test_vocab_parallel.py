@@ -75,11 +75,14 @@ def test_replicated_layout_kept_with_vocab_parallel_false():
         build_plan(_spec(tp=1, vocab_parallel=False)).events.keys()
 
 
-def test_a_vocabulary_tp_does_not_divide_is_refused_with_megatrons_padded_size():
-    with pytest.raises(SpecError, match=r"vocab \(1,001\) must be divisible by tp \(4\).*multiple of 128 x tp = "
-                                        r"512: set vocab = 1024, or vocab_parallel = false") as info:
-        _spec(tp=4, vocab=1001)
-    assert "model.vocab" in str(info.value)
+def test_a_vocabulary_tp_does_not_divide_is_padded_as_megatron_pads_it():
+    """1,001 at tp = 4 is padded to a multiple of 128 x 4 = 512: 1,024 rows, each shard's 256 costed; the spec
+    still states the tokenizer's 1,001, so another tp pads it afresh."""
+    spec = _spec(tp=4, vocab=1001)
+    assert (spec.model.vocab, spec.model.unpadded_vocab) == (1024, 1001)
+    assert build_plan(spec).layers[-1].params == 2 * HIDDEN + 1024 // 4 * HIDDEN
+    assert spec.to_dict()["model"]["vocab"] == 1001
+    assert spec.with_changes(tp=1, dp=4).model.vocab == 1001  # tp = 1 divides it: nothing to pad by default
     assert build_plan(_spec(tp=4, vocab=1001, vocab_parallel=False)).layers[-1].params == 2 * HIDDEN + 1001 * HIDDEN
 
 

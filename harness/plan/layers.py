@@ -1,8 +1,9 @@
 """Analytic descriptions of a model's layers: what each computes, its parameters and its output.
 
 The event generator works from these, so generating events needs neither torch nor a model instance.
-Built-in families are described here; a user's factory model is described by instantiating it
-(harness.models.user.factory_layers, with torch, outside the plan), and the result is stored in the profile for the analysis.
+Built-in families are described here, at the spec's padded vocabulary (harness.plan.spec.pad_vocab: the padded rows
+cost as the others do); a user's factory model is described by instantiating it (harness.models.user.factory_layers,
+with torch, outside the plan), and the result is stored in the profile for the analysis.
 """
 from __future__ import annotations
 
@@ -229,7 +230,8 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     sharded = (("tp", shards),) if shards > 1 else ()
     gathered = (SEQ_REDUCESCATTER if sp else HIDDEN_ALLREDUCE, hidden_bytes, model.dtype)
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
-                          + sharded + sequence + context[:1], params=embedding_params(model, shards), fwd_flops_per_token=float(h),
+                          + sharded + sequence + context[:1], params=embedding_params(model, shards),
+                          fwd_flops_per_token=float(h),
                           out_features=(h,), tp_forward=(gathered,) * bool(sharded),
                           tp_backward=((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ())
     tied = model.tie_embeddings and pp == 1

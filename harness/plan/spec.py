@@ -25,8 +25,10 @@ ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and th
 BACKENDS = ("torch", "mpi4py")
 CP_COMMS = ("ring", "allgather")  # how context parallelism's attention gets the other ranks' keys and values
 VOCAB_PAD = 128  # Megatron-LM pads the vocabulary to a multiple of this x tp (make-vocab-size-divisible-by)
+FAMILIES = ("gpt2", "bert", "llama")  # a family's name as [model] name: every size given in [model]
 
-# Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab).
+# Built-in model presets: (family, layers, hidden, heads, kv_heads, ffn, seq_len, vocab); sources in docs/spec.md.
+_LLAMA3 = dict(family="llama", kv_heads=8, seq_len=8192, vocab=128256)
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-small": dict(family="gpt2", layers=12, hidden=768, heads=12, ffn=3072, seq_len=1024, vocab=50257),
     "gpt2-medium": dict(family="gpt2", layers=24, hidden=1024, heads=16, ffn=4096, seq_len=1024, vocab=50257),
@@ -36,22 +38,38 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "bert-large": dict(family="bert", layers=24, hidden=1024, heads=16, ffn=4096, seq_len=512, vocab=30522),
     # The 48-layer BERT of the DistSim paper's evaluation.
     "bert-exlarge": dict(family="bert", layers=48, hidden=1024, heads=16, ffn=4096, seq_len=512, vocab=30522),
-    "llama-1b": dict(family="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, seq_len=2048, vocab=32000),
-    "llama-7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, seq_len=2048, vocab=32000),
-    "llama-13b": dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, seq_len=2048, vocab=32000),
+    "llama-1b": dict(family="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, seq_len=2048,
+                     vocab=32000),
+    "llama-7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, seq_len=2048,
+                     vocab=32000),
+    "llama-13b": dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, seq_len=2048,
+                      vocab=32000),
+    "llama3-8b": dict(_LLAMA3, layers=32, hidden=4096, heads=32, ffn=14336),
+    "llama3-70b": dict(_LLAMA3, layers=80, hidden=8192, heads=64, ffn=28672),
+    "llama3-405b": dict(_LLAMA3, layers=126, hidden=16384, heads=128, ffn=53248),
+    # Qwen2.5 7B: its attention's QKV biases are left out (the llama family has none)
+    "qwen2.5-7b": dict(family="llama", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, seq_len=4096,
+                       vocab=152064),
     # Mixture-of-Experts: Mixtral 8x7B's sizes (8 experts, top-2), DeepSeek-MoE 16B's (64 fine-grained experts,
     # top-6, 2 shared ones; its first block dense, here every block MoE)
     "mixtral-8x7b": dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq_len=4096,
                          vocab=32000, experts=8, top_k=2, expert_ffn=14336),
+    "mixtral-8x22b": dict(family="llama", layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, seq_len=4096,
+                          vocab=32768, experts=8, top_k=2, expert_ffn=16384),
     "deepseek-moe-16b": dict(family="llama", layers=28, hidden=2048, heads=16, kv_heads=16, ffn=10944, seq_len=4096,
                              vocab=102400, experts=64, top_k=6, expert_ffn=1408, shared_experts=2),
+    # DeepSeek-V3's sizes as far as the llama family's MoE goes: 256 routed experts of 2048 (top-8) and 1 shared in
+    # every block; its multi-head latent attention, its first 3 dense blocks and its multi-token prediction are not
+    # modelled (docs/spec.md)
+    "deepseek-v3": dict(family="llama", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, seq_len=4096,
+                        vocab=129280, experts=256, top_k=8, expert_ffn=2048, shared_experts=1),
 }
 
 _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
               "tie_embeddings", "experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor",
-              "routing", "expert_histogram"},
+              "routing", "expert_histogram", "vocab_divisible_by"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel", "sp", "cp", "cp_comm", "ep"},
@@ -75,9 +93,13 @@ class ModelSpec:
     kv_heads: int
     ffn: int
     seq_len: int
-    vocab: int
+    vocab: int  # the embedding's and the head's rows: the tokenizer's vocabulary padded (pad_vocab)
     dtype: str = "float32"
     factory: str | None = None
+    # Megatron-LM's make-vocab-size-divisible-by: the vocabulary padded to a multiple of this x tp; 0: padded to
+    # VOCAB_PAD x tp only where tp does not divide it and the embedding is split by vocabulary
+    vocab_divisible_by: int = 0
+    unpadded_vocab: int = 0  # the tokenizer's vocabulary, when padding changed it (0: vocab)
     # the head's projection is the embedding's token table: one weight on one device, or with the two on
     # different pipeline stages a copy on each, their gradients all-reduced between them (Megatron-LM)
     tie_embeddings: bool = False
@@ -129,7 +151,8 @@ class StrategySpec:
     chunks: int = 1  # model chunks per pipeline device (interleaved schedules only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
-    recompute: str = "none"  # full: each block's forward is run again before its backward (harness.plan.layers.recomputed)
+    # full: each block's forward is run again before its backward (harness.plan.layers.recomputed)
+    recompute: str = "none"
     zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
     # tp > 1: the embedding and the head sharded over the tp group by vocabulary, the cross-entropy computed
     # vocabulary-parallel (Megatron-LM); false: both replicated on every tp rank
@@ -257,6 +280,10 @@ class JobSpec:
         m = dataclasses.asdict(self.model)
         if m["factory"] is None:
             del m["factory"]
+        if m.pop("unpadded_vocab"):  # the spec states the tokenizer's vocabulary; parsing pads it again
+            m["vocab"] = self.model.unpadded_vocab
+        if not m["vocab_divisible_by"]:
+            del m["vocab_divisible_by"]
         if not self.model.moe:  # a dense model's spec names no Mixture-of-Experts field
             for key in ("experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing",
                         "expert_histogram"):
@@ -307,9 +334,8 @@ class JobSpec:
             section = next((name for name in ("strategy", "batch", "cluster", "profile", "optimizer")
                             if key in _SECTIONS[name]), None)
             if section is None:
-                raise SpecError(f"unknown field {key!r}; expected one of "
-                                f"{', '.join(sorted(_SECTIONS['strategy'] | _SECTIONS['batch'] | _SECTIONS['cluster']))}",
-                                source="--strategy")
+                known = sorted(_SECTIONS["strategy"] | _SECTIONS["batch"] | _SECTIONS["cluster"])
+                raise SpecError(f"unknown field {key!r}; expected one of {', '.join(known)}", source="--strategy")
             data[section][key] = value
         if "schedule" in changes and "chunks" not in changes:  # the schedule's default, as in a TOML spec
             data["strategy"]["chunks"] = default_chunks(changes["schedule"])
@@ -343,11 +369,12 @@ def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)", source=str(path))
+        raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)",
+                        source=str(path)) from None
     except OSError as exc:
-        raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path))
+        raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path)) from None
     except UnicodeDecodeError:
-        raise SpecError("is not UTF-8 text; a spec is a TOML file (see docs/spec.md)", source=str(path))
+        raise SpecError("is not UTF-8 text; a spec is a TOML file (see docs/spec.md)", source=str(path)) from None
     return loads_spec(text, source=str(path), import_factory=import_factory)
 
 
@@ -355,7 +382,7 @@ def loads_spec(text: str, source: str = "<spec>", import_factory: bool = True) -
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"malformed TOML: {exc}", source=source)
+        raise SpecError(f"malformed TOML: {exc}", source=source) from None
     return parse_spec(data, source=source, import_factory=import_factory)
 
 
@@ -369,6 +396,7 @@ LIMITS = {
     "model.kv_heads": (100_000, "the largest models have a few hundred heads"),
     "model.seq_len": (10_000_000, "the longest contexts trained are a few million tokens"),
     "model.vocab": (100_000_000, "the largest vocabularies have a few hundred thousand tokens"),
+    "model.vocab_divisible_by": (65_536, "Megatron-LM pads to a multiple of 128 by default"),
     "batch.global": (1_000_000_000, "no job trains on a billion samples per iteration"),
     "batch.micro": (1_000_000, "a micro-batch is a few to a few thousand samples"),
     "strategy.dp": (1_048_576, "2^20 devices are more than any cluster has"),
@@ -450,8 +478,8 @@ def _zero(value: Any, field: str) -> int:
 def _check_keys(data: dict) -> None:
     for section, value in data.items():
         if section not in _SECTIONS:
-            raise SpecError(f"unknown section; expected one of {', '.join(k for k in _SECTIONS if k != 'spec_version')}",
-                            field=section)
+            sections = ", ".join(k for k in _SECTIONS if k != "spec_version")
+            raise SpecError(f"unknown section; expected one of {sections}", field=section)
         if section == "spec_version":
             if value != SPEC_VERSION:
                 raise SpecError(f"unsupported spec_version {value!r}; this harness reads version {SPEC_VERSION}",
@@ -461,8 +489,8 @@ def _check_keys(data: dict) -> None:
             raise SpecError("must be a table", field=section)
         unknown = set(value) - _SECTIONS[section]
         if unknown:
-            raise SpecError(f"unknown key {sorted(unknown)[0]!r}; expected one of {', '.join(sorted(_SECTIONS[section]))}",
-                            field=section)
+            raise SpecError(f"unknown key {sorted(unknown)[0]!r}; expected one of "
+                            f"{', '.join(sorted(_SECTIONS[section]))}", field=section)
 
 
 def check_factory(factory: str, import_it: bool = True) -> None:
@@ -475,7 +503,7 @@ def check_factory(factory: str, import_it: bool = True) -> None:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # an ImportError or any error raised while importing the user's module
-        raise SpecError(f"cannot import factory module {module_name!r}: {exc}", field="model.factory")
+        raise SpecError(f"cannot import factory module {module_name!r}: {exc}", field="model.factory") from None
     if not callable(getattr(module, func_name, None)):
         raise SpecError(f"module {module_name!r} has no callable {func_name!r}", field="model.factory")
 
@@ -493,11 +521,13 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
         name = name or factory
     else:
         if name is None:
-            raise SpecError(f"give a built-in model name ({', '.join(MODEL_PRESETS)}) or a factory", field="model.name")
-        if name not in MODEL_PRESETS:
-            raise SpecError(f"unknown model {name!r}; built-ins are {', '.join(MODEL_PRESETS)}, "
-                            "or use factory = 'module:function'", field="model.name")
-        base = dict(MODEL_PRESETS[name])
+            raise SpecError(f"give a built-in model name ({', '.join(MODEL_PRESETS)}), a family ("
+                            f"{', '.join(FAMILIES)}) with every size, or a factory", field="model.name")
+        if name not in MODEL_PRESETS and name not in FAMILIES:
+            raise SpecError(f"unknown model {name!r}; built-ins are {', '.join(MODEL_PRESETS)}, the families "
+                            f"{', '.join(FAMILIES)} with every size given, or use factory = 'module:function'",
+                            field="model.name")
+        base = dict(MODEL_PRESETS[name]) if name in MODEL_PRESETS else dict(family=name)
         if "family" in m and m["family"] != base["family"]:
             raise SpecError(f"{name} is a {base['family']} model; drop 'family' or use a factory", field="model.family")
     merged = {**base, **{k: v for k, v in m.items() if k not in ("name", "factory", "family", "dtype")}}
@@ -519,12 +549,17 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
                         field="model.tie_embeddings")
     if merged["family"] != "user":
         if ints["hidden"] % ints["heads"]:
-            raise SpecError(f"hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})", field="model.hidden")
+            raise SpecError(f"hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})",
+                            field="model.hidden")
         if ints["heads"] % ints["kv_heads"]:
             raise SpecError(f"heads ({ints['heads']}) must be divisible by kv_heads ({ints['kv_heads']})",
                             field="model.kv_heads")
-    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie, **ints,
-                     **_parse_experts(merged, ints, m))
+    divisible_by = _int(m, "vocab_divisible_by", "model", 0, minimum=0)
+    if divisible_by and merged["family"] == "user":
+        raise SpecError("a factory model sizes its own vocabulary; vocab_divisible_by is for the built-in models",
+                        field="model.vocab_divisible_by")
+    return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie,
+                     vocab_divisible_by=divisible_by, **ints, **_parse_experts(merged, ints, m))
 
 
 def _parse_experts(merged: dict, ints: dict, given_fields: dict) -> dict[str, Any]:
@@ -606,7 +641,9 @@ def parse_spec(data: dict, source: str = "<spec>", import_factory: bool = True) 
         spec = _parse_spec(data, import_factory)
     except SpecError as exc:
         if exc.source is None:
-            raise SpecError(str(exc), source=source) from None
+            located = SpecError(str(exc), source=source)
+            located.field = exc.field  # still the field's, for a caller that maps it back (the importers)
+            raise located from None
         raise
     return dataclasses.replace(spec, source=source)
 
@@ -632,6 +669,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             sp=_flag(s, "sp", "strategy", False), cp=_int(s, "cp", "strategy", 1),
                             cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS),
                             ep=_int(s, "ep", "strategy", 1))
+    model = pad_vocab(model, strategy)
     c = data["cluster"]
     memory = c.get("device_memory_gb")
     device = None if c.get("device") is None else load_device(c["device"])  # validated here; its memory by default
@@ -694,13 +732,6 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
             if getattr(model, key) % strategy.tp:
                 raise SpecError(f"{key} ({getattr(model, key)}) must be divisible by tp ({strategy.tp})",
                                 field=f"model.{key}")
-        if strategy.vocab_sharded and model.vocab % strategy.tp:
-            multiple = VOCAB_PAD * strategy.tp
-            padded = -(-model.vocab // multiple) * multiple
-            raise SpecError(f"vocab ({model.vocab:,}) must be divisible by tp ({strategy.tp}) to split the embedding "
-                            f"and the head by vocabulary; Megatron-LM pads it to a multiple of {VOCAB_PAD} x tp = "
-                            f"{multiple}: set vocab = {padded}, or vocab_parallel = false (both replicated)",
-                            field="model.vocab")
     if strategy.sp:
         if strategy.tp == 1:
             raise SpecError("sp = true splits the sequence over the tensor-parallel group, and tp = 1 has none: set "
@@ -724,8 +755,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                         f"{strategy.dp} x {batch.micro} = {strategy.dp * batch.micro}", field="batch.global")
     micro_batches = batch.global_size // (strategy.dp * batch.micro)
     if strategy.world > MAX_DEVICES:
-        raise SpecError(f"{strategy.layout.split(' = ')[0]} = {strategy.world:,} devices is more than this tool models (at most "
-                        f"{MAX_DEVICES:,})", field="strategy")
+        raise SpecError(f"{strategy.layout.split(' = ')[0]} = {strategy.world:,} devices is more than this tool models "
+                        f"(at most {MAX_DEVICES:,})", field="strategy")
     if micro_batches > MAX_MICRO_BATCHES:
         raise SpecError(f"{micro_batches:,} micro-batches per pipeline (global / (dp x micro)) is more than the "
                         f"timeline simulates (at most {MAX_MICRO_BATCHES:,}); raise batch.micro or dp",
@@ -744,6 +775,39 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
                    optimizer=optimizer,
                    import_factory=import_factory)
+
+
+def vocab_multiple(model: ModelSpec, strategy: StrategySpec) -> int:
+    """What the vocabulary is padded to a multiple of (1: not padded), as Megatron-LM pads it: its
+    make-vocab-size-divisible-by x tp; by default (vocab_divisible_by = 0) VOCAB_PAD x tp, and only where tp does
+    not divide the vocabulary and the embedding is split by it. A factory model's vocabulary is its own."""
+    if model.family == "user":
+        return 1
+    if model.vocab_divisible_by:
+        return model.vocab_divisible_by * strategy.tp
+    vocab = model.unpadded_vocab or model.vocab
+    return VOCAB_PAD * strategy.tp if strategy.vocab_sharded and vocab % strategy.tp else 1
+
+
+def pad_vocab(model: ModelSpec, strategy: StrategySpec) -> ModelSpec:
+    """The model with its vocabulary padded for `strategy` (vocab_multiple): the padded rows are built, stored and
+    computed as the others are; unpadded_vocab keeps the tokenizer's."""
+    vocab = model.unpadded_vocab or model.vocab
+    multiple = vocab_multiple(model, strategy)
+    padded = -(-vocab // multiple) * multiple
+    return dataclasses.replace(model, vocab=padded, unpadded_vocab=vocab if padded != vocab else 0)
+
+
+def vocab_padding_note(spec: JobSpec) -> str | None:
+    """One line saying how the vocabulary was padded, or None where it was not."""
+    model = spec.model
+    if not model.unpadded_vocab:
+        return None
+    multiple = vocab_multiple(model, spec.strategy)
+    divisor = model.vocab_divisible_by or VOCAB_PAD
+    return (f"note: vocab {model.unpadded_vocab:,} padded to {model.vocab:,} as Megatron-LM pads it (a multiple of "
+            f"{divisor} x tp = {multiple:,}); the {model.vocab - model.unpadded_vocab:,} padded rows cost their "
+            "memory and FLOPs")
 
 
 def _check_experts(model: ModelSpec, strategy: StrategySpec) -> None:
