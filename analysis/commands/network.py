@@ -104,6 +104,7 @@ def describe(model: NetworkModel) -> str:
     for tier in model.to_dict()["tiers"]:
         flags = [flag for flag in ("nvls", "rails") if tier[flag]]
         taper = f", 1:{tier['oversubscription']:g}" if tier["oversubscription"] != 1 else ""
+        taper += f", memory {tier['memory_gbs']:,g} GB/s" if tier.get("memory_gbs") else ""
         size = "any number of" if tier["size"] >= MAX_DEVICES else f"{tier['size']:,}"
         parts.append(f"{tier['name']} ({size} GPUs, {tier['bytes_per_s'] / 1e9:.3g} GB/s, "
                      f"{tier['latency_us']:.3g} us{taper}{''.join(', ' + f for f in flags)})")
