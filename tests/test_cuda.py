@@ -76,7 +76,7 @@ def test_one_gpu_profile_stores_host_issue_and_the_prediction_uses_it(tmp_path, 
 
 
 def test_layer_clock_reads_cuda_events_as_host_nanoseconds():
-    from harness.train.engine import LayerClock
+    from harness.train.layer_times import LayerClock
 
     clock = LayerClock(torch.device("cuda"))
     torch.cuda.synchronize()

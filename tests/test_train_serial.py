@@ -154,7 +154,7 @@ def test_layer_clock_on_a_cpu_is_the_host_clock():
 
     import torch
 
-    from harness.train.engine import LayerClock
+    from harness.train.layer_times import LayerClock
 
     clock = LayerClock(torch.device("cpu"))
     before = time.perf_counter_ns()

@@ -204,8 +204,8 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
     if spec.model.tie_embeddings:  # one weight, whichever stages the parallel run puts the two on
         ordered[-1].tie(ordered[0].tokens.weight)
     # one, as harness train steps it: the spec's (SGD without momentum shows a gradient's scale, Adam hides it)
-    optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.momentum, [p for m in ordered for p in m.parameters()],
-                               lr)
+    params = [p for m in ordered for p in m.parameters()]
+    optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.momentum, params, lr)
     dp, m = spec.strategy.dp, spec.micro_batches
     losses = []
     for iteration in range(iterations):

@@ -1,15 +1,15 @@
 """`harness train --torch-profiler DIR`: each rank's measured iterations as a PyTorch profiler (Kineto) trace.
 
 torch.profiler records the rank's operators; the engine marks every interval its main thread records with an
-annotation (engine.ANNOTATIONS). Communication that completes in the background (P2P sends, gradient buckets)
-runs on no thread torch's profiler sees as such: gloo's own thread shows its collectives, but not its P2P, and
-an MPI all-reduce is invisible. So the trace gets, after export, one complete event per send (`distsim:send.activation`,
-`distsim:send.gradient`) and, when MPI all-reduces the gradients, per bucket (`mpi4py:allreduce`) on a thread of
-its own (BACKGROUND_THREAD), from its launch to its completion as the harness timed it for trace.h5
-(docs/train.md). Communications in flight together overlap without nesting, which events of one thread must
-not, so each takes the first of the threads `distsim background communication 0, 1, ...` free by its start. Kineto's `ts` is wall-clock microseconds since the trace's
-`baseTimeNanoseconds`; the harness's times are `perf_counter_ns`, mapped through the two clocks' difference
-taken at export.
+annotation (harness.train.recorder.ANNOTATIONS). Communication that completes in the background (P2P sends,
+gradient buckets) runs on no thread torch's profiler sees as such: gloo's own thread shows its collectives, but
+not its P2P, and an MPI all-reduce is invisible. So the trace gets, after export, one complete event per send
+(`distsim:send.activation`, `distsim:send.gradient`) and, when MPI all-reduces the gradients, per bucket
+(`mpi4py:allreduce`) on a thread of its own (BACKGROUND_THREAD), from its launch to its completion as the
+harness timed it for trace.h5 (docs/train.md). Communications in flight together overlap without nesting, which
+events of one thread must not, so each takes the first of the threads `distsim background communication 0, 1,
+...` free by its start. Kineto's `ts` is wall-clock microseconds since the trace's `baseTimeNanoseconds`; the
+harness's times are `perf_counter_ns`, mapped through the two clocks' difference taken at export.
 """
 from __future__ import annotations
 
@@ -43,15 +43,15 @@ def background_events(rows: Sequence[tuple], first_iteration: int, base_ns: int,
                       mpi_buckets: bool) -> list[dict]:
     """Complete events of the recorder's sends (and, with `mpi_buckets`, gradient buckets) from
     `first_iteration` on.
-    A row is engine.Recorder's: (start_ns, end_ns, wait_ns, kind, name, phase, event_id, vs, micro, iteration,
-    peer), on perf_counter_ns."""
+    A row is harness.train.recorder.Recorder's: (start_ns, end_ns, wait_ns, kind, name, phase, event_id, vs,
+    micro, iteration, peer), on perf_counter_ns."""
     wall_minus_perf = time.time_ns() - time.perf_counter_ns()
     chosen = sorted((row for row in rows if row[9] >= first_iteration and (row[5] == "send" or
                                                                            (row[5] == "dp" and mpi_buckets))),
                     key=lambda row: (row[0], row[1]))
     lane_ends: list[int] = []  # when each background thread is free again
     out = []
-    for start_ns, end_ns, _, kind, name, phase, event_id, vs, micro, iteration, peer in chosen:
+    for start_ns, end_ns, _, _kind, name, phase, event_id, vs, micro, iteration, peer in chosen:
         lane = next((i for i, free in enumerate(lane_ends) if free <= start_ns), len(lane_ends))
         if lane == len(lane_ends):
             lane_ends.append(end_ns)

@@ -9,6 +9,8 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +150,7 @@ def _make_groups(plan, p2p_channels: bool):
         if blocks > 1 and plan.spec.model.moe else None
     p2p_groups: dict = {}
     if p2p_channels and s.pp > 1:
-        from harness.train.engine import ACT, GRAD
+        from harness.train.p2p import ACT, GRAD
 
         # One group per (kind, sender, receiver): activations go to the next device, gradients come back.
         for d, c in replicas:
@@ -163,6 +165,228 @@ def _make_groups(plan, p2p_channels: bool):
     tie_group = mine([plan.rank_of(d, t, 0, c), plan.rank_of(d, t, s.pp - 1, c)] for d, c in replicas
                      for t in range(s.tp)) if plan.stages[0].tie else None
     return tp_group, dp_group, p2p_groups, tie_group, cp_group, ep_group, expert_dp_group
+
+
+@dataclass
+class _Run:
+    """One rank's run as set-up makes it: what the iterations and the trace need, and what `_running` closes."""
+
+    rank: int
+    topology: Any
+    engine: Any = None
+    dp_comm: Any = None  # --backend mpi4py: this rank's data-parallel group as an MPI communicator
+    device: Any = None
+    host_memory: Any = None
+    backend: str = ""
+    plan: Any = None
+    recorder: Any = None
+    start_time: float = 0.0
+    first_sync: Any = None
+
+
+@contextmanager
+def _running(comm, threads: int) -> Iterator[_Run]:
+    """The run's process settings (torch threads, a short switch interval so that watcher threads note
+    completions promptly) and its one teardown. On success the engine's watchers are joined, the MPI
+    communicator freed and the process group destroyed. On an exception it leaves at once: `python -m mpi4py`
+    turns the exception into MPI_Abort, which ends every rank, and tearing down the process group could block
+    on peers that are stuck or gone."""
+    import torch
+
+    from harness.models.tp import set_collective_hook
+    from harness.runtime.distributed import destroy_process_group
+    from launcher.topology import discover
+
+    run = _Run(rank=comm.Get_rank(), topology=discover(comm))
+    old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(2e-4)
+    failed = True
+    try:
+        yield run
+        failed = False
+    finally:
+        set_collective_hook(None)
+        if run.engine is not None:
+            run.engine.close(join=not failed)
+        if not failed:
+            if run.dp_comm is not None:
+                run.dp_comm.Free()
+            destroy_process_group()
+        torch.set_num_threads(old_threads)
+        sys.setswitchinterval(old_switch)
+
+
+def _make_folders(comm, rundir: Path, torch_profiler: str | Path | None) -> None:
+    """Rank 0 creates the run folder (and the profiler's); every rank stops alike if it cannot."""
+    problem = None
+    if comm.Get_rank() == 0:
+        for folder, what in ((rundir, "run folder"), (torch_profiler, "profiler trace folder")):
+            if folder is None or problem:
+                continue
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = f"cannot create the {what} {folder}: {exc.strerror}"
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise UserError(problem)
+
+
+def _set_up(run: _Run, spec: JobSpec, comm, *, seed: int, lr: float, device: str | None, timeout_s: float | None,
+            clock_samples: int, p2p_channels: bool | None, layer_times: bool, dp_backend: str,
+            annotate: bool) -> None:
+    """torch.distributed over MPI, the process groups, this rank's layers and the engine over them, then the
+    first clock sync (into `run`)."""
+    from harness.plan.events import build_plan
+    from harness.runtime.distributed import init_process_group, pick_device
+    from harness.train.clock import sync_clocks
+    from harness.train.engine import PipelineEngine
+    from harness.train.model import build_layers
+    from harness.train.recorder import Recorder
+
+    run.device = dev = pick_device(run.topology, device or spec.profile.device, comm)
+    run.host_memory = prepare_host_memory(dev.type)
+    timeout = timeout_s or spec.profile.timeout_s
+    run.start_time = time.time()
+    run.backend = init_process_group(comm, run.topology, dev, timeout)
+    run.plan = plan = build_plan(spec, factory_layers(spec))
+    s = spec.strategy
+    dp_i, tp_i, pp_i = plan.coords(run.rank)
+    channels = run.backend == "nccl" if p2p_channels is None else p2p_channels
+    tp_group, dp_group, p2p_groups, tie_group, cp_group, ep_group, expert_dp_group = _make_groups(plan, channels)
+    cp_i = plan.cp_index(run.rank)
+    # mpi4py: the same gradient groups as MPI communicators (every rank splits, collectively)
+    run.dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i * s.cp + cp_i) \
+        if dp_backend == "mpi4py" and s.gradient_replicas > 1 else None
+    positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
+    modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev, cp_index=cp_i,
+                           cp_group=cp_group, ep_index=dp_i % s.ep, ep_group=ep_group)
+    run.recorder = Recorder()
+    run.engine = PipelineEngine(spec=spec, plan=plan, rank=run.rank, device=dev, modules=modules,
+                                tp_group=tp_group, dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group,
+                                expert_dp_group=expert_dp_group, lr=lr, timeout_s=timeout,
+                                recorder=run.recorder, layer_times=layer_times, dp_comm=run.dp_comm,
+                                annotate=annotate)
+    run.first_sync = sync_clocks(comm, clock_samples)
+
+
+def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, seed: int, fresh_data: bool,
+             barrier: bool, torch_profiler: str | Path | None, dp_backend: str) -> tuple[list, list, list]:
+    """The training iterations: each one's start and end (ns, this rank's clock) and loss."""
+    import torch
+
+    from harness.train.model import make_tokens
+    from harness.train.profiler_trace import start_profiler, write_profiler_trace
+
+    engine, dev = run.engine, run.device
+    starts, ends, losses = [], [], []
+    fixed = make_tokens(spec, seed, 0)
+    profiler = None
+    for iteration in range(iterations):
+        tokens = make_tokens(spec, seed, iteration) if fresh_data else fixed
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if iteration == warmup and torch_profiler is not None:
+            profiler = start_profiler(dev)  # before the barrier: its start-up is no iteration's
+        elif profiler is not None:
+            profiler.step()  # one ProfilerStep#N per measured iteration, from before its barrier
+        if barrier:
+            yielding_barrier(comm)
+        if iteration == warmup:  # the peak of the measured iterations only
+            engine.reset_memory_peak()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+        starts.append(engine.now())
+        losses.append(engine.run_iteration(iteration, tokens))
+        ends.append(engine.now())
+    if profiler is not None:
+        write_profiler_trace(profiler, Path(torch_profiler) / f"rank-{run.rank}.json", run.recorder.rows, warmup,
+                             mpi_buckets=dp_backend == "mpi4py")
+    return starts, ends, losses
+
+
+def _write_trace(run: _Run, spec: JobSpec, comm, rundir: Path, times: tuple[list, list, list], *,
+                 iterations: int, warmup: int, seed: int, lr: float, fresh_data: bool, barrier: bool, threads: int,
+                 clock_samples: int, layer_times: bool, dp_backend: str) -> TrainResult:
+    """The last clock sync, this rank's trace file, then (rank 0) the merged trace.h5; every rank stops alike
+    if any could not write."""
+    import torch
+
+    from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
+    from harness.train.clock import Timebase, sync_clocks
+    from harness.train.trace_writer import (
+        columns_from_rows,
+        layer_columns_from_rows,
+        merge_traces,
+        rank_file_name,
+        write_rank_trace,
+    )
+
+    rank, dev, plan, engine, first_sync = run.rank, run.device, run.plan, run.engine, run.first_sync
+    starts, ends, losses = times
+    s = spec.strategy
+    last_sync = sync_clocks(comm, clock_samples)
+    end_time = time.time()
+    timebase = Timebase(rank, first_sync.reference_ns, first_sync, last_sync)
+    dp_i, tp_i, pp_i = plan.coords(rank)
+    columns = columns_from_rows(run.recorder.rows, timebase.seconds)
+    attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "cp": plan.cp_index(rank),
+             "hostname": run.topology.hostnames[rank], "node": run.topology.node, "device": str(dev),
+             "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
+             "buckets_json": json.dumps(engine.bucket_info())}
+    if not s.zero:  # FSDP2 frees and re-fills storages in place, which the meter cannot follow
+        attrs |= {PEAK_MEMORY_ATTR: int(engine.memory.peak), MEMORY_PARTS_ATTR: json.dumps(engine.memory.at_peak)}
+    if dev.type == "cuda":
+        attrs[CUDA_PEAK_MEMORY_ATTR] = int(torch.cuda.max_memory_allocated(dev))
+    its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
+           "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
+           "loss": np.array(losses, dtype=np.float64)}
+    layers = layer_columns_from_rows(run.recorder.layer_rows, timebase.seconds) if layer_times else None
+    rank_path, write_error = None, None
+    try:
+        rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
+                                     iterations=its, layers=layers)
+    except WriteError as exc:
+        write_error = UserError(f"{exc}; the run's iterations were not saved: free space and run again")
+    yielding_barrier(comm)
+    raise_if_any(comm, write_error)  # every rank stops if any rank could not write its trace
+    result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
+                         backend=f"torch-{run.backend}", dp_backend=_dp_backend_name(dp_backend, run.backend),
+                         device=str(dev),
+                         binding_note=run.topology.unbound_note() if dev.type == "cpu" else None)
+    env = dict(_environment(run.topology, dev, run.backend, result.dp_backend, threads, run.start_time, end_time),
+               host_memory=run.host_memory)
+    merge_error = None
+    if rank == 0:
+        loss_ranks = [plan.rank_of(d, 0, s.pp - 1, c) for d, c in plan.replicas()]
+        clock = {
+            "rank": np.arange(comm.Get_size(), dtype=np.int64),
+            "offset_s": first_sync.applied_ns / 1e9, "measured_offset_s": first_sync.measured_ns / 1e9,
+            "rtt_s": first_sync.rtt_ns / 1e9, "method": np.array(first_sync.method, dtype=object),
+            "offset_end_s": last_sync.applied_ns / 1e9, "measured_offset_end_s": last_sync.measured_ns / 1e9,
+            "rtt_end_s": last_sync.rtt_ns / 1e9,
+        }
+        root = {"spec_json": spec.to_json(), "layers_json": json.dumps([layer.to_dict() for layer in plan.layers]),
+                "iterations": iterations, "warmup": warmup, "seed": seed, "lr": lr, "fresh_data": fresh_data,
+                "barrier": barrier, "time_zero_unix": run.start_time, "micro_batches": spec.micro_batches}
+        try:
+            result.trace_path = merge_traces(rundir / "trace.h5",
+                                             [rundir / rank_file_name(r) for r in range(comm.Get_size())],
+                                             root_attrs=root, environment=env, clock=clock, warmup=warmup,
+                                             loss_ranks=loss_ranks)
+        except WriteError as exc:
+            merge_error = UserError(f"{exc}; the run's trace.h5 was not written: free space and run again")
+    raise_if_any(comm, merge_error)
+    if rank == 0:
+        from harness.store.hdf5_io import open_file, reading
+        from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND
+
+        path = result.trace_path
+        with open_file(path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f, reading(path, TRACE_KIND):
+            result.iteration_s = f["iterations/end_s"][()] - f["iterations/start_s"][()]
+            result.losses = f["iterations/loss"][()]
+    return result
 
 
 def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFAULT_ITERATIONS,
@@ -183,175 +407,20 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     also records the measured iterations with torch.profiler into FOLDER/rank-<rank>.json.
     """
     check_run(spec, comm.Get_size(), iterations, warmup, dp_backend, layer_times)
-    import torch
-
-    from harness.models.tp import set_collective_hook
-    from harness.plan.events import build_plan
-    from harness.runtime.distributed import init_process_group, pick_device
-    from harness.store.hdf5_schema import CUDA_PEAK_MEMORY_ATTR, MEMORY_PARTS_ATTR, PEAK_MEMORY_ATTR
-    from harness.train.clock import Timebase, sync_clocks
-    from harness.train.engine import PipelineEngine, Recorder
-    from harness.train.model import build_layers, make_tokens
-    from harness.train.profiler_trace import start_profiler, write_profiler_trace
-    from harness.train.trace_writer import (
-        columns_from_rows,
-        layer_columns_from_rows,
-        merge_traces,
-        rank_file_name,
-        write_rank_trace,
-    )
-    from launcher.topology import discover
-
-    rank = comm.Get_rank()
     rundir = Path(rundir)
-    problem = None
-    if rank == 0:
-        for folder, what in ((rundir, "run folder"), (torch_profiler, "profiler trace folder")):
-            if folder is None or problem:
-                continue
-            try:
-                Path(folder).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                problem = f"cannot create the {what} {folder}: {exc.strerror}"
-    problem = comm.bcast(problem, root=0)
-    if problem:
-        raise UserError(problem)
-
-    topology = discover(comm)
-    old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
-    torch.set_num_threads(threads)
-    sys.setswitchinterval(2e-4)  # watcher threads note completions promptly
-    engine = None
-    try:
-        dev = pick_device(topology, device or spec.profile.device, comm)
-        host_memory = prepare_host_memory(dev.type)
-        timeout = timeout_s or spec.profile.timeout_s
-        start_time = time.time()
-        backend = init_process_group(comm, topology, dev, timeout)
-        plan = build_plan(spec, factory_layers(spec))
-        s = spec.strategy
-        dp_i, tp_i, pp_i = plan.coords(rank)
-        channels = backend == "nccl" if p2p_channels is None else p2p_channels
-        tp_group, dp_group, p2p_groups, tie_group, cp_group, ep_group, expert_dp_group = _make_groups(plan, channels)
-        cp_i = plan.cp_index(rank)
-        # mpi4py: the same gradient groups as MPI communicators (every rank splits, collectively)
-        dp_comm = comm.Split(color=tp_i * s.pp + pp_i, key=dp_i * s.cp + cp_i) \
-            if dp_backend == "mpi4py" and s.gradient_replicas > 1 else None
-        positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
-        modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev, cp_index=cp_i,
-                               cp_group=cp_group, ep_index=dp_i % s.ep, ep_group=ep_group)
-        recorder = Recorder()
-        engine = PipelineEngine(spec=spec, plan=plan, rank=rank, device=dev, modules=modules, tp_group=tp_group,
-                                dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group,
-                                expert_dp_group=expert_dp_group, lr=lr,
-                                timeout_s=timeout,
-                                recorder=recorder, layer_times=layer_times, dp_comm=dp_comm,
-                                annotate=torch_profiler is not None)
-        first_sync = sync_clocks(comm, clock_samples)
-        starts, ends, losses = [], [], []
-        fixed = make_tokens(spec, seed, 0)
-        profiler = None
-        for iteration in range(iterations):
-            tokens = make_tokens(spec, seed, iteration) if fresh_data else fixed
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if iteration == warmup and torch_profiler is not None:
-                profiler = start_profiler(dev)  # before the barrier: its start-up is no iteration's
-            elif profiler is not None:
-                profiler.step()  # one ProfilerStep#N per measured iteration, from before its barrier
-            if barrier:
-                yielding_barrier(comm)
-            if iteration == warmup:  # the peak of the measured iterations only
-                engine.reset_memory_peak()
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-            starts.append(engine.now())
-            losses.append(engine.run_iteration(iteration, tokens))
-            ends.append(engine.now())
-        if profiler is not None:
-            write_profiler_trace(profiler, Path(torch_profiler) / f"rank-{rank}.json", recorder.rows, warmup,
-                                 mpi_buckets=dp_backend == "mpi4py")
-        last_sync = sync_clocks(comm, clock_samples)
-        end_time = time.time()
-        timebase = Timebase(rank, first_sync.reference_ns, first_sync, last_sync)
-
-        columns = columns_from_rows(recorder.rows, timebase.seconds)
-        attrs = {"dp": dp_i, "tp": tp_i, "pp": pp_i, "cp": plan.cp_index(rank), "hostname": topology.hostnames[rank], "node": topology.node,
-                 "device": str(dev), "clock_offset_s": float(first_sync.applied_ns[rank]) / 1e9,
-                 "buckets_json": json.dumps(engine.bucket_info())}
-        if not s.zero:  # FSDP2 frees and re-fills storages in place, which the meter cannot follow
-            attrs |= {PEAK_MEMORY_ATTR: int(engine.memory.peak), MEMORY_PARTS_ATTR: json.dumps(engine.memory.at_peak)}
-        if dev.type == "cuda":
-            attrs[CUDA_PEAK_MEMORY_ATTR] = int(torch.cuda.max_memory_allocated(dev))
-        its = {"start_s": timebase.seconds(np.array(starts, dtype=np.int64)),
-               "end_s": timebase.seconds(np.array(ends, dtype=np.int64)),
-               "loss": np.array(losses, dtype=np.float64)}
-        layers = layer_columns_from_rows(recorder.layer_rows, timebase.seconds) if layer_times else None
-        rank_path, write_error = None, None
-        try:
-            rank_path = write_rank_trace(rundir / rank_file_name(rank), rank=rank, columns=columns, attrs=attrs,
-                                         iterations=its, layers=layers)
-        except WriteError as exc:
-            write_error = UserError(f"{exc}; the run's iterations were not saved: free space and run again")
+    _make_folders(comm, rundir, torch_profiler)
+    with _running(comm, threads) as run:
+        _set_up(run, spec, comm, seed=seed, lr=lr, device=device, timeout_s=timeout_s,
+                clock_samples=clock_samples, p2p_channels=p2p_channels, layer_times=layer_times,
+                dp_backend=dp_backend, annotate=torch_profiler is not None)
+        times = _iterate(run, spec, comm, iterations, warmup, seed=seed, fresh_data=fresh_data, barrier=barrier,
+                         torch_profiler=torch_profiler, dp_backend=dp_backend)
+        result = _write_trace(run, spec, comm, rundir, times, iterations=iterations, warmup=warmup, seed=seed,
+                              lr=lr, fresh_data=fresh_data, barrier=barrier, threads=threads,
+                              clock_samples=clock_samples, layer_times=layer_times, dp_backend=dp_backend)
+        if report and run.rank == 0:
+            print(summary_text(spec, result, comm.Get_size()), flush=True)
         yielding_barrier(comm)
-        raise_if_any(comm, write_error)  # every rank stops if any rank could not write its trace
-        result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
-                             backend=f"torch-{backend}", dp_backend=_dp_backend_name(dp_backend, backend),
-                             device=str(dev),
-                             binding_note=topology.unbound_note() if dev.type == "cpu" else None)
-        env = dict(_environment(topology, dev, backend, result.dp_backend, threads, start_time, end_time),
-                   host_memory=host_memory)
-        merge_error = None
-        if rank == 0:
-            loss_ranks = [plan.rank_of(d, 0, s.pp - 1, c) for d, c in plan.replicas()]
-            clock = {
-                "rank": np.arange(comm.Get_size(), dtype=np.int64),
-                "offset_s": first_sync.applied_ns / 1e9, "measured_offset_s": first_sync.measured_ns / 1e9,
-                "rtt_s": first_sync.rtt_ns / 1e9, "method": np.array(first_sync.method, dtype=object),
-                "offset_end_s": last_sync.applied_ns / 1e9, "measured_offset_end_s": last_sync.measured_ns / 1e9,
-                "rtt_end_s": last_sync.rtt_ns / 1e9,
-            }
-            root = {"spec_json": spec.to_json(), "layers_json": json.dumps([l.to_dict() for l in plan.layers]),
-                    "iterations": iterations, "warmup": warmup, "seed": seed, "lr": lr, "fresh_data": fresh_data,
-                    "barrier": barrier, "time_zero_unix": start_time, "micro_batches": spec.micro_batches}
-            try:
-                trace_path = merge_traces(rundir / "trace.h5",
-                                          [rundir / rank_file_name(r) for r in range(comm.Get_size())],
-                                          root_attrs=root, environment=env, clock=clock, warmup=warmup,
-                                          loss_ranks=loss_ranks)
-            except WriteError as exc:
-                merge_error = UserError(f"{exc}; the run's trace.h5 was not written: free space and run again")
-        raise_if_any(comm, merge_error)
-        if rank == 0:
-            from harness.store.hdf5_io import open_file, reading
-            from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND
-
-            with open_file(trace_path, TRACE_KIND, READ_VERSIONS, verify_all=False) as f, reading(trace_path,
-                                                                                                  TRACE_KIND):
-                result.iteration_s = f["iterations/end_s"][()] - f["iterations/start_s"][()]
-                result.losses = f["iterations/loss"][()]
-            result.trace_path = trace_path
-            if report:
-                print(summary_text(spec, result, comm.Get_size()), flush=True)
-        yielding_barrier(comm)
-    except BaseException:
-        # Leave at once: `python -m mpi4py` turns the exception into MPI_Abort, which ends every rank.
-        # Tearing down the process group here could block on peers that are stuck or gone.
-        set_collective_hook(None)
-        if engine is not None:
-            engine.close(join=False)
-        torch.set_num_threads(old_threads)
-        sys.setswitchinterval(old_switch)
-        raise
-    set_collective_hook(None)
-    engine.close()
-    if dp_comm is not None:
-        dp_comm.Free()
-    from harness.runtime.distributed import destroy_process_group
-
-    destroy_process_group()
-    torch.set_num_threads(old_threads)
-    sys.setswitchinterval(old_switch)
     return result
 
 
