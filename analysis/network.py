@@ -28,6 +28,7 @@ no base, so that it gives back the fit at every measured point.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -272,33 +273,41 @@ class NetworkModel:
                 "notes": list(self.notes)}
 
 
+@functools.cache
 def tree_load(domains: int) -> float:
     """Each way, the bytes the busiest domain moves over one rail in NCCL's double binary tree of `domains`, in
-    shares of what that rail carries (its GPU's 1/g of the buffer): the buffer is split between two trees, the second
-    the first mirrored (a domain inner in one is near a leaf in the other), and each tree edge moves a domain's half
-    once up (reduced) and once down (the result) the tree. 2 domains: 1 (each sends and receives its share once);
-    4 and more: 2 (an inner domain's parent and two children, plus a leaf's edge in the other tree)."""
+    shares of what that rail carries (its GPU's 1/g of the buffer). The buffer is split between two trees, each
+    moving a domain's half once up (reduced) and once down (the result) every edge it has. The first is an in-order
+    binary tree (odd ranks its leaves, rank 0 the root above it); the second is the first mirrored (an even count)
+    or shifted by one (odd), so a domain inner in one is a leaf in the other. 2 domains: 1 (each sends and
+    receives its share once); 3: 1.5; 4 and more: 2 (an inner domain's parent and two children, plus its leaf
+    edge)."""
     if domains < 2:
         return 0.0
     edges = [0] * domains
-    for tree in range(2):
-        for a, b in _balanced_tree_edges(0, domains):
-            a, b = (a, b) if tree == 0 else (domains - 1 - a, domains - 1 - b)
-            edges[a] += 1
-            edges[b] += 1
+    for a, b in _inorder_tree_edges(domains):
+        for tree in (lambda r: r, lambda r: domains - 1 - r if domains % 2 == 0 else (r + 1) % domains):
+            edges[tree(a)] += 1
+            edges[tree(b)] += 1
     return max(edges) / 2
 
 
-def _balanced_tree_edges(root: int, count: int) -> list[tuple[int, int]]:
-    """(parent, child) edges of a binary tree over root..root+count-1: the root, then a balanced subtree of the rest
-    (its middle rank the child, each half under it)."""
+def _inorder_tree_edges(count: int) -> list[tuple[int, int]]:
+    """(parent, child) edges of the in-order binary tree over 0..count-1: rank 0 on top, then ranks 1..count-1,
+    each range's root the rank divisible by the highest power of two in it."""
+    def root_of(lo: int, hi: int) -> int:
+        power = 1 << hi.bit_length()
+        while (hi // power) * power < lo:
+            power >>= 1
+        return (hi // power) * power
+
     def below(parent: int, lo: int, hi: int) -> list[tuple[int, int]]:
         if lo > hi:
             return []
-        mid = (lo + hi) // 2
-        return [(parent, mid), *below(mid, lo, mid - 1), *below(mid, mid + 1, hi)]
+        root = root_of(lo, hi)
+        return [(parent, root), *below(root, lo, root - 1), *below(root, root + 1, hi)]
 
-    return below(root, root + 1, root + count - 1)
+    return below(0, 1, count - 1)
 
 
 def _tier_class(tier: int) -> str:

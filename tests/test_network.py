@@ -335,7 +335,8 @@ def test_double_binary_tree_load_by_hand():
     assert tree_load(1) == 0.0
     assert tree_load(2) == 1.0
     assert tree_load(4) == 2.0
-    assert all(tree_load(d) == 2.0 for d in (3, 8, 16, 256))
+    assert tree_load(3) == 1.5  # the shifted tree: ranks 0 and 2 have 3 edges between the two trees
+    assert all(tree_load(d) == 2.0 for d in (5, 8, 16, 100, 256))
 
 
 def test_the_memory_pass_and_nvls_tree_halves_by_hand():
