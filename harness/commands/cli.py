@@ -1,4 +1,4 @@
-"""`python -m harness`: its subcommands (events, profile, show, train, collectives), each a thin front end over
+"""`python -m harness`: its subcommands (events, profile, show, train, collectives, spec), each a thin front end over
 the registry of harness.common.subcommands, and the bare command.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from importlib import resources
 
 from harness.common.subcommands import build_parser, run_cli
 
-SUBCOMMANDS = ("events", "profile", "show", "train", "collectives")
+SUBCOMMANDS = ("events", "profile", "show", "train", "collectives", "spec")
 
 
 def default_spec_path() -> str:

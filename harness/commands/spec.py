@@ -1,0 +1,71 @@
+"""`python -m harness spec --from-megatron SCRIPT_OR_ARGS | --from-hf config.json [-o job.toml]`: a job spec from
+a Megatron launch or a Hugging Face config (docs/spec.md, "Importing a job"), with what was not modelled, ignored
+or unknown said in a line each."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.common.errors import UserError
+from harness.common.output import writable
+from harness.plan.importers.hf import from_hf
+from harness.plan.importers.megatron import from_megatron
+from harness.plan.spec import parse_strategy_overrides, vocab_padding_note
+
+NAME = "spec"
+HELP = "write a job spec (TOML) from a Megatron launch's arguments or a Hugging Face config.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-megatron", metavar="SCRIPT_OR_ARGS",
+                        help="a Megatron-LM / Megatron-DeepSpeed launch script, or its arguments in quotes")
+    source.add_argument("--from-hf", metavar="CONFIG_JSON", help="a Hugging Face model's config.json")
+    parser.add_argument("-o", "--output", metavar="JOB.toml", help="write the spec here (default: print it)")
+    parser.add_argument("--gpus", type=int, metavar="N", help="the job's GPUs (Megatron: instead of the launcher's; "
+                        "Hugging Face: data-parallel over them, default 1)")
+    parser.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs a node (default: the launcher's, or 8)")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="Hugging Face: the training sequence length "
+                        "(default: the config's maximum positions)")
+    parser.add_argument("--micro", type=int, default=1, metavar="N", help="Hugging Face: the micro-batch (default 1)")
+    parser.add_argument("--global", dest="global_batch", type=int, metavar="N",
+                        help="Hugging Face: the global batch (default micro x dp)")
+    parser.add_argument("--strategy", metavar="K=V,...", help="then change strategy, batch or cluster fields, e.g. "
+                        "'tp=8,pp=2,dp=4' (as analysis simulate --strategy)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("gpus", "gpus_per_node", "seq_len", "micro", "global_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-').replace('global-batch', 'global')} must be at least 1, "
+                            f"got {value}")
+    if args.from_megatron is not None:
+        imported = from_megatron(args.from_megatron, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        origin = f"harness spec --from-megatron {imported.source}"
+    else:
+        imported = from_hf(args.from_hf, gpus=args.gpus or 1, gpus_per_node=args.gpus_per_node, micro=args.micro,
+                           global_batch=args.global_batch, seq_len=args.seq_len)
+        origin = f"harness spec --from-hf {imported.source}"
+    spec = imported.spec
+    if args.strategy:
+        spec = spec.with_changes(**parse_strategy_overrides(args.strategy))
+    lines = imported.report()
+    padding = vocab_padding_note(spec)
+    if padding:
+        lines.append(padding)
+    text = spec.to_toml(header="\n".join([f"written by {origin}", *lines]))
+    if args.output:
+        writable(args.output, lambda: Path(args.output).write_text(text))
+        s = spec.strategy
+        print(f"wrote {args.output}: {spec.model.name} {spec.model.layers} layers x {spec.model.hidden}, "
+              f"{s.layout} on {spec.cluster.nodes} x {spec.cluster.gpus_per_node} GPUs, "
+              f"{spec.micro_batches} micro-batches of {spec.batch.micro}")
+        for line in lines:
+            print(line)
+    else:
+        sys.stdout.write(text)
+        for line in lines:
+            print(line, file=sys.stderr)
+    return 0

@@ -1,0 +1,284 @@
+"""Job specs from a Megatron launch and from Hugging Face configs (harness/plan/importers), the vocabulary padded
+as Megatron pads it, the new presets' sizes against their published parameter counts, and the refusals (exit 2,
+naming the argument) through `python -m harness spec`."""
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.commands.cli import main as harness_main
+from harness.plan.events import build_plan
+from harness.plan.importers.hf import from_hf
+from harness.plan.importers.megatron import from_megatron
+from harness.plan.layers import describe_builtin
+from harness.plan.spec import MODEL_PRESETS, loads_spec, parse_spec, vocab_padding_note
+
+DATA = Path(__file__).parent / "data"
+VTRAIN = Path(__file__).parents[2] / "shared" / "data" / "vtrain"
+GPT3_175B = DATA / "megatron" / "train_gpt3_175b_distributed.sh"
+LLAMA3_SLURM = DATA / "megatron" / "llama3_8b_slurm.sh"
+
+
+def _one_gpu(model: dict, seq_len: int | None = None) -> dict:
+    return {"model": {**model, **({"seq_len": seq_len} if seq_len else {})}, "batch": {"global": 1, "micro": 1},
+            "strategy": {}, "cluster": {}}
+
+
+def _params(model) -> int:
+    return sum(layer.params for layer in describe_builtin(model, 1, tokens=model.seq_len))
+
+
+# ----- presets: the published configs' sizes -----
+
+@pytest.mark.parametrize("name, published", [
+    ("llama3-8b", 8_030_261_248),  # Meta-Llama-3-8B: its safetensors' parameter count
+    ("llama3-70b", 70_553_706_496),  # Meta-Llama-3-70B
+    ("mixtral-8x7b", 46_702_792_704),  # Mixtral-8x7B-v0.1 (the router's gate included)
+])
+def test_a_preset_has_its_published_parameter_count(name, published):
+    assert _params(parse_spec(_one_gpu({"name": name})).model) == published
+
+
+def test_every_new_preset_is_a_valid_model():
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "mixtral-8x22b", "deepseek-v3"):
+        model = parse_spec(_one_gpu({"name": name})).model
+        assert model.vocab == MODEL_PRESETS[name]["vocab"] and model.layers == MODEL_PRESETS[name]["layers"]
+    # Llama 3.1 405B: 405.9 billion, Mixtral 8x22B: 140.6 billion (their model cards); a block's share is
+    # exactly counted, so the totals land within a part in a thousand
+    assert _params(parse_spec(_one_gpu({"name": "llama3-405b"})).model) == pytest.approx(405.85e9, rel=1e-3)
+    assert _params(parse_spec(_one_gpu({"name": "mixtral-8x22b"})).model) == pytest.approx(140.6e9, rel=1e-3)
+
+
+# ----- Hugging Face configs -----
+
+@pytest.mark.parametrize("config, preset, seq_len", [
+    ("gpt2.json", "gpt2-small", None), ("bert-base-uncased.json", "bert-base", None),
+    ("Meta-Llama-3-8B.json", "llama3-8b", None), ("Mixtral-8x7B-v0.1.json", "mixtral-8x7b", 4096),
+    ("Qwen2.5-7B.json", "qwen2.5-7b", 4096),
+])
+def test_a_hugging_face_config_gives_its_presets_model(config, preset, seq_len):
+    imported = from_hf(str(DATA / "hf" / config), seq_len=seq_len)
+    expected = parse_spec(_one_gpu({"name": preset}, seq_len)).model
+    got = imported.spec.model
+    sizes = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "experts", "top_k",
+             "expert_ffn", "shared_experts")
+    assert {k: getattr(got, k) for k in sizes} == {k: getattr(expected, k) for k in sizes}
+    assert f"the model has the sizes of the built-in {preset}" in imported.notes
+
+
+def test_a_hugging_face_config_keeps_ties_dtype_and_says_what_it_leaves_out():
+    gpt2 = from_hf(str(DATA / "hf" / "gpt2.json"))
+    assert gpt2.spec.model.tie_embeddings and gpt2.spec.model.dtype == "float32"
+    assert any(line.startswith("dropout (attn_pdrop 0.1") for line in gpt2.not_modelled)
+    llama = from_hf(str(DATA / "hf" / "Meta-Llama-3-8B.json"), gpus=16, micro=2)
+    assert not llama.spec.model.tie_embeddings and llama.spec.model.dtype == "bfloat16"
+    assert llama.spec.optimizer.master_weights
+    assert (llama.spec.strategy.dp, llama.spec.cluster.nodes, llama.spec.batch.global_size) == (16, 2, 32)
+    qwen = from_hf(str(DATA / "hf" / "Qwen2.5-7B.json"))
+    assert qwen.spec.model.seq_len == 131072 and any("seq_len = the maximum positions" in n for n in qwen.notes)
+    assert any("QKV projections' biases" in line for line in qwen.not_modelled)
+    assert not any("sliding" in line for line in qwen.not_modelled)  # use_sliding_window false: full attention
+
+
+def test_deepseek_v3_like_configs_map_their_experts_and_name_what_is_left_out(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, '
+                      '"num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432, '
+                      '"moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, '
+                      '"n_shared_experts": 1, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536, '
+                      '"num_nextn_predict_layers": 1, "max_position_embeddings": 163840, "vocab_size": 129280, '
+                      '"tie_word_embeddings": false, "torch_dtype": "bfloat16"}')
+    imported = from_hf(str(config), seq_len=4096)
+    assert "the model has the sizes of the built-in deepseek-v3" in imported.notes
+    left_out = " ".join(imported.not_modelled)
+    for what in ("latent attention", "dense first blocks", "multi-token prediction"):
+        assert what in left_out
+
+
+# ----- the vocabulary padded -----
+
+def _gpt2_medium(tp: int, extra: str = "") -> str:
+    return (f'[model]\nname = "gpt2-medium"\n{extra}[batch]\nglobal = 8\nmicro = 1\n'
+            f"[strategy]\ntp = {tp}\n[cluster]\ngpus_per_node = {tp}\n")
+
+
+def test_gpt2s_vocabulary_at_tp_8_is_padded_to_51200_and_its_rows_are_costed():
+    spec = loads_spec(_gpt2_medium(8))
+    assert (spec.model.vocab, spec.model.unpadded_vocab) == (51_200, 50_257)
+    assert vocab_padding_note(spec) == ("note: vocab 50,257 padded to 51,200 as Megatron-LM pads it (a multiple of "
+                                        "128 x tp = 1,024); the 943 padded rows cost their memory and FLOPs")
+    head = build_plan(spec).layers[-1]
+    assert head.params == 2 * 1024 + 51_200 // 8 * 1024
+    assert head.fwd_flops_per_token == 2.0 * 1024 * 6400 + 5.0 * 6400
+    assert spec.to_dict()["model"]["vocab"] == 50_257  # the spec states the tokenizer's, and reads back the same
+    assert loads_spec(spec.to_toml()) == spec
+    # tp = 1 divides any vocabulary: by default nothing is padded; Megatron's divisor pads it always
+    assert loads_spec(_gpt2_medium(1)).model.vocab == 50_257 and vocab_padding_note(loads_spec(_gpt2_medium(1))) is None
+    assert loads_spec(_gpt2_medium(1, "vocab_divisible_by = 128\n")).model.vocab == 50_304
+    assert loads_spec(_gpt2_medium(2, "vocab_divisible_by = 1\n")).model.vocab == 50_258
+
+
+def test_the_harness_events_command_says_the_padding_in_one_line(tmp_path, capsys):
+    spec = tmp_path / "job.toml"
+    spec.write_text(_gpt2_medium(8))
+    assert harness_main(["events", str(spec)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "padded" in line]
+    assert notes == [vocab_padding_note(loads_spec(spec.read_text()))]
+
+
+# ----- Megatron's arguments -----
+
+def test_megatrons_own_gpt3_175b_example_reads():
+    imported = from_megatron(str(GPT3_175B), gpus=1024)
+    spec = imported.spec
+    m, s = spec.model, spec.strategy
+    assert (m.family, m.layers, m.hidden, m.heads, m.ffn, m.seq_len) == ("gpt2", 96, 12288, 96, 4 * 12288, 2048)
+    assert (m.vocab, m.unpadded_vocab, m.tie_embeddings, m.dtype) == (51_200, 50_257, True, "float16")
+    assert (s.dp, s.tp, s.pp, s.recompute, s.dp_overlap) == (8, 8, 16, "none", False)
+    assert (spec.batch.global_size, spec.batch.micro, spec.cluster.nodes, spec.cluster.gpus_per_node) == \
+        (1536, 1, 128, 8)
+    assert imported.unknown == []
+    assert any(line.startswith("--rampup-batch-size 16 16 5859375") for line in imported.not_modelled)
+    assert any(line.startswith("dropout (hidden 0.1, attention 0.1") for line in imported.not_modelled)
+    assert "data: --data-path, --split" in imported.ignored
+    # as shipped it launches one node of 8 GPUs, fewer than its tp x pp = 128: taken as one replica, said so
+    as_shipped = from_megatron(str(GPT3_175B))
+    assert as_shipped.spec.strategy.world == 128 and as_shipped.spec.strategy.dp == 1
+    assert any("--nnodes 1 x --nproc_per_node 8 = 8 GPUs is fewer than one model replica" in n
+               for n in as_shipped.notes)
+
+
+def test_a_slurm_script_with_torchrun_under_srun_reads_every_feature():
+    imported = from_megatron(str(LLAMA3_SLURM))
+    spec = imported.spec
+    m, s = spec.model, spec.strategy
+    assert (m.family, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.seq_len, m.vocab) == \
+        ("llama", 32, 4096, 32, 8, 14336, 8192, 128_256)
+    assert not m.tie_embeddings and m.dtype == "bfloat16" and spec.optimizer.master_weights
+    # 4 nodes (#SBATCH and torchrun) x torchrun's 8 a node, not srun's one task a node
+    assert (spec.cluster.nodes, spec.cluster.gpus_per_node, s.dp, s.tp, s.pp) == (4, 8, 8, 2, 2)
+    assert (s.schedule, s.chunks, s.sp, s.recompute, s.dp_overlap) == ("interleaved-1f1b", 4, True, "full", True)
+    assert (spec.batch.global_size, spec.batch.micro) == (128, 1)
+    assert s.zero == 0 and any(line.startswith("--use-distributed-optimizer / --zero-stage as ZeRO: zero = 1 with "
+                                               "tensor parallelism") for line in imported.not_modelled)
+    assert "the model has the sizes of the built-in llama3-8b" in imported.notes
+    assert imported.unknown == []
+
+
+def test_mixture_of_experts_arguments_map_to_the_experts():
+    imported = from_megatron("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+                             "--vocab-size 32000 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                             "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 "
+                             "--moe-shared-expert-intermediate-size 1024 --expert-model-parallel-size 4 "
+                             "--moe-layer-freq 2 --moe-grouped-gemm --micro-batch-size 2 --bf16 --mystery-flag",
+                             gpus=8)
+    m = imported.spec.model
+    assert (m.experts, m.top_k, m.expert_ffn, m.shared_experts, m.moe_every, m.ffn) == (8, 2, 512, 2, 2, 2688)
+    # ffn: Megatron's SwiGLU default, int(4 x hidden x 2 / 3 / 64) x 64
+    assert imported.spec.strategy.ep == 4 and imported.spec.batch.global_size == 16
+    assert imported.unknown == ["--mystery-flag"]
+    assert any(line.startswith("--moe-grouped-gemm") for line in imported.not_modelled)
+    assert not any("the llama family" in line for line in imported.not_modelled)  # every llama feature given
+
+
+def _vtrain_rows():
+    for name in ("ground_truth_single.csv", "ground_truth_multi.csv"):
+        with open(VTRAIN / name) as f:
+            yield from csv.DictReader(f)
+
+
+@pytest.mark.skipif(not VTRAIN.is_dir(), reason="the shared vTrain data is not beside the project")
+def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
+    """Each run as vTrain's README states it (Megatron-DeepSpeed's GPT, vocabulary 50,257 padded, fp16, full
+    recompute, 1F1B, the all-reduce after the backward, 8 GPUs a node) written as Megatron arguments reads back
+    as the spec written directly."""
+    rows = 0
+    for row in _vtrain_rows():
+        gpus, tp, pp, dp = (int(row[k]) for k in ("# GPUs", "tensor parallelism", "pipeline parallelism",
+                                                  "data parallelism"))
+        hidden, heads, layers, seq = (int(row[k]) for k in ("hidden size", "attention heads", "# layers",
+                                                            "sequence length"))
+        micro, global_batch = int(row["micro batch"]), int(row["global batch"])
+        expected = parse_spec({
+            "model": {"name": "gpt2", "layers": layers, "hidden": hidden, "heads": heads, "ffn": 4 * hidden,
+                      "seq_len": seq, "vocab": 50257, "vocab_divisible_by": 128, "tie_embeddings": True,
+                      "dtype": "float16"},
+            "batch": {"global": global_batch, "micro": micro},
+            "strategy": {"dp": dp, "tp": tp, "pp": pp, "recompute": "full", "dp_overlap": False},
+            "cluster": {"nodes": max(1, gpus // 8), "gpus_per_node": min(gpus, 8)},
+            "optimizer": {"master_weights": True}})
+        arguments = (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} "
+                     f"--seq-length {seq} --max-position-embeddings {seq} --micro-batch-size {micro} "
+                     f"--global-batch-size {global_batch} --tensor-model-parallel-size {tp} "
+                     f"--pipeline-model-parallel-size {pp} --fp16 --checkpoint-activations "
+                     "--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --hidden-dropout 0.1 "
+                     "--attention-dropout 0.1")
+        imported = from_megatron(arguments, gpus=gpus)
+        assert imported.spec == expected, row
+        assert imported.unknown == []
+        rows += 1
+    assert rows == 1440 + 109
+
+
+# ----- refusals: one message naming the argument, exit 2 -----
+
+@pytest.mark.parametrize("arguments, gpus, words", [
+    ("--num-layers abc --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000", 8,
+     "--num-layers must be an integer of at least 1, got 'abc'"),
+    ("--num-layers 24 --hidden-size 1000 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000", 8,
+     "--hidden-size: hidden (1000) must be divisible by heads (16)"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
+     "--tensor-model-parallel-size 3", 8, "--tensor-model-parallel-size x --pipeline-model-parallel-size x "
+     "--context-parallel-size = 3 x 1 x 1 does not divide the 8 GPUs"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
+     "--pipeline-model-parallel-size 5", 10, "--num-layers: layers (24) must be divisible by pp = 5"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --fp16 --bf16 "
+     "--vocab-size 1000", 8, "--fp16 and --bf16 together"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+     "--tokenizer-type HuggingFaceTokenizer", 8, "add --vocab-size N"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000", None,
+     "no GPU count"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
+     "--recompute-granularity some", 8, "--recompute-granularity must be one of full, selective, got 'some'"),
+])
+def test_bad_megatron_arguments_exit_2_naming_the_argument(arguments, gpus, words, capsys):
+    argv = ["spec", "--from-megatron", arguments] + (["--gpus", str(gpus)] if gpus else [])
+    assert harness_main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"model_type": "t5", "d_model": 512}', "model_type 't5' is not one of the families built in"),
+    ('{"model_type": "llama", "hidden_size": 4096}', "num_hidden_layers is missing"),
+    ('{"model_type": "gpt2", "n_embd": -1, "n_layer": 2, "n_head": 2}', "n_embd must be a positive integer"),
+    ("not json", "cannot read"),
+])
+def test_bad_hugging_face_configs_exit_2(tmp_path, content, words, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(content)
+    assert harness_main(["spec", "--from-hf", str(config)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_the_command_writes_a_spec_that_loads_back(tmp_path, project_env):
+    """The whole command in a process of its own: the TOML it writes is the spec it describes."""
+    out = tmp_path / "job.toml"
+    result = subprocess.run([sys.executable, "-m", "harness", "spec", "--from-megatron", str(GPT3_175B), "--gpus",
+                             "1024", "-o", str(out)], capture_output=True, text=True, env=project_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {out}: gpt2 96 layers x 12288, dp x tp x pp = 8 x 8 x 16")
+    assert "vocab 50,257 padded to 51,200" in result.stdout
+    assert loads_spec(out.read_text()) == from_megatron(str(GPT3_175B), gpus=1024).spec
+    hf = tmp_path / "hf.toml"
+    assert harness_main(["spec", "--from-hf", str(DATA / "hf" / "gpt2.json"), "--gpus", "4", "--strategy",
+                         "tp=4,dp=1", "-o", str(hf)]) == 0
+    spec = loads_spec(hf.read_text())
+    assert (spec.strategy.tp, spec.model.vocab, spec.model.unpadded_vocab) == (4, 50_688, 50_257)
+    assert harness_main(["spec", "--from-hf", str(DATA / "hf" / "Meta-Llama-3-8B.json"), "--gpus", "8",
+                         "--strategy", "tp=8,dp=1", "-o", str(hf)]) == 0
+    assert loads_spec(hf.read_text()).model.vocab == 128_256  # tp divides it: by default not padded
