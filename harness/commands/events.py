@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
 from harness.common.output import format_table, write_csv
 from harness.plan.candidates import candidate_label
 from harness.plan.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
-from harness.plan.spec import load_spec
+from harness.plan.spec import load_spec, vocab_padding_note
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec or default_spec_path())
+    padding = vocab_padding_note(spec)
+    if padding:
+        print(padding, file=sys.stderr)  # stderr: --json's stdout stays one JSON object
     if spec.search:
         return _run_search(spec, args)
     plan = build_plan(spec, _factory_layers(spec))
