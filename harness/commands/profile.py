@@ -15,7 +15,7 @@ from harness.common.errors import UserError
 from harness.common.output import format_seconds
 from harness.plan.events import events_to_profile
 from harness.plan.precision import MIN_SAMPLES
-from harness.plan.spec import load_spec
+from harness.plan.spec import load_spec, vocab_padding_note
 from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "profile"
@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     print(summary_text(spec, grid, unique, result, comm.Get_size()))
     if result.binding_note:
         print(f"NOTE: {result.binding_note}")
+    padding = vocab_padding_note(spec)
+    if padding:
+        print(padding)
     sys.stdout.flush()
     return 0
 
