@@ -122,6 +122,17 @@ def test_gpt2s_vocabulary_at_tp_8_is_padded_to_51200_and_its_rows_are_costed():
     assert loads_spec(_gpt2_medium(2, "vocab_divisible_by = 1\n")).model.vocab == 50_258
 
 
+def test_the_torch_layers_are_built_at_the_padded_vocabulary():
+    """What harness train and harness profile run holds the padded rows the plan costs."""
+    from harness.models import build_layer
+
+    spec = loads_spec(_gpt2_medium(4, "layers = 2\nhidden = 64\nheads = 16\nffn = 96\nvocab = 1001\n"))
+    assert spec.model.vocab == 1024
+    for desc in build_plan(spec).layers[::3]:  # the embedding and the head
+        module = build_layer(spec.model, desc.kind, tp=int(dict(desc.signature).get("tp", 1)))
+        assert sum(p.numel() for p in module.parameters()) == desc.params
+
+
 def test_the_harness_events_command_says_the_padding_in_one_line(tmp_path, capsys):
     spec = tmp_path / "job.toml"
     spec.write_text(_gpt2_medium(8))
