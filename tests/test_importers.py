@@ -196,6 +196,27 @@ def test_mixture_of_experts_arguments_map_to_the_experts():
     assert not any("the llama family" in line for line in imported.not_modelled)  # every llama feature given
 
 
+def test_a_megatron_deepspeed_launch_reads_its_launcher_zero_and_token_dropping():
+    command = ("deepspeed --num_nodes 2 --num_gpus 8 pretrain_gpt.py --num-layers 8 --hidden-size 1024 "
+               "--num-attention-heads 16 --seq-length 2048 --vocab-file v.json --merge-file m.txt --fp16 "
+               "--micro-batch-size 4 --global-batch-size 256 --checkpoint-activations "
+               "--deepspeed-activation-checkpointing --deepspeed --deepspeed_config ds.json --zero-stage 1 "
+               "--untie-embeddings-and-output-weights")
+    imported = from_megatron(command)
+    s = imported.spec.strategy
+    assert (imported.spec.cluster.nodes, imported.spec.cluster.gpus_per_node, s.dp, s.zero, s.recompute) == \
+        (2, 8, 16, 1, "full")
+    assert imported.unknown == [] and "paths and checkpoints: --deepspeed_config" in imported.ignored
+    moe = from_megatron(command + " --num-experts 16 --moe-expert-parallel-size 8 --topk 1")
+    m = moe.spec.model
+    # DeepSpeed-MoE drops tokens past a capacity factor of 1 unless told not to; ZeRO with experts is not built
+    assert (m.experts, m.top_k, m.capacity_factor, moe.spec.strategy.ep, moe.spec.strategy.zero) == (16, 1, 1.0, 8, 0)
+    assert any("--zero-stage as ZeRO: Mixture-of-Experts blocks with zero = 1 are not built" in line
+               for line in moe.not_modelled)
+    dropless = from_megatron(command + " --num-experts 16 --disable-moe-token-dropping").spec.model
+    assert dropless.capacity_factor == 0.0
+
+
 def _vtrain_rows():
     for name in ("ground_truth_single.csv", "ground_truth_multi.csv"):
         with open(VTRAIN / name) as f:

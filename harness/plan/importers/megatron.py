@@ -41,6 +41,8 @@ FLAGS = {
     "--no-async-tensor-model-parallel-allreduce", "--use-cpu-initialization", "--manual-gc", "--moe-router-pre-softmax",
     "--no-rope-fusion", "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler",
     "--defer-embedding-wgrad-compute", "--align-grad-reduce", "--cpu-optimizer", "--zero-bubble-v-schedule",
+    "--disable-moe-token-dropping", "--create-moe-param-group", "--partition-activations", "--checkpoint-in-cpu",
+    "--contigious-checkpointing", "--fp32-residual-connection", "--bert-binary-head",
 }
 
 # Known arguments with no bearing on an iteration's cost, by what they are.
@@ -67,7 +69,8 @@ _IGNORED = {
         "--layernorm-epsilon", "--rotary-base", "--rotary-percent", "--attention-softmax-in-fp32",
         "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling", "--apply-layernorm-1p",
         "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-load-balancing-type",
-        "--moe-router-pre-softmax", "--bert-no-binary-head", "--use-cpu-initialization"),
+        "--moe-router-pre-softmax", "--bert-no-binary-head", "--use-cpu-initialization", "--moe-loss-coeff",
+        "--moe-eval-capacity-factor", "--create-moe-param-group", "--bert-binary-head"),
     "launch": ("--distributed-backend", "--distributed-timeout-minutes", "--local_rank", "--local-rank",
                "--deepspeed", "--no-pipeline-parallel", "--use-mcore-models", "--use-legacy-models",
                "--empty-unused-memory-level", "--manual-gc"),
@@ -105,6 +108,10 @@ NOT_MODELLED = {
     "--expert-tensor-parallel-size": "tensor parallelism inside the experts",
     "--moe-layer-freq": "a pattern of MoE and dense blocks other than every N-th",
     "--kv-channels": "a head size other than hidden / heads",
+    "--moe-min-capacity": "a least capacity an expert takes", "--mlp-type": "residual (PR-)MoE blocks",
+    "--partition-activations": "DeepSpeed's saved activations split over the tp group",
+    "--checkpoint-in-cpu": "saved activations kept in host memory",
+    "--contigious-checkpointing": "saved activations in one buffer", "--fp32-residual-connection": "fp32 residuals",
 }
 
 # The spec field a SpecError names -> the argument that set it (a refusal names the argument).
@@ -488,6 +495,8 @@ def _model(args: _Reader, family: str, result: ImportedSpec) -> dict:
             result.not_modelled.append(f"--moe-layer-freq {every}: {NOT_MODELLED['--moe-layer-freq']} (every block "
                                        "MoE here)")
         capacity = args.number("--moe-expert-capacity-factor")
+        if capacity is None and args.has("--deepspeed") and not args.has("--disable-moe-token-dropping"):
+            capacity = args.number("--moe-train-capacity-factor", 1.0)  # DeepSpeed-MoE drops tokens by default
         if capacity is not None:
             model["capacity_factor"] = capacity
     return model
@@ -495,7 +504,8 @@ def _model(args: _Reader, family: str, result: ImportedSpec) -> dict:
 
 def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, result: ImportedSpec) -> dict:
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "schedule": "1f1b",
-                "sp": args.has("--sequence-parallel"), "ep": args.integer("--expert-model-parallel-size", 1),
+                "sp": args.has("--sequence-parallel"), "ep": args.integer("--expert-model-parallel-size")
+                or args.integer("--moe-expert-parallel-size", 1),
                 "dp_overlap": args.has("--overlap-grad-reduce")}
     per_stage = args.integer("--num-layers-per-virtual-pipeline-stage")
     chunks = args.integer("--num-virtual-stages-per-pipeline-rank")
@@ -529,7 +539,8 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
 def _recompute(args: _Reader, stage_layers: int, result: ImportedSpec) -> str:
     """none or full; selective recompute and a part of a stage's blocks are read but not modelled."""
     granularity = args.choice("--recompute-granularity", ("full", "selective"))
-    if args.has("--checkpoint-activations"):  # the older spelling of full recompute
+    deepspeed = args.has("--deepspeed-activation-checkpointing")  # DeepSpeed's implementation of the same
+    if args.has("--checkpoint-activations") or deepspeed:  # the older spelling of full recompute
         granularity = granularity or "full"
     if args.has("--recompute-activations"):  # the older spelling of selective
         granularity = granularity or "selective"
