@@ -129,9 +129,6 @@ FIELD_ARGUMENT = {
     "strategy.bucket_mb": "--ddp-bucket-size", "optimizer.momentum": "--sgd-momentum",
 }
 
-_LAUNCHERS = ("torchrun", "deepspeed", "srun", "sbatch", "mpirun", "python", "python3")
-
-
 def read_source(source: str) -> tuple[str, str]:
     """(text, where): a script's text, or `source` itself when it is the arguments (it starts with '-' or holds
     ' --'); anything else that is not a readable file is refused."""
@@ -217,13 +214,22 @@ class _Shell:
             array = _ARRAY.match(line)
             if array:
                 body = array.group(2)
-                while not _closes(body) and i < len(lines):
+                while self._array_words(body) is None and i < len(lines):
                     body += "\n" + lines[i]
                     i += 1
-                self.arrays[array.group(1)] = self.split(body[:body.rstrip().rfind(")")])
+                self.arrays[array.group(1)] = self._array_words(body) or []
                 continue
             for command in re.split(r"\s(?:&&|\|\||;|\|)\s|;$", line):
                 self._command(self.split(command))
+
+    def _array_words(self, body: str) -> list[str] | None:
+        """An array's words up to its closing parenthesis (outside quotes and comments), or None while its text
+        (after the opening one) does not hold it yet."""
+        try:
+            words = shlex.split(self.expand(body).replace(")", " ) "), comments=True)
+        except ValueError:  # a quote still open: more lines to come
+            return None
+        return words[:words.index(")")] if ")" in words else None
 
     def _command(self, words: list[str]) -> None:
         while words and words[0] in ("export", "local", "readonly"):
@@ -237,15 +243,6 @@ class _Shell:
         elif words[0] not in ("echo", "printf", "set", "if", "then", "else", "elif", "fi", "for", "do", "done",
                               "while", "mkdir", "cd", "source", ".", "exit"):
             self.commands.append(words)
-
-
-def _closes(body: str) -> bool:
-    """Whether an array's text (after its opening parenthesis) holds the closing one, outside quotes/comments."""
-    try:
-        words = shlex.split(body.replace(")", " ) "), comments=True)
-    except ValueError:
-        return False
-    return ")" in words
 
 
 def split_launch(text: str) -> tuple[list[str], list[str], list[str], str]:
