@@ -13,11 +13,13 @@ it (`harness profile`, then `harness train` and `analysis validate`, 2 ranks bou
 vocabulary, sequence, micro-batch size and count, dp x tp x pp, ZeRO stage, full recompute or none, Adam, no
 flash attention, gated MLP for the LLaMA family. It computes in 16 bits only (its FLOP rates assert it): its
 memory parts are scaled to the jobs' fp32 (weights and activations x2, Adam's 8 bytes a parameter without its 4
-of master weights, gradients at 4 bytes as it counts them). The
-"GPU" is the CPU (1 TFLOPS peak, 20 GB/s memory, 1 GB/s between ranks, 100 us latency); its FLOP efficiency is
-calibrated once, on the first job, so that its time is that job's measured one, and kept for the rest; beside
-it, the peer at its best: the one efficiency that minimises its median error over every job, chosen knowing the
-runs (an upper bound no user has). Memory:
+of master weights, gradients at 4 bytes as it counts them).
+Its "GPU" gets the calibration this project gets, from the same profile of the job: its peak FLOP rate is the
+rate the job's compute reached there (the FLOPs of its compute events over their measured seconds; FLOP
+efficiency 1), its link between ranks the latency and bandwidth fitted to the profile's measured communication
+(the all-reduce's where there is one), and its memory bandwidth a one-core copy measured here. Nothing of the
+runs it is judged against goes in. Beside it, the peer at its best: those rates times the one factor that
+minimises its median error over every job, chosen knowing the runs (an upper bound no user has). Memory:
 its weights + gradients + optimizer state + activations per device against the largest device's peak that the
 run's meter measured, beside this project's memory model against the same device's peak (validate's memory row
 of that stage: what the meter can see). ZeRO jobs on a CPU have no meter (gloo's buffers) and no memory figure.
@@ -31,6 +33,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.accuracy import ROOT, median_of  # noqa: E402
 from bench.generalization import DEFAULT_SEED, DrawnJob, draw_jobs, measure_pair  # noqa: E402
 
-CPU_AS_GPU = {"name": "cpu-2-cores", "mem_per_GPU_in_GB": 24.0, "hbm_bandwidth_in_GB_per_sec": 20.0,
-              "intra_node_bandwidth_in_GB_per_sec": 1.0, "intra_node_min_message_latency": 1e-4,
-              "peak_fp16_TFLOPS": 1.0, "inter_node_bandwidth_in_GB_per_sec": 1.0}
-# Runs in the scratch environment: reads [{"job": ..., "efficiency": ...}] on stdin, prints one result each.
+# the factors on the profile's FLOP rate tried for the peer at its best (evaluated by llm-analysis itself: its
+# memory-bound and communication parts do not scale with the rate)
+BEST_FACTORS = np.exp(np.linspace(np.log(1 / 8), np.log(8), 121))
+# Runs in the scratch environment: reads [{"job": ..., "gpu": ..., "efficiency": ...}] on stdin, prints one result
+# each.
 PEER_SCRIPT = r'''
 import json, sys
 from llm_analysis.analysis import ActivationRecomputation, DSZeRO, LLMAnalysis
@@ -78,13 +82,60 @@ def describe(job: DrawnJob) -> dict:
     m, s = job.spec.model, job.spec.strategy
     return {"name": job.name, "family": "factory" if m.factory else m.family, "layers": m.layers, "heads": m.heads,
             "kv_heads": m.kv_heads or m.heads, "hidden": m.hidden, "ffn": m.ffn, "vocab": m.vocab, "seq": m.seq_len,
-            "micro": job.spec.batch.micro, "micro_batches": job.spec.micro_batches, "global": job.spec.batch.global_size,
+            "micro": job.spec.batch.micro, "micro_batches": job.spec.micro_batches,
+            "global": job.spec.batch.global_size,
             "dp": s.dp, "tp": s.tp, "pp": s.pp, "zero": s.zero, "recompute": s.recompute != "none"}
 
 
-def peer(python: str, jobs: list[dict], efficiency: float) -> list[dict]:
-    """llm-analysis's time and memory of each job at one FLOP efficiency (PEER_SCRIPT in the scratch python)."""
-    tasks = [{"job": job, "efficiency": efficiency, "gpu": CPU_AS_GPU} for job in jobs]
+def copy_bandwidth(megabytes: int = 128, repeats: int = 5) -> float:
+    """Bytes per second one core moves copying an array (read and write counted), the best of `repeats`."""
+    source = np.ones(megabytes * 2**20 // 8)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.nbytes / best
+
+
+def profile_figures(profile_path: Path) -> dict:
+    """What the job's own profile measured, as the prediction uses it: `flops_per_s`, the FLOPs of its compute
+    events over their measured seconds (each counted as often as an iteration runs it); `latency_s` and
+    `bytes_per_s`, the link fitted to its measured communication (its all-reduce's where it has one, intra-node
+    before inter); None where it has none."""
+    from analysis.costs import estimate_costs
+    from analysis.profile_reader import layers_for, load_profile
+    from harness.plan.events import build_plan
+
+    profile = load_profile(profile_path)
+    plan = build_plan(profile.spec, layers_for(profile, profile.spec))
+    costs = estimate_costs(plan, profile)
+    flops = seconds = 0.0
+    for eid, event in plan.events.items():
+        if event.kind == "compute" and event.cost > 0 and costs.events[eid].seconds > 0:
+            flops += event.cost * plan.multiplicity[eid]
+            seconds += costs.events[eid].seconds * plan.multiplicity[eid]
+    links = sorted((f for f in costs.fits.values() if f.points and f.beta_s_per_byte > 0),
+                   key=lambda f: (f.kind != "allreduce", f.placement != "intra"))
+    return {"flops_per_s": flops / seconds if seconds else None,
+            "latency_s": links[0].alpha_s if links else None,
+            "bytes_per_s": 1 / links[0].beta_s_per_byte if links else None}
+
+
+def as_gpu(figures: dict, memory_bytes_per_s: float) -> dict:
+    """llm-analysis's GPUConfig of the profile's figures (a job without communication gets a link it never uses)."""
+    link_gbs = (figures["bytes_per_s"] or memory_bytes_per_s) / 1e9
+    return {"name": "cpu-core-as-profiled", "mem_per_GPU_in_GB": 1e3, "hbm_bandwidth_in_GB_per_sec":
+            memory_bytes_per_s / 1e9, "intra_node_bandwidth_in_GB_per_sec": link_gbs,
+            "inter_node_bandwidth_in_GB_per_sec": link_gbs,
+            "intra_node_min_message_latency": figures["latency_s"] or 0.0,
+            "peak_fp16_TFLOPS": figures["flops_per_s"] / 1e12}
+
+
+def peer(python: str, tasks: list[dict]) -> list[dict]:
+    """llm-analysis's time and memory of each task (a job, its GPU, a FLOP efficiency; PEER_SCRIPT in the scratch
+    python)."""
     done = subprocess.run([python, "-c", PEER_SCRIPT], input=json.dumps(tasks), capture_output=True, text=True,
                           timeout=600)
     if done.returncode != 0:
@@ -110,11 +161,19 @@ def compare(args: argparse.Namespace) -> dict:
         print(f"[job {job.index + 1}/{len(jobs)}] {job.name}: measured {pair['measured_batch_time_s'] * 1e3:.1f} ms, "
               f"predicted {pair['predicted_batch_time_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     described = [describe(job) for job in jobs]
-    first = peer(args.peer_python, described[:1], 1.0)[0]
-    efficiency = min(1.0, first["latency_per_iter_s"] / pairs[0]["measured_batch_time_s"])
-    theirs = peer(args.peer_python, described, efficiency)
+    memory_bytes_per_s = copy_bandwidth()
+    figures = [profile_figures(folder / f"job{job.index + 1:02d}" / "prof") for job in jobs]
+    gpus = [as_gpu(f, memory_bytes_per_s) for f in figures]
+    theirs = peer(args.peer_python, [{"job": j, "gpu": g, "efficiency": 1.0} for j, g in zip(described, gpus)])
+    # the peer at its best: every job's rate times one factor, each factor's predictions by llm-analysis itself
+    scaled = peer(args.peer_python, [{"job": j, "gpu": {**g, "peak_fp16_TFLOPS": g["peak_fp16_TFLOPS"] * k},
+                                      "efficiency": 1.0}
+                                     for k in BEST_FACTORS for j, g in zip(described, gpus)])
+    measured = np.array([p["measured_batch_time_s"] for p in pairs])
+    latencies = np.array([r["latency_per_iter_s"] for r in scaled]).reshape(len(BEST_FACTORS), len(jobs))
+    medians = np.median(np.abs(latencies / measured - 1), axis=1)
     rows = []
-    for job, pair, their in zip(jobs, pairs, theirs):
+    for job, pair, their, gpu in zip(jobs, pairs, theirs, gpus):
         measured, largest = pair["measured_batch_time_s"], largest_device(pair)
         peak = largest["measured_bytes"] if largest else None
         rows.append({"job": job.name, "measured_ms": measured * 1e3,
@@ -124,12 +183,14 @@ def compare(args: argparse.Namespace) -> dict:
                      "ours_memory_error_pct": largest["error_pct"] if largest else None,
                      "peer_memory_error_pct": ((their["memory_per_gpu_bytes"] - peak) / peak * 100.0
                                                if peak else None),
-                     "calibration_job": job.index == 0})
-    held = [r for r in rows if not r["calibration_job"]]
+                     "profile_tflops": gpu["peak_fp16_TFLOPS"],
+                     "profile_link_gbs": gpu["intra_node_bandwidth_in_GB_per_sec"],
+                     "profile_link_latency_us": gpu["intra_node_min_message_latency"] * 1e6})
     metered = [r for r in rows if r["ours_memory_error_pct"] is not None]
-    summary = {"seed": args.seed, "jobs": len(rows), "peer_flops_efficiency": efficiency,
-               "ours_median_abs_error_pct": median_of(abs(r["ours_error_pct"]) for r in held),
-               "peer_median_abs_error_pct": median_of(abs(r["peer_error_pct"]) for r in held),
+    summary = {"seed": args.seed, "jobs": len(rows), "peer_calibration": "profile",
+               "memory_copy_gbs": memory_bytes_per_s / 1e9,
+               "ours_median_abs_error_pct": median_of(abs(r["ours_error_pct"]) for r in rows),
+               "peer_median_abs_error_pct": median_of(abs(r["peer_error_pct"]) for r in rows),
                "memory_jobs": len(metered),
                "memory_ahead_jobs": sum(abs(r["ours_memory_error_pct"]) < abs(r["peer_memory_error_pct"])
                                         for r in metered),
@@ -137,12 +198,8 @@ def compare(args: argparse.Namespace) -> dict:
                "peer_memory_median_abs_error_pct": median_of(abs(r["peer_memory_error_pct"]) for r in metered)}
     summary["goal_met"] = (summary["memory_ahead_jobs"] == len(metered)
                            and summary["ours_median_abs_error_pct"] < summary["peer_median_abs_error_pct"])
-    # the peer at its best: the one efficiency, chosen knowing every run, that minimises its median |error| (its
-    # time is its FLOPs over the efficiency here, so a factor on every prediction): an upper bound on calibration
-    ratios = np.array([1 + r["peer_error_pct"] / 100 for r in rows])
-    factors = np.exp(np.linspace(-8.0, 8.0, 32001))
-    medians = np.median(np.abs(np.outer(factors, ratios) - 1), axis=1)
-    summary["peer_best_flops_efficiency"] = efficiency / float(factors[int(np.argmin(medians))])
+    # an upper bound on any calibration of the peer: the one factor, chosen knowing every run
+    summary["peer_best_rate_factor"] = float(BEST_FACTORS[int(np.argmin(medians))])
     summary["peer_best_median_abs_error_pct"] = float(medians.min()) * 100.0
     return {"summary": summary, "rows": rows}
 
@@ -151,18 +208,18 @@ def report(result: dict) -> str:
     from harness.common.output import format_table
 
     s = result["summary"]
-    lines = [f"time: median |error| over the {s['jobs'] - 1} jobs after the calibration one: this project "
-             f"{s['ours_median_abs_error_pct']:.1f}%, llm-analysis {s['peer_median_abs_error_pct']:.1f}% (its FLOP "
-             f"efficiency {s['peer_flops_efficiency']:.3f}, from job 1); at the one efficiency best for every run, "
-             f"chosen knowing them ({s['peer_best_flops_efficiency']:.3f}), llm-analysis "
-             f"{s['peer_best_median_abs_error_pct']:.1f}% over all {s['jobs']}",
+    lines = [f"time: median |error| over the {s['jobs']} jobs, each calibrated by its own profile: this project "
+             f"{s['ours_median_abs_error_pct']:.1f}%, llm-analysis {s['peer_median_abs_error_pct']:.1f}% (the FLOP "
+             f"rate and link the profile measured, memory {s['memory_copy_gbs']:.1f} GB/s); at the one factor on "
+             f"those rates best for every run, chosen knowing them ({s['peer_best_rate_factor']:.2f}), llm-analysis "
+             f"{s['peer_best_median_abs_error_pct']:.1f}%",
              f"memory: this project closer on {s['memory_ahead_jobs']} of {s['memory_jobs']} metered jobs (at most "
              f"{s['ours_memory_max_abs_error_pct']:.1f}% off; llm-analysis a median "
              f"{s['peer_memory_median_abs_error_pct']:.1f}%); goal {'met' if s['goal_met'] else 'not met'}", ""]
-    rows = [[r["job"] + (" (calibration)" if r["calibration_job"] else ""), r["measured_ms"], r["ours_error_pct"],
+    rows = [[r["job"], r["measured_ms"], r["profile_tflops"] * 1e3, r["profile_link_gbs"], r["ours_error_pct"],
              r["peer_error_pct"], r["ours_memory_error_pct"], r["peer_memory_error_pct"]] for r in result["rows"]]
-    lines.append(format_table(["job", "measured ms", "ours %", "llm-analysis %", "ours memory %",
-                               "llm-analysis memory %"], rows))
+    lines.append(format_table(["job", "measured ms", "profile GFLOP/s", "link GB/s", "ours %", "llm-analysis %",
+                               "ours memory %", "llm-analysis memory %"], rows))
     return "\n".join(lines)
 
 
