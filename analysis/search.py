@@ -248,8 +248,7 @@ class Recommendation:
             bought.append(f"at {_share(-saving)} more memory per device")
         also = f"; also within its noise: {shown}" if others else ""
         return (f"recommended: {chosen.label} - within the noise of the fastest, {fastest.label} (90% intervals "
-                f"overlap; {self._slower(chosen)}), for "
-                f"{', '.join(bought)}{also}")
+                f"overlap; {self._slower(chosen)}), for {', '.join(bought)}{also}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.candidate.label, "fastest": self.fastest.label,
