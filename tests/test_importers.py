@@ -180,6 +180,17 @@ def test_a_slurm_script_with_torchrun_under_srun_reads_every_feature():
     assert imported.unknown == []
 
 
+def test_the_shell_reader_expands_as_bash_would():
+    from harness.plan.importers.megatron import split_launch
+
+    script = ("#SBATCH -N 2\nA=(--x 1) # a comment (with parentheses)\nB=$((2 * 3))\nD=(\n  --w $((B*2)) # (c)\n"
+              "  --v \"a b\"\n)\necho python not_this.py --q 1\nsrun python pretrain_gpt.py ${A[@]} ${D[@]} \\\n"
+              "  --y $B --z ${C:-7} --u=$UNSET")
+    launcher, arguments, sbatch, script_name = split_launch(script)
+    assert (launcher, sbatch, script_name) == (["srun", "python"], ["-N", "2"], "pretrain_gpt.py")
+    assert arguments == ["--x", "1", "--w", "12", "--v", "a b", "--y", "6", "--z", "7", "--u="]
+
+
 def test_mixture_of_experts_arguments_map_to_the_experts():
     imported = from_megatron("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
                              "--vocab-size 32000 --swiglu --normalization RMSNorm --position-embedding-type rope "
