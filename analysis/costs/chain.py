@@ -1,0 +1,86 @@
+"""The cost chain: the sources asked, in order, for each event's duration (`cost_chain`), and `estimate_costs`,
+which costs a plan by asking them (the interface a source implements: source.py)."""
+from __future__ import annotations
+
+from analysis.calibration import device_kind
+from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
+from analysis.costs.interpolated import InterpolatedSource, comm_curves
+from analysis.costs.measured import MeasuredSource, check_compute_measured, rank_speed_factors
+from analysis.costs.network_source import NetworkSource, network_for, what_if_network
+from analysis.costs.records import Costs, EventCost
+from analysis.costs.samples import CommPoints, check_statistic, comm_points
+from analysis.costs.source import CostSource
+from analysis.network import NetworkModel
+from analysis.profile_reader import Profile
+from analysis.skew import machine_drift
+from harness.plan.events import Event, EventPlan
+
+
+class UnmeasuredLedger(CostSource):
+    """Answers nothing: notes each event that reaches it, past every source of measurements, in
+    costs.unmeasured with the profile's reason for lacking it."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+
+    def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
+        reason = self.profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
+        costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
+        return None
+
+
+def cost_chain(plan: EventPlan, profile: Profile, costs: Costs, network_only: bool = False) -> list[CostSource]:
+    """The sources, in the order they are asked: the what-if network (`network_only`: every communication
+    event), the profile's measurements, interpolation between measured sizes, then, past the measurements, the
+    network model (costs.network), the nearest alpha-beta fit, and 0 with a warning.
+
+    A device model (compute durations from the device's figures rather than the profile's) plugs in here as one
+    more CostSource: after MeasuredSource to cost the compute events the profile lacks (check_compute_measured
+    then lists only those it cannot cost either), or first to cost every compute event on a what-if device."""
+    network = costs.network
+    what_if = [NetworkSource(plan, network, what_if=True)] if network_only and network is not None else []
+    modelled = [NetworkSource(plan, network)] if network is not None else []
+    return [*what_if, MeasuredSource(plan, profile), InterpolatedSource(costs.curves), UnmeasuredLedger(profile),
+            *modelled, FitSource(costs.fits), UnavailableSource(profile)]
+
+
+def first_answer(chain: list[CostSource], eid: str, event: Event, costs: Costs) -> EventCost:
+    """The cost of the first source in `chain` that answers for the event."""
+    for source in chain:
+        cost = source.cost(eid, event, costs)
+        if cost is not None:
+            return cost
+    raise ValueError(f"no source in the cost chain answers for {event.kind} event {eid} ({event.name})")
+
+
+def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", compute_stat: str = "mean",
+                   rank_speed: bool = True, extra_points: CommPoints | None = None,
+                   network: NetworkModel | None = None, network_only: bool = False,
+                   what_if: str | None = None) -> Costs:
+    """The duration of every event of `plan` from `profile`, by the cost chain (rules: docs/analysis.md,
+    "Where durations come from").
+
+    Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
+    is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
+    `rank_speed`: refer each compute event to the profiling ranks' mean speed (where the profile has the probe).
+    `extra_points`: more communication points (a collective benchmark's), interpolated and fitted with the
+    profile's. `network`: the network model beyond the measured curves (default: network_for's); with
+    `network_only` (a what-if network) every communication event comes from it. `what_if`: --network's text
+    (what_if_network), which sets both.
+    """
+    check_statistic(compute_stat)
+    check_compute_measured(plan, profile, spec_hint)
+    points = comm_points(profile, extra_points)
+    fits = comm_fits(points)
+    if what_if:
+        network, network_only = what_if_network(plan.spec, profile, what_if, points, fits), True
+    network = network or network_for(plan.spec, profile, points, fits)
+    costs = Costs(events={}, fits=fits, curves=comm_curves(points), compute_stat=compute_stat,
+                  rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network,
+                  machine_drift=machine_drift(profile), device=device_kind(profile.environment))
+    chain = cost_chain(plan, profile, costs, network_only)
+    for eid, event in plan.events.items():
+        costs.events[eid] = first_answer(chain, eid, event, costs)
+    for source in chain:
+        source.finish(costs)
+    return costs

@@ -1,0 +1,98 @@
+"""What the timeline adds beside an event's duration, from the profile's measurements (else from a measured
+neighbour): a P2P's extra time while its sender computes (`sender_busy_extra`) and its post (`send_post`), a
+gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`), and how far the slowest data-parallel
+replica lags (analysis.skew). Rules and reasons: docs/analysis.md, "Where durations come from"."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from analysis.costs.records import Costs
+from analysis.costs.samples import compute_statistic, representative_seconds
+from analysis.profile_reader import Profile
+from analysis.skew import replica_skew
+from harness.plan.events import INTER, EventPlan
+from harness.store.hdf5_schema import DIVIDE_SERIES, ZERO_SERIES
+
+
+def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """Fill every table below for the plan's events; with data-parallel replicas, the bucket passes and the
+    replica skew too (each with a warning where the profile lacks them)."""
+    sender_busy_extras(plan, profile, costs)
+    send_posts(plan, profile, costs)
+    if plan.spec.strategy.gradient_replicas > 1:
+        bucket_passes(plan, profile, costs)
+        costs.replica_skew = replica_skew(profile)
+        if costs.replica_skew is None:
+            costs.warnings.append(
+                f"{profile.path.name} does not show how its ranks' speeds differ (no compute sample times from "
+                "two ranks at the same moments: a profile written before they were recorded, one rank, or too "
+                "few repeats), so the prediction has no wait for the slowest data-parallel replica; profile "
+                "again on 2 or more ranks with more repeats to include it")
+
+
+def sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """costs.sender_busy_extra for the plan's P2P events: the mean excess of its samples taken with the sender
+    computing over its own time, else the largest such excess measured at its placement."""
+    by_placement: dict[str, float] = {}
+    measured_extra: dict[str, float] = {}
+    for eid, m in profile.measurements.items():
+        if m.kind != "p2p" or not m.count or m.sender_busy_samples_s.size == 0:
+            continue
+        extra = max(0.0, float(m.sender_busy_samples_s.mean()) - representative_seconds(m))
+        measured_extra[eid] = extra
+        by_placement[m.placement] = max(extra, by_placement.get(m.placement, 0.0))
+    for eid, event in plan.events.items():
+        if event.kind != "p2p":
+            continue
+        extra = measured_extra.get(eid, by_placement.get(event.placement or INTER))
+        if extra:
+            costs.sender_busy_extra[eid] = extra
+
+
+def send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """costs.send_post for the plan's P2P events: the median of its measured posts, else that of the measured
+    P2P at its placement nearest in size (on a log scale)."""
+    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, median post
+    for eid, m in profile.measurements.items():
+        posts = m.send_post_samples_s if m.kind == "p2p" and m.count else np.empty(0)
+        posts = posts[np.isfinite(posts)]
+        if posts.size:
+            measured[eid] = (m.placement, m.bytes, float(np.median(posts)))
+    for eid, event in plan.events.items():
+        if event.kind != "p2p":
+            continue
+        if eid in measured:
+            costs.send_post[eid] = measured[eid][2]
+            continue
+        placement = event.placement or INTER
+        peers = [(abs(math.log(max(nbytes, 1) / max(event.bytes, 1))), post)
+                 for p, nbytes, post in measured.values() if p == placement]
+        if peers:
+            costs.send_post[eid] = min(peers)[1]
+
+
+def bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """costs.bucket_divide and costs.bucket_zero for the plan's gradient-bucket all-reduces: the compute
+    statistic of the bucket's own samples, else the rate (seconds per byte) of the largest all-reduce that has
+    them; a warning where no all-reduce has them."""
+    passes = ((DIVIDE_SERIES, costs.bucket_divide, "averaging (the division by the replica count)"),
+              (ZERO_SERIES, costs.bucket_zero, "zeroing after the optimizer step"))
+    for series, target, what in passes:
+        measured = {eid: compute_statistic(costs.compute_stat, float(samples.mean()), float(np.median(samples)))
+                    for eid, m in profile.measurements.items()
+                    if m.kind == "allreduce" and m.count and (samples := m.series[series]).size}
+        rated = [(profile.measurements[eid].bytes, seconds) for eid, seconds in measured.items()
+                 if profile.measurements[eid].bytes > 0]
+        largest_bytes, largest_s = max(rated, default=(0, 0.0))
+        for program in plan.stages:
+            for bucket in program.buckets:
+                if bucket.event in measured:
+                    target[bucket.event] = measured[bucket.event]
+                elif largest_bytes:
+                    target[bucket.event] = largest_s / largest_bytes * plan.events[bucket.event].bytes
+        if not target and any(program.buckets for program in plan.stages):
+            costs.warnings.append(
+                f"{profile.path.name} has no all-reduce with `{series}` (written before they were measured), so "
+                f"the prediction leaves out each gradient bucket's {what}; profile again to include it")

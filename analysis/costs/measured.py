@@ -1,0 +1,135 @@
+"""The first source of durations: the profile's own measurements of an event (`MeasuredSource`), by the statistic
+that stands for its kind (samples.statistic_of), compute referred to the profiling ranks' mean speed; and the
+error that lists the compute events a profile lacks."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from analysis.costs.corrections import apply_corrections
+from analysis.costs.records import MEASURED, Costs, EventCost, SampleSet
+from analysis.costs.samples import compute_statistic, representative_seconds, statistic_of
+from analysis.costs.source import CostSource
+from analysis.profile_reader import MeasuredEvent, Profile
+from harness.common.errors import UserError
+from harness.plan.events import Event, EventPlan, composite_content, event_id
+from harness.store.hdf5_schema import BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
+
+
+class MissingComputeError(UserError):
+    """The profile lacks compute events that the plan needs; lists them and the command that profiles them."""
+
+    def __init__(self, plan: EventPlan, missing: Sequence[str], ranks: int, spec_hint: str):
+        self.missing = list(missing)
+        s = plan.spec.strategy
+        extra = (",sp=true" if s.sp else "") + (f",cp={s.cp}" if s.cp > 1 else "")
+        lines = [f"the profile lacks {len(missing)} compute event(s) that {plan.spec.model.name} with "
+                 f"dp={s.dp},tp={s.tp},pp={s.pp}{extra},micro={plan.spec.batch.micro} needs:"]
+        for eid in missing:
+            event = plan.events[eid]
+            content = event.content
+            signature = dict(content.get("signature", {}))
+            detail = [f"{k} {content[k]}" for k in ("micro", "seq") if k in content]
+            detail += [f"tp {signature['tp']}"] if "tp" in signature else []
+            lines.append(f"  {eid}  {event.name}" + (f"  ({', '.join(detail)})" if detail else ""))
+        lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR")
+        if spec_hint == "SPEC":
+            lines.append(f"  (SPEC: a job spec with this model and strategy: dp = {s.dp}, tp = {s.tp}, pp = {s.pp}, "
+                         + ("sp = true, " if s.sp else "") + (f"cp = {s.cp}, " if s.cp > 1 else "")
+                         + f"micro = {plan.spec.batch.micro})")
+        super().__init__("\n".join(lines))
+
+
+def is_measured(profile: Profile, eid: str) -> bool:
+    measurement = profile.measurements.get(eid)
+    return measurement is not None and measurement.count > 0
+
+
+def check_compute_measured(plan: EventPlan, profile: Profile, spec_hint: str) -> None:
+    """MissingComputeError listing the plan's compute events the profile lacks (`spec_hint`: the spec path its
+    command to profile them shows)."""
+    missing = sorted((eid for eid, e in plan.events.items() if e.kind == "compute" and not is_measured(profile, eid)),
+                     key=lambda eid: plan.events[eid].name)
+    if missing:
+        raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
+
+
+def rank_speed_factors(profile: Profile) -> dict[str, list[float]]:
+    """Per compute phase, each profiling rank's speed-probe median over the ranks' mean (1.1: that rank took
+    10% longer than the ranks' mean); phases with fewer than two usable ranks are left out, and a rank
+    without a usable probe gets 1."""
+    speeds = profile.environment.get(RANK_SPEED_PROBE_ENV)
+    if not isinstance(speeds, dict):
+        return {}
+    out = {}
+    for key, medians in speeds.items():
+        if not isinstance(medians, list):
+            continue
+        values = [float(v) if isinstance(v, (int, float)) and np.isfinite(v) and v > 0 else None for v in medians]
+        usable = [v for v in values if v is not None]
+        if len(usable) < 2:
+            continue
+        mean = sum(usable) / len(usable)
+        out[str(key)] = [v / mean if v is not None else 1.0 for v in values]
+    return out
+
+
+def rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]]) -> float | None:
+    """The speed factor of the rank that took a compute measurement: 1 where its rank had no usable probe,
+    None where its profiling run has no probe in the profile at all."""
+    phase = measurement.attrs.get(COMPUTE_PHASE_ATTR)
+    per_rank = factors.get(compute_phase_key(phase)) if phase is not None else None
+    if per_rank is None or not measurement.ranks:
+        return None
+    rank = measurement.ranks[0]
+    return per_rank[rank] if 0 <= rank < len(per_rank) else 1.0
+
+
+class MeasuredSource(CostSource):
+    """An event the profile measured: its samples' statistic (a compute event's divided by its measuring rank's
+    speed factor, unless it is also measured as a composite), with its samples for the interval, and a GPU
+    compute event's host issue time and a backward's call overhead. Afterwards: the composites (tensor-parallel
+    layers measured with their all-reduces) and the corrections (corrections.py)."""
+
+    def __init__(self, plan: EventPlan, profile: Profile):
+        self.plan, self.profile = plan, profile
+        self.composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
+                           and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
+                           and m.count}
+        self.uncorrected: list[str] = []  # compute events of a profiling run without a probe, where others have one
+
+    def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
+        if not is_measured(self.profile, eid):
+            return None
+        measurement = self.profile.measurements[eid]
+        compute_stat = costs.compute_stat
+        seconds = representative_seconds(measurement, compute_stat)
+        factor = 1.0
+        if event.kind == "compute" and costs.rank_speed and eid not in self.composites:
+            factor = rank_factor(measurement, costs.rank_speed)
+            if factor is None:
+                self.uncorrected.append(event.name)
+                factor = 1.0
+        costs.sampled["events"][eid] = SampleSet(measurement.samples_s / factor, statistic_of(event.kind, compute_stat))
+        host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
+        if host.size:
+            costs.host_issue[eid] = compute_statistic(compute_stat, float(host.mean()), float(np.median(host)))
+            costs.sampled["host_issue"][eid] = SampleSet(host, compute_stat)
+        call = measurement.attrs.get(BACKWARD_CALL_ATTR) if event.kind == "compute" else None
+        if call is not None and np.isfinite(call):
+            costs.backward_call[eid] = float(call) / factor
+        return EventCost(eid, event.name, event.kind, seconds / factor, MEASURED)
+
+    def finish(self, costs: Costs) -> None:
+        if self.uncorrected:
+            costs.warnings.append(
+                f"{len(self.uncorrected)} compute event(s) ({', '.join(sorted(set(self.uncorrected)))}) come from a "
+                f"profiling run whose ranks' speeds {self.profile.path.name} cannot compare (it stopped before all "
+                "its ranks had written their speed probe, or fewer than two of its ranks measured compute), so they "
+                "keep their rank's speed while the others stand for the ranks' mean; profile again with --force to "
+                "measure them alike")
+        apply_corrections(self.plan, self.profile, costs)
+        for eid, composite in self.composites.items():
+            costs.composites[eid] = representative_seconds(composite, costs.compute_stat)
+            costs.sampled["composites"][eid] = SampleSet(composite.samples_s, costs.compute_stat)
