@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.commands.cli import main as harness_main
+from harness.common.errors import SpecError
 from harness.plan.events import build_plan
 from harness.plan.importers.hf import from_hf
 from harness.plan.importers.megatron import from_megatron
@@ -120,6 +121,17 @@ def test_gpt2s_vocabulary_at_tp_8_is_padded_to_51200_and_its_rows_are_costed():
     assert loads_spec(_gpt2_medium(1)).model.vocab == 50_257 and vocab_padding_note(loads_spec(_gpt2_medium(1))) is None
     assert loads_spec(_gpt2_medium(1, "vocab_divisible_by = 128\n")).model.vocab == 50_304
     assert loads_spec(_gpt2_medium(2, "vocab_divisible_by = 1\n")).model.vocab == 50_258
+
+
+def test_a_family_as_the_name_needs_every_size_and_a_factory_no_vocabulary_divisor():
+    with pytest.raises(SpecError, match=r"\[model.layers\] is required"):
+        parse_spec(_one_gpu({"name": "llama", "hidden": 64, "heads": 4, "ffn": 128, "seq_len": 16, "vocab": 100}))
+    family = parse_spec(_one_gpu({"name": "bert", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "seq_len": 16,
+                                  "vocab": 100})).model
+    assert (family.name, family.family, family.kv_heads) == ("bert", "bert", 4)
+    with pytest.raises(SpecError, match=r"\[model.vocab_divisible_by\] a factory model sizes its own vocabulary"):
+        parse_spec(_one_gpu({"factory": "tests.user_model:build", "layers": 3, "seq_len": 16, "vocab": 100,
+                             "vocab_divisible_by": 128}), import_factory=False)
 
 
 def test_the_torch_layers_are_built_at_the_padded_vocabulary():
