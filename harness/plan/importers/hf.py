@@ -37,7 +37,6 @@ _NOT_MODELLED = {
     "num_nextn_predict_layers": "multi-token prediction modules",
     "n_group": "node-limited (grouped) routing",
     "rope_scaling": "scaled rotary positions (no cost of its own)",
-    "type_vocab_size": None,  # BERT's token types: built (two rows)
 }
 _DROPOUT = ("attn_pdrop", "embd_pdrop", "resid_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
             "attention_dropout")
@@ -102,9 +101,13 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
         model["dtype"] = dtype
     _experts(config, model, path, result)
     for name, what in _NOT_MODELLED.items():
-        if what and config.get(name) not in (None, False, 0) and not (
+        if config.get(name) not in (None, False, 0) and not (
                 name == "sliding_window" and config.get("use_sliding_window") is False):
             result.not_modelled.append(f"{name} {config[name]}: {what}")
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim != model["hidden"] // model["heads"]:
+        result.not_modelled.append(f"head_dim {head_dim}: heads of other than hidden / heads = "
+                                   f"{model['hidden'] // model['heads']} (that size here)")
     dropout = {name: config[name] for name in _DROPOUT if config.get(name)}
     if dropout:
         result.not_modelled.append("dropout (" + ", ".join(f"{name} {value}" for name, value in dropout.items()) + ")")
