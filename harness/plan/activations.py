@@ -1,0 +1,310 @@
+"""Saved activations from formulas: the bytes each built-in layer's forward saves for its backward, what a split
+backward's input step keeps for its weight step, and what it lets go of as a stage's last layer, from the layer's
+description and the job's spec alone (no profile, no torch), so that a model nobody ran is sized (docs/analysis.md,
+"Memory", "Activations from formulas").
+
+The figures are Korthikanti et al. (2022)'s per-layer accounting specialised to what harness.models' torch layers
+save, term by term (`layer_terms`), as harness.profile.memory meters them (every distinct storage once; weights
+not counted): per tensor-parallel shard, micro-batch b, a context-parallel rank's s tokens (seq / cp), T = b s,
+T' = T / tp with sequence parallelism (else T), hidden h, dtype bytes d, a = heads / tp and kv = kv_heads / tp of
+head size hd, F = ffn / tp, V = vocab / tp split by vocabulary (else vocab), acc = 4 (float32 accumulation):
+- transformer block: its two norms' inputs (LayerNorm: T' h d each and mean and rstd, 2 T' d; LLaMA's RMSNorm:
+  its input cast to float32 twice, once where d = 4, its normalised output in d and its rsqrt, T' x 4), the
+  attention's and the MLP's inputs (T' h d each: a sequence-parallel column linear saves the shard), q, k and v
+  as the attention kernel holds them (GPT-2 and BERT: views of the fused QKV output, T (a + 2 kv) hd d; LLaMA: the
+  rotated queries and keys and, with grouped-query attention, the keys and values repeated to a heads, 3 T a hd d,
+  else the rotated pair and the QKV output; its rotary cos and sin, 2 s hd d), a logsumexp per query row
+  (b a s x acc: torch's scaled_dot_product_attention keeps no s x s matrix on a CPU nor with the flash or
+  memory-efficient kernels), the attention's output (T a hd d), copied again for the projection where the kernel
+  returns it head-major (LLaMA's contiguous rotated queries; the ring's output), the MLP's hidden (GELU: its input
+  and output, 2 T F d; SwiGLU: the fused gate-and-up output, the SiLU and the product, 4 T F d); context parallelism
+  by all-gather adds the gathered keys and values (2 cp T a hd d in place of k and v) and, causal, the
+  float mask (s x cp s x d);
+- Mixture-of-Experts block (tp = 1): the attention as above, and in place of the MLP the gate's float32 input
+  (T h acc; with d < acc also the gate weight's float32 copy, E h acc, and with shared experts the norm's output
+  in d), the router's probabilities (T E acc), for the A routed (token, expert) pairs of a rank's tokens their
+  indices (2 A x 8) and weights (3 A acc), the R rows its experts compute (R h d and per row 2 or 4 x expert_ffn d
+  as the MLP's), the combine's float32 rows and their weighted product (2 A h acc), and the shared experts'
+  MLP; with ep > 1 the rows' regrouping indices (2 R x 8);
+- embedding: the token ids (T x 8; split by vocabulary, the shard's masked ids and the mask, T x 9), GPT-2's and
+  BERT's position indices (s x 8), BERT's LayerNorm's input and statistics;
+- head with the loss: the norm's input and statistics (BERT: its transform's input, output and GELU output
+  before them) on T' tokens, the projection's input on T (gathered), the loss's float32 log-probabilities (split
+  by vocabulary: its softmax shard) T V x 4, its int64 targets T x 8, and a float32 scalar (split: a T-byte mask).
+Options the layers do not run today (Korthikanti's older Megatron): `attention = "materialized"` keeps the softmax
+output (b a s s_k d, s_k the keys' cp s) in place of the logsumexp, with the output copied once; `dropout > 0` adds
+the hidden dropouts' 1-byte masks (2 T' h per block, T' h after the embedding) and, materialised, the attention
+dropout's mask and output (b a s s_k (1 + d)).
+LayerNorm statistics are counted in d, as on a CPU (CUDA's are float32: 2 T' bytes more a norm).
+A factory model's layers have no formula: they are left to the profile.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from harness.common.errors import UserError
+from harness.plan.events import EventPlan
+from harness.plan.layers import LayerDesc, input_bytes, moe_load, recomputed
+from harness.plan.spec import JobSpec
+
+ATTENTION_KINDS = ("flash", "materialized")
+INDEX_BYTES = 8  # int64 token ids, targets, positions and routing indices
+MASK_BYTES = 1  # a bool or uint8 mask element
+ACC_BYTES = 4  # float32: the norms' and the router's accumulation, the loss, the attention's logsumexp
+# the terms a split backward's input step lets go of as a stage's last layer (kept_for_weights' `released`)
+LOSS_TERMS = ("loss log-probabilities", "loss targets", "loss scalar")
+COMBINE_TERMS = ("routing indices", "routing weights", "combine rows")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one layer's formulas read: its description's signature and the event's micro-batch and tokens."""
+
+    kind: str
+    family: str
+    micro: int
+    seq: int  # a context-parallel rank's tokens of a sample
+    hidden: int
+    dtype_bytes: int
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_comm: str = "ring"
+    heads: int = 0  # this shard's
+    kv_heads: int = 0
+    head_dim: int = 0
+    ffn: int = 0  # this shard's
+    vocab: int = 0  # this shard's (split by vocabulary) or the whole padded vocabulary
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * self.seq
+
+    @property
+    def shard_tokens(self) -> int:
+        """The tokens between the tensor-parallel regions: a sequence shard with sp."""
+        return self.tokens // self.tp if self.sp else self.tokens
+
+
+def sizes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int) -> Sizes:
+    """The sizes of built-in `layer` for `micro` samples of `seq` tokens (a context-parallel rank's)."""
+    if layer.kind not in ("embedding", "block", "head"):
+        raise UserError(f"layer {layer.index} is a factory model's ({layer.kind!r}): its saved activations have no "
+                        "formula; profile the model (harness profile) to measure them")
+    model, sig = spec.model, dict(layer.signature)
+    tp = int(sig.get("tp", 1))
+    common = dict(kind=layer.kind, family=model.family, micro=micro, seq=seq, hidden=model.hidden,
+                  dtype_bytes=model.dtype_bytes, tp=tp, sp=bool(sig.get("sp", False)), cp=int(sig.get("cp", 1)),
+                  cp_comm=str(sig.get("cp_comm", "ring")))
+    if layer.kind == "block":
+        return Sizes(**common, heads=model.heads // tp, kv_heads=model.kv_heads // tp,
+                     head_dim=model.hidden // model.heads, ffn=model.ffn // tp)
+    return Sizes(**common, vocab=model.vocab // tp)
+
+
+def _norm(family: str, tokens: int, hidden: int, d: int) -> tuple[int, int]:
+    """(what a norm saves beside its statistics, its statistics) on `tokens` tokens: LayerNorm its input and its
+    mean and rstd; RMSNorm (harness.models.transformer) its input cast to float32 for the square and again for the
+    product (the input itself where d = 4), the normalised product in d before the weight, and its float32 rsqrt."""
+    if family != "llama":
+        return tokens * hidden * d, 2 * tokens * d
+    casts = 1 if d == ACC_BYTES else 2
+    return tokens * hidden * (casts * ACC_BYTES + d), tokens * ACC_BYTES
+
+
+def _attention(z: Sizes, attention: str, dropout: float) -> dict[str, int]:
+    """The attention's terms from its QKV output to its projection's input."""
+    b, s, t, d, a, kv, hd = z.micro, z.seq, z.tokens, z.dtype_bytes, z.heads, z.kv_heads, z.head_dim
+    keys = s * z.cp  # every query attends to the whole sequence's keys
+    gathered = z.cp > 1 and z.cp_comm == "allgather"
+    out: dict[str, int] = {}
+    if z.family == "llama":
+        out["rotary"] = 2 * s * hd * d  # cos and sin (s x hd / 2 each) for the queries and again for the keys
+        queries = t * a * hd * d  # rotated: a tensor of its own
+        if gathered:
+            kv_bytes = 0  # the keys and values are saved gathered
+        elif kv != a:  # grouped-query: the keys and values repeated to the query heads
+            kv_bytes = 2 * t * a * hd * d
+        else:  # the rotated keys, and the values as a view of the QKV output
+            kv_bytes = t * kv * hd * d + t * (a + 2 * kv) * hd * d
+        out["qkv"] = queries + kv_bytes
+    else:  # q, k and v are views of the fused QKV output
+        out["qkv"] = t * (a + 2 * kv) * hd * d
+    if gathered:
+        out["gathered keys and values"] = 2 * z.cp * t * a * hd * d
+    if attention == "materialized":
+        out["attention softmax"] = b * a * s * keys * d
+        if dropout > 0:
+            out["attention dropout"] = b * a * s * keys * (MASK_BYTES + d)
+        out["attention output"] = t * a * hd * d
+        return out
+    out["attention logsumexp"] = b * a * s * ACC_BYTES
+    if gathered and z.family != "bert":  # causal: the zigzag positions' mask, as the attention's dtype
+        out["attention mask"] = s * keys * d
+    # the kernel's output follows the queries' layout: head-major (contiguous rotated queries, the ring's
+    # output) it is copied into the projection's token-major input
+    copied = (z.cp > 1 and not gathered) or z.family == "llama"
+    out["attention output"] = t * a * hd * d * (2 if copied else 1)
+    return out
+
+
+def _moe(spec: JobSpec, layer: LayerDesc, z: Sizes) -> tuple[dict[str, int], dict[str, int]]:
+    """A Mixture-of-Experts MLP's (harness.models.moe) saved terms and the gradients its input step keeps."""
+    model, sig = spec.model, dict(layer.signature)
+    t, h, d, acc = z.tokens, z.hidden, z.dtype_bytes, max(ACC_BYTES, z.dtype_bytes)
+    ep, experts = int(sig.get("ep", 1)), model.experts
+    counts, _ = moe_load(model, ep, t, int(sig.get("moe_layer", 0)))
+    routed = sum(counts)  # (token, expert) pairs of this rank's tokens
+    rows = sum(int(c) for c in str(sig["received"]).strip("()").split(",") if c.strip())  # its experts compute
+    per_row = 4 if model.family == "llama" else 2  # SwiGLU: gate-and-up, SiLU, product; GELU: input, output
+    shared_ffn = model.shared_experts * model.expert_ffn
+    saved = {"mlp input": t * h * acc + (experts * h * acc if d < acc else 0)
+             + (t * h * d if shared_ffn and d < acc else 0),
+             "router probabilities": t * experts * acc,
+             "routing indices": 2 * routed * INDEX_BYTES,
+             "routing weights": 3 * routed * acc,
+             "expert rows": rows * h * d,
+             "mlp": per_row * rows * model.expert_ffn * d + per_row * t * shared_ffn * d,
+             "combine rows": 2 * routed * h * acc}
+    if ep > 1:  # the received rows' regrouping by expert and its inverse
+        saved["regroup indices"] = 2 * rows * INDEX_BYTES
+    hidden_grads = 2 if model.family == "llama" else 1
+    kept = {"router gradient": t * experts * acc,
+            "mlp gradients": rows * (hidden_grads * model.expert_ffn + h) * d
+            + (t * (hidden_grads * shared_ffn + h) * d if shared_ffn else 0)}
+    return saved, kept
+
+
+def _block(spec: JobSpec, layer: LayerDesc, z: Sizes, attention: str, dropout: float) -> tuple[dict, dict]:
+    t, ts, h, d = z.tokens, z.shard_tokens, z.hidden, z.dtype_bytes
+    inputs, statistics = _norm(z.family, ts, h, d)
+    saved = {"norm inputs": 2 * inputs, "norm statistics": 2 * statistics, "attention input": ts * h * d,
+             **_attention(z, attention, dropout)}
+    qkv_out = t * (z.heads + 2 * z.kv_heads) * z.head_dim * d
+    kept = {"norm gradients": 2 * ts * h * d, "qkv gradient": qkv_out, "projection gradient": t * h * d}
+    if "experts" in dict(layer.signature):
+        moe_saved, moe_kept = _moe(spec, layer, z)
+        saved.update(moe_saved)
+        kept.update(moe_kept)
+    else:
+        saved["mlp input"] = ts * h * d
+        saved["mlp"] = (4 if z.family == "llama" else 2) * t * z.ffn * d
+        kept["mlp gradients"] = ((2 if z.family == "llama" else 1) * z.ffn + h) * t * d
+    if z.sp and z.family != "llama":  # the row-parallel biases' gradients on the shard, beside the partial sums'
+        kept["bias gradients"] = 2 * ts * h * d
+    if dropout > 0:
+        saved["dropout masks"] = 2 * ts * h * MASK_BYTES
+    return saved, kept
+
+
+def _embedding(z: Sizes, dropout: float) -> dict[str, int]:
+    t, ts, h, d = z.tokens, z.shard_tokens, z.hidden, z.dtype_bytes
+    split = z.tp > 1
+    out = {"token ids": t * (INDEX_BYTES + (MASK_BYTES if split else 0))}
+    if z.family != "llama":
+        out["position ids"] = z.seq * INDEX_BYTES  # the rank's positions buffer, whole
+    if z.family == "bert":
+        out["norm inputs"], out["norm statistics"] = _norm(z.family, ts, h, d)
+    if dropout > 0:
+        out["dropout masks"] = ts * h * MASK_BYTES
+    return out
+
+
+def _head(z: Sizes) -> tuple[dict[str, int], dict[str, int]]:
+    t, ts, h, d = z.tokens, z.shard_tokens, z.hidden, z.dtype_bytes
+    inputs, statistics = _norm(z.family, ts, h, d)
+    saved = {"norm inputs": inputs, "norm statistics": statistics}
+    kept = {"norm gradients": ts * h * d, "logits gradient": t * z.vocab * d}
+    if z.family == "bert":  # the transform's input, its output and its GELU's (the norm's input, counted above)
+        saved["transform"] = 2 * ts * h * d
+        kept["norm gradients"] += ts * h * d
+    split = z.tp > 1
+    saved.update({"projection input": t * h * d, "loss log-probabilities": t * z.vocab * ACC_BYTES,
+                  "loss targets": t * INDEX_BYTES, "loss scalar": t * MASK_BYTES if split else ACC_BYTES})
+    return saved, kept
+
+
+def layer_terms(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, *, attention: str = "flash",
+                dropout: float = 0.0) -> dict[str, int]:
+    """What one forward of built-in `layer` saves for its backward (module docstring), by term, for `micro`
+    samples of `seq` tokens (a context-parallel rank's); a head's with its loss."""
+    return _terms(spec, layer, micro, seq, attention, dropout)[0]
+
+
+def _terms(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, attention: str,
+           dropout: float) -> tuple[dict[str, int], dict[str, int]]:
+    if attention not in ATTENTION_KINDS:
+        raise UserError(f"attention = {attention!r} is not one of {ATTENTION_KINDS}")
+    if not 0.0 <= dropout < 1.0:
+        raise UserError(f"dropout = {dropout!r} is not a probability in [0, 1)")
+    z = sizes(spec, layer, micro, seq)
+    if z.kind == "embedding":
+        return _embedding(z, dropout), {}
+    if z.kind == "head":
+        return _head(z)
+    return _block(spec, layer, z, attention, dropout)
+
+
+def saved_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **options) -> int:
+    """The sum of `layer_terms`: the bytes one forward saves (what harness.profile.memory.activation_bytes
+    measures)."""
+    return sum(layer_terms(spec, layer, micro, seq, **options).values())
+
+
+def kept_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int) -> int:
+    """What a split backward's input step keeps for the weight step: the gradients at the outputs of the
+    operations that hold weights (the norms', the linears', the router's; an embedding's: none)."""
+    return sum(_terms(spec, layer, micro, seq, "flash", 0.0)[1].values())
+
+
+def released_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **options) -> int:
+    """What a split backward's input step lets go of as a stage's last layer: all an embedding saved, a head's
+    loss's, a Mixture-of-Experts block's combine's (its routing pairs' indices, weights and rows), a dense
+    block's nothing."""
+    terms = layer_terms(spec, layer, micro, seq, **options)
+    if layer.kind == "embedding":
+        return sum(terms.values())
+    return sum(terms.get(name, 0) for name in LOSS_TERMS + COMBINE_TERMS)
+
+
+def held_bytes(spec: JobSpec, layers: list[LayerDesc], index: int, micro: int, seq: int, **options) -> int:
+    """What layer `index` holds from its forward to its backward: with recompute = "full" a recomputed layer
+    (harness.plan.layers.recomputed) its input alone (`seq` the spec's own), else what its forward saves."""
+    if spec.strategy.recompute == "full" and recomputed(layers[index]):
+        return input_bytes(spec, layers, index)
+    return saved_bytes(spec, layers[index], micro, seq, **options)
+
+
+def _compute_events(plan: EventPlan, phase: str) -> Iterator[tuple[str, LayerDesc, dict]]:
+    """(event id, layer, content) of every built-in layer's compute event of `phase` in the plan, once each."""
+    seen = set()
+    for program in plan.stages:
+        pairs = list(zip(program.forward, program.forward_layers)) + list(zip(program.backward,
+                                                                                program.backward_layers))
+        for eid, index in pairs:
+            content = plan.events[eid].content
+            if index < 0 or eid in seen or content.get("phase") != phase or plan.layers[index].kind == "user":
+                continue
+            seen.add(eid)
+            yield eid, plan.layers[index], content
+
+
+def formula_activation_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float = 0.0) -> dict[str, int]:
+    """Forward event id -> the bytes its forward saves (`saved_bytes`; a recomputed layer's whole, as a profile
+    measures it: analysis.memory applies recompute itself), and input-gradient event id (bwd_input) -> what it
+    keeps for the weight step (`kept_bytes`), keyed as analysis.memory.activation_bytes(profile); a factory
+    model's events are absent."""
+    out = {eid: saved_bytes(plan.spec, layer, content["micro"], content["seq"], attention=attention,
+                            dropout=dropout)
+           for eid, layer, content in _compute_events(plan, "fwd")}
+    out.update({eid: kept_bytes(plan.spec, layer, content["micro"], content["seq"])
+                for eid, layer, content in _compute_events(plan, "bwd_input")})
+    return out
+
+
+def formula_released_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float = 0.0) -> dict[str, int]:
+    """Input-gradient event id (bwd_input) -> `released_bytes`, keyed as analysis.memory.released_bytes(profile)."""
+    return {eid: released_bytes(plan.spec, layer, content["micro"], content["seq"], attention=attention,
+                                dropout=dropout)
+            for eid, layer, content in _compute_events(plan, "bwd_input")}
