@@ -171,9 +171,10 @@ def test_the_formulas_are_keyed_as_the_profile_is():
 
 # ---- against the meter --------------------------------------------------------------------------------------
 
-def _metered(spec) -> list[tuple[str, int, int]]:
-    """(event, formula, meter) for every forward (saved) and input-gradient event (kept, released) of the plan,
-    each layer built and run as profiling does (harness.profile.compute)."""
+def _metered(spec) -> list[tuple[str, str, int, int]]:
+    """(event id, what, formula, meter) for every forward (what: its name, saved bytes) and input-gradient event
+    (its name + " kept", " released") of the plan, each layer built and run as profiling does
+    (harness.profile.compute)."""
     import torch
 
     from harness.profile.compute import _forward, _make_layer
@@ -192,10 +193,10 @@ def _metered(spec) -> list[tuple[str, int, int]]:
             return _forward(spec, module, x, content)
 
         if content["phase"] == "fwd":
-            rows.append((event.name, value, activation_bytes(layer, make_input, forward)))
+            rows.append((eid, event.name, value, activation_bytes(layer, make_input, forward)))
         else:
             kept, let_go = kept_for_weights(layer, make_input, forward)
-            rows += [(event.name + " kept", value, kept), (event.name + " released", released[eid], let_go)]
+            rows += [(eid, event.name + " kept", value, kept), (eid, event.name + " released", released[eid], let_go)]
     return rows
 
 
@@ -209,13 +210,13 @@ FAMILIES = [("gpt2-small", ""), ("bert-base", ""), ("llama-1b", "kv_heads = 2")]
                                                          (1, False, 2, "allgather")])
 def test_the_formulas_are_what_the_meter_measures(name, model, dtype, tp, sp, cp, cp_comm):
     """Exact for every built-in layer (a tied head aside, below)."""
-    for event, formula, meter in _metered(_spec(name, dtype, tp=tp, sp=sp, cp=cp, cp_comm=cp_comm, model=model)):
+    for _, event, formula, meter in _metered(_spec(name, dtype, tp=tp, sp=sp, cp=cp, cp_comm=cp_comm, model=model)):
         assert formula == meter, event
 
 
 @pytest.mark.parametrize(("name", "model"), FAMILIES)
 def test_a_split_backwards_kept_and_released_bytes_are_what_the_meter_measures(name, model):
-    for event, formula, meter in _metered(_spec(name, "bfloat16", model=model, schedule="zb-h1", pp=2)):
+    for _, event, formula, meter in _metered(_spec(name, "bfloat16", model=model, schedule="zb-h1", pp=2)):
         assert formula == meter, event
 
 
@@ -225,7 +226,7 @@ def test_a_moe_blocks_formula_is_within_2_percent_of_the_meter(name, dtype):
     tensors a real all-to-all does not (8 bytes a row), which the formula, a real rank's, leaves out."""
     for ep, extra in ((1, ""), (2, "\nshared_experts = 1")):
         spec = _spec(name, dtype, model=MOE + extra, dp=ep, strategy=f"ep = {ep}\n" if ep > 1 else "")
-        for event, formula, meter in _metered(spec):
+        for _, event, formula, meter in _metered(spec):
             if ep == 1 or "block" not in event:
                 assert formula == meter, event
             else:
@@ -236,6 +237,21 @@ def test_a_tied_heads_stand_in_weight_is_what_the_meter_adds():
     """A tied head's projection weight is the embedding's parameter in a real run; profiled alone it is a
     buffer, which the meter counts as saved: the formula leaves it to the weights."""
     spec = _spec(model="tie_embeddings = true")
-    metered = {event: (formula, meter) for event, formula, meter in _metered(spec)}
+    metered = {event: (formula, meter) for _, event, formula, meter in _metered(spec)}
     formula, meter = metered["gpt2.head.fwd"]
     assert meter - formula == VOCAB * H * 4
+
+
+def test_the_memory_model_from_formulas_is_the_one_from_the_meter():
+    """analysis.memory's peak, every part, from the formulas as from the metered bytes (a split backward's
+    kept and released bytes included), keyed alike."""
+    from analysis.memory import estimate_memory
+
+    spec = _spec("llama-1b", "bfloat16", model="kv_heads = 2", schedule="zb-h1", pp=2)
+    plan = build_plan(spec)
+    rows = _metered(spec)
+    activations = {eid: meter for eid, what, _, meter in rows if not what.endswith(" released")}
+    released = {eid: meter for eid, what, _, meter in rows if what.endswith(" released")}
+    from_formulas = estimate_memory(plan, formula_activation_bytes(plan), formula_released_bytes(plan))
+    assert from_formulas.to_dict() == estimate_memory(plan, activations, released).to_dict()
+    assert from_formulas.peak.activations > 0
