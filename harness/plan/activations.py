@@ -32,14 +32,15 @@ head size hd, F = ffn / tp, V = vocab / tp split by vocabulary (else vocab), acc
   before them) on T' tokens, the projection's input on T (gathered), the loss's float32 log-probabilities (split
   by vocabulary: its softmax shard) T V x 4, its int64 targets T x 8, and a float32 scalar (split: a T-byte mask).
 Options the layers do not run today (Korthikanti's older Megatron): `attention = "materialized"` keeps the softmax
-output (b a s s_k d, s_k the keys' cp s) in place of the logsumexp, with the output copied once; `dropout > 0` adds
+output (b a s s_k d, s_k the keys' cp s) in place of the logsumexp, its output saved once; `dropout > 0` adds
 the hidden dropouts' 1-byte masks (2 T' h per block, T' h after the embedding) and, materialised, the attention
 dropout's mask and output (b a s s_k (1 + d)).
-LayerNorm statistics are counted in d, as on a CPU (CUDA's are float32: 2 T' bytes more a norm).
+LayerNorm statistics are counted in d, as on a CPU (CUDA keeps them in float32: 2 T' (4 - d) bytes more a norm).
 A factory model's layers have no formula: they are left to the profile.
 """
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ def _moe(spec: JobSpec, layer: LayerDesc, z: Sizes) -> tuple[dict[str, int], dic
     ep, experts = int(sig.get("ep", 1)), model.experts
     counts, _ = moe_load(model, ep, t, int(sig.get("moe_layer", 0)))
     routed = sum(counts)  # (token, expert) pairs of this rank's tokens
-    rows = sum(int(c) for c in str(sig["received"]).strip("()").split(",") if c.strip())  # its experts compute
+    rows = sum(ast.literal_eval(str(sig["received"])))  # the rows its experts compute (every ep rank's)
     per_row = 4 if model.family == "llama" else 2  # SwiGLU: gate-and-up, SiLU, product; GELU: input, output
     shared_ffn = model.shared_experts * model.expert_ffn
     saved = {"mlp input": t * h * acc + (experts * h * acc if d < acc else 0)
@@ -221,7 +222,9 @@ def _head(z: Sizes) -> tuple[dict[str, int], dict[str, int]]:
         kept["norm gradients"] += ts * h * d
     split = z.tp > 1
     saved.update({"projection input": t * h * d, "loss log-probabilities": t * z.vocab * ACC_BYTES,
-                  "loss targets": t * INDEX_BYTES, "loss scalar": t * MASK_BYTES if split else ACC_BYTES})
+                  "loss targets": t * INDEX_BYTES,
+                  # split: which targets fall in the shard's vocabulary; whole: nll_loss's total weight
+                  "loss scalar": t * MASK_BYTES if split else ACC_BYTES})
     return saved, kept
 
 
@@ -270,7 +273,8 @@ def released_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **opti
 
 def held_bytes(spec: JobSpec, layers: list[LayerDesc], index: int, micro: int, seq: int, **options) -> int:
     """What layer `index` holds from its forward to its backward: with recompute = "full" a recomputed layer
-    (harness.plan.layers.recomputed) its input alone (`seq` the spec's own), else what its forward saves."""
+    (harness.plan.layers.recomputed) its input alone (harness.plan.layers.input_bytes), else what its forward
+    saves for `micro` samples of `seq` tokens (a context-parallel rank's)."""
     if spec.strategy.recompute == "full" and recomputed(layers[index]):
         return input_bytes(spec, layers, index)
     return saved_bytes(spec, layers[index], micro, seq, **options)
