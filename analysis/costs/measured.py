@@ -42,6 +42,7 @@ class MissingComputeError(UserError):
 
 
 def is_measured(profile: Profile, eid: str) -> bool:
+    """Whether the profile holds samples of the event."""
     measurement = profile.measurements.get(eid)
     return measurement is not None and measurement.count > 0
 

@@ -10,17 +10,20 @@ the chain's order, for what needs them all: warnings, tables filled after the fa
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from analysis.costs.records import Costs, EventCost
 from harness.plan.events import Event
 
 
-class CostSource:
+class CostSource(ABC):
     """One source of event durations: answers for an event or passes it on."""
 
+    @abstractmethod
     def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
         """`event`'s (id `eid`) cost from this source, or None to pass it to the next. `costs` is the costing
         so far: every earlier event's figure, and the tables a source may add to."""
-        raise NotImplementedError
 
     def finish(self, costs: Costs) -> None:
         """After every event has its cost: this source's warnings and late tables (nothing by default)."""
+        return None
