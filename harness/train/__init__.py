@@ -1,6 +1,6 @@
 """`harness train`: real hybrid-parallel training iterations, traced per device (layout in docs/train.md).
 
-The package imports nothing heavy at import time: `harness.train.trace` (the writer, pure h5py/numpy)
+The package imports nothing heavy at import time: `harness.train.trace_writer` (pure h5py/numpy)
 can be used without torch or MPI; `run_training` (torch, mpi4py) is loaded lazily. Traces are read by
 `analysis.trace_reader`.
 """

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from harness.models import make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
 from harness.plan.events import EventPlan
-from harness.plan.layers import collective_kind, recomputed
+from harness.plan.layers import collective_kind, recompute_groups
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.profile.memory import kept_gradients, saving_into
@@ -68,14 +68,16 @@ class PipelineEngine:
         self.weight_state: dict[tuple[int, int], tuple] = {}
         self.local_vs = [virtual_stage(c, self.pp_i, s.pp) for c in range(s.chunks)]
         self.stage_modules: dict[int, list[nn.Module]] = {}
-        self.checkpointed: dict[int, list[bool]] = {}
+        # per virtual stage, its modules in runs: (modules, whether torch.utils.checkpoint runs them again)
+        self.segments: dict[int, list[tuple[list[nn.Module], bool]]] = {}
         self.tp_event: dict[int, dict[str, str]] = {}  # per virtual stage, its tp all-reduces' events by name
         for vs in self.local_vs:
             program = plan.stages[vs]
             self.stage_modules[vs] = [modules[p] for p in program.layers]
-            # recompute = "full": torch.utils.checkpoint keeps these modules' inputs and runs them again in the
-            # backward, as Megatron-LM's full recompute (harness.plan.layers.recomputed)
-            self.checkpointed[vs] = [s.recompute == "full" and recomputed(plan.layers[p]) for p in program.layers]
+            # recompute = "full": torch.utils.checkpoint keeps each group's input and runs the group again in the
+            # backward, as Megatron-LM's full recompute (harness.plan.layers.recompute_groups)
+            self.segments[vs] = _segments(self.stage_modules[vs],
+                                          recompute_groups(spec, [plan.layers[p] for p in program.layers]))
             self.tp_event[vs] = program.tp_events
         self.grads = GradientSync(spec=spec, plan=plan, stage_modules=self.stage_modules, modules=modules,
                                   device=device, clock=self.clock, recorder=self.rec, completer=self.completer,
@@ -84,19 +86,15 @@ class PipelineEngine:
         # One optimizer over every trainable parameter of this device (all its chunks), as frameworks step a
         # model; torch's default implementation for the device (foreach on CUDA, one tensor at a time on a CPU).
         # The plan's optimizer event is the device's first virtual stage's.
-        params = [p for vs in self.local_vs for mod in self.stage_modules[vs] for p in mod.parameters()
-                  if p.requires_grad]
+        every = [p for vs in self.local_vs for module in self.stage_modules[vs] for p in module.parameters()]
+        params = [p for p in every if p.requires_grad]
         self.optimizer_event = next(iter(plan.stages[self.local_vs[0]].optimizer), "")
         self.optimizer = (make_optimizer(spec.optimizer.name, spec.optimizer.momentum, params, lr)
                           if params and self.optimizer_event else None)
         # what this device holds, by part, and its peak (harness.profile.memory; the memory model counts alike)
         self.memory = MemoryMeter()
-        for vs in self.local_vs:
-            for module in self.stage_modules[vs]:
-                for param in module.parameters():
-                    self.memory.hold_weights([param])
-                    if param.requires_grad and self.grads.outside_buckets(param):
-                        self.memory.watch_gradients([param])
+        self.memory.hold_weights(every)
+        self.memory.watch_gradients(p for p in every if p.requires_grad and self.grads.outside_buckets(p))
         self.memory.hold_gradient_buffers(self.grads.bucket_buffers())
         self.links = StageLinks(spec=spec, plan=plan, rank=rank, local_vs=self.local_vs, clock=self.clock,
                                 recorder=self.rec, memory=self.memory, completer=self.completer,
@@ -144,14 +142,14 @@ class PipelineEngine:
             marks, outputs = [], []
             out = x
             with saving_into(self.memory):
-                for module, again in zip(self.stage_modules[vs], self.checkpointed[vs]):
+                for run, again in self.segments[vs]:
                     if again:
                         # the whole forward again, as Megatron-LM (and the plan): torch's default early stop
                         # would skip a pre-LN block's last projection and all-reduce, which nothing saves
                         with set_checkpoint_early_stop(False):
-                            out = checkpoint(module, out, use_reentrant=False)
+                            out = checkpoint(_through, run, out, use_reentrant=False)
                     else:
-                        out = module(out)
+                        out = run[0](out)
                     if layers:
                         marks.append(layers.mark())
                         outputs.append(out)
@@ -275,3 +273,22 @@ class PipelineEngine:
 
     def close(self, join: bool = True) -> None:
         self.completer.close(join)
+
+
+def _segments(modules: list[nn.Module], groups: list[list[int]]) -> list[tuple[list[nn.Module], bool]]:
+    """A stage's modules in runs, in order: each recompute group's together (checkpointed), every other module
+    alone."""
+    start = {group[0]: group for group in groups}
+    out, position = [], 0
+    while position < len(modules):
+        group = start.get(position)
+        out.append(([modules[p] for p in group], True) if group else ([modules[position]], False))
+        position += len(group) if group else 1
+    return out
+
+
+def _through(run: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """`x` through the modules of `run` in order."""
+    for module in run:
+        x = module(x)
+    return x

@@ -383,7 +383,8 @@ class GradientSync:
                 leave_out=self._expert_ids)
 
     def outside_buckets(self, param: nn.Parameter) -> bool:
-        """Whether autograd makes `param`'s gradient anew each iteration (no bucket's buffer holds it)."""
+        """Whether `param`'s gradient is a tensor of its own that autograd makes each iteration: without data
+        parallelism, or an expert's (no bucket's buffer holds it; FSDP2's, which the meter cannot follow, no)."""
         return self.dp == 1 or id(param) in self._expert_ids
 
     def bucket_buffers(self) -> list[torch.Tensor]:
