@@ -1,5 +1,6 @@
-"""From a profile (and optionally another spec or strategy) to a simulated timeline, in one call; and the
-command-line options that shape a prediction, shared by every command that predicts."""
+"""From a profile (and optionally another spec or strategy), or from a spec alone (its device and network
+models), to a simulated timeline, in one call; and the command-line options that shape a prediction, shared by
+every command that predicts."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,9 @@ from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
+from analysis.spec_only import check_spec_only, spec_profile
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
+from harness.common.errors import UserError
 from harness.plan.events import EventPlan, build_plan
 from harness.plan.spec import JobSpec
 
@@ -20,7 +23,7 @@ from harness.plan.spec import JobSpec
 class Prediction:
     """Everything one simulation used and produced."""
 
-    profile: Profile
+    profile: Profile  # a spec-only prediction's measured nothing (analysis.spec_only.spec_profile)
     spec: JobSpec
     plan: EventPlan
     costs: Costs
@@ -33,25 +36,46 @@ def predict(profile: Profile | str | Path, spec_path: str | Path | None = None, 
             dp_overlap: bool | None = None, compute_stat: str = "mean", rank_speed: bool = True,
             resamples: int = DEFAULT_RESAMPLES, collectives: Sequence[str | Path] = (),
             network: str | None = None) -> Prediction:
-    """Load the profile (if a path), resolve the spec (--spec, --strategy), build the plan, cost its events
-    (compute by `compute_stat`, referred to the ranks' mean speed unless not `rank_speed`, analysis.costs),
-    simulate one iteration and, with `resamples`, the batch time's interval. dp_overlap None follows the spec.
-    `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication.
-    `network`: a what-if network (--network: a spec's [[cluster.network]] or TIER.FIELD=VALUE changes) that
-    costs every communication event.
+    """Load the profile (if a path), resolve the spec (--spec, --strategy) and predict it (predict_spec).
     Raises UserError on bad input."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
     spec = resolve_spec(profile, spec_path, strategy)
+    return predict_spec(spec, profile, dp_overlap=dp_overlap, compute_stat=compute_stat, rank_speed=rank_speed,
+                        resamples=resamples, collectives=collectives, network=network, source=spec_path)
+
+
+def predict_spec(spec: JobSpec, profile: Profile | None = None, dp_overlap: bool | None = None,
+                 compute_stat: str = "mean", rank_speed: bool = True, resamples: int = DEFAULT_RESAMPLES,
+                 collectives: Sequence[str | Path] = (), network: str | None = None,
+                 source: str | Path | None = None) -> Prediction:
+    """Build `spec`'s plan, cost its events (analysis.costs: what `profile` measured, compute by `compute_stat`,
+    referred to the ranks' mean speed unless not `rank_speed`; the rest from the spec's device and network
+    models; with no profile every event from them), simulate one iteration and, with `resamples` and samples to
+    resample, the batch time's interval (none without a profile). dp_overlap None follows the spec.
+    `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication.
+    `network`: a what-if network (--network: a spec's [[cluster.network]] or TIER.FIELD=VALUE changes) that
+    costs every communication event. `source`: the spec's file, for messages.
+    Raises UserError on bad input, or where neither the profile nor the models can cost an event (a spec alone
+    without [cluster] device or [[cluster.network]], a factory model's layers without a profile)."""
+    hint = str(source) if source else "SPEC"
+    spec_only = profile is None
+    if profile is None:
+        if spec.model.family == "user":
+            raise UserError(f"{hint}: a factory model's layers are its own code, which the analysis does not run; "
+                            "profile the job (python -m harness profile) and give the profile (--profile)")
+        profile = spec_profile(spec, hint)
     plan = build_plan(spec, layers_for(profile, spec))
+    if spec_only:
+        check_spec_only(plan, hint, network_given=network is not None)
     extra = None
     if collectives:
         from analysis.collectives import load, profile_points
 
         extra = profile_points(load(collectives), str(profile.environment.get("backend", "?")),
                                str(profile.environment.get("device", "?")), profile.path.name)
-    costs = estimate_costs(plan, profile, spec_hint=str(spec_path) if spec_path else "SPEC",
-                           compute_stat=compute_stat, rank_speed=rank_speed, extra_points=extra, what_if=network)
+    costs = estimate_costs(plan, profile, spec_hint=hint, compute_stat=compute_stat, rank_speed=rank_speed,
+                           extra_points=extra, what_if=network)
     costs.held_out = held_out_checks(profile, extra)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
                       estimate_memory(plan, activation_bytes(profile), released_bytes(profile)),

@@ -3,9 +3,10 @@ which costs a plan by asking them (the interface a source implements: source.py)
 from __future__ import annotations
 
 from analysis.calibration import device_kind
+from analysis.costs.device_source import DeviceSource, check_device_costable, device_model_for
 from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
 from analysis.costs.interpolated import InterpolatedSource, comm_curves
-from analysis.costs.measured import MeasuredSource, check_compute_measured, rank_speed_factors
+from analysis.costs.measured import MeasuredSource, check_compute_measured, is_measured, rank_speed_factors
 from analysis.costs.network_source import NetworkSource, network_for, what_if_network
 from analysis.costs.records import Costs, EventCost
 from analysis.costs.samples import CommPoints, check_statistic, comm_points
@@ -31,17 +32,17 @@ class UnmeasuredLedger(CostSource):
 
 def cost_chain(plan: EventPlan, profile: Profile, costs: Costs, network_only: bool = False) -> list[CostSource]:
     """The sources, in the order they are asked: the what-if network (`network_only`: every communication
-    event), the profile's measurements, interpolation between measured sizes, then, past the measurements, the
-    network model (costs.network), the nearest alpha-beta fit, and 0 with a warning.
+    event), the profile's measurements, the device model (costs.device_model: the compute the profile lacks),
+    interpolation between measured sizes, then, past the measurements, the network model (costs.network), the
+    nearest alpha-beta fit, and 0 with a warning.
 
-    A device model (compute durations from the device's figures rather than the profile's) plugs in here as one
-    more CostSource: after MeasuredSource to cost the compute events the profile lacks (check_compute_measured
-    then lists only those it cannot cost either), or first to cost every compute event on a what-if device."""
+    A what-if device (every compute event on another device) would plug in first, as the what-if network does."""
     network = costs.network
     what_if = [NetworkSource(plan, network, what_if=True)] if network_only and network is not None else []
+    device = [DeviceSource(plan, costs.device_model)] if costs.device_model is not None else []
     modelled = [NetworkSource(plan, network)] if network is not None else []
-    return [*what_if, MeasuredSource(plan, profile), InterpolatedSource(costs.curves), UnmeasuredLedger(profile),
-            *modelled, FitSource(costs.fits), UnavailableSource(profile)]
+    return [*what_if, MeasuredSource(plan, profile), *device, InterpolatedSource(costs.curves),
+            UnmeasuredLedger(profile), *modelled, FitSource(costs.fits), UnavailableSource(profile)]
 
 
 def first_answer(chain: list[CostSource], eid: str, event: Event, costs: Costs) -> EventCost:
@@ -60,8 +61,10 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     """The duration of every event of `plan` from `profile`, by the cost chain (rules: docs/analysis.md,
     "Where durations come from").
 
-    Raises MissingComputeError (a UserError) listing the compute events the profile lacks; `spec_hint`
-    is the spec path to show in the command that profiles them. `compute_stat`: mean or median.
+    Compute the profile lacks comes from the spec's device (`[cluster] device`, device_source.py); raises
+    MissingComputeError (a UserError) listing the compute events the profile lacks where the spec names no
+    device, or a UserError listing those the device model cannot cost either; `spec_hint` is the spec path to
+    show in the command that profiles them. `compute_stat`: mean or median.
     `rank_speed`: refer each compute event to the profiling ranks' mean speed (where the profile has the probe).
     `extra_points`: more communication points (a collective benchmark's), interpolated and fitted with the
     profile's. `network`: the network model beyond the measured curves (default: network_for's); with
@@ -69,7 +72,12 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     (what_if_network), which sets both.
     """
     check_statistic(compute_stat)
-    check_compute_measured(plan, profile, spec_hint)
+    device = device_model_for(plan)
+    if device is None:
+        check_compute_measured(plan, profile, spec_hint)
+    else:
+        missing = [eid for eid, e in plan.events.items() if e.kind == "compute" and not is_measured(profile, eid)]
+        check_device_costable(plan, device, missing, max(profile.world_size, 1), spec_hint)
     points = comm_points(profile, extra_points)
     fits = comm_fits(points)
     if what_if:
@@ -77,7 +85,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     network = network or network_for(plan.spec, profile, points, fits)
     costs = Costs(events={}, fits=fits, curves=comm_curves(points), compute_stat=compute_stat,
                   rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network,
-                  machine_drift=machine_drift(profile), device=device_kind(profile.environment))
+                  machine_drift=machine_drift(profile), device=device_kind(profile.environment),
+                  device_model=device)
     chain = cost_chain(plan, profile, costs, network_only)
     for eid, event in plan.events.items():
         costs.events[eid] = first_answer(chain, eid, event, costs)

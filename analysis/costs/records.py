@@ -11,8 +11,10 @@ import numpy as np
 from harness.plan.events import EventPlan
 
 if TYPE_CHECKING:
+    from analysis.costs.device_source import DeviceCosting
     from analysis.costs.fits import CommFit
     from analysis.costs.interpolated import CommCurve, HeldOutCheck
+    from analysis.device_model import DeviceModel
     from analysis.network import NetworkModel
     from analysis.skew import MachineDrift, ReplicaSkew
 
@@ -37,7 +39,7 @@ class EventCost:
     name: str
     kind: str
     seconds: float
-    source: str  # measured | interpolated | network | fit | unavailable (costed 0) | given
+    source: str  # measured | interpolated | device | network | fit | unavailable (costed 0) | given
     fit: tuple[str, str] | None = None  # (kind, placement) of the fit used
     note: str = ""
 
@@ -93,6 +95,10 @@ class Costs:
     # 'cuda'; '' for durations given by hand): what a prediction's interval adds to its sampling noise
     machine_drift: MachineDrift | None = None
     device: str = ""
+    # the spec's device model ([cluster] device; analysis.costs.device_source), which costs the compute the
+    # profile lacks, and each event it costed: its kernels and their times
+    device_model: DeviceModel | None = None
+    device_kernels: dict[str, DeviceCosting] = field(default_factory=dict)
 
     def seconds(self, eid: str) -> float:
         return self.events[eid].seconds

@@ -1,0 +1,158 @@
+"""Compute the profile did not measure, from the spec's device (`[cluster] device`): each compute event's kernels
+(harness.plan.kernels) on the device's roofline and efficiency curves (analysis.device_model), marked `device`.
+
+Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
+compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
+is refused before costing starts (`check_device_costable`), with what to profile.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from analysis.costs.records import Costs, EventCost
+from analysis.costs.source import CostSource
+from analysis.device_model import DeviceModel, KernelTime
+from harness.common.errors import UserError
+from harness.plan.events import Event, EventPlan
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
+
+DEVICE = "device"  # EventCost.source of an event costed by the device model
+ATTENTION = "sdpa"  # the built-in models' attention (harness.models.transformer: PyTorch's fused SDPA)
+_MODELS: dict[str, DeviceModel] = {}  # `[cluster] device` text -> its model, per process
+# (device, event id, recompute) -> the event's costing: the same event recurs in every candidate of a search
+_COSTED: dict[tuple[str, str, str], DeviceCosting] = {}
+
+
+@dataclass(frozen=True)
+class DeviceCosting:
+    """One compute event on the device: its kernels with their times, and the note that says how it was costed."""
+
+    kernels: tuple[Kernel, ...]
+    times: tuple[KernelTime, ...]
+    note: str
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.times)
+
+    def breakdown(self) -> list[dict[str, Any]]:
+        """Each kernel: its name, type, FLOPs, bytes, seconds and the side of the roofline it is on (--details)."""
+        return [{"kernel": k.name, "type": _kind(k), "flops": k.flops, "bytes": k.bytes, "seconds": t.seconds,
+                 "compute_s": t.compute_s, "memory_s": t.memory_s, "launch_s": t.launch_s, "bound": t.bound}
+                for k, t in zip(self.kernels, self.times)]
+
+
+def device_model(text: str) -> DeviceModel:
+    """The model of `[cluster] device = TEXT`, loaded once per process."""
+    if text not in _MODELS:
+        _MODELS[text] = DeviceModel.named(text)
+    return _MODELS[text]
+
+
+def device_model_for(plan: EventPlan) -> DeviceModel | None:
+    """The spec's device model, None where `[cluster] device` is not given."""
+    text = plan.spec.cluster.device
+    return device_model(text) if text else None
+
+
+def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) -> DeviceCosting:
+    """`event`'s kernels and their times on `device` (UserError where the plan cannot list its kernels)."""
+    key = (device.name, eid, recompute)
+    if key not in _COSTED:
+        kernels = tuple(event_kernels(event.content, recompute, ATTENTION))
+        times = tuple(device.kernel_time(k) for k in kernels)
+        _COSTED[key] = DeviceCosting(kernels, times, describe_costing(device, kernels, times))
+    return _COSTED[key]
+
+
+def describe_costing(device: DeviceModel, kernels: Sequence[Kernel], times: Sequence[KernelTime]) -> str:
+    """'device model (a100-80gb): 6 GEMMs compute-bound, 2 attention, 9 memory-bound; 61% of the matrix peak':
+    the kernels by type (each type's bound where all of its kernels share one) and the FLOPs achieved over the
+    event's seconds against the device's matrix peak in the event's dtype."""
+    parts = []
+    for label, kind in (("GEMM", Gemm), ("attention", Attention), ("memory-bound", MemoryBound)):
+        mine = [t for k, t in zip(kernels, times) if isinstance(k, kind)]
+        if not mine:
+            continue
+        bounds = {t.bound for t in mine}
+        plural = "s" if len(mine) > 1 and label == "GEMM" else ""
+        bound = f" {bounds.pop()}-bound" if len(bounds) == 1 and kind is not MemoryBound else ""
+        parts.append(f"{len(mine)} {label}{plural}{bound}")
+    seconds = sum(t.seconds for t in times)
+    flops = sum(k.flops for k in kernels)
+    dtype = next((k.dtype for k in kernels if isinstance(k, (Gemm, Attention))), None)
+    share = ""
+    if dtype is not None and seconds > 0:
+        share = f"; {100 * flops / seconds / device.description.matrix_peak[dtype]:.0f}% of the {dtype} matrix peak"
+    return f"device model ({device.name}): {', '.join(parts) or 'no kernels'}{share}"
+
+
+def _kind(kernel: Kernel) -> str:
+    return "gemm" if isinstance(kernel, Gemm) else "attention" if isinstance(kernel, Attention) else "memory"
+
+
+def uncostable(plan: EventPlan, device: DeviceModel, ids: Iterable[str]) -> dict[str, str]:
+    """Of the compute events `ids`, those whose kernels the plan cannot list: id -> why."""
+    out = {}
+    for eid in ids:
+        try:
+            device_costing(device, eid, plan.events[eid], plan.spec.strategy.recompute)
+        except UserError as exc:
+            out[eid] = str(exc)
+    return out
+
+
+def check_device_costable(plan: EventPlan, device: DeviceModel, missing: Sequence[str], ranks: int,
+                          spec_hint: str) -> None:
+    """UserError listing the compute events `missing` from the profile that the device model cannot cost either
+    (their kernels are the user's code or a MoE block's), with the command that profiles them."""
+    refused = uncostable(plan, device, missing)
+    if not refused:
+        return
+    lines = [f"{len(refused)} compute event(s) of {plan.spec.model.name} are neither in a profile nor costable by "
+             f"the device model ({device.name}):"]
+    lines += [f"  {eid}  {plan.events[eid].name}: {why.splitlines()[0]}" for eid, why in sorted(
+        refused.items(), key=lambda item: plan.events[item[0]].name)]
+    lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR, and give "
+                 "the profile (simulate PROFILE.h5 --spec SPEC, or SPEC --profile PROFILE.h5)")
+    raise UserError("\n".join(lines))
+
+
+class DeviceSource(CostSource):
+    """A compute event from its kernels on the spec's device (module docstring); the kernels' breakdown of each
+    event it answers goes to costs.device_kernels (what --details prints)."""
+
+    def __init__(self, plan: EventPlan, device: DeviceModel):
+        self.plan, self.device = plan, device
+
+    def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
+        if event.kind != "compute":
+            return None
+        costing = device_costing(self.device, eid, event, self.plan.spec.strategy.recompute)
+        costs.device_kernels[eid] = costing
+        return EventCost(eid, event.name, event.kind, costing.seconds, DEVICE, note=costing.note)
+
+
+def source_counts(costs: Costs) -> dict[str, dict[str, int]]:
+    """Per kind of event (compute, communication), how many unique events each source costed."""
+    out: dict[str, dict[str, int]] = {}
+    for cost in costs.events.values():
+        kind = "compute" if cost.kind == "compute" else "communication"
+        out.setdefault(kind, {})
+        out[kind][cost.source] = out[kind].get(cost.source, 0) + 1
+    return out
+
+
+def sources_line(costs: Costs) -> str:
+    """'compute: 12 events measured, 30 from the device model (a100-80gb); communication: 8 measured, 4 from the
+    network model': where the unique events' durations came from (the report's line)."""
+    names = {DEVICE: "from the device model" + (f" ({costs.device_model.name})" if costs.device_model else ""),
+             "network": "from the network model", "fit": "from a fit", "unavailable": "unavailable (costed 0)"}
+    parts = []
+    for kind, counts in source_counts(costs).items():
+        total = sum(counts.values())
+        shares = [f"{n} {names.get(source, source)}" for source, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        parts.append(f"{kind}: {total} events, " + ", ".join(shares))
+    return "; ".join(parts)
