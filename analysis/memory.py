@@ -13,10 +13,14 @@
   as the profile measured them (harness.profile.memory), and on every virtual stage but the last the
   stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
   backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
-  interleaved 1F1B as it interleaves); with recompute = "full" a recomputed layer (harness.plan.layers.recomputed)
-  keeps only its input (torch.utils.checkpoint; a factory model's last layer also what the loss after it, outside
-  the checkpoint, saves: loss_saved_bytes), and the backward of a micro-batch re-makes one layer's
-  saved activations at a time: the largest of the stage's recomputed layers is added as its backward starts;
+  interleaved 1F1B as it interleaves); with recompute = "full" a recompute group's layers
+  (harness.plan.layers.recompute_groups: each recomputed block alone, or with recompute_method "uniform" and
+  recompute_layers N chunks of N) keep only the group's input (torch.utils.checkpoint; a factory model's last
+  layer also what the loss after it, outside the checkpoint, saves: loss_saved_bytes), and a group's backward
+  re-makes all its layers' saved activations at once, each freed as its layer's backward has run; with
+  recompute = "selective" a block's measured saves hold none of its attention core's but the inputs, and its
+  backward re-makes them (activations.attention_core_bytes, as the fused kernel saves them: a temporary);
+  dropout's masks are in what the profile measured;
 - pipeline buffers: a backward's gradient received from the next stage (from its start) and the one it sends
   back (from its end until the send completes);
 - a split backward (zero-bubble schedules): a micro-batch's activations are held until its W step, and its B
@@ -55,8 +59,9 @@ from typing import Any
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.common.output import format_bytes
+from harness.plan.activations import attention_core_bytes
 from harness.plan.events import EventPlan
-from harness.plan.layers import LayerDesc, input_bytes, recomputed
+from harness.plan.layers import LayerDesc, input_bytes, recompute_groups, selective
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
@@ -268,13 +273,19 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         saved, largest, again = 0, 0, 0
         layers = []  # _Layer per layer, in forward order
         positions = [(eid, index) for eid, index in zip(program.forward, program.forward_layers) if index >= 0]
+        groups = recompute_groups(spec, [plan.layers[i] for i in program.layers])
+        group_of = {program.layers[p]: program.layers[group[0]] for group in groups for p in group}
+        remade = 0  # the saves of the layers of a recompute group so far, all re-made before its last's backward
         for eid, index in positions:
             layer_saves = activations.get(eid, 0)
             moments = backward_moments(spec, plan.layers[index])
+            if selective(plan.layers[index]):  # its attention core's saves re-made in its backward
+                micro, seq = plan.events[eid].content["micro"], plan.events[eid].content["seq"]
+                moments = moments + [(attention_core_bytes(spec, plan.layers[index], micro, seq), 0, "during")]
             whole = plan.layers[index].params * dtype
             shard = -(-plan.layers[index].params // s.dp) * dtype
-            if s.recompute == "full" and recomputed(plan.layers[index]):
-                kept_input = input_bytes(spec, plan.layers, index)
+            if index in group_of:
+                kept_input = input_bytes(spec, plan.layers, index) if group_of[index] == index else 0
                 if index == len(plan.layers) - 1:
                     # a factory model's last layer: the loss after it, outside the checkpoint, keeps its own
                     loss = loss_saved_bytes(spec)
@@ -282,7 +293,8 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                 saved += kept_input
                 largest = max(largest, layer_saves)
                 again += 1
-                layers.append(_Layer(kept_input, layer_saves, moments, whole, shard))
+                remade = layer_saves + (remade if group_of[index] != index else 0)
+                layers.append(_Layer(kept_input, remade, moments, whole, shard))
             else:
                 saved += layer_saves
                 layers.append(_Layer(layer_saves, 0, moments, whole, shard))

@@ -219,6 +219,12 @@ def _details(timeline: Timeline) -> list[str]:
         out += ["", format_table(("id", "event", "bytes", "predicted ms", "how"), rows,
                                  title=f"interpolated: {len(interpolated)} events costed between measured sizes of "
                                        "their kind, placement and group")]
+    if costs.isolated:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(alone), _ms(costs.seconds(eid)), costs.seconds(eid) / alone)
+                for eid, alone in sorted(costs.isolated.items(), key=lambda kv: timeline.plan.events[kv[0]].name)]
+        out += ["", format_table(("id", "event", "alone ms", "in context ms", "ratio"), rows,
+                                 title="compute timed alone and inside its stages' chains (the costs use the "
+                                       "in-context figure; docs/profiling.md, \"In context\"):")]
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,
                  f.bandwidth_bytes_s / 1e9 if math.isfinite(f.bandwidth_bytes_s) else "-",

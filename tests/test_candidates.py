@@ -115,7 +115,7 @@ def test_auto_fills_every_open_field_with_every_value():
     # without the listed fields: every schedule, recompute and ZeRO stage too; `--auto` asks the same of any grid
     everything = expand(_spec('auto = true\n', dp=4, global_batch=8))
     assert {c.strategy.zero for c in everything.candidates} == {0, 1, 2, 3}
-    assert {c.strategy.recompute for c in everything.candidates} == {"none", "full"}
+    assert {c.strategy.recompute for c in everything.candidates} == {"none", "selective", "full"}
     assert {c.strategy.schedule for c in everything.candidates} >= {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
     assert all(c.strategy.tp == 1 for c in everything.candidates if c.strategy.zero)
     # sequence parallelism on and off where there is a tensor-parallel group, and only there

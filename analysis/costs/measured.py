@@ -90,8 +90,11 @@ def rank_factor(measurement: MeasuredEvent, factors: Mapping[str, list[float]]) 
 class MeasuredSource(CostSource):
     """An event the profile measured: its samples' statistic (a compute event's divided by its measuring rank's
     speed factor, unless it is also measured as a composite), with its samples for the interval, and a GPU
-    compute event's host issue time and a backward's call overhead. Afterwards: the composites (tensor-parallel
-    layers measured with their all-reduces) and the corrections (corrections.py)."""
+    compute event's host issue time and a backward's call overhead. A compute event the profile also timed in
+    context (inside its stages' chains: harness.profile.in_context) is costed from those samples instead, its
+    figure alone kept in costs.isolated and both in its note; profiles without them are costed as before.
+    Afterwards: the composites (tensor-parallel layers measured with their all-reduces) and the corrections
+    (corrections.py)."""
 
     def __init__(self, plan: EventPlan, profile: Profile):
         self.plan, self.profile = plan, profile
@@ -112,15 +115,24 @@ class MeasuredSource(CostSource):
             if factor is None:
                 self.uncorrected.append(event.name)
                 factor = 1.0
-        costs.sampled["events"][eid] = SampleSet(measurement.samples_s / factor, statistic_of(event.kind, compute_stat))
+        samples, note = measurement.samples_s, ""
+        in_context = measurement.in_context_samples_s if event.kind == "compute" else np.empty(0)
+        if in_context.size:  # timed inside its stages' chains: what a step meets, preferred to the layer alone
+            costs.isolated[eid] = seconds / factor
+            samples = in_context
+            seconds = compute_statistic(compute_stat, float(in_context.mean()), float(np.median(in_context)))
+            note = (f"in context: {seconds / factor * 1e3:.3f} ms inside its stages' chains, "
+                    f"{costs.isolated[eid] * 1e3:.3f} ms alone ({seconds / factor / costs.isolated[eid]:.2f}x)")
+        costs.sampled["events"][eid] = SampleSet(samples / factor, statistic_of(event.kind, compute_stat))
         host = measurement.host_issue_samples_s if event.kind == "compute" else np.empty(0)
         if host.size:
             costs.host_issue[eid] = compute_statistic(compute_stat, float(host.mean()), float(np.median(host)))
             costs.sampled["host_issue"][eid] = SampleSet(host, compute_stat)
         call = measurement.attrs.get(BACKWARD_CALL_ATTR) if event.kind == "compute" else None
-        if call is not None and np.isfinite(call):
+        # an in-context backward ran inside the stage's one backward() call: no extra call to take off
+        if call is not None and np.isfinite(call) and not in_context.size:
             costs.backward_call[eid] = float(call) / factor
-        return EventCost(eid, event.name, event.kind, seconds / factor, MEASURED)
+        return EventCost(eid, event.name, event.kind, seconds / factor, MEASURED, note=note)
 
     def finish(self, costs: Costs) -> None:
         if self.uncorrected:

@@ -68,6 +68,9 @@ class Costs:
     send_post: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
+    # compute event id -> its samples' statistic alone (the layer in a loop), where the profile timed it in its
+    # stages' chains too and `events` holds that in-context figure instead (harness.profile.in_context)
+    isolated: dict[str, float] = field(default_factory=dict)
     # backward compute event id -> the host's seconds of one backward() call that its samples paid and a
     # step pays once per stage (profiles from before it was measured have none: 0)
     backward_call: dict[str, float] = field(default_factory=dict)

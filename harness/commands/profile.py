@@ -129,6 +129,13 @@ def summary_text(spec, grid, unique, result, ranks: int) -> str:
     else:
         lines.append(f"  every event is known within {result.precision:.1%} (95% interval of its mean, or median for "
                      "communication)")
+    if result.in_context_chains:  # what timing the stage chains added (docs/profiling.md, "In context")
+        share = result.in_context_wall_s / result.compute_wall_s if result.compute_wall_s > 0 else 0.0
+        lines.append(f"  in context: {result.in_context_chains} stage chains timed in "
+                     f"{format_seconds(result.in_context_wall_s)}, {share:.0%} on top of the compute phase's "
+                     f"{format_seconds(result.compute_wall_s)}")
+    for skipped in result.in_context_skipped:
+        lines.append(f"  in context: a chain that could not run here keeps its events' isolated samples: {skipped}")
     lines.append(f"profile: {result.path}")
     return "\n".join(lines)
 

@@ -10,6 +10,12 @@ run on the shard and its column-parallel linears gather it, the head gathers its
 Built with `cp` > 1 (context parallelism) a rank holds its seq / cp tokens in the zigzag order: the embedding
 adds their positions, a block's attention runs over the whole sequence through `cp_group` (ring or all-gather,
 harness.models.context; no group: a LocalRing stand-in of rank `cp_rank`), LLaMA's rotary positions are theirs.
+With the model's dropout P > 0 (Megatron-LM's hidden and attention dropout), in training: the attention
+probabilities (scaled_dot_product_attention's dropout_p), each sub-layer's output before its residual add and the
+embedding's output are dropped with probability P, from torch's global generator (harness train seeds it); P = 0
+runs no dropout at all. A block built `selective` runs its attention core (scaled_dot_product_attention, its
+dropout included) under torch.utils.checkpoint: its inputs kept, the core run again in the backward with the
+same random state (Megatron-LM's selective recompute).
 Parameter counts match harness.plan.layers, which the event generator uses.
 """
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from harness.models.context import LocalRing, allgather_attention, local_positions, ring_attention
 from harness.models.moe import LocalExperts, MoEMLP
@@ -65,13 +72,15 @@ class TransformerBlock(nn.Module):
     `sp`: its input and output are sequence shards (Megatron-LM's sequence parallelism); `cp` > 1: its tokens are
     context-parallel rank `cp_rank`'s, its attention over `cp_group` (module docstring); `moe_layer` (not None):
     its MLP is that MoE layer's experts (harness.models.moe), ep rank `ep_rank`'s experts / ep of them over
-    `ep_group` (no group: a LocalExperts stand-in)."""
+    `ep_group` (no group: a LocalExperts stand-in); `selective`: its attention core recomputed in the backward
+    (module docstring)."""
 
     def __init__(self, model: ModelSpec, tp: int = 1, group=None, sp: bool = False, cp: int = 1, cp_group=None,
                  cp_rank: int = 0, cp_comm: str = "ring", moe_layer: int | None = None, ep: int = 1, ep_group=None,
-                 ep_rank: int = 0):
+                 ep_rank: int = 0, selective: bool = False):
         super().__init__()
         self.family = model.family
+        self.dropout, self.selective = model.dropout, selective
         self.group = group
         self.sp = sp
         self.cp, self.cp_comm = cp, cp_comm
@@ -126,12 +135,23 @@ class TransformerBlock(nn.Module):
         if self.cp > 1:
             attend = allgather_attention if self.cp_comm == "allgather" else ring_attention
             out = attend(q, k, v, self.cp_group, self.causal, hook=hooked)
+        elif self.selective:
+            out = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            out = self._core(q, k, v)
         return out.transpose(1, 2).reshape(b, s, q_size)
 
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: softmax(q k^T / sqrt(d)) v, its probabilities dropped out in training."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=self.causal)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """A sub-layer's output dropped out before its residual add (none at all with dropout 0)."""
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.attention_context(x), self.group)
+        return self._drop(self.proj(self.attention_context(x), self.group))
 
     def _into_tp(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor-parallel region's input: its gradient all-reduced, or with sp gathered by the linear itself."""
@@ -139,12 +159,12 @@ class TransformerBlock(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:  # tp = 1 (harness.plan.spec)
-            return self.moe(x)
+            return self._drop(self.moe(x))
         x = self._into_tp(x)
         if self.family == "llama":
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up, self.group)
-        return self.fc2(F.gelu(self.fc1(x)), self.group)
+            return self._drop(self.down(F.silu(gate) * up, self.group))
+        return self._drop(self.fc2(F.gelu(self.fc1(x)), self.group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "bert":  # post-LayerNorm
@@ -165,6 +185,7 @@ class Embedding(nn.Module):
         super().__init__()
         dtype = TORCH_DTYPES[model.dtype]
         self.family = model.family
+        self.dropout = model.dropout
         self.group = group
         self.tp, self.tp_index, self.sp = tp, tp_index, sp
         # the positions of the tokens this rank holds (context parallelism: its zigzag chunks)
@@ -192,7 +213,7 @@ class Embedding(nn.Module):
             x = x + self.positions(self.token_positions[first:first + x.shape[1]])
         if self.family == "bert":
             x = self.norm(x + self.token_types.weight[0])
-        return x
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class Head(nn.Module):
@@ -264,15 +285,17 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_layer(model: ModelSpec, kind: str, tp: int = 1, group=None, tp_index: int = 0,
                 tied: bool = False, sp: bool = False, cp: int = 1, cp_group=None, cp_rank: int = 0,
                 cp_comm: str = "ring", moe_layer: int | None = None, ep: int = 1, ep_group=None,
-                ep_rank: int = 0) -> nn.Module:
+                ep_rank: int = 0, selective: bool = False) -> nn.Module:
     """A fresh layer of a built-in model: kind is embedding, block or head; tp > 1 its shard `tp_index` (an
     embedding's or head's by vocabulary); `tied`, a head whose projection is the embedding's (Head.tie); `sp`,
     sequence-parallel (tp > 1); `cp` > 1, context-parallel rank `cp_rank` of `cp_group` (module docstring);
-    `moe_layer`, a block whose MLP is that MoE layer's experts, ep rank `ep_rank`'s of `ep_group`."""
+    `moe_layer`, a block whose MLP is that MoE layer's experts, ep rank `ep_rank`'s of `ep_group`; `selective`, a
+    block whose attention core is recomputed in the backward."""
     if kind == "embedding":
         return Embedding(model, tp, group, tp_index, sp, cp, cp_rank)
     if kind == "block":
-        return TransformerBlock(model, tp, group, sp, cp, cp_group, cp_rank, cp_comm, moe_layer, ep, ep_group, ep_rank)
+        return TransformerBlock(model, tp, group, sp, cp, cp_group, cp_rank, cp_comm, moe_layer, ep, ep_group, ep_rank,
+                                selective)
     if kind == "head":
         return Head(model, tp, group, tp_index, tied, sp)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -31,25 +31,35 @@ head size hd, F = ffn / tp, V = vocab / tp split by vocabulary (else vocab), acc
 - head with the loss: the norm's input and statistics (BERT: its transform's input, output and GELU output
   before them) on T' tokens, the projection's input on T (gathered), the loss's float32 log-probabilities (split
   by vocabulary: its softmax shard) T V x 4, its int64 targets T x 8, and a float32 scalar (split: a T-byte mask).
-Options the layers do not run today (Korthikanti's older Megatron): `attention = "materialized"` keeps the softmax
-output (b a s s_k d, s_k the keys' cp s) in place of the logsumexp, its output saved once; `dropout > 0` adds
-the hidden dropouts' 1-byte masks (2 T' h per block, T' h after the embedding) and, materialised, the attention
-dropout's mask and output (b a s s_k (1 + d)).
+Dropout (the layer's signature's, Megatron-LM's, or the `dropout` option) adds the hidden dropouts' masks (2 T' h
+per block, T' h after the embedding) of `mask_bytes` each (1: torch's bool mask on CUDA; a CPU's dropout saves its
+mask in the dtype, d); with `attention = "math"` (torch's scaled_dot_product_attention falling back to its math
+path, as on a CPU with dropout; float32: in 16 bits it computes in float32, not modelled) the attention keeps,
+in place of the logsumexp and its own output, its scaled queries and keys (2 T a hd d: GPT-2's, BERT's and
+grouped-query LLaMA's beside what the fused kernel keeps, LLaMA's in place of the rotated pair) and two b a s s_k d
+matrices (the probabilities and their dropped-out copy), the projection's input copied once. A block
+under selective recompute (its signature's "recompute") saves of its attention core only the inputs
+(torch.utils.checkpoint's), the output once as the projection's input: no logsumexp, no s x s_k matrix
+(`attention_core_bytes`: what its backward makes again).
+Korthikanti's older Megatron: `attention = "materialized"` keeps the softmax output (b a s s_k d, s_k the keys' cp
+s) in place of the logsumexp, its output saved once, and with dropout the attention dropout's mask and output
+(b a s s_k (mask_bytes + d)).
 LayerNorm statistics are counted in d, as on a CPU (CUDA keeps them in float32: 2 T' (4 - d) bytes more a norm).
 A factory model's layers have no formula: they are left to the profile.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
-from harness.plan.layers import LayerDesc, input_bytes, moe_load, recomputed
+from harness.plan.layers import LayerDesc, input_bytes, moe_load, recompute_group, selective
 from harness.plan.spec import JobSpec
 
-ATTENTION_KINDS = ("flash", "materialized")
+ATTENTION_KINDS = ("flash", "materialized", "math")
 INDEX_BYTES = 8  # int64 token ids, targets, positions and routing indices
 MASK_BYTES = 1  # a bool or uint8 mask element
 ACC_BYTES = 4  # float32: the norms' and the router's accumulation, the loss, the attention's logsumexp
@@ -114,8 +124,10 @@ def _norm(family: str, tokens: int, hidden: int, d: int) -> tuple[int, int]:
     return tokens * hidden * (casts * ACC_BYTES + d), tokens * ACC_BYTES
 
 
-def _attention(z: Sizes, attention: str, dropout: float) -> dict[str, int]:
-    """The attention's terms from its QKV output to its projection's input."""
+def _attention(z: Sizes, attention: str, dropout: float, mask_bytes: int = MASK_BYTES,
+               core_recomputed: bool = False) -> dict[str, int]:
+    """The attention's terms from its QKV output to its projection's input (`core_recomputed`: selective
+    recompute's)."""
     b, s, t, d, a, kv, hd = z.micro, z.seq, z.tokens, z.dtype_bytes, z.heads, z.kv_heads, z.head_dim
     keys = s * z.cp  # every query attends to the whole sequence's keys
     gathered = z.cp > 1 and z.cp_comm == "allgather"
@@ -134,10 +146,19 @@ def _attention(z: Sizes, attention: str, dropout: float) -> dict[str, int]:
         out["qkv"] = t * (a + 2 * kv) * hd * d
     if gathered:
         out["gathered keys and values"] = 2 * z.cp * t * a * hd * d
+    if core_recomputed:  # the core's inputs alone; its output once, as the projection's input
+        out["attention output"] = t * a * hd * d
+        return out
     if attention == "materialized":
         out["attention softmax"] = b * a * s * keys * d
         if dropout > 0:
-            out["attention dropout"] = b * a * s * keys * (MASK_BYTES + d)
+            out["attention dropout"] = b * a * s * keys * (mask_bytes + d)
+        out["attention output"] = t * a * hd * d
+        return out
+    if attention == "math":
+        if z.family != "llama" or kv != a:  # LLaMA's scaled pair takes the place of its rotated one
+            out["scaled queries and keys"] = 2 * t * a * hd * d
+        out["attention probabilities"] = 2 * b * a * s * keys * d
         out["attention output"] = t * a * hd * d
         return out
     out["attention logsumexp"] = b * a * s * ACC_BYTES
@@ -177,11 +198,12 @@ def _moe(spec: JobSpec, layer: LayerDesc, z: Sizes) -> tuple[dict[str, int], dic
     return saved, kept
 
 
-def _block(spec: JobSpec, layer: LayerDesc, z: Sizes, attention: str, dropout: float) -> tuple[dict, dict]:
+def _block(spec: JobSpec, layer: LayerDesc, z: Sizes, attention: str, dropout: float,
+           mask_bytes: int = MASK_BYTES) -> tuple[dict, dict]:
     t, ts, h, d = z.tokens, z.shard_tokens, z.hidden, z.dtype_bytes
     inputs, statistics = _norm(z.family, ts, h, d)
     saved = {"norm inputs": 2 * inputs, "norm statistics": 2 * statistics, "attention input": ts * h * d,
-             **_attention(z, attention, dropout)}
+             **_attention(z, attention, dropout, mask_bytes, selective(layer))}
     qkv_out = t * (z.heads + 2 * z.kv_heads) * z.head_dim * d
     kept = {"norm gradients": 2 * ts * h * d, "qkv gradient": qkv_out, "projection gradient": t * h * d}
     if "experts" in dict(layer.signature):
@@ -195,11 +217,11 @@ def _block(spec: JobSpec, layer: LayerDesc, z: Sizes, attention: str, dropout: f
     if z.sp and z.family != "llama":  # the row-parallel biases' gradients on the shard, beside the partial sums'
         kept["bias gradients"] = 2 * ts * h * d
     if dropout > 0:
-        saved["dropout masks"] = 2 * ts * h * MASK_BYTES
+        saved["dropout masks"] = 2 * ts * h * mask_bytes
     return saved, kept
 
 
-def _embedding(z: Sizes, dropout: float) -> dict[str, int]:
+def _embedding(z: Sizes, dropout: float, mask_bytes: int = MASK_BYTES) -> dict[str, int]:
     t, ts, h, d = z.tokens, z.shard_tokens, z.hidden, z.dtype_bytes
     split = z.tp > 1
     out = {"token ids": t * (INDEX_BYTES + (MASK_BYTES if split else 0))}
@@ -208,7 +230,7 @@ def _embedding(z: Sizes, dropout: float) -> dict[str, int]:
     if z.family == "bert":
         out["norm inputs"], out["norm statistics"] = _norm(z.family, ts, h, d)
     if dropout > 0:
-        out["dropout masks"] = ts * h * MASK_BYTES
+        out["dropout masks"] = ts * h * mask_bytes
     return out
 
 
@@ -229,24 +251,39 @@ def _head(z: Sizes) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def layer_terms(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, *, attention: str = "flash",
-                dropout: float = 0.0) -> dict[str, int]:
+                dropout: float | None = None, mask_bytes: int = MASK_BYTES) -> dict[str, int]:
     """What one forward of built-in `layer` saves for its backward (module docstring), by term, for `micro`
-    samples of `seq` tokens (a context-parallel rank's); a head's with its loss."""
-    return _terms(spec, layer, micro, seq, attention, dropout)[0]
+    samples of `seq` tokens (a context-parallel rank's); a head's with its loss. `dropout`: the layer's own
+    (its signature's) when None; `mask_bytes`: a dropout mask's element."""
+    return _terms(spec, layer, micro, seq, attention, dropout, mask_bytes)[0]
 
 
-def _terms(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, attention: str,
-           dropout: float) -> tuple[dict[str, int], dict[str, int]]:
+def _terms(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, attention: str, dropout: float | None,
+           mask_bytes: int = MASK_BYTES) -> tuple[dict[str, int], dict[str, int]]:
     if attention not in ATTENTION_KINDS:
         raise UserError(f"attention = {attention!r} is not one of {ATTENTION_KINDS}")
+    if dropout is None:
+        dropout = float(dict(layer.signature).get("dropout", 0.0))
     if not 0.0 <= dropout < 1.0:
         raise UserError(f"dropout = {dropout!r} is not a probability in [0, 1)")
+    if attention == "math" and not dropout:  # without dropout torch runs its fused kernel
+        attention = "flash"
     z = sizes(spec, layer, micro, seq)
     if z.kind == "embedding":
-        return _embedding(z, dropout), {}
+        return _embedding(z, dropout, mask_bytes), {}
     if z.kind == "head":
         return _head(z)
-    return _block(spec, layer, z, attention, dropout)
+    return _block(spec, layer, z, attention, dropout, mask_bytes)
+
+
+def attention_core_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **options) -> int:
+    """What a block's attention core saves beyond its inputs and the projection's input (its logsumexp, or its
+    s x s_k matrices, and its own output): what selective recompute leaves unsaved and its backward makes again."""
+    if layer.kind != "block":
+        return 0
+    whole = dataclasses.replace(layer, signature=tuple(item for item in layer.signature if item[0] != "recompute"))
+    core_recomputed = dataclasses.replace(whole, signature=whole.signature + (("recompute", "selective"),))
+    return saved_bytes(spec, whole, micro, seq, **options) - saved_bytes(spec, core_recomputed, micro, seq, **options)
 
 
 def saved_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **options) -> int:
@@ -272,11 +309,13 @@ def released_bytes(spec: JobSpec, layer: LayerDesc, micro: int, seq: int, **opti
 
 
 def held_bytes(spec: JobSpec, layers: list[LayerDesc], index: int, micro: int, seq: int, **options) -> int:
-    """What layer `index` holds from its forward to its backward: with recompute = "full" a recomputed layer
-    (harness.plan.layers.recomputed) its input alone (harness.plan.layers.input_bytes), else what its forward
-    saves for `micro` samples of `seq` tokens (a context-parallel rank's)."""
-    if spec.strategy.recompute == "full" and recomputed(layers[index]):
-        return input_bytes(spec, layers, index)
+    """What layer `index` holds from its forward to its backward: with recompute = "full" a layer its stage runs
+    again (harness.plan.layers.recompute_group) the input of its group (harness.plan.layers.input_bytes) if it is
+    the group's first, else nothing; any other what its forward saves for `micro` samples of `seq` tokens (a
+    context-parallel rank's)."""
+    group = recompute_group(spec, layers, index)
+    if group:
+        return input_bytes(spec, layers, index) if index == group[0] else 0
     return saved_bytes(spec, layers[index], micro, seq, **options)
 
 
@@ -294,21 +333,23 @@ def _compute_events(plan: EventPlan, phase: str) -> Iterator[tuple[str, LayerDes
             yield eid, plan.layers[index], content
 
 
-def formula_activation_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float = 0.0) -> dict[str, int]:
+def formula_activation_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float | None = None,
+                             mask_bytes: int = MASK_BYTES) -> dict[str, int]:
     """Forward event id -> the bytes its forward saves (`saved_bytes`; a recomputed layer's whole, as a profile
     measures it: analysis.memory applies recompute itself), and input-gradient event id (bwd_input) -> what it
     keeps for the weight step (`kept_bytes`), keyed as analysis.memory.activation_bytes(profile); a factory
     model's events are absent."""
     out = {eid: saved_bytes(plan.spec, layer, content["micro"], content["seq"], attention=attention,
-                            dropout=dropout)
+                            dropout=dropout, mask_bytes=mask_bytes)
            for eid, layer, content in _compute_events(plan, "fwd")}
     out.update({eid: kept_bytes(plan.spec, layer, content["micro"], content["seq"])
                 for eid, layer, content in _compute_events(plan, "bwd_input")})
     return out
 
 
-def formula_released_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float = 0.0) -> dict[str, int]:
+def formula_released_bytes(plan: EventPlan, *, attention: str = "flash", dropout: float | None = None,
+                           mask_bytes: int = MASK_BYTES) -> dict[str, int]:
     """Input-gradient event id (bwd_input) -> `released_bytes`, keyed as analysis.memory.released_bytes(profile)."""
     return {eid: released_bytes(plan.spec, layer, content["micro"], content["seq"], attention=attention,
-                                dropout=dropout)
+                                dropout=dropout, mask_bytes=mask_bytes)
             for eid, layer, content in _compute_events(plan, "bwd_input")}

@@ -15,9 +15,10 @@ Rules (docs/spec.md, "[search]"):
 - `auto` (`[search] auto = true` or `analysis search --auto`): every field the grid does not list takes every
   value that can make a job of the device count: each factorization of the count into dp x tp x cp x pp, each
   micro-batch size that divides the global batch over dp, every schedule (interleaved ones with the grid's
-  chunks, else 2), both recompute modes, every ZeRO stage, with tp > 1 sequence parallelism on and off, and for
-  a Mixture-of-Experts model every ep dividing the experts and dp; the spec's rules then reject what the model
-  cannot run (heads not divisible by tp, layers by pp, ...), as for any grid.
+  chunks, else 2), every recompute mode (none, selective, full; full with the spec's recompute_layers and
+  recompute_method), every ZeRO stage, with tp > 1 sequence parallelism on and off, and for a Mixture-of-Experts
+  model every ep dividing the experts and dp; the spec's rules then reject what the model cannot run (heads not
+  divisible by tp, layers by pp, ...), as for any grid.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def candidate_label(spec: JobSpec) -> str:
     s = spec.strategy
     chunks = f" chunks={s.chunks}" if s.chunks > 1 else ""
     recompute = f" recompute={s.recompute}" if s.recompute != "none" else ""
+    if s.recompute == "full" and (s.recompute_layers, s.recompute_method) != (1, "uniform"):
+        recompute += f" {s.recompute_method}:{s.recompute_layers}"
     zero = f" zero={s.zero}" if s.zero else ""
     sp = " sp" if s.sp else ""
     cp = f" cp={s.cp}" + (" allgather" if s.cp_comm == "allgather" else "") if s.cp > 1 else ""
@@ -175,7 +178,11 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, c
         nodes, per_node = 1, world
     else:
         raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
-    data = {**base, "strategy": {**base["strategy"], "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
+    strategy = dict(base["strategy"])
+    if recompute != "full":  # which blocks full recompute runs again (the spec's) is for full recompute alone
+        strategy.pop("recompute_layers", None)
+        strategy.pop("recompute_method", None)
+    data = {**base, "strategy": {**strategy, "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
                                  "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep},
             "batch": {**base["batch"], "micro": micro},
             "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}

@@ -22,10 +22,12 @@ from harness.plan.candidates import Grid, expand
 from harness.plan.layers import (
     HIDDEN_ALLREDUCE,
     LayerDesc,
+    attention_core_flops,
     collective_kind,
     describe,
-    recomputed,
+    recompute_groups,
     replicated_params,
+    selective,
     sequence_shards,
     split_into_stages,
 )
@@ -182,8 +184,9 @@ class StageProgram:
     send_backward: str | None  # gradient to the previous virtual stage
     forward_layers: list[int] = field(default_factory=list)  # layer index of each forward item (-1: collective)
     backward_layers: list[int] = field(default_factory=list)
-    # recompute = "full": which backward items run a recomputed layer's forward (harness.plan.layers.recomputed)
-    # again, its tensor-parallel all-reduces included, right before that layer's backward
+    # recompute = "full": which backward items run a recomputed layer's forward again, its tensor-parallel
+    # all-reduces included, right before the backward of the last layer of its group (harness.plan.layers
+    # .recompute_groups: the group's forwards in order, then their backwards in reverse)
     backward_again: list[bool] = field(default_factory=list)
     # zero > 0: the first micro-batch's forward (events, layers) where it differs (FSDP gathers the weights
     # then), and the last one's backward (events, layers, again) where it differs (zero 1 reduce-scatters then)
@@ -357,14 +360,17 @@ class EventPlan:
         for vs, stage_layers in enumerate(stages):
             tp_groups, dp_groups = tp_groups_of_stage[vs % s.pp], dp_groups_of_stage[vs % s.pp]
             # a stage's tensor-parallel all-reduces are one event (hidden-sized, tp ranks), counted once for all
-            again = {id(layer) for layer in stage_layers if s.recompute == "full" and recomputed(layer)}
+            groups = recompute_groups(spec, stage_layers)
+            again = {id(stage_layers[position]) for group in groups for position in group}
             calls = sum(layer.tp_allreduces for layer in stage_layers)
             calls_again = sum(layer.tp_allreduces for layer in stage_layers if id(layer) in again)
             tp_allreduce = self._collective("allreduce", activation, s.tp, tp_groups, m * (2 * calls + calls_again),
                                             "tensor-parallel groups") if calls else ""
             tp_events = {HIDDEN_ALLREDUCE: tp_allreduce} if tp_allreduce else {}
 
-            def layer_collectives(layer: LayerDesc, pass_: str) -> list[tuple[str, int]]:
+            def layer_collectives(layer: LayerDesc, pass_: str, vs: int = vs, again: set[int] = again,
+                                  tp_groups: GroupPlacements = tp_groups,
+                                  tp_events: dict[str, str] = tp_events) -> list[tuple[str, int]]:
                 """A layer's own tensor-parallel collectives in its forward or backward (LayerDesc.tp_forward: a
                 vocabulary-parallel layer's all-reduces, sequence parallelism's all-gathers and reduce-scatters)."""
                 out = []
@@ -418,21 +424,26 @@ class EventPlan:
                 per_stage.append((layer, index, items, b_id, gather, scatter, layer_collectives(layer, "bwd")))
                 weights.append((w_id, index))
 
-            def forward(first: bool) -> list[tuple[str, int]]:
+            def forward(first: bool, per_stage: list = per_stage) -> list[tuple[str, int]]:
                 """zero 1 and 2 gather a layer's weights in the iteration's first forward, zero 3 in every one."""
                 out = []
                 for _, _, items, _, gather, _, _ in per_stage:
                     out += ([(gather, -1)] if gather and (first or s.zero == 3) else []) + items
                 return out
 
-            def backward(last: bool) -> tuple[list[tuple[str, int]], list[bool], list[tuple[int, int]]]:
-                """Per layer in reverse: zero 3 gathers its weights, recompute runs its forward again, its
-                backward, and zero 2 and 3 (zero 1 in the last one) reduce-scatter its gradients. Also each
-                layer's (position of its last item, gradient bytes), for the data-parallel buckets."""
+            def backward(last: bool, per_stage: list = per_stage, groups: list[list[int]] = groups,
+                         tp_allreduce: str = tp_allreduce
+                         ) -> tuple[list[tuple[str, int]], list[bool], list[tuple[int, int]]]:
+                """Per layer in reverse: zero 3 gathers its weights, recompute runs its group's forwards again (at
+                the group's last layer), its backward, and zero 2 and 3 (zero 1 in the last one) reduce-scatter its
+                gradients. Also each layer's (position of its last item, gradient bytes), for the data-parallel
+                buckets."""
                 out, flags, grads = [], [], []
-                for layer, index, items, b_id, gather, scatter, after in reversed(per_stage):
+                group_ending = {group[-1]: group for group in groups}
+                for position in reversed(range(len(per_stage))):
+                    layer, index, items, b_id, gather, scatter, after = per_stage[position]
                     head = [(gather, -1)] if gather and s.zero == 3 else []
-                    redo = items if id(layer) in again else []
+                    redo = [item for q in group_ending.get(position, ()) for item in per_stage[q][2]]
                     own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces + after
                     out += head + redo + own
                     flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
@@ -447,7 +458,7 @@ class EventPlan:
             weight = [(w_id, index) for w_id, index in reversed(weights) if w_id]
             if s.split_backward:  # a layer's gradients are made by its W item (all ready at the W step's end)
                 grads, position = [], -1
-                for (w_id, index), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
+                for (w_id, _), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
                     position += bool(w_id)
                     grads.append((max(position, 0), (layer.params - layer.expert_params) * dtype_bytes))
             buckets = self._buckets(grads, dp_groups) if s.gradient_replicas > 1 and not s.zero else []
@@ -508,9 +519,9 @@ class EventPlan:
     def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int,
                       split: bool) -> tuple[str, str, str]:
         """A layer's forward, backward and weight-gradient events (multiplicities left to the caller): the
-        backward whole (2 forwards' FLOPs) and no weight event, or with `split` torch.distributed.pipelining's
-        stage_backward_input and stage_backward_weight, a forward's FLOPs each (no weight event, '', for a
-        layer without parameters)."""
+        backward whole (2 forwards' FLOPs, and a selectively recomputed block's attention core's forward again)
+        and no weight event, or with `split` torch.distributed.pipelining's stage_backward_input and
+        stage_backward_weight, a forward's FLOPs each (no weight event, '', for a layer without parameters)."""
         sig = dict(layer.signature)
         label = layer_label(layer)
         compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
@@ -518,8 +529,9 @@ class EventPlan:
         traffic = self._traffic(layer, index, micro * seq)
         forward = self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic)
         if not split:
-            return (forward, self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops, 0,
-                                       2.0 * traffic), "")
+            again = attention_core_flops(layer, micro, seq) if selective(layer) else 0.0
+            return (forward, self._add("compute", f"{label}.bwd", {**compute, "phase": "bwd"}, 2.0 * flops + again,
+                                       0, 2.0 * traffic), "")
         inputs = self._add("compute", f"{label}.bwd_input", {**compute, "phase": "bwd_input"}, flops, 0, traffic)
         weights = self._add("compute", f"{label}.bwd_weight", {**compute, "phase": "bwd_weight"}, flops, 0,
                             traffic) if layer.params else ""

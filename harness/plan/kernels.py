@@ -21,6 +21,7 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +174,9 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
     if "experts" in sig:
         raise UserError("a Mixture-of-Experts block's kernels are not listed yet (its experts' token counts differ "
                         "by rank); profile the job (python -m harness profile) to cost it")
+    if sig.get("recompute") == "selective" or sig.get("dropout"):  # the layer's own (harness.plan.layers)
+        shape = dataclasses.replace(shape, recompute=sig.get("recompute", shape.recompute),
+                                    dropout=float(sig.get("dropout", shape.dropout)))
     forward = {"embedding": _embedding, "block": _block, "head": _head}[kind](sig, shape)
     if phase == "fwd":
         return forward

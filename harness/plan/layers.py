@@ -183,7 +183,7 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
 
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
                      sp: bool = False, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
-                     tokens: int = 0) -> list[LayerDesc]:
+                     tokens: int = 0, selective: bool = False) -> list[LayerDesc]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
@@ -200,12 +200,16 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     queries attend to the whole sequence (its attention FLOPs per local token x cp) through the exchanges of
     context_parallel_block; the block's and the embedding's signatures say ("cp", cp) (the embedding adds its
     tokens' positions), the block's also a cp_comm other than the ring.
+    With dropout (the model's, Megatron-LM's hidden and attention dropout) the block's and the embedding's
+    signatures say ("dropout", P); with `selective` (recompute = "selective") the block's says ("recompute",
+    "selective"): its backward runs its attention core's forward again (attention_core_flops).
     """
     h, ffn = model.hidden, model.ffn
     shards = tp if vocab_parallel and tp > 1 else 1
     v = model.vocab // shards
     head_dim = h // model.heads
     base = (("family", model.family), ("hidden", h), ("dtype", model.dtype))
+    dropped = (("dropout", model.dropout),) if model.dropout else ()
     if model.family == "llama":
         proj = h * (model.heads + 2 * model.kv_heads) * head_dim + h * h + 3 * h * ffn
     else:
@@ -219,7 +223,7 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     block = LayerDesc(
         kind="block",
         signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)) + sequence
-        + context,
+        + context + dropped + ((("recompute", "selective"),) if selective else ()),
         params=block_params(model, tp),
         fwd_flops_per_token=2.0 * proj / tp,
         attn_flops_per_token_per_seq=4.0 * h / tp * cp,  # QK^T and attention x V, over the whole sequence's keys
@@ -230,7 +234,7 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     sharded = (("tp", shards),) if shards > 1 else ()
     gathered = (SEQ_REDUCESCATTER if sp else HIDDEN_ALLREDUCE, hidden_bytes, model.dtype)
     embedding = LayerDesc(kind="embedding", signature=base + (("vocab", model.vocab), ("max_seq", model.seq_len))
-                          + sharded + sequence + context[:1], params=embedding_params(model, shards),
+                          + sharded + sequence + context[:1] + dropped, params=embedding_params(model, shards),
                           fwd_flops_per_token=float(h),
                           out_features=(h,), tp_forward=(gathered,) * bool(sharded),
                           tp_backward=((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ())
@@ -317,14 +321,53 @@ def describe(spec: JobSpec, user_layers: list[LayerDesc] | None = None) -> list[
         return user_layers
     s = spec.strategy
     return describe_builtin(spec.model, s.tp, s.vocab_parallel, s.pp, s.sp, s.cp, s.cp_comm, s.ep,
-                            spec.batch.micro * spec.model.seq_len // s.cp)
+                            spec.batch.micro * spec.model.seq_len // s.cp, selective=s.recompute == "selective")
 
 
 def recomputed(layer: LayerDesc) -> bool:
-    """Whether recompute = "full" runs this layer's forward again before its backward: the transformer blocks
+    """Whether full recompute may run this layer's forward again before its backward: the transformer blocks
     (as Megatron-LM's full recompute: the embedding and the head with the loss keep what they save), and every
-    layer of a factory model."""
+    layer of a factory model (recompute_groups says which do)."""
     return layer.kind in ("block", "user")
+
+
+def recompute_groups(spec: JobSpec, stage: list[LayerDesc]) -> list[list[int]]:
+    """With recompute = "full", the layers (positions in `stage`, one virtual stage's layers in forward order) that
+    torch.utils.checkpoint runs again together before their backward, in forward order, as Megatron-LM's
+    --recompute-method: of the stage's `recomputed` layers, "uniform" cuts them into chunks of recompute_layers
+    (each chunk keeps its input alone and runs again whole), "block" takes the first recompute_layers, each alone
+    (the others keep what they save). None with another recompute mode."""
+    s = spec.strategy
+    if s.recompute != "full":
+        return []
+    positions = [p for p, layer in enumerate(stage) if recomputed(layer)]
+    n = s.recompute_layers
+    if s.recompute_method == "block":
+        return [[p] for p in positions[:n]]
+    return [positions[i:i + n] for i in range(0, len(positions), n)]
+
+
+def recompute_group(spec: JobSpec, layers: list[LayerDesc], index: int) -> list[int]:
+    """The recompute group (recompute_groups) of layer `index` of the model's `layers`, as indexes into them; empty
+    where full recompute does not run it again."""
+    start = 0
+    for stage in split_into_stages(layers, spec.model, spec.strategy.virtual_stages):
+        if start <= index < start + len(stage):
+            return next(([start + p for p in group] for group in recompute_groups(spec, stage)
+                         if index - start in group), [])
+        start += len(stage)
+    return []
+
+
+def selective(layer: LayerDesc) -> bool:
+    """Whether this block's backward runs its attention core again (recompute = "selective")."""
+    return dict(layer.signature).get("recompute") == "selective"
+
+
+def attention_core_flops(layer: LayerDesc, micro: int, seq: int) -> float:
+    """The attention core's forward FLOPs (QK^T and attention x V over the whole sequence's keys) in one
+    micro-batch: what selective recompute runs again in the backward."""
+    return micro * seq * layer.attn_flops_per_token_per_seq * seq
 
 
 def user_input(layer: LayerDesc, model_dtype: str) -> tuple[tuple[int, ...], str]:

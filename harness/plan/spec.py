@@ -20,7 +20,10 @@ from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, defau
 
 SPEC_VERSION = 1
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RECOMPUTE = ("none", "full")  # activation recompute: keep every saved activation, or each block's input only
+# activation recompute: keep every saved activation; the attention core's recomputed (Megatron-LM's selective); or
+# each block's input only (full)
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")  # full recompute of a part of a stage's blocks (Megatron-LM's meanings)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
 CP_COMMS = ("ring", "allgather")  # how context parallelism's attention gets the other ranks' keys and values
@@ -69,10 +72,10 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
               "tie_embeddings", "experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor",
-              "routing", "expert_histogram", "vocab_divisible_by"},
+              "routing", "expert_histogram", "vocab_divisible_by", "dropout"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
-                 "vocab_parallel", "sp", "cp", "cp_comm", "ep"},
+                 "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "device", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
@@ -116,6 +119,9 @@ class ModelSpec:
     capacity_factor: float = 0.0
     routing: str = "uniform"
     expert_histogram: tuple[tuple[float, ...], ...] = ()
+    # Megatron-LM's hidden and attention dropout: the probabilities after attention's softmax, each sub-layer's
+    # output before its residual add and the embedding's output dropped with this probability (built-ins only)
+    dropout: float = 0.0
 
     @property
     def dtype_bytes(self) -> int:
@@ -151,8 +157,14 @@ class StrategySpec:
     chunks: int = 1  # model chunks per pipeline device (interleaved schedules only)
     dp_overlap: bool = True  # all-reduce gradient buckets during the backward, as DDP does
     bucket_mb: float = 25.0  # DDP's default bucket size
-    # full: each block's forward is run again before its backward (harness.plan.layers.recomputed)
+    # full: each block's forward is run again before its backward (harness.plan.layers.recompute_groups);
+    # selective: each block's attention core (Megatron-LM's --recompute-granularity selective)
     recompute: str = "none"
+    # full recompute, Megatron-LM's --recompute-num-layers and --recompute-method: uniform, a stage's blocks in
+    # chunks of recompute_layers, each chunk's input kept and the chunk run again; block, its first
+    # recompute_layers blocks run again (each its own), the rest keep what they save
+    recompute_layers: int = 1
+    recompute_method: str = "uniform"
     zero: int = 0  # ZeRO stage over the data-parallel replicas: 1 optimizer, 2 and gradients, 3 and weights (FSDP2)
     # tp > 1: the embedding and the head sharded over the tp group by vocabulary, the cross-entropy computed
     # vocabulary-parallel (Megatron-LM); false: both replicated on every tp rank
@@ -284,6 +296,8 @@ class JobSpec:
             m["vocab"] = self.model.unpadded_vocab
         if not m["vocab_divisible_by"]:
             del m["vocab_divisible_by"]
+        if not m["dropout"]:
+            del m["dropout"]
         if not self.model.moe:  # a dense model's spec names no Mixture-of-Experts field
             for key in ("experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing",
                         "expert_histogram"):
@@ -291,6 +305,8 @@ class JobSpec:
         elif not m["expert_histogram"]:
             del m["expert_histogram"]
         s = dataclasses.asdict(self.strategy)
+        if (s["recompute_layers"], s["recompute_method"]) == (1, "uniform"):  # every block, as without them
+            del s["recompute_layers"], s["recompute_method"]
         search = {k: v if isinstance(v, bool) else list(v) for k, v in dataclasses.asdict(self.search).items() if v}
         out = {
             "spec_version": SPEC_VERSION,
@@ -337,6 +353,10 @@ class JobSpec:
                 known = sorted(_SECTIONS["strategy"] | _SECTIONS["batch"] | _SECTIONS["cluster"])
                 raise SpecError(f"unknown field {key!r}; expected one of {', '.join(known)}", source="--strategy")
             data[section][key] = value
+        if changes.get("recompute", "full") != "full":  # which blocks full recompute runs again: none then
+            for key in ("recompute_layers", "recompute_method"):
+                if key not in changes:
+                    data["strategy"].pop(key, None)
         if "schedule" in changes and "chunks" not in changes:  # the schedule's default, as in a TOML spec
             data["strategy"]["chunks"] = default_chunks(changes["schedule"])
         if not {"nodes", "gpus_per_node"} & set(changes):
@@ -455,10 +475,48 @@ def _choice(section: dict, key: str, where: str, default: str, choices) -> str:
 
 
 def _recompute(value: Any, field: str) -> str:
-    if value == "selective":
-        raise SpecError("selective recompute (attention only, as Megatron-LM) is not built: the built-in blocks "
-                        "run attention as one module with their MLP; use 'none' or 'full'", field=field)
     return _choice({"recompute": value}, "recompute", field.rsplit(".", 1)[0], "none", RECOMPUTE)
+
+
+def _dropout(m: dict, family: str) -> float:
+    """[model] dropout: a probability in [0, 1), for the built-in families."""
+    value = m.get("dropout", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SpecError(f"must be a probability from 0 up to 1 (Megatron-LM's --hidden-dropout and "
+                        f"--attention-dropout, 0.1 by default there), got {value!r}", field="model.dropout")
+    if value and family == "user":
+        raise SpecError("a factory model applies its own dropout; dropout is for the built-in families",
+                        field="model.dropout")
+    return float(value)
+
+
+def _check_recompute(model: ModelSpec, strategy: StrategySpec, given: dict) -> None:
+    """What selective and partial full recompute need (one SpecError each)."""
+    partial = [key for key in ("recompute_layers", "recompute_method") if key in given]
+    if partial and strategy.recompute != "full":
+        raise SpecError(f"{partial[0]} chooses which blocks full recompute runs again, and recompute is "
+                        f"{strategy.recompute!r}: set recompute = 'full', or drop {' and '.join(partial)}",
+                        field=f"strategy.{partial[0]}")
+    stage_blocks = -(-model.layers // strategy.virtual_stages)
+    if strategy.recompute_layers > stage_blocks:
+        raise SpecError(f"recompute_layers = {strategy.recompute_layers} is more than a pipeline stage's "
+                        f"{stage_blocks} blocks (layers / (pp x chunks)); set it from 1 to {stage_blocks}",
+                        field="strategy.recompute_layers")
+    if strategy.recompute_method == "uniform" and strategy.recompute_layers > 1 and strategy.zero == 3:
+        raise SpecError(f"recompute_layers = {strategy.recompute_layers} (uniform) with zero = 3 is not built "
+                        "(FSDP2 gathering a chunk of blocks to run them again); set zero < 3, recompute_layers "
+                        "= 1, or recompute_method = 'block'", field="strategy.recompute_layers")
+    if strategy.recompute == "selective":
+        if model.family == "user":
+            raise SpecError("selective recompute runs the attention core again, and a factory model's attention "
+                            "is its own code; use recompute = 'full' or 'none'", field="strategy.recompute")
+        if strategy.cp > 1:
+            raise SpecError(f"selective recompute with cp = {strategy.cp} is not built (the ring's exchanges run "
+                            "again in the backward); use recompute = 'full' or 'none', or cp = 1",
+                            field="strategy.recompute")
+    if model.dropout and strategy.cp > 1:
+        raise SpecError(f"dropout with cp = {strategy.cp} is not built (the attention dropout across a "
+                        "context-parallel ring); set dropout = 0, or cp = 1", field="model.dropout")
 
 
 def _flag(section: dict, key: str, where: str, default: bool) -> bool:
@@ -559,7 +617,8 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
         raise SpecError("a factory model sizes its own vocabulary; vocab_divisible_by is for the built-in models",
                         field="model.vocab_divisible_by")
     return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie,
-                     vocab_divisible_by=divisible_by, **ints, **_parse_experts(merged, ints, m))
+                     vocab_divisible_by=divisible_by, dropout=_dropout(m, merged["family"]), **ints,
+                     **_parse_experts(merged, ints, m))
 
 
 def _parse_experts(merged: dict, ints: dict, given_fields: dict) -> dict[str, Any]:
@@ -668,7 +727,9 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             vocab_parallel=_flag(s, "vocab_parallel", "strategy", True),
                             sp=_flag(s, "sp", "strategy", False), cp=_int(s, "cp", "strategy", 1),
                             cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS),
-                            ep=_int(s, "ep", "strategy", 1))
+                            ep=_int(s, "ep", "strategy", 1),
+                            recompute_layers=_int(s, "recompute_layers", "strategy", 1),
+                            recompute_method=_choice(s, "recompute_method", "strategy", "uniform", RECOMPUTE_METHODS))
     model = pad_vocab(model, strategy)
     c = data["cluster"]
     memory = c.get("device_memory_gb")
@@ -745,6 +806,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             "(sp = true)", field="model.seq_len")
     if strategy.cp > 1:
         _check_context_parallel(model, strategy)
+    _check_recompute(model, strategy, s)
     if model.moe or strategy.ep > 1:
         _check_experts(model, strategy)
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":

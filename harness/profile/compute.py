@@ -70,7 +70,7 @@ def _make_layer(spec: JobSpec, content: dict, device: torch.device,
             context.update(ep_group=group, ep_rank=dist.get_rank(group))
             group = None
     layer = build_layer(model, kind, tp=tp, group=group, tied=bool(signature.get("tied", False)), sp=sp,
-                        **context).to(device)
+                        selective=signature.get("recompute") == "selective", **context).to(device)
     if kind == "embedding":
         return layer, lambda: torch.randint(0, model.vocab, (micro, seq), device=device)
     # the content's seq is a context-parallel rank's (seq / cp); sequence parallelism splits it over tp
@@ -156,6 +156,13 @@ class ComputeSamples(NamedTuple):
     released_bytes: int | None = None
 
 
+def runner_content(spec: JobSpec, content: dict) -> dict:
+    """An event's content as its runners use it: with `last` set on the model's last layer, whose forward
+    includes the loss."""
+    kind = content.get("layer")
+    return dict(content, last=kind == "head" or (kind == "user" and _is_last_user_layer(spec, content)))
+
+
 class ComputeRunner:
     """One compute event ready to run: its layer, inputs and (for the optimizer step) its optimizer with gradients.
 
@@ -171,8 +178,7 @@ class ComputeRunner:
         self.spec, self.device = spec, device
         self.phase = content["phase"]
         kind = content.get("layer")
-        is_last = kind == "head" or (kind == "user" and _is_last_user_layer(spec, content))
-        self.content = dict(content, last=is_last)
+        self.content = runner_content(spec, content)
         self.optimizers = []
         if self.phase == "optimizer":  # one optimizer over a device's parameters, as harness train steps it
             shapes = parameter_shapes(spec, content["layers"], device)

@@ -29,6 +29,7 @@ import numpy as np
 from harness.common.errors import UserError, WriteError
 from harness.common.progress import Progress
 from harness.models.user import factory_layers
+from harness.plan.candidates import expand
 from harness.plan.events import COMM_KINDS, UniqueEvents, build_plan
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.plan.spec import JobSpec
@@ -41,6 +42,9 @@ from harness.store.hdf5_schema import (
     COMPUTE_PHASE_ATTR,
     DIVIDE_SERIES,
     HOST_ISSUE_SERIES,
+    IN_CONTEXT_CHAINS_ENV,
+    IN_CONTEXT_SERIES,
+    IN_CONTEXT_WALL_ENV,
     PRECISION_ATTR,
     PRECISION_BUDGET_ATTR,
     PRECISION_GOAL_ATTR,
@@ -62,7 +66,7 @@ from launcher.topology import Topology, discover, mpi_library_version
 FAIL_RANK_VAR = "DISTSIM_FAIL_RANK"  # test-only: this rank raises at the start of a phase:
 FAIL_PHASE_VAR = "DISTSIM_FAIL_PHASE"  # test-only: that phase ("compute" unless set)
 FAIL_HOW_VAR = "DISTSIM_FAIL_HOW"  # test-only: "kill" for SIGKILL instead of an exception
-FAILABLE_PHASES = ("compute", "tensor-parallel composites", "communication", "merge")
+FAILABLE_PHASES = ("compute", "in context", "tensor-parallel composites", "communication", "merge")
 PROGRESS_TAG = 7701
 FLUSH_EVERY_S = 10.0
 
@@ -81,6 +85,11 @@ class ProfileResult:
     # events of the profile whose samples miss the precision asked for: (name, precision reached)
     missed_precision: list[tuple[str, float]] = field(default_factory=list)
     precision: float = 0.0  # the precision asked for
+    compute_wall_s: float = 0.0  # the compute phase's wall time (the layers alone)
+    in_context_wall_s: float = 0.0  # what the in-context chains added to it
+    in_context_chains: int = 0  # distinct stage chains run
+    # chains that could not run here, with why (their events keep their isolated samples)
+    in_context_skipped: list[str] = field(default_factory=list)
 
 
 class Watchdog:
@@ -298,6 +307,11 @@ class ProfileRun:
     profiler: Any = None  # harness.profile.comm.CommProfiler
     busy_s: float = 0.0  # this rank's time spent measuring
     compute_wall_s: float = 0.0
+    # every distinct stage's chain of the events profiled (harness.profile.in_context.StageChain)
+    chains: list = field(default_factory=list)
+    in_context_wall_s: float = 0.0
+    in_context_chains: int = 0
+    in_context_skipped: list[str] = field(default_factory=list)
     comm_start: float = 0.0  # perf_counter at the communication phase's start
 
     @property
@@ -326,14 +340,25 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
                 events: UniqueEvents | None = None) -> ProfileResult | None:
     """Profile the unique `events` (default: those of `spec`'s plan) on the ranks of `comm` into `outdir`, one
     phase after another; rank 0 returns the result, others None."""
+    from harness.profile.in_context import stage_chains
+
     topology = discover(comm)
-    run = ProfileRun(spec, events if events is not None else build_plan(spec, factory_layers(spec)).unique(), outdir, comm, topology,
-                     Watchdog(comm, topology.rank, spec.profile.timeout_s), force=force, show_progress=show_progress)
+    layers = factory_layers(spec)
+    if events is None:
+        events = build_plan(spec, layers).unique()
+    run = ProfileRun(spec, events, outdir, comm, topology, Watchdog(comm, topology.rank, spec.profile.timeout_s),
+                     force=force, show_progress=show_progress)
+    # the stages of every plan whose events these are (a search's candidates), as chains of those events
+    run.chains = [chain for chain in stage_chains(build_plan(candidate, layers) for candidate in
+                                                  (expand(spec).candidates if spec.search else [spec]))
+                  if chain.events <= set(events.events)]
     try:
         run.begin("set-up")
         _set_up(run)
         run.begin("compute")
         _profile_compute(run)
+        run.begin("in context")
+        _profile_in_context(run)
         run.begin("tensor-parallel composites")
         _profile_composites(run)
         run.begin("communication")
@@ -454,6 +479,41 @@ def _profile_compute(run: ProfileRun) -> None:
     yielding_barrier(comm, sleep_s=1e-3)  # ranks still sampling to the precision keep their cores
     run.recorder.save(run.comm)  # then every rank writes, together
     run.compute_wall_s = time.perf_counter() - phase_start
+
+
+def _profile_in_context(run: ProfileRun) -> None:
+    """Every rank its share of the distinct stage chains that hold an event measured in this run, each event
+    timed inside them (harness.profile.in_context), within BUDGET_FRACTION of the compute phase's wall time;
+    every rank's samples to every rank, each adding them to the compute measurements it took in this run."""
+    from harness.profile.in_context import BUDGET_FRACTION, measure_chains
+
+    comm, rank = run.comm, run.rank
+    measured_now = {eid for ids in run.placement.compute.values() for eid in ids}
+    chains = [chain for chain in run.chains if chain.events & measured_now]
+    contents = {eid: event.content for eid, event in run.unique.events.items()}
+    # the same budget on every rank, from the phase they shared
+    budget_s = BUDGET_FRACTION * comm.bcast(run.compute_wall_s if rank == 0 else None, root=0)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    skipped: list[str] = []
+    samples = measure_chains(run.spec, chains[rank::comm.Get_size()], contents, run.device, run.warmup,
+                             run.repeats, budget_s,
+                             on_skip=lambda chain, why: skipped.append(
+                                 f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
+    run.busy_s += time.perf_counter() - t0
+    gathered = comm.allgather(samples)
+    run.in_context_skipped = [item for part in comm.allgather(skipped) for item in part]
+    by_event: dict[str, list[np.ndarray]] = {}
+    for part in gathered:
+        for eid, values in part.items():
+            by_event.setdefault(eid, []).append(values)
+    for eid in run.placement.compute.get(rank, []):
+        measurement = run.recorder.measurements.get(eid)
+        if measurement is not None and eid in by_event:
+            measurement.series[IN_CONTEXT_SERIES] = np.concatenate(by_event[eid])
+    run.recorder.save(comm)
+    run.in_context_wall_s = time.perf_counter() - t0
+    run.in_context_chains = len(chains)
 
 
 def _to_precision(run: ProfileRun, task, measure_once, samples_of, statistic: str, deadline: float) -> list:
@@ -593,6 +653,7 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)),
         "compute_wall_s": run.compute_wall_s, "comm_wall_s": comm_wall_s,
         "warmup": run.warmup, "repeats": run.repeats, "precision": run.spec.profile.precision,
+        IN_CONTEXT_WALL_ENV: run.in_context_wall_s, IN_CONTEXT_CHAINS_ENV: run.in_context_chains,
         "budget_s": run.spec.profile.budget_s, "host_memory": run.host_memory,
         SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
@@ -610,7 +671,9 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
     return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
                          wall_s=finished - run.started, device_seconds=float(sum(busy)),
                          binding_note=topology.unbound_note() if run.device.type == "cpu" else None,
-                         missed_precision=missed, precision=goal)
+                         missed_precision=missed, precision=goal, compute_wall_s=run.compute_wall_s,
+                         in_context_wall_s=run.in_context_wall_s, in_context_chains=run.in_context_chains,
+                         in_context_skipped=run.in_context_skipped)
 
 
 def _slurm_environment(topology: Topology) -> dict:

@@ -34,7 +34,16 @@ DIVIDE_SERIES = "divide_samples_s"
 # all-reduces only: the buffer's zeroing that came after each all-reduce (how a replica clears its gradient
 # bucket for the next iteration)
 ZERO_SERIES = "zero_samples_s"
-SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES)
+# compute forwards, whole backwards and optimizer steps only: the event timed inside each distinct stage's chain
+# run as one (harness.profile.in_context), every position of every chain holding it; where present the costs use
+# it instead of samples_s (the layer alone)
+IN_CONTEXT_SERIES = "in_context_samples_s"
+SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES,
+          IN_CONTEXT_SERIES)
+# /environment: the wall seconds the in-context chains took (what they added to the profile), and how many
+# distinct stage chains ran
+IN_CONTEXT_WALL_ENV = "in_context_wall_s"
+IN_CONTEXT_CHAINS_ENV = "in_context_chains"
 # compute backwards only, an attribute: what each further backward() call cost the measuring rank's host
 # (harness.profile.compute.measure_backward_call); every sample paid it, a training step pays it once
 BACKWARD_CALL_ATTR = "backward_call_s"

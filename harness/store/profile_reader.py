@@ -23,6 +23,7 @@ from harness.store.hdf5_io import open_file, read_attrs, read_environment, read_
 from harness.store.hdf5_schema import (
     DIVIDE_SERIES,
     HOST_ISSUE_SERIES,
+    IN_CONTEXT_SERIES,
     PROFILE_KIND,
     READ_VERSIONS,
     REMEDIES,
@@ -96,6 +97,12 @@ class MeasuredEvent(CommunicationFields):
         """All-reduces: the buffer's zeroing timed after each all-reduce (a data-parallel replica clearing its
         gradient bucket for the next iteration); empty where the profile has none."""
         return self.series[ZERO_SERIES]
+
+    @property
+    def in_context_samples_s(self) -> np.ndarray:
+        """Compute: the event timed inside its stages' chains run as one (harness.profile.in_context); empty
+        where the profile has none (older profiles, split backwards, chains that could not run)."""
+        return self.series[IN_CONTEXT_SERIES]
 
     @property
     def sample_end_s(self) -> np.ndarray:

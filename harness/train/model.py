@@ -30,6 +30,13 @@ def layer_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position * 7_919 + 17) % (2**63 - 1)
 
 
+def dropout_seed(seed: int, pp_rank: int) -> int:
+    """The seed of torch's global generator, which dropout draws from, on pipeline rank `pp_rank` for run seed
+    `seed`: every tensor- and data-parallel rank of a stage alike, as Megatron-LM seeds it (seed + 100 x its
+    pipeline rank), so that a tensor-parallel group's replicated activations stay equal."""
+    return (seed * 1_000_003 + 100 * pp_rank + 29) % (2**63 - 1)
+
+
 def _column_sections(name: str, model: ModelSpec) -> list[int] | None:
     """How a column-parallel weight's output rows are grouped (each group is split over tp separately)."""
     head_dim = model.hidden // model.heads
@@ -58,14 +65,15 @@ def shard_tensor(name: str, full: torch.Tensor, model: ModelSpec, tp: int, tp_in
     return full  # replicated: norms, row-parallel biases
 
 
-def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int, tied: bool = False) -> nn.Module:
+def build_full_layer(model: ModelSpec, kind: str, seed: int, position: int, tied: bool = False,
+                     selective: bool = False) -> nn.Module:
     """A whole (tp = 1) built-in layer, initialised from its own seed; the global RNG is left untouched. With
     tie_embeddings a head that keeps a copy of the token table (`tied` false: another pipeline stage holds the
     embedding) starts from the embedding's weights, as Megatron-LM initializes it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, position))
         moe_layer = moe_index_of(model, position) if kind == "block" else None
-        layer = build_layer(model, kind, 1, None, tied=tied, moe_layer=moe_layer)
+        layer = build_layer(model, kind, 1, None, tied=tied, moe_layer=moe_layer, selective=selective)
     if kind == "head" and model.tie_embeddings and not tied:
         with torch.no_grad():
             layer.out.weight.copy_(build_full_layer(model, "embedding", seed, 0).tokens.weight)
@@ -79,18 +87,19 @@ def replicated(name: str, model: ModelSpec) -> bool:
 
 def build_shard(model: ModelSpec, kind: str, seed: int, position: int, tp: int, tp_index: int, group,
                 tied: bool = False, sp: bool = False, context: dict | None = None,
-                experts: dict | None = None) -> nn.Module:
+                experts: dict | None = None, selective: bool = False) -> nn.Module:
     """This rank's layer: the whole layer for tp = 1; else shard `tp_index` of `tp` cut from it (a block's
     Megatron shard, an embedding's or head's by vocabulary); `tied`: a head to tie to the embedding; `sp`:
     sequence-parallel; `context`: context parallelism's build_layer arguments (cp, cp_group, cp_rank, cp_comm);
-    `experts`: expert parallelism's (ep, ep_group, ep_rank): a MoE block holding ep rank's experts of the whole."""
-    full = build_full_layer(model, kind, seed, position, tied)
+    `experts`: expert parallelism's (ep, ep_group, ep_rank): a MoE block holding ep rank's experts of the whole;
+    `selective`: a block whose attention core is recomputed in the backward."""
+    full = build_full_layer(model, kind, seed, position, tied, selective)
     if tp == 1 and not context and not experts:
         return full
     moe_layer = moe_index_of(model, position) if kind == "block" else None
     with torch.random.fork_rng(devices=[]):
         shard = build_layer(model, kind, tp, group, tp_index, tied, sp, **(context or {}), moe_layer=moe_layer,
-                            **(experts or {}))
+                            **(experts or {}), selective=selective)
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         if experts and shard.moe is not None:
@@ -138,7 +147,7 @@ def build_layers(spec: JobSpec, layers: Sequence[LayerDesc], positions: Sequence
         out[position] = build_shard(spec.model, layers[position].kind, seed, position, shards, tp_index, group,
                                     tied=bool(signature.get("tied", False)),
                                     sp=bool(signature.get("sp", False)) and not whole, context=context,
-                                    experts=experts).to(device)
+                                    experts=experts, selective=signature.get("recompute") == "selective").to(device)
         if signature.get("tied"):
             out[position].tie(out[0].tokens.weight)  # the embedding: a tied head is on its stage
     return out
@@ -207,6 +216,7 @@ def reference_losses(spec: JobSpec, iterations: int, *, seed: int = 0, lr: float
     params = [p for m in ordered for p in m.parameters()]
     optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.momentum, params, lr)
     dp, m = spec.strategy.dp, spec.micro_batches
+    torch.manual_seed(dropout_seed(seed, 0))  # the first stage's, as harness train seeds it
     losses = []
     for iteration in range(iterations):
         tokens = make_tokens(spec, seed, iteration if fresh_data else 0)

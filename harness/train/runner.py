@@ -238,11 +238,13 @@ def _set_up(run: _Run, spec: JobSpec, comm, *, seed: int, lr: float, device: str
             annotate: bool) -> None:
     """torch.distributed over MPI, the process groups, this rank's layers and the engine over them, then the
     first clock sync (into `run`)."""
+    import torch
+
     from harness.plan.events import build_plan
     from harness.runtime.distributed import init_process_group, pick_device
     from harness.train.clock import sync_clocks
     from harness.train.engine import PipelineEngine
-    from harness.train.model import build_layers
+    from harness.train.model import build_layers, dropout_seed
     from harness.train.recorder import Recorder
 
     run.device = dev = pick_device(run.topology, device or spec.profile.device, comm)
@@ -262,6 +264,7 @@ def _set_up(run: _Run, spec: JobSpec, comm, *, seed: int, lr: float, device: str
     positions = [p for c in range(s.chunks) for p in plan.stages[c * s.pp + pp_i].layers]
     modules = build_layers(spec, plan.layers, positions, seed, tp_i, tp_group, dev, cp_index=cp_i,
                            cp_group=cp_group, ep_index=dp_i % s.ep, ep_group=ep_group)
+    torch.manual_seed(dropout_seed(seed, pp_i))  # what dropout draws from (the layers' weights have their own)
     run.recorder = Recorder()
     run.engine = PipelineEngine(spec=spec, plan=plan, rank=run.rank, device=dev, modules=modules,
                                 tp_group=tp_group, dp_group=dp_group, p2p_groups=p2p_groups, tie_group=tie_group,
