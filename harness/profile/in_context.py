@@ -1,0 +1,180 @@
+"""In-context compute samples: each distinct stage's chain run as a training step runs it, every event timed inside.
+
+A chain is one virtual stage's compute for one micro-batch: its layers' forwards in order (the model's last layer
+with the loss), one backward() call over the whole stage in reverse, then the optimizer step of the device
+holding the stage. Isolated samples (harness.profile.compute) time one layer at a time; inside a chain the
+same layer meets its neighbours' working set in the caches, a graph as big as the stage's for the allocator and
+autograd's engine walking the whole stage at once (docs/profiling.md, "In context"; bench/in_context.py
+separates these). The samples of an event at every position of every chain holding it are its in-context samples.
+
+Timing: on a CPU perf_counter marks each layer's forward and, inside the backward, the moment autograd hands
+each layer's input its gradient (a tensor hook: that layer's backward is over, the one before starts); on a GPU
+CUDA events recorded at the same marks (the hooks run on autograd's device thread, on the stream of the op
+that made the gradient). A layer's backward is the time between the gradient of its output and that of its
+input; the stage's first layer's ends with the call. Stages of a split backward (zero-bubble) run their
+forwards and optimizer in context; their bwd_input and bwd_weight keep the isolated figures.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harness.models import make_optimizer
+from harness.plan.events import EventPlan
+from harness.plan.spec import JobSpec
+from harness.profile.compute import ComputeRunner, _forward, _make_layer, parameter_shapes, runner_content
+from harness.profile.timer import synchronize
+
+MIN_ROUNDS = 3  # timed rounds every chain gets, even past the time budget
+# the in-context rounds stop once they have run this fraction of the isolated compute phase (the profile grows by
+# at most about this much: docs/profiling.md, "In context")
+BUDGET_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class StageChain:
+    """One distinct stage's compute events in the order a step runs them: forward event ids in layer order,
+    backward ids in the order they run (reverse; empty for a split backward), the device's optimizer step."""
+
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    optimizer: str | None
+
+    @property
+    def events(self) -> set[str]:
+        return set(self.forward) | set(self.backward) | ({self.optimizer} if self.optimizer else set())
+
+
+def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
+    """The distinct chains of every virtual stage of `plans`, in first-seen order."""
+    chains: dict[StageChain, None] = {}
+    for plan in plans:
+        for stage in plan.stages:
+            forward = tuple(eid for eid, layer in zip(stage.forward, stage.forward_layers)
+                            if layer >= 0 and plan.events[eid].kind == "compute")
+            again = stage.backward_again or [False] * len(stage.backward)
+            backward = tuple(eid for eid, redo in zip(stage.backward, again)
+                             if not redo and eid and plan.events[eid].kind == "compute")
+            whole = len(backward) == len(forward) and all(plan.events[e].content.get("phase") == "bwd"
+                                                          for e in backward)
+            if not forward:
+                continue
+            optimizer = stage.optimizer[0] if stage.optimizer else None
+            chains[StageChain(forward, backward if whole else (), optimizer)] = None
+    return list(chains)
+
+
+class _Clock:
+    """Marks on a device's clock: perf_counter on a CPU, CUDA events on a GPU; seconds between marks."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class ChainRunner:
+    """A stage chain built on a device: a layer per forward position, the stage's input, the optimizer over the
+    stage's own parameters (or, where the device's optimizer covers more than this stage, over fresh parameters
+    of its shapes, as ComputeRunner steps it)."""
+
+    def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device):
+        self.spec, self.chain, self.device = spec, chain, device
+        self.clock = _Clock(device)
+        self.contents = []
+        self.layers = []
+        make_input = None
+        for eid in chain.forward:
+            content = runner_content(spec, contents[eid])
+            layer, inputs = _make_layer(spec, content, device)
+            make_input = make_input or inputs
+            self.contents.append(content)
+            self.layers.append(layer)
+        self.make_input = make_input
+        self.optimizer = None
+        if chain.optimizer is not None:
+            content = contents[chain.optimizer]
+            own = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+            shapes = parameter_shapes(spec, content["layers"], device)
+            params = own
+            if int(content.get("shard", 1)) > 1 or [(p.shape, p.dtype) for p in own] != shapes or not chain.backward:
+                params = list(ComputeRunner(spec, content, device, copies=1).layers[0].parameters())
+            self.optimizer = make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0), params,
+                                            lr=1e-4)
+
+    def run(self) -> dict[str, list[float]]:
+        """One chain: seconds of each event at each of its positions."""
+        clock, marks_in = self.clock, {}
+        x = self.make_input()
+        forward_marks = [clock.mark()]
+        for position, (layer, content) in enumerate(zip(self.layers, self.contents)):
+            if position and self.chain.backward and isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(lambda grad, p=position: marks_in.__setitem__(p, clock.mark()))
+            x = _forward(self.spec, layer, x, content)
+            forward_marks.append(clock.mark())
+        backward_marks = []
+        if self.chain.backward:
+            grad = None if x.dim() == 0 else torch.randn_like(x)
+            start = clock.mark()
+            x.backward(grad)
+            end = clock.mark()
+            # the last layer's backward starts with the call; each earlier one when its output got its gradient
+            backward_marks = [marks_in.get(p) for p in range(1, len(self.layers))]
+            backward_marks = [end] + backward_marks + [start]  # position p's backward: marks[p + 1] .. marks[p]
+        del x
+        if self.optimizer is not None:
+            opt_start = clock.mark()
+            self.optimizer.step()
+            opt_end = clock.mark()
+        synchronize(self.device)
+        out: dict[str, list[float]] = {}
+        for position, eid in enumerate(self.chain.forward):
+            out.setdefault(eid, []).append(clock.seconds(forward_marks[position], forward_marks[position + 1]))
+        if backward_marks and all(m is not None for m in backward_marks):
+            for position, eid in enumerate(reversed(self.chain.backward)):  # backward ids in forward layer order
+                out.setdefault(eid, []).append(clock.seconds(backward_marks[position + 1], backward_marks[position]))
+        if self.optimizer is not None:
+            out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
+        return out
+
+
+def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
+                   warmup: int, repeats: int, budget_s: float,
+                   on_skip: Callable[[StageChain, str], None] | None = None) -> dict[str, np.ndarray]:
+    """In-context samples of every event of `chains` (ids of `contents`): the chains round-robin, `warmup` untimed
+    rounds then up to `repeats` timed ones, stopping after MIN_ROUNDS once `budget_s` have passed since the call
+    (building and warming up included).
+    A chain that cannot be built or run on this device is left out (`on_skip(chain, why)`): its events keep
+    their isolated samples."""
+    start = time.perf_counter()
+    runners = []
+    for chain in chains:
+        try:
+            runner = ChainRunner(spec, chain, contents, device)
+            for _ in range(max(1, warmup)):
+                runner.run()
+        except (RuntimeError, ValueError, TypeError, AttributeError) as exc:  # a shape a stage never chains
+            if on_skip is not None:
+                on_skip(chain, f"{type(exc).__name__}: {exc}")
+            continue
+        runners.append(runner)
+    samples: dict[str, list[float]] = {}
+    for round_ in range(repeats):
+        if round_ >= MIN_ROUNDS and time.perf_counter() - start > budget_s:
+            break
+        for runner in runners:
+            for eid, seconds in runner.run().items():
+                samples.setdefault(eid, []).extend(seconds)
+    return {eid: np.asarray(values) for eid, values in samples.items()}

@@ -1,0 +1,112 @@
+"""In-context compute samples: stage chains, their measurement, the store round trip, the costs preferring them."""
+from __future__ import annotations
+
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from analysis.costs import estimate_costs
+from analysis.costs.measured import rank_factor
+from analysis.profile_reader import load_profile
+from harness.plan.events import build_plan
+from harness.plan.spec import loads_spec
+from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
+from harness.store.hdf5_schema import IN_CONTEXT_SERIES
+from tests.conftest import ROOT
+from tests.helpers import mpirun_harness, tiny_spec_text
+
+FIXTURE = ROOT / "tests" / "data" / "pp2-profile.h5"
+
+
+def _plan(**kwargs):
+    text = tiny_spec_text(layers=kwargs.pop("layers", 2), hidden=32, heads=4, ffn=64, seq=16, vocab=64, **kwargs)
+    return build_plan(loads_spec(text))
+
+
+def test_a_stage_chain_is_its_forwards_its_backwards_in_reverse_and_its_optimizer():
+    plan = _plan()
+    (chain,) = stage_chains([plan])
+    names = lambda ids: [plan.events[e].name for e in ids]  # noqa: E731
+    assert names(chain.forward) == ["gpt2.embedding.fwd", "gpt2.block.fwd", "gpt2.block.fwd", "gpt2.head.fwd"]
+    assert names(chain.backward) == ["gpt2.head.bwd", "gpt2.block.bwd", "gpt2.block.bwd", "gpt2.embedding.bwd"]
+    assert plan.events[chain.optimizer].content["phase"] == "optimizer"
+    two = stage_chains([_plan(pp=2)])
+    assert len(two) == 2 and all(len(c.forward) == 2 and len(c.backward) == 2 and c.optimizer for c in two)
+    # the same stages in two plans are one chain each; a split backward keeps its isolated samples
+    assert stage_chains([_plan(pp=2), _plan(pp=2)]) == two
+    assert all(not c.backward for c in stage_chains([_plan(pp=2, schedule="zb-h1")]))
+
+
+def test_every_position_of_a_chain_is_timed_each_round():
+    plan = _plan(pp=2)
+    chains = stage_chains([plan])
+    contents = {eid: e.content for eid, e in plan.events.items()}
+    skipped = []
+    samples = measure_chains(plan.spec, chains, contents, torch.device("cpu"), warmup=1, repeats=MIN_ROUNDS,
+                             budget_s=0.0, on_skip=lambda chain, why: skipped.append(why))
+    assert not skipped
+    wanted = {eid for chain in chains for eid in chain.events}
+    assert set(samples) == wanted
+    for eid, values in samples.items():
+        positions = sum(list(chain.forward).count(eid) + list(chain.backward).count(eid)
+                        + (chain.optimizer == eid) for chain in chains)
+        assert values.shape == (positions * MIN_ROUNDS,) and (values > 0).all()
+
+
+def test_in_context_samples_survive_the_store_and_the_costs_prefer_them(tmp_path):
+    path = tmp_path / "profile.h5"
+    shutil.copy(FIXTURE, path)
+    before = load_profile(FIXTURE)
+    plan = build_plan(before.spec)
+    old = estimate_costs(plan, before)
+    compute = [eid for eid, e in plan.events.items() if e.kind == "compute"]
+    chosen = compute[0]
+    in_context = before.measurements[chosen].samples_s[:7] * 1.5
+    with h5py.File(path, "a") as f:  # as the profiler writes it: one more dataset in the measurement's group
+        f["measurements"][chosen].create_dataset(IN_CONTEXT_SERIES, data=in_context, fletcher32=True)
+    after = load_profile(path)
+    assert np.array_equal(after.measurements[chosen].in_context_samples_s, in_context)
+    assert all(not after.measurements[e].in_context_samples_s.size for e in compute if e != chosen)
+    costs = estimate_costs(plan, after)
+    factor = old.seconds(chosen) / before.measurements[chosen].mean_s  # the rank's speed factor, unchanged
+    assert costs.seconds(chosen) == pytest.approx(in_context.mean() * factor)
+    assert costs.isolated == {chosen: pytest.approx(old.seconds(chosen))}
+    assert "in context" in costs.events[chosen].note and "alone" in costs.events[chosen].note
+    assert chosen not in costs.backward_call  # it ran inside the stage's one backward() call
+    assert all(costs.seconds(e) == old.seconds(e) for e in plan.events if e != chosen)
+
+
+def test_profiles_without_in_context_samples_are_costed_as_before():
+    profile = load_profile(FIXTURE)
+    plan = build_plan(profile.spec)
+    costs = estimate_costs(plan, profile)
+    assert not costs.isolated
+    for eid, event in plan.events.items():
+        if event.kind == "compute":
+            measurement = profile.measurements[eid]
+            factor = rank_factor(measurement, costs.rank_speed) or 1.0
+            assert not measurement.in_context_samples_s.size and costs.events[eid].note == ""
+            assert costs.seconds(eid) == pytest.approx(measurement.mean_s / factor, rel=1e-12)
+            np.testing.assert_allclose(costs.sampled["events"][eid].values, measurement.samples_s / factor,
+                                       rtol=1e-12)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_profile_times_its_stage_chains_in_context(tmp_path, project_env, ranks):
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, pp=2, global_batch=4,
+                                   micro=2, warmup=1, repeats=3))
+    out = tmp_path / "out"
+    result = mpirun_harness(ranks, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
+    assert result.returncode == 0, result.stderr
+    assert "in context: 2 stage chains" in result.stdout
+    profile = load_profile(out / "profile.h5")
+    assert profile.environment["in_context_chains"] == 2 and profile.environment["in_context_wall_s"] > 0
+    compute = {eid: m for eid, m in profile.measurements.items() if m.kind == "compute"}
+    assert compute and all(m.in_context_samples_s.size >= MIN_ROUNDS and (m.in_context_samples_s > 0).all()
+                           for m in compute.values())
+    costs = estimate_costs(build_plan(profile.spec), profile)
+    assert set(costs.isolated) == set(compute)
