@@ -350,7 +350,7 @@ def from_trace(trace) -> RunActivity:
             raise UserError(f"{trace.path}: rank {rank} recorded no interval in the measured iterations")
         kind, phase, start, end = cols["kind"], cols["phase"], cols["start_s"], cols["end_s"]
 
-        def of(keep: np.ndarray) -> Spans:
+        def of(keep: np.ndarray, start: np.ndarray = start, end: np.ndarray = end) -> Spans:
             return spans(start[keep], end[keep])
         tp = of(phase == "tp")
         context = of(phase == "cp")  # context parallelism's exchanges inside a step (the part left unhidden)

@@ -251,6 +251,14 @@ def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = Fal
     return best
 
 
+def _gradients_held(gradients: int, params: int, from_start: int, once_made: dict[int, int],
+                    chunks_made: set[int]) -> int:
+    """The bytes of the gradients a device holds: of its `gradients` bytes (for its `params` parameters) the
+    share of the parameters held `from_start` and those of each chunk in `chunks_made` (`once_made`)."""
+    held_params = from_start + sum(once_made[vs] for vs in chunks_made)
+    return gradients * held_params // max(1, params)
+
+
 def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                     released: Mapping[str, int] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
@@ -328,13 +336,10 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}
         chunk_experts = {vs: sum(plan.layers[i].expert_params for i in plan.stages[vs].layers) for vs in local}
         bucketed = s.gradient_replicas > 1 and not s.zero
+        from_start = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
+        once_made = {vs: chunk_experts[vs] if bucketed else chunk_params[vs] for vs in local}
         made: set[int] = set()
-
-        def gradients_of(chunks_made: set[int]) -> int:
-            held_params = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
-            held_params += sum((chunk_experts[vs] if bucketed else chunk_params[vs]) for vs in chunks_made)
-            return gradients * held_params // max(1, params)
-        grads_made = gradients_of(made)  # again each time a chunk's gradients are made
+        grads_made = _gradients_held(gradients, params, from_start, once_made, made)  # again as each chunk's are made
 
         live, in_flight = 0, 0
         kept_buffers = 0  # split backward: received gradients the first stage keeps until their W
@@ -359,7 +364,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
                 made.add(vs)
-                grads_made = gradients_of(made)
+                grads_made = _gradients_held(gradients, params, from_start, once_made, made)
                 points.append((grads_made, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
             received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
@@ -379,7 +384,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
             live -= held[vs]
             in_flight -= 1
             made.add(vs)
-            grads_made = gradients_of(made)
+            grads_made = _gradients_held(gradients, params, from_start, once_made, made)
             points.append((grads_made, live, received + sent, in_flight, 0, 0, 0, 0))
         metered = 0
         for made_then, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:

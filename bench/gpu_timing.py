@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 
 from harness.plan.events import build_plan
-from harness.plan.spec import load_spec
+from harness.plan.spec import JobSpec, load_spec
 from harness.profile.compute import ComputeRunner, _forward
 from harness.profile.timer import time_issued, time_region
 
@@ -46,19 +47,7 @@ def main() -> None:
         if event.kind != "compute":
             continue
         runner = ComputeRunner(spec, event.content, device)
-        layer = runner.layers[0]
-        if runner.phase == "fwd":
-            def make():
-                x = runner.make_input()
-                return lambda: _forward(spec, layer, x, runner.content)
-        elif runner.phase == "bwd":
-            def make():
-                out = _forward(spec, layer, runner.make_input(), runner.content)
-                grad = None if out.dim() == 0 else torch.randn_like(out)
-                return lambda: out.backward(grad)
-        else:
-            def make():
-                return runner.optimizers[0].step
+        make = _sample_maker(spec, runner)
         for _ in range(3):
             time_region(make(), device)
         isolated = statistics.median(time_region(make(), device) * 1e3 for _ in range(args.repeats))
@@ -69,7 +58,26 @@ def main() -> None:
         chained = "" if not runner.issued else _chained(runner, args.repeats)
         print(f"{event.name:28s} {isolated:9.3f} {device_ms:9.3f} {host_ms:9.3f} {chained}"
               + (f"  ({late} samples issued past the lead)" if late else ""))
-        del runner, layer
+        del runner, make  # this event's layers freed before the next event's are built
+
+
+def _sample_maker(spec: JobSpec, runner: ComputeRunner) -> Callable[[], Callable[[], object]]:
+    """A function that readies one sample of the runner's event (its input, a forward to run backward through)
+    and returns the call to time."""
+    layer = runner.layers[0]
+    if runner.phase == "fwd":
+        def make():
+            x = runner.make_input()
+            return lambda: _forward(spec, layer, x, runner.content)
+    elif runner.phase == "bwd":
+        def make():
+            out = _forward(spec, layer, runner.make_input(), runner.content)
+            grad = None if out.dim() == 0 else torch.randn_like(out)
+            return lambda: out.backward(grad)
+    else:
+        def make():
+            return runner.optimizers[0].step
+    return make
 
 
 def _chained(runner: ComputeRunner, repeats: int) -> str:

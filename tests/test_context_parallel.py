@@ -180,7 +180,7 @@ def test_ring_and_allgather_attention_match_the_whole_sequence():
                                      (allgather_attention, {ALLGATHER: 1, REDUCE_SCATTER: 1})):
                 seen: list[str] = []
                 got = _local_run(attention, (q, k, v), grad, group=group, causal=causal,
-                                 hook=lambda name, run: (seen.append(name), run()))
+                                 hook=lambda name, run, seen=seen: (seen.append(name), run()))
                 for what, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11,
                                                msg=f"{attention.__name__} causal={causal} {what}")
@@ -219,7 +219,7 @@ def _block_items(plan, pass_: str) -> list[tuple[str, int, str]]:
     program = plan.stages[0]
     items = list(zip(program.forward, program.forward_layers) if pass_ == "fwd"
                  else zip(program.backward, program.backward_layers))
-    for i, (eid, index) in enumerate(items):
+    for i, (_, index) in enumerate(items):
         if index >= 0 and plan.layers[index].kind == "block":
             out = [("compute", 0, "")]
             for other, other_index in items[i + 1:]:

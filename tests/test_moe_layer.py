@@ -182,7 +182,7 @@ def test_local_experts_compute_at_the_rows_they_would_receive(monkeypatch):
                        ep_rank=rank)
         calls.clear()
         seen: list[str] = []
-        set_collective_hook(lambda name, run: (seen.append(name), run()))
+        set_collective_hook(lambda name, run, seen=seen: (seen.append(name), run()))
         try:
             out = layer(x)
             out.sum().backward()

@@ -31,7 +31,7 @@ def _items(plan, kind: str, pass_: str) -> list[tuple[str, int]]:
     for program in plan.stages:
         items = list(zip(program.forward, program.forward_layers) if pass_ == "fwd"
                      else zip(program.backward, program.backward_layers))
-        for i, (eid, index) in enumerate(items):
+        for i, (_, index) in enumerate(items):
             if index >= 0 and plan.layers[index].kind == kind:
                 out = [("compute", 0)]
                 for other, other_index in items[i + 1:]:
@@ -135,7 +135,8 @@ def test_the_saved_activations_shrink_as_korthikanti_et_al_write(tp):
         block = build_layer(spec.model, "block", tp=tp, sp=sp)
         tokens = s // tp if sp else s
         saved[sp] = activation_bytes(
-            block, lambda: torch.randn(b, tokens, h, dtype=torch.bfloat16, requires_grad=True), lambda m, x: m(x))
+            block, lambda tokens=tokens: torch.randn(b, tokens, h, dtype=torch.bfloat16, requires_grad=True),
+            lambda m, x: m(x))
     formula = 8 * s * b * h * (1 - 1 / tp)
     assert saved[False] - saved[True] == pytest.approx(formula, rel=0.05)
 

@@ -382,6 +382,16 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     deadline: float | None = None
     if not pending and warmed is not None:
         warmed()
+
+    def sample_round(runners: dict[str, ComputeRunner], ids: list[str]) -> None:
+        for eid in ids:
+            samples[eid].append(runners[eid].sample())
+            ends[eid].append(time.perf_counter() - origin_s)
+            if eid in host:
+                host[eid].append(runners[eid].last_host_s)
+        if on_round is not None:
+            on_round(len(ids))
+
     while pending:
         runners: dict[str, ComputeRunner] = {}
         total = 0
@@ -420,18 +430,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
             left = precision.budget_s if deadline is None else max(0.0, deadline - now)
             deadline = now + left
             batch_deadline = now + left * len(runners) / (len(runners) + len(pending))
-
-        def sample_round(ids: list[str]) -> None:
-            for eid in ids:
-                samples[eid].append(runners[eid].sample())
-                ends[eid].append(time.perf_counter() - origin_s)
-                if eid in host:
-                    host[eid].append(runners[eid].last_host_s)
-            if on_round is not None:
-                on_round(len(ids))
-
         for _ in range(repeats):
-            sample_round(order)
+            sample_round(runners, order)
         if precision is not None:
             missing = set(order)
             while time.perf_counter() < batch_deadline:
@@ -440,7 +440,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                     break
                 # each missing event with the one it follows in a full round (cyclically: the first follows the last)
                 wanted = missing | {order[order.index(eid) - 1] for eid in missing}
-                sample_round([eid for eid in order if eid in wanted])
+                sample_round(runners, [eid for eid in order if eid in wanted])
         del runners
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),

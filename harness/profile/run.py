@@ -541,8 +541,8 @@ def _profile_composites(run: ProfileRun) -> None:
     deadline = time.perf_counter() + run.spec.profile.budget_s
     for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        parts = _to_precision(run, task, lambda: run.profiler.measure_composite(task, run.spec, run.warmup,
-                                                                                run.repeats),
+        parts = _to_precision(run, task, lambda task=task: run.profiler.measure_composite(task, run.spec, run.warmup,
+                                                                                          run.repeats),
                               lambda parts: np.concatenate(parts), precision_statistic("composite"),
                               t0 + max(0.0, deadline - t0) / (len(tasks) - number))
         samples = None if parts[0] is None else np.concatenate(parts)
@@ -572,7 +572,8 @@ def _profile_communication(run: ProfileRun) -> None:
     deadline = run.comm_start + run.spec.profile.budget_s
     for number, task in enumerate(tasks):
         t0 = time.perf_counter()
-        parts = _to_precision(run, task, lambda: run.profiler.measure(task, run.warmup, run.repeats, run.spec),
+        parts = _to_precision(run, task,
+                              lambda task=task: run.profiler.measure(task, run.warmup, run.repeats, run.spec),
                               lambda parts: np.concatenate([p.samples_s for p in parts]),
                               precision_statistic(task.kind),
                               t0 + max(0.0, deadline - t0) / (len(tasks) - number))
@@ -759,4 +760,5 @@ def check_outdir(outdir: Path) -> None:
     try:
         outdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create the output folder {outdir}: {exc.strerror}; give a writable folder (-o)")
+        raise UserError(f"cannot create the output folder {outdir}: {exc.strerror}; "
+                        "give a writable folder (-o)") from None
