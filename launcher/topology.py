@@ -197,7 +197,7 @@ def discover(comm) -> Topology:
             per_node = int(emulate)
             assert per_node > 0
         except (ValueError, AssertionError):
-            raise UserError(f"{EMULATE_VAR}={emulate!r} must be a positive integer (ranks per emulated node)")
+            raise UserError(f"{EMULATE_VAR}={emulate!r} must be a positive integer (ranks per emulated node)") from None
         node_of = tuple(r // per_node for r in range(size))
         return Topology(rank, size, node_of, hostnames, source="emulated", launcher=launcher_name(),
                         extra={"slurm": slurm_context()}, cpus=cpus)

@@ -73,7 +73,7 @@ class Options:
         try:
             factor = float(args.stepfactor)
         except ValueError:
-            raise UserError(f"-f: {args.stepfactor!r} is not a number; give the factor between sizes, e.g. 2")
+            raise UserError(f"-f: {args.stepfactor!r} is not a number; give the factor between sizes, e.g. 2") from None
         self.sizes = sweep_sizes(begin, end, factor)
         self.backend, self.dtype, self.group = args.backend, args.dtype, args.group
         self.iters, self.warmup, self.device = args.iters, args.warmup, args.device

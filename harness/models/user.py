@@ -25,7 +25,8 @@ def load_factory_layers(model: ModelSpec) -> list[nn.Module]:
     try:
         built = factory(model)
     except Exception as exc:
-        raise SpecError(f"factory {model.factory!r} raised {type(exc).__name__}: {exc}", field="model.factory")
+        raise SpecError(f"factory {model.factory!r} raised {type(exc).__name__}: {exc}",
+                        field="model.factory") from exc
     if isinstance(built, nn.Module) and not isinstance(built, (nn.Sequential, nn.ModuleList)):
         raise SpecError(f"factory {model.factory!r} returned one {type(built).__name__}; return a sequence of "
                         "layers (list, nn.Sequential or nn.ModuleList) so it can be split into stages",
@@ -55,7 +56,7 @@ def describe_user_model(spec: JobSpec) -> list[LayerDesc]:
                 x = layer(x)
             except Exception as exc:
                 raise SpecError(f"layer {index} ({type(layer).__name__}) failed on an input of shape "
-                                f"{tuple(x.shape)}: {exc}", field="model.factory")
+                                f"{tuple(x.shape)}: {exc}", field="model.factory") from exc
             if not isinstance(x, torch.Tensor):
                 raise SpecError(f"layer {index} ({type(layer).__name__}) must return one tensor",
                                 field="model.factory")

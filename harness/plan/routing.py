@@ -44,9 +44,9 @@ def parse_routing(text: str, experts: int, moe_layers: int, histogram=None) -> t
         try:
             data = json.loads(Path(arg).read_text())
         except OSError as exc:
-            raise SpecError(f"cannot read the routing file {arg}: {exc.strerror}", field="model.routing")
+            raise SpecError(f"cannot read the routing file {arg}: {exc.strerror}", field="model.routing") from None
         except ValueError as exc:
-            raise SpecError(f"the routing file {arg} is not JSON: {exc}", field="model.routing")
+            raise SpecError(f"the routing file {arg} is not JSON: {exc}", field="model.routing") from None
         if not isinstance(data, dict) or "layers" not in data:
             raise SpecError(f"the routing file {arg} must hold {{\"experts\": E, \"layers\": [[tokens per expert], "
                             "...]}", field="model.routing")

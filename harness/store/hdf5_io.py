@@ -277,7 +277,7 @@ def open_file(path: str | Path, kinds: str | Sequence[str], versions: Sequence[i
         with path.open("rb") as raw:
             head = raw.read(8)
     except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror}); {remedy}")
+        raise UserError(f"{path}: cannot read it ({exc.strerror}); {remedy}") from None
     if head != b"\x89HDF\r\n\x1a\n":
         raise UserError(f"{path}: not an HDF5 file, so not {wanted}; {remedy}")
     with reading(path, kinds[0]):

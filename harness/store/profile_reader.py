@@ -153,7 +153,7 @@ def load_profile(path: str | Path) -> Profile:
             spec_data = json.loads(spec_json)
             layers = [LayerDesc.from_dict(d) for d in json.loads(str(attrs.get("layers_json", "[]")))]
         except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})")
+            raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})") from None
         spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
         return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
                        layers=layers, events=_read_events(f), measurements=_read_measurements(f),
