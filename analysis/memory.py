@@ -3,14 +3,17 @@
 
 - weights: its layers' parameters (per tensor-parallel shard; the embedding and head split by vocabulary, or
   whole with vocab_parallel = false) x dtype bytes;
-- gradients: as many, in the weights' dtype (data-parallel buckets are views of them, as DDP's
+- gradients: as many, in the weights' dtype, or in fp32 with master weights (Megatron-LM's main gradients)
+  (data-parallel buckets are views of them, as DDP's
   gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets, else
   each chunk's once its first backward (a split backward's W) has made them (a MoE block's experts', out of
   the buckets, so always);
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
-  in fp32 with master weights, which add an fp32 copy of the weights;
+  in fp32 with master weights, which add an fp32 copy of the weights (Megatron-LM's mixed precision: 2 + 4 + 4
+  + 8 = 18 bytes a parameter with Adam; with its distributed optimizer, zero = 1, the 12 sharded over dp);
 - activations: what a micro-batch's forward saves for its backward, the sum of its layers' `activation_bytes`
-  as the profile measured them (harness.profile.memory), and on every virtual stage but the last the
+  as the profile measured them (harness.profile.memory; where it did not, or without a profile, from the
+  layers' formulas, harness.plan.activations), and on every virtual stage but the last the
   stage's output, held until its gradient returns; a micro-batch holds them from its forward to its
   backward, so the schedule's order decides how many are in flight (GPipe all, 1F1B at most pp - stage,
   interleaved 1F1B as it interleaves); with recompute = "full" a recompute group's layers
@@ -59,7 +62,7 @@ from typing import Any
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.common.output import format_bytes
-from harness.plan.activations import attention_core_bytes
+from harness.plan.activations import attention_core_bytes, formula_activation_bytes, formula_released_bytes
 from harness.plan.events import EventPlan
 from harness.plan.layers import LayerDesc, input_bytes, recompute_groups, selective
 from harness.plan.schedules import device_steps, virtual_stage
@@ -150,6 +153,12 @@ def released_bytes(profile: Profile) -> dict[str, int]:
     profile measured them (absent before the measurement)."""
     return {eid: int(m.attrs[RELEASED_BYTES_ATTR]) for eid, m in profile.measurements.items()
             if m.kind == "compute" and m.content.get("phase") == "bwd_input" and RELEASED_BYTES_ATTR in m.attrs}
+
+
+def gradient_bytes(spec: JobSpec) -> int:
+    """Bytes per parameter of a gradient: fp32 main gradients with master weights (Megatron-LM's mixed
+    precision), else the weights' dtype."""
+    return 4 if spec.optimizer.master_weights else spec.model.dtype_bytes
 
 
 def _state_bytes(spec: JobSpec) -> tuple[int, int]:
@@ -262,11 +271,14 @@ def _gradients_held(gradients: int, params: int, from_start: int, once_made: dic
 def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                     released: Mapping[str, int] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
-    `released` (split backwards) from `released_bytes(profile)`."""
+    `released` (split backwards) from `released_bytes(profile)`: the measurement where there is one, else the
+    layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`)."""
+    activations = {**formula_activation_bytes(plan), **activations}
+    released = {**formula_released_bytes(plan), **(released or {})}
     spec = plan.spec
     s = spec.strategy
     V = s.virtual_stages
-    dtype = spec.model.dtype_bytes
+    dtype, grad = spec.model.dtype_bytes, gradient_bytes(spec)
     state, master = _state_bytes(spec)
     unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward + program.backward
                          if plan.events[e].kind == "compute" and plan.events[e].content.get("phase") in
@@ -324,13 +336,13 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
-        weights, gradients, optimizer = params * dtype, params * dtype, params * (state + master)
+        weights, gradients, optimizer = params * dtype, params * grad, params * (state + master)
         if s.zero:  # FSDP2 over the dp replicas (module docstring, "zero"): between layers
             shard = -(-params // s.dp)
             own = 0 if master else shard * dtype  # with master weights the fp32 master is the shard
             optimizer = shard * (state + master)
             weights = own + (params * dtype if s.zero < 3 else 0)
-            gradients = params * dtype if s.zero == 1 else shard * dtype
+            gradients = params * grad if s.zero == 1 else shard * grad
         # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
         # backward (a split backward's W) has made them; a MoE block's experts' (out of the buckets) so always
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}

@@ -43,7 +43,7 @@ def test_interleaving_holds_what_megatron_counts():
 
 @pytest.mark.parametrize("dtype,optimizer,per_parameter", [
     ("float32", {}, 16),  # Adam, fp32: 4 + 4 + 8
-    ("bfloat16", {"master_weights": True}, 16),  # mixed precision: 2 + 2 + 12 (ZeRO's K = 12)
+    ("bfloat16", {"master_weights": True}, 18),  # Megatron-LM's mixed precision: 2 + 4 (fp32 main grads) + 12
     ("bfloat16", {}, 8),  # 2 + 2 + 4: states in the weights' dtype
     ("float32", {"name": "sgd"}, 12),  # momentum: one state
     ("float32", {"name": "sgd", "momentum": 0.0}, 8)])

@@ -246,10 +246,11 @@ def test_zero3_gathers_before_and_scatters_after_each_layer():
 
 
 def test_zero_memory_follows_zero_s_accounting():
-    """Model states per device against ZeRO's (Rajbhandari et al.; K = 12, bf16 with fp32 master weights), at the
-    peak without the backward's temporaries (nothing saved: the model states alone): stage 1 `4P + 12P/N`,
-    stage 2 `2P + 14P/N` plus one layer's whole gradients as its reduce-scatter copies them, stage 3 the 12P/N
-    optimizer part plus a gradient shard 2P/N (its weight shard is the fp32 master) and one layer's whole weights
+    """Model states per device against ZeRO's (Rajbhandari et al.; K = 12, bf16 with fp32 master weights) with
+    Megatron-LM's fp32 main gradients, at the peak without the backward's temporaries (nothing saved: the model
+    states alone): stage 1 `6P + 12P/N` (Megatron-LM's distributed optimizer), stage 2 `2P + 16P/N` plus one
+    layer's whole gradients as its reduce-scatter copies them, stage 3 the 12P/N optimizer part plus a gradient
+    shard 4P/N (its weight shard is the fp32 master) and one layer's whole weights
     (or gradients). Zero 2 and 3 also hold, as temporaries, the reduce-scatter input of every layer whose
     backward has run, until the backward ends (FSDP2, every layer its own root)."""
     def states(zero):
@@ -264,10 +265,10 @@ def test_zero_memory_follows_zero_s_accounting():
         return stage, P, largest, plan.layers[0].params
     N = 4
     (s0, P, largest, first), (s1, *_), (s2, *_), (s3, *_) = (states(z) for z in range(4))
-    assert s0.metered == 16 * P
-    assert s1.metered == 4 * P + 12 * -(-P // N)
-    assert s2.metered == 2 * P + 14 * -(-P // N) + 2 * largest
-    assert s3.metered == 14 * -(-P // N) + 2 * largest
+    assert s0.metered == 18 * P
+    assert s1.metered == 6 * P + 12 * -(-P // N)
+    assert s2.metered == 2 * P + 16 * -(-P // N) + 2 * largest
+    assert s3.metered == 16 * -(-P // N) + 2 * largest
     for stage in (s2, s3):  # as the first layer's backward runs, every later layer's gradients wait whole
         assert stage.temporaries >= 2 * (P - first)
 
