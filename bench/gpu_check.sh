@@ -101,6 +101,9 @@ for size in $SIZES; do
     step "06-$name-validate" $PY -m analysis validate "$OUTDIR/$name-run" "$OUTDIR/$name" \
         --trace-out "$OUTDIR/$name-validate.json.gz"
     $PY -m analysis validate --json "$OUTDIR/$name-run" "$OUTDIR/$name" >"$OUTDIR/$name-validate.json" 2>/dev/null
+    # In context against alone (issue 44): each compute event's median inside its stage's chain (CUDA events at
+    # the chain's marks) over its median alone, and the batch-time error costed each way on the same run.
+    step "06-$name-in-context" $PY bench/in_context_check.py "$OUTDIR/$name-run" "$OUTDIR/$name"
 done
 # The per-layer trace on the GPU (CUDA events), on the first size: its own run, so that the runs above are
 # timed without the backward hooks.
