@@ -6,7 +6,9 @@ absolute times, are the result.
   (b) interleaved: the block's forward and backward with its neighbours' (the stage's other layers) run alone
       between them, each its own graph and its own backward() call;
   (c) chain: inside the whole stage's forward and one backward() call over it (harness.profile.in_context);
-  (d) flushed: as (a), with a buffer twice the last-level cache written between calls.
+  (d) flushed: as (a), with a buffer twice the last-level cache written between calls;
+  (e) slept: as (a), with a 2 ms sleep before each call (a step that waited on a receive: the thread gave up
+      its core, which the scheduler may hand back cold or at a lower clock).
 (a) against (d) is the caches; (a) against (b) the neighbours (caches and the allocator); (b) against (c) what
 autograd's engine over a whole stage adds to a layer, one graph and one call instead of several.
 
@@ -62,15 +64,17 @@ def _time(fn) -> float:
 class Alone:
     """One layer's forward and backward (its own graph and call), optionally after flushing the caches."""
 
-    def __init__(self, spec, content, flush: torch.Tensor | None = None):
+    def __init__(self, spec, content, flush: torch.Tensor | None = None, sleep_s: float = 0.0):
         self.spec, self.content = spec, runner_content(spec, content)
         self.layer, self.make_input = _make_layer(spec, self.content, torch.device("cpu"))
-        self.flush = flush
+        self.flush, self.sleep_s = flush, sleep_s
 
     def _flush(self) -> None:
         if self.flush is not None:
             self.flush.add_(1.0)
 
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
     def run(self) -> tuple[float, float]:
         self._flush()
         x = self.make_input()
@@ -94,6 +98,7 @@ def measure(rounds: int, hidden: int, layers: int) -> dict:
     alone = Alone(plan.spec, contents[block_fwd])
     flushed = Alone(plan.spec, contents[block_fwd], flush)
     # (b): the stage's layers, each alone, in the order a step runs them; the block's first position measured
+    slept = Alone(plan.spec, contents[block_fwd], sleep_s=2e-3)
     neighbours = [Alone(plan.spec, contents[eid]) for eid in chain.forward]
     position = chain.forward.index(block_fwd)
     runner = ChainRunner(plan.spec, chain, contents, torch.device("cpu"))
@@ -119,7 +124,8 @@ def measure(rounds: int, hidden: int, layers: int) -> dict:
         times = runner.run()
         return times[block_fwd][0], times[block_bwd][0]  # the first block of the stage, as (b) takes it
 
-    ways = {"a_alone": alone.run, "b_interleaved": interleaved, "c_chain": in_chain, "d_flushed": flushed.run}
+    ways = {"a_alone": alone.run, "b_interleaved": interleaved, "c_chain": in_chain, "d_flushed": flushed.run,
+            "e_slept": slept.run}
     for _ in range(3):  # warm-up
         for way in ways.values():
             way()

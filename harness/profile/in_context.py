@@ -29,7 +29,9 @@ from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _make_layer, parameter_shapes, runner_content
 from harness.profile.timer import synchronize
 
-MIN_ROUNDS = 3  # timed rounds every chain gets, even past the time budget
+# timed rounds every chain gets, even past the time budget: an event sits at several positions of several
+# chains, so two rounds already give it several samples
+MIN_ROUNDS = 2
 # the in-context rounds stop once they have run this fraction of the isolated compute phase (the profile grows by
 # at most about this much: docs/profiling.md, "In context")
 BUDGET_FRACTION = 0.5
