@@ -10,7 +10,8 @@ absolute times, are the result.
   (e) slept: as (a), with a 2 ms sleep before each call (a step that waited on a receive: the thread gave up
       its core, which the scheduler may hand back cold or at a lower clock).
 (a) against (d) is the caches; (a) against (b) the neighbours (caches and the allocator); (b) against (c) what
-autograd's engine over a whole stage adds to a layer, one graph and one call instead of several.
+autograd's engine over a whole stage adds to a layer, one graph and one call instead of several; (a) against (e)
+the scheduling between steps.
 
     python bench/in_context.py [--rounds 30] [--hidden 256] [--layers 4] [--json OUT.json]
 """
