@@ -4,7 +4,8 @@ from setuptools import find_packages, setup
 setup(
     name="distsim-harness",
     version="0.1.0",
-    description="Profile the unique events of a hybrid-parallel training job with MPI and rebuild every device's timeline offline",
+    description=("Profile the unique events of a hybrid-parallel training job with MPI and rebuild every device's "
+                 "timeline offline"),
     python_requires=">=3.11",
     packages=find_packages(include=["harness", "harness.*", "launcher", "launcher.*", "analysis", "analysis.*"]),
     package_data={"harness": ["jobs/*.toml", "plan/devices/*.toml"], "analysis": ["data/*.json"]},

@@ -73,7 +73,8 @@ def write_comparison_png(path: str | Path, validation: Validation) -> Path:
     labels = [f"rank {r} (stage {validation.trace.devices[r].pp})" for r in ranks]
     for ax in axes:
         label_rows(ax, labels)
-    axes[0].set_title(f"measured (iteration {iteration}): {validation.measured_batch_s * 1e3:.2f} ms median", fontsize=10)
+    axes[0].set_title(f"measured (iteration {iteration}): {validation.measured_batch_s * 1e3:.2f} ms median",
+                      fontsize=10)
     axes[1].set_title(f"predicted: {validation.predicted_batch_s * 1e3:.2f} ms "
                       f"(error {validation.batch_time_error_pct:+.1f}%)", fontsize=10)
     axes[1].set_xlabel("time (ms)")

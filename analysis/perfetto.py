@@ -70,7 +70,8 @@ def trace_events(timeline: Timeline, ranks: Sequence[int]) -> list[dict[str, Any
                 continue
             flow_id += 1
             common = {"name": "p2p", "cat": "p2p", "id": flow_id, "ts": _microseconds(transfer.start_s)}
-            events.append({**common, "ph": "s", "pid": rank, "tid": per_stage[stage][2][transfer_name(transfer, "send")]})
+            events.append({**common, "ph": "s", "pid": rank,
+                           "tid": per_stage[stage][2][transfer_name(transfer, "send")]})
             events.append({**common, "ph": "f", "bp": "e", "pid": receiver,
                            "tid": per_stage[dst_stage][2][transfer_name(transfer, "recv")]})
     return events

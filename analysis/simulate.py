@@ -706,7 +706,8 @@ class Timeline:
                 event = plan.events[eid]
                 if layers[k] >= 0:
                     layer = layers[k]
-                elif k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather" and "fsdp" in event.content:
+                elif (k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather"
+                      and "fsdp" in event.content):
                     layer = layers[k + 1]  # FSDP gathers a layer's weights right before it
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"

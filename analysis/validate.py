@@ -108,6 +108,7 @@ class Validation:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        sampling = (self.interval.sampling or self.interval) if self.interval else None
         return {
             "report_version": REPORT_VERSION,
             "trace": str(self.trace.path),
@@ -118,11 +119,9 @@ class Validation:
             "predicted_batch_time_p5_s": self.interval.p5_s if self.interval else None,
             "predicted_batch_time_p95_s": self.interval.p95_s if self.interval else None,
             "interval_resamples": self.interval.resamples if self.interval else 0,
-            "predicted_batch_time_sampling_p5_s": (self.interval.sampling or self.interval).p5_s if self.interval else None,
-            "predicted_batch_time_sampling_p95_s": (self.interval.sampling or self.interval).p95_s if self.interval
-            else None,
-            "measured_in_sampling_interval": (self.interval.sampling or self.interval).contains(self.measured_batch_s)
-            if self.interval else None,
+            "predicted_batch_time_sampling_p5_s": sampling.p5_s if sampling else None,
+            "predicted_batch_time_sampling_p95_s": sampling.p95_s if sampling else None,
+            "measured_in_sampling_interval": sampling.contains(self.measured_batch_s) if sampling else None,
             "measured_in_interval": self.measured_in_interval,
             "in_interval": self.measured_in_interval,  # the same, by the name bench/generalization.py's jobs use
             "compute_statistic": self.timeline.costs.compute_stat,

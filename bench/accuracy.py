@@ -29,9 +29,10 @@ Run: .venv/bin/python bench/accuracy.py [--trials 4] [--iterations 20] [--repeat
 Both commands run with every rank bound to its own core (--bind core, mpirun --bind-to core), as HPC launchers
 bind; --bind none shows what unbound ranks cost a pipeline's waiting stage.
 --reuse DIR validates the trials an earlier --keep DIR left again (the analysis of today, nothing measured);
-with --no-rank-speed, without referring compute events to the profiling ranks' mean speed. --json rows also carry each stage's median error (stage_error_pct) and, as the runs trace every
-layer (harness train --layer-times; --no-layer-times leaves that out), each layer event's (layer_error_pct),
-which the table prints below the rows.
+with --no-rank-speed, without referring compute events to the profiling ranks' mean speed. --json rows also
+carry each stage's median error (stage_error_pct) and, as the runs trace every layer (harness train
+--layer-times; --no-layer-times leaves that out), each layer event's (layer_error_pct), which the table prints
+below the rows.
 """
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def run_collectives(n: int, backend: str, out: Path, end: str, iters: int, begin
 
 
 def run_benchmarks(ranks: list[int], backends: list[str], end: str, iters: int, folder: Path) -> list[Path]:
-    return [run_collectives(n, backend, folder / f"{backend}-{n}.h5", end, iters) for n in ranks for backend in backends]
+    return [run_collectives(n, backend, folder / f"{backend}-{n}.h5", end, iters)
+            for n in ranks for backend in backends]
 
 
 def report_benchmarks(files: list[Path]) -> None:

@@ -16,10 +16,9 @@ sequence parallelism (sp) on or off, then where dp > 1 for a built-in family wit
 context parallelism: cp a divisor of dp (1 included) that divides seq_len / 2, taken out of dp; then, for a
 built-in family with tp = 1, cp = 1, no zero and no split backward, Mixture-of-Experts blocks or not: 2, 4 or
 8 experts, top-1 or top-2, expert_ffn 1-2 x hidden, uniform, zipf:0.8 or zipf:1.2 routing, and ep a divisor of dp
-that divides the experts. Every drawn spec
-is validated by the project's own loader (harness.plan.spec.parse_spec); one it refuses is drawn again from the same Generator,
-so the redraws are as deterministic as the draws. The sizes stay small: a job profiles and runs in seconds
-on 2 CPU cores.
+that divides the experts. Every drawn spec is validated by the project's own loader
+(harness.plan.spec.parse_spec); one it refuses is drawn again from the same Generator, so the redraws are as
+deterministic as the draws. The sizes stay small: a job profiles and runs in seconds on 2 CPU cores.
 
 Measuring: per job, --pairs K pairs, in time order P R P R ...: a profile (harness profile, --repeats, at
 most --budget-s a phase) and right after it a run (harness train, --iterations with 2 warm-up), both on

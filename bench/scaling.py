@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.accuracy import run  # noqa: E402
-from bench.accuracy import spec_text as accuracy_spec
+from bench.accuracy import run  # noqa: E402 (needs the sys.path above: bench/ is run from a checkout)
+from bench.accuracy import spec_text as accuracy_spec  # noqa: E402 (as above)
 
 BACKENDS = ("torch", "mpi4py")
 GLOBAL_BATCH, MICRO = 16, 2

@@ -286,7 +286,7 @@ def paired_figures(rows: list[dict], rounds: list[dict], limit_gb: float | None)
     fit_measured = [measured[i] for i in fitting]
     # each round's pick: the search's recommended candidate (among what fits), else its fastest
     chosen, fastest = [], []
-    for r, runs in enumerate(rounds):
+    for runs in rounds:
         picks = [k for k, i in enumerate(fitting) if runs[rows[i]["strategy"]]["recommended"]]
         times = [runs[rows[i]["strategy"]]["predicted_s"] for i in fitting]
         fastest.append(int(np.argmin(times)))

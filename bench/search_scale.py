@@ -2,8 +2,8 @@
 
 The GPT-3-like model of bench/simulate_scale.py (96 layers, hidden 12288, bf16, global batch 16384), searched
 over gpus 1,024..16,384, dp 16..256, tp 1..8, pp 1..16, micro-batch sizes 1..32 and the three schedules
-(interleaved with 2 and 4 chunks), on 141 GB devices (an H200; without activation recompute no candidate fits 80 GB). The profile is synthetic (bench/synthetic.py): what a
-2-node profile of the grid's union would hold.
+(interleaved with 2 and 4 chunks), on 141 GB devices (an H200; without activation recompute no candidate fits
+80 GB). The profile is synthetic (bench/synthetic.py): what a 2-node profile of the grid's union would hold.
 
     python bench/search_scale.py [--jobs N] [--keep DIR] [--ranks 1,2,3]
 

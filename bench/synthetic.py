@@ -83,7 +83,7 @@ def write_synthetic_profile(path: Path, spec: JobSpec, rng: np.random.Generator,
                                                     list(range(group)), "bench",
                                                     {"bytes": nbytes, "group_size": group, "placement": placement,
                                                      "backend": "synthetic"}))
-    write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in unique.layers]),
+    write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([layer.to_dict() for layer in unique.layers]),
                   events=unique.table(), measurements=measurements, unmeasured=unmeasured,
                   environment={"world_size": PROFILE_RANKS, "ranks_per_node": RANKS_PER_NODE, "device": "synthetic",
                                "backend": "synthetic", "hosts": ["node0", "node1"], "warmup": 5, "repeats": repeats,

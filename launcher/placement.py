@@ -184,7 +184,7 @@ def _composites(events: Mapping[str, Event], topology: Topology, skip: set[str])
     the slowest, the load's imbalance and the ranks' skew in it). A layer both tensor- and context-parallel has
     none: it is costed as its compute and its collectives in turn."""
     out = []
-    for eid, event in sorted(events.items()):
+    for _, event in sorted(events.items()):
         signature = event.content.get("signature", {})
         tp, cp, ep = (int(signature.get(key, 1)) for key in ("tp", "cp", "ep"))
         # context and expert parallelism communicate in the blocks alone (an embedding's cp is its positions')

@@ -22,7 +22,8 @@ from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, ru
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "interpolated", "comm_held_out", "unmeasured", "fits",
              "p2p_sender_busy_extra", "p2p_send_post",
-             "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic", "replica_skew",
+             "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic",
+             "replica_skew",
              "warnings"}
 DEVICE_KEYS = {"rank", "stage", "dp", "tp", "compute_s", "comm_s", "idle_s", "overlapped_comm_s"}
 
@@ -145,7 +146,8 @@ def test_the_report_shows_how_long_a_sending_step_posts_its_send(tmp_path, capsy
 
 def test_large_worlds_default_to_one_device_per_stage(tmp_path, capsys):
     path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2, micro_batches=2), by_name({}, 1e-3))
-    assert main(["simulate", str(path), "--json", "--strategy", "dp=1024,global=2048", "--trace", str(tmp_path / "t.json")]) == 0
+    assert main(["simulate", str(path), "--json", "--strategy", "dp=1024,global=2048",
+                 "--trace", str(tmp_path / "t.json")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["world"] == 2048 and report["devices_selection"] == "stages"
     assert [d["rank"] for d in report["devices"]] == [0, 1024]

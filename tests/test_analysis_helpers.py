@@ -124,7 +124,8 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
         measurements.append(Measurement(event.id, event.kind, event.content, np.full(samples, float(seconds)),
                                         [rank], "test", attrs, series))
     measurements += list(extra)
-    return write_profile(path, spec_json=spec.to_json(), layers_json=json.dumps([l.to_dict() for l in plan.layers]),
+    return write_profile(path, spec_json=spec.to_json(),
+                         layers_json=json.dumps([layer.to_dict() for layer in plan.layers]),
                          events=unique.table(), measurements=measurements, unmeasured=unmeasured,
                          environment={"world_size": world_size, "device": "cpu", "backend": "test",
                                       "hosts": ["test"], **(environment or {}),

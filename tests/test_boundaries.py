@@ -132,7 +132,8 @@ def test_the_check_flags_planted_imports(tmp_path):
              "analysis/__init__.py": "",
              "analysis/costs.py": "from harness.plan import events\n\ndef f():\n    from launcher import topology\n",
              "launcher/__init__.py": "",
-             "launcher/topology.py": "from harness.plan.events import json\n\ndef g():\n    import harness.profile.run\n"}
+             "launcher/topology.py":
+                 "from harness.plan.events import json\n\ndef g():\n    import harness.profile.run\n"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)

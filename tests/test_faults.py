@@ -186,7 +186,8 @@ def test_two_profiles_started_together_one_runs_the_other_is_refused(tmp_path, s
 
 
 def test_a_lock_left_by_a_killed_process_is_taken_over_with_a_note(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from harness.store.folder_lock import FolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time; from harness.store.folder_lock import FolderLock; "
                                f"FolderLock({str(tmp_path)!r}, 'a job that dies').acquire(); print('held', flush=True);"
                                " time.sleep(60)"], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))

@@ -102,7 +102,8 @@ def test_srun_task_layout_must_match_mpi():
 def test_mpi_library_version_drops_open_mpis_trailing_nul():
     # Open MPI 4.1's MPI_Get_library_version counts the terminating NUL, which HDF5 string attributes refuse
     text = "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, Sep 30, 2023\x00"
-    assert mpi_library_version(text) == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, Sep 30, 2023"
+    assert mpi_library_version(text) == ("Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, "
+                                         "Sep 30, 2023")
     assert mpi_library_version("MPICH Version:      5.0.2\nMPICH Release date: x\n") == "MPICH Version:      5.0.2"
     assert mpi_library_version("\x00") == "unknown"
     assert "\x00" not in mpi_library_version()  # the library this suite runs on

@@ -221,14 +221,15 @@ def _check_trace(spec, trace, options):
         assert len(device) > 0, f"rank {rank} recorded nothing"
         cols = device.columns
         assert np.all(cols["end_s"] >= cols["start_s"])
-        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter", "alltoall"}
+        assert set(cols["kind"]) <= {"compute", "p2p", "allreduce", "optimizer", "allgather", "reducescatter",
+                                     "alltoall"}
         assert set(cols["phase"]) <= {"F", "B", "W", "send", "recv", "tp", "cp", "ep", "dp", "opt", "zero", "tie"}
         ids = {e for e in cols["event_id"] if e}
         assert ids <= known, f"rank {rank}: event ids not in the plan: {ids - known}"
         steps = device_steps(s.schedule, pp_i, s.pp, m, s.chunks)
         expected_steps = [(st.phase, virtual_stage(st.chunk, pp_i, s.pp), st.micro) for st in steps]
         flow = Counter()
-        for eid, phase, vs, micro in plan.device_flow(rank):
+        for eid, phase, vs, _ in plan.device_flow(rank):
             if phase in ("F", "R", "B", "W") and plan.events[eid].kind == "compute":
                 continue  # per layer in the plan; per stage and micro-batch in the trace
             if "fsdp" in plan.events[eid].content:  # zero > 0: FSDP2's, named by kind
@@ -289,7 +290,7 @@ def _check_trace(spec, trace, options):
             # W, which makes the gradients) or after the whole backward.
             made = "W" if s.split_backward else "B"
             last_b_end = max(float(e) for e, p in zip(comp["end_s"], comp["phase"]) if p in ("B", "W"))
-            for a, b, v in zip(*(device.select(iteration=iteration, phase="dp")[k]
+            for a, _, v in zip(*(device.select(iteration=iteration, phase="dp")[k]
                                  for k in ("start_s", "end_s", "virtual_stage"))):
                 ba, bb, _ = compute_at[(iteration, int(v), m - 1, made, rank)]
                 if s.split_backward:

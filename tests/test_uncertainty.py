@@ -118,7 +118,7 @@ def _sampled_costs(spread: float) -> tuple:
     plan = build_plan(loads_spec(SPEC))
     rng = np.random.default_rng(7)
     costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
-    for eid, event in plan.events.items():
+    for eid in plan.events:
         samples = 1e-3 * (1 + spread * rng.standard_normal(30)) if spread else np.full(30, 1e-3)
         costs.sampled["events"][eid] = SampleSet(samples, "mean")
     return plan, costs

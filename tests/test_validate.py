@@ -57,7 +57,8 @@ def write_scaled_trace(path: Path, timeline, factor: float, iterations: int = 3)
             zero = it * period
             for r in device.steps:
                 rows.append((zero + r.start_s * factor, zero + r.end_s * factor, 0.0, "compute",
-                             f"{r.phase} s{r.virtual_stage} mb{r.micro}", r.phase, "", r.virtual_stage, r.micro, it, -1))
+                             f"{r.phase} s{r.virtual_stage} mb{r.micro}", r.phase, "", r.virtual_stage, r.micro, it,
+                             -1))
             rows.append((zero + device.optimizer_start_s * factor, zero + device.optimizer_end_s * factor, 0.0,
                          "optimizer", "optimizer", "opt", "", stage, -1, it, -1))
         per_rank[stage] = (rows, (0, 0, stage), None)

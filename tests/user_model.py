@@ -24,4 +24,5 @@ class Mixer(nn.Module):
 def build(model):
     """Embedding, (layers - 2) identical residual MLP blocks, and a vocabulary projection."""
     width = model.hidden or 32
-    return [Embed(model.vocab, width)] + [Mixer(width) for _ in range(model.layers - 2)] + [nn.Linear(width, model.vocab)]
+    return [Embed(model.vocab, width), *(Mixer(width) for _ in range(model.layers - 2)),
+            nn.Linear(width, model.vocab)]

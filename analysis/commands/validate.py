@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(("rank", "stage", "dp", "tp") + ("cp",) * context
                        + ("measured busy ms", "predicted busy ms", "error %"),
                        [(d["rank"], d["stage"], d["dp"], d["tp"]) + (d["cp"],) * context
-                        + (ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]), d["error_pct"]) for d in result.devices],
+                        + (ms(d["measured_busy_s"]), ms(d["predicted_busy_s"]), d["error_pct"])
+                        for d in result.devices],
                        title=f"per device (max |error| {result.device_error_pct or 0:.1f}%)"))
     print()
     print(format_table(("virtual stage", "phase", "measured ms", "predicted ms", "error %", "worst micro-batch %"),

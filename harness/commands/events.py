@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     s = spec.strategy
     context = f" x {s.cp} cp" if s.cp > 1 else ""
-    print(f"{spec.model.name}: {s.dp} dp x {s.tp} tp{' (sp)' if s.sp else ''}{context} x {s.pp} pp = {s.world} devices, "
-          f"{spec.micro_batches} micro-batches of {spec.batch.micro}, schedule {s.schedule}")
+    print(f"{spec.model.name}: {s.dp} dp x {s.tp} tp{' (sp)' if s.sp else ''}{context} x {s.pp} pp = "
+          f"{s.world} devices, {spec.micro_batches} micro-batches of {spec.batch.micro}, schedule {s.schedule}")
     rows = [(kind, c["unique"], c["total"]) for kind, c in summary["by_kind"].items()]
     rows.append(("all", summary["unique_events"], summary["total_events"]))
     print(format_table(("kind", "unique", "total"), rows))

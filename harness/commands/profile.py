@@ -124,8 +124,8 @@ def summary_text(spec, grid, unique, result, ranks: int) -> str:
     missed = result.missed_precision
     if missed:
         lines.append(f"  {len(missed)} of {result.measured + result.skipped} events missed the precision of "
-                     f"{result.precision:.1%} (worst {_precision_text(missed[0][1])}; `harness show {result.path}` lists each); a "
-                     "larger --budget-s into the same folder measures them again")
+                     f"{result.precision:.1%} (worst {_precision_text(missed[0][1])}; `harness show {result.path}` "
+                     "lists each); a larger --budget-s into the same folder measures them again")
     else:
         lines.append(f"  every event is known within {result.precision:.1%} (95% interval of its mean, or median for "
                      "communication)")

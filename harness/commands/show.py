@@ -54,7 +54,8 @@ def _describe(content: dict) -> str:
                  else f"tp={sig.get('tp')}")
         return f"{sig.get('family')}.{content['layer']}.{content['phase']} composite on {group}"
     extra = f" x{content['group']}" if "group" in content else ""
-    return f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} (sweep point)"
+    return (f"{content['kind']} {human_bytes(content.get('bytes', 0))}{extra} {content.get('placement', '')} "
+            "(sweep point)")
 
 
 def run(args: argparse.Namespace) -> int:

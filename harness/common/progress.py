@@ -13,7 +13,8 @@ LOG_EVERY_S = 10.0
 class Progress:
     """events done / total, phase, elapsed and ETA; `advance` may be fed by any rank's reports."""
 
-    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = LOG_EVERY_S, unit: str = "event"):
+    def __init__(self, phase: str, total: int, enabled: bool = True, log_every_s: float = LOG_EVERY_S,
+                 unit: str = "event"):
         self.phase, self.total, self.done, self.unit = phase, total, 0, unit
         self.enabled = enabled and total > 0
         self.start = time.monotonic()

@@ -73,8 +73,8 @@ def candidate_label(spec: JobSpec) -> str:
     sp = " sp" if s.sp else ""
     cp = f" cp={s.cp}" + (" allgather" if s.cp_comm == "allgather" else "") if s.cp > 1 else ""
     cp += f" ep={s.ep}" if s.ep > 1 else ""
-    return (f"dp={s.dp} tp={s.tp}{sp}{cp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} m={spec.micro_batches}"
-            f"{recompute}{zero}")
+    return (f"dp={s.dp} tp={s.tp}{sp}{cp} pp={s.pp} {s.schedule}{chunks} micro={spec.batch.micro} "
+            f"m={spec.micro_batches}{recompute}{zero}")
 
 
 def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:

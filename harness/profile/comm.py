@@ -23,12 +23,12 @@ import torch.distributed as dist
 from harness.models import TORCH_DTYPES
 from harness.plan.events import SHARDED_KINDS
 from harness.profile.timer import synchronize
+from harness.runtime.mpi_errors import yielding_barrier
+from launcher.placement import CommTask
 
 # timed as the collective benchmark times them (harness.profile.collectives): a sample is the slowest member's;
 # an all-to-all (expert parallelism's) moves its size's even shares between every pair
 BENCHED_KINDS = (*SHARDED_KINDS, "alltoall")
-from harness.runtime.mpi_errors import yielding_barrier
-from launcher.placement import CommTask
 
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
@@ -128,8 +128,8 @@ class CommProfiler:
         return samples if self.rank == members[0] else None
 
     def _sharded(self, task: CommTask, members, group, mpi_group, warmup: int, repeats: int) -> CommSamples:
-        """An all-gather, reduce-scatter or all-to-all of the task's size (the whole array, harness.plan.collectives), timed as
-        the collective benchmark times it (harness.profile.collectives): a sample is its slowest member's."""
+        """An all-gather, reduce-scatter or all-to-all of the task's size (the whole array, harness.plan.collectives),
+        timed as the collective benchmark times it (harness.profile.collectives): a sample is its slowest member's."""
         from harness.profile.collectives import CollectiveBench
 
         backend = "mpi4py" if self.backend == "mpi4py" else "torch"

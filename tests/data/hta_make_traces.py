@@ -71,7 +71,7 @@ class Rank:
             self.complete("gpu_user_annotation", f"ProfilerStep#{number}", memset, length, GPU_PID, COMPUTE_STREAM)
         now += 10
         forward = []
-        for layer in range(4):
+        for _ in range(4):
             self.complete("cpu_op", "aten::addmm", now, 14, cpu, 1)
             forward.append(self.launch("cudaLaunchKernel", "kernel", "volta_sgemm_128x64_nn", now + 3,
                                        self.jitter(40, 90), COMPUTE_STREAM))
