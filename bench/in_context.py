@@ -73,9 +73,9 @@ class Alone:
     def _flush(self) -> None:
         if self.flush is not None:
             self.flush.add_(1.0)
-
         if self.sleep_s:
             time.sleep(self.sleep_s)
+
     def run(self) -> tuple[float, float]:
         self._flush()
         x = self.make_input()
@@ -98,8 +98,8 @@ def measure(rounds: int, hidden: int, layers: int) -> dict:
     flush = torch.zeros(2 * last_level_cache_bytes() // 4)
     alone = Alone(plan.spec, contents[block_fwd])
     flushed = Alone(plan.spec, contents[block_fwd], flush)
-    # (b): the stage's layers, each alone, in the order a step runs them; the block's first position measured
     slept = Alone(plan.spec, contents[block_fwd], sleep_s=2e-3)
+    # (b): the stage's layers, each alone, in the order a step runs them; the block's first position measured
     neighbours = [Alone(plan.spec, contents[eid]) for eid in chain.forward]
     position = chain.forward.index(block_fwd)
     runner = ChainRunner(plan.spec, chain, contents, torch.device("cpu"))
