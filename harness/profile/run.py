@@ -653,8 +653,8 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
         "start_time": run.started, "end_time": finished, "profiling_wall_s": finished - run.started,
         "slurm": _slurm_environment(topology), "device_seconds": float(sum(busy)),
         "compute_wall_s": run.compute_wall_s, "comm_wall_s": comm_wall_s,
-        "warmup": run.warmup, "repeats": run.repeats, "precision": run.spec.profile.precision,
         IN_CONTEXT_WALL_ENV: run.in_context_wall_s, IN_CONTEXT_CHAINS_ENV: run.in_context_chains,
+        "warmup": run.warmup, "repeats": run.repeats, "precision": run.spec.profile.precision,
         "budget_s": run.spec.profile.budget_s, "host_memory": run.host_memory,
         SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
