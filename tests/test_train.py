@@ -185,10 +185,11 @@ def _run(config: str, rundir: Path):
 
 def _check_trace(spec, trace, options):
     """Everything a trace must satisfy, checked on rank 0."""
+    from harness.models.user import factory_layers
     from harness.plan.events import build_plan
     from harness.plan.schedules import device_steps, virtual_stage
 
-    plan = build_plan(spec)
+    plan = build_plan(spec, factory_layers(spec))
     s = spec.strategy
     m = spec.micro_batches
     assert trace.world_size == s.world
