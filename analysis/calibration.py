@@ -29,11 +29,12 @@ class ModelResiduals:
     ratios: tuple[float, ...]
     seeds: tuple[int, ...]
     dates: tuple[str, ...]
+    bench: str = "bench/generalization.py"  # what measured them (the file's "command", its script)
 
     @property
     def source(self) -> str:
         seeds = ", ".join(str(s) for s in self.seeds)
-        return (f"{len(self.ratios)} held-out {self.device.upper()} runs of bench/generalization.py (seeds {seeds}; "
+        return (f"{len(self.ratios)} held-out {self.device.upper()} runs of {self.bench} (seeds {seeds}; "
                 f"{', '.join(sorted(set(self.dates)))})")
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,4 +65,8 @@ def model_residuals(device: str, path: Path = RESIDUALS_PATH) -> ModelResiduals 
         dates.append(str(run["date"]))
         for job in run["jobs"]:
             ratios += [1.0 / (1.0 + e / 100.0) for e in job["pair_error_pct"] if e > -100.0]
-    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates)) if ratios else None
+    if not ratios:
+        return None
+    words = str(data.get("command", "")).split()
+    bench = next((word for word in words if word.endswith(".py")), "bench/generalization.py")
+    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates), bench)

@@ -15,6 +15,10 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   device kind (analysis.calibration). Those runs were a profile and then a run on such a machine, so their
   errors hold the machine's drift between the two; only for a kind without them is the factor 1 + the drift
   over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
+- a prediction without samples (a spec alone, every compute event from the device model) is its batch time times
+  the 5th, 50th and 95th percentile of the model's held-out error on published GPU runs predicted so
+  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a GPU profile's draws from them
+  too where no profiled GPU pairs exist (residuals_for);
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -29,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.calibration import model_residuals
+from analysis.calibration import RESIDUALS_PATH, ModelResiduals, model_residuals
 from analysis.costs import Costs, SampleSet
 from analysis.simulate import batch_time
 from harness.plan.events import EventPlan
@@ -38,6 +42,8 @@ from harness.plan.precision import BATCHES, MIN_BATCHED
 DEFAULT_RESAMPLES = 200
 SEED = 20261201
 CALIBRATION_DRAWS = 20  # draws of the run's own factors per resampled batch time
+# held-out errors on GPUs: bench/published.py's held-out half of vTrain's single-node A100 runs (spec-only predictions)
+GPU_RESIDUALS_PATH = RESIDUALS_PATH.with_name("gpu_residuals.json")
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class BatchTimeInterval:
 def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """`resamples` values of the statistic, each of a circular block resample of the samples in the order taken:
     blocks of n // BATCHES consecutive samples (1 below MIN_BATCHED samples: a plain bootstrap) from random
-    starts, wrapping past the end, joined up to n (harness.plan.precision says why samples in a row are not independent)."""
+    starts, wrapping past the end, joined up to n (harness.plan.precision says why samples in a row are not
+    independent)."""
     values = samples.values[np.isfinite(samples.values)]
     n = values.size
     if n <= 1:
@@ -184,13 +191,17 @@ def batch_time_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
 def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
                         resamples: int = DEFAULT_RESAMPLES, seed: int = SEED) -> BatchTimeInterval | None:
     """The prediction's 90% interval: the sampling interval's resamples times the model's held-out error and the
-    machine's drift (module docstring); the sampling interval alone where neither is known; None with no
-    resamples or no samples."""
-    if resamples <= 0 or not has_samples(costs):
+    machine's drift (module docstring); the sampling interval alone where neither is known; without samples,
+    a device-model prediction's spec_only_interval; None with no resamples, or no samples and no device model."""
+    if resamples <= 0:
         return None
+    if not has_samples(costs):
+        if costs.device_model is None:
+            return None
+        return spec_only_interval(batch_time(plan, costs, dp_overlap))
     times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
     sampling = interval_of(times)
-    residuals = model_residuals(costs.device) if costs.device else None
+    residuals = residuals_for(costs.device) if costs.device else None
     drift = costs.machine_drift.sigma if costs.machine_drift is not None else None
     if residuals is None and not drift:
         return sampling
@@ -203,6 +214,27 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
     p5, p50, p95 = (float(v) for v in np.percentile(spread, [5, 50, 95]))
     return BatchTimeInterval(p5, p50, p95, int(times.size), sampling, drift,
                              residuals.source if residuals is not None else None)
+
+
+def residuals_for(device: str) -> ModelResiduals | None:
+    """The held-out errors a profile's prediction on `device` draws from: its kind's profiled pairs
+    (model_residuals.json); for a GPU without them, the published GPU runs predicted from their specs
+    (GPU_RESIDUALS_PATH); None where there are none."""
+    own = model_residuals(device)
+    if own is None and device == "cuda":
+        return model_residuals("cuda", GPU_RESIDUALS_PATH)
+    return own
+
+
+def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None) -> BatchTimeInterval | None:
+    """A prediction without samples (every compute event from the device model): `batch_time_s` times the 5th,
+    50th and 95th percentile of the GPU residuals' ratios (run over prediction: GPU_RESIDUALS_PATH unless
+    `residuals`); None without residuals."""
+    residuals = residuals if residuals is not None else model_residuals("cuda", GPU_RESIDUALS_PATH)
+    if residuals is None:
+        return None
+    p5, p50, p95 = (batch_time_s * float(v) for v in np.percentile(np.asarray(residuals.ratios), [5, 50, 95]))
+    return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source)
 
 
 PART_LABELS = {"events": "", "host_issue": " (host issue)", "composites": " (with its all-reduces)"}

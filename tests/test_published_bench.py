@@ -1,0 +1,130 @@
+"""bench/published.py: its statistics, the seeded split, the runs' specs and, on a few runs, the fast path the fit
+evaluates against predict_spec's predictions; analysis.uncertainty's spec-only interval."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from analysis.calibration import ModelResiduals, model_residuals
+from analysis.device_model import DeviceModel
+from analysis.uncertainty import spec_only_interval
+from bench import published
+from bench.published import (
+    Run,
+    error_summary,
+    errors_pct,
+    group_spearman,
+    interval_coverage_pct,
+    ratios_of,
+    regret_pct,
+    split_half,
+)
+from harness.plan.device import load_device
+
+needs_data = pytest.mark.skipif(not published.VTRAIN.is_dir(),
+                                reason="the shared vTrain data is not beside the project")
+
+
+def _run(row: int, model_layers: int = 12, gpus: int = 8, measured: float = 100.0) -> Run:
+    return Run("single", row, gpus, 16, 2, 1024, 16, model_layers, 1024, 2, 2, 2, measured)
+
+
+def test_error_summary_holds_mean_median_p90_and_worst_of_the_absolute_errors():
+    errors = errors_pct([110, 90, 100, 150], [100, 100, 100, 100])
+    assert list(errors) == [10, -10, 0, 50]
+    summary = error_summary(errors)
+    assert summary["rows"] == 4
+    assert summary["mape_pct"] == pytest.approx(17.5)
+    assert summary["median_abs_pct"] == pytest.approx(10.0)
+    assert summary["p90_abs_pct"] == pytest.approx(38.0)  # numpy's linear percentile of 0, 10, 10, 50
+    assert summary["worst_abs_pct"] == 50
+    assert summary["median_signed_pct"] == pytest.approx(5.0)
+
+
+def test_spearman_ranks_ties_by_their_mean_rank():
+    # measured ranks 1, 2.5, 2.5, 4 against predicted 1, 2, 3, 4: Pearson's of the ranks
+    rho = group_spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 20.0, 40.0])
+    ranks = np.array([1, 2.5, 2.5, 4])
+    assert rho == pytest.approx(float(np.corrcoef([1, 2, 3, 4], ranks)[0, 1]))
+    assert rho == pytest.approx(0.9486833)
+    assert group_spearman([3.0, 2.0, 1.0], [1.0, 2.0, 3.0]) == pytest.approx(-1.0)
+    assert group_spearman([1.0], [1.0]) is None
+    assert group_spearman([1.0, 1.0], [1.0, 2.0]) is None  # nothing to rank on one side
+
+
+def test_regret_is_the_fastest_predicteds_measured_time_over_the_best_measured():
+    assert regret_pct([1.0, 2.0, 3.0], [100.0, 90.0, 120.0]) == pytest.approx(100 / 90 * 100 - 100)
+    assert regret_pct([2.0, 1.0, 3.0], [100.0, 90.0, 120.0]) == 0.0
+    assert regret_pct([1.0, 1.0], [110.0, 100.0]) == pytest.approx(10.0)  # a predicted tie: the first listed
+
+
+def test_the_seeded_split_is_stable_disjoint_complete_and_halves_every_group():
+    runs = [_run(i, model_layers=12 + 4 * (i % 3), gpus=(2, 4, 8)[i % 2]) for i in range(61)]
+    fit, held = split_half(runs, seed=7)
+    assert (fit, held) == split_half(runs, seed=7)
+    assert {r.row for r in fit}.isdisjoint({r.row for r in held})
+    assert sorted(r.row for r in fit + held) == list(range(61))
+    for group in {r.group for r in runs}:
+        size = sum(r.group == group for r in runs)
+        assert sum(r.group == group for r in fit) == size // 2
+    assert split_half(runs, seed=8) != (fit, held)
+
+
+def test_interval_coverage_counts_the_runs_inside_prediction_times_the_ratios_5th_to_95th_percentile():
+    ratios = ratios_of([-50.0, 0.0, 100.0])  # run / prediction: 2, 1, 0.5
+    assert ratios == pytest.approx([2.0, 1.0, 0.5])
+    low, high = np.percentile(ratios, [5, 95])
+    predicted = [100.0, 100.0, 100.0, 100.0]
+    measured = [100 * low, 100 * high, 100 * low * 0.99, 100 * high * 1.01]
+    assert interval_coverage_pct(predicted, measured, ratios) == pytest.approx(50.0)
+
+
+def test_spec_only_interval_scales_the_batch_time_by_the_residuals_percentiles(tmp_path):
+    residuals = ModelResiduals("cuda", (0.8, 1.0, 1.25), (1,), ("2026-12-03",), "bench/published.py")
+    interval = spec_only_interval(2.0, residuals)
+    p5, p50, p95 = np.percentile([0.8, 1.0, 1.25], [5, 50, 95]) * 2.0
+    assert (interval.p5_s, interval.p50_s, interval.p95_s) == pytest.approx((p5, p50, p95))
+    assert interval.residuals.startswith("3 held-out CUDA runs of bench/published.py")
+    path = tmp_path / "gpu.json"
+    jobs = [{"job": "a", "pair_error_pct": [25.0]}, {"job": "b", "pair_error_pct": [-20.0]}]
+    path.write_text(json.dumps({"kind": "distsim-model-residuals", "version": 1, "command": "python bench/published.py",
+                                "devices": {"cuda": {"runs": [{"seed": 5, "date": "2026-12-03", "jobs": jobs}]}}}))
+    read = model_residuals("cuda", path)
+    assert read.ratios == pytest.approx((0.8, 1.25)) and read.bench == "bench/published.py"
+
+
+@needs_data
+def test_a_run_becomes_its_megatron_spec_on_the_readmes_cluster():
+    run = published.read_runs("multi")[0]
+    spec = published.run_spec(run)
+    assert (spec.strategy.tp, spec.strategy.dp, spec.strategy.pp) == (run.tp, run.dp, run.pp)
+    assert spec.strategy.recompute == "full" and spec.strategy.dp_overlap is False
+    assert (spec.cluster.nodes, spec.cluster.gpus_per_node) == (run.gpus // 8, 8)
+    assert spec.cluster.device == published.DEVICE
+    nvlink, ib = spec.cluster.network
+    assert ib.bandwidth_gbs == 12.5 and nvlink.size == 8
+    assert spec.model.vocab == 50304 and spec.batch.micro == run.micro  # 50,257 padded to 128 x tp (tp = 1)
+
+
+@needs_data
+def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
+    runs = published.read_runs("single")[:3] + published.read_runs("multi")[:2]
+    base = load_device(published.DEVICE)
+    figures = {key: published.figure_of(base, key) * 1.1 for key in published.FITTED}
+    described = dataclasses.replace(published.with_figures(base, figures, "a test"), name="a100-test-fit")
+    path = tmp_path / "a100-test-fit.toml"
+    path.write_text(described.to_toml())
+    times, predictions = published.predict_runs(runs, path)
+    fast = published.predict_ms(published.prepare(runs), described)
+    assert times == pytest.approx(fast, rel=1e-9)
+    assert all(t > 0 for t in times)
+    spent = published.time_spent(predictions[-1].timeline)
+    assert sum(spent.values()) == pytest.approx(times[-1], rel=1e-6)
+    assert spent["compute"] > 0
+    # the fitted figures move the prediction: the description is what predict_spec costs from
+    assert not np.allclose(times, published.predict_ms(published.prepare(runs), base))
+    assert DeviceModel(described).description.curves["gemm"].max_fraction == pytest.approx(
+        min(1.0, base.curves["gemm"].max_fraction * 1.1))
