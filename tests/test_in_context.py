@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -11,6 +13,8 @@ import torch
 from analysis.costs import estimate_costs
 from analysis.costs.measured import rank_factor
 from analysis.profile_reader import load_profile
+from analysis.trace_reader import read_trace
+from analysis.validate import layer_kind_ratios, validate
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
@@ -110,3 +114,17 @@ def test_profile_times_its_stage_chains_in_context(tmp_path, project_env, ranks)
                            for m in compute.values())
     costs = estimate_costs(build_plan(profile.spec), profile)
     assert set(costs.isolated) == set(compute)
+    show = subprocess.run([sys.executable, "-m", "harness", "show", str(out / "profile.h5")], capture_output=True,
+                          text=True, env=project_env)
+    assert show.returncode == 0 and "in context" in show.stdout.splitlines()[1]
+
+
+def test_validate_sums_the_layer_rows_up_per_event_kind():
+    result = validate(read_trace(ROOT / "tests" / "data" / "pp2-trace.h5"), load_profile(FIXTURE))
+    kinds = {row["kind"]: row for row in layer_kind_ratios(result.layers)}
+    assert set(kinds) == {f"{layer} {phase}" for layer in ("embedding", "block", "head") for phase in ("fwd", "bwd")}
+    blocks = [r["measured_s"] / r["predicted_s"] for r in result.layers if r["name"] == "gpt2.block.fwd"]
+    assert kinds["block fwd"]["rows"] == len(blocks) == 2
+    assert kinds["block fwd"]["ratio_median"] == pytest.approx(float(np.median(blocks)))
+    assert kinds["block fwd"]["ratio_min"] == pytest.approx(min(blocks))
+    assert result.to_dict()["layer_kinds"] == layer_kind_ratios(result.layers)
