@@ -136,8 +136,8 @@ class Validation:
             "stages": self.stage_rows(),
             "steps": self.steps,
             "replica_lag": self.replica_lag,
-            "layer_kinds": layer_kind_ratios(self.layers),
             "layers": self.layers,
+            "layer_kinds": layer_kind_ratios(self.layers),
             "memory": self.memory,
             "memory_error_pct": self.memory_error_pct,
             "extrapolated": [c.to_dict() for c in self.timeline.costs.extrapolated],
@@ -383,6 +383,7 @@ def _layer_rows(trace: Trace, plan: EventPlan, costs: Costs) -> list[dict[str, A
 
     return sorted(rows, key=in_stage_order)
 
+
 def layer_kind_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per event kind (the layer's kind and its phase, as `block fwd`): the run's time over the cost, the median
     over its layer rows (_layer_rows) and their range: where a run's layers cost more than the profile says
@@ -396,7 +397,6 @@ def layer_kind_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"kind": kind, "rows": len(ratios), "ratio_median": float(np.median(ratios)),
              "ratio_min": float(min(ratios)), "ratio_max": float(max(ratios))}
             for kind, ratios in sorted(by_kind.items())]
-
 
 
 def _replica_lag_rows(trace: Trace, timeline: Timeline, kept: np.ndarray) -> list[dict[str, Any]]:
