@@ -92,6 +92,7 @@ FIT_STEPS = (1.5, 1.2, 1.07)  # the coarse search's multiplicative steps, coarse
 PUBLISHED = {"vTrain (MICRO'24, profiled kernels)": (8.37, 14.73), "Calculon (as a new user runs it)": (38.9, 11.1)}
 GROUP_MIN_RUNS = 5  # Spearman and regret goals hold for groups of at least this many runs
 WORST_SHOWN = 10
+JSON_VERSION = 1  # of --json's document (docs/benchmarks.md, "Published A100 runs")
 COMPUTE_CATEGORIES = (FORWARD, BACKWARD, BACKWARD_WEIGHT, RECOMPUTE, OPTIMIZER)
 
 
@@ -305,6 +306,11 @@ def with_figures(description: DeviceDescription, figures: Mapping[tuple[str, str
                                fitted_on=fitted_on)
 
 
+def figure_name(key: tuple[str, str]) -> str:
+    """A FITTED figure as the description's file names it (efficiency.CURVE.FIELD, efficiency.launch_us)."""
+    return "launch_us" if key[0] == LAUNCH else f"{key[0]}.{key[1]}"
+
+
 def figure_of(description: DeviceDescription, key: tuple[str, str]) -> float:
     """One of FITTED's figures as the description holds it (launch in microseconds)."""
     return description.launch_s * 1e6 if key[0] == LAUNCH else getattr(description.curves[key[0]], key[1])
@@ -338,7 +344,7 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
                         break
         if progress:
             progress(f"  step x{step}: MAPE {best:.2f}% at " + ", ".join(
-                f"{c}.{n}={v:.3g}" for (c, n), v in figures.items()))
+                f"{figure_name(key)}={v:.3g}" for key, v in figures.items()))
     return figures, best
 
 
@@ -537,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.limit:
         single, multi = single[: args.limit], multi[: args.limit]
     fit_runs, held_runs = split_half(single, args.seed)
-    fitted_on = (f"{', '.join(f'{c}.{n}' for c, n in FITTED)} of {DEVICE} fitted on {len(fit_runs)} single-node "
+    fitted_on = (f"{', '.join(figure_name(key) for key in FITTED)} of {DEVICE} fitted on {len(fit_runs)} single-node "
                  f"runs (seeded half, seed {args.seed}); held out: the other {len(held_runs)} single-node runs and "
                  f"all {len(multi)} multi-node runs")
     print(f"split seed {args.seed}: fit on {len(fit_runs)} single-node runs, held out {len(held_runs)} single-node "
@@ -550,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     FITTED_PATH.parent.mkdir(parents=True, exist_ok=True)
     FITTED_PATH.write_text(fitted.to_toml("written by bench/published.py: " + fitted_on))
     print(f"fitted ({FITTED_PATH.relative_to(ROOT)}): " + ", ".join(
-        f"{c}.{n} {figure_of(base, (c, n)):.3g} -> {v:.3g}" for (c, n), v in figures.items())
+        f"{figure_name(key)} {figure_of(base, key):.3g} -> {v:.3g}" for key, v in figures.items())
           + f"; fit-half MAPE {fit_mape:.2f}%")
 
     scored, predictions = {}, {}
@@ -580,9 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         GPU_RESIDUALS.write_text(json.dumps(residuals_document(held, args.seed, fitted_on), indent=1) + "\n")
         print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({len(held.runs)} held-out runs)")
     if args.json:
-        document = {"what": "bench/published.py: vTrain's published A100 runs predicted from their specs",
+        document = {"version": JSON_VERSION,
+                    "what": "bench/published.py: vTrain's published A100 runs predicted from their specs",
                     "split_seed": args.seed, "device": DEVICE, "inter_node_gbs_per_gpu": INTER_NODE_GBS_PER_GPU,
-                    "fitted": {f"{c}.{n}": v for (c, n), v in figures.items()}, "fitted_on": fitted_on,
+                    "fitted": {figure_name(key): v for key, v in figures.items()}, "fitted_on": fitted_on,
                     "published_mape_pct": {who: {"single": a, "multi": b} for who, (a, b) in PUBLISHED.items()},
                     "sets": {name: sets[name] for name in ("single_held_out", "multi")},
                     "fit_set": sets["single_fit"], "worst": worst}
