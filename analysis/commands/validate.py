@@ -105,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
                            [(r["virtual_stage"], r["phase"], r["name"], r["samples"], ms(r["measured_s"]),
                              ms(r["predicted_s"]), r["error_pct"]) for r in result.layers],
                            title="per layer event (harness train --layer-times; median over its layers)"))
-    for warning in result.timeline.costs.warnings:
         print()
         print(format_table(("event kind", "rows", "run / cost (median)", "min", "max"),
                            [(r["kind"], r["rows"], r["ratio_median"], r["ratio_min"], r["ratio_max"])
                             for r in layer_kind_ratios(result.layers)],
                            title="per event kind: the run's layer time over its cost (above 1: the run's layers "
                                  "cost more than the profile says)"))
+    for warning in result.timeline.costs.warnings:
         print(f"WARNING: {warning}")
     for what, path in written:
         print(f"wrote {path}: {what}")
