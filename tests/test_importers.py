@@ -3,13 +3,13 @@ as Megatron pads it, the new presets' sizes against their published parameter co
 naming the argument) through `python -m harness spec`."""
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.published import SETS, megatron_arguments, read_runs
 from harness.commands.cli import main as harness_main
 from harness.common.errors import SpecError
 from harness.plan.events import build_plan
@@ -240,40 +240,23 @@ def test_a_megatron_deepspeed_launch_reads_its_launcher_zero_and_token_dropping(
     assert dropless.capacity_factor == 0.0
 
 
-def _vtrain_rows():
-    for name in ("ground_truth_single.csv", "ground_truth_multi.csv"):
-        with open(VTRAIN / name) as f:
-            yield from csv.DictReader(f)
-
-
 @pytest.mark.skipif(not VTRAIN.is_dir(), reason="the shared vTrain data is not beside the project")
 def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
     """Each run as vTrain's README states it (Megatron-DeepSpeed's GPT, vocabulary 50,257 padded, fp16, full
-    recompute, 1F1B, the all-reduce after the backward, 8 GPUs a node) written as Megatron arguments reads back
-    as the spec written directly."""
+    recompute, 1F1B, the all-reduce after the backward, 8 GPUs a node) written as Megatron arguments
+    (bench/published.py's, what its predictions start from) reads back as the spec written directly."""
     rows = 0
-    for row in _vtrain_rows():
-        gpus, tp, pp, dp = (int(row[k]) for k in ("# GPUs", "tensor parallelism", "pipeline parallelism",
-                                                  "data parallelism"))
-        hidden, heads, layers, seq = (int(row[k]) for k in ("hidden size", "attention heads", "# layers",
-                                                            "sequence length"))
-        micro, global_batch = int(row["micro batch"]), int(row["global batch"])
+    for run in (run for name in SETS for run in read_runs(name, VTRAIN)):
         expected = parse_spec({
-            "model": {"name": "gpt2", "layers": layers, "hidden": hidden, "heads": heads, "ffn": 4 * hidden,
-                      "seq_len": seq, "vocab": 50257, "vocab_divisible_by": 128, "tie_embeddings": True,
-                      "dtype": "float16"},
-            "batch": {"global": global_batch, "micro": micro},
-            "strategy": {"dp": dp, "tp": tp, "pp": pp, "recompute": "full", "dp_overlap": False},
-            "cluster": {"nodes": max(1, gpus // 8), "gpus_per_node": min(gpus, 8)},
+            "model": {"name": "gpt2", "layers": run.layers, "hidden": run.hidden, "heads": run.heads,
+                      "ffn": 4 * run.hidden, "seq_len": run.seq, "vocab": 50257, "vocab_divisible_by": 128,
+                      "tie_embeddings": True, "dtype": "float16"},
+            "batch": {"global": run.global_batch, "micro": run.micro},
+            "strategy": {"dp": run.dp, "tp": run.tp, "pp": run.pp, "recompute": "full", "dp_overlap": False},
+            "cluster": {"nodes": max(1, run.gpus // 8), "gpus_per_node": min(run.gpus, 8)},
             "optimizer": {"master_weights": True}})
-        arguments = (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} "
-                     f"--seq-length {seq} --max-position-embeddings {seq} --micro-batch-size {micro} "
-                     f"--global-batch-size {global_batch} --tensor-model-parallel-size {tp} "
-                     f"--pipeline-model-parallel-size {pp} --fp16 --checkpoint-activations "
-                     "--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --hidden-dropout 0.1 "
-                     "--attention-dropout 0.1")
-        imported = from_megatron(arguments, gpus=gpus)
-        assert imported.spec == expected, row
+        imported = from_megatron(megatron_arguments(run), gpus=run.gpus)
+        assert imported.spec == expected, run.label
         assert imported.unknown == []
         rows += 1
     assert rows == 1440 + 109
