@@ -15,6 +15,7 @@ from analysis.costs.measured import rank_factor
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import layer_kind_ratios, validate
+from bench.layer_kinds import pooled
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
@@ -128,3 +129,14 @@ def test_validate_sums_the_layer_rows_up_per_event_kind():
     assert kinds["block fwd"]["ratio_median"] == pytest.approx(float(np.median(blocks)))
     assert kinds["block fwd"]["ratio_min"] == pytest.approx(min(blocks))
     assert result.to_dict()["layer_kinds"] == layer_kind_ratios(result.layers)
+
+
+def test_the_suite_report_pools_every_validation_s_layer_rows_per_kind():
+    report = validate(read_trace(ROOT / "tests" / "data" / "pp2-trace.h5"), load_profile(FIXTURE)).to_dict()
+    one = {row["kind"]: row for row in pooled({"a": report})}
+    two = {row["kind"]: row for row in pooled({"a": report, "b": report})}
+    for kind in report["layer_kinds"]:
+        name = kind["kind"]
+        assert one[name]["rows"] == kind["rows"] and one[name]["ratio_median"] == pytest.approx(kind["ratio_median"])
+        assert two[name]["jobs"] == 2 and two[name]["rows"] == 2 * kind["rows"]
+        assert two[name]["above_one"] == 2 * one[name]["above_one"]
