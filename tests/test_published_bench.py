@@ -128,3 +128,13 @@ def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
     assert not np.allclose(times, published.predict_ms(published.prepare(runs), base))
     assert DeviceModel(described).description.curves["gemm"].max_fraction == pytest.approx(
         min(1.0, base.curves["gemm"].max_fraction * 1.1))
+
+
+@needs_data
+def test_a_spec_alone_states_its_interval_from_the_gpu_residuals():
+    from analysis.predict import predict_spec
+
+    prediction = predict_spec(published.run_spec(published.read_runs("single")[0]), dp_overlap=False)
+    interval, batch = prediction.interval, prediction.timeline.batch_time_s
+    assert interval is not None and interval.p5_s < batch < interval.p95_s
+    assert "held-out CUDA runs of bench/published.py" in interval.residuals
