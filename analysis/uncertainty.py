@@ -17,8 +17,8 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
 - a prediction without samples (a spec alone, every compute event from the device model) is its batch time times
   the 5th, 50th and 95th percentile of the model's held-out error on published GPU runs predicted so
-  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a GPU profile's draws from them
-  too where no profiled GPU pairs exist (residuals_for);
+  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py). A GPU profile's prediction does
+  not draw from them (its compute is measured, not modelled): it keeps its kind's profiled pairs or the drift;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -201,7 +201,7 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
         return spec_only_interval(batch_time(plan, costs, dp_overlap))
     times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
     sampling = interval_of(times)
-    residuals = residuals_for(costs.device) if costs.device else None
+    residuals = model_residuals(costs.device) if costs.device else None
     drift = costs.machine_drift.sigma if costs.machine_drift is not None else None
     if residuals is None and not drift:
         return sampling
@@ -214,16 +214,6 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
     p5, p50, p95 = (float(v) for v in np.percentile(spread, [5, 50, 95]))
     return BatchTimeInterval(p5, p50, p95, int(times.size), sampling, drift,
                              residuals.source if residuals is not None else None)
-
-
-def residuals_for(device: str) -> ModelResiduals | None:
-    """The held-out errors a profile's prediction on `device` draws from: its kind's profiled pairs
-    (model_residuals.json); for a GPU without them, the published GPU runs predicted from their specs
-    (GPU_RESIDUALS_PATH); None where there are none."""
-    own = model_residuals(device)
-    if own is None and device == "cuda":
-        return model_residuals("cuda", GPU_RESIDUALS_PATH)
-    return own
 
 
 def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None) -> BatchTimeInterval | None:

@@ -3,7 +3,7 @@
 
 Each CSV row becomes Megatron's arguments (megatron_arguments) and then a spec through the project's own importer
 (harness.plan.importers.megatron: GPT, vocabulary 50,257 padded, fp16, full recompute, 1F1B, the data-parallel
-all-reduce after the backward, 8 GPUs a node), on the cluster the README states (vtrain_cluster): the A100
+all-reduce after the backward, 8 GPUs a node), on the cluster the README states (vtrain_network): the A100
 description (DEVICE) and DGX A100's NVLink tier of harness/jobs/dgx-a100.toml with the inter-node link at
 800 Gb/s a node, 12.5 GB/s a GPU. The reported predictions are analysis.predict.predict_spec's (no profile); the
 fit evaluates the same costs faster (SpecOnlyRun: the communication and the kernels made once per run).
