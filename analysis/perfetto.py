@@ -36,6 +36,7 @@ def comm_lanes(intervals: Sequence[Interval]) -> dict[int, int]:
 def trace_events(timeline: Timeline, ranks: Sequence[int]) -> list[dict[str, Any]]:
     """The trace's events for the given devices, with flows between sends and receives of chosen devices."""
     chosen = set(ranks)
+    costs = timeline.costs.events
     per_stage: dict[int, tuple[list[Interval], dict[int, int], dict[str, int]]] = {}
     events: list[dict[str, Any]] = []
     for rank in ranks:
@@ -55,10 +56,12 @@ def trace_events(timeline: Timeline, ranks: Sequence[int]) -> list[dict[str, Any
                            "args": {"name": "communication" if tid == 1 else f"communication {tid}"}})
         for i, iv in enumerate(intervals):
             ts, end = _microseconds(iv.start_s), _microseconds(iv.end_s)
+            cost = costs.get(iv.event_id) if iv.event_id else None  # where its duration came from
             events.append({"ph": "X", "name": iv.name, "cat": iv.category, "pid": rank,
                            "tid": lanes.get(i, COMPUTE_TID), "ts": ts, "dur": round(end - ts, 3),
                            "args": {"event": iv.event_id, "virtual_stage": iv.virtual_stage, "micro": iv.micro,
-                                    "layer": iv.layer}})
+                                    "layer": iv.layer, **({"source": cost.source, "how": cost.note}
+                                                          if cost is not None else {})}})
     flow_id = 0
     pp = timeline.spec.strategy.pp
     for rank in ranks:

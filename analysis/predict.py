@@ -12,9 +12,8 @@ from analysis.costs import Costs, estimate_costs, held_out_checks
 from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
-from analysis.spec_only import check_spec_only, spec_profile
+from analysis.spec_only import check_spec_only, plan_communication, spec_profile
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
-from harness.common.errors import UserError
 from harness.plan.events import EventPlan, build_plan
 from harness.plan.spec import JobSpec
 
@@ -61,13 +60,11 @@ def predict_spec(spec: JobSpec, profile: Profile | None = None, dp_overlap: bool
     hint = str(source) if source else "SPEC"
     spec_only = profile is None
     if profile is None:
-        if spec.model.family == "user":
-            raise UserError(f"{hint}: a factory model's layers are its own code, which the analysis does not run; "
-                            "profile the job (python -m harness profile) and give the profile (--profile)")
+        check_spec_only(spec, hint, {}, network_given=network is not None)  # a factory model, no device
         profile = spec_profile(spec, hint)
     plan = build_plan(spec, layers_for(profile, spec))
     if spec_only:
-        check_spec_only(plan, hint, network_given=network is not None)
+        check_spec_only(spec, hint, plan_communication(plan), network_given=network is not None)
     extra = None
     if collectives:
         from analysis.collectives import load, profile_points

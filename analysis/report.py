@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from analysis.costs import Costs
+from analysis.costs.device_source import DEVICE, source_counts, sources_line
 from analysis.memory import GB, MemoryEstimate
 from analysis.simulate import Timeline
-from analysis.uncertainty import BatchTimeInterval, IntervalExplanation
+from analysis.uncertainty import BatchTimeInterval, IntervalExplanation, has_samples
 from harness.common.output import byte_unit, format_bytes, format_seconds, format_table
 from harness.plan.events import human_bytes
 
@@ -81,6 +83,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "interpolated": [c.to_dict() for c in costs.interpolated],
         "comm_held_out": [c.to_dict() for c in costs.held_out],
         "unmeasured": list(costs.unmeasured),
+        **device_model_summary(costs),
         "network": costs.network.to_dict() if costs.network is not None else None,
         "fits": [{**fit.to_dict(), "mean_rel_error": finite(fit.mean_rel_error),
                   "max_rel_error": finite(fit.max_rel_error)} for fit in costs.fits.values()],
@@ -101,6 +104,20 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "memory": memory.to_dict() if memory is not None else None,
         "warnings": list(costs.warnings),
     }
+
+
+def device_model_summary(costs: Costs) -> dict[str, Any]:
+    """Where the unique events' durations came from: `sources` (per kind of event, compute or communication,
+    each source's count), `event_sources` (each unique event's), and `device_model` (null without [cluster]
+    device): the device and every event it costed, with its source, note and kernels (docs/analysis.md)."""
+    device = costs.device_model
+    events = [{**costs.events[eid].to_dict(), "kernels": costing.breakdown()}
+              for eid, costing in sorted(costs.device_kernels.items()) if costs.events[eid].source == DEVICE]
+    return {"sources": source_counts(costs),
+            "event_sources": [{"id": c.id, "name": c.name, "kind": c.kind, "seconds": c.seconds, "source": c.source}
+                              for c in sorted(costs.events.values(), key=lambda c: (c.kind, c.name, c.id))],
+            "device_model": {"device": device.name, "title": device.description.title,
+                             "fitted": device.description.fitted, "events": events} if device is not None else None}
 
 
 def replica_skew_summary(timeline: Timeline) -> dict[str, Any] | None:
@@ -151,6 +168,8 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
            f"batch time   {format_seconds(T)}{interval_text(interval)}"]
     if explanation is not None:
         out.append(f"interval     {explanation.text()}")
+    if interval is None and not has_samples(costs):
+        out.append("interval     none: no profile samples to resample (every duration from a model)")
     out += [f"throughput   {timeline.throughput_samples_s:,.2f} samples/s, "
             f"{timeline.throughput_tokens_s:,.0f} tokens/s",
             f"bubble       {timeline.bubble_fraction:.1%} of device time idle; {exposed:.1%} communicating while not "
@@ -180,6 +199,7 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
                 for d in timeline.devices(ranks)]
         out += ["", format_table(("rank", "stage", "dp", "tp", "compute ms", "comm ms", "overlapped ms", "idle ms"),
                                  rows, title="per device:")]
+    out += ["", f"sources      {sources_line(costs)}"]
     extrapolated, interpolated = costs.extrapolated, costs.interpolated
     if (extrapolated or interpolated) and not details:
         parts = [f"{len(interpolated)} interpolated between measured sizes"] if interpolated else []
@@ -225,6 +245,7 @@ def _details(timeline: Timeline) -> list[str]:
         out += ["", format_table(("id", "event", "alone ms", "in context ms", "ratio"), rows,
                                  title="compute timed alone and inside its stages' chains (the costs use the "
                                        "in-context figure; docs/profiling.md, \"In context\"):")]
+    out += _device_details(costs)
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,
                  f.bandwidth_bytes_s / 1e9 if math.isfinite(f.bandwidth_bytes_s) else "-",
@@ -288,3 +309,20 @@ def _details(timeline: Timeline) -> list[str]:
                                        f"the speeds of the profile's ranks {','.join(map(str, skew['profile_ranks']))} "
                                        "differed over such a span):")]
     return out
+
+
+def _device_details(costs: Costs) -> list[str]:
+    """--details' device-model events: each with its kernels (type, GFLOPs, MB, time, bound), slowest first."""
+    device = costs.device_model
+    events = sorted(((eid, costing) for eid, costing in costs.device_kernels.items()
+                     if costs.events[eid].source == DEVICE), key=lambda item: -item[1].seconds)
+    if device is None or not events:
+        return []
+    rows = []
+    for eid, costing in events:
+        rows.append((eid, costs.events[eid].name, "", "", "", _ms(costing.seconds), ""))
+        rows += [("", "", k["kernel"], k["flops"] / 1e9, k["bytes"] / 1e6, _ms(k["seconds"]), k["bound"])
+                 for k in costing.breakdown()]
+    return ["", format_table(("id", "event", "kernel", "GFLOP", "MB", "ms", "bound"), rows,
+                             title=f"device model ({device.name}, {device.description.title}): {len(events)} compute "
+                                   "events from their kernels on the device's roofline and efficiency curves:")]

@@ -34,9 +34,11 @@ from typing import Any
 import numpy as np
 
 from analysis.costs import MODELLED, communication_by_tier, estimate_costs
+from analysis.costs.device_source import DEVICE, source_counts
 from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
+from analysis.spec_only import check_spec_only, is_spec_file, is_spec_only, spec_profile
 from analysis.uncertainty import (
     DEFAULT_RESAMPLES,
     SEED,
@@ -51,7 +53,7 @@ from harness.common.errors import UserError
 from harness.common.output import format_bytes
 from harness.plan.candidates import Grid, Rejected, candidate_label, expand
 from harness.plan.events import build_plan
-from harness.plan.spec import JobSpec
+from harness.plan.spec import JobSpec, load_spec
 
 SEARCH_SCHEMA_VERSION = 3  # 2: intervals, indistinguishable_from_best, recommended, recommendation; 3: the fastest
 # recommended unless another buys something (recommendation.preferred_for, memory_headroom_asked)
@@ -77,6 +79,8 @@ class CandidateResult:
     feasible: bool = False
     reason: str = ""  # why infeasible (empty when feasible)
     flags: list[str] = field(default_factory=list)  # what the prediction could not measure
+    # per kind of event (compute, communication), how many unique events each source costed
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
     speedup: float | None = None  # over the slowest feasible candidate
     interval: BatchTimeInterval | None = None  # the fastest's and those within reach of it (module docstring)
     reach_s: tuple[float, float] | None = None  # feasible, with samples: what holds its interval (module docstring)
@@ -122,7 +126,8 @@ class CandidateResult:
                "comm_fraction": self.comm_fraction, "comm_by_tier": self.comm_by_tier,
                "peak_memory_bytes": self.peak_memory_bytes,
                "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
-               "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "speedup": self.speedup,
+               "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "sources": self.sources,
+               "speedup": self.speedup,
                "batch_time_p5_s": self.interval.p5_s if self.interval else None,
                "batch_time_p95_s": self.interval.p95_s if self.interval else None,
                "indistinguishable_from_best": self.indistinguishable_from_best, "recommended": self.recommended}
@@ -342,7 +347,10 @@ class SearchResult:
 
     def to_dict(self, iterations: int | None = None, tokens: float | None = None) -> dict[str, Any]:
         best = self.best
-        return {"schema_version": SEARCH_SCHEMA_VERSION, "kind": SEARCH_KIND, "profile": str(self.profile.path),
+        spec_only = is_spec_only(self.profile)
+        return {"schema_version": SEARCH_SCHEMA_VERSION, "kind": SEARCH_KIND,
+                "profile": None if spec_only else str(self.profile.path),
+                "spec": str(self.profile.path) if spec_only else None,
                 "model": self.spec.model.name, "device_memory_bytes": self.capacity_bytes, "sort": self.sort,
                 "candidates": [c.to_dict(iterations, tokens) for c in self.candidates],
                 "best": best.to_dict(iterations, tokens) if best is not None else None,
@@ -394,6 +402,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
                             if T > 0 else 0.0)
     result.comm_by_tier = communication_by_tier(plan, costs)
+    result.sources = source_counts(costs)
     try:
         memory = estimate_memory(plan, activations, _SHARED["released"])
     except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
@@ -408,6 +417,9 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     if result.feasible and options["resamples"] > 0 and has_samples(costs):
         down, up = relative_reach(costs, options["resamples"], SEED, _REACH)
         result.reach_s = (T * (1 - down), T * (1 + up))
+    if costs.device_model is not None and result.sources["compute"].get(DEVICE):
+        result.flags.append(f"{result.sources['compute'][DEVICE]} compute event(s) from the device model "
+                            f"({costs.device_model.name})")
     if costs.extrapolated:
         names = sorted({c.name for c in costs.extrapolated})
         modelled = sum(c.source == MODELLED for c in costs.extrapolated)
@@ -449,6 +461,9 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     if capacity_bytes is not None and capacity_bytes <= 0:
         raise UserError(f"the device memory must be above 0, got {capacity_bytes / GB:g} GB")
     grid = grid if grid is not None else expand(spec, gpus)
+    if is_spec_only(profile):
+        communicates = any(c.strategy.world > 1 for c in grid.candidates)
+        check_spec_only(spec, str(profile.path), {"": 1} if communicates else {}, network_given=network is not None)
     _SHARED.update(profile=profile, activations=activation_bytes(profile), released=released_bytes(profile),
                    capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed, "what_if": network},
@@ -517,7 +532,9 @@ def _evaluate_on_worker(task: tuple[str, float | None, dict, JobSpec]) -> Candid
     """_evaluate on an MPI worker: the search's shared state from the task (the profile read once per worker)."""
     path, capacity, options, spec = task
     if _WORKER.get("path") != path:
-        profile = load_profile(path)
+        # a spec alone: the empty profile spec_profile makes of it
+        profile = (spec_profile(load_spec(path, import_factory=False), path) if is_spec_file(path)
+                   else load_profile(path))
         _WORKER.update(path=path, profile=profile, activations=activation_bytes(profile),
                        released=released_bytes(profile))
     _SHARED.update(profile=_WORKER["profile"], activations=_WORKER["activations"], released=_WORKER["released"],

@@ -1,15 +1,17 @@
-"""`python -m analysis search PROFILE.h5`: every candidate strategy of the spec's [search] grid, predicted from one
-profile, checked against device memory and ranked (table, --json, --csv, --png, --write-spec)."""
+"""`python -m analysis search PROFILE.h5|SPEC.toml`: every candidate strategy of the spec's [search] grid, predicted
+from one profile, or from a spec's device and network models (with --profile beside it: what the profile
+measured), checked against device memory and ranked (table, --json, --csv, --png, --write-spec)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+from analysis.costs.device_source import describe_sources
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
-from analysis.profile_reader import load_profile, resolve_spec
 from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, mpi_futures_pool, search
+from analysis.spec_only import command_input, spec_profile
 from harness.common.errors import UserError
 from harness.common.launch_env import promised_world_size
 from harness.common.output import (
@@ -33,8 +35,13 @@ CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("profile", help="profile.h5 of `harness profile` on a spec with a [search] grid")
+    parser.add_argument("input", metavar="PROFILE.h5|SPEC.toml",
+                        help="profile.h5 of `harness profile` on a spec with a [search] grid, or a job spec with "
+                             "[cluster] device and [[cluster.network]] (every event from the device and network "
+                             "models)")
     parser.add_argument("--spec", help="search this spec's grid instead of the profile's own")
+    parser.add_argument("--profile", metavar="PROFILE.h5",
+                        help="beside a spec: cost what this profile measured, the rest from the spec's models")
     parser.add_argument("--gpus", type=int, metavar="N", help="the device count (replaces the grid's gpus)")
     parser.add_argument("--auto", action="store_true",
                         help="every valid value of each field the grid does not list: every dp x tp x pp, micro-batch "
@@ -79,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"launched on {promised[0]} ranks ({promised[1]}), each of which would run the whole search; "
                         f"spread it over them with mpi4py.futures: mpirun -n {promised[0]} python -m mpi4py.futures "
                         "-m analysis search ...")
-    profile = load_profile(args.profile)
-    spec = resolve_spec(profile, args.spec)
+    spec, profile, source = command_input(args.input, args.profile, args.spec)
+    if profile is None:
+        profile = spec_profile(spec, source)
     from harness.plan.candidates import expand
 
     grid = expand(spec, args.gpus, auto=args.auto or None)
@@ -110,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if args.write_spec and best is not None:
         from pathlib import Path
 
-        header = spec_header(result, args.profile)
+        header = spec_header(result, args.input)
         path = Path(args.write_spec)
 
         def write_spec() -> Path:
@@ -195,6 +203,7 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
                 f"{format_bytes(best.peak_memory_bytes)} per device ({best.dominant}), "
                 f"{best.speedup or float('inf'):.2f}x the slowest that fits")
         out.append(line)
+        out.append(f"its events: {describe_sources(best.sources, best.spec.cluster.device or '')}")
         if result.recommendation is not None:
             out.append(result.recommendation.text())
         trained = best.training(iterations, tokens)

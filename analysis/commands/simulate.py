@@ -1,4 +1,5 @@
-"""`python -m analysis simulate PROFILE.h5`: every device's timeline of one iteration from measured events."""
+"""`python -m analysis simulate PROFILE.h5|SPEC.toml`: every device's timeline of one iteration from measured
+events, or from a spec's device and network models (with --profile beside it: what the profile measured)."""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +7,24 @@ import json
 import sys
 
 from analysis.devices import plot_devices, select_devices
-from analysis.predict import add_network_argument, add_prediction_arguments, predict, prediction_options
+from analysis.predict import add_network_argument, add_prediction_arguments, predict_spec, prediction_options
 from analysis.report import format_report, summary
+from analysis.spec_only import command_input, is_spec_only
 from analysis.uncertainty import explain_interval
 from harness.common.output import writable, write_csv
 
 NAME = "simulate"
-HELP = "predict one training iteration's timeline on every device from a profile (table, --json, trace, PNG)"
+HELP = ("predict one training iteration's timeline on every device from a profile or a spec alone (table, --json, "
+        "trace, PNG)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("profile", help="profile.h5 written by `python -m harness profile`")
+    parser.add_argument("input", metavar="PROFILE.h5|SPEC.toml",
+                        help="profile.h5 written by `python -m harness profile`, or a job spec with [cluster] device "
+                             "and [[cluster.network]] (every event from the device and network models)")
     parser.add_argument("--spec", help="simulate this TOML job spec instead of the profile's own")
+    parser.add_argument("--profile", metavar="PROFILE.h5",
+                        help="beside a spec: cost what this profile measured, the rest from the spec's models")
     parser.add_argument("--strategy", metavar="K=V,...",
                         help="change the strategy, e.g. dp=4,tp=2,pp=2,micro=1,schedule=interleaved-1f1b,chunks=2")
     parser.add_argument("--devices", metavar="all|stages|RANKS",
@@ -38,12 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prediction = predict(args.profile, args.spec, args.strategy, collectives=args.collectives,
-                         network=args.network, **prediction_options(args))
+    spec, profile, source = command_input(args.input, args.profile, args.spec, args.strategy)
+    prediction = predict_spec(spec, profile, collectives=args.collectives, network=args.network, source=source,
+                              **prediction_options(args))
+    profile_path = None if is_spec_only(prediction.profile) else prediction.profile.path
     timeline = prediction.timeline
     ranks, selection = select_devices(prediction.spec, args.devices)
     explanation = explain_interval(prediction.plan, prediction.costs, prediction.interval, timeline.dp_overlap)
-    report = summary(timeline, ranks, selection, args.profile, prediction.memory, prediction.interval, explanation)
+    report = summary(timeline, ranks, selection, profile_path, prediction.memory, prediction.interval, explanation)
+    report["spec"] = source
     written = []
     if args.trace:
         from analysis.perfetto import write_trace

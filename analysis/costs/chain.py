@@ -25,7 +25,8 @@ class UnmeasuredLedger(CostSource):
         self.profile = profile
 
     def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
-        reason = self.profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)")
+        reason = self.profile.unmeasured.get(eid, "not in the profile (its spec or strategy differs from this one)"
+                                             if self.profile.measurements else "no profile")
         costs.unmeasured.append({"id": eid, "name": event.name, "kind": event.kind, "reason": reason})
         return None
 
@@ -39,9 +40,11 @@ def cost_chain(plan: EventPlan, profile: Profile, costs: Costs, network_only: bo
     A what-if device (every compute event on another device) would plug in first, as the what-if network does."""
     network = costs.network
     what_if = [NetworkSource(plan, network, what_if=True)] if network_only and network is not None else []
+    # a profile that measured nothing (a spec alone) has nothing to answer or correct
+    measured = [MeasuredSource(plan, profile)] if profile.measurements else []
     device = [DeviceSource(plan, costs.device_model)] if costs.device_model is not None else []
     modelled = [NetworkSource(plan, network)] if network is not None else []
-    return [*what_if, MeasuredSource(plan, profile), *device, InterpolatedSource(costs.curves),
+    return [*what_if, *measured, *device, InterpolatedSource(costs.curves),
             UnmeasuredLedger(profile), *modelled, FitSource(costs.fits), UnavailableSource(profile)]
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.costs.records import Costs, EventCost
+from analysis.costs.records import FITTED, MODELLED, UNAVAILABLE, Costs, EventCost
 from analysis.costs.source import CostSource
 from analysis.device_model import DeviceModel, KernelTime
 from harness.common.errors import UserError
@@ -146,13 +146,17 @@ def source_counts(costs: Costs) -> dict[str, dict[str, int]]:
 
 
 def sources_line(costs: Costs) -> str:
-    """'compute: 12 events measured, 30 from the device model (a100-80gb); communication: 8 measured, 4 from the
-    network model': where the unique events' durations came from (the report's line)."""
-    names = {DEVICE: "from the device model" + (f" ({costs.device_model.name})" if costs.device_model else ""),
-             "network": "from the network model", "fit": "from a fit", "unavailable": "unavailable (costed 0)"}
+    """'compute: 42 events, 30 from the device model (a100-80gb), 12 measured; communication: ...': where the
+    unique events' durations came from (the report's line)."""
+    return describe_sources(source_counts(costs), costs.device_model.name if costs.device_model else "")
+
+
+def describe_sources(counts: dict[str, dict[str, int]], device: str = "") -> str:
+    """source_counts' counts in words, largest first; `device` names the device model."""
+    names = {DEVICE: "from the device model" + (f" ({device})" if device else ""),
+             MODELLED: "from the network model", FITTED: "from a fit", UNAVAILABLE: "unavailable (costed 0)"}
     parts = []
-    for kind, counts in source_counts(costs).items():
-        total = sum(counts.values())
-        shares = [f"{n} {names.get(source, source)}" for source, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-        parts.append(f"{kind}: {total} events, " + ", ".join(shares))
+    for kind, by_source in sorted(counts.items()):
+        shares = [f"{n} {names.get(source, source)}" for source, n in sorted(by_source.items(), key=lambda kv: -kv[1])]
+        parts.append(f"{kind}: {sum(by_source.values())} events, " + ", ".join(shares))
     return "; ".join(parts)

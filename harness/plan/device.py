@@ -10,6 +10,7 @@ import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -142,13 +143,21 @@ def load_device(text: str) -> DeviceDescription:
         if not path.is_file():
             raise SpecError(f"unknown device {text!r}; shipped: {', '.join(shipped_devices())}, or give a "
                             "description's path (*.toml, format in docs/devices.md)", field="cluster.device")
+    stat = path.stat()
+    return _read_device(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=64)
+def _read_device(path: str, mtime_ns: int, size: int) -> DeviceDescription:
+    """The description in the file at `path`, read once while its modification time and size stay (a search
+    parses its spec, and so its device, once per candidate)."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"malformed TOML: {exc}", source=str(path)) from None
+        raise SpecError(f"malformed TOML: {exc}", source=path) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read the device description: {exc}", source=str(path)) from None
-    return parse_device(data, source=str(path), default_name=path.stem)
+        raise SpecError(f"cannot read the device description: {exc}", source=path) from None
+    return parse_device(data, source=path, default_name=Path(path).stem)
 
 
 def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name: str = "device") -> DeviceDescription:
