@@ -1,0 +1,217 @@
+"""A spec in place of a profile (issue 43): simulate and search from the spec's device and network models alone,
+a profile beside a spec mixing sources, the refusals, and the memory's fallback to the activation formulas."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis.costs import estimate_costs
+from analysis.costs.device_source import DEVICE
+from analysis.memory import activation_bytes, estimate_memory, gradient_bytes, released_bytes
+from analysis.predict import predict_spec
+from analysis.profile_reader import load_profile
+from analysis.spec_only import is_spec_file, spec_profile
+from harness.common.errors import UserError
+from harness.plan.activations import formula_activation_bytes
+from harness.plan.events import COMM_KINDS, build_plan
+from harness.plan.spec import load_spec, loads_spec
+from tests.helpers import tiny_spec_text
+
+DATA = Path(__file__).parent / "data"
+NETWORK = """
+[[cluster.network]]
+name = "nvlink"
+size = 4
+bandwidth_gbs = 300
+latency_us = 10
+
+[[cluster.network]]
+name = "ib"
+size = 1024
+bandwidth_gbs = 25
+"""
+MEMORY_KEYS = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
+
+
+def spec_text(device: str | None = "a100-80gb", network: bool = True, **kwargs) -> str:
+    """A tiny GPT-2 on 2 nodes of 4 (dp 2, tp 2, pp 2 by default) with the device and the network's tiers."""
+    options = {"dp": 2, "tp": 2, "pp": 2, "nodes": 2, "gpus_per_node": 4, **kwargs}
+    text = tiny_spec_text(**options)
+    if device:
+        text = text.replace(f"gpus_per_node = {options['gpus_per_node']}\n",
+                            f"gpus_per_node = {options['gpus_per_node']}\ndevice = \"{device}\"\n")
+    return text + (NETWORK if network else "")
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def analysis(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_simulate_from_a_spec_alone(tmp_path, project_env):
+    spec = write(tmp_path, spec_text())
+    done = analysis("simulate", str(spec), "--json", env=project_env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["batch_time_s"] > 0 and report["profile"] is None and report["spec"] == str(spec)
+    assert report["memory"]["peak_bytes"] > 0
+    for stage in report["memory"]["stages"]:
+        assert all(stage[key] > 0 for key in MEMORY_KEYS)
+        assert stage["total_bytes"] >= sum(stage[key] for key in MEMORY_KEYS[:4])
+    assert report["memory"]["unmeasured_activations"] == []
+    if report["batch_time_p5_s"] is not None:  # no samples: only the device model's held-out residuals give one
+        assert report["interval_model_residuals"]
+    events = report["event_sources"]
+    assert events and {e["source"] for e in events if e["kind"] == "compute"} == {DEVICE}
+    assert {e["source"] for e in events if e["kind"] in COMM_KINDS} == {"network"}
+    assert set(report["sources"]) == {"compute", "communication"}
+    modelled = report["device_model"]
+    assert modelled["device"] == "a100-80gb" and len(modelled["events"]) == report["sources"]["compute"][DEVICE]
+    assert all(e["kernels"] and e["note"].startswith("device model (a100-80gb)") for e in modelled["events"])
+    table = analysis("simulate", str(spec), "--details", "--resamples", "0", env=project_env)
+    assert table.returncode == 0, table.stderr
+    assert "interval     none: no profile samples" in table.stdout
+    assert "from the device model (a100-80gb)" in table.stdout
+    assert "device model (a100-80gb, " in table.stdout  # --details' kernel table
+
+
+def test_search_from_a_spec_alone(tmp_path, project_env):
+    spec = write(tmp_path, spec_text() + "\n[search]\ntp = [1, 2]\npp = [1, 2]\nmicro = [1, 2]\n")
+    done = analysis("search", str(spec), "--json", "--quiet", "--jobs", "1", env=project_env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["profile"] is None and result["spec"] == str(spec)
+    predicted = [c for c in result["candidates"] if c["batch_time_s"] is not None]
+    assert len(predicted) == len(result["candidates"]) >= 4
+    for candidate in predicted:
+        assert set(candidate["sources"]["compute"]) == {DEVICE}
+        assert set(candidate["sources"].get("communication", {"network": 1})) == {"network"}
+        assert candidate["peak_memory_bytes"] > 0 and candidate["memory_stages"][0]["activations_bytes"] > 0
+        assert any("from the device model (a100-80gb)" in flag for flag in candidate["flags"])
+
+
+def test_a_profile_beside_a_spec_costs_what_it_measured(tmp_path, project_env):
+    """The committed pp2 profile beside its spec with a device and dp 2: its layers at micro 2 measured, the
+    same layers' other passes and the gradient all-reduce modelled."""
+    text = (DATA / "pp2.toml").read_text().replace("gpus_per_node = 2", "gpus_per_node = 4\ndevice = \"a100-80gb\"")
+    text = text.replace("dp = 1", "dp = 2").replace("global = 8", "global = 16")
+    spec = write(tmp_path, text)
+    done = analysis("simulate", str(spec), "--profile", str(DATA / "pp2-profile.h5"), "--json", "--resamples", "20",
+                    env=project_env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["profile"] == str(DATA / "pp2-profile.h5")
+    compute = report["sources"]["compute"]
+    assert compute.get("measured", 0) > 0 and compute.get(DEVICE, 0) == 0  # every layer's pass at micro 2 measured
+    assert "network" in report["sources"]["communication"] or "fit" in report["sources"]["communication"]
+    # another micro-batch size: the profile has none of its compute, the device model costs it all
+    spec_micro = write(tmp_path, text.replace("micro = 2", "micro = 4"), "micro4.toml")
+    mixed = predict_spec(load_spec(spec_micro, import_factory=False), load_profile(DATA / "pp2-profile.h5"),
+                         resamples=0)
+    sources = {c.source for c in mixed.costs.events.values() if c.kind == "compute"}
+    assert DEVICE in sources and mixed.timeline.batch_time_s > 0
+    measured = predict_spec(load_spec(spec, import_factory=False), load_profile(DATA / "pp2-profile.h5"),
+                            resamples=0)
+    assert all(c.source != DEVICE for c in measured.costs.events.values())
+
+
+@pytest.mark.parametrize("text,extra,message", [
+    (spec_text(device=None), (), "no profile and no \\[cluster\\] device"),
+    (spec_text(network=False), (), "no profile and no \\[\\[cluster.network\\]\\]"),
+    (spec_text(device="a100-81gb"), (), "unknown device 'a100-81gb'"),
+    (spec_text(), ("--spec", "other.toml"), "is a spec already"),
+])
+def test_a_spec_alone_is_refused_without_what_it_needs(tmp_path, project_env, text, extra, message):
+    spec = write(tmp_path, text)
+    for command in ("simulate", "search"):
+        done = analysis(command, str(spec), *extra, *(("--quiet",) if command == "search" else ()), env=project_env)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert re.search(message, done.stderr), done.stderr
+
+
+def test_profile_beside_a_profile_is_refused(project_env):
+    done = analysis("simulate", str(DATA / "pp2-profile.h5"), "--profile", str(DATA / "pp2-profile.h5"),
+                    env=project_env)
+    assert done.returncode == 2 and "is a profile already" in done.stderr
+
+
+def test_one_device_needs_no_network():
+    spec = loads_spec(spec_text(network=False, dp=1, tp=1, pp=1, nodes=1, gpus_per_node=1))
+    prediction = predict_spec(spec)
+    assert prediction.timeline.batch_time_s > 0
+    assert prediction.interval is None or prediction.interval.sampling is None  # no samples to resample
+    assert {c.source for c in prediction.costs.events.values()} == {DEVICE}
+
+
+def test_a_factory_model_alone_is_refused():
+    text = spec_text(tp=1, dp=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
+    spec = loads_spec(text, import_factory=False)
+    with pytest.raises(UserError, match="factory model's layers are its own code"):
+        predict_spec(spec)
+
+
+def test_spec_files_are_told_from_profiles(tmp_path):
+    assert is_spec_file(tmp_path / "job.toml") and not is_spec_file(DATA / "pp2-profile.h5")
+    other = write(tmp_path, spec_text(), "job.spec")
+    assert is_spec_file(other)  # not HDF5 by its first bytes
+    assert not is_spec_file(tmp_path)  # a folder: an OUTDIR of harness profile
+
+
+def test_memory_falls_back_to_the_formulas_and_the_measurement_wins():
+    """On the committed profile the formulas give exactly what the meter measured (float32 GPT-2, pp 2), so the
+    memory from the spec alone is the profile's; a measurement that differs replaces the formula."""
+    profile = load_profile(DATA / "pp2-profile.h5")
+    plan = build_plan(profile.spec)
+    measured = activation_bytes(profile)
+    formulas = formula_activation_bytes(plan)
+    assert measured and set(measured) <= set(formulas)
+    assert all(formulas[eid] == measured[eid] for eid in measured)
+    from_profile = estimate_memory(plan, measured, released_bytes(profile))
+    from_spec = estimate_memory(plan, {})
+    assert [s.to_dict() for s in from_spec.stages] == [s.to_dict() for s in from_profile.stages]
+    assert from_spec.unmeasured == []
+    block = next(eid for eid in measured if plan.events[eid].name.endswith("block.fwd"))
+    larger = estimate_memory(plan, {**measured, block: measured[block] + 10_000})
+    assert larger.peak_bytes > from_profile.peak_bytes  # the measurement wins over the formula
+
+
+def test_megatron_mixed_precision_model_states():
+    """master_weights = true: 2 (bf16 weights) + 4 (fp32 main gradients) + 4 (master) + 8 (Adam) = 18 bytes a
+    parameter; with the distributed optimizer (zero = 1) the 12 of master and Adam sharded over dp."""
+    base = spec_text(dp=4, tp=1, pp=1, nodes=1, gpus_per_node=4).replace('dtype = "float32"', 'dtype = "bfloat16"')
+    text = base + "\n[optimizer]\nname = \"adam\"\nmaster_weights = true\n"
+    spec = loads_spec(text)
+    assert gradient_bytes(spec) == 4
+    plan = build_plan(spec)
+    (stage,) = estimate_memory(plan, {}).stages
+    params = sum(layer.params for layer in plan.layers)
+    assert (stage.weights, stage.gradients, stage.optimizer) == (2 * params, 4 * params, 12 * params)
+    distributed = build_plan(loads_spec(text.replace("schedule = ", "zero = 1\nschedule = ")))
+    (sharded,) = estimate_memory(distributed, {}).stages
+    assert (sharded.weights, sharded.gradients) == (2 * params, 4 * params)
+    assert sharded.optimizer == 12 * -(-params // 4)
+
+
+def test_the_device_source_costs_every_compute_event_of_a_spec_alone():
+    spec = loads_spec(spec_text())
+    plan = build_plan(spec)
+    costs = estimate_costs(plan, spec_profile(spec))
+    compute = [c for c in costs.events.values() if c.kind == "compute"]
+    assert compute and all(c.source == DEVICE and c.seconds > 0 for c in compute)
+    assert set(costs.device_kernels) == {c.id for c in compute}
+    for cost in compute:  # the note's time is the kernels' sum
+        assert cost.seconds == pytest.approx(sum(k["seconds"] for k in costs.device_kernels[cost.id].breakdown()))
+    block = next(c for c in compute if c.name.endswith("block.fwd"))
+    assert "GEMM" in block.note and "of the float32 matrix peak" in block.note
