@@ -429,6 +429,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     tp = spec.strategy.tp
     # a block both tensor- and context-parallel has no composite by design (launcher.placement._composites)
     if tp > 1 and any(e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd") and eid not in costs.composites
+                      and costs.events[eid].source != DEVICE  # its all-reduces are their own events
                       for eid, e in plan.events.items() if e.content.get("signature", {}).get("tp") == tp
                       and not (e.content.get("layer") == "block" and spec.strategy.cp > 1)):
         result.flags.append(f"tp={tp} layers measured without their all-reduces (the profiling run has no "

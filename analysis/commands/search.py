@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from analysis.costs.device_source import describe_sources
+from analysis.costs.device_source import DEVICE, describe_sources
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
 from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, mpi_futures_pool, search
@@ -203,9 +203,10 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
                 f"{format_bytes(best.peak_memory_bytes)} per device ({best.dominant}), "
                 f"{best.speedup or float('inf'):.2f}x the slowest that fits")
         out.append(line)
-        out.append(f"its events: {describe_sources(best.sources, best.spec.cluster.device or '')}")
         if result.recommendation is not None:
             out.append(result.recommendation.text())
+        if any(DEVICE in by_source for by_source in best.sources.values()):  # the device model costed some
+            out.append(f"its events: {describe_sources(best.sources, best.spec.cluster.device or '')}")
         trained = best.training(iterations, tokens)
         if trained:
             what = f"{iterations:,} iterations" if iterations is not None else f"{tokens:,.0f} tokens"
