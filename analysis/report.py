@@ -199,7 +199,8 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
                 for d in timeline.devices(ranks)]
         out += ["", format_table(("rank", "stage", "dp", "tp", "compute ms", "comm ms", "overlapped ms", "idle ms"),
                                  rows, title="per device:")]
-    out += ["", f"sources      {sources_line(costs)}"]
+    if costs.device_kernels:  # where the device model costed events, where every event came from
+        out += ["", f"sources      {sources_line(costs)}"]
     extrapolated, interpolated = costs.extrapolated, costs.interpolated
     if (extrapolated or interpolated) and not details:
         parts = [f"{len(interpolated)} interpolated between measured sizes"] if interpolated else []
