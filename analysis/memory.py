@@ -272,9 +272,13 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
                     released: Mapping[str, int] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
     `released` (split backwards) from `released_bytes(profile)`: the measurement where there is one, else the
-    layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`)."""
-    activations = {**formula_activation_bytes(plan), **activations}
-    released = {**formula_released_bytes(plan), **(released or {})}
+    layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`). A B step's
+    released bytes come from the formulas only where what it keeps does too: a profile that measured the B step
+    but not its release (written before that measurement) releases nothing, as it always has."""
+    measured = activations
+    activations = {**formula_activation_bytes(plan), **measured}
+    released = {**{eid: n for eid, n in formula_released_bytes(plan).items() if eid not in measured},
+                **(released or {})}
     spec = plan.spec
     s = spec.strategy
     V = s.virtual_stages
