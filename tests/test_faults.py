@@ -173,7 +173,9 @@ def test_two_profiles_started_together_one_runs_the_other_is_refused(tmp_path, s
     out = tmp_path / "out"
     launcher = [os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun"), "-n", "1",
                 sys.executable, "-m", "mpi4py", "-m", "harness", "profile", str(spec_file), "-o", str(out), "--quiet"]
-    first = subprocess.Popen(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=project_env)
+    # the first samples long enough to hold the folder while the second starts (its torch import takes seconds)
+    first = subprocess.Popen([*launcher, "--repeats", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=project_env)
     lock = out / LOCK_NAME
     deadline = time.monotonic() + 60
     while not (lock.exists() and lock.stat().st_size) and first.poll() is None and time.monotonic() < deadline:
