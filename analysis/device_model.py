@@ -7,6 +7,8 @@ Each kernel takes its launches x the launch time plus the longer of its compute 
   by FLOPs, forward and backward apart; materialised attention by FLOPs; memory-bound kernels at the full vector
   peak). A causal fused attention executes half its counted FLOPs (the masked half is skipped);
 - memory: its bytes over the HBM bandwidth x the memory curve's fraction at those bytes.
+The host issues each kernel in the description's `[host] kernel_issue_us` (per launch): a compute event's issue
+time (`issue_seconds`), which analysis.simulate plays against the device's time (Costs.host_issue).
 """
 from __future__ import annotations
 
@@ -81,3 +83,8 @@ class DeviceModel:
     def event_seconds(self, kernels: Iterable[Kernel]) -> float:
         """A compute event's seconds: its kernels', one after another."""
         return sum(self.kernel_seconds(kernel) for kernel in kernels)
+
+    def issue_seconds(self, kernels: Iterable[Kernel]) -> float:
+        """The host's seconds to issue a compute event's kernels: their launches x the description's
+        kernel_issue_s (0 where the description gives none: the host keeps ahead)."""
+        return sum(kernel.launches for kernel in kernels) * self.description.kernel_issue_s

@@ -315,6 +315,10 @@ def description_text(**replace) -> str:
     ("float16 = 312.0 }\n", "float16 = 312.0, int4 = 1.0 }\n", "datasheet.matrix_tflops.int4", "unknown field"),
     ("memory_gb = 80.0", "memory_gb = \"80\"", "datasheet.memory_gb", "finite number"),
     ("[efficiency.memory]", "[efficiency.memroy]", "efficiency.memroy", "unknown field"),
+    ("[efficiency.memory]", "[host]\nkernel_issue_us = -3.0\n\n[efficiency.memory]", "host.kernel_issue_us",
+     "0 or more"),
+    ("[efficiency.memory]", "[host]\nissue_us = 3.0\n\n[efficiency.memory]", "host.issue_us", "unknown field"),
+    ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
     path = tmp_path / "bad.toml"
@@ -351,3 +355,53 @@ def test_cli_refuses_bad_devices_with_exit_2(tmp_path, project_env):
                                 text=True, env=project_env, timeout=120)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+# --- the host's issue time ([host] kernel_issue_us) ----------------------------------------------------------------
+
+def test_host_issue_time_is_the_launches_times_the_descriptions_figure():
+    """A GPT-2 block's forward is 11 launches fused (3 for materialised attention), its backward 15 (attention's
+    gradient 5 materialised): 2 per GEMM, 1 per other kernel."""
+    model = DeviceModel(flat_device(kernel_issue_s=50e-6))
+    spec = spec_of()
+    plan = build_plan(spec)
+    block = {plan.events[e].content["phase"]: plan.events[e] for e in plan.events
+             if plan.events[e].name.startswith("gpt2.block")}
+    assert model.issue_seconds(event_kernels(block["fwd"].content)) == pytest.approx(11 * 50e-6)
+    assert model.issue_seconds(event_kernels(block["bwd"].content)) == pytest.approx(15 * 50e-6)
+    materialized = build_plan(loads_spec(tiny_spec_text(layers=2).replace("vocab = 128", "vocab = 128\n"
+                                                                          "attention = \"materialized\"")))
+    fwd, bwd = (next(e for e in materialized.events.values() if e.name == f"gpt2.block.{phase}")
+                for phase in ("fwd", "bwd"))
+    assert model.issue_seconds(event_kernels(fwd.content)) == pytest.approx(13 * 50e-6)
+    assert model.issue_seconds(event_kernels(bwd.content)) == pytest.approx(19 * 50e-6)
+    assert DeviceModel(flat_device()).issue_seconds(event_kernels(fwd.content)) == 0.0  # no figure: no host time
+
+
+def test_host_figure_round_trips_and_is_optional():
+    described = flat_device(kernel_issue_s=72e-6)
+    text = described.to_toml()
+    assert "[host]\nkernel_issue_us = 72.0" in text
+    assert parse_device(tomllib.loads(text)).kernel_issue_s == pytest.approx(72e-6)
+    assert "[host]" not in flat_device().to_toml()
+    assert all(load_device(name).kernel_issue_s == 0.0 for name in SHIPPED)
+
+
+def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):
+    """One device, 2 GPT-2 blocks, one micro-batch, 1 ms of host time a kernel against microseconds on the device:
+    the forward step is the host's 26 launches (embedding 1, blocks 2 x 11, head 3: norm, logits, loss) and the
+    backward its 36 (head 4, blocks 2 x 15, embedding 2: the lookup's gradient and the table's fill), one after
+    another; the device's time and the optimizer add a little."""
+    from analysis.predict import predict_spec
+
+    path = tmp_path / "slow-host.toml"
+    path.write_text(load_device("a100-80gb").to_toml() + "\n[host]\nkernel_issue_us = 1000.0\n")
+    text = tiny_spec_text(layers=2, global_batch=2, micro=2).replace("[cluster]", f"[cluster]\ndevice = \"{path}\"")
+    spec = loads_spec(text)
+    host_bound = predict_spec(spec, resamples=0)
+    device_bound = predict_spec(loads_spec(text.replace(str(path), "a100-80gb")), resamples=0)
+    assert device_bound.timeline.batch_time_s < 5e-3
+    issue = host_bound.costs.host_issue
+    assert sorted(round(s * 1e3) for s in issue.values()) == sorted([1, 11, 3, 2, 15, 4])
+    assert host_bound.timeline.batch_time_s == pytest.approx(62e-3, abs=device_bound.timeline.batch_time_s)
+    assert host_bound.timeline.batch_time_s > 62e-3

@@ -113,7 +113,9 @@ def test_a_run_becomes_its_megatron_spec_on_the_readmes_cluster():
 def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
     runs = published.read_runs("single")[:3] + published.read_runs("multi")[:2]
     base = load_device(published.DEVICE)
-    figures = {key: published.figure_of(base, key) * 1.1 for key in published.FITTED}
+    # every fitted figure moved, the host's issue time from 0 to the fit's start: the fast path plays it as
+    # predict_spec does (Costs.host_issue against the device's time)
+    figures = {key: (published.figure_of(base, key) or published.FIT_START[key]) * 1.1 for key in published.FITTED}
     described = dataclasses.replace(published.with_figures(base, figures, "a test"), name="a100-test-fit")
     path = tmp_path / "a100-test-fit.toml"
     path.write_text(described.to_toml())
@@ -128,6 +130,9 @@ def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
     assert not np.allclose(times, published.predict_ms(published.prepare(runs), base))
     assert DeviceModel(described).description.curves["gemm"].max_fraction == pytest.approx(
         min(1.0, base.curves["gemm"].max_fraction * 1.1))
+    assert described.kernel_issue_s == pytest.approx(published.FIT_START[(published.HOST, "kernel_issue_us")]
+                                                      * 1.1e-6)
+    assert predictions[0].costs.host_issue  # the spec-only prediction was played against the host
 
 
 @needs_data

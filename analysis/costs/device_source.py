@@ -1,5 +1,8 @@
 """Compute the profile did not measure, from the spec's device (`[cluster] device`): each compute event's kernels
-(harness.plan.kernels) on the device's roofline and efficiency curves (analysis.device_model), marked `device`.
+(harness.plan.kernels, attention as the layer's signature says: the spec's `[model] attention`) on the device's
+roofline and efficiency curves (analysis.device_model), marked `device`. Where the description gives the host's
+time to issue a kernel (`[host] kernel_issue_us`), the event's issue time goes to Costs.host_issue, which the
+simulation plays against the device's time as it does a GPU profile's.
 
 Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
 compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
@@ -19,19 +22,21 @@ from harness.plan.events import Event, EventPlan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 
 DEVICE = "device"  # EventCost.source of an event costed by the device model
-ATTENTION = "sdpa"  # the built-in models' attention (harness.models.transformer: PyTorch's fused SDPA)
 _MODELS: dict[str, DeviceModel] = {}  # `[cluster] device` text -> its model, per process
-# (device, event id, recompute) -> the event's costing: the same event recurs in every candidate of a search
-_COSTED: dict[tuple[str, str, str], DeviceCosting] = {}
+# (description's file, device, event id, recompute) -> the event's costing: the same event recurs in every candidate
+# of a search (two files may give one name)
+_COSTED: dict[tuple[str, str, str, str], DeviceCosting] = {}
 
 
 @dataclass(frozen=True)
 class DeviceCosting:
-    """One compute event on the device: its kernels with their times, and the note that says how it was costed."""
+    """One compute event on the device: its kernels with their times, the host's seconds to issue them, and the
+    note that says how it was costed."""
 
     kernels: tuple[Kernel, ...]
     times: tuple[KernelTime, ...]
     note: str
+    issue_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -59,12 +64,23 @@ def device_model_for(plan: EventPlan) -> DeviceModel | None:
 
 def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) -> DeviceCosting:
     """`event`'s kernels and their times on `device` (UserError where the plan cannot list its kernels)."""
-    key = (device.name, eid, recompute)
+    key = (device.description.source, device.name, eid, recompute)
     if key not in _COSTED:
-        kernels = tuple(event_kernels(event.content, recompute, ATTENTION))
+        kernels = tuple(event_kernels(event.content, recompute))
         times = tuple(device.kernel_time(k) for k in kernels)
-        _COSTED[key] = DeviceCosting(kernels, times, describe_costing(device, kernels, times))
+        issue = host_issue_seconds(device, event.content, kernels)
+        note = describe_costing(device, kernels, times)
+        if issue:
+            note += f"; the host issues its {sum(k.launches for k in kernels)} launches in {issue * 1e3:.3g} ms"
+        _COSTED[key] = DeviceCosting(kernels, times, note, issue)
     return _COSTED[key]
+
+
+def host_issue_seconds(device: DeviceModel, content: dict[str, Any], kernels: Sequence[Kernel]) -> float:
+    """The host's seconds to issue a forward or backward event's kernels (DeviceModel.issue_seconds): what the
+    simulation plays against the device's time within a step. An optimizer step's is 0: it runs after the
+    steps, costed by its device time alone, as a GPU profile's is."""
+    return 0.0 if content.get("phase") == "optimizer" else device.issue_seconds(kernels)
 
 
 def describe_costing(device: DeviceModel, kernels: Sequence[Kernel], times: Sequence[KernelTime]) -> str:
@@ -132,6 +148,8 @@ class DeviceSource(CostSource):
             return None
         costing = device_costing(self.device, eid, event, self.plan.spec.strategy.recompute)
         costs.device_kernels[eid] = costing
+        if costing.issue_s:
+            costs.host_issue[eid] = costing.issue_s
         return EventCost(eid, event.name, event.kind, costing.seconds, DEVICE, note=costing.note)
 
 

@@ -13,9 +13,12 @@ harness.models.context; no group: a LocalRing stand-in of rank `cp_rank`), LLaMA
 With the model's dropout P > 0 (Megatron-LM's hidden and attention dropout), in training: the attention
 probabilities (scaled_dot_product_attention's dropout_p), each sub-layer's output before its residual add and the
 embedding's output are dropped with probability P, from torch's global generator (harness train seeds it); P = 0
-runs no dropout at all. A block built `selective` runs its attention core (scaled_dot_product_attention, its
-dropout included) under torch.utils.checkpoint: its inputs kept, the core run again in the backward with the
-same random state (Megatron-LM's selective recompute).
+runs no dropout at all. With the model's attention = "materialized" the attention core writes its scores out
+(q k^T / sqrt(d) by baddbmm, the causal mask, softmax, dropout, bmm with v: Megatron-LM's local attention without
+flash attention) instead of calling scaled_dot_product_attention. A block built `selective` runs its attention
+core (scaled_dot_product_attention or the materialised one, its dropout included) under torch.utils.checkpoint:
+its inputs kept, the core run again in the backward with the same random state (Megatron-LM's selective
+recompute).
 Parameter counts match harness.plan.layers, which the event generator uses.
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.family = model.family
         self.dropout, self.selective = model.dropout, selective
+        self.materialized = model.attention == "materialized"
         self.group = group
         self.sp = sp
         self.cp, self.cp_comm = cp, cp_comm
@@ -142,9 +146,20 @@ class TransformerBlock(nn.Module):
         return out.transpose(1, 2).reshape(b, s, q_size)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core: softmax(q k^T / sqrt(d)) v, its probabilities dropped out in training."""
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                              is_causal=self.causal)
+        """The attention core: softmax(q k^T / sqrt(d)) v, its probabilities dropped out in training; fused, or
+        with its scores materialised (module docstring)."""
+        p = self.dropout if self.training else 0.0
+        if not self.materialized:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        b, heads, s, d = q.shape
+        scores = torch.baddbmm(torch.empty(b * heads, s, k.shape[2], dtype=q.dtype, device=q.device),
+                               q.reshape(b * heads, s, d), k.reshape(b * heads, -1, d).transpose(1, 2),
+                               beta=0.0, alpha=d ** -0.5)
+        if self.causal:
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        probabilities = F.dropout(torch.softmax(scores, dim=-1), p) if p else torch.softmax(scores, dim=-1)
+        return torch.bmm(probabilities, v.reshape(b * heads, -1, d)).view(b, heads, s, d)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         """A sub-layer's output dropped out before its residual add (none at all with dropout 0)."""

@@ -29,11 +29,12 @@ CURVES = {
     "materialized_attention": "the matrix peak, by a materialised-softmax attention's FLOPs (older Megatron-LM)",
     "memory": "the HBM bandwidth, by a memory-bound kernel's bytes",
 }
-_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency"}
+_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency", "host"}
 _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
 _EFFICIENCY = {"launch_us", *CURVES}
 _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
+_HOST = {"kernel_issue_us"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class Curve:
 class DeviceDescription:
     """One device: peaks in FLOP/s per dtype for its matrix (tensor core) and vector units, HBM bandwidth in
     bytes/s and capacity in GB (1e9 bytes), a kernel launch's seconds, and the efficiency curves (CURVES).
-    `fitted`: whether the curves were fitted on measurements (`fitted_on` says which), or are starting values."""
+    `kernel_issue_s`: the host's seconds to issue one kernel (the framework driving the device; 0: the host
+    keeps ahead of the device). `fitted`: whether the figures were fitted on measurements (`fitted_on` says
+    which), or are starting values."""
 
     name: str
     title: str
@@ -76,6 +79,7 @@ class DeviceDescription:
     curves: Mapping[str, Curve]
     fitted: bool = False
     fitted_on: str = ""
+    kernel_issue_s: float = 0.0
     source: str = field(default="<device>", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,6 +92,8 @@ class DeviceDescription:
                             "vector_tflops": {k: v / 1e12 for k, v in self.vector_peak.items()}}
         out["efficiency"] = {"launch_us": self.launch_s * 1e6,
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
+        if self.kernel_issue_s:
+            out["host"] = {"kernel_issue_us": self.kernel_issue_s * 1e6}
         return out
 
     def to_toml(self, header: str = "") -> str:
@@ -102,6 +108,8 @@ class DeviceDescription:
         lines += ["", "[efficiency]", f"launch_us = {_toml(efficiency.pop('launch_us'))}"]
         for name, curve in efficiency.items():
             lines += ["", f"[efficiency.{name}]"] + [f"{key} = {_toml(value)}" for key, value in curve.items()]
+        if "host" in data:
+            lines += ["", "[host]"] + [f"{key} = {_toml(value)}" for key, value in data["host"].items()]
         return "\n".join(lines) + "\n"
 
 
@@ -204,12 +212,19 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         curves[curve] = Curve(max_fraction=fraction, half_at=_positive(table, "half_at", where, fail, zero=True),
                               steepness=_positive(table, "steepness", where, fail, default=1.0),
                               half_dim=_positive(table, "half_dim", where, fail, default=0.0, zero=True))
+    host = data.get("host", {})
+    if not isinstance(host, dict):
+        raise fail(f"must be a table, got {host!r}", "host")
+    _known(host, _HOST, "host", fail)
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * 1e9,
                              matrix_peak=peaks["matrix_tflops"], vector_peak=peaks["vector_tflops"],
                              launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * 1e-6,
-                             curves=curves, fitted=fitted, fitted_on=fitted_on, source=source)
+                             curves=curves, fitted=fitted, fitted_on=fitted_on,
+                             kernel_issue_s=_positive(host, "kernel_issue_us", "host", fail, default=0.0,
+                                                      zero=True) * 1e-6,
+                             source=source)
 
 
 def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:

@@ -18,6 +18,8 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   seq / tp tokens; with context parallelism attention's keys span seq x cp (the ring runs one launch per step).
 - recompute = "full" re-runs the forward (the plan's R step: the forward event again), so the backward's kernels
   do not change; "selective" (Megatron-LM's) runs the attention core's forward again inside the backward.
+- attention is fused (sdpa) unless the block's signature says ("attention", "materialized"): the spec's
+  `[model] attention`.
 """
 from __future__ import annotations
 
@@ -29,9 +31,8 @@ from typing import Any
 from harness.common.errors import UserError
 from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER
 from harness.plan.layers import LayerDesc
-from harness.plan.spec import DTYPES, JobSpec
+from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
-ATTENTION_KINDS = ("sdpa", "materialized")  # fused (flash / memory-efficient, the built-ins'), materialised softmax
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 RECOMPUTES = ("none", "full", "selective")
 MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
@@ -131,10 +132,10 @@ class PassShape:
             raise ValueError(f"unknown attention kind {self.attention!r}; known: {', '.join(ATTENTION_KINDS)}")
 
     @classmethod
-    def of_spec(cls, spec: JobSpec, attention: str = "sdpa") -> PassShape:
-        """A job's: its micro-batch, seq_len / cp and recompute mode."""
+    def of_spec(cls, spec: JobSpec) -> PassShape:
+        """A job's: its micro-batch, seq_len / cp, recompute mode and attention kind."""
         return cls(micro=spec.batch.micro, seq=spec.model.seq_len // spec.strategy.cp,
-                   recompute=spec.strategy.recompute, attention=attention)
+                   recompute=spec.strategy.recompute, attention=spec.model.attention)
 
 
 def layer_kernels(layer: LayerDesc, shape: PassShape, phase: str) -> list[Kernel]:
@@ -142,12 +143,12 @@ def layer_kernels(layer: LayerDesc, shape: PassShape, phase: str) -> list[Kernel
     return _kernels(layer.kind, dict(layer.signature), shape, phase)
 
 
-def event_kernels(content: Mapping[str, Any], recompute: str = "none", attention: str = "sdpa") -> list[Kernel]:
+def event_kernels(content: Mapping[str, Any], recompute: str = "none") -> list[Kernel]:
     """The kernels of a plan's compute event from its content (harness.plan.events: layer, signature, micro, seq,
-    phase; or an optimizer step's params and layers)."""
+    phase; or an optimizer step's params and layers); the attention kind is the signature's."""
     if content.get("phase") == "optimizer":
         return optimizer_kernels(content)
-    shape = PassShape(micro=int(content["micro"]), seq=int(content["seq"]), recompute=recompute, attention=attention)
+    shape = PassShape(micro=int(content["micro"]), seq=int(content["seq"]), recompute=recompute)
     return _kernels(content["layer"], dict(content["signature"]), shape, content["phase"])
 
 
@@ -174,9 +175,10 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
     if "experts" in sig:
         raise UserError("a Mixture-of-Experts block's kernels are not listed yet (its experts' token counts differ "
                         "by rank); profile the job (python -m harness profile) to cost it")
-    if sig.get("recompute") == "selective" or sig.get("dropout"):  # the layer's own (harness.plan.layers)
-        shape = dataclasses.replace(shape, recompute=sig.get("recompute", shape.recompute),
-                                    dropout=float(sig.get("dropout", shape.dropout)))
+    if sig.get("recompute") == "selective" or sig.get("dropout") or sig.get("attention"):  # the layer's own
+        shape = dataclasses.replace(shape, recompute=sig.get("recompute", shape.recompute),  # (harness.plan.layers)
+                                    dropout=float(sig.get("dropout", shape.dropout)),
+                                    attention=sig.get("attention", shape.attention))
     forward = {"embedding": _embedding, "block": _block, "head": _head}[kind](sig, shape)
     if phase == "fwd":
         return forward

@@ -201,7 +201,8 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     context_parallel_block; the block's and the embedding's signatures say ("cp", cp) (the embedding adds its
     tokens' positions), the block's also a cp_comm other than the ring.
     With dropout (the model's, Megatron-LM's hidden and attention dropout) the block's and the embedding's
-    signatures say ("dropout", P); with `selective` (recompute = "selective") the block's says ("recompute",
+    signatures say ("dropout", P); with materialized attention (the model's `attention`) the block's says
+    ("attention", "materialized"); with `selective` (recompute = "selective") the block's says ("recompute",
     "selective"): its backward runs its attention core's forward again (attention_core_flops).
     """
     h, ffn = model.hidden, model.ffn
@@ -223,7 +224,8 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
     block = LayerDesc(
         kind="block",
         signature=base + (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", ffn), ("tp", tp)) + sequence
-        + context + dropped + ((("recompute", "selective"),) if selective else ()),
+        + context + dropped + ((("attention", model.attention),) if model.attention != "sdpa" else ())
+        + ((("recompute", "selective"),) if selective else ()),
         params=block_params(model, tp),
         fwd_flops_per_token=2.0 * proj / tp,
         attn_flops_per_token_per_seq=4.0 * h / tp * cp,  # QK^T and attention x V, over the whole sequence's keys

@@ -23,6 +23,9 @@ DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # activation recompute: keep every saved activation; the attention core's recomputed (Megatron-LM's selective); or
 # each block's input only (full)
 RECOMPUTE = ("none", "selective", "full")
+# [model] attention: sdpa (fused: flash / memory-efficient, the scores never in HBM) or materialized (the scores
+# in HBM: baddbmm, softmax, bmm, as Megatron-LM's local attention without flash attention)
+ATTENTION_KINDS = ("sdpa", "materialized")
 RECOMPUTE_METHODS = ("uniform", "block")  # full recompute of a part of a stage's blocks (Megatron-LM's meanings)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
@@ -72,7 +75,7 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
               "tie_embeddings", "experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor",
-              "routing", "expert_histogram", "vocab_divisible_by", "dropout"},
+              "routing", "expert_histogram", "vocab_divisible_by", "dropout", "attention"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method"},
@@ -122,6 +125,7 @@ class ModelSpec:
     # Megatron-LM's hidden and attention dropout: the probabilities after attention's softmax, each sub-layer's
     # output before its residual add and the embedding's output dropped with this probability (built-ins only)
     dropout: float = 0.0
+    attention: str = "sdpa"  # ATTENTION_KINDS: how the built-in blocks run their attention core
 
     @property
     def dtype_bytes(self) -> int:
@@ -298,6 +302,8 @@ class JobSpec:
             del m["vocab_divisible_by"]
         if not m["dropout"]:
             del m["dropout"]
+        if m["attention"] == "sdpa":
+            del m["attention"]
         if not self.model.moe:  # a dense model's spec names no Mixture-of-Experts field
             for key in ("experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing",
                         "expert_histogram"):
@@ -517,6 +523,10 @@ def _check_recompute(model: ModelSpec, strategy: StrategySpec, given: dict) -> N
     if model.dropout and strategy.cp > 1:
         raise SpecError(f"dropout with cp = {strategy.cp} is not built (the attention dropout across a "
                         "context-parallel ring); set dropout = 0, or cp = 1", field="model.dropout")
+    if model.attention == "materialized" and strategy.cp > 1:
+        raise SpecError(f"materialized attention with cp = {strategy.cp} is not built (the context-parallel ring "
+                        "runs fused attention over its chunks); set attention = 'sdpa', or cp = 1",
+                        field="model.attention")
 
 
 def _flag(section: dict, key: str, where: str, default: bool) -> bool:
@@ -616,8 +626,13 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
     if divisible_by and merged["family"] == "user":
         raise SpecError("a factory model sizes its own vocabulary; vocab_divisible_by is for the built-in models",
                         field="model.vocab_divisible_by")
+    attention = _choice(m, "attention", "model", "sdpa", ATTENTION_KINDS)
+    if "attention" in m and merged["family"] == "user":
+        raise SpecError("a factory model's attention is its own code; attention is for the built-in families",
+                        field="model.attention")
     return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie,
-                     vocab_divisible_by=divisible_by, dropout=_dropout(m, merged["family"]), **ints,
+                     vocab_divisible_by=divisible_by, dropout=_dropout(m, merged["family"]), attention=attention,
+                     **ints,
                      **_parse_experts(merged, ints, m))
 
 

@@ -42,8 +42,15 @@ FLAGS = {
     "--no-rope-fusion", "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler",
     "--defer-embedding-wgrad-compute", "--align-grad-reduce", "--cpu-optimizer", "--zero-bubble-v-schedule",
     "--disable-moe-token-dropping", "--create-moe-param-group", "--partition-activations", "--checkpoint-in-cpu",
-    "--contigious-checkpointing", "--fp32-residual-connection", "--bert-binary-head",
+    "--contigious-checkpointing", "--fp32-residual-connection", "--bert-binary-head", "--use-flash-attn-v1",
+    "--use-flash-attn-v2", "--use-flash-attn-triton", "--use-flash-attn-builder",
 }
+# Attention's kernels (_attention): flash attention's flags (Megatron-LM's, Megatron-DeepSpeed's versions); the
+# arguments only Megatron-DeepSpeed and the older Megatron-LM take, whose attention was local (materialised)
+FLASH_FLAGS = ("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
+               "--use-flash-attn-builder")
+LOCAL_ATTENTION_ERA = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", "--checkpoint-activations",
+                       "--deepspeed-activation-checkpointing", "--DDP-impl", "--use-legacy-models")
 
 # Known arguments with no bearing on an iteration's cost, by what they are.
 _IGNORED = {
@@ -86,9 +93,6 @@ NOT_MODELLED = {
     "--moe-grouped-gemm": "the experts' GEMMs grouped into one kernel",
     "--moe-token-dispatcher-type": "the all-to-all dispatcher's kind",
     "--moe-router-topk-scaling-factor": "scaled routing weights",
-    "--use-flash-attn": "flash attention's kernels (the profile times the attention it runs)",
-    "--attention-backend": "the attention kernels (the profile times the attention it runs)",
-    "--transformer-impl": "Transformer Engine or local layers (the profile times the layers it runs)",
     "--no-masked-softmax-fusion": "an unfused softmax", "--no-bias-gelu-fusion": "an unfused bias and GELU",
     "--no-bias-dropout-fusion": "an unfused bias and dropout", "--no-rope-fusion": "unfused rotary embeddings",
     "--no-gradient-accumulation-fusion": "unfused weight-gradient accumulation",
@@ -121,7 +125,8 @@ FIELD_ARGUMENT = {
     "model.vocab": "--vocab-size", "model.vocab_divisible_by": "--make-vocab-size-divisible-by",
     "model.experts": "--num-experts", "model.top_k": "--moe-router-topk", "model.expert_ffn": "--moe-ffn-hidden-size",
     "model.shared_experts": "--moe-shared-expert-intermediate-size", "model.moe_every": "--moe-layer-freq",
-    "model.capacity_factor": "--moe-expert-capacity-factor", "batch.global": "--global-batch-size",
+    "model.capacity_factor": "--moe-expert-capacity-factor", "model.dropout": "--attention-dropout",
+    "batch.global": "--global-batch-size",
     "batch.micro": "--micro-batch-size", "strategy.tp": "--tensor-model-parallel-size",
     "strategy.pp": "--pipeline-model-parallel-size", "strategy.chunks": "--num-layers-per-virtual-pipeline-stage",
     "strategy.sp": "--sequence-parallel", "strategy.cp": "--context-parallel-size",
@@ -400,6 +405,8 @@ def from_megatron(source: str, gpus: int | None = None, gpus_per_node: int | Non
     tp = args.integer("--tensor-model-parallel-size", 1)
     pp = args.integer("--pipeline-model-parallel-size", 1)
     cp = args.integer("--context-parallel-size", 1)
+    model["attention"] = _attention(args, cp, result)
+    model["dropout"] = _dropout(args, result)
     nodes, per_node = _gpus(launcher, sbatch, gpus, gpus_per_node, tp * pp * cp, result)
     world = nodes * per_node
     if world % (tp * pp * cp):
@@ -497,6 +504,31 @@ def _model(args: _Reader, family: str, result: ImportedSpec) -> dict:
         if capacity is not None:
             model["capacity_factor"] = capacity
     return model
+
+
+def _attention(args: _Reader, cp: int, result: ImportedSpec) -> str:
+    """sdpa (fused) or materialized, as Megatron would run it: flash attention's flag, a fused or flash
+    --attention-backend, Transformer Engine's layers or context parallelism (which needs them) are fused; a local
+    or unfused backend, local layers, or without any of those Megatron-DeepSpeed's and the older Megatron-LM's
+    arguments (their attention was local: baddbmm, softmax, bmm) are materialised; otherwise today's Megatron-LM's
+    default, Transformer Engine's fused attention. The choice is a note where no argument named it."""
+    flash = [name for name in FLASH_FLAGS if args.has(name)]
+    backend = args.choice("--attention-backend", ("flash", "fused", "unfused", "local", "auto"))
+    impl = args.choice("--transformer-impl", ("local", "transformer_engine"))
+    if flash or backend in ("flash", "fused", "auto") or cp > 1:
+        return "sdpa"
+    if backend in ("unfused", "local"):
+        return "materialized"
+    if impl is not None:
+        return "materialized" if impl == "local" else "sdpa"
+    era = [name for name in LOCAL_ATTENTION_ERA if name in args.values]
+    if era:
+        result.notes.append(f"attention materialized (Megatron-DeepSpeed's and the older Megatron-LM's local "
+                            f"attention, as {era[0]} says these arguments are theirs, without --use-flash-attn)")
+        return "materialized"
+    result.notes.append("attention fused (sdpa): today's Megatron-LM runs Transformer Engine's fused attention "
+                        "where no argument says otherwise")
+    return "sdpa"
 
 
 def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, result: ImportedSpec) -> dict:
@@ -597,12 +629,22 @@ def _gpus(launcher: list[str], sbatch: list[str], gpus: int | None, gpus_per_nod
     return gpus // per_node, per_node
 
 
+def _dropout(args: _Reader, result: ImportedSpec) -> float:
+    """The spec's one dropout probability: --hidden-dropout and --attention-dropout (Megatron's 0.1 where not
+    given) where they agree; where they differ the attention's (its s x s mask costs the most), the hidden one
+    listed as not modelled."""
+    hidden = args.number("--hidden-dropout", DEFAULT_DROPOUT)
+    attention = args.number("--attention-dropout", DEFAULT_DROPOUT)
+    for name, value in (("--hidden-dropout", hidden), ("--attention-dropout", attention)):
+        if value >= 1:
+            raise UserError(f"--from-megatron: {name} must be a probability below 1, got {value:g}")
+    if hidden != attention:
+        result.not_modelled.append(f"--hidden-dropout {hidden:g}: the spec has one dropout, the attention's "
+                                   f"{attention:g}")
+    return attention
+
+
 def _not_modelled(args: _Reader, family: str, result: ImportedSpec) -> None:
-    hidden_dropout = args.number("--hidden-dropout", DEFAULT_DROPOUT)
-    attention_dropout = args.number("--attention-dropout", DEFAULT_DROPOUT)
-    if hidden_dropout or attention_dropout:
-        result.not_modelled.append(f"dropout (hidden {hidden_dropout:g}, attention {attention_dropout:g}; Megatron's "
-                                   "default 0.1 where not given)")
     if family == "llama":
         missing = [what for what, present in (
             ("SwiGLU", args.has("--swiglu")),
@@ -639,7 +681,8 @@ def _leftovers(args: _Reader, result: ImportedSpec) -> None:
 # Features Megatron has that the spec refuses in some layouts: dropped (with a note) in this order until the spec
 # takes the rest. The distributed optimizer (ZeRO-1 here) goes before the tied embeddings (the model's shape).
 _DROPPABLE = (("strategy", "zero", 0, "--use-distributed-optimizer / --zero-stage as ZeRO"),
-              ("model", "tie_embeddings", False, "the tied embedding and head (Megatron's default)"))
+              ("model", "tie_embeddings", False, "the tied embedding and head (Megatron's default)"),
+              ("model", "dropout", 0.0, "dropout (--hidden-dropout, --attention-dropout)"))
 
 
 def _validate(data: dict, where: str, result: ImportedSpec):
