@@ -1,5 +1,5 @@
-"""`python -m harness`: its subcommands (events, profile, show, train, collectives, spec), each a thin front end over
-the registry of harness.common.subcommands, and the bare command.
+"""`python -m harness`: its subcommands (events, profile, show, train, collectives, spec, device), each a thin front
+end over the registry of harness.common.subcommands, and the bare command.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from importlib import resources
 
 from harness.common.subcommands import build_parser, run_cli
 
-SUBCOMMANDS = ("events", "profile", "show", "train", "collectives", "spec")
+SUBCOMMANDS = ("events", "profile", "show", "train", "collectives", "spec", "device")
 
 
 def default_spec_path() -> str:

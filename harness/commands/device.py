@@ -1,0 +1,108 @@
+"""`python -m harness device [-o mine.toml]`: measure this machine's device (one CUDA GPU, else this CPU) and write
+a device description (docs/devices.md, "Calibrating this machine") that `[cluster] device = "mine.toml"` reads.
+
+What is measured and how: harness.profile.device_curves; how the curves are fitted: harness.plan.device_fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harness.common.errors import UserError
+from harness.common.output import format_table, writable
+from harness.plan.device import REQUIRED_DTYPES
+
+NAME = "device"
+HELP = "measure this machine's device (CUDA, else the CPU) and write its description for [cluster] device"
+DEFAULT_REPEATS = 10
+QUICK_REPEATS = 3
+MAX_REPEATS = 10_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", metavar="FILE.toml",
+                        help="write the description here (default: print it, or with --json only the JSON)")
+    parser.add_argument("--dtype", default=None,
+                        help=f"the dtype the curves are fitted in: {', '.join(REQUIRED_DTYPES)} (default: float32 on a "
+                             "CPU, bfloat16 on a GPU); every dtype the device runs has its peaks measured")
+    parser.add_argument("--repeats", default=None,
+                        help=f"timed rounds per kernel after 2 warm-up ones (default {DEFAULT_REPEATS}, --quick "
+                             f"{QUICK_REPEATS})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few kernels of each kind and few repeats: seconds, for tests (a rough description)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default auto)")
+    parser.add_argument("--name", help="the description's name (default: the output file's stem, else 'local')")
+    parser.add_argument("--json", action="store_true",
+                        help="print the description, every measured kernel and the fit's errors as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def options(args: argparse.Namespace) -> tuple[str | None, int, Path | None]:
+    """(dtype or None for the device's default, repeats, output path), checked: UserError on a bad one."""
+    if args.dtype is not None and args.dtype not in REQUIRED_DTYPES:
+        raise UserError(f"--dtype {args.dtype!r}: give one of {', '.join(REQUIRED_DTYPES)}")
+    repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+    if args.repeats is not None:
+        try:
+            repeats = int(args.repeats)
+        except ValueError:
+            repeats = 0
+        if not 1 <= repeats <= MAX_REPEATS:
+            raise UserError(f"--repeats {args.repeats!r}: give a whole number from 1 to {MAX_REPEATS}")
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        if output.suffix != ".toml":
+            raise UserError(f"-o {args.output}: a device description is a .toml file (a spec's [cluster] device "
+                            "reads a path ending in .toml)")
+        if output.is_dir():
+            raise UserError(f"-o {args.output}: is a folder; give the description's file, e.g. {output}/mine.toml")
+    return args.dtype, repeats, output
+
+
+def run(args: argparse.Namespace) -> int:
+    dtype, repeats, output = options(args)
+    from harness.profile.device_curves import calibrate, observation_rows, pick_device
+
+    device = pick_device(args.device)
+    dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    name = args.name or (output.stem if output else "local")
+    calibration = calibrate(device, dtype, repeats, args.quick, name, show_progress=not args.quiet)
+    description = calibration.description
+    errors = calibration.fit_errors()
+    header = (f"written by python -m harness device{' --quick' if args.quick else ''} ({calibration.seconds:.0f} s); "
+              "format in docs/devices.md\nfit: " + "; ".join(
+                  f"{curve} {e['kernels']} kernels, median |error| {e['median_abs_error_pct']:.1f}%"
+                  for curve, e in errors.items()))
+    text = description.to_toml(header=header)
+    if output is not None:
+        writable(str(output), lambda: output.write_text(text))
+    if args.json:
+        print(json.dumps({"description": description.to_dict(), "output": str(output) if output else None,
+                          "device": str(device), "dtype": dtype, "repeats": repeats, "quick": args.quick,
+                          "seconds": calibration.seconds, "fit_errors": errors,
+                          "kernels": observation_rows(calibration)}, indent=1))
+        return 0
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    print(summary(description, errors, output))
+    return 0
+
+
+def summary(description, errors: dict, output: Path) -> str:
+    """The answer first: where the description went, its peaks, then each curve and its fit's error."""
+    peaks = ", ".join(f"{d} {description.matrix_peak[d] / 1e9:.3g}" for d in REQUIRED_DTYPES)
+    lines = [f"wrote {output}: {description.title}",
+             f"matrix peak GFLOP/s: {peaks}; memory {description.memory_bandwidth / 1e9:.3g} GB/s; launch "
+             f"{description.launch_s * 1e6:.2f} us", ""]
+    rows = []
+    for curve, e in errors.items():
+        c = description.curves[curve]
+        rows.append([curve, c.max_fraction, f"{c.half_at:.3g}", c.steepness, c.half_dim or "-", e["kernels"],
+                     e["median_abs_error_pct"], e["p90_abs_error_pct"]])
+    lines.append(format_table(["curve", "max_fraction", "half_at", "steepness", "half_dim", "kernels",
+                               "median |err| %", "p90 |err| %"], rows))
+    lines.append(f"\nuse it: [cluster] device = \"{output}\" (docs/devices.md)")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Fitting a device description's efficiency curves (harness.plan.device.Curve) to measured kernels.
+
+What `python -m harness device` (harness.profile.device_curves measures, this module fits) and bench/device_model.py
+use. Pure Python and numpy. Rules:
+
+- a kernel's modelled seconds are analysis.device_model's roofline, reproduced here because the harness may not
+  import the analysis (tests/test_device_calibration.py holds the two equal): launches x launch_s plus the longer
+  of compute (executed FLOPs over the unit's peak x the curve's fraction; a causal fused attention executes half
+  its counted FLOPs) and memory (bytes over the bandwidth x the memory curve's fraction);
+- a curve is fitted by least squares of log(modelled / measured) over its kernels, every other part of the
+  description held fixed, by Nelder-Mead from several starts; max_fraction is kept in (0, 1], steepness in
+  [STEEPNESS_RANGE], half_at and half_dim above 0;
+- the order is the dependency order: memory (which every kernel's memory side uses), then gemm, then the
+  attention curves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from harness.plan.device import Curve, DeviceDescription
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
+
+STEEPNESS_RANGE = (0.25, 4.0)
+FIT_ORDER = ("memory", "gemm", "sdpa_forward", "sdpa_backward", "materialized_attention")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured kernel: the harness.plan.kernels description the model costs, and its median seconds."""
+
+    curve: str  # the curve it informs (harness.plan.device.CURVES)
+    kernel: Kernel
+    seconds: float
+
+
+def curve_of(kernel: Kernel) -> str:
+    """The efficiency curve that costs `kernel` (harness.plan.device.CURVES)."""
+    if isinstance(kernel, Gemm):
+        return "gemm"
+    if isinstance(kernel, Attention):
+        if kernel.kind == "materialized":
+            return "materialized_attention"
+        return "sdpa_backward" if kernel.backward else "sdpa_forward"
+    return "memory"
+
+
+def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
+    """`kernel`'s seconds on `device`: analysis.device_model.DeviceModel.kernel_seconds (module docstring)."""
+    curves = device.curves
+    if isinstance(kernel, Gemm):
+        peak, executed = device.matrix_peak[kernel.dtype], kernel.flops
+        fraction = curves["gemm"].fraction(kernel.flops, min(kernel.m, kernel.n, kernel.k))
+    elif isinstance(kernel, Attention):
+        peak = device.matrix_peak[kernel.dtype]
+        causal_skip = kernel.kind != "materialized" and kernel.causal
+        executed = kernel.flops / 2 if causal_skip else kernel.flops
+        fraction = curves[curve_of(kernel)].fraction(kernel.flops)
+    elif isinstance(kernel, MemoryBound):
+        peak, fraction, executed = device.vector_peak[kernel.dtype], 1.0, kernel.flops
+    else:
+        raise TypeError(f"not a kernel: {kernel!r}")
+    compute = executed / (peak * fraction) if executed > 0 else 0.0
+    memory = kernel.bytes / (device.memory_bandwidth * curves["memory"].fraction(kernel.bytes)) if kernel.bytes > 0 \
+        else 0.0
+    return kernel.launches * device.launch_s + max(compute, memory)
+
+
+def log_errors(device: DeviceDescription, observations: Sequence[Observation]) -> np.ndarray:
+    """log(modelled / measured) of each observation."""
+    return np.array([math.log(kernel_seconds(device, o.kernel) / o.seconds) for o in observations])
+
+
+def relative_errors(device: DeviceDescription, observations: Sequence[Observation]) -> list[float]:
+    """modelled / measured - 1 of each observation."""
+    return [kernel_seconds(device, o.kernel) / o.seconds - 1 for o in observations]
+
+
+def _curve_from(params: np.ndarray, with_dim: bool) -> Curve:
+    fraction = 1.0 / (1.0 + math.exp(-float(np.clip(params[0], -30, 30))))
+    low, high = STEEPNESS_RANGE
+    steepness = float(np.clip(math.exp(float(np.clip(params[2], -5, 5))), low, high))
+    half_dim = math.exp(float(np.clip(params[3], -10, 12))) if with_dim else 0.0
+    return Curve(max_fraction=fraction, half_at=math.exp(float(np.clip(params[1], -50, 80))), steepness=steepness,
+                 half_dim=half_dim)
+
+
+def fit_curve(device: DeviceDescription, name: str, observations: Sequence[Observation]) -> Curve:
+    """The curve `name` of `device` that best explains `observations` (module docstring), the rest held fixed."""
+    if not observations:
+        raise ValueError(f"no measured kernels to fit the {name} curve on")
+    with_dim = name == "gemm"
+    sizes = np.array([o.kernel.bytes if name == "memory" else o.kernel.flops for o in observations])
+
+    def loss(params: np.ndarray) -> float:
+        trial = dataclasses.replace(device, curves={**device.curves, name: _curve_from(params, with_dim)})
+        return float(np.sum(log_errors(trial, observations) ** 2))
+
+    middle = math.log(float(np.median(sizes)))
+    starts = [[2.0, middle, 0.0, math.log(16.0)], [0.0, middle - 3, 0.0, math.log(4.0)],
+              [4.0, math.log(float(sizes.min())), 0.5, math.log(64.0)], [1.0, middle + 2, -0.5, math.log(1.0)]]
+    best = min((nelder_mead(loss, np.array(start[: 4 if with_dim else 3])) for start in starts), key=lambda r: r[1])
+    return _curve_from(best[0], with_dim)
+
+
+def nelder_mead(loss: Callable[[np.ndarray], float], start: np.ndarray, step: float = 1.0, iterations: int = 600,
+                tolerance: float = 1e-10) -> tuple[np.ndarray, float]:
+    """(argmin, min) of `loss` by the Nelder-Mead simplex from `start` (standard coefficients)."""
+    dims = len(start)
+    simplex = [start.astype(float)] + [start + step * np.eye(dims)[i] for i in range(dims)]
+    values = [loss(point) for point in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] <= tolerance:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        value = loss(reflected)
+        if values[0] <= value < values[-2]:
+            simplex[-1], values[-1] = reflected, value
+            continue
+        if value < values[0]:
+            expanded = centroid + 2.0 * (centroid - simplex[-1])
+            expanded_value = loss(expanded)
+            simplex[-1], values[-1] = (expanded, expanded_value) if expanded_value < value else (reflected, value)
+            continue
+        contracted = centroid + 0.5 * (simplex[-1] - centroid)
+        contracted_value = loss(contracted)
+        if contracted_value < values[-1]:
+            simplex[-1], values[-1] = contracted, contracted_value
+            continue
+        simplex = [simplex[0]] + [simplex[0] + 0.5 * (point - simplex[0]) for point in simplex[1:]]
+        values = [values[0]] + [loss(point) for point in simplex[1:]]
+    index = int(np.argmin(values))
+    return simplex[index], values[index]
+
+
+def fit_description(device: DeviceDescription, observations: Sequence[Observation]) -> DeviceDescription:
+    """`device` with every curve that has observations fitted to them, in FIT_ORDER; a curve without any keeps
+    its value."""
+    for name in FIT_ORDER:
+        mine = [o for o in observations if o.curve == name]
+        if mine:
+            device = dataclasses.replace(device, curves={**device.curves, name: fit_curve(device, name, mine)})
+    return device
+
+
+def error_summary(device: DeviceDescription, observations: Sequence[Observation]) -> dict[str, dict[str, float]]:
+    """Per curve: kernels, median and 90th percentile of |modelled / measured - 1| in %."""
+    out = {}
+    for name in FIT_ORDER:
+        errors = [abs(e) * 100 for e in relative_errors(device, [o for o in observations if o.curve == name])]
+        if errors:
+            out[name] = {"kernels": len(errors), "median_abs_error_pct": float(np.median(errors)),
+                         "p90_abs_error_pct": float(np.percentile(errors, 90))}
+    return out

@@ -1,0 +1,122 @@
+"""`python -m harness device` (issue 43, item 6): a --quick run end to end writes a description that parses, round-
+trips and costs a spec alone; its fitted curves are sane; the fit reproduces the device model's roofline and
+recovers known curves; bad options exit 2 with one message."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+
+from analysis.device_model import DeviceModel
+from analysis.predict import predict_spec
+from harness.commands.cli import main as harness_main
+from harness.plan.device import CURVES, REQUIRED_DTYPES, Curve, load_device, parse_device
+from harness.plan.device_fit import Observation, curve_of, fit_description, kernel_seconds
+from harness.plan.kernels import Attention, Gemm, MemoryBound
+from harness.plan.spec import loads_spec
+from tests.conftest import ROOT
+from tests.helpers import tiny_spec_text
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `harness device --quick -o mine.toml --json` (a few seconds): (the file, its JSON)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    folder = tmp_path_factory.mktemp("device")
+    path = folder / "mine.toml"
+    done = subprocess.run([sys.executable, "-m", "harness", "device", "--quick", "-o", str(path), "--json",
+                           "--quiet", "--device", "cpu"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return path, json.loads(done.stdout)
+
+
+def test_quick_run_writes_a_description_that_round_trips(quick_run):
+    path, report = quick_run
+    description = load_device(str(path))
+    assert description.fitted and description.name == "mine"
+    assert "repeats" in description.fitted_on and "GEMMs" in description.fitted_on
+    again = parse_device(tomllib.loads(description.to_toml()), source="again", default_name="mine")
+    assert again == description
+    assert report["description"] == description.to_dict() and report["output"] == str(path)
+    assert {row["curve"] for row in report["kernels"]} == set(CURVES)
+    for row in report["kernels"]:  # every measured kernel's modelled time is the description's own
+        assert row["measured_s"] > 0 and row["modelled_s"] > 0
+
+
+def test_fitted_curves_are_sane(quick_run):
+    description = load_device(str(quick_run[0]))
+    assert description.launch_s > 0 and description.memory_bandwidth > 0 and description.memory_gb > 0
+    for dtype in REQUIRED_DTYPES:
+        assert description.matrix_peak[dtype] > 0 and description.vector_peak[dtype] > 0
+    sizes = np.logspace(2, 14, 60)
+    for name, curve in description.curves.items():
+        assert 0 < curve.max_fraction <= 1, name
+        fractions = [curve.fraction(float(x), 4096.0) for x in sizes]
+        assert all(0 < f <= 1 for f in fractions), name
+        assert all(b >= a for a, b in zip(fractions, fractions[1:])), f"{name} is not monotone"
+
+
+def test_a_spec_alone_is_costed_from_the_written_description(quick_run):
+    path = quick_run[0]
+    text = tiny_spec_text().replace("gpus_per_node = 1\n", f"gpus_per_node = 1\ndevice = \"{path}\"\n")
+    prediction = predict_spec(loads_spec(text, source="job.toml"), resamples=0)
+    assert prediction.timeline.batch_time_s > 0
+
+
+KERNELS = [Gemm("g", 64, 256, 128, "float32"), Gemm("g", 8, 4096, 4096, "bfloat16"),
+           Attention("a", "sdpa", 2, 4, 128, 128, 32, "float32"),
+           Attention("a", "sdpa", 2, 4, 128, 128, 32, "float16", backward=True),
+           Attention("a", "materialized", 1, 8, 64, 64, 64, "float32", launches=3),
+           MemoryBound("m", 1e6, "float32"), MemoryBound("m", 3e3, "bfloat16", flops=5e4, launches=4)]
+
+
+def test_the_fit_reproduces_the_device_model():
+    device = load_device("h100-sxm")
+    model = DeviceModel(device)
+    for kernel in KERNELS:
+        assert kernel_seconds(device, kernel) == pytest.approx(model.kernel_seconds(kernel), rel=1e-12)
+
+
+def test_the_fit_recovers_known_curves():
+    """Observations made by a known description are fitted back from flat curves to within 1% of every time."""
+    truth = load_device("a100-80gb")
+    truth = dataclasses.replace(truth, curves={**truth.curves, "gemm": Curve(0.8, 3e8, 1.5, 24.0),
+                                               "memory": Curve(0.7, 2e6, 0.8)})
+    rng = np.random.default_rng(1)
+    kernels = [Gemm("g", *(int(x) for x in rng.integers(16, 8192, 3)), "bfloat16") for _ in range(30)]
+    kernels += [MemoryBound("m", float(x), "bfloat16") for x in np.logspace(3, 9, 12)]
+    kernels += [Attention("a", "sdpa", 2, 16, s, s, 128, "bfloat16", backward=b) for s in (256, 1024, 4096)
+                for b in (False, True)]
+    observations = [Observation(curve_of(k), k, kernel_seconds(truth, k)) for k in kernels]
+    flat = dataclasses.replace(truth, curves={name: Curve(1.0, 0.0) for name in CURVES})
+    fitted = fit_description(flat, observations)
+    for o in observations:
+        assert kernel_seconds(fitted, o.kernel) == pytest.approx(o.seconds, rel=0.01), o.kernel
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dtype", "float64"], "--dtype"),
+    (["--repeats", "0"], "--repeats"),
+    (["--repeats", "many"], "--repeats"),
+    (["-o", "mine.txt"], ".toml"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_options_exit_2_with_one_message(args, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert harness_main(["device", *args, "--quick", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+
+
+def test_a_folder_as_output_is_refused(capsys, tmp_path):
+    folder = tmp_path / "out.toml"
+    folder.mkdir()
+    assert harness_main(["device", "-o", str(folder), "--quick"]) == 2
+    assert "is a folder" in capsys.readouterr().err
