@@ -3,16 +3,17 @@
 
 Each CSV row becomes Megatron's arguments (megatron_arguments) and then a spec through the project's own importer
 (harness.plan.importers.megatron: GPT, vocabulary 50,257 padded, fp16, full recompute, 1F1B, the data-parallel
-all-reduce after the backward, 8 GPUs a node), on the cluster the README states (vtrain_network): the A100
-description (DEVICE) and DGX A100's NVLink tier of harness/jobs/dgx-a100.toml with the inter-node link at
-800 Gb/s a node, 12.5 GB/s a GPU. The reported predictions are analysis.predict.predict_spec's (no profile); the
-fit evaluates the same costs faster (SpecOnlyRun: the communication and the kernels made once per run).
+all-reduce after the backward, attention materialised and dropout 0.1 as Megatron-DeepSpeed ran them, 8 GPUs a
+node), on the cluster the README states (vtrain_network): the A100 description (DEVICE) and DGX A100's NVLink
+tier of harness/jobs/dgx-a100.toml with the inter-node link at 800 Gb/s a node, 12.5 GB/s a GPU. The reported
+predictions are analysis.predict.predict_spec's (no profile); the fit evaluates the same costs faster
+(SpecOnlyRun: the communication and the kernels made once per run).
 
-Fitted, and on what: the description's efficiency figures FITTED (a few) on a seeded half of the single-node set
-(split_half: within every (model, GPUs) group, a permutation by SPLIT_SEED; the seed is printed), by a coarse
-search (fit_description: coordinate passes over a multiplicative grid, least mean |error|). The other half and the
-whole multi-node set are held out: nothing is fitted on them. The fitted description is written to
-bench/out/a100-vtrain-fitted.toml.
+Fitted, and on what: the description's figures FITTED (the GEMM curve, the launch time and the host's issue time
+a kernel) on a seeded half of the single-node set (split_half: within every (model, GPUs) group, a permutation by
+SPLIT_SEED; the seed is printed), by a coarse search (fit_description: coordinate passes over a multiplicative
+grid, least mean |error|). The other half and the whole multi-node set are held out: nothing is fitted on them.
+The fitted description is written to bench/out/a100-vtrain-fitted.toml.
 
 Printed per set (fit half, held-out half, multi-node) and per model size: MAPE, median, p90 and worst |error|;
 Spearman's rank correlation of predicted against measured time within each (model, GPUs) group; each group's
