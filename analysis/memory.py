@@ -32,7 +32,8 @@
   whole backward) and, once it is over, lets go of what only the part above the stage's last weight saved
   (its last layer's measured `released_bytes`: a head's log-probabilities); its gradients are made by the W;
 - temporaries: what a backward makes and holds for a moment beyond the activations it frees, computed from the
-  layers' descriptions (backward_moments); at the stage backward's worst moment, which is a layer k's
+  layers' descriptions (backward_moments), a factory model's layers' as the profile measured their backwards
+  (temporary_bytes); at the stage backward's worst moment, which is a layer k's
   own: its temporaries, beside the activations in flight less what the layers after k in the stage (their
   backward already run) held, and with recompute = "full" plus k's saved activations re-made (not counted:
   the gradient at k's output, the next layer's input gradient within a stage, b s h d for a block);
@@ -67,7 +68,12 @@ from harness.plan.events import EventPlan
 from harness.plan.layers import LayerDesc, input_bytes, recompute_groups, selective
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
-from harness.store.hdf5_schema import ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR
+from harness.store.hdf5_schema import (
+    ACTIVATION_BYTES_ATTR,
+    RELEASED_BYTES_ATTR,
+    TEMPORARY_BYTES_ATTR,
+    TEMPORARY_FREED_BYTES_ATTR,
+)
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline", "temporaries")
 LOSS_BYTES = 4  # the loss takes the logits in float32 (harness.train.model.loss_of)
@@ -155,6 +161,16 @@ def released_bytes(profile: Profile) -> dict[str, int]:
             if m.kind == "compute" and m.content.get("phase") == "bwd_input" and RELEASED_BYTES_ATTR in m.attrs}
 
 
+def temporary_bytes(profile: Profile) -> dict[str, tuple[int, int]]:
+    """Whole-backward event id (bwd) -> (temporaries, freed): what its backward holds at its worst moment beyond
+    its saved activations, its weights' gradients and its output's gradient, and the saved bytes it has let go
+    of by then, as the profile measured them (harness.profile.memory.backward_temporaries; absent before the
+    measurement)."""
+    return {eid: (int(m.attrs[TEMPORARY_BYTES_ATTR]), int(m.attrs.get(TEMPORARY_FREED_BYTES_ATTR, 0)))
+            for eid, m in profile.measurements.items()
+            if m.kind == "compute" and m.content.get("phase") == "bwd" and TEMPORARY_BYTES_ATTR in m.attrs}
+
+
 def gradient_bytes(spec: JobSpec) -> int:
     """Bytes per parameter of a gradient: fp32 main gradients with master weights (Megatron-LM's mixed
     precision), else the weights' dtype."""
@@ -177,7 +193,8 @@ def loss_saved_bytes(spec: JobSpec) -> int:
     return tokens * spec.model.vocab * LOSS_BYTES + tokens * 8
 
 
-def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, str]]:
+def backward_moments(spec: JobSpec, layer: LayerDesc,
+                     measured: tuple[int, int] | None = None) -> list[tuple[int, int, str]]:
     """A built-in layer's backward moments as (temporaries, freed, when): what its backward holds then beyond its
     saved activations and its output's gradient, what of its own saved activations it has let go of by then, and
     whether its weights are in use ("before": not yet, "start": as its backward starts, "during") (torch's
@@ -191,7 +208,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
       keys and values and two of their float32 gradients, 4 b s (h / tp)(d + 4)) and its MLP's last
       projection's, its input's gradient (b s F d, F = ffn / tp) and its weight's gradient (F h d);
     - embedding: its start and its token table's dense gradient (V h d);
-    - a factory model's layer: its start (nothing more known).
+    - a factory model's layer: its start and, where the profile measured its backward (`measured`,
+      temporary_bytes(profile)), that backward's worst moment, with its weights in use.
     Split by vocabulary over tp (vocab_parallel), V is the shard's vocab / tp, and the head's loss makes the
     logits' gradient in place of the softmax it saved (harness.models.tp): nothing beyond it before its start.
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
@@ -219,7 +237,7 @@ def backward_moments(spec: JobSpec, layer: LayerDesc) -> list[tuple[int, int, st
         return [(ring, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
     if layer.kind == "embedding":
         return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) // shards * h * d, 0, "during")]
-    return [(0, 0, "start")]
+    return [(0, 0, "start")] + ([(*measured, "during")] if measured else [])
 
 
 @dataclass(frozen=True)
@@ -268,11 +286,13 @@ def _gradients_held(gradients: int, params: int, from_start: int, once_made: dic
     return gradients * held_params // max(1, params)
 
 
-def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
-                    released: Mapping[str, int] | None = None) -> MemoryEstimate:
+def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: Mapping[str, int] | None = None,
+                    temporaries: Mapping[str, tuple[int, int]] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
     `released` (split backwards) from `released_bytes(profile)`: the measurement where there is one, else the
-    layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`). A B step's
+    layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`);
+    `temporaries` from `temporary_bytes(profile)`: a factory model's layers' backward temporaries (a built-in
+    layer's come from its formulas, backward_moments, which know when in its backward each falls). A B step's
     released bytes come from the formulas only where what it keeps does too: a profile that measured the B step
     but not its release (written before that measurement) releases nothing, as it always has."""
     measured = activations
@@ -300,9 +320,10 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int],
         groups = recompute_groups(spec, [plan.layers[i] for i in program.layers])
         group_of = {program.layers[p]: program.layers[group[0]] for group in groups for p in group}
         remade = 0  # the saves of the layers of a recompute group so far, all re-made before its last's backward
+        backward_of = {index: eid for eid, index in zip(program.backward, program.backward_layers) if index >= 0}
         for eid, index in positions:
             layer_saves = activations.get(eid, 0)
-            moments = backward_moments(spec, plan.layers[index])
+            moments = backward_moments(spec, plan.layers[index], (temporaries or {}).get(backward_of.get(index)))
             if selective(plan.layers[index]):  # its attention core's saves re-made in its backward
                 micro, seq = plan.events[eid].content["micro"], plan.events[eid].content["seq"]
                 moments = moments + [(attention_core_bytes(spec, plan.layers[index], micro, seq), 0, "during")]

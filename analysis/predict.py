@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.costs import Costs, estimate_costs, held_out_checks
-from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes
+from analysis.memory import MemoryEstimate, activation_bytes, estimate_memory, released_bytes, temporary_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile, resolve_spec
 from analysis.simulate import Timeline, simulate
 from analysis.spec_only import check_spec_only, plan_communication, spec_profile
@@ -75,7 +75,8 @@ def predict_spec(spec: JobSpec, profile: Profile | None = None, dp_overlap: bool
                            extra_points=extra, what_if=network)
     costs.held_out = held_out_checks(profile, extra)
     return Prediction(profile, spec, plan, costs, simulate(plan, costs, dp_overlap),
-                      estimate_memory(plan, activation_bytes(profile), released_bytes(profile)),
+                      estimate_memory(plan, activation_bytes(profile), released_bytes(profile),
+                                      temporary_bytes(profile)),
                       prediction_interval(plan, costs, dp_overlap, resamples))
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from analysis.costs import Costs, estimate_costs
-from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory, released_bytes
+from analysis.memory import PARTS, MemoryEstimate, activation_bytes, estimate_memory, released_bytes, temporary_bytes
 from analysis.profile_reader import Profile, parse_spec_offline
 from analysis.simulate import StageCosts, StepCost, Timeline, simulate
 from analysis.trace_reader import Trace
@@ -223,7 +223,8 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
         result.steps.append({"virtual_stage": key[0], "phase": key[1], "micro": key[2], "measured_s": m,
                              "predicted_s": p, "error_pct": _pct(p, m)})
     result.layers = _layer_rows(trace, plan, costs)
-    result.memory = _memory_rows(trace, estimate_memory(plan, activation_bytes(profile), released_bytes(profile)))
+    memory = estimate_memory(plan, activation_bytes(profile), released_bytes(profile), temporary_bytes(profile))
+    result.memory = _memory_rows(trace, memory)
     replayed = simulate(plan, costs, dp_overlap, per_stage=replay_stage_costs(trace, timeline, kept, measured_steps))
     result.replay_batch_s = replayed.batch_time_s
     result.interval = prediction_interval(plan, costs, dp_overlap, resamples)

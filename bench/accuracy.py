@@ -169,7 +169,7 @@ def tracker_rows(workdir: Path) -> list[dict] | None:
     found = workdir / "tracked" / "tracker.json"
     if not found.exists():
         return None
-    from analysis.memory import activation_bytes, estimate_memory, released_bytes
+    from analysis.memory import activation_bytes, estimate_memory, released_bytes, temporary_bytes
     from analysis.profile_reader import layers_for, load_profile
     from analysis.trace_reader import read_trace
     from harness.plan.events import build_plan
@@ -180,7 +180,7 @@ def tracker_rows(workdir: Path) -> list[dict] | None:
     profile = load_profile(workdir / "prof")
     spec = load_spec(workdir / "job.toml", import_factory=False)
     plan = build_plan(spec, layers_for(profile, spec))  # a factory model's layers are its profile's
-    memory = estimate_memory(plan, activation_bytes(profile), released_bytes(profile))
+    memory = estimate_memory(plan, activation_bytes(profile), released_bytes(profile), temporary_bytes(profile))
     devices = read_trace(workdir / "tracked").devices
     rows = []
     for stage in memory.stages:

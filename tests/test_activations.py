@@ -233,13 +233,43 @@ def test_a_moe_blocks_formula_is_within_2_percent_of_the_meter(name, dtype):
                 assert formula == pytest.approx(meter, rel=0.02) and formula < meter, event
 
 
-def test_a_tied_heads_stand_in_weight_is_what_the_meter_adds():
+def test_a_tied_heads_projection_weight_is_a_weight_to_the_meter():
     """A tied head's projection weight is the embedding's parameter in a real run; profiled alone it is a
-    buffer, which the meter counts as saved: the formula leaves it to the weights."""
-    spec = _spec(model="tie_embeddings = true")
-    metered = {event: (formula, meter) for _, event, formula, meter in _metered(spec)}
+    buffer that takes a gradient (a weight held, not owned), which the meter counts as a weight, not as saved:
+    the head saves as an untied one does, to the byte."""
+    metered = {event: (formula, meter) for _, event, formula, meter in _metered(_spec(model="tie_embeddings = true"))}
+    untied = {event: meter for _, event, _, meter in _metered(_spec())}
     formula, meter = metered["gpt2.head.fwd"]
-    assert meter - formula == VOCAB * H * 4
+    assert meter == formula == untied["gpt2.head.fwd"] == 41476  # was 41476 + VOCAB * H * 4 with the buffer
+
+
+def test_a_built_in_layers_measured_backward_temporaries_meet_its_formulas_worst_moment():
+    """What the profile measures of a backward (harness.profile.memory.backward_temporaries) against the
+    formulas' moments (analysis.memory.backward_moments), GPT-2 in float32: a block's worst is its MLP's last
+    projection, its input's and its weight's gradients, (T + h) F d, nothing let go of; a head's its loss's,
+    the log-probabilities' gradient and the logits' (2 T V x 4) and the loss's own scalar gradient (4), its
+    targets and scalar (T x 8 + 4) let go of."""
+    import torch
+
+    from analysis.memory import backward_moments
+    from harness.profile.compute import _forward, _make_layer
+    from harness.profile.memory import backward_temporaries
+
+    spec = _spec()
+    plan = build_plan(spec)
+    measured, formulas = {}, {}
+    for event in plan.events.values():
+        content = event.content
+        if event.kind != "compute" or content.get("phase") != "bwd" or content["layer"] == "embedding":
+            continue
+        content = dict(content, last=content["layer"] == "head")
+        layer, make_input = _make_layer(spec, content, torch.device("cpu"))
+        measured[content["layer"]] = backward_temporaries(layer, make_input,
+                                                          lambda m, x, c=content: _forward(spec, m, x, c))
+        moments = backward_moments(spec, _layer(spec, content["layer"]))
+        formulas[content["layer"]] = max(temporaries - own for temporaries, own, _ in moments)
+    assert measured == {"block": ((T + H) * 4 * H * 4, 0), "head": (2 * T * VOCAB * 4 + 4, T * 8 + 4)}
+    assert formulas == {"block": (T + H) * 4 * H * 4, "head": 2 * T * VOCAB * 4}
 
 
 def test_the_memory_model_from_formulas_is_the_one_from_the_meter():

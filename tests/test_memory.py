@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from analysis.memory import backward_moments, estimate_memory
+from analysis.memory import backward_moments, estimate_memory, temporary_bytes
 from harness.plan.events import build_plan
 from harness.plan.spec import parse_spec
-from harness.profile.memory import LiveStorages, activation_bytes, saving_into
+from harness.profile.memory import LiveStorages, activation_bytes, backward_temporaries, saving_into
 from tests.helpers import mpirun_harness, tiny_spec_text
 from tests.test_analysis_helpers import make_spec
 
@@ -133,6 +133,45 @@ def test_a_split_backward_frees_every_saved_activation_after_its_weight_step():
         assert all(p.grad is not None for p in layers.parameters()) and x.grad is not None
 
 
+def test_a_backwards_temporaries_are_what_its_operators_make_beyond_the_gradients():
+    """Two linears with a GELU between, 8 rows: the worst moment is the last linear's backward, its input's
+    gradient (8 x 96 floats) beside its weight's (32 x 96) and its bias's (32) before they are added into the
+    gradients that exist already, nothing saved let go of yet. Gradients given for the measurement are taken
+    back; one that was there is kept (the same tensor)."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+    kept = layers[0].weight.grad = torch.zeros_like(layers[0].weight)
+    made = backward_temporaries(layers, lambda: torch.randn(8, 32, requires_grad=True), lambda m, x: m(x))
+    assert made == ((8 * 96 + 32 * 96 + 32) * 4, 0)
+    assert layers[0].weight.grad is kept and all(p.grad is None for p in layers[2].parameters())
+
+
+def test_a_factory_layers_measured_temporaries_are_a_moment_of_its_backward():
+    """A factory layer's backward is what the profile measured of it (its worst moment, with what it has let go
+    of by then); without the measurement, nothing beyond its start."""
+    from harness.plan.layers import LayerDesc
+
+    spec = make_spec(pp=1, layers=3)
+    layer = LayerDesc(kind="user", signature=(("family", "user"),), params=100, fwd_flops_per_token=201.0)
+    assert backward_moments(spec, layer) == [(0, 0, "start")]
+    assert backward_moments(spec, layer, (5000, 300)) == [(0, 0, "start"), (5000, 300, "during")]
+
+
+def test_a_profile_older_than_the_backwards_temporaries_reads_as_before():
+    """The committed profile (written before the measurement): no temporaries, the same estimate as without."""
+    from pathlib import Path
+
+    from analysis.memory import activation_bytes, released_bytes
+    from analysis.profile_reader import load_profile
+
+    profile = load_profile(Path(__file__).parent / "data" / "pp2-profile.h5")
+    plan = build_plan(profile.spec)
+    assert temporary_bytes(profile) == {}
+    before = estimate_memory(plan, activation_bytes(profile), released_bytes(profile))
+    assert estimate_memory(plan, activation_bytes(profile), released_bytes(profile), {}).to_dict() == before.to_dict()
+    assert before.peak_bytes > 0
+
+
 @pytest.mark.parametrize("recompute,schedule,factory,micro_batches", [
     ("none", "gpipe", False, 4), ("full", "gpipe", False, 4), ("none", "zb-h1", False, 4), ("full", "gpipe", True, 4),
     ("none", "interleaved-zb", True, 1)])
@@ -159,7 +198,11 @@ def test_the_model_meets_a_real_runs_peak(tmp_path, project_env, recompute, sche
     from analysis.trace_reader import read_trace
     from analysis.validate import validate
 
-    result = validate(read_trace(tmp_path / "run"), load_profile(tmp_path / "out"))
+    profile = load_profile(tmp_path / "out")
+    backwards = {eid for eid, m in profile.measurements.items()
+                 if m.kind == "compute" and m.content.get("phase") == "bwd"}
+    assert set(temporary_bytes(profile)) == backwards  # stored in the profile, read back
+    result = validate(read_trace(tmp_path / "run"), profile)
     assert len(result.memory) == 2
     for row in result.memory:
         assert abs(row["error_pct"]) < (1.0 if not factory else 2.0 if micro_batches > 1 else 3.0), row

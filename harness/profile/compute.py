@@ -23,7 +23,7 @@ from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_back
 from harness.models.transformer import Head, cross_entropy
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
-from harness.profile.memory import activation_bytes, kept_for_weights
+from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
@@ -154,6 +154,10 @@ class ComputeSamples(NamedTuple):
     # lets go of as a stage's last layer (profilers.memory.kept_for_weights)
     activation_bytes: int | None = None
     released_bytes: int | None = None
+    # whole backwards: its temporaries at its worst moment and the saved bytes it has let go of by then
+    # (profilers.memory.backward_temporaries)
+    temporary_bytes: int | None = None
+    temporary_freed_bytes: int | None = None
 
 
 def runner_content(spec: JobSpec, content: dict) -> dict:
@@ -376,6 +380,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     host: dict[str, list[float]] = {}
     saved: dict[str, int] = {}
     released: dict[str, int] = {}
+    temporaries: dict[str, tuple[int, int]] = {}
     pending = list(contents)
     backward_call: float | None = None
     split_call: dict[str, float | None] = {}
@@ -419,6 +424,8 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 saved[eid] = activation_bytes(runner.layers[0], runner.make_input, forward)
             elif runner.phase == "bwd_input":  # what it keeps for the W, what it lets go of as a stage's last
                 saved[eid], released[eid] = kept_for_weights(runner.layers[0], runner.make_input, forward)
+            elif runner.phase == "bwd":  # what its backward makes and holds for a moment
+                temporaries[eid] = backward_temporaries(runner.layers[0], runner.make_input, forward)
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = []
@@ -445,7 +452,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),
                                 backward_call if contents[eid]["phase"] in CALLED_PHASES else split_call.get(eid),
-                                saved.get(eid), released.get(eid))
+                                saved.get(eid), released.get(eid), *temporaries.get(eid, (None, None)))
             for eid in contents}
 
 

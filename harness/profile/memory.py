@@ -7,8 +7,10 @@ peak in `harness train` (LiveStorages over a whole iteration), so that the memor
 and the run count alike: weights, gradients, optimizer state, activations autograd saves for the backward
 (through torch.autograd.graph.saved_tensors_hooks), and buffers the pipeline holds (a stage's output until
 its gradient returns, received and sent gradients). What a backward makes and frees within itself
-(temporaries) it leaves out, as the model's metered peak does; PyTorch's own accounting, which sees them, runs
-through `pytorch_tracker` to check the model's whole peak.
+(temporaries) it leaves out, as the model's metered peak does; a profile measures them per layer on their own
+(`backward_temporaries`, every storage an operator makes), and PyTorch's own accounting, which sees them, runs
+through `pytorch_tracker` to check the model's whole peak. A weight a layer holds but does not own (a buffer
+that takes a gradient: a tied head's projection) is a weight, never a saved activation.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "pipeline")
+TEMPORARIES = "temporaries"  # what a backward makes (backward_temporaries' meter only)
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -40,10 +45,10 @@ class LiveStorages:
     at the peak. A storage counts in the category that first held it. Thread-safe: a release runs in whichever
     thread drops the last reference (a communication watcher, the garbage collector)."""
 
-    def __init__(self) -> None:
+    def __init__(self, categories: tuple[str, ...] = CATEGORIES) -> None:
         self._lock = threading.RLock()  # re-entrant: the garbage collector may run a release inside a hold
         self._held: dict[int, list] = {}  # address -> [holders, bytes, category]
-        self.live = {c: 0 for c in CATEGORIES}
+        self.live = {c: 0 for c in categories}
         self.total = 0
         self.peak = 0
         self.at_peak = dict(self.live)
@@ -118,20 +123,90 @@ def saving_into(meter: LiveStorages, category: str = "activations") -> Iterator[
         yield
 
 
+def held_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """What a layer holds as weights: its parameters and every buffer that takes a gradient (a weight it holds
+    but does not own: a tied head's projection, the embedding's token table in a run, its stand-in profiled
+    alone). Counted as weights, never as what a forward saves, however often autograd saves them."""
+    return [*layer.parameters(), *(b for b in layer.buffers() if b.requires_grad)]
+
+
+def _hold_weights(meter: LiveStorages, layer: torch.nn.Module) -> list[Callable[[], None]]:
+    return [release for release in (meter.hold(w, "weights") for w in held_weights(layer)) if release is not None]
+
+
 def activation_bytes(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
                      forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> int:
     """Bytes one forward of `layer` saves for its backward: the distinct storages autograd saves, not its
-    parameters (weights are counted as weights), its input included where the layer saves it."""
+    weights (`held_weights`: counted as weights), its input included where the layer saves it."""
     meter = LiveStorages()
-    releases = [meter.hold(p, "weights") for p in layer.parameters()]
+    releases = _hold_weights(meter, layer)
     with saving_into(meter):
         out = forward(layer, make_input())
     saved = meter.live["activations"]
     del out
     for release in releases:
+        release()
+    return int(saved)
+
+
+class _CountingMade(TorchDispatchMode):
+    """Within the block, every storage an operator returns counts in `meter` as temporaries (once per storage,
+    nothing where another category holds it already) until it is freed; `after_each()` runs after every
+    operator."""
+
+    def __init__(self, meter: LiveStorages, after_each: Callable[[], None]):
+        super().__init__()
+        self.meter, self.after_each = meter, after_each
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                release = self.meter.hold(tensor, TEMPORARIES)
+                if release is not None:  # with the storage, not the tensor: a view may outlive its first tensor
+                    weakref.finalize(tensor.untyped_storage(), release).atexit = False
+        self.after_each()
+        return out
+
+
+def backward_temporaries(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
+                         forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, int]:
+    """(temporaries, freed) at the worst moment of one backward of `layer`: the bytes of the storages its
+    operators have made and not freed (its input's gradient included; the gradient at its output, which the
+    layer after it made, not), and of its saved activations those it has let go of by then. The worst moment
+    is the one where temporaries less freed is largest ((0, 0): its start). Its weights' gradients exist
+    before it (as every micro-batch's after the first and data parallelism's buckets find them), so a weight's
+    gradient counts as the temporary it is until it is added in."""
+    meter = LiveStorages(CATEGORIES + (TEMPORARIES,))
+    releases = _hold_weights(meter, layer)
+    x = make_input()
+    with saving_into(meter):
+        out = forward(layer, x)
+    weights = [w for w in held_weights(layer) if w.requires_grad]
+    made = [w for w in weights if w.grad is None]  # given here, taken back after
+    for weight in made:
+        weight.grad = torch.zeros_like(weight)
+    releases += [meter.hold(weight.grad, "gradients") for weight in weights]
+    grad = None if out.dim() == 0 else torch.randn_like(out)
+    if grad is not None:
+        releases.append(meter.hold(grad, "pipeline"))
+    saved = meter.live["activations"]
+    worst = [0, 0, 0]  # temporaries less freed, temporaries, freed
+
+    def moment() -> None:
+        made, freed = meter.live[TEMPORARIES], saved - meter.live["activations"]
+        if made - freed > worst[0]:
+            worst[:] = [made - freed, made, freed]
+
+    with _CountingMade(meter, moment):
+        out.backward(grad)
+    del out, grad, x
+    for weight in made:
+        weight.grad = None
+    for release in releases:
         if release is not None:
             release()
-    return int(saved)
+    return worst[1], worst[2]
 
 
 def kept_gradients(param_groups: list[dict]) -> Iterator[torch.Tensor]:
@@ -154,7 +229,7 @@ def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
 
     stage_backward_input, _ = split_backward()
     saved = LiveStorages()
-    releases = [saved.hold(p, "weights") for p in layer.parameters()]
+    releases = _hold_weights(saved, layer)
     x = make_input()
     with saving_into(saved):
         out = forward(layer, x)
@@ -168,8 +243,7 @@ def kept_for_weights(layer: torch.nn.Module, make_input: Callable[[], torch.Tens
     for tensor in kept_gradients(param_groups):
         meter.hold(tensor, "activations")
     for release in releases:
-        if release is not None:
-            release()
+        release()
     return int(meter.live["activations"]), int(released)
 
 

@@ -56,6 +56,8 @@ from harness.store.hdf5_schema import (
     SEND_POST_SERIES,
     SENDER_BUSY_SERIES,
     SPEED_PROBE_ENV,
+    TEMPORARY_BYTES_ATTR,
+    TEMPORARY_FREED_BYTES_ATTR,
     ZERO_SERIES,
     compute_phase_key,
 )
@@ -174,6 +176,8 @@ def _complete(m: Measurement, precision: tuple[float, float] | None = None) -> b
     if phase in ("fwd", "bwd_input") and ACTIVATION_BYTES_ATTR not in m.attrs:
         return False
     if phase == "bwd_input" and RELEASED_BYTES_ATTR not in m.attrs:
+        return False
+    if phase == "bwd" and TEMPORARY_BYTES_ATTR not in m.attrs:
         return False
     if m.kind == "compute" and str(m.attrs.get("device", "")).startswith("cuda") \
             and m.content.get("phase") in ("fwd", "bwd", "bwd_input", "bwd_weight"):
@@ -465,6 +469,9 @@ def _profile_compute(run: ProfileRun) -> None:
             attrs[ACTIVATION_BYTES_ATTR] = taken.activation_bytes
         if taken.released_bytes is not None:
             attrs[RELEASED_BYTES_ATTR] = taken.released_bytes
+        if taken.temporary_bytes is not None:
+            attrs[TEMPORARY_BYTES_ATTR] = taken.temporary_bytes
+            attrs[TEMPORARY_FREED_BYTES_ATTR] = taken.temporary_freed_bytes
         measurement = Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs, series)
         attrs[PRECISION_GOAL_ATTR] = run.spec.profile.precision
         attrs[PRECISION_BUDGET_ATTR] = run.spec.profile.budget_s

@@ -52,6 +52,10 @@ BACKWARD_CALL_ATTR = "backward_call_s"
 ACTIVATION_BYTES_ATTR = "activation_bytes"
 # a split backward's bwd_input: the saved activations its input gradient lets go of when its layer is a stage's last
 RELEASED_BYTES_ATTR = "released_bytes"
+# compute whole backwards (bwd) only, attributes: the temporaries its backward holds at its worst moment and the
+# saved activations it has let go of by then (harness.profile.memory.backward_temporaries); absent in older profiles
+TEMPORARY_BYTES_ATTR = "temporary_bytes"
+TEMPORARY_FREED_BYTES_ATTR = "temporary_freed_bytes"
 # compute only, attributes: the precision asked for (`[profile] precision`, a fraction) and the one reached, the
 # 95% interval's half-width of the samples' mean over the mean (harness.plan.precision; inf with too few samples)
 PRECISION_GOAL_ATTR = "precision_goal"
