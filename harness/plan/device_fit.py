@@ -9,7 +9,8 @@ use. Pure Python and numpy. Rules:
   its counted FLOPs) and memory (bytes over the bandwidth x the memory curve's fraction);
 - a curve is fitted by least squares of log(modelled / measured) over its kernels, every other part of the
   description held fixed, by Nelder-Mead from several starts; max_fraction is kept in (0, 1], steepness in
-  [STEEPNESS_RANGE], half_at and half_dim above 0;
+  [STEEPNESS_RANGE], half_at and half_dim above 0; a curve with fewer than FREE_SHAPE_AT kernels fits
+  max_fraction and half_at alone (steepness 1, no half_dim);
 - the order is the dependency order: memory (which every kernel's memory side uses), then gemm, then the
   attention curves.
 """
@@ -25,7 +26,8 @@ import numpy as np
 from harness.plan.device import Curve, DeviceDescription
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
 
-STEEPNESS_RANGE = (0.25, 4.0)
+STEEPNESS_RANGE = (0.5, 2.0)  # beyond it a curve fitted on a few sizes explodes outside them
+FREE_SHAPE_AT = 6  # kernels a curve needs before its steepness (and a GEMM's half_dim) is fitted; fewer: 1 and 0
 FIT_ORDER = ("memory", "gemm", "sdpa_forward", "sdpa_backward", "materialized_attention")
 
 
@@ -81,10 +83,13 @@ def relative_errors(device: DeviceDescription, observations: Sequence[Observatio
 
 
 def _curve_from(params: np.ndarray, with_dim: bool) -> Curve:
+    """A curve from the fit's unconstrained parameters: max_fraction, half_at, [steepness, [half_dim]] (a
+    steepness left out is 1)."""
     fraction = 1.0 / (1.0 + math.exp(-float(np.clip(params[0], -30, 30))))
     low, high = STEEPNESS_RANGE
-    steepness = float(np.clip(math.exp(float(np.clip(params[2], -5, 5))), low, high))
-    half_dim = math.exp(float(np.clip(params[3], -10, 12))) if with_dim else 0.0
+    share = 1.0 / (1.0 + math.exp(-float(np.clip(params[2], -30, 30)))) if len(params) > 2 else 0.5
+    steepness = low * (high / low) ** share if len(params) > 2 else 1.0  # smooth within the range (1 at 0)
+    half_dim = math.exp(float(np.clip(params[3], -10, 12))) if with_dim and len(params) > 3 else 0.0
     return Curve(max_fraction=fraction, half_at=math.exp(float(np.clip(params[1], -50, 80))), steepness=steepness,
                  half_dim=half_dim)
 
@@ -94,6 +99,7 @@ def fit_curve(device: DeviceDescription, name: str, observations: Sequence[Obser
     if not observations:
         raise ValueError(f"no measured kernels to fit the {name} curve on")
     with_dim = name == "gemm"
+    free = 2 if len(observations) < FREE_SHAPE_AT else (4 if with_dim else 3)
     sizes = np.array([o.kernel.bytes if name == "memory" else o.kernel.flops for o in observations])
 
     def loss(params: np.ndarray) -> float:
@@ -101,9 +107,9 @@ def fit_curve(device: DeviceDescription, name: str, observations: Sequence[Obser
         return float(np.sum(log_errors(trial, observations) ** 2))
 
     middle = math.log(float(np.median(sizes)))
-    starts = [[2.0, middle, 0.0, math.log(16.0)], [0.0, middle - 3, 0.0, math.log(4.0)],
-              [4.0, math.log(float(sizes.min())), 0.5, math.log(64.0)], [1.0, middle + 2, -0.5, math.log(1.0)]]
-    best = min((nelder_mead(loss, np.array(start[: 4 if with_dim else 3])) for start in starts), key=lambda r: r[1])
+    starts = [[2.0, middle, 0.0, math.log(16.0)], [0.0, middle - 3, -1.5, math.log(4.0)],
+              [4.0, math.log(float(sizes.min())), 1.5, math.log(64.0)], [1.0, middle + 2, -0.5, math.log(1.0)]]
+    best = min((nelder_mead(loss, np.array(start[:free])) for start in starts), key=lambda r: r[1])
     return _curve_from(best[0], with_dim)
 
 

@@ -12,7 +12,10 @@ Rules:
 - peaks: the matrix peak of a dtype is the best FLOP/s of its GEMMs; the vector peak the best of an elementwise
   multiply-add (2 FLOPs an element) on a tensor that fits in cache, VECTOR_LOOP of them a sample; the memory
   bandwidth the best bytes/s of the memory-bound kernels; a launch the time of a tiny elementwise kernel with
-  autograd recording, as a training pass issues it (LAUNCH_LOOP of them a sample);
+  autograd recording, as a training pass issues it (LAUNCH_LOOP of them a sample). On a GPU that loop is timed
+  with the GPU held busy while the host issues it (timer.time_issued): the events give the device's time a
+  launch (`launch_us`), the host's clock its issue time (`[host] kernel_issue_us`); on a CPU the host is the
+  device, its issue time is the launch, and no `[host]` is written;
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so.
 """
 from __future__ import annotations
@@ -36,10 +39,11 @@ from harness.plan.device import REQUIRED_DTYPES, Curve, DeviceDescription
 from harness.plan.device_fit import Observation, curve_of, error_summary, fit_description, kernel_seconds
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
 from harness.plan.spec import DTYPES
-from harness.profile.timer import synchronize, time_region
+from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 FIT_SEED = 43  # the fit's shapes; a held-out set draws from another seed and leaves these out
 LAUNCH_LOOP = 50
+LEAD_S = 0.02  # on a GPU: how long a spin kernel holds it while the host issues a launch sample
 VECTOR_LOOP = 20  # multiply-adds a vector sample runs back to back (its tensors stay in cache)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # memory-bound kernels: bytes moved per element in units of the dtype's size, as harness.plan.kernels counts them
@@ -102,6 +106,7 @@ class Calibration:
     warmup: int
     unsupported: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    held_out: list[Observation] = field(default_factory=list)  # measured in the same rounds, not fitted on
 
     def fit_errors(self) -> dict[str, dict[str, float]]:
         return error_summary(self.description, self.observations)
@@ -134,9 +139,10 @@ def _log_uniform(rng: np.random.Generator, low: int, high: int) -> int:
 
 
 def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequence[Kernel] = ()) -> list[Kernel]:
-    """Kernels of `counts` shapes for a device kind (SCALES), drawn from `seed`, none of `exclude`: GEMMs,
-    fused attention forward and backward (causal), materialised attention forward and backward, memory-bound
-    kernels of MEMORY_OPS in turn."""
+    """Kernels of `counts` shapes for a device kind (SCALES), drawn from `seed`, none of `exclude`: GEMMs, fused
+    attention forward and backward (causal), materialised attention forward and backward (of GEMMs and each
+    attention kind the first is the range's smallest, unless excluded, so that a fitted curve does not
+    extrapolate below its sizes), memory-bound kernels of MEMORY_OPS in turn."""
     scale, rng, left_out = SCALES[kind], np.random.default_rng(seed), set(exclude)
     out: list[Kernel] = []
 
@@ -146,17 +152,22 @@ def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequ
         out.append(kernel)
         return True
 
-    drawn = 0
+    corner = Gemm("gemm", scale.gemm_m[0], scale.gemm_nk[0], scale.gemm_nk[0], dtype)  # the smallest GEMM drawn
+    drawn = 1 if counts.gemm and take(corner) else 0
     while drawn < counts.gemm:
         m, n, k = _log_uniform(rng, *scale.gemm_m), _log_uniform(rng, *scale.gemm_nk), _log_uniform(rng, *scale.gemm_nk)
         gemm = Gemm("gemm", m, n, k, dtype)
         if gemm.flops <= scale.gemm_max_flops and take(gemm):
             drawn += 1
     for kernel_kind, count in (("sdpa", counts.sdpa), ("materialized", counts.materialized)):
-        drawn = 0
+        drawn, smallest = 0, (scale.attention_batch[0], scale.attention_heads[0], scale.attention_seq[0],
+                              scale.head_dims[0])
         while drawn < count:
-            batch, heads = _log_uniform(rng, *scale.attention_batch), _log_uniform(rng, *scale.attention_heads)
-            seq, head_dim = _log_uniform(rng, *scale.attention_seq), int(rng.choice(scale.head_dims))
+            if smallest is not None:  # the range's smallest first, as for GEMMs
+                (batch, heads, seq, head_dim), smallest = smallest, None
+            else:
+                batch, heads = _log_uniform(rng, *scale.attention_batch), _log_uniform(rng, *scale.attention_heads)
+                seq, head_dim = _log_uniform(rng, *scale.attention_seq), int(rng.choice(scale.head_dims))
             forward = Attention("attention", kernel_kind, batch, heads, seq, seq, head_dim, dtype,
                                 launches=3 if kernel_kind == "materialized" else 1)
             if forward.flops > scale.attention_max_flops or forward in left_out or forward in out:
@@ -239,6 +250,16 @@ def _vector_runner(device: torch.device, dtype: str, elements: int) -> Callable[
     return run
 
 
+def measure_launch_on_gpu(device: torch.device, repeats: int, warmup: int) -> tuple[float, float]:
+    """(device seconds, host seconds) of one launch on a GPU: LAUNCH_LOOP tiny kernels issued while the GPU is
+    held busy (timer.time_issued), medians of the samples in which the host stayed ahead (all, if none did)."""
+    run = _launch_runner(device)
+    samples = [time_issued(run, device, LEAD_S) for _ in range(warmup + repeats)][warmup:]
+    ahead = [s for s in samples if s.ahead] or samples
+    return (float(np.median([s.device_s for s in ahead])) / LAUNCH_LOOP,
+            float(np.median([s.host_s for s in ahead])) / LAUNCH_LOOP)
+
+
 def measure(runners: Sequence[Callable[[], object]], device: torch.device, repeats: int, warmup: int,
             progress: Progress | None = None) -> list[float]:
     """Each runner's median seconds over `repeats` interleaved rounds after `warmup` untimed ones (module
@@ -281,8 +302,10 @@ def describe_machine(device: torch.device) -> tuple[str, float]:
 
 
 def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name: str, warmup: int = 2,
-              show_progress: bool = True) -> Calibration:
-    """Measure `device` (module docstring) and fit a description of it named `name`, its curves in `dtype`."""
+              show_progress: bool = True, held_out: Sequence[Kernel] = ()) -> Calibration:
+    """Measure `device` (module docstring) and fit a description of it named `name`, its curves in `dtype`.
+    `held_out`: kernels measured in the same rounds (the same minutes of the machine) but not fitted on, returned
+    as Calibration.held_out (bench/device_model.py sets them against the description)."""
     started = time.monotonic()
     kind = device.type if device.type in SCALES else "cpu"
     unsupported = [d for d in REQUIRED_DTYPES if not runs_dtype(device, d)]
@@ -295,17 +318,21 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     scale = SCALES[kind]
     torch.manual_seed(0)
     runners = [_launch_runner(device)] + [_vector_runner(device, d, scale.vector_elements) for d in runnable]
-    runners += [_runner(k, device) for k in fit_set + peaks]
+    runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
     progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
     try:
         seconds = measure(runners, device, repeats, warmup, progress)
     finally:
         progress.close()
-    launch_s = seconds[0] / LAUNCH_LOOP
+    launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
+    if device.type == "cuda" and can_time_issued(device):
+        launch_s, issue_s = measure_launch_on_gpu(device, repeats, warmup)
     vector = {d: 2.0 * scale.vector_elements * VECTOR_LOOP / s for d, s in zip(runnable, seconds[1:1 + len(runnable)])}
     timed = seconds[1 + len(runnable):]
     observations = [Observation(curve_of(k), k, s) for k, s in zip(fit_set, timed)]
-    peak_seconds = timed[len(fit_set):]
+    peak_seconds = timed[len(fit_set):len(fit_set) + len(peaks)]
+    held_out_observations = [Observation(curve_of(k), k, s)
+                             for k, s in zip(held_out, timed[len(fit_set) + len(peaks):])]
     matrix = {d: max([p.flops / s for p, s in zip(peaks, peak_seconds) if p.dtype == d]
                      + [o.kernel.flops / o.seconds for o in observations if o.curve == "gemm" and d == dtype])
               for d in runnable}
@@ -319,9 +346,9 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     start = DeviceDescription(name=name, title=title, memory_gb=memory_gb, memory_bandwidth=bandwidth,
                               matrix_peak={d: matrix[d] for d in REQUIRED_DTYPES},
                               vector_peak={d: vector[d] for d in REQUIRED_DTYPES}, launch_s=launch_s, curves=flat,
-                              fitted=True, fitted_on="")
+                              fitted=True, fitted_on="", kernel_issue_s=issue_s)
     calibration = Calibration(fit_description(start, observations), observations, dtype, repeats, warmup,
-                              unsupported)
+                              unsupported, held_out=held_out_observations)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration

@@ -1,0 +1,353 @@
+"""The device model on this machine: `harness device`'s curves on shapes it was not fitted on, spec-only estimates
+against real runs, and the network model against published figures.
+
+    .venv/bin/python bench/device_model.py [--quick] [--seed S] [--jobs N] [--rounds K] [--iterations I]
+                                           [--keep DIR] [--json]
+
+(a) held-out kernels: one calibration as `harness device` runs it (one thread, as every rank of a job here runs)
+    that also measures kernels drawn from --seed (harness.profile.device_curves.draw_kernels, the fit's own
+    shapes left out) in the same interleaved rounds, so that both see the same minutes of the machine, but fits
+    on its own shapes alone; the held-out kernels are set against analysis.device_model's time for them from
+    the fitted description: per curve the median and 90th percentile of |predicted / measured - 1|, beside the
+    fit's own errors.
+(b) spec-only against real runs: jobs drawn from --seed by bench/generalization.py's rules (draw_jobs), the first
+    --jobs that the device model can cost (a built-in family without experts: a factory model's or an expert's
+    kernels are not listed), on 2 ranks. Their network is one tier, `gloo`, whose bandwidth and latency are fitted
+    to `harness collectives` on the same 2 ranks (every operation and size, log least squares over a grid).
+    Then --rounds rounds, each fitting the tier again, then a pair for every job (in reverse order every other
+    round): `harness device` (a description of the machine's minute), `python -m analysis simulate SPEC.toml
+    --json` with `[cluster] device` that description, and right after it `harness train` on 2 ranks bound to
+    cores (--iterations, 2 of them warm-up); a pair's error is the prediction over the run's median iteration,
+    minus 1. --profiled: each pair also profiles the job before the run (harness profile) and reports the
+    profiled path's error on the same run beside (analysis validate): what the machine's minute costs any
+    prediction. A job's error is
+    the median over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
+    43): median <= 10%, p90 <= 20%, on a seed nobody picked: the default seed is the clock's, printed.
+(c) the network rows: bench/network_model.py's published() (the shipped DGX H100 and DGX A100 specs against
+    nccl-tests' and vTrain's published all-reduce bus bandwidths), called, not redone.
+
+--quick: `harness device --quick` (in (a) and in every pair), 3 jobs, 1 round, 5 iterations, a smaller
+collectives sweep: a few minutes.
+A failing command is reported with its message, its job left out of the statistics, exit status 1; bad options
+exit 2 with one message. Figures and history: docs/benchmarks.md ("Device model"), docs/benchmarks-log/device-model.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from contextlib import nullcontext, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.accuracy import run, validate  # noqa: E402
+from bench.collectives import run_collectives  # noqa: E402
+from bench.generalization import WARMUP_ITERATIONS, DrawnJob, draw_jobs  # noqa: E402
+
+GOALS = {"median_abs_error_pct": 10.0, "p90_abs_error_pct": 20.0}
+RANKS = 2
+TIER = "gloo"
+BANDWIDTHS_GBS = tuple(10 ** (x / 20) for x in range(-40, 21))  # 0.01 to 10 GB/s, 20 a decade
+LATENCIES_US = tuple(10 ** (x / 20) for x in range(0, 81))  # 1 us to 10 ms (a loaded machine's time slices)
+
+
+def environment() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def launcher() -> list[str]:
+    mpirun = os.environ.get("DISTSIM_MPIRUN") or str(Path(sys.executable).parent / "mpirun")
+    return [mpirun, "--bind-to", "core", "-n", str(RANKS), sys.executable, "-m", "mpi4py", "-m", "harness"]
+
+
+def calibrate(path: Path, quick: bool) -> dict:
+    """`harness device -o path --json` as its own process with one thread; its JSON."""
+    command = [sys.executable, "-m", "harness", "device", "-o", str(path), "--json", "--quiet"] + (
+        ["--quick"] if quick else [])
+    return json.loads(run(command, environment()).stdout)
+
+
+# (a) held-out kernels
+
+def held_out_kernels(seed: int, quick: bool) -> dict:
+    """(a): one calibration in this process (harness.profile.device_curves.calibrate, one thread) that also
+    measures kernels drawn from `seed` without the fit's shapes, in the same rounds; those against the fitted
+    description's model (analysis.device_model)."""
+    import torch
+
+    from analysis.device_model import DeviceModel
+    from harness.profile import device_curves as dc
+
+    torch.set_num_threads(1)
+    counts = dc.QUICK if quick else dc.FULL
+    fitted = dc.draw_kernels("cpu", "float32", counts, dc.FIT_SEED) + dc.peak_kernels("cpu", ["float32"], quick)
+    kernels = dc.draw_kernels("cpu", "float32", counts, seed, exclude=fitted)
+    repeats = 3 if quick else 10
+    print(f"# (a) a calibration with {len(kernels)} held-out kernels from seed {seed}, {repeats} repeats",
+          file=sys.stderr, flush=True)
+    calibration = dc.calibrate(torch.device("cpu"), "float32", repeats, quick, "held-out", held_out=kernels)
+    model = DeviceModel(calibration.description)
+    rows = [{"curve": o.curve, "kernel": dc.kernel_fields(o.kernel), "measured_s": o.seconds,
+             "predicted_s": model.kernel_seconds(o.kernel),
+             "error_pct": (model.kernel_seconds(o.kernel) / o.seconds - 1) * 100} for o in calibration.held_out]
+    curves = {}
+    for curve in dict.fromkeys(r["curve"] for r in rows):
+        errors = [abs(r["error_pct"]) for r in rows if r["curve"] == curve]
+        curves[curve] = {"kernels": len(errors), "median_abs_error_pct": float(np.median(errors)),
+                         "p90_abs_error_pct": float(np.percentile(errors, 90))}
+    everything = [abs(r["error_pct"]) for r in rows]
+    return {"seed": seed, "rows": rows, "curves": curves, "fit_errors": calibration.fit_errors(),
+            "description": calibration.description.to_dict(),
+            "median_abs_error_pct": float(np.median(everything)),
+            "p90_abs_error_pct": float(np.percentile(everything, 90))}
+
+
+# (b) spec-only against real runs
+
+def costable_jobs(seed: int, count: int) -> tuple[list[DrawnJob], int]:
+    """The first `count` jobs drawn from `seed` (2 ranks) that the device model can cost, and how many were
+    passed over (a factory model or experts)."""
+    drawn = draw_jobs(seed, count * 6, RANKS)
+    fit = [j for j in drawn if j.spec.model.factory is None and not j.spec.model.moe]
+    if len(fit) < count:
+        raise SystemExit(f"seed {seed}: only {len(fit)} of {len(drawn)} drawn jobs are costable; ask for fewer --jobs")
+    return fit[:count], drawn.index(fit[count - 1]) + 1 - count
+
+
+def fit_gloo_tier(path: Path, quick: bool) -> dict:
+    """A one-tier network of RANKS GPUs fitted to `harness collectives` on RANKS ranks: the grid point of
+    bandwidth and latency of least squared log error over every operation and size measured."""
+    from analysis.collectives import load
+    from analysis.network import spec_network
+    from harness.plan.network import NetworkTier, contiguous_span
+
+    with redirect_stdout(sys.stderr):  # its command line, kept off a --json output
+        run_collectives(RANKS, "torch", path, "4M" if quick else "16M", 10 if quick else 20, begin="1K",
+                        factor=4, ops="allreduce,allgather,reducescatter,sendrecv")
+    (measured,) = load([path])
+    points = [(op, float(r.nbytes), r.median_s) for op, results in measured.results.items() for r in results
+              if r.median_s > 0]
+    best = None
+    for bandwidth in BANDWIDTHS_GBS:
+        for latency in LATENCIES_US:
+            tiers = (NetworkTier(TIER, RANKS, bandwidth, latency),)
+            model, span = spec_network(tiers), contiguous_span(RANKS, tiers)
+            loss = sum(math.log(model.estimate(op, size, span).seconds / seconds) ** 2 for op, size, seconds in points)
+            if best is None or loss < best[0]:
+                best = (loss, bandwidth, latency)
+    loss, bandwidth, latency = best
+    return {"name": TIER, "size": RANKS, "bandwidth_gbs": bandwidth, "latency_us": latency,
+            "rms_log_error": math.sqrt(loss / len(points)), "points": len(points)}
+
+
+def write_spec(job: DrawnJob, folder: Path, description: Path, tier: dict, seed: int) -> Path:
+    network = [{key: tier[key] for key in ("name", "size", "bandwidth_gbs", "latency_us")}]
+    spec = job.spec.with_changes(device=str(description.resolve()), network=network)
+    path = folder / f"job{job.index + 1:02d}.toml"
+    path.write_text(spec.to_toml(header=f"bench/device_model.py --seed {seed}: {job.name}"))
+    return path
+
+
+def predict(spec_path: Path) -> float:
+    """The spec-only batch time of `python -m analysis simulate SPEC.toml --json`."""
+    result = run([sys.executable, "-m", "analysis", "simulate", str(spec_path), "--json"], environment())
+    return float(json.loads(result.stdout)["batch_time_s"])
+
+
+def measure_run(spec_path: Path, folder: Path, iterations: int) -> float:
+    """The median iteration of `harness train` on RANKS ranks bound to cores."""
+    from analysis.trace_reader import read_trace
+
+    run(launcher() + ["train", str(spec_path), "-o", str(folder), "--iterations", str(iterations), "--warmup",
+                      str(WARMUP_ITERATIONS)], environment())
+    return float(np.median(read_trace(folder / "trace.h5").iteration_times()))
+
+
+def measure_pair(job: DrawnJob, folder: Path, tier: dict, args: argparse.Namespace) -> dict:
+    """One pair in `folder`: harness device, (with --profiled: harness profile), the spec-only prediction, then
+    the run; the pair's figures. A failing command ends in SystemExit (bench.accuracy.run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    description = folder / "device.toml"
+    calibrate(description, args.quick)
+    spec_path = write_spec(job, folder, description, tier, args.seed)
+    if args.profiled:
+        run(launcher() + ["profile", str(spec_path), "-o", str(folder / "prof"), "--quiet", "--force"],
+            environment())
+    predicted = predict(spec_path)
+    measured = measure_run(spec_path, folder / "run", args.iterations)
+    pair = {"predicted_s": predicted, "measured_s": measured, "error_pct": (predicted / measured - 1) * 100}
+    if args.profiled:
+        checked = validate(folder, environment())
+        pair.update(profiled_s=checked["predicted_batch_time_s"], profiled_error_pct=checked["batch_time_error_pct"])
+    return pair
+
+
+def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path) -> tuple[list, list]:
+    """(b)'s rounds: each fits the gloo tier, then runs a pair for every job (in reverse order every other
+    round). (job rows, each round's tier)."""
+    pairs: dict[int, list[dict]] = {job.index: [] for job in jobs}
+    failures: dict[int, str] = {}
+    tiers = []
+    for round_index in range(args.rounds):
+        tier = fit_gloo_tier(root / f"round{round_index + 1}-gloo.h5", args.quick)
+        tiers.append(tier)
+        print(f"# round {round_index + 1}/{args.rounds}: gloo tier {tier['bandwidth_gbs']:.3g} GB/s, "
+              f"{tier['latency_us']:.3g} us", file=sys.stderr, flush=True)
+        for job in jobs if round_index % 2 == 0 else list(reversed(jobs)):
+            if job.index in failures:
+                continue
+            started = time.monotonic()
+            try:
+                pair = measure_pair(job, root / f"round{round_index + 1}-job{job.index + 1:02d}", tier, args)
+            except SystemExit as exc:  # bench.accuracy.run's failure: the command and its stderr's tail
+                failures[job.index] = str(exc.code)
+                print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: FAILED", file=sys.stderr)
+                continue
+            pairs[job.index].append({"round": round_index + 1, **pair})
+            profiled = f", profiled {pair['profiled_error_pct']:+.1f}%" if args.profiled else ""
+            print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: measured "
+                  f"{pair['measured_s'] * 1e3:.1f} ms, spec-only {pair['predicted_s'] * 1e3:.1f} ms, error "
+                  f"{pair['error_pct']:+.1f}%{profiled} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+                  flush=True)
+    rows = []
+    for job in jobs:
+        mine = pairs[job.index]
+        profiled = [p["profiled_error_pct"] for p in mine if "profiled_error_pct" in p]
+        rows.append({"name": job.name, "spec": job.spec.to_dict(), "pairs": mine,
+                     "error_pct": float(np.median([p["error_pct"] for p in mine])) if mine else None,
+                     "profiled_error_pct": float(np.median(profiled)) if profiled else None,
+                     "failed": failures.get(job.index)})
+    return rows, tiers
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["error_pct"]) for r in rows if r["error_pct"] is not None]
+    out = {"median_abs_error_pct": float(np.median(errors)) if errors else None,
+           "p90_abs_error_pct": float(np.percentile(errors, 90)) if errors else None,
+           "short": sum(r["error_pct"] < 0 for r in rows if r["error_pct"] is not None),
+           "jobs": len(errors), "failed_jobs": sum(r["failed"] is not None for r in rows)}
+    profiled = [abs(r["profiled_error_pct"]) for r in rows if r.get("profiled_error_pct") is not None]
+    out["profiled_median_abs_error_pct"] = float(np.median(profiled)) if profiled else None
+    out["profiled_p90_abs_error_pct"] = float(np.percentile(profiled, 90)) if profiled else None
+    out["goals_met"] = {key: out[key] is not None and out[key] <= goal for key, goal in GOALS.items()}
+    return out
+
+
+def report(result: dict) -> str:
+    from bench.network_model import published_report
+    from harness.common.output import format_table
+
+    a, b = result["held_out"], result["spec_only"]
+    lines = [f"device model on this machine: seed {result['seed']} (from the clock unless --seed), "
+             f"{'--quick, ' if result['quick'] else ''}{result['seconds']:.0f} s", "",
+             f"(a) harness device's curves on {len(a['rows'])} held-out kernels: median |error| "
+             f"{a['median_abs_error_pct']:.1f}%, p90 {a['p90_abs_error_pct']:.1f}%"]
+    fit = a["fit_errors"]
+    lines.append(format_table(["curve", "held out", "median |err| %", "p90 |err| %", "fitted on", "its median %"],
+                              [[c, v["kernels"], v["median_abs_error_pct"], v["p90_abs_error_pct"],
+                                fit.get(c, {}).get("kernels", "-"), fit.get(c, {}).get("median_abs_error_pct", "-")]
+                               for c, v in a["curves"].items()]))
+    s = b["summary"]
+    met = s["goals_met"]
+    lines += ["", f"(b) spec-only estimates against real runs, {s['jobs']} jobs on {RANKS} ranks, {result['rounds']} "
+              f"round(s); network: one tier a round fitted to harness collectives on the 2 ranks: "
+              + "; ".join(f"{t['bandwidth_gbs']:.3g} GB/s, {t['latency_us']:.3g} us (rms log error "
+                          f"{t['rms_log_error']:.2f} over {t['points']} points)" for t in result["network_tiers"])]
+    rows = []
+    for r in b["rows"]:
+        if r["failed"] is not None:
+            rows.append([r["name"], "FAILED", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
+            continue
+        profiled = "-" if r["profiled_error_pct"] is None else f"{r['profiled_error_pct']:+.1f}"
+        rows.append([r["name"], f"{r['error_pct']:+.1f}", profiled,
+                     np.median([p["measured_s"] for p in r["pairs"]]) * 1e3,
+                     np.median([p["predicted_s"] for p in r["pairs"]]) * 1e3,
+                     " ".join(f"{p['error_pct']:+.1f}" for p in r["pairs"])])
+    lines.append(format_table(["job", "error %", "profiled %", "measured ms", "spec-only ms", "rounds' errors %"],
+                              rows))
+
+    def cell(key: str) -> str:
+        value = s[key]
+        return "-" if value is None else (f"{value:.1f}% (goal <= {GOALS[key]:g}%: "
+                                          f"{'met' if met[key] else 'MISSED'})")
+    failed = f"; {s['failed_jobs']} jobs FAILED" if s["failed_jobs"] else ""
+    beside = ("" if s["profiled_median_abs_error_pct"] is None else
+              f"; the profiled path on the same pairs: median {s['profiled_median_abs_error_pct']:.1f}%, p90 "
+              f"{s['profiled_p90_abs_error_pct']:.1f}%")
+    lines.append(f"median |error| {cell('median_abs_error_pct')}, p90 {cell('p90_abs_error_pct')}; "
+                 f"{s['short']} of {s['jobs']} short{failed}{beside}")
+    lines += ["", "(c) the network rows against published figures (bench/network_model.py --published)",
+              published_report(result["network_published"])]
+    return "\n".join(lines)
+
+
+class OneMessageParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"bench/device_model.py: {message}; see --help for the options\n")
+
+
+def whole(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of {what}, {low} or more")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneMessageParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few minutes: harness device --quick, 3 jobs, 1 round")
+    parser.add_argument("--seed", type=whole(0, "a seed"), help="draw the jobs and held-out kernels from this seed "
+                        "(default: the clock's, printed)")
+    parser.add_argument("--jobs", type=whole(1, "jobs"), help="jobs (default 8, --quick 3)")
+    parser.add_argument("--rounds", type=whole(1, "rounds"), help="calibrate-and-run rounds (default 2, --quick 1)")
+    parser.add_argument("--iterations", type=whole(WARMUP_ITERATIONS + 1, "iterations"),
+                        help=f"training iterations a run, {WARMUP_ITERATIONS} of them warm-up (default 8, --quick 5)")
+    parser.add_argument("--profiled", action="store_true",
+                        help="also profile each job in its pair (harness profile) and report the profiled error beside")
+    parser.add_argument("--keep", metavar="DIR", help="keep the descriptions, specs and runs under DIR")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    args.seed = int(time.time()) % 1_000_000 if args.seed is None else args.seed
+    args.jobs = args.jobs or (3 if args.quick else 8)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.iterations = args.iterations or (5 if args.quick else 8)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    from bench.network_model import published
+
+    print(f"# seed {args.seed}", file=sys.stderr, flush=True)
+    jobs, passed_over = costable_jobs(args.seed, args.jobs)
+    print(f"# {len(jobs)} jobs ({passed_over} drawn before them passed over: a factory model or experts)",
+          file=sys.stderr, flush=True)
+    with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="device-model-") as folder:
+        root = Path(folder)
+        root.mkdir(parents=True, exist_ok=True)
+        held_out = held_out_kernels(args.seed, args.quick)
+        rows, tiers = spec_only_rounds(jobs, args, root)
+    result = {"seed": args.seed, "quick": args.quick, "rounds": args.rounds, "iterations": args.iterations,
+              "held_out": held_out, "network_tiers": tiers,
+              "spec_only": {"rows": rows, "summary": summary(rows), "passed_over": passed_over, "goals": GOALS},
+              "network_published": published(), "seconds": time.monotonic() - started}
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    return 1 if result["spec_only"]["summary"]["failed_jobs"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
