@@ -26,7 +26,8 @@ import numpy as np
 from harness.plan.device import Curve, DeviceDescription
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
 
-STEEPNESS_RANGE = (0.5, 2.0)  # beyond it a curve fitted on a few sizes explodes outside them
+# above 1, size / fraction(size) falls as size grows: a smaller kernel would take longer than a larger one
+STEEPNESS_RANGE = (0.25, 1.0)
 FREE_SHAPE_AT = 6  # kernels a curve needs before its steepness (and a GEMM's half_dim) is fitted; fewer: 1 and 0
 FIT_ORDER = ("memory", "gemm", "sdpa_forward", "sdpa_backward", "materialized_attention")
 
@@ -88,7 +89,7 @@ def _curve_from(params: np.ndarray, with_dim: bool) -> Curve:
     fraction = 1.0 / (1.0 + math.exp(-float(np.clip(params[0], -30, 30))))
     low, high = STEEPNESS_RANGE
     share = 1.0 / (1.0 + math.exp(-float(np.clip(params[2], -30, 30)))) if len(params) > 2 else 0.5
-    steepness = low * (high / low) ** share if len(params) > 2 else 1.0  # smooth within the range (1 at 0)
+    steepness = low * (high / low) ** share if len(params) > 2 else 1.0  # smooth within the range
     half_dim = math.exp(float(np.clip(params[3], -10, 12))) if with_dim and len(params) > 3 else 0.0
     return Curve(max_fraction=fraction, half_at=math.exp(float(np.clip(params[1], -50, 80))), steepness=steepness,
                  half_dim=half_dim)
