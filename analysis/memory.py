@@ -41,12 +41,16 @@
   each replica keeps its shard of the weights (none of its own with master weights: the fp32 master is the
   shard) and of the optimizer state; zero 1 and 2 hold every weight whole through the iteration (gathered in
   the first forward, let go layer by layer in the last backward), zero 3 only the layer it runs, gathered as
-  the layer's backward starts (the head's once its loss has made the logits' gradient) into an all-gather
+  the layer's backward starts (the model's last layer's once its loss has made the logits' gradient) into an all-gather
   buffer, a second whole copy while it is copied out; zero 1 accumulates whole gradients, zero 2 and 3 a
   shard; a backward that reduce-scatters (zero 2 and 3 every one, zero 1 the last) copies each layer's whole
-  gradients into a reduce-scatter input, beside them for a moment, and, every layer being its own root, holds
-  every such input until the backward ends (temporaries); gradients are held from the first backward (they
-  are freed with the optimizer step).
+  gradients into a reduce-scatter input and, while the collective runs, holds its working copy of that input
+  (gloo's, as MemTracker saw it on a CPU) and its output, a shard, beside the layer's input gradient, the whole
+  gradients themselves let go (a built-in head's held: seen on every GPT-2 job probed, not on a factory
+  head, the cause not found); every layer being its own root, every such input stays until the backward ends
+  (temporaries), but at the first layer's reduce-scatter (its input, token ids, takes no gradient: FSDP2 runs
+  it at the backward's end), by when they are let go; gradients are held from the first backward (they are
+  freed with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
 from the start with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
@@ -63,7 +67,12 @@ from typing import Any
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.common.output import format_bytes
-from harness.plan.activations import attention_core_bytes, formula_activation_bytes, formula_released_bytes
+from harness.plan.activations import (
+    BackwardTemporaries,
+    attention_core_bytes,
+    formula_activation_bytes,
+    formula_released_bytes,
+)
 from harness.plan.events import EventPlan
 from harness.plan.layers import LayerDesc, input_bytes, recompute_groups, selective
 from harness.plan.schedules import device_steps, virtual_stage
@@ -71,8 +80,8 @@ from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import (
     ACTIVATION_BYTES_ATTR,
     RELEASED_BYTES_ATTR,
+    TEMPORARY_ATTRS,
     TEMPORARY_BYTES_ATTR,
-    TEMPORARY_FREED_BYTES_ATTR,
 )
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline", "temporaries")
@@ -161,12 +170,11 @@ def released_bytes(profile: Profile) -> dict[str, int]:
             if m.kind == "compute" and m.content.get("phase") == "bwd_input" and RELEASED_BYTES_ATTR in m.attrs}
 
 
-def temporary_bytes(profile: Profile) -> dict[str, tuple[int, int]]:
-    """Whole-backward event id (bwd) -> (temporaries, freed): what its backward holds at its worst moment beyond
-    its saved activations, its weights' gradients and its output's gradient, and the saved bytes it has let go
-    of by then, as the profile measured them (harness.profile.memory.backward_temporaries; absent before the
-    measurement)."""
-    return {eid: (int(m.attrs[TEMPORARY_BYTES_ATTR]), int(m.attrs.get(TEMPORARY_FREED_BYTES_ATTR, 0)))
+def temporary_bytes(profile: Profile) -> dict[str, BackwardTemporaries]:
+    """Whole-backward event id (bwd) -> its backward's worst moments as the profile measured them
+    (harness.profile.memory.backward_temporaries: beyond its saved activations, its weights' gradients and its
+    output's gradient, with the saved bytes let go of by then; absent before the measurement)."""
+    return {eid: BackwardTemporaries(*(int(m.attrs.get(name, 0)) for name in TEMPORARY_ATTRS))
             for eid, m in profile.measurements.items()
             if m.kind == "compute" and m.content.get("phase") == "bwd" and TEMPORARY_BYTES_ATTR in m.attrs}
 
@@ -194,7 +202,7 @@ def loss_saved_bytes(spec: JobSpec) -> int:
 
 
 def backward_moments(spec: JobSpec, layer: LayerDesc,
-                     measured: tuple[int, int] | None = None) -> list[tuple[int, int, str]]:
+                     measured: BackwardTemporaries | None = None) -> list[tuple[int, int, str]]:
     """A built-in layer's backward moments as (temporaries, freed, when): what its backward holds then beyond its
     saved activations and its output's gradient, what of its own saved activations it has let go of by then, and
     whether its weights are in use ("before": not yet, "start": as its backward starts, "during") (torch's
@@ -209,7 +217,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc,
       projection's, its input's gradient (b s F d, F = ffn / tp) and its weight's gradient (F h d);
     - embedding: its start and its token table's dense gradient (V h d);
     - a factory model's layer: its start and, where the profile measured its backward (`measured`,
-      temporary_bytes(profile)), that backward's worst moment, with its weights in use.
+      temporary_bytes(profile)), that backward's worst moment, with its weights in use, and the model's last
+      layer its loss's before its weights (the loss after it outside the layer).
     Split by vocabulary over tp (vocab_parallel), V is the shard's vocab / tp, and the head's loss makes the
     logits' gradient in place of the softmax it saved (harness.models.tp): nothing beyond it before its start.
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
@@ -237,7 +246,10 @@ def backward_moments(spec: JobSpec, layer: LayerDesc,
         return [(ring, 0, "start"), ((b * s + h) * ffn * d, 0, "during")]
     if layer.kind == "embedding":
         return [(0, 0, "start"), (int(signature.get("vocab", spec.model.vocab)) // shards * h * d, 0, "during")]
-    return [(0, 0, "start")] + ([(*measured, "during")] if measured else [])
+    if measured is None:
+        return [(0, 0, "start")]
+    loss = [(measured.loss_made, measured.loss_freed, "before")] if measured.loss_made else []
+    return loss + [(0, 0, "start"), (measured.made, measured.freed, "during")]
 
 
 @dataclass(frozen=True)
@@ -249,6 +261,8 @@ class _Layer:
     moments: list  # backward_moments
     whole: int  # its weights' bytes, whole (and its gradients')
     shard: int  # a replica's shard of its gradients (zero)
+    input_gradient: int = 0  # the gradient at its input (zero: held through its reduce-scatter)
+    keeps_gradients: bool = False  # its whole gradients held through its reduce-scatter (zero: a built-in head's)
 
 
 def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = False) -> tuple[int, ...]:
@@ -265,9 +279,12 @@ def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = Fal
             buffer = layer.whole if zero == 3 and when == "start" else 0  # the all-gather's
             again = layer.again if when == "during" else 0
             candidates.append((again - freed - own, temporary + buffer + retained, again, weights, scattered))
-        if scatters and layer.whole:  # its whole gradients copied into the reduce-scatter input, weights let go
-            candidates.append((-freed - layer.held, layer.whole + retained, 0,
-                               0 if zero == 3 else -resharded, scattered + (layer.whole if zero >= 2 else 0)))
+        if scatters and layer.whole:  # its reduce-scatter: its whole gradients copied into the input, the
+            # collective's working copy of it and the output, a shard, beside its input's gradient; weights let go
+            held_whole = layer.whole if zero >= 2 and layer.keeps_gradients else 0
+            candidates.append((-freed - layer.held, 2 * layer.whole + layer.shard + layer.input_gradient
+                               + (retained if layer.input_gradient else 0),
+                               0, 0 if zero == 3 else -resharded, scattered + held_whole))
         best = max([best, *candidates], key=lambda m: m[0] + m[1] + m[3] + m[4])  # m[2] is within m[0]
         freed += layer.held
         if scatters:
@@ -287,7 +304,7 @@ def _gradients_held(gradients: int, params: int, from_start: int, once_made: dic
 
 
 def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: Mapping[str, int] | None = None,
-                    temporaries: Mapping[str, tuple[int, int]] | None = None) -> MemoryEstimate:
+                    temporaries: Mapping[str, BackwardTemporaries] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
     `released` (split backwards) from `released_bytes(profile)`: the measurement where there is one, else the
     layers' formulas (harness.plan.activations; none for a factory model's layers: `unmeasured`);
@@ -329,6 +346,8 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
                 moments = moments + [(attention_core_bytes(spec, plan.layers[index], micro, seq), 0, "during")]
             whole = plan.layers[index].params * dtype
             shard = -(-plan.layers[index].params // s.dp) * dtype
+            input_gradient = input_bytes(spec, plan.layers, index) if index else 0  # none for token ids
+            kind = plan.layers[index].kind
             if index in group_of:
                 kept_input = input_bytes(spec, plan.layers, index) if group_of[index] == index else 0
                 if index == len(plan.layers) - 1:
@@ -339,10 +358,10 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
                 largest = max(largest, layer_saves)
                 again += 1
                 remade = layer_saves + (remade if group_of[index] != index else 0)
-                layers.append(_Layer(kept_input, remade, moments, whole, shard))
+                layers.append(_Layer(kept_input, remade, moments, whole, shard, input_gradient, kind == "head"))
             else:
                 saved += layer_saves
-                layers.append(_Layer(layer_saves, 0, moments, whole, shard))
+                layers.append(_Layer(layer_saves, 0, moments, whole, shard, input_gradient, kind == "head"))
         if again and not largest and not unmeasured:
             raise UserError(f"recompute = {s.recompute!r}: the layers of stage {vs} save no activations for their "
                             "backward (as profiled), so recomputing them costs time and frees nothing; set "

@@ -246,9 +246,11 @@ def test_a_tied_heads_projection_weight_is_a_weight_to_the_meter():
 def test_a_built_in_layers_measured_backward_temporaries_meet_its_formulas_worst_moment():
     """What the profile measures of a backward (harness.profile.memory.backward_temporaries) against the
     formulas' moments (analysis.memory.backward_moments), GPT-2 in float32: a block's worst is its MLP's last
-    projection, its input's and its weight's gradients, (T + h) F d, nothing let go of; a head's its loss's,
-    the log-probabilities' gradient and the logits' (2 T V x 4) and the loss's own scalar gradient (4), its
-    targets and scalar (T x 8 + 4) let go of."""
+    projection, its input's and its weight's gradients, (T + h) F d, nothing let go of; a head's loss's is the
+    log-probabilities' gradient and the logits' (2 T V x 4) and the loss's own scalar gradient (4), its targets
+    and scalar (T x 8 + 4) let go of, and once the logits' gradient reaches the head its projection's, the
+    logits' gradient, its weight's and its input's (T V + V h + T h) d beside the scalar's, the
+    log-probabilities (T V x 4) let go of too."""
     import torch
 
     from analysis.memory import backward_moments
@@ -266,10 +268,14 @@ def test_a_built_in_layers_measured_backward_temporaries_meet_its_formulas_worst
         layer, make_input = _make_layer(spec, content, torch.device("cpu"))
         measured[content["layer"]] = backward_temporaries(layer, make_input,
                                                           lambda m, x, c=content: _forward(spec, m, x, c))
-        moments = backward_moments(spec, _layer(spec, content["layer"]))
-        formulas[content["layer"]] = max(temporaries - own for temporaries, own, _ in moments)
-    assert measured == {"block": ((T + H) * 4 * H * 4, 0), "head": (2 * T * VOCAB * 4 + 4, T * 8 + 4)}
-    assert formulas == {"block": (T + H) * 4 * H * 4, "head": 2 * T * VOCAB * 4}
+        formulas[content["layer"]] = backward_moments(spec, _layer(spec, content["layer"]))
+    loss_freed = T * 8 + 4
+    assert measured == {"block": ((T + H) * 4 * H * 4, 0, 0, 0),
+                        "head": ((T * VOCAB + VOCAB * H + T * H) * 4 + 4, T * VOCAB * 4 + loss_freed,
+                                 2 * T * VOCAB * 4 + 4, loss_freed)}
+    assert formulas == {"block": [(0, 0, "start"), ((T + H) * 4 * H * 4, 0, "during")],
+                        "head": [(2 * T * VOCAB * 4, 0, "before"), (T * VOCAB * 4, T * VOCAB * 4, "start"),
+                                 ((T * VOCAB + VOCAB * H + T * H) * 4, T * VOCAB * 4, "during")]}
 
 
 def test_the_memory_model_from_formulas_is_the_one_from_the_meter():

@@ -142,19 +142,45 @@ def test_a_backwards_temporaries_are_what_its_operators_make_beyond_the_gradient
     layers = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
     kept = layers[0].weight.grad = torch.zeros_like(layers[0].weight)
     made = backward_temporaries(layers, lambda: torch.randn(8, 32, requires_grad=True), lambda m, x: m(x))
-    assert made == ((8 * 96 + 32 * 96 + 32) * 4, 0)
+    assert made == ((8 * 96 + 32 * 96 + 32) * 4, 0, 0, 0)  # no loss: nothing before the output's gradient
     assert layers[0].weight.grad is kept and all(p.grad is None for p in layers[2].parameters())
 
 
 def test_a_factory_layers_measured_temporaries_are_a_moment_of_its_backward():
-    """A factory layer's backward is what the profile measured of it (its worst moment, with what it has let go
-    of by then); without the measurement, nothing beyond its start."""
+    """A factory layer's backward is what the profile measured of it (its worst moment with its weights in use,
+    and the last layer's loss's before them, each with what it has let go of by then); without the measurement,
+    nothing beyond its start."""
+    from harness.plan.activations import BackwardTemporaries
     from harness.plan.layers import LayerDesc
 
     spec = make_spec(pp=1, layers=3)
     layer = LayerDesc(kind="user", signature=(("family", "user"),), params=100, fwd_flops_per_token=201.0)
     assert backward_moments(spec, layer) == [(0, 0, "start")]
-    assert backward_moments(spec, layer, (5000, 300)) == [(0, 0, "start"), (5000, 300, "during")]
+    assert backward_moments(spec, layer, BackwardTemporaries(5000, 300)) == [(0, 0, "start"), (5000, 300, "during")]
+    assert backward_moments(spec, layer, BackwardTemporaries(5000, 300, 7000, 20)) == [
+        (7000, 20, "before"), (0, 0, "start"), (5000, 300, "during")]
+
+
+def test_zero3s_worst_backward_moment_is_a_reduce_scatter_as_memtracker_saw_it():
+    """ZeRO-3 (bytes by hand; layers in forward order, each (saved, moments, whole, shard, input gradient)): a
+    layer's reduce-scatter holds its whole gradients copied into the input, the collective's working copy and
+    its output shard beside its input's gradient, its weights let go and its saves freed, and the inputs of the
+    layers after it; a built-in head's whole gradients stay through it. The first layer (token ids, no input
+    gradient) reduce-scatters once those inputs are let go: its all-gather, beside them, is worse."""
+    from analysis.memory import _Layer, _worst_backward_moment
+
+    def layers(head_keeps: bool, embedding_whole: int = 1000) -> list:
+        return [_Layer(100, 0, [(0, 0, "start"), (50, 0, "during")], embedding_whole, embedding_whole // 2, 0),
+                _Layer(400, 0, [(0, 0, "start"), (300, 0, "during")], 2000, 1000, 80),
+                _Layer(600, 0, [(900, 0, "before"), (450, 300, "start"), (1200, 300, "during")], 3000, 1500, 80,
+                       head_keeps)]
+
+    # (activations, temporaries, re-made, weights, gradients) beyond the micro-batch's start
+    assert _worst_backward_moment(layers(True), zero=3) == (-600, 2 * 3000 + 1500 + 80, 0, 0, 3000)
+    # without the head's whole gradients the block's is worse: the head's input (3000) still held beside it
+    assert _worst_backward_moment(layers(False), zero=3) == (-600 - 400, 2 * 2000 + 1000 + 80 + 3000, 0, 0, 0)
+    # the embedding's all-gather (its buffer beside its weights) with the later layers' inputs (3000 + 2000)
+    assert _worst_backward_moment(layers(True, 4000), zero=3) == (-1000, 4000 + 5000, 0, 4000, 0)
 
 
 def test_a_profile_older_than_the_backwards_temporaries_reads_as_before():

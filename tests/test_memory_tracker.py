@@ -77,8 +77,7 @@ def test_a_factory_models_peak_meets_pytorchs_with_its_measured_temporaries(sche
                 if e.kind == "compute" and e.content.get("phase") in ("fwd", "bwd")}
     measured = measure_compute_share(spec, contents, torch.device("cpu"), warmup=0, repeats=1)
     activations = {eid: m.activation_bytes for eid, m in measured.items() if m.activation_bytes is not None}
-    temporaries = {eid: (m.temporary_bytes, m.temporary_freed_bytes) for eid, m in measured.items()
-                   if m.temporary_bytes is not None}
+    temporaries = {eid: m.temporaries for eid, m in measured.items() if m.temporaries is not None}
     assert len(temporaries) == len({e.name for e in plan.events.values()
                                     if e.kind == "compute" and e.content.get("phase") == "bwd"})
     (without,) = estimate_memory(plan, activations).stages

@@ -53,6 +53,7 @@ import ast
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
@@ -66,6 +67,18 @@ ACC_BYTES = 4  # float32: the norms' and the router's accumulation, the loss, th
 # the terms a split backward's input step lets go of as a stage's last layer (kept_for_weights' `released`)
 LOSS_TERMS = ("loss log-probabilities", "loss targets", "loss scalar")
 COMBINE_TERMS = ("routing indices", "routing weights", "combine rows")
+
+
+class BackwardTemporaries(NamedTuple):
+    """A layer's backward at its worst moments, as a profile measures them (harness.profile.memory.
+    backward_temporaries) and the memory model reads them: the temporaries then and the saved bytes let go of by
+    then, once its output's gradient has reached it (`made`, `freed`) and, for a model's last layer, whose
+    forward ends in the loss, in the loss's backward before that (`loss_made`, `loss_freed`)."""
+
+    made: int
+    freed: int
+    loss_made: int = 0
+    loss_freed: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
+from harness.plan.activations import BackwardTemporaries
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
@@ -154,10 +155,8 @@ class ComputeSamples(NamedTuple):
     # lets go of as a stage's last layer (profilers.memory.kept_for_weights)
     activation_bytes: int | None = None
     released_bytes: int | None = None
-    # whole backwards: its temporaries at its worst moment and the saved bytes it has let go of by then
-    # (profilers.memory.backward_temporaries)
-    temporary_bytes: int | None = None
-    temporary_freed_bytes: int | None = None
+    # whole backwards: its temporaries at its worst moments (profilers.memory.backward_temporaries)
+    temporaries: BackwardTemporaries | None = None
 
 
 def runner_content(spec: JobSpec, content: dict) -> dict:
@@ -380,7 +379,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     host: dict[str, list[float]] = {}
     saved: dict[str, int] = {}
     released: dict[str, int] = {}
-    temporaries: dict[str, tuple[int, int]] = {}
+    temporaries: dict[str, BackwardTemporaries] = {}
     pending = list(contents)
     backward_call: float | None = None
     split_call: dict[str, float | None] = {}
@@ -452,7 +451,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
     return {eid: ComputeSamples(np.asarray(samples[eid]), np.asarray(host[eid]) if eid in host else None,
                                 np.asarray(ends[eid]),
                                 backward_call if contents[eid]["phase"] in CALLED_PHASES else split_call.get(eid),
-                                saved.get(eid), released.get(eid), *temporaries.get(eid, (None, None)))
+                                saved.get(eid), released.get(eid), temporaries.get(eid))
             for eid in contents}
 
 

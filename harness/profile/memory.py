@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from harness.plan.activations import BackwardTemporaries
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "pipeline")
 TEMPORARIES = "temporaries"  # what a backward makes (backward_temporaries' meter only)
 
@@ -170,20 +172,32 @@ class _CountingMade(TorchDispatchMode):
 
 
 def backward_temporaries(layer: torch.nn.Module, make_input: Callable[[], torch.Tensor],
-                         forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, int]:
-    """(temporaries, freed) at the worst moment of one backward of `layer`: the bytes of the storages its
-    operators have made and not freed (its input's gradient included; the gradient at its output, which the
-    layer after it made, not), and of its saved activations those it has let go of by then. The worst moment
-    is the one where temporaries less freed is largest ((0, 0): its start). Its weights' gradients exist
-    before it (as every micro-batch's after the first and data parallelism's buckets find them), so a weight's
-    gradient counts as the temporary it is until it is added in."""
+                         forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> BackwardTemporaries:
+    """One backward of `layer` (and of what `forward` adds after it: the loss) at its worst moments: the bytes of
+    the storages its operators have made and not freed (its input's gradient included; the gradient at its
+    output, which the layer after it made, not), and of its saved activations those it has let go of by then.
+    A worst moment is the one where temporaries less freed is largest ((0, 0): none above the start), taken
+    apart before the gradient reaches the layer's own output (the loss's backward, with the layer's weights not
+    yet in use: ZeRO-3 gathers them then) and after. Its weights' gradients exist before it (as every
+    micro-batch's after the first and data parallelism's buckets find them), so a weight's gradient counts as
+    the temporary it is until it is added in; gradients given for the measurement are taken back after."""
     meter = LiveStorages(CATEGORIES + (TEMPORARIES,))
     releases = _hold_weights(meter, layer)
+    reached = []  # the gradient has reached the layer's output
+
+    def output_hook(_module, _args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _grad: reached.append(True))
+
+    handle = layer.register_forward_hook(output_hook)
     x = make_input()
-    with saving_into(meter):
-        out = forward(layer, x)
+    try:
+        with saving_into(meter):
+            out = forward(layer, x)
+    finally:
+        handle.remove()
     weights = [w for w in held_weights(layer) if w.requires_grad]
-    made = [w for w in weights if w.grad is None]  # given here, taken back after
+    made = [w for w in weights if w.grad is None]
     for weight in made:
         weight.grad = torch.zeros_like(weight)
     releases += [meter.hold(weight.grad, "gradients") for weight in weights]
@@ -191,12 +205,13 @@ def backward_temporaries(layer: torch.nn.Module, make_input: Callable[[], torch.
     if grad is not None:
         releases.append(meter.hold(grad, "pipeline"))
     saved = meter.live["activations"]
-    worst = [0, 0, 0]  # temporaries less freed, temporaries, freed
+    worst = {False: (0, 0), True: (0, 0)}  # before and after the gradient reached the output
 
     def moment() -> None:
-        made, freed = meter.live[TEMPORARIES], saved - meter.live["activations"]
-        if made - freed > worst[0]:
-            worst[:] = [made - freed, made, freed]
+        temporaries, freed = meter.live[TEMPORARIES], saved - meter.live["activations"]
+        before = worst[bool(reached)]
+        if temporaries - freed > before[0] - before[1]:
+            worst[bool(reached)] = (temporaries, freed)
 
     with _CountingMade(meter, moment):
         out.backward(grad)
@@ -206,7 +221,7 @@ def backward_temporaries(layer: torch.nn.Module, make_input: Callable[[], torch.
     for release in releases:
         if release is not None:
             release()
-    return worst[1], worst[2]
+    return BackwardTemporaries(*worst[True], *worst[False])
 
 
 def kept_gradients(param_groups: list[dict]) -> Iterator[torch.Tensor]:

@@ -56,8 +56,8 @@ from harness.store.hdf5_schema import (
     SEND_POST_SERIES,
     SENDER_BUSY_SERIES,
     SPEED_PROBE_ENV,
+    TEMPORARY_ATTRS,
     TEMPORARY_BYTES_ATTR,
-    TEMPORARY_FREED_BYTES_ATTR,
     ZERO_SERIES,
     compute_phase_key,
 )
@@ -469,9 +469,8 @@ def _profile_compute(run: ProfileRun) -> None:
             attrs[ACTIVATION_BYTES_ATTR] = taken.activation_bytes
         if taken.released_bytes is not None:
             attrs[RELEASED_BYTES_ATTR] = taken.released_bytes
-        if taken.temporary_bytes is not None:
-            attrs[TEMPORARY_BYTES_ATTR] = taken.temporary_bytes
-            attrs[TEMPORARY_FREED_BYTES_ATTR] = taken.temporary_freed_bytes
+        if taken.temporaries is not None:
+            attrs.update(zip(TEMPORARY_ATTRS, map(int, taken.temporaries)))
         measurement = Measurement(eid, "compute", event.content, taken.samples_s, [rank], run.env_key, attrs, series)
         attrs[PRECISION_GOAL_ATTR] = run.spec.profile.precision
         attrs[PRECISION_BUDGET_ATTR] = run.spec.profile.budget_s

@@ -53,9 +53,14 @@ ACTIVATION_BYTES_ATTR = "activation_bytes"
 # a split backward's bwd_input: the saved activations its input gradient lets go of when its layer is a stage's last
 RELEASED_BYTES_ATTR = "released_bytes"
 # compute whole backwards (bwd) only, attributes: the temporaries its backward holds at its worst moment and the
-# saved activations it has let go of by then (harness.profile.memory.backward_temporaries); absent in older profiles
+# saved activations it has let go of by then, and the same in its loss's backward before (a model's last layer; 0
+# elsewhere) (harness.profile.memory.backward_temporaries); absent in older profiles
 TEMPORARY_BYTES_ATTR = "temporary_bytes"
 TEMPORARY_FREED_BYTES_ATTR = "temporary_freed_bytes"
+LOSS_TEMPORARY_BYTES_ATTR = "loss_temporary_bytes"
+LOSS_TEMPORARY_FREED_BYTES_ATTR = "loss_temporary_freed_bytes"
+TEMPORARY_ATTRS = (TEMPORARY_BYTES_ATTR, TEMPORARY_FREED_BYTES_ATTR, LOSS_TEMPORARY_BYTES_ATTR,
+                   LOSS_TEMPORARY_FREED_BYTES_ATTR)  # in harness.plan.activations.BackwardTemporaries' order
 # compute only, attributes: the precision asked for (`[profile] precision`, a fraction) and the one reached, the
 # 95% interval's half-width of the samples' mean over the mean (harness.plan.precision; inf with too few samples)
 PRECISION_GOAL_ATTR = "precision_goal"
