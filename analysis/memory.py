@@ -74,7 +74,7 @@ from harness.plan.activations import (
     formula_released_bytes,
 )
 from harness.plan.events import EventPlan
-from harness.plan.layers import LayerDesc, input_bytes, recompute_groups, selective
+from harness.plan.layers import LayerDesc, describe, input_bytes, recompute_groups, selective, split_into_stages
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import (
@@ -192,6 +192,32 @@ def _state_bytes(spec: JobSpec) -> tuple[int, int]:
     if o.master_weights:
         return 4 * states, 4
     return spec.model.dtype_bytes * states, 0
+
+
+def model_state_bytes(spec: JobSpec, params: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) in bytes that a device holding `params` parameters of the model keeps
+    between layers (module docstring: precision, master weights, zero). Its peak holds at least their sum: all
+    three are held once the iteration's last backward has made the gradients."""
+    s = spec.strategy
+    dtype, grad = spec.model.dtype_bytes, gradient_bytes(spec)
+    state, master = _state_bytes(spec)
+    if not s.zero:
+        return params * dtype, params * grad, params * (state + master)
+    shard = -(-params // s.dp)  # FSDP2 over the dp replicas (module docstring, "zero")
+    own = 0 if master else shard * dtype  # with master weights the fp32 master is the shard
+    weights = own + (params * dtype if s.zero < 3 else 0)
+    return weights, params * grad if s.zero == 1 else shard * grad, shard * (state + master)
+
+
+def model_state_floor(spec: JobSpec, layers: list[LayerDesc] | None = None) -> int:
+    """The most weights, gradients and optimizer state (model_state_bytes) any pipeline device of `spec` holds: a
+    floor under its peak from the layers alone, without an event plan (the search rules out what cannot fit with
+    it). `layers`: a factory model's, as for build_plan."""
+    s = spec.strategy
+    stages = split_into_stages(describe(spec, layers), spec.model, s.virtual_stages)
+    return max(sum(model_state_bytes(spec, sum(layer.params for c in range(s.chunks)
+                                               for layer in stages[virtual_stage(c, d, s.pp)])))
+               for d in range(s.pp))
 
 
 def loss_saved_bytes(spec: JobSpec) -> int:
@@ -319,8 +345,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
     spec = plan.spec
     s = spec.strategy
     V = s.virtual_stages
-    dtype, grad = spec.model.dtype_bytes, gradient_bytes(spec)
-    state, master = _state_bytes(spec)
+    dtype = spec.model.dtype_bytes
     unmeasured = sorted({plan.events[e].name for program in plan.stages for e in program.forward + program.backward
                          if plan.events[e].kind == "compute" and plan.events[e].content.get("phase") in
                          ("fwd", "bwd_input") and e not in activations})
@@ -380,13 +405,7 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
-        weights, gradients, optimizer = params * dtype, params * grad, params * (state + master)
-        if s.zero:  # FSDP2 over the dp replicas (module docstring, "zero"): between layers
-            shard = -(-params // s.dp)
-            own = 0 if master else shard * dtype  # with master weights the fp32 master is the shard
-            optimizer = shard * (state + master)
-            weights = own + (params * dtype if s.zero < 3 else 0)
-            gradients = params * grad if s.zero == 1 else shard * grad
+        weights, gradients, optimizer = model_state_bytes(spec, params)
         # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
         # backward (a split backward's W) has made them; a MoE block's experts' (out of the buckets) so always
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}

@@ -3,7 +3,9 @@ device memory and ranked (docs/analysis.md, "Search").
 
 Each candidate is planned, costed from the profile (analysis.costs), simulated (analysis.simulate) and given
 its per-device peak memory (analysis.memory). A candidate is feasible when its largest device fits the
-memory capacity (none: every candidate fits). A candidate the profile cannot cost (compute events it lacks:
+memory capacity (none: every candidate fits); one whose weights, gradients and optimizer state alone exceed it
+(analysis.memory.model_state_floor) is infeasible without being planned or simulated (`memory_floor_bytes`).
+A candidate the profile cannot cost (compute events it lacks:
 a profile of another spec) is infeasible with that reason; one costed partly from fits (a group larger than
 the profiling run, a tensor-parallel layer measured without its all-reduces) is flagged. Feasible candidates
 come first, fastest (or smallest) first. Candidates are spread over processes (fork) when there are many, or
@@ -35,7 +37,7 @@ import numpy as np
 
 from analysis.costs import MODELLED, communication_by_tier, estimate_costs
 from analysis.costs.device_source import DEVICE, source_counts
-from analysis.memory import GB, activation_bytes, estimate_memory, released_bytes
+from analysis.memory import GB, activation_bytes, estimate_memory, model_state_floor, released_bytes
 from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
 from analysis.spec_only import check_spec_only, is_spec_file, is_spec_only, spec_profile
@@ -51,12 +53,15 @@ from analysis.uncertainty import (
 )
 from harness.common.errors import UserError
 from harness.common.output import format_bytes
-from harness.plan.candidates import Grid, Rejected, candidate_label, expand
+from harness.plan.candidates import Grid, Rejected, candidate_label, expand, rejected_by_reason
 from harness.plan.events import build_plan
 from harness.plan.spec import JobSpec, load_spec
 
-SEARCH_SCHEMA_VERSION = 3  # 2: intervals, indistinguishable_from_best, recommended, recommendation; 3: the fastest
-# recommended unless another buys something (recommendation.preferred_for, memory_headroom_asked)
+REJECTED_EXAMPLES = 3  # the choices the JSON shows of each rule the grid's combinations broke
+# 2: intervals, indistinguishable_from_best, recommended, recommendation; 3: the fastest recommended unless another
+# buys something (recommendation.preferred_for, memory_headroom_asked); 4: rejected grouped by reason, and what does
+# not fit neither costed nor simulated (too_large, memory_floor_bytes)
+SEARCH_SCHEMA_VERSION = 4
 SEARCH_KIND = "distsim-search"
 PARALLEL_FROM = 24  # candidates: fewer run in this process (a worker's start costs more than they take)
 SORTS = ("time", "memory")
@@ -73,6 +78,9 @@ class CandidateResult:
     comm_fraction: float | None = None  # device time communicating while not computing (mean over devices)
     comm_by_tier: dict[str, float] = field(default_factory=dict)  # analysis.costs.communication_by_tier
     peak_memory_bytes: int | None = None
+    # what its model states alone need where they exceed the device's memory (then it is not planned)
+    memory_floor_bytes: int | None = None
+    too_large: bool = False  # ruled out by its memory, so neither costed nor simulated
     peak_stage: int | None = None
     dominant: str | None = None  # the memory part that holds the most on the largest device
     memory_stages: list[dict[str, Any]] = field(default_factory=list)
@@ -124,7 +132,8 @@ class CandidateResult:
                "batch_time_s": self.batch_time_s, "throughput_samples_s": self.throughput_samples_s,
                "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
                "comm_fraction": self.comm_fraction, "comm_by_tier": self.comm_by_tier,
-               "peak_memory_bytes": self.peak_memory_bytes,
+               "peak_memory_bytes": self.peak_memory_bytes, "memory_floor_bytes": self.memory_floor_bytes,
+               "too_large": self.too_large,
                "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
                "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "sources": self.sources,
                "speedup": self.speedup,
@@ -354,7 +363,9 @@ class SearchResult:
                 "model": self.spec.model.name, "device_memory_bytes": self.capacity_bytes, "sort": self.sort,
                 "candidates": [c.to_dict(iterations, tokens) for c in self.candidates],
                 "best": best.to_dict(iterations, tokens) if best is not None else None,
-                "rejected": [{"choice": dict(r.choice), "reason": r.reason} for r in self.rejected],
+                "rejected": [{"reason": reason, "count": len(group),
+                              "choices": [dict(r.choice) for r in group[:REJECTED_EXAMPLES]]}
+                             for reason, group in rejected_by_reason(self.rejected)],
                 "profiling": self.profiling_cost(), "iterations": iterations, "tokens": tokens,
                 "interval_resamples": self.resamples,
                 "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None}
@@ -388,7 +399,29 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     profile, activations, capacity, options = (_SHARED[k] for k in ("profile", "activations", "capacity", "options"))
     result = CandidateResult(spec)
     try:
-        plan = build_plan(spec, layers_for(profile, spec))
+        layers = layers_for(profile, spec)
+        floor = model_state_floor(spec, layers)
+        if capacity is not None and floor > capacity:  # it cannot fit: not planned, costed or simulated
+            result.memory_floor_bytes, result.too_large = floor, True
+            result.reason = (f"needs {format_bytes(floor)} or more, {format_bytes(capacity)} per device (weights, "
+                             "gradients and optimizer state alone); not simulated")
+            return result
+        plan = build_plan(spec, layers)
+    except UserError as exc:
+        result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
+        return result
+    try:
+        memory = estimate_memory(plan, activations, _SHARED["released"])
+    except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
+        result.reason = str(exc)
+        return result
+    peak = memory.peak
+    result.peak_memory_bytes, result.peak_stage, result.dominant = peak.total, peak.stage, peak.dominant
+    result.memory_stages = [s.to_dict() for s in memory.stages]
+    if not memory.fits(capacity):  # what does not fit is not costed or simulated
+        result.reason, result.too_large = f"{memory.shortfall(capacity)}; not simulated", True
+        return result
+    try:
         costs = estimate_costs(plan, profile, **options["costs"])
     except UserError as exc:
         result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
@@ -398,23 +431,13 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     result.simulate_s = time.perf_counter() - started
     T = timeline.batch_time_s
     result.batch_time_s = T
+    result.feasible = True
     result.bubble_fraction = timeline.bubble_fraction
     result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
                             if T > 0 else 0.0)
     result.comm_by_tier = communication_by_tier(plan, costs)
     result.sources = source_counts(costs)
-    try:
-        memory = estimate_memory(plan, activations, _SHARED["released"])
-    except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
-        result.reason = str(exc)
-        result.batch_time_s = result.bubble_fraction = result.comm_fraction = None
-        return result
-    peak = memory.peak
-    result.peak_memory_bytes, result.peak_stage, result.dominant = peak.total, peak.stage, peak.dominant
-    result.memory_stages = [s.to_dict() for s in memory.stages]
-    result.feasible = memory.fits(capacity)
-    result.reason = "" if result.feasible else memory.shortfall(capacity)
-    if result.feasible and options["resamples"] > 0 and has_samples(costs):
+    if options["resamples"] > 0 and has_samples(costs):
         down, up = relative_reach(costs, options["resamples"], SEED, _REACH)
         result.reach_s = (T * (1 - down), T * (1 + up))
     if costs.device_model is not None and result.sources["compute"].get(DEVICE):
@@ -495,7 +518,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
                 results.append(_evaluate(candidate))
                 if progress:
                     progress(1)
-        if not any(r.predicted for r in results):
+        if not any(r.predicted or r.too_large for r in results):
             reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
             raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the "
                             "search spec itself: mpirun -n N python -m mpi4py -m harness profile SPEC -o OUTDIR")
@@ -576,17 +599,21 @@ def _compute_intervals(candidates: Sequence[CandidateResult], resamples: int, jo
 
 
 def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[CandidateResult]:
-    """Feasible candidates first, by batch time (or peak memory), then the infeasible ones that were predicted,
-    then those that could not be; each feasible one's speed-up over the slowest feasible one."""
+    """Feasible candidates first, by batch time (or peak memory), then those that do not fit, nearest to fitting
+    first (their peak, or the floor under it), then those that could not be sized; each feasible one's speed-up
+    over the slowest feasible one."""
     feasible = [r for r in results if r.feasible]
     slowest = max((r.batch_time_s for r in feasible), default=None)
     for r in feasible:
         r.speedup = slowest / r.batch_time_s if r.batch_time_s else None
 
     def key(r: CandidateResult) -> tuple:
-        primary = (r.batch_time_s if sort == "time" else r.peak_memory_bytes) if r.predicted else math.inf
-        secondary = (r.peak_memory_bytes if sort == "time" else r.batch_time_s) if r.predicted else math.inf
-        return (not r.feasible, not r.predicted, primary, secondary, r.label)
+        if r.feasible:
+            time_then_memory = (r.batch_time_s, r.peak_memory_bytes)
+            return (0, *(time_then_memory if sort == "time" else time_then_memory[::-1]), r.label)
+        if r.too_large:
+            return (1, r.memory_floor_bytes or r.peak_memory_bytes, 0, r.label)
+        return (2, 0, 0, r.label)
     return sorted(results, key=key)
 
 

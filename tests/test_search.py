@@ -184,7 +184,7 @@ def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path
     fastest, also needs less memory. Recompute is 27% slower: out of reach, told apart without resampling."""
     assert main(["search", str(PP2), "--spec", str(_pp2_grid(tmp_path)), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["schema_version"] == 3 and report["interval_resamples"] == 200
+    assert report["schema_version"] == 4 and report["interval_resamples"] == 200
     by_label = {c["strategy"]: c for c in report["candidates"]}
     one_f_one_b, gpipe = by_label["dp=1 tp=1 pp=2 1f1b micro=2 m=4"], by_label["dp=1 tp=1 pp=2 gpipe micro=2 m=4"]
     # the fastest's interval is the one `simulate` gives (tests/test_fixtures.py)

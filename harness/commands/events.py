@@ -8,7 +8,7 @@ import sys
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
 from harness.common.output import format_table, write_csv
-from harness.plan.candidates import candidate_label
+from harness.plan.candidates import candidate_label, rejected_by_reason
 from harness.plan.events import EVENTS_VERSION, build_plan, events_to_profile, human_bytes
 from harness.plan.spec import load_spec, vocab_padding_note
 
@@ -79,7 +79,7 @@ def _run_search(spec, args: argparse.Namespace) -> int:
                "rejected": len(grid.rejected), **unique.summary(),
                "separate_unique_events": unique.separate,
                "cross_candidate_ratio": unique.separate / max(1, len(unique)),
-               "rejected_reasons": _reasons(grid)}
+               "rejected_reasons": {reason: len(group) for reason, group in rejected_by_reason(grid.rejected)}}
     if args.csv:
         _write_events_csv(args.csv, unique.table())
     if args.json:
@@ -102,14 +102,6 @@ def _run_search(spec, args: argparse.Namespace) -> int:
         print()
         print(format_table(("candidate",), [(candidate_label(c),) for c in grid.candidates]))
     return 0
-
-
-def _reasons(grid) -> dict[str, int]:
-    """Rejected combinations counted by reason, the most common first."""
-    counts: dict[str, int] = {}
-    for rejected in grid.rejected:
-        counts[rejected.reason] = counts.get(rejected.reason, 0) + 1
-    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def _write_events_csv(path: str, table: list[dict]) -> None:

@@ -22,13 +22,16 @@ Rules (docs/spec.md, "[search]"):
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from harness.common.errors import SpecError, UserError
 from harness.plan.schedules import INTERLEAVED, SCHEDULES
-from harness.plan.spec import RECOMPUTE, ZERO_STAGES, JobSpec, parse_spec
+from harness.plan.spec import RECOMPUTE, ZERO_STAGES, JobSpec, StrategySpec, check_strategy
+
+_STRATEGY_KEPT: dict[StrategySpec, dict] = {}  # a strategy's fields, read once a search
 
 GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp", "ep")
 
@@ -37,8 +40,17 @@ GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "r
 class Rejected:
     """A combination of the grid that is not a valid job, and why."""
 
-    choice: tuple[tuple[str, Any], ...]  # (field, value) as the grid gave them
+    values: tuple  # the combination's value of each of GRID_FIELDS (dp None: from the device count)
     reason: str
+    shown: frozenset[str]  # the fields its grid varies (the others are the spec's)
+
+    @property
+    def choice(self) -> tuple[tuple[str, Any], ...]:
+        """(field, value) as the grid gave them: the fields it varies; chunks for an interleaved schedule; dp
+        where the grid lists it."""
+        schedule = self.values[GRID_FIELDS.index("schedule")]
+        return tuple((name, value) for name, value in zip(GRID_FIELDS, self.values)
+                     if name in self.shown and value is not None and (name != "chunks" or schedule in INTERLEAVED))
 
     def label(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.choice)
@@ -53,6 +65,14 @@ class Grid:
 
     def __len__(self) -> int:
         return len(self.candidates)
+
+
+def rejected_by_reason(rejected: list[Rejected]) -> list[tuple[str, list[Rejected]]]:
+    """The rejected combinations grouped by the rule they broke, the most common first (then in grid order)."""
+    groups: dict[str, list[Rejected]] = {}
+    for r in rejected:
+        groups.setdefault(r.reason, []).append(r)
+    return sorted(groups.items(), key=lambda item: -len(item[1]))
 
 
 def strategy_key(spec: JobSpec) -> tuple:
@@ -128,10 +148,15 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
                                         fields["micro"]))
     schedules = fields["schedule"]
     interleaved_chunks = spec.search.chunks or (spec.strategy.chunks if spec.strategy.chunks > 1 else 2,)
-    base = spec.to_dict()
-    base.pop("search", None)
+    grid = spec.search
+    shown = frozenset(("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks")) | {
+        name for name, varied in (("cp", grid.cp or auto), ("recompute", grid.recompute or auto),
+                                  ("zero", grid.zero or auto), ("sp", grid.sp or auto),
+                                  ("ep", grid.ep or (auto and spec.model.moe))) if varied}
+    offline = dataclasses.replace(spec, import_factory=False)  # the candidates check a factory, never import it
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
+    broken: dict[tuple, str | None] = {}
     for (world, dp, tp, cp, pp, micro), schedule, recompute, zero, sp, ep in itertools.product(
             shapes, schedules, fields["recompute"], fields["zero"], fields["sp"], fields["ep"]):
         if sp and tp == 1 and auto and not spec.search.sp:
@@ -139,19 +164,12 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
         if auto and not spec.search.ep and dp is not None and dp % ep:
             continue  # auto offers the ep that divide dp
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
-            choice = (("gpus", world), ("dp", dp), ("tp", tp)) + ((("cp", cp),) if spec.search.cp or auto else ()) \
-                + (("pp", pp), ("micro", micro),
-                      ("schedule", schedule)) + ((("chunks", chunks),) if schedule in INTERLEAVED else ()) \
-                + ((("recompute", recompute),) if spec.search.recompute or auto else ()) \
-                + ((("zero", zero),) if spec.search.zero or auto else ()) \
-                + ((("sp", sp),) if spec.search.sp or auto else ()) \
-                + ((("ep", ep),) if spec.search.ep or (auto and spec.model.moe) else ())
-            choice = tuple((k, v) for k, v in choice if v is not None)
             try:
-                candidate = _candidate(spec, base, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp,
-                                       ep)
+                candidate = _candidate(offline, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep,
+                                       broken)
             except SpecError as exc:
-                rejected.append(Rejected(choice, _reason(exc)))
+                rejected.append(Rejected((world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep),
+                                         _reason(exc), shown))
                 continue
             seen.setdefault(strategy_key(candidate), candidate)
     if not seen:
@@ -161,8 +179,10 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     return Grid(list(seen.values()), rejected)
 
 
-def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int,
-               schedule: str, chunks: int, recompute: str, zero: int, sp: bool, ep: int) -> JobSpec:
+def _candidate(spec: JobSpec, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int, schedule: str,
+               chunks: int, recompute: str, zero: int, sp: bool, ep: int, broken: dict[tuple, str | None]) -> JobSpec:
+    """The combination as a spec, or a SpecError; `broken`: the rule each strategy of the search broke
+    (check_strategy), kept across calls, since most combinations differ from another only where it does not read."""
     layout = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None:
         if world % (tp * cp * pp):
@@ -171,22 +191,24 @@ def _candidate(spec: JobSpec, base: dict, world: int, dp: int | None, tp: int, c
     elif dp * tp * cp * pp != world:
         raise SpecError(f"dp x {layout} = {dp * tp * cp * pp} devices, not the {world} of the search (list gpus in "
                         "[search] to vary the device count)")
-    per_node = spec.cluster.gpus_per_node
-    if world % per_node == 0:
-        nodes = world // per_node
-    elif world < per_node:
-        nodes, per_node = 1, world
-    else:
-        raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
-    strategy = dict(base["strategy"])
-    if recompute != "full":  # which blocks full recompute runs again (the spec's) is for full recompute alone
-        strategy.pop("recompute_layers", None)
-        strategy.pop("recompute_method", None)
-    data = {**base, "strategy": {**strategy, "dp": dp, "tp": tp, "pp": pp, "schedule": schedule,
-                                 "chunks": chunks, "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep},
-            "batch": {**base["batch"], "micro": micro},
-            "cluster": {**base["cluster"], "nodes": nodes, "gpus_per_node": per_node}}
-    return parse_spec(data, source=f"{spec.source} [search]", import_factory=False)
+    key = (dp, tp, pp, schedule, chunks, recompute, zero, sp)  # all that check_strategy reads of a strategy
+    if broken.get(key):
+        raise SpecError(broken[key])
+    kept = _STRATEGY_KEPT.get(spec.strategy) or _STRATEGY_KEPT.setdefault(spec.strategy, {
+        f.name: getattr(spec.strategy, f.name) for f in dataclasses.fields(StrategySpec)})
+    strategy = StrategySpec(**{**kept, "dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "chunks": chunks,
+                               "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep,
+                               # which blocks full recompute runs again (the spec's) is for full recompute alone
+                               **({} if recompute == "full" else {"recompute_layers": 1,
+                                                                  "recompute_method": "uniform"})})
+    if key not in broken:
+        try:
+            check_strategy(spec.model, strategy)
+            broken[key] = None
+        except SpecError as exc:
+            broken[key] = str(exc)
+            raise
+    return spec.with_strategy(strategy, micro, source=f"{spec.source} [search]")
 
 
 def _reason(exc: SpecError) -> str:

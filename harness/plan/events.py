@@ -262,6 +262,7 @@ class EventPlan:
         # communication event id -> the ranks of some groups that run it (where they lie on a network's tiers;
         # the slowest of them is what the analysis costs)
         self.group_ranks: dict[str, list[tuple[int, ...]]] = {}
+        self._collective_ids: dict[tuple, tuple] = {}  # _collective's (placements, [(id, placement)]), for the next
         self._build()
 
     # ---- construction -------------------------------------------------------------------------
@@ -307,7 +308,15 @@ class EventPlan:
         layer's parameters (its copies in and out per parameter, its allocations; harness.profile.comm).
         `dtype`: the elements' (the model's by default)."""
         dtype = dtype or self.spec.model.dtype
+        # every layer of a stage adds the same collectives: the second time, only the counts (ids cost a hash)
+        key = (kind, nbytes, group, id(placements), dtype, repr(fsdp) if fsdp else "")
+        if key in self._collective_ids:
+            _, added = self._collective_ids[key]
+            for eid, placement in added:
+                self.multiplicity[eid] += placements[placement] * calls_per_group
+            return added[-1][0]
         chosen = None
+        added = []
         for placement in (INTRA, INTER):
             if placements[placement]:
                 content = {"bytes": nbytes, "dtype": dtype, "placement": placement}
@@ -319,11 +328,13 @@ class EventPlan:
                     + (" fsdp" if fsdp else "")
                 chosen = self._add(kind, label, content, float(nbytes),
                                    placements[placement] * calls_per_group)
+                added.append((chosen, placement))
                 known = self.group_ranks.setdefault(chosen, [])
                 known += [g for g in placements.groups(placement) if g not in known][:MAX_GROUP_EXAMPLES - len(known)]
         if len(placements) > 1 and what not in self.placement_mixed:
             self.placement_mixed.append(what)
         assert chosen is not None
+        self._collective_ids[key] = (placements, added)  # the placements held, so no other object takes its id
         return chosen
 
     def _build(self) -> None:

@@ -5,6 +5,7 @@ Pure Python (stdlib tomllib): the analysis imports this module without MPI, torc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -15,7 +16,7 @@ from typing import Any
 
 from harness.common.errors import SpecError
 from harness.plan.device import load_device
-from harness.plan.network import NetworkTier, parse_network
+from harness.plan.network import NetworkTier, check_tiers, parse_network
 from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
 
 SPEC_VERSION = 1
@@ -375,6 +376,41 @@ class JobSpec:
             elif world < per_node:
                 data["cluster"].update(nodes=1, gpus_per_node=world)
         return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)
+
+    def with_strategy(self, strategy: StrategySpec, micro: int, source: str | None = None) -> JobSpec:
+        """This job under `strategy` at micro-batch size `micro`, without a [search] grid, on the device count the
+        strategy takes (nodes of the spec's size; one node of fewer devices where it takes less than one; else a
+        SpecError), held to parse_spec's rules without parsing the spec again: the search's candidates. The
+        vocabulary is padded for the new strategy; `source` names it (default: the spec's)."""
+        world, per_node = strategy.world, self.cluster.gpus_per_node
+        source = source or self.source
+        try:
+            if world % per_node == 0:
+                nodes = world // per_node
+            elif world < per_node:
+                nodes, per_node = 1, world
+            else:
+                raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
+            c = self.cluster
+            if c.network:
+                _check_tiers_once(c.network, nodes * per_node)
+            check_strategy(self.model, strategy)
+            # Constructors, not dataclasses.replace: a search builds hundreds of thousands of these.
+            cluster = c if (c.nodes, c.gpus_per_node) == (nodes, per_node) else ClusterSpec(
+                nodes=nodes, gpus_per_node=per_node, device_memory_gb=c.device_memory_gb, device=c.device,
+                network=c.network)
+            batch = self.batch if micro == self.batch.micro else BatchSpec(self.batch.global_size, micro)
+            spec = JobSpec(model=_padded_model(self.model, vocab_multiple(self.model, strategy)), batch=batch,
+                           strategy=strategy, cluster=cluster, profile=self.profile, search=SearchSpec(),
+                           optimizer=self.optimizer, source=source, import_factory=self.import_factory)
+            _check_job(spec, given={})
+        except SpecError as exc:
+            if exc.source is None:
+                located = SpecError(str(exc), source=source)
+                located.field = exc.field
+                raise located from None
+            raise
+        return spec
 
 
 def _toml_value(value: Any) -> str:
@@ -769,11 +805,16 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                           precision=_precision(p.get("precision", 0.02), "profile.precision"),
                           budget_s=_number(p, "budget_s", "profile", 60.0))
     search = _parse_search(data.get("search", {}))
+    spec = JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
+                   optimizer=optimizer, import_factory=import_factory)
+    _check_job(spec, given=s)
+    return spec
 
-    if strategy.world != cluster.devices:
-        raise SpecError(f"{strategy.layout} = {strategy.world} must equal "
-                        f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
-                        field="strategy")
+
+def check_strategy(model: ModelSpec, strategy: StrategySpec) -> None:
+    """The rules between a strategy's fields and the model's shape (one SpecError naming the field); none depends
+    on the vocabulary's padding, the batch or the cluster, so a search checks them before building a candidate."""
+    schedule, chunks = strategy.schedule, strategy.chunks
     if strategy.zero and strategy.dp == 1:
         raise SpecError(f"zero = {strategy.zero} shards over the data-parallel replicas, and dp = 1 has one: set "
                         "zero = 0, or dp > 1", field="strategy.zero")
@@ -819,9 +860,21 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
         if model.seq_len % strategy.tp:
             raise SpecError(f"seq_len ({model.seq_len}) must be divisible by tp ({strategy.tp}) to split the sequence "
                             "(sp = true)", field="model.seq_len")
+
+
+def _check_job(spec: JobSpec, given: dict) -> None:
+    """The rules across a parsed spec's sections (one SpecError naming the field); `given`: the strategy table as
+    written, for the rules on what it names."""
+    model, batch, strategy, cluster = spec.model, spec.batch, spec.strategy, spec.cluster
+    profile, optimizer, schedule = spec.profile, spec.optimizer, spec.strategy.schedule
+    if strategy.world != cluster.devices:
+        raise SpecError(f"{strategy.layout} = {strategy.world} must equal "
+                        f"nodes x gpus_per_node = {cluster.nodes} x {cluster.gpus_per_node} = {cluster.devices}",
+                        field="strategy")
+    check_strategy(model, strategy)
     if strategy.cp > 1:
         _check_context_parallel(model, strategy)
-    _check_recompute(model, strategy, s)
+    _check_recompute(model, strategy, given)
     if model.moe or strategy.ep > 1:
         _check_experts(model, strategy)
     if profile.backend == "mpi4py" and model.dtype == "bfloat16":
@@ -849,9 +902,22 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     if optimizer.master_weights and model.dtype == "float32":
         raise SpecError("master weights keep an fp32 copy of 16-bit weights; with dtype float32 set "
                         "master_weights = false", field="optimizer.master_weights")
-    return JobSpec(model=model, batch=batch, strategy=strategy, cluster=cluster, profile=profile, search=search,
-                   optimizer=optimizer,
-                   import_factory=import_factory)
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_model(model: ModelSpec, multiple: int) -> ModelSpec:
+    """`model` with its tokenizer's vocabulary padded to a multiple of `multiple` (pad_vocab), once per pair."""
+    vocab = model.unpadded_vocab or model.vocab
+    padded = -(-vocab // multiple) * multiple
+    if padded == model.vocab:
+        return model
+    return dataclasses.replace(model, vocab=padded, unpadded_vocab=vocab if padded != vocab else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_tiers_once(network: tuple[NetworkTier, ...], devices: int) -> None:
+    """check_tiers, once per network and device count (an error is raised again each time)."""
+    check_tiers(network, devices)
 
 
 def vocab_multiple(model: ModelSpec, strategy: StrategySpec) -> int:
@@ -869,10 +935,7 @@ def vocab_multiple(model: ModelSpec, strategy: StrategySpec) -> int:
 def pad_vocab(model: ModelSpec, strategy: StrategySpec) -> ModelSpec:
     """The model with its vocabulary padded for `strategy` (vocab_multiple): the padded rows are built, stored and
     computed as the others are; unpadded_vocab keeps the tokenizer's."""
-    vocab = model.unpadded_vocab or model.vocab
-    multiple = vocab_multiple(model, strategy)
-    padded = -(-vocab // multiple) * multiple
-    return dataclasses.replace(model, vocab=padded, unpadded_vocab=vocab if padded != vocab else 0)
+    return _padded_model(model, vocab_multiple(model, strategy))
 
 
 def vocab_padding_note(spec: JobSpec) -> str | None:
