@@ -8,6 +8,7 @@ with torch, outside the plan), and the result is stored in the profile for the a
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,13 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
                      sp: bool = False, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
                      tokens: int = 0, selective: bool = False) -> list[LayerDesc]:
+    """_described_builtin's layers as a new list (the descriptions, frozen, are shared)."""
+    return list(_described_builtin(model, tp, vocab_parallel, pp, sp, cp, cp_comm, ep, tokens, selective))
+
+
+@functools.lru_cache(maxsize=256)  # a search describes the same model under each strategy many times
+def _described_builtin(model: ModelSpec, tp: int, vocab_parallel: bool, pp: int, sp: bool, cp: int, cp_comm: str,
+                       ep: int, tokens: int, selective: bool) -> tuple[LayerDesc, ...]:
     """The layers of a built-in model: embedding, `layers` identical blocks, head with loss.
 
     Blocks are Megatron-sharded over the tensor-parallel group; with `vocab_parallel` (and tp > 1) the
@@ -257,7 +265,7 @@ def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp
         else:
             layers.append(LayerDesc(**{**block.__dict__, "index": i + 1}))
     layers.append(LayerDesc(**{**head.__dict__, "index": model.layers + 1}))
-    return layers
+    return tuple(layers)
 
 
 # the all-to-alls of a Mixture-of-Experts block (harness.models.moe): forward, the tokens dispatched to their
