@@ -75,7 +75,7 @@ from harness.plan.activations import (
 )
 from harness.plan.events import EventPlan
 from harness.plan.layers import LayerDesc, describe, input_bytes, recompute_groups, selective, split_into_stages
-from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.schedules import kept_device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import (
     ACTIVATION_BYTES_ATTR,
@@ -401,6 +401,10 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
             # B runs the layers in reverse: its first item is the stage's last layer's
             let_go.append(output + (released or {}).get(program.backward[0], 0) if vs and program.backward else 0)
             waiting.append(0 if vs else received)
+    # each virtual stage's backward: the gradient it receives from the next, the one it sends back
+    received_of = [plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0 for vs in range(V)]
+    sent_of = [plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0 for vs in range(V)]
+    last_micro, split = spec.micro_batches - 1, s.split_backward
     stages = []
     for d in range(s.pp):
         local = [virtual_stage(c, d, s.pp) for c in range(s.chunks)]
@@ -423,8 +427,8 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
         # (gradients made, activations, buffers, in flight, re-made, temporaries, weights and gradients beyond
         # the stage's between-layer count) at each moment of the schedule
         points = []
-        for step in device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
-            vs = virtual_stage(step.chunk, d, s.pp)
+        for step in kept_device_steps(s.schedule, d, s.pp, spec.micro_batches, s.chunks):
+            vs = step.chunk * s.pp + d  # virtual_stage
             if step.phase == "F":
                 live += held[vs]
                 in_flight += 1
@@ -438,19 +442,19 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
                 live -= held[vs] + kept[vs] - let_go[vs]
                 kept_buffers -= waiting[vs]
                 in_flight -= 1
-                made.add(vs)
-                grads_made = _gradients_held(gradients, params, from_start, once_made, made)
+                if vs not in made:
+                    made.add(vs)
+                    grads_made = _gradients_held(gradients, params, from_start, once_made, made)
                 points.append((grads_made, live, kept_buffers, in_flight, 0, 0, 0, 0))
                 continue
-            received = plan.events[plan.stages[vs + 1].send_backward].bytes if vs < V - 1 else 0
-            sent = plan.events[plan.stages[vs].send_backward].bytes if vs > 0 else 0
+            received, sent = received_of[vs], sent_of[vs]
             points.append((grads_made, live, received + kept_buffers, in_flight, 0, 0, 0, 0))
-            if not s.split_backward or vs:  # a split backward's B of the first stage does nothing
-                moment = worst_last[vs] if step.micro == spec.micro_batches - 1 else worst[vs]
+            if not split or vs:  # a split backward's B of the first stage does nothing
+                moment = worst_last[vs] if step.micro == last_micro else worst[vs]
                 extra, temporaries, again, more_weights, more_gradients = moment
                 points.append((grads_made, live + extra, received + kept_buffers, in_flight, again, temporaries,
                                more_weights, more_gradients))
-            if s.split_backward:  # the activations stay for the W, with what the B keeps for it (a later stage's
+            if split:  # the activations stay for the W, with what the B keeps for it (a later stage's
                 live += kept[vs]  # kept gradients hold its received one; the first stage keeps that whole)
                 kept_buffers += waiting[vs]
                 points.append((grads_made, live, sent + kept_buffers, in_flight, 0, 0, 0, 0))
@@ -458,14 +462,16 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
                 continue
             live -= held[vs]
             in_flight -= 1
-            made.add(vs)
-            grads_made = _gradients_held(gradients, params, from_start, once_made, made)
+            if vs not in made:
+                made.add(vs)
+                grads_made = _gradients_held(gradients, params, from_start, once_made, made)
             points.append((grads_made, live, received + sent, in_flight, 0, 0, 0, 0))
         metered = 0
         for made_then, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
             grads = made_then + more_gradients
             total = weights + more_weights + optimizer + grads + act + buffers + temporaries
-            metered = max(metered, total - again - temporaries)
+            if total - again - temporaries > metered:
+                metered = total - again - temporaries
             if total > best[0]:
                 best = (total, weights + more_weights, grads, act, buffers, flight, again, temporaries)
         _, held_weights, grads, act, buffers, flight, again, temporaries = best

@@ -37,14 +37,14 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from itertools import accumulate
 from typing import Any, NamedTuple
 
 from analysis.costs import Costs
 from analysis.intervals import spans
 from harness.plan.events import SHARDED_KINDS, EventPlan
-from harness.plan.schedules import device_steps, virtual_stage
+from harness.plan.schedules import kept_device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 
 COMPUTE_TRACK, COMM_TRACK = "compute", "comm"
@@ -330,12 +330,6 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
 MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computing sender keeps changing
 
 
-@lru_cache(maxsize=1024)
-def _device_steps(schedule: str, stage: int, pp: int, micro_batches: int, chunks: int) -> tuple:
-    """harness.plan.schedules.device_steps, kept: a search simulates one layout hundreds of times (its intervals)."""
-    return tuple(device_steps(schedule, stage, pp, micro_batches, chunks))
-
-
 class _Schedule(NamedTuple):
     records: list[list[StepRecord]]
     transfers: dict[tuple[str, int, int], tuple[float, float]]  # (direction, src stage, micro) -> start, end
@@ -360,7 +354,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     computes at that moment in the `previous` pass."""
     s = plan.spec.strategy
     pp, V, m = s.pp, s.virtual_stages, plan.spec.micro_batches
-    schedules = [_device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
+    schedules = [kept_device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
     forward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_end: list[list[float | None]] = [[None] * m for _ in range(V)]
     backward_start: list[list[float]] = [[0.0] * m for _ in range(V)]

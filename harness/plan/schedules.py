@@ -12,6 +12,7 @@ more the interleaved zero-bubble schedule (`interleaved-zb`).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
@@ -127,6 +128,12 @@ def device_steps(schedule: str, stage: int, pp: int, micro_batches: int, chunks:
             raise ValueError("zb-h1 runs one chunk per device; interleaved-zb runs several")
         return _zero_bubble(stage, pp, micro_batches, chunks)
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+@functools.lru_cache(maxsize=1024)
+def kept_device_steps(schedule: str, stage: int, pp: int, micro_batches: int, chunks: int = 1) -> tuple[Step, ...]:
+    """device_steps as a tuple, kept: a search walks one layout's steps for many candidates (and their intervals)."""
+    return tuple(device_steps(schedule, stage, pp, micro_batches, chunks))
 
 
 def virtual_stage(chunk: int, stage: int, pp: int) -> int:
