@@ -122,3 +122,16 @@ def test_the_trackers_peak_leaves_out_the_meta_device():
     assert peak["parameter"] == real_params
     assert peak["total"] < 256 * 256 * 4  # the meta layer's weight alone would be more
     assert any(torch.device(d).type == "meta" for d in tracker.get_tracker_snapshot("peak"))  # it was counted there
+
+
+def test_the_memory_benchs_jobs_are_valid_specs_and_a_seed_draws_its_zero3_jobs():
+    """bench/memory_tracker.py: each fixed job a spec the loader accepts (the factory's six encoder layers between
+    its embedding and head, ZeRO-3 over 2 ranks), and --drawn keeps a seed's GPT-2 and factory ZeRO-3 jobs only."""
+    from bench.memory_tracker import JOBS, drawn_jobs, spec_text
+
+    specs = {name: loads_spec(spec_text(*JOBS[name])) for name in JOBS}
+    assert specs["factory pp=2 gpipe"].model.layers == 8 and specs["factory pp=2 1f1b"].strategy.pp == 2
+    assert [specs[name].strategy.zero for name in ("gpt2 dp=2 zero=3", "factory dp=2 zero=3")] == [3, 3]
+    drawn = drawn_jobs(1005)
+    assert [name.split()[1] for name in drawn] == ["gpt2", "gpt2"]
+    assert all(loads_spec(text).strategy.zero == 3 and "repeats = 2" in text for text in drawn.values())
