@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from analysis.device_model import DeviceModel
 from analysis.predict import predict_spec
 from harness.commands.cli import main as harness_main
-from harness.plan.device import CURVES, REQUIRED_DTYPES, Curve, load_device, parse_device
+from harness.plan.device import CURVES, GB_S, REQUIRED_DTYPES, TFLOPS, US, Curve, in_unit, load_device, parse_device
 from harness.plan.device_fit import Observation, curve_of, fit_description, kernel_seconds
 from harness.plan.kernels import Attention, Gemm, MemoryBound
 from harness.plan.spec import loads_spec
@@ -53,17 +52,19 @@ def test_quick_run_writes_a_description_that_round_trips(quick_run):
 
 
 def same_description(a, b) -> bool:
-    """Equal field by field, floats to 1e-12 relative: the format writes launch_us, GB/s and TFLOP/s, so a
-    figure read back in seconds or FLOP/s may differ from it in its last bit (6.6607 us -> 6.660699999999999)."""
-    def close(x, y) -> bool:
-        if isinstance(x, float) and isinstance(y, float):
-            return math.isclose(x, y, rel_tol=1e-12)
-        if isinstance(x, dict) and isinstance(y, dict):
-            return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
-        if dataclasses.is_dataclass(x) and dataclasses.is_dataclass(y):
-            return all(close(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x) if f.compare)
-        return x == y
-    return close(a, b)
+    """Equal field by field, bit for bit: the file's figures (launch_us, GB/s, TFLOP/s) read back exactly."""
+    return a == b
+
+
+def test_figures_round_trip_exactly_through_the_file():
+    """A figure written in the file's unit reads back bit for bit both ways (6.6607 us stays 6.6607)."""
+    rng = np.random.default_rng(7)
+    for unit in (US, GB_S, TFLOPS):
+        for value in rng.lognormal(0, 8, 2000) * unit:
+            assert in_unit(float(value), unit) * unit == float(value)
+        for written in np.round(rng.uniform(0.1, 1000, 2000), 4):
+            assert in_unit(float(written) * unit, unit) == float(written)
+    assert in_unit(6.6607 * US, US) == 6.6607
 
 
 def test_fitted_curves_are_sane(quick_run):
@@ -138,3 +139,30 @@ def test_a_folder_as_output_is_refused(capsys, tmp_path):
     folder.mkdir()
     assert harness_main(["device", "-o", str(folder), "--quick"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_cpu_launch_is_the_framework_time_beyond_the_kernels_modelled_work():
+    """framework_launch: a block's measured seconds less its kernels' modelled work (launches costed 0), over
+    the launches harness.plan.kernels lists for it."""
+    from harness.profile.device_curves import framework_launch
+
+    device = load_device("a100-80gb")
+    blocks = [KERNELS[:3], KERNELS]
+    workless = dataclasses.replace(device, launch_s=0.0)
+    measured = [sum(kernel_seconds(workless, k) for k in kernels) + 50e-6 * sum(k.launches for k in kernels)
+                + extra for kernels, extra in zip(blocks, (0.0, 1e-3))]
+    got = framework_launch(device, list(zip(blocks, measured)))
+    assert got[0] == pytest.approx(50e-6, rel=1e-9)
+    assert got[1] == pytest.approx(50e-6 + 1e-3 / sum(k.launches for k in KERNELS), rel=1e-9)
+
+
+def test_a_cpu_description_costs_a_kernel_the_framework_time_it_measured(quick_run):
+    """On a CPU the written launch is the framework's time a kernel in tiny built-in blocks (their median), at
+    least a bare operator's; the fit's own kernels are held to the bare launch."""
+    path, report = quick_run
+    launch = report["launch"]
+    assert set(launch["framework_s"]) == {"gpt2", "bert", "llama"}
+    assert launch["bare_s"] > 0
+    expected = max(launch["bare_s"], float(np.median(list(launch["framework_s"].values()))))
+    assert load_device(str(path)).launch_s == pytest.approx(expected, rel=1e-12)
+    assert "framework" in load_device(str(path)).fitted_on

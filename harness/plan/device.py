@@ -17,6 +17,7 @@ from typing import Any
 from harness.common.errors import SpecError
 
 DEVICE_FORMAT = 1
+US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
 PEAK_DTYPES = ("float32", "tfloat32", "bfloat16", "float16", "float8")
@@ -87,13 +88,14 @@ class DeviceDescription:
         out: dict[str, Any] = {"format": DEVICE_FORMAT, "name": self.name, "title": self.title, "fitted": self.fitted}
         if self.fitted_on:
             out["fitted_on"] = self.fitted_on
-        out["datasheet"] = {"memory_gb": self.memory_gb, "memory_bandwidth_gb_s": self.memory_bandwidth / 1e9,
-                            "matrix_tflops": {k: v / 1e12 for k, v in self.matrix_peak.items()},
-                            "vector_tflops": {k: v / 1e12 for k, v in self.vector_peak.items()}}
-        out["efficiency"] = {"launch_us": self.launch_s * 1e6,
+        out["datasheet"] = {"memory_gb": self.memory_gb,
+                            "memory_bandwidth_gb_s": in_unit(self.memory_bandwidth, GB_S),
+                            "matrix_tflops": {k: in_unit(v, TFLOPS) for k, v in self.matrix_peak.items()},
+                            "vector_tflops": {k: in_unit(v, TFLOPS) for k, v in self.vector_peak.items()}}
+        out["efficiency"] = {"launch_us": in_unit(self.launch_s, US),
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
         if self.kernel_issue_s:
-            out["host"] = {"kernel_issue_us": self.kernel_issue_s * 1e6}
+            out["host"] = {"kernel_issue_us": in_unit(self.kernel_issue_s, US)}
         return out
 
     def to_toml(self, header: str = "") -> str:
@@ -111,6 +113,26 @@ class DeviceDescription:
         if "host" in data:
             lines += ["", "[host]"] + [f"{key} = {_toml(value)}" for key, value in data["host"].items()]
         return "\n".join(lines) + "\n"
+
+
+def in_unit(value: float, unit: float) -> float:
+    """`value` (in SI units) as the file writes it in `unit` (US, GB_S, TFLOPS): the shortest decimal that
+    parse_device reads back (figure x unit) as exactly `value`, so that a description round-trips through its
+    file bit for bit (6.6607 us stays 6.6607, not 6.660699999999999)."""
+    quotient = value / unit
+    if not math.isfinite(quotient):
+        return quotient
+    for digits in range(1, 18):
+        figure = float(f"{quotient:.{digits}g}")
+        if figure * unit == value:
+            return figure
+    up = down = quotient
+    for _ in range(4):  # rarely: a neighbour of the quotient reads back exactly
+        up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
+        for figure in (up, down):
+            if figure * unit == value:
+                return figure
+    return quotient
 
 
 def _toml(value: Any) -> str:
@@ -198,7 +220,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         for dtype in REQUIRED_DTYPES:
             if dtype not in table:
                 raise fail(f"is required: the {dtype} peak in TFLOP/s (dense)", f"{where}.{dtype}")
-        peaks[unit] = {dtype: _positive(table, dtype, where, fail) * 1e12 for dtype in table}
+        peaks[unit] = {dtype: _positive(table, dtype, where, fail) * TFLOPS for dtype in table}
     efficiency = _table(data, "efficiency", fail)
     _known(efficiency, _EFFICIENCY, "efficiency", fail)
     curves = {}
@@ -218,12 +240,12 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     _known(host, _HOST, "host", fail)
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
-                             memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * 1e9,
+                             memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,
                              matrix_peak=peaks["matrix_tflops"], vector_peak=peaks["vector_tflops"],
-                             launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * 1e-6,
+                             launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * US,
                              curves=curves, fitted=fitted, fitted_on=fitted_on,
                              kernel_issue_s=_positive(host, "kernel_issue_us", "host", fail, default=0.0,
-                                                      zero=True) * 1e-6,
+                                                      zero=True) * US,
                              source=source)
 
 
