@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"description": description.to_dict(), "output": str(output) if output else None,
                           "device": str(device), "dtype": dtype, "repeats": repeats, "quick": args.quick,
                           "seconds": calibration.seconds, "fit_errors": errors,
+                          "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks},
                           "kernels": observation_rows(calibration)}, indent=1))
         return 0
     if output is None:

@@ -15,7 +15,11 @@ Rules:
   autograd recording, as a training pass issues it (LAUNCH_LOOP of them a sample). On a GPU that loop is timed
   with the GPU held busy while the host issues it (timer.time_issued): the events give the device's time a
   launch (`launch_us`), the host's clock its issue time (`[host] kernel_issue_us`); on a CPU the host is the
-  device, its issue time is the launch, and no `[host]` is written;
+  device, and a kernel in a training pass costs the framework's time around it too (nn.Module calls, autograd's
+  graph and its engine, the views between kernels): `launch_us` is then taken from tiny built-in blocks
+  (FRAMEWORK_FAMILIES, FRAMEWORK_SIZES) run forward and backward as a pass runs them, their time beyond their
+  kernels' modelled work over the launches harness.plan.kernels lists for them (at least the bare launch; the
+  curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written;
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so.
 """
 from __future__ import annotations
@@ -37,8 +41,9 @@ from harness.common.errors import UserError
 from harness.common.progress import Progress
 from harness.plan.device import REQUIRED_DTYPES, Curve, DeviceDescription
 from harness.plan.device_fit import Observation, curve_of, error_summary, fit_description, kernel_seconds
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
-from harness.plan.spec import DTYPES
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, PassShape, layer_kernels
+from harness.plan.layers import describe_builtin
+from harness.plan.spec import DTYPES, ModelSpec
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 FIT_SEED = 43  # the fit's shapes; a held-out set draws from another seed and leaves these out
@@ -49,6 +54,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # memory-bound kernels: bytes moved per element in units of the dtype's size, as harness.plan.kernels counts them
 MEMORY_OPS = {"add": 3, "gelu": 2, "layer_norm": 2, "copy": 2, "gelu_backward": 3}
 MEMORY_WIDTH = 256  # a memory-bound kernel's tensor is (rows, MEMORY_WIDTH)
+# on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
+# own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
+FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
+FRAMEWORK_SIZES = {"hidden": 64, "heads": 2, "ffn": 128, "seq_len": 32, "vocab": 64, "micro": 1}
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,15 @@ class Calibration:
     unsupported: list[str] = field(default_factory=list)
     seconds: float = 0.0
     held_out: list[Observation] = field(default_factory=list)  # measured in the same rounds, not fitted on
+    bare_launch_s: float = 0.0  # a bare operator's launch (the curves' fit's); launch_s beside it on a CPU
+    framework_blocks: dict[str, float] = field(default_factory=dict)  # family -> seconds a kernel (CPU)
+
+    def bare(self) -> DeviceDescription:
+        """The description with the bare launch: what a kernel run alone (a held-out one) takes."""
+        return dataclasses.replace(self.description, launch_s=self.bare_launch_s or self.description.launch_s)
 
     def fit_errors(self) -> dict[str, dict[str, float]]:
-        return error_summary(self.description, self.observations)
+        return error_summary(self.bare(), self.observations)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -229,6 +244,38 @@ def _runner(kernel: Kernel, device: torch.device) -> Callable[[], object]:
     raise TypeError(f"not a kernel: {kernel!r}")
 
 
+def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Callable[[], object], list[Kernel]]:
+    """A tiny built-in block of `family` (FRAMEWORK_SIZES) as a training pass runs it, forward and backward
+    through nn.Module and autograd: (a closure that runs it once, the kernels harness.plan.kernels lists for
+    that pass)."""
+    from harness.models.transformer import build_layer
+
+    sizes = FRAMEWORK_SIZES
+    model = ModelSpec(name=f"{family}-framework", family=family, layers=1, hidden=sizes["hidden"],
+                      heads=sizes["heads"], kv_heads=1 if family == "llama" else sizes["heads"], ffn=sizes["ffn"],
+                      seq_len=sizes["seq_len"], vocab=sizes["vocab"], dtype=dtype)
+    block = build_layer(model, "block").to(device)
+    desc = next(layer for layer in describe_builtin(model, 1) if layer.kind == "block")
+    shape = PassShape(micro=sizes["micro"], seq=sizes["seq_len"])
+    kernels = layer_kernels(desc, shape, "fwd") + layer_kernels(desc, shape, "bwd")
+    x = torch.randn(sizes["micro"], sizes["seq_len"], sizes["hidden"], dtype=TORCH_DTYPES[dtype], device=device,
+                    requires_grad=True)
+
+    def run():
+        out = block(x)
+        out.backward(torch.ones_like(out))
+        return out
+    return run, kernels
+
+
+def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list[Kernel], float]]) -> list[float]:
+    """Per block (kernels, measured seconds), its seconds a launch beyond its kernels' modelled work on
+    `description` (launches costed 0): a list in the blocks' order."""
+    workless = dataclasses.replace(description, launch_s=0.0)
+    return [(seconds - sum(kernel_seconds(workless, k) for k in kernels)) / sum(k.launches for k in kernels)
+            for kernels, seconds in blocks]
+
+
 def _launch_runner(device: torch.device) -> Callable[[], object]:
     x = torch.ones(1, device=device, requires_grad=True)
     y = torch.ones(1, device=device)
@@ -318,6 +365,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     scale = SCALES[kind]
     torch.manual_seed(0)
     runners = [_launch_runner(device)] + [_vector_runner(device, d, scale.vector_elements) for d in runnable]
+    blocks = [framework_block(family, dtype, device) for family in FRAMEWORK_FAMILIES] if kind == "cpu" else []
+    runners += [run for run, _ in blocks]
     runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
     progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
     try:
@@ -328,7 +377,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     if device.type == "cuda" and can_time_issued(device):
         launch_s, issue_s = measure_launch_on_gpu(device, repeats, warmup)
     vector = {d: 2.0 * scale.vector_elements * VECTOR_LOOP / s for d, s in zip(runnable, seconds[1:1 + len(runnable)])}
-    timed = seconds[1 + len(runnable):]
+    block_seconds = seconds[1 + len(runnable):1 + len(runnable) + len(blocks)]
+    timed = seconds[1 + len(runnable) + len(blocks):]
     observations = [Observation(curve_of(k), k, s) for k, s in zip(fit_set, timed)]
     peak_seconds = timed[len(fit_set):len(fit_set) + len(peaks)]
     held_out_observations = [Observation(curve_of(k), k, s)
@@ -347,8 +397,14 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               matrix_peak={d: matrix[d] for d in REQUIRED_DTYPES},
                               vector_peak={d: vector[d] for d in REQUIRED_DTYPES}, launch_s=launch_s, curves=flat,
                               fitted=True, fitted_on="", kernel_issue_s=issue_s)
-    calibration = Calibration(fit_description(start, observations), observations, dtype, repeats, warmup,
-                              unsupported, held_out=held_out_observations)
+    fitted = fit_description(start, observations)
+    framework = {}
+    if blocks:  # a CPU: a kernel in a pass costs the framework's time around it too (module docstring)
+        per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
+        framework = dict(zip(FRAMEWORK_FAMILIES, per_launch))
+        fitted = dataclasses.replace(fitted, launch_s=max(launch_s, float(np.median(per_launch))))
+    calibration = Calibration(fitted, observations, dtype, repeats, warmup, unsupported,
+                              held_out=held_out_observations, bare_launch_s=launch_s, framework_blocks=framework)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration
@@ -366,6 +422,10 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             f"{scale.attention_seq[0]}-{scale.attention_seq[1]}), {count['memory']} memory-bound kernels "
             f"({', '.join(MEMORY_OPS)}); medians of {calibration.repeats} interleaved repeats after "
             f"{calibration.warmup} warm-up; peaks the best measured"
+            + (f"; launch_us the framework's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
+               f"forward and backward ({', '.join(f'{v * 1e6:.1f}' for v in calibration.framework_blocks.values())}"
+               f" us; their median), a bare operator's {calibration.bare_launch_s * 1e6:.2f} us"
+               if calibration.framework_blocks else "")
             + (f"; {', '.join(calibration.unsupported)} not run here: float32's peaks" if calibration.unsupported
                else ""))
     return dataclasses.replace(calibration.description, fitted_on=note)
@@ -375,7 +435,7 @@ def observation_rows(calibration: Calibration) -> list[dict[str, Any]]:
     """Each measured kernel: its curve, shape, measured and modelled seconds (the --json rows)."""
     rows = []
     for o in calibration.observations:
-        modelled = kernel_seconds(calibration.description, o.kernel)
+        modelled = kernel_seconds(calibration.bare(), o.kernel)
         rows.append({"curve": o.curve, "kernel": kernel_fields(o.kernel), "flops": o.kernel.flops,
                      "bytes": o.kernel.bytes, "measured_s": o.seconds, "modelled_s": modelled,
                      "error_pct": (modelled / o.seconds - 1) * 100})
