@@ -18,8 +18,9 @@ The fitted description is written to bench/out/a100-vtrain-fitted.toml.
 Printed per set (fit half, held-out half, multi-node) and per model size: MAPE, median, p90 and worst |error|;
 Spearman's rank correlation of predicted against measured time within each (model, GPUs) group; each group's
 regret of the fastest predicted configuration (the search's pick) against the measured best; the 90% interval's
-coverage (the model's held-out error on GPUs, analysis.uncertainty.spec_only_interval: residuals from the held-out
-single-node half, coverage on the multi-node set; the held-out half's own coverage is 2-fold within it); vTrain's
+coverage (the model's out-of-sample error on GPUs, analysis.uncertainty.spec_only_interval: residuals from both
+folds of the single-node halves, each half scored on a description fitted on the other; the second fit serves the
+residuals only; coverage on the multi-node set from them all, the held-out half's 2-fold within its own); vTrain's
 and Calculon's published errors beside them; the worst ten rows with where their time went; a PNG of predicted
 against measured. `--json PATH` writes the figures; `--residuals` writes analysis/data/gpu_residuals.json.
 
@@ -510,20 +511,38 @@ def write_png(path: Path, sets: Sequence[Scored]) -> None:
     plt.close(fig)
 
 
-def residuals_document(held: Scored, seed: int, fitted_on: str) -> dict:
-    """analysis/data/gpu_residuals.json: the held-out single-node half's errors (analysis.calibration's format,
-    device kind 'cuda'), one job per run."""
+@dataclass
+class Fold:
+    """One fold's out-of-sample errors (%) on single-node runs: the description fitted on one half, scored on the
+    other (`name` says which way)."""
+
+    name: str
+    runs: list[Run]
+    errors: np.ndarray
+
+
+def cross_fold_ratios(folds: Sequence[Fold]) -> list[float]:
+    """The interval's residual ratios (run / prediction) pooled over both folds of the single-node halves: every
+    single-node run scored once, by a description fitted on the other half."""
+    return [ratio for fold in folds for ratio in ratios_of(fold.errors)]
+
+
+def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str) -> dict:
+    """analysis/data/gpu_residuals.json: each fold's out-of-sample single-node errors (analysis.calibration's
+    format, device kind 'cuda'), one job per run, one run entry per fold."""
     return {"kind": "distsim-model-residuals", "version": 1,
-            "what": ("Held-out errors of a spec-only prediction on GPUs: bench/published.py's held-out half of "
-                     "vTrain's single-node A100 runs (../shared/data/vtrain/), each run's batch-time error "
-                     "(predicted - measured) / measured in percent, on the description fitted on the other half "
-                     f"({fitted_on}). analysis.uncertainty.spec_only_interval draws from them."),
+            "what": ("Out-of-sample errors of a spec-only prediction on GPUs: vTrain's single-node A100 runs "
+                     "(../shared/data/vtrain/) halved by bench/published.py's seeded split, each half's runs "
+                     "predicted on the description fitted on the other half, each run's batch-time error "
+                     "(predicted - measured) / measured in percent (the reported description: "
+                     f"{fitted_on}). analysis.uncertainty.spec_only_interval draws from them."),
             "command": "python bench/published.py --residuals",
             "devices": {"cuda": {"machine": "NVIDIA A100 SXM4 (DGX A100 nodes; vTrain's measurements, MICRO'24)",
-                                 "runs": [{"run": "vtrain-single-held-out", "seed": seed,
+                                 "runs": [{"run": f"vtrain-single-{fold.name}", "seed": seed,
                                            "date": datetime.date.today().isoformat(),
                                            "jobs": [{"job": run.label, "pair_error_pct": [round(float(e), 2)]}
-                                                    for run, e in zip(held.runs, held.errors)]}]}}}
+                                                    for run, e in zip(fold.runs, fold.errors)]}
+                                          for fold in folds]}}}
 
 
 def two_fold_coverage(held: Scored, seed: int) -> float:
@@ -580,7 +599,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         times, predictions[name] = predict_runs(runs, FITTED_PATH, say)
         scored[name] = Scored(name, list(runs), times)
     held = scored["single_held_out"]
-    gpu_ratios = ratios_of(held.errors)
+    say("the other fold: fitting on the held-out half, scoring the fit half (the interval's residuals only) ...")
+    other_figures, _ = fit_description(prepare(held_runs, say), base, progress=say)
+    other = predict_ms(prepare(fit_runs), with_figures(base, other_figures))
+    folds = (Fold("held-out-half", held.runs, held.errors),
+             Fold("fit-half", list(fit_runs), errors_pct(other, [run.measured_ms for run in fit_runs])))
+    gpu_ratios = cross_fold_ratios(folds)
     coverage = {"single_fit": None, "single_held_out": two_fold_coverage(held, args.seed),
                 "multi": interval_coverage_pct(scored["multi"].predicted, scored["multi"].measured, gpu_ratios)}
     sets = {name: set_figures(s, coverage[name], fitted_on) for name, s in scored.items()}
@@ -593,13 +617,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "spent_ms": time_spent(predictions[name][i].timeline)})
     worst = sorted(worst, key=lambda w: -abs(w["error_pct"]))[:WORST_SHOWN]
     print_tables(sets, worst)
-    print("\n90% interval: the held-out single-node half's errors (run / prediction ratios) around each prediction; "
-          "multi-node coverage from all of them, the held-out half's 2-fold within it")
+    print("\n90% interval: the single-node runs' out-of-sample errors (run / prediction ratios; each half scored on "
+          "a description fitted on the other) around each prediction; multi-node coverage from all of them, the "
+          "held-out half's 2-fold within its own errors")
     write_png(args.png, list(scored.values()))
     print(f"wrote {args.png}")
     if args.residuals:
-        GPU_RESIDUALS.write_text(json.dumps(residuals_document(held, args.seed, fitted_on), indent=1) + "\n")
-        print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({len(held.runs)} held-out runs)")
+        GPU_RESIDUALS.write_text(json.dumps(residuals_document(folds, args.seed, fitted_on), indent=1) + "\n")
+        print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({sum(len(fold.runs) for fold in folds)} runs, two folds)")
     if args.json:
         document = {"version": JSON_VERSION,
                     "what": "bench/published.py: vTrain's published A100 runs predicted from their specs",

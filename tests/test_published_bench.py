@@ -13,13 +13,16 @@ from analysis.device_model import DeviceModel
 from analysis.uncertainty import spec_only_interval
 from bench import published
 from bench.published import (
+    Fold,
     Run,
+    cross_fold_ratios,
     error_summary,
     errors_pct,
     group_spearman,
     interval_coverage_pct,
     ratios_of,
     regret_pct,
+    residuals_document,
     split_half,
 )
 from harness.plan.device import load_device
@@ -94,6 +97,19 @@ def test_spec_only_interval_scales_the_batch_time_by_the_residuals_percentiles(t
                                 "devices": {"cuda": {"runs": [{"seed": 5, "date": "2026-12-03", "jobs": jobs}]}}}))
     read = model_residuals("cuda", path)
     assert read.ratios == pytest.approx((0.8, 1.25)) and read.bench == "bench/published.py"
+
+
+def test_the_intervals_residuals_pool_both_folds_and_read_back_as_every_runs_ratio(tmp_path):
+    # fold A: +25% and -20% (ratios 0.8, 1.25); fold B: +100% (ratio 0.5)
+    folds = (Fold("held-out-half", [_run(0), _run(1)], np.array([25.0, -20.0])),
+             Fold("fit-half", [_run(2)], np.array([100.0])))
+    assert cross_fold_ratios(folds) == pytest.approx([0.8, 1.25, 0.5])
+    document = residuals_document(folds, 7, "fitted on the fit half")
+    assert [run["run"] for run in document["devices"]["cuda"]["runs"]] == ["vtrain-single-held-out-half",
+                                                                           "vtrain-single-fit-half"]
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(document))
+    assert sorted(model_residuals("cuda", path).ratios) == pytest.approx([0.5, 0.8, 1.25])
 
 
 @needs_data
