@@ -162,8 +162,9 @@ def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
 
 
 def test_resume_measures_again_what_this_version_measures_more_of():
-    """A P2P without sender-busy samples, an all-reduce without its division's or its zeroing's samples and a
-    GPU forward or backward without host issue times are incomplete; everything else stored is reused."""
+    """A P2P without sender-busy samples, an all-reduce without its division's or its zeroing's samples, a
+    forward without its saved bytes, a backward without its temporaries and a GPU forward or backward without
+    host issue times are incomplete; everything else stored is reused."""
     import numpy as np
 
     from harness.profile.run import _complete
@@ -183,9 +184,10 @@ def test_resume_measures_again_what_this_version_measures_more_of():
 
     assert _complete(measurement("compute", "fwd", activation_bytes=64))  # a CPU profile has no host issue times
     assert not _complete(measurement("compute", "fwd"))  # measured before its activations were
-    assert _complete(measurement("compute", "bwd"))
-    assert not _complete(measurement("compute", "bwd", "cuda:NVIDIA H200"))
-    assert _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", [HOST_ISSUE_SERIES]))
+    assert not _complete(measurement("compute", "bwd"))  # measured before its backward's temporaries were
+    assert _complete(measurement("compute", "bwd", temporary_bytes=64))
+    assert not _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", temporary_bytes=64))
+    assert _complete(measurement("compute", "bwd", "cuda:NVIDIA H200", [HOST_ISSUE_SERIES], temporary_bytes=64))
     assert _complete(measurement("compute", "optimizer", "cuda:NVIDIA H200"))  # timed alone, no issue times
     assert not _complete(measurement("p2p"))
     assert not _complete(measurement("p2p", series=[SENDER_BUSY_SERIES]))  # before its post was timed
