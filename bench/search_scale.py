@@ -6,17 +6,23 @@ over gpus 1,024..16,384, dp 16..256, tp 1..8, pp 1..16, micro-batch sizes 1..32 
 80 GB). The profile is synthetic (bench/synthetic.py): what a 2-node profile of the grid's union would hold.
 
     python bench/search_scale.py [--jobs N] [--keep DIR] [--ranks 1,2,3]
+    python bench/search_scale.py --spec-only [--jobs N]
 
 Prints the whole `python -m analysis search` process's wall time (goal: under 30 s on 2 cores) and the time
 per candidate as the grid grows (it should grow no faster than linearly); exits 1 past the goal. `--ranks`:
 instead, the whole grid (without intervals, `--resamples 0`: the part spread over ranks) once per rank count, in
 one process (1) or under `mpirun -n R python -m mpi4py.futures` (R - 1 workers), and the candidates per second.
+`--spec-only`: instead, `analysis search SPEC --auto` from a spec alone (no profile): Megatron-LM's own GPT-3 175B
+example (tests/data/megatron) on 1,024 A100 80GB in DGX A100 nodes (harness/jobs/dgx-a100.toml's network), every
+valid strategy; prints the whole process's wall and CPU seconds (goal: under 60 s on 2 cores), how many candidates
+the memory ruled out before planning and before simulating, and the pick.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,9 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.synthetic import write_synthetic_profile  # noqa: E402
 from harness.plan.candidates import expand  # noqa: E402
-from harness.plan.spec import parse_spec  # noqa: E402
+from harness.plan.device import load_device  # noqa: E402
+from harness.plan.importers.megatron import from_megatron  # noqa: E402
+from harness.plan.spec import load_spec, parse_spec  # noqa: E402
 
 GOAL_S = 30.0
+SPEC_ONLY_GOAL_S = 60.0
+ROOT = Path(__file__).resolve().parents[1]
 SPEC = {
     "model": {"name": "gpt2-xl", "layers": 96, "hidden": 12288, "heads": 96, "ffn": 49152, "seq_len": 2048,
               "vocab": 51200, "dtype": "bfloat16"},
@@ -73,7 +83,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, help="worker processes of the search (default: one per core)")
     parser.add_argument("--keep", type=Path, help="keep the synthetic profile here")
     parser.add_argument("--ranks", help="rank counts to spread the whole grid over (1: one process, one core)")
+    parser.add_argument("--spec-only", action="store_true",
+                        help="a 175B --auto search from a spec alone on 1,024 A100s instead (module docstring)")
     args = parser.parse_args()
+    if args.spec_only:
+        return spec_only(args.jobs)
     spec = parse_spec(SPEC, source="bench")
     grid = expand(spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +113,45 @@ def main() -> int:
     count, seconds = rows[-1]
     print(f"\nthe whole grid: {count:,} candidates in {seconds:.1f} s (goal: at least 1,000 in under {GOAL_S:.0f} s)")
     return 0 if count >= 1000 and seconds < GOAL_S else 1
+
+
+def spec_only(jobs: int | None) -> int:
+    """The 175B --auto search from a spec alone: wall and CPU seconds of the whole process, what the memory ruled
+    out where, the pick."""
+    imported = from_megatron(str(ROOT / "tests/data/megatron/train_gpt3_175b_distributed.sh"), gpus=1024).spec
+    cluster = load_spec(ROOT / "harness/jobs/dgx-a100.toml").to_dict()["cluster"]
+    data = imported.to_dict()
+    data["cluster"] = {**data["cluster"], "device": "a100-80gb", "network": cluster["network"]}
+    # that file's NVLink tier passes buffers through the A100 40GB's HBM: this one's is the 80GB's
+    data["cluster"]["network"][0]["memory_gbs"] = load_device("a100-80gb").memory_bandwidth / 1e9
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "gpt3-175b.toml"
+        spec_path.write_text(parse_spec(data, source="bench").to_toml())
+        command = [sys.executable, "-m", "analysis", "search", str(spec_path), "--auto", "--json", "--quiet"] + (
+            ["--jobs", str(jobs)] if jobs else [])
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"search failed: {done.stderr}")
+    report = json.loads(done.stdout)
+    candidates = report["candidates"]
+    floor = sum(c["memory_floor_bytes"] is not None for c in candidates)
+    peak = sum(c["too_large"] and c["memory_floor_bytes"] is None for c in candidates)
+    simulated = sum(c["batch_time_s"] is not None for c in candidates)
+    rejected = sum(r["count"] for r in report["rejected"])
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"GPT-3 175B on 1,024 A100 80GB, --auto from a spec: {len(candidates):,} candidates ({rejected:,} "
+          f"combinations rejected by the spec's rules)")
+    print(f"  ruled out by model states alone (not planned): {floor:,}; by the modelled peak (not simulated): "
+          f"{peak:,}; simulated: {simulated:,}")
+    best = report["best"]
+    print(f"  pick: {best['strategy'] if best else '-'}"
+          + (f", {best['batch_time_s']:.2f} s an iteration" if best else ""))
+    print(f"whole process: {wall:.1f} s wall, {cpu:.1f} s CPU (goal: under {SPEC_ONLY_GOAL_S:.0f} s wall)")
+    return 0 if wall < SPEC_ONLY_GOAL_S else 1
 
 
 def by_ranks(profile: Path, ranks: list[int], count: int, tmp: Path) -> int:
