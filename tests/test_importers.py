@@ -293,6 +293,34 @@ def test_bad_megatron_arguments_exit_2_naming_the_argument(arguments, gpus, word
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("arguments, expected", [
+    ("--recompute-granularity selective", ("selective", 1, "uniform")),
+    ("--recompute-activations", ("selective", 1, "uniform")),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", ("full", 2, "uniform")),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", ("full", 3, "block")),
+    ("--checkpoint-activations --checkpoint-num-layers 2", ("full", 2, "uniform")),
+    ("--recompute-granularity full", ("full", 1, "uniform")),
+    ("", ("none", 1, "uniform")),
+])
+def test_megatron_recompute_arguments_become_the_specs(arguments, expected):
+    """Selective recompute and Megatron-LM's partial full recompute (method and layers) are modelled, so read."""
+    base = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1024 "
+            "--pipeline-model-parallel-size 2 ")
+    imported = from_megatron(base + arguments, gpus=8)
+    s = imported.spec.strategy
+    assert (s.recompute, s.recompute_layers, s.recompute_method) == expected
+    assert not [line for line in imported.not_modelled if "recompute" in line]
+
+
+def test_megatron_recompute_layers_beyond_a_stage_exit_2_naming_the_argument(capsys):
+    arguments = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1024 "
+                 "--pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method block "
+                 "--recompute-num-layers 13")
+    assert harness_main(["spec", "--from-megatron", arguments, "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--recompute-num-layers" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("content, words", [
     ('{"model_type": "t5", "d_model": 512}', "model_type 't5' is not one of the families built in"),
     ('{"model_type": "llama", "hidden_size": 4096}', "num_hidden_layers is missing"),

@@ -131,6 +131,7 @@ FIELD_ARGUMENT = {
     "strategy.pp": "--pipeline-model-parallel-size", "strategy.chunks": "--num-layers-per-virtual-pipeline-stage",
     "strategy.sp": "--sequence-parallel", "strategy.cp": "--context-parallel-size",
     "strategy.ep": "--expert-model-parallel-size", "strategy.recompute": "--recompute-granularity",
+    "strategy.recompute_layers": "--recompute-num-layers", "strategy.recompute_method": "--recompute-method",
     "strategy.bucket_mb": "--ddp-bucket-size", "optimizer.momentum": "--sgd-momentum",
 }
 
@@ -556,7 +557,7 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
         strategy["cp_comm"] = "ring" if comm == "p2p" else "allgather"
     elif comm is not None:
         result.not_modelled.append(f"--cp-comm-type {comm}: the all-to-all context parallelism (the ring here)")
-    strategy["recompute"] = _recompute(args, model["layers"] // pp, result)
+    strategy.update(_recompute(args))
     zero = args.integer("--zero-stage", 0, minimum=0)
     if args.has("--use-distributed-optimizer"):
         zero = max(zero, 1)  # the optimizer state sharded over the data-parallel ranks: ZeRO-1
@@ -565,29 +566,21 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
     return strategy
 
 
-def _recompute(args: _Reader, stage_layers: int, result: ImportedSpec) -> str:
-    """none or full; selective recompute and a part of a stage's blocks are read but not modelled."""
+def _recompute(args: _Reader) -> dict:
+    """The strategy's recompute fields: none, selective (the attention core), or full, with Megatron-LM's
+    --recompute-method and --recompute-num-layers (uniform groups of N blocks, or the first N blocks of a stage)."""
     granularity = args.choice("--recompute-granularity", ("full", "selective"))
     deepspeed = args.has("--deepspeed-activation-checkpointing")  # DeepSpeed's implementation of the same
     if args.has("--checkpoint-activations") or deepspeed:  # the older spelling of full recompute
         granularity = granularity or "full"
     if args.has("--recompute-activations"):  # the older spelling of selective
         granularity = granularity or "selective"
-    if granularity == "selective":
-        result.not_modelled.append("selective recompute (attention's core recomputed; the spec has none or full: "
-                                   "none here)")
-        return "none"
     if granularity != "full":
-        return "none"
-    method = args.choice("--recompute-method", ("uniform", "block"))
+        return {"recompute": granularity or "none"}
+    method = args.choice("--recompute-method", ("uniform", "block")) or "uniform"
     layers = args.integer("--recompute-num-layers") or args.integer("--checkpoint-num-layers", 1)
-    if method == "block" and layers < stage_layers:
-        result.not_modelled.append(f"--recompute-method block --recompute-num-layers {layers}: only {layers} of a "
-                                   f"stage's {stage_layers} blocks recomputed (every block here)")
-    elif layers > 1:
-        result.not_modelled.append(f"--recompute-num-layers {layers}: blocks recomputed in groups of {layers}, "
-                                   "keeping one input a group (one a block here)")
-    return "full"
+    return {"recompute": "full", **({"recompute_method": method, "recompute_layers": layers}
+                                    if (method, layers) != ("uniform", 1) else {})}
 
 
 def _dtype(args: _Reader) -> str:
