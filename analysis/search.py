@@ -37,7 +37,14 @@ import numpy as np
 
 from analysis.costs import MODELLED, communication_by_tier, estimate_costs
 from analysis.costs.device_source import DEVICE, source_counts
-from analysis.memory import GB, activation_bytes, estimate_memory, model_state_floor, released_bytes
+from analysis.memory import (
+    GB,
+    activation_bytes,
+    estimate_memory,
+    model_state_floor,
+    released_bytes,
+    temporary_bytes,
+)
 from analysis.profile_reader import Profile, layers_for, load_profile
 from analysis.simulate import simulate
 from analysis.spec_only import check_spec_only, is_spec_file, is_spec_only, spec_profile
@@ -411,7 +418,7 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
         result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
         return result
     try:
-        memory = estimate_memory(plan, activations, _SHARED["released"])
+        memory = estimate_memory(plan, activations, _SHARED["released"], _SHARED["temporaries"])
     except UserError as exc:  # a strategy that makes no sense for this model (recompute where nothing is saved)
         result.reason = str(exc)
         return result
@@ -489,6 +496,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
         communicates = any(c.strategy.world > 1 for c in grid.candidates)
         check_spec_only(spec, str(profile.path), {"": 1} if communicates else {}, network_given=network is not None)
     _SHARED.update(profile=profile, activations=activation_bytes(profile), released=released_bytes(profile),
+                   temporaries=temporary_bytes(profile),
                    capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed, "what_if": network},
                             "dp_overlap": dp_overlap, "resamples": max(0, resamples)})
@@ -560,8 +568,9 @@ def _evaluate_on_worker(task: tuple[str, float | None, dict, JobSpec]) -> Candid
         profile = (spec_profile(load_spec(path, import_factory=False), path) if is_spec_file(path)
                    else load_profile(path))
         _WORKER.update(path=path, profile=profile, activations=activation_bytes(profile),
-                       released=released_bytes(profile))
+                       released=released_bytes(profile), temporaries=temporary_bytes(profile))
     _SHARED.update(profile=_WORKER["profile"], activations=_WORKER["activations"], released=_WORKER["released"],
+                   temporaries=_WORKER["temporaries"],
                    capacity=capacity, options=options)
     return _evaluate(spec)
 

@@ -10,7 +10,7 @@ import pytest
 from harness.common.errors import SpecError, UserError
 from harness.plan.candidates import candidate_label, expand
 from harness.plan.events import build_plan, events_to_profile
-from harness.plan.spec import loads_spec
+from harness.plan.spec import loads_spec, parse_spec
 from tests.helpers import tiny_spec_text
 
 
@@ -126,3 +126,31 @@ def test_auto_fills_every_open_field_with_every_value():
     plain = _spec('tp = [1]\n', dp=4, global_batch=8)
     assert len(expand(plain)) == 1 and {c.strategy.tp for c in expand(plain, auto=True).candidates} == {1}
     assert loads_spec(spec.to_toml(search=True)).search.auto
+
+
+def test_a_candidate_is_what_parsing_its_spec_gives():
+    """Candidates are built from the parsed spec (JobSpec.with_strategy), not parsed again: each equals its own spec
+    parsed from plain data, vocabulary padding and node count included, and a rejection keeps the rule parsing
+    would name."""
+    spec = loads_spec(tiny_spec_text(dp=4, global_batch=16, micro=1, vocab=250)
+                      + "[search]\nauto = true\n")
+    grid = expand(spec)
+    assert len(grid) > 20 and grid.rejected
+    for candidate in grid.candidates:
+        again = parse_spec(candidate.to_dict(), source=candidate.source, import_factory=False)
+        assert again == candidate and again.to_toml() == candidate.to_toml()
+    padded = [c for c in grid.candidates if c.strategy.tp > 1 and c.model.vocab != 250]
+    assert padded and all(c.model.unpadded_vocab == 250 for c in padded)
+    for rejected in grid.rejected[:200]:
+        choice = dict(rejected.choice)
+        data = spec.to_dict()
+        data.pop("search")
+        strategy = {k: v for k, v in choice.items() if k not in ("gpus", "micro")}
+        data["strategy"] = {**data["strategy"], **strategy}
+        if choice.get("recompute", "full") != "full":
+            data["strategy"].pop("recompute_layers", None)
+            data["strategy"].pop("recompute_method", None)
+        data["batch"]["micro"] = choice["micro"]
+        with pytest.raises(SpecError) as caught:
+            parse_spec(data, source="grid")
+        assert str(caught.value).endswith(rejected.reason)

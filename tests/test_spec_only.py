@@ -12,9 +12,17 @@ import pytest
 
 from analysis.costs import estimate_costs
 from analysis.costs.device_source import DEVICE
-from analysis.memory import activation_bytes, estimate_memory, gradient_bytes, released_bytes
+from analysis.memory import (
+    activation_bytes,
+    estimate_memory,
+    gradient_bytes,
+    model_state_bytes,
+    model_state_floor,
+    released_bytes,
+)
 from analysis.predict import predict_spec
 from analysis.profile_reader import load_profile
+from analysis.search import search
 from analysis.spec_only import is_spec_file, spec_profile
 from harness.common.errors import UserError
 from harness.plan.activations import formula_activation_bytes
@@ -215,3 +223,48 @@ def test_the_device_source_costs_every_compute_event_of_a_spec_alone():
         assert cost.seconds == pytest.approx(sum(k["seconds"] for k in costs.device_kernels[cost.id].breakdown()))
     block = next(c for c in compute if c.name.endswith("block.fwd"))
     assert "GEMM" in block.note and "of the float32 matrix peak" in block.note
+
+
+def test_the_model_state_floor_is_what_the_last_backward_leaves():
+    """18 bytes a parameter of the larger pipeline stage with Megatron's mixed precision; the modelled peak holds
+    it and more (the activations), so a search may rule a candidate out by it alone."""
+    text = spec_text(dp=2, tp=1, pp=2, nodes=1, gpus_per_node=4).replace('dtype = "float32"', 'dtype = "bfloat16"')
+    spec = loads_spec(text + "\n[optimizer]\nname = \"adam\"\nmaster_weights = true\n")
+    plan = build_plan(spec)
+    stage_params = [sum(plan.layers[i].params for i in stage.layers) for stage in plan.stages]
+    assert model_state_floor(spec) == 18 * max(stage_params)
+    assert model_state_bytes(spec, 1000) == (2000, 4000, 12000)
+    assert model_state_floor(spec) < estimate_memory(plan, {}).peak.total
+
+
+def test_a_search_neither_costs_nor_simulates_what_cannot_fit(tmp_path):
+    """Under a memory limit between the smallest model-state floor and the others' peaks: what the floor rules out
+    is never planned (memory_floor_bytes, no peak), what the peak rules out never simulated; both come after the
+    feasible ones, nearest to fitting first, and the JSON groups the grid's rejections by reason."""
+    spec_path = write(tmp_path, spec_text(dp=2, tp=1, pp=2, nodes=1, gpus_per_node=4)
+                      + "\n[search]\ntp = [1, 2]\npp = [1, 2, 4]\nmicro = [1, 2]\n")
+    spec = load_spec(spec_path, import_factory=False)
+    profile = spec_profile(spec, spec_path)
+    everything = search(profile, spec, jobs=1, resamples=0)
+    floors = sorted(model_state_floor(c.spec) for c in everything.candidates)
+    limit = (floors[0] + floors[-1]) / 2
+    result = search(profile, spec, capacity_bytes=limit, jobs=1, resamples=0)
+    by_floor = [c for c in result.candidates if c.memory_floor_bytes is not None]
+    by_peak = [c for c in result.candidates if c.too_large and c.memory_floor_bytes is None]
+    fits = [c for c in result.candidates if c.feasible]
+    assert by_floor and fits and len(fits) + len(by_floor) + len(by_peak) == len(result.candidates)
+    for c in by_floor:
+        assert c.memory_floor_bytes == model_state_floor(c.spec) > limit and c.peak_memory_bytes is None
+        assert c.batch_time_s is None and c.reason.startswith("needs ") and c.reason.endswith("not simulated")
+    for c in by_peak:
+        assert c.peak_memory_bytes > limit and c.batch_time_s is None and c.reason.endswith("; not simulated")
+    for c in fits:  # the same prediction as without the limit
+        alike = next(e for e in everything.candidates if e.label == c.label)
+        assert (c.batch_time_s, c.peak_memory_bytes) == (alike.batch_time_s, alike.peak_memory_bytes)
+    assert result.candidates[:len(fits)] == fits
+    rest = [c.memory_floor_bytes or c.peak_memory_bytes for c in result.candidates[len(fits):]]
+    assert rest == sorted(rest)
+    report = result.to_dict()
+    assert report["schema_version"] == 4
+    assert sum(group["count"] for group in report["rejected"]) == len(result.rejected) > 0
+    assert all(1 <= len(group["choices"]) <= 3 for group in report["rejected"])
