@@ -31,8 +31,6 @@ from harness.common.errors import SpecError, UserError
 from harness.plan.schedules import INTERLEAVED, SCHEDULES
 from harness.plan.spec import RECOMPUTE, ZERO_STAGES, JobSpec, StrategySpec, check_strategy
 
-_STRATEGY_KEPT: dict[StrategySpec, dict] = {}  # a strategy's fields, read once a search
-
 GRID_FIELDS = ("gpus", "dp", "tp", "cp", "pp", "micro", "schedule", "chunks", "recompute", "zero", "sp", "ep")
 
 
@@ -46,8 +44,8 @@ class Rejected:
 
     @property
     def choice(self) -> tuple[tuple[str, Any], ...]:
-        """(field, value) as the grid gave them: the fields it varies; chunks for an interleaved schedule; dp
-        where the grid lists it."""
+        """(field, value) as the grid gave them: the fields it varies, chunks for an interleaved schedule only, dp
+        unless left to the device count."""
         schedule = self.values[GRID_FIELDS.index("schedule")]
         return tuple((name, value) for name, value in zip(GRID_FIELDS, self.values)
                      if name in self.shown and value is not None and (name != "chunks" or schedule in INTERLEAVED))
@@ -157,6 +155,7 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
     seen: dict[tuple, JobSpec] = {}
     rejected: list[Rejected] = []
     broken: dict[tuple, str | None] = {}
+    kept = {f.name: getattr(spec.strategy, f.name) for f in dataclasses.fields(StrategySpec)}
     for (world, dp, tp, cp, pp, micro), schedule, recompute, zero, sp, ep in itertools.product(
             shapes, schedules, fields["recompute"], fields["zero"], fields["sp"], fields["ep"]):
         if sp and tp == 1 and auto and not spec.search.sp:
@@ -166,7 +165,7 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
             try:
                 candidate = _candidate(offline, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep,
-                                       broken)
+                                       kept, broken)
             except SpecError as exc:
                 rejected.append(Rejected((world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep),
                                          _reason(exc), shown))
@@ -180,9 +179,11 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
 
 
 def _candidate(spec: JobSpec, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int, schedule: str,
-               chunks: int, recompute: str, zero: int, sp: bool, ep: int, broken: dict[tuple, str | None]) -> JobSpec:
-    """The combination as a spec, or a SpecError; `broken`: the rule each strategy of the search broke
-    (check_strategy), kept across calls, since most combinations differ from another only where it does not read."""
+               chunks: int, recompute: str, zero: int, sp: bool, ep: int, kept: dict[str, Any],
+               broken: dict[tuple, str | None]) -> JobSpec:
+    """The combination as a spec, or a SpecError; `kept`: the spec's strategy fields, the base of every
+    candidate's; `broken`: the rule each strategy of the search broke (check_strategy), kept across calls, since
+    most combinations differ from another only where it does not read."""
     layout = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None:
         if world % (tp * cp * pp):
@@ -194,8 +195,6 @@ def _candidate(spec: JobSpec, world: int, dp: int | None, tp: int, cp: int, pp: 
     key = (dp, tp, pp, schedule, chunks, recompute, zero, sp)  # all that check_strategy reads of a strategy
     if broken.get(key):
         raise SpecError(broken[key])
-    kept = _STRATEGY_KEPT.get(spec.strategy) or _STRATEGY_KEPT.setdefault(spec.strategy, {
-        f.name: getattr(spec.strategy, f.name) for f in dataclasses.fields(StrategySpec)})
     strategy = StrategySpec(**{**kept, "dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "chunks": chunks,
                                "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep,
                                # which blocks full recompute runs again (the spec's) is for full recompute alone
