@@ -163,12 +163,11 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
         if auto and not spec.search.ep and dp is not None and dp % ep:
             continue  # auto offers the ep that divide dp
         for chunks in (interleaved_chunks if schedule in INTERLEAVED else (1,)):
-            try:
-                candidate = _candidate(offline, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep,
-                                       kept, broken)
-            except SpecError as exc:
+            candidate = _candidate(offline, world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep,
+                                   kept, broken)
+            if isinstance(candidate, str):
                 rejected.append(Rejected((world, dp, tp, cp, pp, micro, schedule, chunks, recompute, zero, sp, ep),
-                                         _reason(exc), shown))
+                                         candidate, shown))
                 continue
             seen.setdefault(strategy_key(candidate), candidate)
     if not seen:
@@ -180,34 +179,36 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
 
 def _candidate(spec: JobSpec, world: int, dp: int | None, tp: int, cp: int, pp: int, micro: int, schedule: str,
                chunks: int, recompute: str, zero: int, sp: bool, ep: int, kept: dict[str, Any],
-               broken: dict[tuple, str | None]) -> JobSpec:
-    """The combination as a spec, or a SpecError; `kept`: the spec's strategy fields, the base of every
-    candidate's; `broken`: the rule each strategy of the search broke (check_strategy), kept across calls, since
-    most combinations differ from another only where it does not read."""
+               broken: dict[tuple, str | None]) -> JobSpec | str:
+    """The combination as a spec, or the rule it broke (without the spec's path); `kept`: the spec's strategy
+    fields, the base of every candidate's; `broken`: the rule each strategy of the search broke (check_strategy),
+    kept across calls, since most combinations differ from another only where it does not read (most break one:
+    no exception raised for them)."""
     layout = "tp x cp x pp" if cp > 1 else "tp x pp"
     if dp is None:
         if world % (tp * cp * pp):
-            raise SpecError(f"{world} devices are not a multiple of {layout} = {tp * cp * pp}")
+            return f"{world} devices are not a multiple of {layout} = {tp * cp * pp}"
         dp = world // (tp * cp * pp)
     elif dp * tp * cp * pp != world:
-        raise SpecError(f"dp x {layout} = {dp * tp * cp * pp} devices, not the {world} of the search (list gpus in "
-                        "[search] to vary the device count)")
+        return (f"dp x {layout} = {dp * tp * cp * pp} devices, not the {world} of the search (list gpus in [search] "
+                "to vary the device count)")
     key = (dp, tp, pp, schedule, chunks, recompute, zero, sp)  # all that check_strategy reads of a strategy
     if broken.get(key):
-        raise SpecError(broken[key])
+        return broken[key]
     strategy = StrategySpec(**{**kept, "dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "chunks": chunks,
                                "recompute": recompute, "zero": zero, "sp": sp, "cp": cp, "ep": ep,
                                # which blocks full recompute runs again (the spec's) is for full recompute alone
                                **({} if recompute == "full" else {"recompute_layers": 1,
                                                                   "recompute_method": "uniform"})})
-    if key not in broken:
-        try:
-            check_strategy(spec.model, strategy)
+    try:
+        if key not in broken:
             broken[key] = None
-        except SpecError as exc:
+            check_strategy(spec.model, strategy)
+        return spec.with_strategy(strategy, micro, source=f"{spec.source} [search]")
+    except SpecError as exc:
+        if broken[key] is None and exc.source is None:  # check_strategy's (with_strategy's name the spec)
             broken[key] = str(exc)
-            raise
-    return spec.with_strategy(strategy, micro, source=f"{spec.source} [search]")
+        return _reason(exc)
 
 
 def _reason(exc: SpecError) -> str:
