@@ -193,8 +193,10 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
     spec, best = result.spec, result.best
     capacity = (f"{format_bytes(result.capacity_bytes)} per device" if result.capacity_bytes
                 else "no memory limit given")
+    too_large = sum(c.too_large for c in result.candidates)
     out = [f"{spec.model.name}: {len(result.candidates)} candidate strategies ({len(result.rejected)} combinations "
-           f"rejected), {capacity}"]
+           f"rejected), {capacity}" + (f"; {too_large} do not fit (neither costed nor simulated)" if too_large
+                                       else "")]
     if best is None:
         out.append("no candidate fits: " + result.candidates[0].reason if result.candidates else "no candidate")
     else:
