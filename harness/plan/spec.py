@@ -370,11 +370,9 @@ class JobSpec:
             # Another strategy usually means another device count: keep the node size, change the node count.
             world = (data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
                      * data["strategy"].get("cp", 1))
-            per_node = data["cluster"]["gpus_per_node"]
-            if world % per_node == 0:
-                data["cluster"]["nodes"] = world // per_node
-            elif world < per_node:
-                data["cluster"].update(nodes=1, gpus_per_node=world)
+            layout = node_layout(world, data["cluster"]["gpus_per_node"])
+            if layout:  # else parse_spec says the strategy does not match the cluster
+                data["cluster"].update(nodes=layout[0], gpus_per_node=layout[1])
         return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)
 
     def with_strategy(self, strategy: StrategySpec, micro: int, source: str | None = None) -> JobSpec:
@@ -382,15 +380,12 @@ class JobSpec:
         strategy takes (nodes of the spec's size; one node of fewer devices where it takes less than one; else a
         SpecError), held to parse_spec's rules without parsing the spec again: the search's candidates. The
         vocabulary is padded for the new strategy; `source` names it (default: the spec's)."""
-        world, per_node = strategy.world, self.cluster.gpus_per_node
-        source = source or self.source
+        world, source = strategy.world, source or self.source
         try:
-            if world % per_node == 0:
-                nodes = world // per_node
-            elif world < per_node:
-                nodes, per_node = 1, world
-            else:
-                raise SpecError(f"{world} devices do not fill whole nodes of {per_node}")
+            layout = node_layout(world, self.cluster.gpus_per_node)
+            if layout is None:
+                raise SpecError(f"{world} devices do not fill whole nodes of {self.cluster.gpus_per_node}")
+            nodes, per_node = layout
             c = self.cluster
             if c.network:
                 _check_tiers_once(c.network, nodes * per_node)
@@ -411,6 +406,14 @@ class JobSpec:
                 raise located from None
             raise
         return spec
+
+
+def node_layout(world: int, gpus_per_node: int) -> tuple[int, int] | None:
+    """(nodes, GPUs a node) for `world` devices on nodes of `gpus_per_node`: whole nodes, or one node of fewer where
+    `world` is less than one; None where it fills no whole number of nodes."""
+    if world % gpus_per_node == 0:
+        return world // gpus_per_node, gpus_per_node
+    return (1, world) if world < gpus_per_node else None
 
 
 def _toml_value(value: Any) -> str:
