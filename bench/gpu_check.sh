@@ -2,8 +2,9 @@
 # The GPU paths end to end on a machine with CUDA: CUDA-event timing, the GPU tests, then per model size how a
 # layer's time depends on how it is timed (gpu_timing.py) and what a backward() call costs (backward_call.py), a
 # one-GPU profile, real training and the validation of the prediction against it (for the first size also a
-# run traced layer by layer with CUDA events, --layer-times); then two ranks (NCCL, one
-# device per local rank) where there are two GPUs, or the clear refusal where there is one.
+# run traced layer by layer with CUDA events, --layer-times); harness device's curves and each size from its
+# spec alone on them; then two ranks (NCCL, one device per local rank) where there are two GPUs, or the clear
+# refusal where there is one.
 #
 #   bench/gpu_check.sh [OUTDIR]             # on a GPU machine, with the project's Python as python3
 #   GPU_CHECK_DEVICE=cpu bench/gpu_check.sh # the same steps on the CPU (a dry run of this script)
@@ -109,6 +110,22 @@ done
 # timed without the backward hooks.
 step "06-$first_name-layer-times" bash -c "$PY -m harness train $OUTDIR/$first_name.toml -o $OUTDIR/$first_name-layers \
     --iterations $ITER --warmup 3 --layer-times && $PY -m analysis validate $OUTDIR/$first_name-layers $OUTDIR/$first_name"
+
+# The device model (issue 43): this device's curves measured by harness device, then each size from its spec
+# alone on them (every compute event from the device model) beside the run above (its measured batch time).
+QUICK=$([ "$DEVICE" = cuda ] || echo --quick)
+step 10-device-calibrate bash -c "$PY -m harness device --device $DEVICE --dtype $DTYPE $QUICK --quiet \
+    -o $OUTDIR/local-device.toml && $PY -m harness device --device $DEVICE --dtype $DTYPE $QUICK --quiet --json \
+    >$OUTDIR/local-device.json"
+for size in $SIZES; do
+    name=${size%%:*}
+    sed "s|^\[cluster\]\$|[cluster]\ndevice = \"$OUTDIR/local-device.toml\"|" "$OUTDIR/$name.toml" \
+        >"$OUTDIR/$name-spec-only.toml"
+    step "11-$name-spec-only" bash -c "$PY -m analysis simulate $OUTDIR/$name-spec-only.toml --details \
+        --resamples 0 && $PY -m analysis simulate $OUTDIR/$name-spec-only.toml --json --resamples 0 \
+        >$OUTDIR/$name-spec-only.json && $PY bench/spec_only_check.py $OUTDIR/$name-spec-only.json \
+        $OUTDIR/$name-validate.json"
+done
 
 # Two ranks need two GPUs (NCCL refuses two ranks on one device); with fewer, the refusal must be clear.
 first=${SIZES%% *}
