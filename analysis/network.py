@@ -25,6 +25,9 @@ bandwidth, not hidden behind the links (MEMORY_PASSES). A network calibrated fro
 `[[cluster.network]]`) costs a group as the fits it came from do, whatever the backend: ring (and pairwise
 all-to-all) steps at the latency and bandwidth fitted for the outermost placement the group crosses, one protocol,
 no base, so that it gives back the fit at every measured point.
+Not modelled: the host's kernel launches. A training job launches one GPU's collective a process; a benchmark that
+drives n GPUs from one process (nccl-tests `-g n`, as vTrain's A100 tables were taken) takes at least n launches an
+iteration, whatever the network: bench/network_model.py applies that floor to its comparison alone.
 """
 from __future__ import annotations
 

@@ -14,14 +14,18 @@ Goal (issue 34): within 10% at every size >= 64 KiB, the median over those sizes
 3. `--published`: no measurement; the shipped specs harness/jobs/dgx-h100.toml and dgx-a100.toml through
    `analysis network`'s model against published all-reduce bus bandwidths: nccl-tests' 480 / 470 / 366 GB/s on
    1 / 2 / 4 DGX H100 nodes (../shared/ANCHORS.md) at 1 and 8 GiB, and vTrain's tables of 2-8 A100s of one node,
-   1 MiB to 1 GiB (../shared/data/vtrain/allreduce-a100/), median and max |error| per GPU count. Fitted: the A100
-   nvlink tier's efficiency and latency_us, on the 8-GPU table alone (`--fit` redoes it); the rest is held out.
-   Goal (issue 43): within 10%.
+   1 MiB to 1 GiB (../shared/data/vtrain/allreduce-a100/), median and max |error| per GPU count, as they were
+   measured: nccl-tests driving all n GPUs from one process, whose host launches the all-reduce on each GPU in
+   turn every iteration, so that no iteration takes less than n launches (the launch floor, `launch_floor_s`;
+   the network model alone is given beside it). Fitted, on the 8-GPU table alone: the A100 nvlink tier's
+   efficiency and latency_us (`--fit` redoes it) and the launch cost per GPU (its fastest all-reduce over 8);
+   the rest is held out. Goal (issue 43): within 10%.
 Figures: docs/benchmarks.md ("Network model").
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -125,20 +129,48 @@ def busbw(model, ranks: int, size: int) -> tuple[float, str]:
     return row["busbw_gbs"], row["algorithm"]
 
 
-def a100_table(gpus: int) -> list[tuple[int, float]]:
-    """(size bytes, out-of-place bus bandwidth GB/s) of vTrain's table for `gpus` A100s of one node."""
+def a100_rows(gpus: int) -> list[tuple[int, float, float]]:
+    """(size bytes, out-of-place time s, out-of-place bus bandwidth GB/s) of vTrain's table for `gpus` A100s."""
     import csv
 
     with open(A100_TABLES / f"AR_GPU{gpus}_1M_1024M_LUT.csv", newline="") as handle:
-        return [(int(row[0]), float(row[4])) for row in list(csv.reader(handle))[1:]]
+        return [(int(row[0]), float(row[3]) * 1e-9, float(row[4])) for row in list(csv.reader(handle))[1:]]
 
 
-def a100_errors(model, gpus: int) -> list[tuple[int, float, float, float]]:
-    """(size, modelled busbw, published busbw, relative error) at every size of the table."""
+def a100_table(gpus: int) -> list[tuple[int, float]]:
+    """(size bytes, out-of-place bus bandwidth GB/s) of vTrain's table for `gpus` A100s of one node."""
+    return [(size, bw) for size, _, bw in a100_rows(gpus)]
+
+
+@functools.cache
+def launch_floor_s() -> float:
+    """The host's cost of launching one GPU's all-reduce when one process drives them all (nccl-tests `-g n`),
+    fitted on the 8-GPU table alone: its fastest all-reduce (92.58 us, at 3 MiB; 1-4 MiB all take 93-96 us)
+    over 8. Every n-GPU iteration then takes at least n of them, whatever the network does."""
+    return min(seconds for _, seconds, _ in a100_rows(A100_FIT_GPUS)) / A100_FIT_GPUS
+
+
+def as_measured(seconds: float, gpus: int, launch_s: float) -> float:
+    """An all-reduce's time as a one-process nccl-tests run reports it: the network's time, or the host's n
+    serial launches an iteration when they take longer (the GPUs wait for the last launch, the host does not
+    wait for the GPUs: the slower of the two sets the pace)."""
+    return max(seconds, gpus * launch_s)
+
+
+def a100_errors(model, gpus: int, launch_s: float = 0.0) -> list[tuple[int, float, float, float, str]]:
+    """(size, modelled busbw, published busbw, relative error, algorithm) at every size of the table, the model's
+    time put under the one-process launch floor of `launch_s` a GPU (0: the network model alone); the algorithm
+    ends in "+launch" where the floor sets the time."""
+    from analysis.network import nccl_tests_rows
+
+    factor = 2 * (gpus - 1) / gpus
     rows = []
-    for size, published_bw in a100_table(gpus):
-        modelled, _ = busbw(model, gpus, size)
-        rows.append((size, modelled, published_bw, modelled / published_bw - 1))
+    table = a100_table(gpus)
+    for (size, published_bw), row in zip(table, nccl_tests_rows(model, "allreduce", gpus, [s for s, _ in table])):
+        seconds = as_measured(row["time_s"], gpus, launch_s)
+        modelled = size / seconds / 1e9 * factor
+        algorithm = row["algorithm"] + ("+launch" if seconds > row["time_s"] else "")
+        rows.append((size, modelled, published_bw, modelled / published_bw - 1, algorithm))
     return rows
 
 
@@ -153,36 +185,50 @@ def published() -> dict:
                          "model_busbw_gbs": modelled, "published_busbw_gbs": published_bw,
                          "error": modelled / published_bw - 1, "algorithm": algorithm})
     a100, _ = spec_model(A100_SPEC)
+    launch = launch_floor_s()
     tables = []
     for gpus in range(2, 9):
-        errors = a100_errors(a100, gpus)
+        errors = a100_errors(a100, gpus, launch)
+        alone = [abs(e[3]) for e in a100_errors(a100, gpus)]
         magnitudes = [abs(e[3]) for e in errors]
-        for size, modelled, published_bw, error in errors:
-            if size in (1 << 20, 16 << 20, 256 << 20, 1 << 30):
+        for size, modelled, published_bw, error, algorithm in errors:
+            if size in (1 << 20, 4 << 20, 16 << 20, 256 << 20, 1 << 30):
                 rows.append({"system": "DGX A100" + (" (fitted on)" if gpus == A100_FIT_GPUS else " (held out)"),
                              "nodes": 1, "gpus": gpus, "size_bytes": size, "model_busbw_gbs": modelled,
-                             "published_busbw_gbs": published_bw, "error": error,
-                             "algorithm": busbw(a100, gpus, size)[1]})
+                             "published_busbw_gbs": published_bw, "error": error, "algorithm": algorithm})
         tables.append({"gpus": gpus, "sizes": len(errors), "fitted_on": gpus == A100_FIT_GPUS,
                        "median_abs_error": statistics.median(magnitudes), "max_abs_error": max(magnitudes),
-                       "worst_size_bytes": errors[magnitudes.index(max(magnitudes))][0]})
-    return {"h100": h100.to_dict(), "a100": a100.to_dict(), "rows": rows, "a100_tables": tables, "goal": GOAL}
+                       "worst_size_bytes": errors[magnitudes.index(max(magnitudes))][0],
+                       "over_goal": sum(m > GOAL for m in magnitudes),
+                       "network_alone": {"median_abs_error": statistics.median(alone), "max_abs_error": max(alone)}})
+    return {"h100": h100.to_dict(), "a100": a100.to_dict(), "a100_launch_us": launch * 1e6, "rows": rows,
+            "a100_tables": tables, "goal": GOAL}
 
 
 def fit_a100(latencies=tuple(x / 2 for x in range(8, 25)), efficiencies=tuple(x / 100 for x in range(85, 100))) -> dict:
     """The A100 spec's nvlink latency_us and efficiency, fitted on the 8-GPU table alone: the grid point of least
-    mean |error| of the bus bandwidth over its sizes (every 8th size, for speed)."""
+    mean |error| of the bus bandwidth over its sizes (every 8th size, for speed), as measured (under the launch
+    floor, itself the table's fastest all-reduce over 8): 8.5 us and 0.93. The shipped spec keeps 11.0 and 0.94, the
+    same fit before the floor (docs/analysis.md, "The network model")."""
+    from analysis.network import nccl_tests_rows
+
     model, _ = spec_model(A100_SPEC)
     table = a100_table(A100_FIT_GPUS)[::8]
+    launch = launch_floor_s()
+    factor = 2 * (A100_FIT_GPUS - 1) / A100_FIT_GPUS
     best = None
     for latency in latencies:
         for efficiency in efficiencies:
             trial = model.with_overrides({"nvlink.latency_us": latency, "nvlink.efficiency": efficiency}, 8)
-            errors = [abs(busbw(trial, A100_FIT_GPUS, size)[0] / published_bw - 1) for size, published_bw in table]
+            errors = []
+            rows = nccl_tests_rows(trial, "allreduce", A100_FIT_GPUS, [size for size, _ in table])
+            for (size, published_bw), row in zip(table, rows):
+                modelled = size / as_measured(row["time_s"], A100_FIT_GPUS, launch) / 1e9 * factor
+                errors.append(abs(modelled / published_bw - 1))
             score = sum(errors) / len(errors)
             if best is None or score < best["mean_abs_error"]:
                 best = {"latency_us": latency, "efficiency": efficiency, "mean_abs_error": score}
-    return best
+    return {**best, "launch_us": launch * 1e6}
 
 
 def published_report(result: dict) -> str:
@@ -193,13 +239,19 @@ def published_report(result: dict) -> str:
     lines = [format_table(["system", "nodes / GPUs", "size (B)", "model busbw", "published", "error %", "algorithm"],
                           rows, title="all-reduce bus bandwidth (GB/s): the shipped specs against published figures")]
     tables = [[t["gpus"], "fitted on" if t["fitted_on"] else "held out", t["sizes"], 100 * t["median_abs_error"],
-               100 * t["max_abs_error"], t["worst_size_bytes"]] for t in result["a100_tables"]]
-    lines += ["", format_table(["GPUs", "", "sizes >= 1 MiB", "median |err| %", "max |err| %", "worst at (B)"], tables,
-                               title="DGX A100 against vTrain's all-reduce tables (1 MiB to 1 GiB)")]
+               100 * t["max_abs_error"], t["worst_size_bytes"], t["over_goal"],
+               100 * t["network_alone"]["median_abs_error"], 100 * t["network_alone"]["max_abs_error"]]
+              for t in result["a100_tables"]]
+    lines += ["", format_table(["GPUs", "", "sizes >= 1 MiB", "median |err| %", "max |err| %", "worst at (B)",
+                                f"sizes over {GOAL:.0%}", "network alone: median %", "max %"], tables,
+                               title="DGX A100 against vTrain's all-reduce tables (1 MiB to 1 GiB), as measured: one "
+                                     f"process launching n GPUs, {result['a100_launch_us']:.2f} us each")]
     h100 = [abs(r["error"]) for r in result["rows"] if r["system"].startswith("DGX H100")]
     medians = [t["median_abs_error"] for t in result["a100_tables"]]
+    maxima = [t["max_abs_error"] for t in result["a100_tables"]]
     lines.append(f"\nH100 rows within {GOAL:.0%}: {sum(e <= GOAL for e in h100)} of {len(h100)}; A100 tables with "
-                 f"median |error| within {GOAL:.0%}: {sum(m <= GOAL for m in medians)} of {len(medians)}")
+                 f"median |error| within {GOAL:.0%}: {sum(m <= GOAL for m in medians)} of {len(medians)}, with every "
+                 f"size within {GOAL:.0%}: {sum(m <= GOAL for m in maxima)} of {len(maxima)}")
     return "\n".join(lines)
 
 
