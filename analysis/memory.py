@@ -72,10 +72,11 @@ from harness.plan.activations import (
     attention_core_bytes,
     formula_activation_bytes,
     formula_released_bytes,
+    stage_held_bytes,
 )
 from harness.plan.events import EventPlan
 from harness.plan.layers import LayerDesc, describe, input_bytes, recompute_groups, selective, split_into_stages
-from harness.plan.schedules import kept_device_steps, virtual_stage
+from harness.plan.schedules import kept_device_steps, most_in_flight, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import (
     ACTIVATION_BYTES_ATTR,
@@ -218,6 +219,33 @@ def model_state_floor(spec: JobSpec, layers: list[LayerDesc] | None = None) -> i
     return max(sum(model_state_bytes(spec, sum(layer.params for c in range(s.chunks)
                                                for layer in stages[virtual_stage(c, d, s.pp)])))
                for d in range(s.pp))
+
+
+def in_flight_floor(spec: JobSpec, layers: list[LayerDesc] | None = None) -> int:
+    """A floor under a built-in model's peak from its layers' formulas alone, without an event plan: on each
+    pipeline device, its weights and optimizer state (model_state_bytes) beside what its first chunk's layers
+    hold (harness.plan.activations.held_bytes) for as many micro-batches as its schedule has in flight there at
+    once (forwards run less backwards begun). All of these are held together after that device's busiest
+    forward: gradients, pipeline buffers, temporaries and the other chunks only add to it. For a search from a
+    spec alone, whose activations are the same formulas; where a profile measured them they may be smaller, so
+    the floor is not for it. 0 for a factory model (its layers' saves are measured only)."""
+    if spec.model.family == "user":
+        return 0
+    s = spec.strategy
+    described = describe(spec, layers)
+    stages = split_into_stages(described, spec.model, s.virtual_stages)
+    first = [0]
+    for stage in stages:
+        first.append(first[-1] + len(stage))
+    micro, seq = spec.batch.micro, spec.model.seq_len // s.cp
+    floor = 0
+    for d in range(s.pp):
+        params = sum(layer.params for c in range(s.chunks) for layer in stages[virtual_stage(c, d, s.pp)])
+        weights, _, optimizer = model_state_bytes(spec, params)
+        held = stage_held_bytes(spec, described, first[d], len(stages[d]), micro, seq)
+        most = most_in_flight(s.schedule, d, s.pp, spec.micro_batches, s.chunks)
+        floor = max(floor, weights + optimizer + most * held)
+    return floor
 
 
 def loss_saved_bytes(spec: JobSpec) -> int:

@@ -93,6 +93,8 @@ class NetworkModel:
     notes: tuple[str, ...] = ()
     # (op kind, tier) -> the (kind, placement) of the profile's fit its link came from (a calibrated network)
     link_fits: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
+    # (op, bytes, ranks) -> Estimate: a search costs the same groups' collectives for many candidates
+    _estimates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def with_overrides(self, overrides: Mapping[str, float | bool], devices: int) -> NetworkModel:
         """A what-if: the tiers with fields replaced; a calibrated link's measured values give way to them."""
@@ -266,7 +268,10 @@ class NetworkModel:
         return Estimate(op, nbytes, seconds, algorithm, protocol, span)
 
     def estimate_group(self, op: str, nbytes: float, ranks: Iterable[int]) -> Estimate:
-        return self.estimate(op, nbytes, group_span(ranks, self.tiers))
+        key = (op, nbytes, tuple(ranks))
+        if key not in self._estimates:
+            self._estimates[key] = self.estimate(op, nbytes, group_span(key[2], self.tiers))
+        return self._estimates[key]
 
     def to_dict(self) -> dict[str, Any]:
         return {"origin": self.origin, "algorithms": self.algorithms,
@@ -322,7 +327,13 @@ def _overrides_text(overrides: Mapping[str, Any]) -> str:
 
 
 def spec_network(tiers: Sequence[NetworkTier]) -> NetworkModel:
-    return NetworkModel(tuple(tiers), NCCL, "spec")
+    """The network of a spec's `[[cluster.network]]`, one model per distinct tiers (its estimates kept)."""
+    return _spec_network(tuple(tiers))
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_network(tiers: tuple[NetworkTier, ...]) -> NetworkModel:
+    return NetworkModel(tiers, NCCL, "spec")
 
 
 def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, int, float]]], gpus_per_node: int,

@@ -41,12 +41,13 @@ from analysis.memory import (
     GB,
     activation_bytes,
     estimate_memory,
+    in_flight_floor,
     model_state_floor,
     released_bytes,
     temporary_bytes,
 )
 from analysis.profile_reader import Profile, layers_for, load_profile
-from analysis.simulate import simulate
+from analysis.simulate import least_batch_time, simulate, stage_costs
 from analysis.spec_only import check_spec_only, is_spec_file, is_spec_only, spec_profile
 from analysis.uncertainty import (
     DEFAULT_RESAMPLES,
@@ -67,12 +68,20 @@ from harness.plan.spec import JobSpec, load_spec
 REJECTED_EXAMPLES = 3  # the choices the JSON shows of each rule the grid's combinations broke
 # 2: intervals, indistinguishable_from_best, recommended, recommendation; 3: the fastest recommended unless another
 # buys something (recommendation.preferred_for, memory_headroom_asked); 4: rejected grouped by reason, and what does
-# not fit neither costed nor simulated (too_large, memory_floor_bytes)
-SEARCH_SCHEMA_VERSION = 4
+# not fit neither costed nor simulated (too_large, memory_floor_bytes); 5: what cannot come near the fastest is not
+# simulated (least_batch_time_s, pruned)
+SEARCH_SCHEMA_VERSION = 5
 SEARCH_KIND = "distsim-search"
 PARALLEL_FROM = 24  # candidates: fewer run in this process (a worker's start costs more than they take)
+# a grid's candidates differ in cost by 100x (a memory floor rules one out at once, another is planned, sized and
+# costed), and alike ones lie together in the grid: small chunks keep the workers busy to the end
+CHUNKS_PER_WORKER = 32
 SORTS = ("time", "memory")
 PARALLEL_INTERVALS_FROM_S = 0.5  # estimated serial seconds of resampling from which it is spread over processes
+# A candidate whose least batch time is this far above the fastest of its device count is not simulated (unless
+# --exhaustive): what a user weighs against the fastest (fewer devices, headroom) lies within its noise, which
+# the prune never crosses (_bounded_out), and the rows near the top keep their exact times.
+PRUNE_MARGIN = 0.25
 
 
 @dataclass
@@ -88,6 +97,9 @@ class CandidateResult:
     # what its model states alone need where they exceed the device's memory (then it is not planned)
     memory_floor_bytes: int | None = None
     too_large: bool = False  # ruled out by its memory, so neither costed nor simulated
+    # what no schedule of its steps beats (analysis.simulate.least_batch_time), for a candidate that fits
+    least_batch_time_s: float | None = None
+    pruned: bool = False  # fits, but its least batch time is out of the fastest's reach: not simulated
     peak_stage: int | None = None
     dominant: str | None = None  # the memory part that holds the most on the largest device
     memory_stages: list[dict[str, Any]] = field(default_factory=list)
@@ -96,12 +108,13 @@ class CandidateResult:
     flags: list[str] = field(default_factory=list)  # what the prediction could not measure
     # per kind of event (compute, communication), how many unique events each source costed
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
-    speedup: float | None = None  # over the slowest feasible candidate
+    speedup: float | None = None  # over the slowest feasible candidate simulated
     interval: BatchTimeInterval | None = None  # the fastest's and those within reach of it (module docstring)
     reach_s: tuple[float, float] | None = None  # feasible, with samples: what holds its interval (module docstring)
     indistinguishable_from_best: bool | None = None  # None: not known (no resamples or no samples)
     recommended: bool = False
     simulate_s: float = 0.0  # the point simulation's wall time: what one resample costs
+    relative_reach: tuple[float, float] | None = None  # (down, up) of its costs' samples, before it is simulated
 
     @property
     def label(self) -> str:
@@ -140,7 +153,7 @@ class CandidateResult:
                "throughput_tokens_s": self.throughput_tokens_s, "bubble_fraction": self.bubble_fraction,
                "comm_fraction": self.comm_fraction, "comm_by_tier": self.comm_by_tier,
                "peak_memory_bytes": self.peak_memory_bytes, "memory_floor_bytes": self.memory_floor_bytes,
-               "too_large": self.too_large,
+               "too_large": self.too_large, "least_batch_time_s": self.least_batch_time_s, "pruned": self.pruned,
                "peak_stage": self.peak_stage, "dominant_memory": self.dominant, "memory_stages": self.memory_stages,
                "feasible": self.feasible, "reason": self.reason, "flags": self.flags, "sources": self.sources,
                "speedup": self.speedup,
@@ -351,11 +364,12 @@ class SearchResult:
     def profiling_cost(self) -> dict[str, float] | None:
         """What profiling held its devices for (its wall time x its ranks, as bench/profile_scaling.py counts it)
         against running every predicted candidate for real with the same warm-up and repeats (each candidate's
-        devices x (warm-up + repeats) x its predicted batch time)."""
+        devices x (warm-up + repeats) x its predicted batch time, a pruned one's least)."""
         env = self.profile.environment
         wall, ranks = env.get("profiling_wall_s"), env.get("world_size")
         repeats = int(env.get("warmup", 0)) + int(env.get("repeats", 0))
-        brute = sum(c.spec.strategy.world * repeats * c.batch_time_s for c in self.candidates if c.predicted)
+        brute = sum(c.spec.strategy.world * repeats * (c.batch_time_s if c.predicted else c.least_batch_time_s)
+                    for c in self.candidates if c.predicted or c.pruned)
         if not isinstance(wall, (int, float)) or not isinstance(ranks, int) or brute <= 0:
             return None
         spent = float(wall) * ranks
@@ -402,16 +416,22 @@ def _resampled_times(task: tuple[JobSpec, int, int]) -> Any:
     return resampled_batch_times(plan, costs, options["dp_overlap"], options["resamples"], SEED, start, stop)
 
 
-def _evaluate(spec: JobSpec) -> CandidateResult:
+def _evaluate(spec: JobSpec, predict: bool | None = None) -> CandidateResult:
+    """Size and cost one candidate; simulate it too where `predict` says (default: where the search is
+    exhaustive), else leave that to _simulate_within_reach, its least batch time known."""
     profile, activations, capacity, options = (_SHARED[k] for k in ("profile", "activations", "capacity", "options"))
     result = CandidateResult(spec)
     try:
         layers = layers_for(profile, spec)
-        floor = model_state_floor(spec, layers)
+        floor, what = model_state_floor(spec, layers), "weights, gradients and optimizer state alone"
+        if capacity is not None and floor <= capacity and not activations:  # a spec's activations: the formulas
+            in_flight = in_flight_floor(spec, layers)
+            if in_flight > capacity:
+                floor, what = in_flight, "weights, optimizer state and the activations of the micro-batches in flight"
         if capacity is not None and floor > capacity:  # it cannot fit: not planned, costed or simulated
             result.memory_floor_bytes, result.too_large = floor, True
-            result.reason = (f"needs {format_bytes(floor)} or more, {format_bytes(capacity)} per device (weights, "
-                             "gradients and optimizer state alone); not simulated")
+            result.reason = (f"needs {format_bytes(floor)} or more, {format_bytes(capacity)} per device ({what}); "
+                             "not simulated")
             return result
         plan = build_plan(spec, layers)
     except UserError as exc:
@@ -433,20 +453,46 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
     except UserError as exc:
         result.reason = f"not in the profile: {str(exc).splitlines()[0]}"
         return result
-    started = time.perf_counter()
-    timeline = simulate(plan, costs, options["dp_overlap"])
-    result.simulate_s = time.perf_counter() - started
-    T = timeline.batch_time_s
-    result.batch_time_s = T
-    result.feasible = True
-    result.bubble_fraction = timeline.bubble_fraction
-    result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
-                            if T > 0 else 0.0)
+    per_stage = stage_costs(plan, costs)
+    result.least_batch_time_s = least_batch_time(plan, per_stage)
     result.comm_by_tier = communication_by_tier(plan, costs)
     result.sources = source_counts(costs)
     if options["resamples"] > 0 and has_samples(costs):
-        down, up = relative_reach(costs, options["resamples"], SEED, _REACH)
+        result.relative_reach = relative_reach(costs, options["resamples"], SEED, _REACH)
+    _flag(result, plan, costs)
+    if memory.unmeasured:
+        result.flags.append(f"activations not measured for {', '.join(memory.unmeasured)} (counted 0): profile "
+                            "again")
+    if options["exhaustive"] if predict is None else predict:
+        _predict(result, plan, costs, per_stage)
+    return result
+
+
+def _predict(result: CandidateResult, plan, costs, per_stage) -> None:
+    """Simulate a sized and costed candidate: its batch time, bubbles, exposed communication and reach."""
+    started = time.perf_counter()
+    timeline = simulate(plan, costs, _SHARED["options"]["dp_overlap"], per_stage)
+    result.simulate_s = time.perf_counter() - started
+    T = timeline.batch_time_s
+    result.batch_time_s = T
+    result.feasible, result.pruned, result.reason = True, False, ""
+    result.bubble_fraction = timeline.bubble_fraction
+    result.comm_fraction = (sum(d.usage.comm_s for d in timeline.pipeline) / (len(timeline.pipeline) * T)
+                            if T > 0 else 0.0)
+    if result.relative_reach is not None:
+        down, up = result.relative_reach
         result.reach_s = (T * (1 - down), T * (1 + up))
+
+
+def _simulated(spec: JobSpec) -> CandidateResult:
+    """_evaluate, simulated whatever the search's pass (a worker keeps no plans between the two passes)."""
+    return _evaluate(spec, predict=True)
+
+
+def _flag(result: CandidateResult, plan, costs) -> None:
+    """What the candidate's prediction could not measure: events from the device or network model, tensor-parallel
+    layers measured without their all-reduces."""
+    spec = result.spec
     if costs.device_model is not None and result.sources["compute"].get(DEVICE):
         result.flags.append(f"{result.sources['compute'][DEVICE]} compute event(s) from the device model "
                             f"({costs.device_model.name})")
@@ -464,10 +510,50 @@ def _evaluate(spec: JobSpec) -> CandidateResult:
                       and not (e.content.get("layer") == "block" and spec.strategy.cp > 1)):
         result.flags.append(f"tp={tp} layers measured without their all-reduces (the profiling run has no "
                             f"{tp} ranks on one node): shard alone, all-reduces from the fit")
-    if memory.unmeasured:
-        result.flags.append(f"activations not measured for {', '.join(memory.unmeasured)} (counted 0): profile "
-                            "again")
-    return result
+
+
+def _bounded_out(r: CandidateResult, fastest: dict[int, CandidateResult], overall: CandidateResult) -> bool:
+    """Whether candidate `r` cannot come near the fastest: its least batch time over PRUNE_MARGIN above the
+    fastest of its device count, and, where the costs have samples, the least its reach could start at
+    (T >= least) above the reach of that fastest and of the fastest overall (so it is within neither's noise)."""
+    best = fastest.get(r.spec.strategy.world)
+    if best is None or r.least_batch_time_s <= best.batch_time_s * (1 + PRUNE_MARGIN):
+        return False
+    highs = [c.reach_s[1] for c in (best, overall) if c.reach_s is not None]
+    if r.relative_reach is None or not highs:
+        return True
+    return r.least_batch_time_s * (1 - r.relative_reach[0]) > max(highs)
+
+
+def _simulate_within_reach(results: list[CandidateResult], simulate_all) -> None:
+    """Simulate the sized candidates of `results` in the order of their least batch times, a round at a time
+    (`simulate_all(specs)` -> their results, put in their places), until every one left is bounded out
+    (_bounded_out): those are marked pruned."""
+    waiting = sorted((i for i, r in enumerate(results) if r.least_batch_time_s is not None and not r.predicted),
+                     key=lambda i: (results[i].least_batch_time_s, results[i].label))
+    fastest: dict[int, CandidateResult] = {}
+    overall: CandidateResult | None = None
+    round_size = 4  # doubling: the first rounds find the fastest, later ones fill in what is near it
+    while waiting:
+        if overall is not None:
+            for i in waiting:
+                r = results[i]
+                if _bounded_out(r, fastest, overall):
+                    above = r.least_batch_time_s / fastest[r.spec.strategy.world].batch_time_s - 1
+                    r.pruned = True
+                    r.reason = (f"at least {r.least_batch_time_s:.4g} s, {100 * above:.0f}% above the fastest on "
+                                f"{r.spec.strategy.world} devices; not simulated (--exhaustive simulates it)")
+            waiting = [i for i in waiting if not results[i].pruned]
+        batch, waiting = waiting[:round_size], waiting[round_size:]
+        round_size = min(2 * round_size, 64)
+        for i, done in zip(batch, simulate_all([results[i].spec for i in batch])):
+            results[i] = done
+            world = done.spec.strategy.world
+            if done.predicted:
+                if world not in fastest or done.batch_time_s < fastest[world].batch_time_s:
+                    fastest[world] = done
+                if overall is None or done.batch_time_s < overall.batch_time_s:
+                    overall = done
 
 
 def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = None,
@@ -475,7 +561,7 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
            compute_stat: str = "mean", rank_speed: bool = True, jobs: int | None = None,
            progress: Callable[[int], None] | None = None, grid: Grid | None = None,
            resamples: int = DEFAULT_RESAMPLES, network: str | None = None,
-           headroom_asked: bool = False) -> SearchResult:
+           headroom_asked: bool = False, exhaustive: bool = False) -> SearchResult:
     """Predict, size and rank every candidate of `spec`'s grid (default: the profile's spec) from `profile`,
     then tell the fastest from those it cannot be told apart from and recommend one (module docstring).
     `capacity_bytes`: each device's memory (default: the spec's [cluster] device_memory_gb); `jobs`: worker
@@ -483,7 +569,9 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     the caller has expanded it already (harness.plan.candidates.expand(spec, gpus)); `resamples`: the intervals'
     bootstrap resamples (0: no intervals, the fastest recommended); `network`: a what-if network for every
     candidate (analysis.costs.what_if_network); `headroom_asked`: the user asked for the memory limit, so the
-    recommendation weighs headroom under it (Recommendation)."""
+    recommendation weighs headroom under it (Recommendation); `exhaustive`: simulate every candidate that fits (by
+    default, sorting by time, one whose least batch time puts it out of the fastest's reach is not:
+    _simulate_within_reach; sorting by memory, all are)."""
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; known: {', '.join(SORTS)}")
     spec = spec or profile.spec
@@ -499,7 +587,8 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
                    temporaries=temporary_bytes(profile),
                    capacity=capacity_bytes,
                    options={"costs": {"compute_stat": compute_stat, "rank_speed": rank_speed, "what_if": network},
-                            "dp_overlap": dp_overlap, "resamples": max(0, resamples)})
+                            "dp_overlap": dp_overlap, "resamples": max(0, resamples),
+                            "exhaustive": exhaustive or sort != "time"})
     _REACH.clear()
     _COSTED.clear()
     jobs = jobs or len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
@@ -507,25 +596,24 @@ def search(profile: Profile, spec: JobSpec | None = None, gpus: int | None = Non
     mpi_pool = mpi_futures_pool()
     try:
         if mpi_pool is not None:
-            tasks = [(str(profile.path), capacity_bytes, _SHARED["options"], c) for c in grid.candidates]
+            options = _SHARED["options"]
             with mpi_pool() as pool:
-                chunk = max(1, len(tasks) // (8 * mpi_workers()))
-                for result in pool.map(_evaluate_on_worker, tasks, chunksize=chunk):
-                    results.append(result)
-                    if progress:
-                        progress(1)
+                def run(function, specs, step=True):
+                    tasks = [(str(profile.path), capacity_bytes, options, function, c) for c in specs]
+                    chunk = max(1, len(tasks) // (CHUNKS_PER_WORKER * mpi_workers()))
+                    return _advancing(pool.map(_evaluate_on_worker, tasks, chunksize=chunk), progress if step else None)
+                results = run("evaluate", grid.candidates)
+                _simulate_within_reach(results, lambda specs: run("simulate", specs, step=False))
         elif jobs > 1 and len(grid) >= PARALLEL_FROM:
-            chunk = max(1, len(grid) // (jobs * 8))
             with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
-                for result in pool.map(_evaluate, grid.candidates, chunksize=chunk):
-                    results.append(result)
-                    if progress:
-                        progress(1)
+                def run(function, specs, step=True):
+                    chunk = max(1, len(specs) // (jobs * CHUNKS_PER_WORKER))
+                    return _advancing(pool.map(function, specs, chunksize=chunk), progress if step else None)
+                results = run(_evaluate, grid.candidates)
+                _simulate_within_reach(results, lambda specs: run(_simulated, specs, step=False))
         else:
-            for candidate in grid.candidates:
-                results.append(_evaluate(candidate))
-                if progress:
-                    progress(1)
+            results = _advancing(map(_evaluate, grid.candidates), progress)
+            _simulate_within_reach(results, lambda specs: [_simulated(c) for c in specs])
         if not any(r.predicted or r.too_large for r in results):
             reasons = "; ".join(f"{r.label}: {r.reason}" for r in results[:3])
             raise UserError(f"{profile.path} cannot cost any candidate of the search ({reasons}); profile the "
@@ -560,9 +648,10 @@ def mpi_workers() -> int:
 _WORKER: dict[str, Any] = {}  # an MPI worker's profile, by path, loaded at its first task
 
 
-def _evaluate_on_worker(task: tuple[str, float | None, dict, JobSpec]) -> CandidateResult:
-    """_evaluate on an MPI worker: the search's shared state from the task (the profile read once per worker)."""
-    path, capacity, options, spec = task
+def _evaluate_on_worker(task: tuple[str, float | None, dict, str, JobSpec]) -> CandidateResult:
+    """_evaluate ("evaluate") or _simulated ("simulate") on an MPI worker: the search's shared state from the task
+    (the profile read once per worker)."""
+    path, capacity, options, function, spec = task
     if _WORKER.get("path") != path:
         # a spec alone: the empty profile spec_profile makes of it
         profile = (spec_profile(load_spec(path, import_factory=False), path) if is_spec_file(path)
@@ -572,7 +661,17 @@ def _evaluate_on_worker(task: tuple[str, float | None, dict, JobSpec]) -> Candid
     _SHARED.update(profile=_WORKER["profile"], activations=_WORKER["activations"], released=_WORKER["released"],
                    temporaries=_WORKER["temporaries"],
                    capacity=capacity, options=options)
-    return _evaluate(spec)
+    return _simulated(spec) if function == "simulate" else _evaluate(spec)
+
+
+def _advancing(results, progress: Callable[[int], None] | None) -> list[CandidateResult]:
+    """The results as a list, `progress(1)` called as each arrives."""
+    out = []
+    for result in results:
+        out.append(result)
+        if progress:
+            progress(1)
+    return out
 
 
 def _interval_pass(results: Sequence[CandidateResult], resamples: int, jobs: int) -> None:
@@ -608,9 +707,9 @@ def _compute_intervals(candidates: Sequence[CandidateResult], resamples: int, jo
 
 
 def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[CandidateResult]:
-    """Feasible candidates first, by batch time (or peak memory), then those that do not fit, nearest to fitting
-    first (their peak, or the floor under it), then those that could not be sized; each feasible one's speed-up
-    over the slowest feasible one."""
+    """Feasible candidates first, by batch time (or peak memory), then those that fit but were not simulated (pruned),
+    by their least batch time, then those that do not fit, nearest to fitting first (their peak, or the floor under
+    it), then those that could not be sized; each feasible one's speed-up over the slowest feasible one simulated."""
     feasible = [r for r in results if r.feasible]
     slowest = max((r.batch_time_s for r in feasible), default=None)
     for r in feasible:
@@ -620,9 +719,11 @@ def rank(results: Sequence[CandidateResult], sort: str = "time") -> list[Candida
         if r.feasible:
             time_then_memory = (r.batch_time_s, r.peak_memory_bytes)
             return (0, *(time_then_memory if sort == "time" else time_then_memory[::-1]), r.label)
+        if r.pruned:
+            return (1, r.least_batch_time_s, r.peak_memory_bytes, r.label)
         if r.too_large:
-            return (1, r.memory_floor_bytes or r.peak_memory_bytes, 0, r.label)
-        return (2, 0, 0, r.label)
+            return (2, r.memory_floor_bytes or r.peak_memory_bytes, 0, r.label)
+        return (3, 0, 0, r.label)
     return sorted(results, key=key)
 
 

@@ -458,6 +458,34 @@ def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
     return _simulate(plan, costs, dp_overlap, per_stage, usage=True)
 
 
+def least_batch_time(plan: EventPlan, per_stage: Sequence[StageCosts]) -> float:
+    """A floor under simulate()'s batch time from the stages' step costs alone, whatever the transfers and
+    buckets add: on each pipeline device, its steps and optimizer back to back (every step lasts at least its
+    cost), after the forwards its first step waits for on the virtual stages before it, and, where its last
+    step is a backward, before the backwards of that micro-batch on the virtual stages before it and the first
+    device's optimizer, which wait for it. The search sizes what it simulates with it."""
+    s = plan.spec.strategy
+    pp, m = s.pp, plan.spec.micro_batches
+    floor = 0.0
+    for d in range(pp):
+        local = [per_stage[virtual_stage(c, d, pp)] for c in range(s.chunks)]
+        steps = sum((m - 1) * st.forward_s + st.forward_step(0).seconds
+                    + (m - 1) * st.backward_s + st.backward_step(m - 1, m).seconds
+                    + (m * st.weight.seconds if s.split_backward else 0.0) for st in local)
+        optimizer = sum(st.optimizer_s for st in local)
+        schedule = kept_device_steps(s.schedule, d, pp, m, s.chunks)
+        first, last = schedule[0], schedule[-1]
+        fill = sum(per_stage[vs].forward_step(first.micro).seconds
+                   for vs in range(virtual_stage(first.chunk, d, pp))) if first.phase == "F" else 0.0
+        after = optimizer
+        last_stage = virtual_stage(last.chunk, d, pp)
+        if last.phase == "B" and last_stage > 0:
+            chain = sum(per_stage[vs].backward_step(last.micro, m).seconds for vs in range(last_stage))
+            after = max(after, chain + sum(per_stage[virtual_stage(c, 0, pp)].optimizer_s for c in range(s.chunks)))
+        floor = max(floor, fill + steps + after)
+    return floor
+
+
 def batch_time(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None) -> float:
     """simulate(plan, costs, dp_overlap).batch_time_s, without the devices' usage (what a resample needs)."""
     return _simulate(plan, costs, dp_overlap, None, usage=False).batch_time_s

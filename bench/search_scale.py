@@ -15,7 +15,8 @@ one process (1) or under `mpirun -n R python -m mpi4py.futures` (R - 1 workers),
 `--spec-only`: instead, `analysis search SPEC --auto` from a spec alone (no profile): Megatron-LM's own GPT-3 175B
 example (tests/data/megatron) on 1,024 A100 80GB in DGX A100 nodes (harness/jobs/dgx-a100.toml's network), every
 valid strategy; prints the whole process's wall and CPU seconds (goal: under 60 s on 2 cores), how many candidates
-the memory ruled out before planning and before simulating, and the pick.
+the memory ruled out before planning and before simulating, how many fit but were bounded out of the fastest's
+reach (not simulated), and the pick.
 """
 from __future__ import annotations
 
@@ -141,12 +142,14 @@ def spec_only(jobs: int | None) -> int:
     floor = sum(c["memory_floor_bytes"] is not None for c in candidates)
     peak = sum(c["too_large"] and c["memory_floor_bytes"] is None for c in candidates)
     simulated = sum(c["batch_time_s"] is not None for c in candidates)
+    pruned = sum(c["pruned"] for c in candidates)
     rejected = sum(r["count"] for r in report["rejected"])
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(f"GPT-3 175B on 1,024 A100 80GB, --auto from a spec: {len(candidates):,} candidates ({rejected:,} "
           f"combinations rejected by the spec's rules)")
-    print(f"  ruled out by model states alone (not planned): {floor:,}; by the modelled peak (not simulated): "
-          f"{peak:,}; simulated: {simulated:,}")
+    print(f"  ruled out by a memory floor (model states, or with the micro-batches in flight; not planned): {floor:,}; "
+          f"by the modelled peak (not simulated): {peak:,}; fit but out of the fastest's reach by their least batch "
+          f"time (not simulated): {pruned:,}; simulated: {simulated:,}")
     best = report["best"]
     print(f"  pick: {best['strategy'] if best else '-'}"
           + (f", {best['batch_time_s']:.2f} s an iteration" if best else ""))

@@ -39,7 +39,7 @@ def _profile(tmp_path, spec, block_saves: int = 2000, **kwargs):
 
 def test_every_candidate_is_predicted_and_ranked(tmp_path):
     spec = _search_spec()
-    result = search(load_profile(_profile(tmp_path, spec)), jobs=1)
+    result = search(load_profile(_profile(tmp_path, spec)), jobs=1, exhaustive=True)
     assert len(result.candidates) == len(expand(spec).candidates) == 16
     times = [c.batch_time_s for c in result.candidates]
     assert all(t > 0 for t in times) and times == sorted(times)
@@ -52,12 +52,50 @@ def test_every_candidate_is_predicted_and_ranked(tmp_path):
     assert cost["brute_force_device_s"] == pytest.approx(brute) and cost["fraction"] == pytest.approx(3.0 / brute)
 
 
+@pytest.mark.parametrize("grid", [
+    GRID,
+    {"tp": [1, 2], "pp": [2, 4], "micro": [1, 2], "schedule": ["interleaved-1f1b", "zb-h1", "interleaved-zb"],
+     "chunks": [1, 2]},
+    {"tp": [1], "pp": [1, 2, 4], "micro": [1, 4], "schedule": ["1f1b"], "recompute": ["none", "full"],
+     "zero": [0, 1, 3]},
+])
+def test_what_cannot_come_near_the_fastest_is_not_simulated(tmp_path, grid):
+    """By default a candidate whose least batch time (analysis.simulate.least_batch_time) is over PRUNE_MARGIN
+    above the fastest of its device count is listed with that bound and not simulated; the least batch time
+    never exceeds the simulated one, and what is simulated is what the exhaustive search gives."""
+    spec = _search_spec(grid)
+    profile = load_profile(_profile(tmp_path, spec))
+    everything, pruned = search(profile, jobs=1, exhaustive=True), search(profile, jobs=1)
+    assert all(c.least_batch_time_s <= c.batch_time_s * (1 + 1e-12) for c in everything.candidates)
+    exact = {c.label: c.batch_time_s for c in everything.candidates}
+    simulated = [c for c in pruned.candidates if c.predicted]
+    left = [c for c in pruned.candidates if c.pruned]
+    assert len(simulated) + len(left) == len(pruned.candidates) and not any(c.feasible for c in left)
+    assert [c.batch_time_s for c in simulated] == [exact[c.label] for c in simulated]
+    assert pruned.best.label == everything.best.label
+    fastest = {}
+    for c in simulated:
+        fastest.setdefault(c.spec.strategy.world, c.batch_time_s)
+    for c in left:
+        assert c.least_batch_time_s > (1 + search_module.PRUNE_MARGIN) * fastest[c.spec.strategy.world]
+        assert c.batch_time_s is None and "not simulated (--exhaustive simulates it)" in c.reason
+        assert c.indistinguishable_from_best is False and not c.recommended
+    # every candidate within the margin of its device count's fastest is simulated, in the same order
+    near = [c.label for c in everything.candidates
+            if c.batch_time_s <= (1 + search_module.PRUNE_MARGIN) * fastest[c.spec.strategy.world]]
+    assert [c.label for c in simulated if c.label in near] == near
+    assert [c.label for c in pruned.candidates[len(simulated):]] == [c.label for c in left]  # by their bound
+    assert [c.least_batch_time_s for c in left] == sorted(c.least_batch_time_s for c in left)
+    if grid is GRID:
+        assert left, "the default grid has candidates far from the fastest"
+
+
 def test_memory_decides_what_fits(tmp_path):
     profile = load_profile(_profile(tmp_path, _search_spec()))
-    everything = search(profile, jobs=1)
+    everything = search(profile, jobs=1, exhaustive=True)
     peaks = sorted(c.peak_memory_bytes for c in everything.candidates)
     limit = (peaks[0] + peaks[-1]) / 2
-    result = search(profile, capacity_bytes=limit, jobs=1)
+    result = search(profile, capacity_bytes=limit, jobs=1, exhaustive=True)
     fits = [c for c in result.candidates if c.feasible]
     assert 0 < len(fits) < len(result.candidates)
     assert all(c.peak_memory_bytes <= limit for c in fits)
@@ -184,7 +222,7 @@ def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path
     fastest, also needs less memory. Recompute is 27% slower: out of reach, told apart without resampling."""
     assert main(["search", str(PP2), "--spec", str(_pp2_grid(tmp_path)), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["schema_version"] == 4 and report["interval_resamples"] == 200
+    assert report["schema_version"] == 5 and report["interval_resamples"] == 200
     by_label = {c["strategy"]: c for c in report["candidates"]}
     one_f_one_b, gpipe = by_label["dp=1 tp=1 pp=2 1f1b micro=2 m=4"], by_label["dp=1 tp=1 pp=2 gpipe micro=2 m=4"]
     # the fastest's interval is the one `simulate` gives (tests/test_fixtures.py)
@@ -196,7 +234,8 @@ def test_on_the_real_profile_the_search_tells_what_it_cannot_tell_apart(tmp_path
     for label in ("dp=1 tp=1 pp=2 1f1b micro=2 m=4 recompute=full", "dp=1 tp=1 pp=2 gpipe micro=2 m=4 recompute=full"):
         slower = by_label[label]
         assert slower["indistinguishable_from_best"] is False and slower["batch_time_p5_s"] is None
-        assert slower["batch_time_s"] > 1.25 * one_f_one_b["batch_time_s"]
+        # simulated, or bounded out of the fastest's reach by its least batch time
+        assert (slower["batch_time_s"] or slower["least_batch_time_s"]) > 1.25 * one_f_one_b["batch_time_s"]
     assert [c["strategy"] for c in report["candidates"] if c["recommended"]] == [one_f_one_b["strategy"]]
     assert report["recommendation"] == {
         "strategy": one_f_one_b["strategy"], "fastest": one_f_one_b["strategy"],

@@ -16,6 +16,7 @@ from analysis.memory import (
     activation_bytes,
     estimate_memory,
     gradient_bytes,
+    in_flight_floor,
     model_state_bytes,
     model_state_floor,
     released_bytes,
@@ -101,7 +102,9 @@ def test_search_from_a_spec_alone(tmp_path, project_env):
     result = json.loads(done.stdout)
     assert result["profile"] is None and result["spec"] == str(spec)
     predicted = [c for c in result["candidates"] if c["batch_time_s"] is not None]
-    assert len(predicted) == len(result["candidates"]) >= 4
+    pruned = [c for c in result["candidates"] if c["pruned"]]  # out of the fastest's reach, by their least time
+    assert len(predicted) + len(pruned) == len(result["candidates"]) >= 4 and predicted
+    assert all(c["least_batch_time_s"] > 1.25 * result["best"]["batch_time_s"] for c in pruned)
     for candidate in predicted:
         assert set(candidate["sources"]["compute"]) == {DEVICE}
         assert set(candidate["sources"].get("communication", {"network": 1})) == {"network"}
@@ -237,6 +240,46 @@ def test_the_model_state_floor_is_what_the_last_backward_leaves():
     assert model_state_floor(spec) < estimate_memory(plan, {}).peak.total
 
 
+def test_the_in_flight_floor_holds_the_schedules_micro_batches():
+    """Device 0 of a 1F1B pipeline of 2 has 2 micro-batches in flight, GPipe's all 4, a split backward's B begins
+    one's end; the floor is its weights and optimizer state beside that many micro-batches of its first chunk's
+    saves, and never above the modelled peak (whatever the recompute, ZeRO or schedule)."""
+    from harness.plan.activations import held_bytes
+    from harness.plan.layers import describe, split_into_stages
+    from harness.plan.schedules import device_steps, most_in_flight
+
+    assert [most_in_flight("1f1b", d, 2, 4) for d in (0, 1)] == [2, 1]
+    assert [most_in_flight("gpipe", d, 2, 4) for d in (0, 1)] == [4, 4]
+    assert most_in_flight("zb-h1", 0, 2, 4) == 2 and most_in_flight("1f1b", 0, 4, 2) == 2
+    assert most_in_flight("interleaved-1f1b", 0, 2, 4, 2) == 4  # chunk 0 runs ahead of chunk 1's backwards
+    for schedule in ("gpipe", "1f1b"):  # their closed forms are their steps' count
+        for pp, m in ((1, 3), (2, 1), (3, 5), (4, 8), (8, 6)):
+            for d in range(pp):
+                in_flight, most = 0, 0
+                for step in device_steps(schedule, d, pp, m):
+                    in_flight += 1 if step.phase == "F" else -1
+                    most = max(most, in_flight)
+                assert most_in_flight(schedule, d, pp, m) == most, (schedule, d, pp, m)
+    spec = loads_spec(spec_text(dp=1, tp=1, pp=2, nodes=1, gpus_per_node=2))
+    layers = describe(spec)
+    stages = split_into_stages(layers, spec.model, 2)
+    micro, seq = spec.batch.micro, spec.model.seq_len
+    expected = []
+    for d, first in ((0, 0), (1, len(stages[0]))):
+        weights, _, optimizer = model_state_bytes(spec, sum(layer.params for layer in stages[d]))
+        held = sum(held_bytes(spec, layers, i, micro, seq) for i in range(first, first + len(stages[d])))
+        expected.append(weights + optimizer + most_in_flight("1f1b", d, 2, spec.micro_batches) * held)
+    assert spec.strategy.schedule == "1f1b" and in_flight_floor(spec) == max(expected)
+    for extra in ('schedule = "gpipe"', 'schedule = "zb-h1"', 'recompute = "full"', 'recompute = "selective"',
+                  'schedule = "interleaved-1f1b"\nchunks = 2', "zero = 1", "zero = 3", "sp = true"):
+        split = "zb" in extra or "zero" in extra  # built with tp = 1 only
+        text = spec_text(dp=4 if split else 2, tp=1 if split else 2, pp=2, nodes=1, gpus_per_node=8).replace(
+            'schedule = "1f1b"', extra if extra.startswith("schedule") else f'schedule = "1f1b"\n{extra}')
+        varied = loads_spec(text)
+        peak = estimate_memory(build_plan(varied), {}).peak.total
+        assert 0 < in_flight_floor(varied) <= peak and model_state_floor(varied) <= peak, extra
+
+
 def test_a_search_neither_costs_nor_simulates_what_cannot_fit(tmp_path):
     """Under a memory limit between the smallest model-state floor and the others' peaks: what the floor rules out
     is never planned (memory_floor_bytes, no peak), what the peak rules out never simulated; both come after the
@@ -245,16 +288,20 @@ def test_a_search_neither_costs_nor_simulates_what_cannot_fit(tmp_path):
                       + "\n[search]\ntp = [1, 2]\npp = [1, 2, 4]\nmicro = [1, 2]\n")
     spec = load_spec(spec_path, import_factory=False)
     profile = spec_profile(spec, spec_path)
-    everything = search(profile, spec, jobs=1, resamples=0)
+    everything = search(profile, spec, jobs=1, resamples=0, exhaustive=True)
     floors = sorted(model_state_floor(c.spec) for c in everything.candidates)
     limit = (floors[0] + floors[-1]) / 2
-    result = search(profile, spec, capacity_bytes=limit, jobs=1, resamples=0)
+    result = search(profile, spec, capacity_bytes=limit, jobs=1, resamples=0, exhaustive=True)
     by_floor = [c for c in result.candidates if c.memory_floor_bytes is not None]
     by_peak = [c for c in result.candidates if c.too_large and c.memory_floor_bytes is None]
     fits = [c for c in result.candidates if c.feasible]
     assert by_floor and fits and len(fits) + len(by_floor) + len(by_peak) == len(result.candidates)
     for c in by_floor:
-        assert c.memory_floor_bytes == model_state_floor(c.spec) > limit and c.peak_memory_bytes is None
+        # the model states' floor, else (a spec's activations being the formulas) the one with the micro-batches
+        # in flight
+        states = model_state_floor(c.spec)
+        assert c.memory_floor_bytes == (states if states > limit else in_flight_floor(c.spec)) > limit
+        assert c.peak_memory_bytes is None
         assert c.batch_time_s is None and c.reason.startswith("needs ") and c.reason.endswith("not simulated")
     for c in by_peak:
         assert c.peak_memory_bytes > limit and c.batch_time_s is None and c.reason.endswith("; not simulated")
@@ -265,6 +312,6 @@ def test_a_search_neither_costs_nor_simulates_what_cannot_fit(tmp_path):
     rest = [c.memory_floor_bytes or c.peak_memory_bytes for c in result.candidates[len(fits):]]
     assert rest == sorted(rest)
     report = result.to_dict()
-    assert report["schema_version"] == 4
+    assert report["schema_version"] == 5
     assert sum(group["count"] for group in report["rejected"]) == len(result.rejected) > 0
     assert all(1 <= len(group["choices"]) <= 3 for group in report["rejected"])

@@ -10,7 +10,15 @@ import sys
 from analysis.costs.device_source import DEVICE, describe_sources
 from analysis.memory import GB
 from analysis.predict import add_network_argument, add_prediction_arguments, prediction_options
-from analysis.search import SORTS, CandidateResult, SearchResult, best_per_gpu_count, mpi_futures_pool, search
+from analysis.search import (
+    PRUNE_MARGIN,
+    SORTS,
+    CandidateResult,
+    SearchResult,
+    best_per_gpu_count,
+    mpi_futures_pool,
+    search,
+)
 from analysis.spec_only import command_input, spec_profile
 from harness.common.errors import UserError
 from harness.common.launch_env import promised_world_size
@@ -31,7 +39,7 @@ CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks
                "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction", "comm_fraction",
                "comm_by_tier",
                "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours", "batch_time_p5_s",
-               "batch_time_p95_s", "indistinguishable_from_best", "recommended")
+               "batch_time_p95_s", "indistinguishable_from_best", "recommended", "least_batch_time_s", "pruned")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Given here, the recommendation also weighs headroom under it")
     parser.add_argument("--top", type=int, default=20, metavar="K", help="rows to print (default 20; 0: all)")
     parser.add_argument("--sort", choices=SORTS, default="time", help="rank by batch time (default) or peak memory")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="simulate every candidate that fits (by default one whose least possible batch time is "
+                             "over 25%% above the fastest's, out of its reach, is listed with that bound, not "
+                             "simulated; --png and --sort memory simulate all)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--iterations", type=int, metavar="I", help="also the time and GPU-hours to train I iterations")
     group.add_argument("--tokens", type=float, metavar="T", help="also the time and GPU-hours to train T tokens")
@@ -102,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     result = search(profile, spec, gpus=args.gpus, capacity_bytes=args.memory_gb * GB if args.memory_gb else None,
                     sort=args.sort, dp_overlap=options["dp_overlap"], compute_stat=options["compute_stat"],
                     rank_speed=options["rank_speed"], jobs=args.jobs, progress=progress.advance, grid=grid,
-                    resamples=options["resamples"], network=args.network, headroom_asked=args.memory_gb is not None)
+                    resamples=options["resamples"], network=args.network, headroom_asked=args.memory_gb is not None,
+                    exhaustive=args.exhaustive or args.png is not None)
     progress.close()
     written = []
     training = {"iterations": args.iterations, "tokens": args.tokens}
@@ -180,7 +193,7 @@ def _row(rank: int, c: CandidateResult, iterations: int | None, tokens: float | 
              c.throughput_tokens_s, 100 * c.bubble_fraction if c.predicted else None,
              100 * c.comm_fraction if c.predicted else None, tier_shares(c.comm_by_tier) if c.predicted else None,
              c.peak_memory_bytes / memory_scale if c.peak_memory_bytes is not None else None,
-             "yes" if c.feasible else "no", c.speedup]
+             "yes" if c.feasible or c.pruned else "no", c.speedup]
     if iterations is not None or tokens is not None:
         cells += [trained[0] / 3600 if trained else None, trained[1] if trained else None]
     note = c.reason or "; ".join(c.flags)
@@ -194,16 +207,19 @@ def format_search(result: SearchResult, top: int = 20, iterations: int | None = 
     capacity = (f"{format_bytes(result.capacity_bytes)} per device" if result.capacity_bytes
                 else "no memory limit given")
     too_large = sum(c.too_large for c in result.candidates)
+    pruned = sum(c.pruned for c in result.candidates)
     out = [f"{spec.model.name}: {len(result.candidates)} candidate strategies ({len(result.rejected)} combinations "
            f"rejected), {capacity}" + (f"; {too_large} do not fit (neither costed nor simulated)" if too_large
-                                       else "")]
+                                       else "")
+           + (f"; {pruned} fit but cannot come within {100 * PRUNE_MARGIN:.0f}% of the fastest (not simulated: "
+              "--exhaustive)" if pruned else "")]
     if best is None:
         out.append("no candidate fits: " + result.candidates[0].reason if result.candidates else "no candidate")
     else:
         line = (f"best: {best.label} on {best.spec.strategy.world:,} devices: {format_seconds(best.batch_time_s)} per "
                 f"iteration, {best.throughput_samples_s or float('inf'):,.2f} samples/s, peak "
                 f"{format_bytes(best.peak_memory_bytes)} per device ({best.dominant}), "
-                f"{best.speedup or float('inf'):.2f}x the slowest that fits")
+                f"{best.speedup or float('inf'):.2f}x the slowest simulated that fits")
         out.append(line)
         if result.recommendation is not None:
             out.append(result.recommendation.text())

@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
-from harness.plan.layers import LayerDesc, input_bytes, moe_load, recompute_group, selective
+from harness.plan.layers import LayerDesc, input_bytes, moe_load, recompute_group, recompute_groups, selective
 from harness.plan.spec import JobSpec
 
 ATTENTION_KINDS = ("flash", "materialized", "math")
@@ -330,6 +330,25 @@ def held_bytes(spec: JobSpec, layers: list[LayerDesc], index: int, micro: int, s
     if group:
         return input_bytes(spec, layers, index) if index == group[0] else 0
     return saved_bytes(spec, layers[index], micro, seq, **options)
+
+
+def stage_held_bytes(spec: JobSpec, layers: list[LayerDesc], first: int, count: int, micro: int, seq: int,
+                     **options) -> int:
+    """held_bytes summed over one virtual stage: the `count` layers of the model's `layers` from index `first`
+    (harness.plan.layers.split_into_stages), its recompute groups found once and each distinct layer's saves
+    worked out once."""
+    stage = layers[first:first + count]
+    group_of = {p: group for group in recompute_groups(spec, stage) for p in group}
+    saves: dict[LayerDesc, int] = {}
+    total = 0
+    for p, layer in enumerate(stage):
+        if p in group_of:
+            total += input_bytes(spec, layers, first + p) if p == group_of[p][0] else 0
+        else:
+            if layer not in saves:
+                saves[layer] = saved_bytes(spec, layer, micro, seq, **options)
+            total += saves[layer]
+    return total
 
 
 def _compute_events(plan: EventPlan, phase: str) -> Iterator[tuple[str, LayerDesc, dict]]:

@@ -136,6 +136,23 @@ def kept_device_steps(schedule: str, stage: int, pp: int, micro_batches: int, ch
     return tuple(device_steps(schedule, stage, pp, micro_batches, chunks))
 
 
+@functools.lru_cache(maxsize=16384)  # an int per layout: a search's whole grid
+def most_in_flight(schedule: str, stage: int, pp: int, micro_batches: int, chunks: int = 1) -> int:
+    """The most micro-batches pipeline device `stage` has in flight at once in its first chunk: forwards run
+    less backwards begun (a split backward's B begins one; its W does not end it). GPipe holds all, 1F1B its
+    warm-up's pp - stage (at most all); the others are counted from their steps."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and chunks == 1):
+        return min(pp - stage, micro_batches)
+    in_flight = most = 0
+    for step in kept_device_steps(schedule, stage, pp, micro_batches, chunks):
+        if step.chunk == 0 and step.phase != "W":
+            in_flight += 1 if step.phase == "F" else -1
+            most = max(most, in_flight)
+    return most
+
+
 def virtual_stage(chunk: int, stage: int, pp: int) -> int:
     """The virtual stage that local chunk `chunk` of pipeline device `stage` holds."""
     return chunk * pp + stage
