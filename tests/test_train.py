@@ -130,7 +130,8 @@ CONFIGS = {
                  dict(dp=2, tp=2, pp=n // 4, layers=2 * (n // 4), micro=1, global_batch=4), {}),
     # tie_embeddings: one token table on one stage (its gradient accumulated twice before its bucket goes), or a
     # copy on the first and the last stage whose gradients are all-reduced between them
-    "tied-dp": (lambda n: {**_dp(n), "tie": True}, {}),
+    # (on 2 ranks only: dp over 4 adds no path to dp over 2 and took 200 s of make test's 4-rank pass)
+    "tied-dp": (lambda n: {**_dp(n), "tie": True} if n <= 2 else None, {}),
     "tied-pp": (lambda n: {**_pp(n, "1f1b"), "tie": True}, {"layer_times": True}),
     "tied-tp-pp": (lambda n: None if n % 4 else {**_tp(2), "pp": n // 2, "layers": n // 2, "tie": True}, {}),
     # sp: Megatron-LM's sequence parallelism, the tp all-reduces as all-gathers and reduce-scatters
