@@ -246,7 +246,8 @@ class PipelineDevice:
 def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -> list[float]:
     """Durations of a step's items. A tensor-parallel layer profiled as a composite (with its all-reduces, on a
     real group) takes the composite's time: its compute as profiled alone, its all-reduces share the rest.
-    Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`).
+    Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`; the
+    host waits after the inline collectives unless `Costs.host_waits_on_collectives` says it does not).
     A backward step is one backward() call: every backward but the first sheds the call's start that its
     own sample paid (`Costs.backward_call`), from the host's issue time on a GPU, from its time on a CPU."""
     out = _composite_split(costs, items, layers)
@@ -263,7 +264,8 @@ def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -
                 out[i] = max(0.0, out[i] - call)
         called = True
     if any(h is not None for h in host):
-        out = _issued(out, [h or 0.0 for h in host], [layer == -1 for layer in layers])
+        waits = [layer == -1 for layer in layers] if costs.host_waits_on_collectives else None
+        out = _issued(out, [h or 0.0 for h in host], waits)
     return out
 
 

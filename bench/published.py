@@ -246,8 +246,8 @@ def ratios_of(errors: Iterable[float]) -> list[float]:
 class SpecOnlyRun:
     """One run's plan with what does not depend on the device's figures made once: its communication events'
     seconds (the network model over the slowest of their groups) and its compute events' kernels (attention as the
-    spec says). Costed as analysis.costs.device_source costs them: the kernels' seconds on the device and the
-    host's issue time (host_issue_seconds) as Costs.host_issue."""
+    spec says). Costed as analysis.costs.device_source costs them: the kernels' seconds on the device, the
+    host's issue time (host_issue_seconds) as Costs.host_issue, and no host wait after an inline collective."""
 
     def __init__(self, run: Run, network: tuple[NetworkTier, ...]):
         self.run = run
@@ -277,6 +277,9 @@ class SpecOnlyRun:
                 cache[eid] = seconds[eid], issue[eid]
         costs = Costs.from_seconds(self.plan, seconds)
         costs.host_issue.update({eid: s for eid, s in issue.items() if s})
+        # every compute event is the description's: the host does not wait after the inline collectives, as
+        # predict_spec's chain says (DeviceSource.finish)
+        costs.host_waits_on_collectives = False
         return costs
 
     def batch_time_s(self, device: DeviceModel, cache: dict[str, tuple[float, float]] | None = None) -> float:

@@ -135,6 +135,10 @@ def test_a_profile_beside_a_spec_costs_what_it_measured(tmp_path, project_env):
     measured = predict_spec(load_spec(spec, import_factory=False), load_profile(DATA / "pp2-profile.h5"),
                             resamples=0)
     assert all(c.source != DEVICE for c in measured.costs.events.values())
+    # the harness's loop timed the measured events between synchronizations: its host waits after a collective
+    # wherever a compute event was measured; only a job costed from the description alone runs as Megatron does
+    assert measured.costs.host_waits_on_collectives
+    assert mixed.costs.host_waits_on_collectives == (sources != {DEVICE})
 
 
 @pytest.mark.parametrize("text,extra,message", [
@@ -226,6 +230,28 @@ def test_the_device_source_costs_every_compute_event_of_a_spec_alone():
         assert cost.seconds == pytest.approx(sum(k["seconds"] for k in costs.device_kernels[cost.id].breakdown()))
     block = next(c for c in compute if c.name.endswith("block.fwd"))
     assert "GEMM" in block.note and "of the float32 matrix peak" in block.note
+
+
+def test_a_spec_alone_enqueues_its_collectives_without_the_hosts_wait(tmp_path):
+    """Megatron-LM enqueues its tensor-parallel all-reduces and issues on; the harness's train loop (what a profile
+    measured) synchronizes after each. With a host slower than the device, the wait would cost each collective's
+    time again on the host."""
+    import dataclasses
+
+    from analysis.simulate import batch_time
+    from harness.plan.device import load_device
+
+    described = dataclasses.replace(load_device("a100-80gb"), name="a100-host-bound-test", kernel_issue_s=200e-6)
+    path = write(tmp_path, described.to_toml(), "a100-host.toml")
+    spec = loads_spec(spec_text(device=str(path)))
+    plan = build_plan(spec)
+    costs = estimate_costs(plan, spec_profile(spec))
+    assert costs.host_issue and not costs.host_waits_on_collectives
+    assert any(layer == -1 for program in plan.stages for layer in program.forward_layers)  # inline collectives
+    free = batch_time(plan, costs)
+    costs.host_waits_on_collectives = True
+    assert batch_time(plan, costs) > free + 1e-5  # each wait costs its collective on the host (10 us or so)
+    assert predict_spec(spec, resamples=0).timeline.batch_time_s == pytest.approx(free)
 
 
 def test_the_model_state_floor_is_what_the_last_backward_leaves():

@@ -2,7 +2,9 @@
 (harness.plan.kernels, attention as the layer's signature says: the spec's `[model] attention`) on the device's
 roofline and efficiency curves (analysis.device_model), marked `device`. Where the description gives the host's
 time to issue a kernel (`[host] kernel_issue_us`), the event's issue time goes to Costs.host_issue, which the
-simulation plays against the device's time as it does a GPU profile's.
+simulation plays against the device's time as it does a GPU profile's; where the description costs every compute
+event (a spec alone), without the host's wait after each inline collective that the harness's loop has
+(Costs.host_waits_on_collectives).
 
 Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
 compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
@@ -151,6 +153,14 @@ class DeviceSource(CostSource):
         if costing.issue_s:
             costs.host_issue[eid] = costing.issue_s
         return EventCost(eid, event.name, event.kind, costing.seconds, DEVICE, note=costing.note)
+
+    def finish(self, costs: Costs) -> None:
+        """Where every compute event is the description's (a spec alone), the job runs as Megatron-LM runs it:
+        the host enqueues a step's inline collectives and goes on (Costs.host_waits_on_collectives); a profile's
+        measured events keep the waits of the harness's loop that timed them."""
+        compute = [cost for cost in costs.events.values() if cost.kind == "compute"]
+        if compute and all(cost.source == DEVICE for cost in compute):
+            costs.host_waits_on_collectives = False
 
 
 def source_counts(costs: Costs) -> dict[str, dict[str, int]]:

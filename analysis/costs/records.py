@@ -68,6 +68,12 @@ class Costs:
     send_post: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
+    # whether, in a step played against the host's issue times, the host waits for the device after each inline
+    # collective (a tensor-parallel all-reduce, ZeRO's gathers): True for a profile's durations (harness train
+    # times each collective between two synchronizations, and so ran the profiled job); False for a job costed
+    # from a device description alone, as Megatron-LM runs it (its collectives enqueued on the stream, the host
+    # issuing the next kernels at once; analysis.costs.device_source)
+    host_waits_on_collectives: bool = True
     # compute event id -> its samples' statistic alone (the layer in a loop), where the profile timed it in its
     # stages' chains too and `events` holds that in-context figure instead (harness.profile.in_context)
     isolated: dict[str, float] = field(default_factory=dict)
