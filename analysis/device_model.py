@@ -7,12 +7,21 @@ Each kernel takes its launches x the launch time plus the longer of its compute 
   by FLOPs, forward and backward apart; materialised attention by FLOPs; memory-bound kernels at the full vector
   peak). A causal fused attention executes half its counted FLOPs (the masked half is skipped);
 - memory: its bytes over the HBM bandwidth x the memory curve's fraction at those bytes.
+Where the description measured them (format 2, docs/devices.md):
+- a memory-bound kernel of a kind in its [vector_ops] computes its elements x the kind's vector operations an
+  element (in place of the FLOPs the layer counts) at the vector peak: a GELU bound by its erf on a CPU core;
+- a memory-bound kernel of a kind in its [launches] launches that many operations (x its listed launches): a
+  LLaMA RMSNorm runs 6 in eager PyTorch, each paying the launch;
+- an optimizer step whose optimizer is in its [optimizer] is costed as the framework runs it (optimizer_time):
+  its kernels (per tensor and per step) x the measured seconds a kernel beyond its bytes, plus its parameters x
+  the counted bytes a parameter at the optimizer's measured bandwidth.
 The host issues each kernel in the description's `[host] kernel_issue_us` (per launch): a compute event's issue
 time (`issue_seconds`), which analysis.simulate plays against the device's time (Costs.host_issue).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from harness.plan.device import DeviceDescription, load_device
@@ -69,13 +78,33 @@ class DeviceModel:
                 executed = kernel.flops / 2 if kernel.causal else kernel.flops
             fraction = curve.fraction(kernel.flops)
         elif isinstance(kernel, MemoryBound):
+            if kernel.op in device.optimizer and kernel.tensors:
+                return self.optimizer_time(kernel)
             peak, fraction, executed = device.vector_peak[kernel.dtype], 1.0, kernel.flops
+            if kernel.op in device.vector_ops:
+                executed = kernel.elements * device.vector_ops[kernel.op]
         else:
             raise TypeError(f"not a kernel: {kernel!r}")
         compute = executed / (peak * fraction) if executed > 0 else 0.0
         bandwidth = device.memory_bandwidth * curves["memory"].fraction(kernel.bytes)
         memory = kernel.bytes / bandwidth if kernel.bytes > 0 else 0.0
-        return KernelTime(compute, memory, kernel.launches * device.launch_s)
+        return KernelTime(compute, memory, device.kernel_launches(kernel) * device.launch_s)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """`nbytes` read and written by one kernel: over the bandwidth x the memory curve's fraction at them."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.description.memory_bandwidth * self.description.curves["memory"].fraction(nbytes))
+
+    def optimizer_time(self, kernel: MemoryBound) -> KernelTime:
+        """An optimizer step on a description with its [optimizer.NAME]: T tensors (kernel.tensors, runs of
+        (elements, count)) of P parameters launch kernels_per_step + kernels_per_tensor x T kernels, each kernel_s
+        beyond its bytes, and move P x bytes_per_parameter at the optimizer's measured bandwidth."""
+        cost = self.description.optimizer[kernel.op]
+        tensors = sum(count for _, count in kernel.tensors)
+        params = sum(elements * count for elements, count in kernel.tensors)
+        launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
+        return KernelTime(0.0, params * cost.bytes_per_parameter / cost.bandwidth, launches * cost.kernel_s)
 
     def kernel_seconds(self, kernel: Kernel) -> float:
         return self.kernel_time(kernel).seconds
@@ -87,4 +116,42 @@ class DeviceModel:
     def issue_seconds(self, kernels: Iterable[Kernel]) -> float:
         """The host's seconds to issue a compute event's kernels: their launches x the description's
         kernel_issue_s (0 where the description gives none: the host keeps ahead)."""
-        return sum(kernel.launches for kernel in kernels) * self.description.kernel_issue_s
+        return sum(self.description.kernel_launches(kernel) for kernel in kernels) * self.description.kernel_issue_s
+
+
+# a one-tier network fitted to collectives measured on a few ranks (harness device's in context, or harness
+# collectives' back to back): a grid over bandwidth and latency
+TIER_BANDWIDTHS_GBS = tuple(10 ** (x / 20) for x in range(-40, 21))  # 0.01 to 10 GB/s, 20 a decade
+TIER_LATENCIES_US = tuple(10 ** (x / 20) for x in range(0, 101))  # 1 us to 100 ms (a loaded machine's time slices)
+
+
+def fit_tier(points: Sequence[tuple[str, float, float]], ranks: int, name: str = "gloo",
+             bandwidths_gbs: Sequence[float] = TIER_BANDWIDTHS_GBS,
+             latencies_us: Sequence[float] = TIER_LATENCIES_US) -> dict:
+    """The one-tier network of `ranks` devices (analysis.network's model: NetworkTier(name, ranks, bandwidth,
+    latency)) whose estimates best fit `points` (operation, bytes as harness collectives counts them, seconds):
+    the grid point of least squared log error. Its fields as [[cluster.network]] takes them, with the fit's rms
+    log error and its points."""
+    from analysis.network import spec_network
+    from harness.plan.network import NetworkTier, contiguous_span
+
+    points = [(op, float(size), float(seconds)) for op, size, seconds in points if seconds > 0]
+    if not points:
+        raise ValueError("no collectives to fit a tier on")
+    best = None
+    for bandwidth in bandwidths_gbs:
+        for latency in latencies_us:
+            tiers = (NetworkTier(name, ranks, bandwidth, latency),)
+            model, span = spec_network(tiers), contiguous_span(ranks, tiers)
+            loss = sum(math.log(model.estimate(op, size, span).seconds / seconds) ** 2 for op, size, seconds in points)
+            if best is None or loss < best[0]:
+                best = (loss, bandwidth, latency)
+    loss, bandwidth, latency = best
+    return {"name": name, "size": ranks, "bandwidth_gbs": bandwidth, "latency_us": latency,
+            "rms_log_error": math.sqrt(loss / len(points)), "points": len(points)}
+
+
+def in_context_tier(rows: Sequence[dict], name: str = "gloo", column: str = "in_context_s") -> dict:
+    """fit_tier on `harness device`'s collectives in context (its --json `collectives_in_context` rows; `column`
+    back_to_back_s: the same collectives back to back after a barrier)."""
+    return fit_tier([(r["op"], r["bytes"], r[column]) for r in rows], int(rows[0]["ranks"]), name)

@@ -12,16 +12,17 @@ against real runs, and the network model against published figures.
     fit's own errors.
 (b) spec-only against real runs: jobs drawn from --seed by bench/generalization.py's rules (draw_jobs), the first
     --jobs that the device model can cost (a built-in family without experts: a factory model's or an expert's
-    kernels are not listed), on 2 ranks. Their network is one tier, `gloo`, whose bandwidth and latency are fitted
-    to `harness collectives` on the same 2 ranks (every operation and size, log least squares over a grid).
-    Then --rounds rounds, each fitting the tier again, then a pair for every job (in reverse order every other
-    round): `harness device` (a description of the machine's minute), `python -m analysis simulate SPEC.toml
-    --json` with `[cluster] device` that description, and right after it `harness train` on 2 ranks bound to
-    cores (--iterations, 2 of them warm-up); a pair's error is the prediction over the run's median iteration,
-    minus 1. --profiled: each pair also profiles the job before the run (harness profile) and reports the
-    profiled path's error on the same run beside (analysis validate): what the machine's minute costs any
-    prediction. A job's error is
-    the median over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
+    kernels are not listed), on 2 ranks. --rounds rounds, each a pair for every job (in reverse order every other
+    round): `harness device` on the 2 ranks bound to cores as the jobs run (a description of the machine's
+    minute, both ranks calibrating at once, and the collectives timed in context: each after a compute burst),
+    `python -m analysis simulate SPEC.toml --json` with `[cluster] device` that description and one network
+    tier, `gloo`, fitted to that calibration's collectives (analysis.device_model.in_context_tier; --network
+    back-to-back: to the same collectives timed back to back after a barrier, as harness collectives times
+    them), and right after it `harness train` on 2 ranks bound to cores (--iterations, 2 of them warm-up); a
+    pair's error is the prediction over the run's median iteration, minus 1. --profiled: each pair also
+    profiles the job before the run (harness profile) and reports the profiled path's error on the same run
+    beside (analysis validate): what the machine's minute costs any prediction. A job's error is the median
+    over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
     43): median <= 10%, p90 <= 20%, on a seed nobody picked: the default seed is the clock's, printed.
 (c) the network rows: bench/network_model.py's published() (the shipped DGX H100 and DGX A100 specs against
     nccl-tests' and vTrain's published all-reduce bus bandwidths), called, not redone.
@@ -35,12 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-from contextlib import nullcontext, redirect_stdout
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -49,14 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.accuracy import run, validate  # noqa: E402
-from bench.collectives import run_collectives  # noqa: E402
 from bench.generalization import WARMUP_ITERATIONS, DrawnJob, draw_jobs  # noqa: E402
 
 GOALS = {"median_abs_error_pct": 10.0, "p90_abs_error_pct": 20.0}
 RANKS = 2
 TIER = "gloo"
-BANDWIDTHS_GBS = tuple(10 ** (x / 20) for x in range(-40, 21))  # 0.01 to 10 GB/s, 20 a decade
-LATENCIES_US = tuple(10 ** (x / 20) for x in range(0, 81))  # 1 us to 10 ms (a loaded machine's time slices)
+NETWORKS = {"in-context": "in_context_s", "back-to-back": "back_to_back_s"}  # --network: the column fitted
 
 
 def environment() -> dict:
@@ -69,9 +67,9 @@ def launcher() -> list[str]:
 
 
 def calibrate(path: Path, quick: bool) -> dict:
-    """`harness device -o path --json` as its own process with one thread; its JSON."""
-    command = [sys.executable, "-m", "harness", "device", "-o", str(path), "--json", "--quiet"] + (
-        ["--quick"] if quick else [])
+    """`harness device -o path --json` on RANKS ranks bound to cores, one thread each, as the jobs run: both
+    calibrate at once and time the collectives in context; rank 0's JSON."""
+    command = launcher() + ["device", "-o", str(path), "--json", "--quiet"] + (["--quick"] if quick else [])
     return json.loads(run(command, environment()).stdout)
 
 
@@ -95,7 +93,7 @@ def held_out_kernels(seed: int, quick: bool) -> dict:
           file=sys.stderr, flush=True)
     calibration = dc.calibrate(torch.device("cpu"), "float32", repeats, quick, "held-out", held_out=kernels)
     bare = DeviceModel(calibration.bare())  # held-out kernels ran bare: a bare operator's launch
-    rows = [{"curve": o.curve, "kernel": dc.kernel_fields(o.kernel), "measured_s": o.seconds,
+    rows = [{"curve": held_out_label(o), "kernel": dc.kernel_fields(o.kernel), "measured_s": o.seconds,
              "predicted_s": bare.kernel_seconds(o.kernel),
              "error_pct": (bare.kernel_seconds(o.kernel) / o.seconds - 1) * 100} for o in calibration.held_out]
     curves = {}
@@ -110,6 +108,13 @@ def held_out_kernels(seed: int, quick: bool) -> dict:
             "p90_abs_error_pct": float(np.percentile(everything, 90))}
 
 
+def held_out_label(observation) -> str:
+    """A held-out kernel's row label: its curve, a memory-bound kind with measured vector operations apart."""
+    from harness.profile.device_curves import VECTOR_MEASURED
+
+    return "vector_ops" if getattr(observation.kernel, "op", "") in VECTOR_MEASURED else observation.curve
+
+
 # (b) spec-only against real runs
 
 def costable_jobs(seed: int, count: int) -> tuple[list[DrawnJob], int]:
@@ -120,32 +125,6 @@ def costable_jobs(seed: int, count: int) -> tuple[list[DrawnJob], int]:
     if len(fit) < count:
         raise SystemExit(f"seed {seed}: only {len(fit)} of {len(drawn)} drawn jobs are costable; ask for fewer --jobs")
     return fit[:count], drawn.index(fit[count - 1]) + 1 - count
-
-
-def fit_gloo_tier(path: Path, quick: bool) -> dict:
-    """A one-tier network of RANKS GPUs fitted to `harness collectives` on RANKS ranks: the grid point of
-    bandwidth and latency of least squared log error over every operation and size measured."""
-    from analysis.collectives import load
-    from analysis.network import spec_network
-    from harness.plan.network import NetworkTier, contiguous_span
-
-    with redirect_stdout(sys.stderr):  # its command line, kept off a --json output
-        run_collectives(RANKS, "torch", path, "4M" if quick else "16M", 10 if quick else 20, begin="1K",
-                        factor=4, ops="allreduce,allgather,reducescatter,sendrecv")
-    (measured,) = load([path])
-    points = [(op, float(r.nbytes), r.median_s) for op, results in measured.results.items() for r in results
-              if r.median_s > 0]
-    best = None
-    for bandwidth in BANDWIDTHS_GBS:
-        for latency in LATENCIES_US:
-            tiers = (NetworkTier(TIER, RANKS, bandwidth, latency),)
-            model, span = spec_network(tiers), contiguous_span(RANKS, tiers)
-            loss = sum(math.log(model.estimate(op, size, span).seconds / seconds) ** 2 for op, size, seconds in points)
-            if best is None or loss < best[0]:
-                best = (loss, bandwidth, latency)
-    loss, bandwidth, latency = best
-    return {"name": TIER, "size": RANKS, "bandwidth_gbs": bandwidth, "latency_us": latency,
-            "rms_log_error": math.sqrt(loss / len(points)), "points": len(points)}
 
 
 def write_spec(job: DrawnJob, folder: Path, description: Path, tier: dict, seed: int) -> Path:
@@ -171,19 +150,26 @@ def measure_run(spec_path: Path, folder: Path, iterations: int) -> float:
     return float(np.median(read_trace(folder / "trace.h5").iteration_times()))
 
 
-def measure_pair(job: DrawnJob, folder: Path, tier: dict, args: argparse.Namespace) -> dict:
+def measure_pair(job: DrawnJob, folder: Path, args: argparse.Namespace) -> dict:
     """One pair in `folder`: harness device, (with --profiled: harness profile), the spec-only prediction, then
     the run; the pair's figures. A failing command ends in SystemExit (bench.accuracy.run)."""
+    from analysis.device_model import in_context_tier
+
     folder.mkdir(parents=True, exist_ok=True)
     description = folder / "device.toml"
-    calibrate(description, args.quick)
+    calibration = calibrate(description, args.quick)
+    (folder / "device.json").write_text(json.dumps(calibration))  # every measured kernel and collective
+    rows = calibration["collectives_in_context"]
+    tiers = {name: in_context_tier(rows, TIER, column) for name, column in NETWORKS.items()}
+    tier = tiers[args.network]
     spec_path = write_spec(job, folder, description, tier, args.seed)
     if args.profiled:
         run(launcher() + ["profile", str(spec_path), "-o", str(folder / "prof"), "--quiet", "--force"],
             environment())
     predicted = predict(spec_path)
     measured = measure_run(spec_path, folder / "run", args.iterations)
-    pair = {"predicted_s": predicted, "measured_s": measured, "error_pct": (predicted / measured - 1) * 100}
+    pair = {"predicted_s": predicted, "measured_s": measured, "error_pct": (predicted / measured - 1) * 100,
+            "tiers": tiers}
     if args.profiled:
         checked = validate(folder, environment())
         pair.update(profiled_s=checked["predicted_batch_time_s"], profiled_error_pct=checked["batch_time_error_pct"])
@@ -191,31 +177,30 @@ def measure_pair(job: DrawnJob, folder: Path, tier: dict, args: argparse.Namespa
 
 
 def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path) -> tuple[list, list]:
-    """(b)'s rounds: each fits the gloo tier, then runs a pair for every job (in reverse order every other
-    round). (job rows, each round's tier)."""
+    """(b)'s rounds: a pair for every job (in reverse order every other round). (job rows, each pair's tiers)."""
     pairs: dict[int, list[dict]] = {job.index: [] for job in jobs}
     failures: dict[int, str] = {}
     tiers = []
     for round_index in range(args.rounds):
-        tier = fit_gloo_tier(root / f"round{round_index + 1}-gloo.h5", args.quick)
-        tiers.append(tier)
-        print(f"# round {round_index + 1}/{args.rounds}: gloo tier {tier['bandwidth_gbs']:.3g} GB/s, "
-              f"{tier['latency_us']:.3g} us", file=sys.stderr, flush=True)
         for job in jobs if round_index % 2 == 0 else list(reversed(jobs)):
             if job.index in failures:
                 continue
             started = time.monotonic()
             try:
-                pair = measure_pair(job, root / f"round{round_index + 1}-job{job.index + 1:02d}", tier, args)
+                pair = measure_pair(job, root / f"round{round_index + 1}-job{job.index + 1:02d}", args)
             except SystemExit as exc:  # bench.accuracy.run's failure: the command and its stderr's tail
                 failures[job.index] = str(exc.code)
                 print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: FAILED", file=sys.stderr)
                 continue
             pairs[job.index].append({"round": round_index + 1, **pair})
+            tiers.append(pair["tiers"])
+            net = pair["tiers"][args.network]
             profiled = f", profiled {pair['profiled_error_pct']:+.1f}%" if args.profiled else ""
             print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: measured "
                   f"{pair['measured_s'] * 1e3:.1f} ms, spec-only {pair['predicted_s'] * 1e3:.1f} ms, error "
-                  f"{pair['error_pct']:+.1f}%{profiled} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+                  f"{pair['error_pct']:+.1f}%{profiled}; tier {net['bandwidth_gbs']:.3g} GB/s "
+                  f"{net['latency_us']:.3g} us "
+                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr,
                   flush=True)
     rows = []
     for job in jobs:
@@ -258,9 +243,11 @@ def report(result: dict) -> str:
     s = b["summary"]
     met = s["goals_met"]
     lines += ["", f"(b) spec-only estimates against real runs, {s['jobs']} jobs on {RANKS} ranks, {result['rounds']} "
-              f"round(s); network: one tier a round fitted to harness collectives on the 2 ranks: "
-              + "; ".join(f"{t['bandwidth_gbs']:.3g} GB/s, {t['latency_us']:.3g} us (rms log error "
-                          f"{t['rms_log_error']:.2f} over {t['points']} points)" for t in result["network_tiers"])]
+              f"round(s); network: one tier a pair fitted to its calibration's collectives ({result['network']}); "
+              "in context / back to back: " + "; ".join(
+                  f"{t['in-context']['bandwidth_gbs']:.3g} GB/s {t['in-context']['latency_us']:.3g} us / "
+                  f"{t['back-to-back']['bandwidth_gbs']:.3g} GB/s {t['back-to-back']['latency_us']:.3g} us"
+                  for t in result["network_tiers"])]
     rows = []
     for r in b["rows"]:
         if r["failed"] is not None:
@@ -317,6 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"training iterations a run, {WARMUP_ITERATIONS} of them warm-up (default 8, --quick 5)")
     parser.add_argument("--profiled", action="store_true",
                         help="also profile each job in its pair (harness profile) and report the profiled error beside")
+    parser.add_argument("--network", choices=tuple(NETWORKS), default="in-context",
+                        help="the tier the spec gets: fitted to the calibration's collectives in context (default) "
+                             "or back to back")
     parser.add_argument("--keep", metavar="DIR", help="keep the descriptions, specs and runs under DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
@@ -342,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         held_out = held_out_kernels(args.seed, args.quick)
         rows, tiers = spec_only_rounds(jobs, args, root)
     result = {"seed": args.seed, "quick": args.quick, "rounds": args.rounds, "iterations": args.iterations,
+              "network": args.network,
               "held_out": held_out, "network_tiers": tiers,
               "spec_only": {"rows": rows, "summary": summary(rows), "passed_over": passed_over, "goals": GOALS},
               "network_published": published(), "seconds": time.monotonic() - started}

@@ -46,7 +46,7 @@ def test_quick_run_writes_a_description_that_round_trips(quick_run):
     assert same_description(again, description)
     assert same_description(parse_device(report["description"], default_name="mine"), description)
     assert report["output"] == str(path)
-    assert {row["curve"] for row in report["kernels"]} == set(CURVES)
+    assert {row["curve"] for row in report["kernels"]} == {*CURVES, "optimizer"}
     for row in report["kernels"]:  # every measured kernel's modelled time is the description's own
         assert row["measured_s"] > 0 and row["modelled_s"] > 0
 
@@ -96,11 +96,112 @@ KERNELS = [Gemm("g", 64, 256, 128, "float32"), Gemm("g", 8, 4096, 4096, "bfloat1
            MemoryBound("m", 1e6, "float32"), MemoryBound("m", 3e3, "bfloat16", flops=5e4, launches=4)]
 
 
+KINDS = [MemoryBound("gelu", 8e6, "float32", op="gelu", elements=1e6),
+         MemoryBound("n", 3e3, "bfloat16", op="layer_norm_backward", elements=1e3, launches=2),
+         MemoryBound("optimizer.step", 3.2e7, "float32", flops=1.2e7, launches=3, op="adam", elements=1e6,
+                     tensors=((1000, 10), (990_000, 1))),
+         MemoryBound("optimizer.step", 3.2e7, "float32", flops=1.2e7, launches=3, op="sgd", elements=1e6,
+                     tensors=((1_000_000, 1),))]
+
+
 def test_the_fit_reproduces_the_device_model():
+    from harness.plan.device import OptimizerCost
+
     device = load_device("h100-sxm")
-    model = DeviceModel(device)
-    for kernel in KERNELS:
-        assert kernel_seconds(device, kernel) == pytest.approx(model.kernel_seconds(kernel), rel=1e-12)
+    measured = dataclasses.replace(device, vector_ops={"gelu": 40.0, "layer_norm_backward": 3.0},
+                                   optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 7e-6, 6e9),
+                                              "sgd": OptimizerCost(0.0, 3.0, 12.0, 4e-6, 9e9)})
+    for described in (device, measured):
+        model = DeviceModel(described)
+        for kernel in KERNELS + KINDS:
+            assert kernel_seconds(described, kernel) == pytest.approx(model.kernel_seconds(kernel), rel=1e-12)
+
+
+def test_a_kinds_vector_operations_are_its_slope_by_hand():
+    """fit_vector_ops: a GELU at 1e4 and 1e5 elements taking 5 us (the launch) + 100 us and + 1,000 us: 1e-8 s an
+    element, x a vector peak of 4e9 FLOP/s = 40 operations an element (the fixed time a call left out: the same
+    with 30 us more on each); one kernel: its work over its elements; the bandwidth kinds have none."""
+    from harness.plan.device_fit import fit_vector_ops
+
+    device = dataclasses.replace(load_device("a100-80gb"), launch_s=5e-6,
+                                 vector_peak={d: 4e9 for d in REQUIRED_DTYPES})
+
+    def seen(op, elements, seconds):
+        return Observation("memory", MemoryBound(op, 8.0 * elements, "float32", op=op, elements=elements), seconds)
+
+    observations = [seen("gelu", 1e4, 105e-6), seen("gelu", 1e5, 1005e-6), seen("layer_norm", 1e4, 45e-6),
+                    seen("rms_norm", 1e4, 135e-6), seen("rms_norm", 1e5, 1035e-6), seen("copy", 1e6, 1e-3)]
+    ops = fit_vector_ops(device, observations)
+    assert ops["gelu"] == pytest.approx(40.0) and ops["rms_norm"] == pytest.approx(40.0)
+    assert ops["layer_norm"] == pytest.approx(40e-6 / 1e4 * 4e9)  # 16
+    assert "copy" not in ops
+
+
+def test_an_optimizers_figures_are_solved_on_its_two_steps():
+    """fit_optimizer: counted 9 kernels a tensor, 2 a step, 76 bytes a parameter; the small step (64 tensors of
+    256: 578 kernels, 1,245,184 B) and the large one (4 of 262,144: 38 kernels, 79,691,776 B) timed as a device of
+    10 us a kernel and 10 GB/s makes them (5.9045184 ms and 8.3491776 ms): both figures come back. Steps that
+    would need a negative kernel time: 0 and the large step's bytes over its time."""
+    from harness.profile.device_curves import OPTIMIZER_LARGE, OPTIMIZER_SMALL, fit_optimizer
+
+    assert (OPTIMIZER_SMALL, OPTIMIZER_LARGE) == ((64, 256), (4, 262_144))
+    counted = {"kernels_per_tensor": 9.0, "kernels_per_step": 2.0, "bytes_per_parameter": 76.0}
+    cost = fit_optimizer(counted, 578 * 10e-6 + 1_245_184 / 10e9, 38 * 10e-6 + 79_691_776 / 10e9)
+    assert (cost.kernels_per_tensor, cost.kernels_per_step, cost.bytes_per_parameter) == (9.0, 2.0, 76.0)
+    assert cost.kernel_s == pytest.approx(10e-6, rel=1e-9) and cost.bandwidth == pytest.approx(10e9, rel=1e-9)
+    degenerate = fit_optimizer(counted, 1e-6, 8e-3)
+    assert degenerate.kernel_s == 0.0 and degenerate.bandwidth == pytest.approx(79_691_776 / 8e-3)
+
+
+def test_optimizers_are_counted_as_they_dispatch():
+    """count_optimizer on this CPU: torch's one-tensor-at-a-time implementations, as harness train steps them:
+    Adam launches several kernels a tensor and moves more than its 4 float32 tensors once each (32 bytes a
+    parameter); SGD without momentum one kernel a tensor (the update) reading the parameter and its gradient
+    and writing the parameter (12 bytes); with momentum more of both."""
+    import torch
+
+    from harness.profile.device_curves import count_optimizer
+
+    cpu = torch.device("cpu")
+    adam, sgd, momentum = (count_optimizer(kind, cpu) for kind in ("adam", "sgd", "sgd_momentum"))
+    assert adam["kernels_per_tensor"] >= 5 and adam["bytes_per_parameter"] > 32
+    assert sgd["kernels_per_tensor"] == 1 and sgd["bytes_per_parameter"] == 12
+    assert momentum["kernels_per_tensor"] > 1 and momentum["bytes_per_parameter"] > 12
+    for counted in (adam, sgd, momentum):
+        assert float(counted["kernels_per_tensor"]).is_integer() and counted["kernels_per_step"] >= 0
+
+
+def test_a_quick_run_measures_every_kind_and_optimizer(quick_run):
+    """The description the quick run wrote is format 2: vector operations for every measured kind, an
+    [optimizer.NAME] for every optimizer, each with its counted kernels and bytes."""
+    from harness.plan.device import OPTIMIZER_KINDS
+    from harness.profile.device_curves import VECTOR_MEASURED
+
+    path, report = quick_run
+    description = load_device(str(path))
+    assert description.format == 2 and set(description.vector_ops) == set(VECTOR_MEASURED)
+    assert all(ops >= 0 for ops in description.vector_ops.values())
+    assert set(description.optimizer) == set(OPTIMIZER_KINDS)
+    for kind, cost in description.optimizer.items():
+        counted = report["optimizer_counts"][kind]
+        assert cost.kernels_per_tensor == counted["kernels_per_tensor"] and cost.kernel_s >= 0
+    assert report["ranks"] == 1 and report["collectives_in_context"] == []
+    assert set(description.launches) == set(VECTOR_MEASURED)
+    assert description.launches["layer_norm"] == 1 and description.launches["rms_norm"] > 1
+
+
+def test_a_kinds_launches_are_what_its_code_dispatches():
+    """count_kind_launches: F.layer_norm and F.gelu are one operation forward and backward; harness.models'
+    RMSNorm several (pow, mean, add, rsqrt, two mul) and its backward more; the loss two (log_softmax,
+    nll_loss)."""
+    import torch
+
+    from harness.profile.device_curves import count_kind_launches
+
+    launches = count_kind_launches("float32", torch.device("cpu"))
+    assert launches["layer_norm"] == launches["gelu"] == launches["gelu_backward"] == 1
+    assert launches["rms_norm"] == 6 and launches["rms_norm_backward"] > launches["rms_norm"]
+    assert launches["cross_entropy"] == 2
 
 
 def test_the_fit_recovers_known_curves():
@@ -166,3 +267,21 @@ def test_a_cpu_description_costs_a_kernel_the_framework_time_it_measured(quick_r
     expected = max(launch["bare_s"], float(np.median(list(launch["framework_s"].values()))))
     assert load_device(str(path)).launch_s == pytest.approx(expected, rel=1e-12)
     assert "framework" in load_device(str(path)).fitted_on
+
+
+def test_the_summary_names_the_kinds_the_optimizers_and_the_collectives(tmp_path):
+    """harness device's summary (no --json): its curves' table, then the vector operations, each optimizer's
+    figures and its steps' error, and with 2 ranks the collectives in context beside back to back."""
+    from harness.commands.device import summary
+    from harness.plan.device import OptimizerCost
+
+    described = dataclasses.replace(load_device("a100-80gb"), vector_ops={"gelu": 41.7},
+                                    optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.3e-6, 5.5e9)})
+    errors = {"memory": {"kernels": 6, "median_abs_error_pct": 10.0, "p90_abs_error_pct": 20.0},
+              "optimizer": {"kernels": 6, "median_abs_error_pct": 12.0, "p90_abs_error_pct": 30.0}}
+    rows = [{"op": "allreduce", "bytes": 1024, "ranks": 2, "in_context_s": 3e-3, "back_to_back_s": 1e-3,
+             "burst_s": 2e-3}]
+    text = summary(described, errors, tmp_path / "mine.toml", rows)
+    assert "gelu 41.7" in text and "optimizer adam: 9 kernels a tensor, 2 a step, 76 bytes" in text
+    assert "6.3 us a kernel" in text and "optimizer steps measured: 6, median |error| 12.0%" in text
+    assert "collectives in context on 2 ranks" in text and "allreduce" in text

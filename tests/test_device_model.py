@@ -310,13 +310,8 @@ def description_text(**replace) -> str:
      "finite number above 0"),
     ("launch_us = 4.0", "launch_us = -1.0", "efficiency.launch_us", "0 or more"),
     ("max_fraction = 0.8\n", "max_fraction = 1.5\n", "efficiency.gemm.max_fraction", "at most 1"),
-    ("format = 1", "format = 2", "format", "unsupported device format"),
-    ("float16 = 312.0 }\n", "float16 = 312.0, int4 = 1.0 }\n", "datasheet.matrix_tflops.int4", "unknown field"),
-    ("memory_gb = 80.0", "memory_gb = \"80\"", "datasheet.memory_gb", "finite number"),
-    ("[efficiency.memory]", "[efficiency.memroy]", "efficiency.memroy", "unknown field"),
-    ("[efficiency.memory]", "[host]\nkernel_issue_us = -3.0\n\n[efficiency.memory]", "host.kernel_issue_us",
-     "0 or more"),
-    ("[efficiency.memory]", "[host]\nissue_us = 3.0\n\n[efficiency.memory]", "host.issue_us", "unknown field"),
+    ("format = 1", "format = 3", "format", "unsupported device format"),
+    ("fitted = false\n", "fitted = false\n[vector_ops]\ngelu = 3.0\n", "vector_ops", "format 2 table"),
     ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
@@ -403,3 +398,198 @@ def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):
     assert sorted(round(s * 1e3) for s in issue.values()) == sorted([1, 11, 3, 2, 15, 4])
     assert host_bound.timeline.batch_time_s == pytest.approx(62e-3, abs=device_bound.timeline.batch_time_s)
     assert host_bound.timeline.batch_time_s > 62e-3
+
+
+# --- format 2: memory-bound kinds, the optimizer tensor by tensor, collectives in context ---------------------------
+
+def test_memory_bound_kernels_carry_their_kind_and_elements():
+    """GPT-2 (hidden 32, ffn 64, 2 x 16 tokens, tp 1): each memory-bound kernel's kind and elements; a backward's
+    kind is the forward's + _backward with the same elements; LLaMA's norms are RMSNorm, its MLP SwiGLU."""
+    spec = spec_of()
+    embedding, block, head = describe(spec)[0], describe(spec)[1], describe(spec)[-1]
+    shape = PassShape(micro=2, seq=16)
+    kinds = {k.name: (k.op, k.elements) for k in layer_kernels(block, shape, "fwd") if isinstance(k, MemoryBound)}
+    assert kinds == {"norm1": ("layer_norm", 32 * 32), "context_copy": ("copy", 32 * 32),
+                     "residual1": ("add", 32 * 32), "norm2": ("layer_norm", 32 * 32), "gelu": ("gelu", 32 * 64),
+                     "residual2": ("add", 32 * 32)}
+    backward = {k.name: (k.op, k.elements) for k in layer_kernels(block, shape, "bwd") if isinstance(k, MemoryBound)}
+    assert backward["gelu.grad"] == ("gelu_backward", 32 * 64)
+    assert backward["norm1.grad"] == ("layer_norm_backward", 32 * 32)
+    lookup, = layer_kernels(embedding, shape, "fwd")
+    assert (lookup.op, lookup.elements) == ("embedding", 2 * 32 * 32)  # token and position rows
+    fill = layer_kernels(embedding, shape, "bwd")[-1]
+    assert (fill.op, fill.elements) == ("fill", 128 * 32)
+    norm, _, loss = layer_kernels(head, shape, "fwd")
+    assert (norm.op, loss.op, loss.elements) == ("layer_norm", "cross_entropy", 32 * 128)
+    llama = {k.name: (k.op, k.elements) for k in layer_kernels(describe(spec_of(name="llama-1b", kv_heads=2))[1],
+                                                                  shape, "fwd") if isinstance(k, MemoryBound)}
+    assert llama["norm1"] == ("rms_norm", 32 * 32) and llama["swiglu"] == ("swiglu", 32 * 64)
+    assert llama["rotary"] == ("rotary", 32 * (4 + 2) * 8) and llama["repeat_kv"][0] == "copy"
+
+
+def test_vector_ops_cost_a_kind_by_its_arithmetic_where_measured():
+    """flat_device: vector 10 TFLOP/s, 0.8 TB/s. A GELU of 1e6 elements, 8e6 bytes: 1e-5 s of memory; with 200
+    vector operations an element its compute is 1e6 x 200 / 10e12 = 2e-5 s, which bounds it; with 2, 2e-7 s
+    and the memory bounds it. A kind not in the table, and a kernel of no kind, are costed by bytes and FLOPs."""
+    gelu = MemoryBound("gelu", 8e6, "float32", op="gelu", elements=1e6)
+    model = DeviceModel(flat_device(vector_ops={"gelu": 200.0, "layer_norm": 2.0}))
+    time = model.kernel_time(gelu)
+    assert time.compute_s == pytest.approx(2e-5) and time.memory_s == pytest.approx(1e-5)
+    assert time.seconds == pytest.approx(5e-6 + 2e-5) and time.bound == "compute"
+    norm = MemoryBound("norm1", 8e6, "float32", op="layer_norm", elements=1e6)
+    assert model.kernel_time(norm).compute_s == pytest.approx(2e-7)
+    assert model.kernel_seconds(norm) == pytest.approx(5e-6 + 1e-5)
+    several = DeviceModel(flat_device(launches={"layer_norm": 6.0}))  # 6 operations a call, each 5 us to launch
+    assert several.kernel_time(norm).launch_s == pytest.approx(30e-6)
+    assert several.issue_seconds([norm, gelu]) == 0.0  # no [host]: the host keeps ahead
+    issuing = DeviceModel(flat_device(launches={"layer_norm": 6.0}, kernel_issue_s=2e-6))
+    assert issuing.issue_seconds([norm, gelu]) == pytest.approx(7 * 2e-6)
+    other = MemoryBound("loss", 8e6, "float32", flops=5e6, op="cross_entropy", elements=1e6)
+    assert model.kernel_time(other).compute_s == pytest.approx(5e6 / 10e12)  # its counted FLOPs
+    assert model.kernel_seconds(other) == DeviceModel(flat_device()).kernel_seconds(other)
+
+
+def test_an_optimizer_measured_tensor_by_tensor_by_hand():
+    """[optimizer.adam] 9 kernels a tensor, 2 a step, 72 bytes a parameter, 10 us a kernel beyond its bytes, 5 GB/s;
+    tensors 2 x 1,000 and 1 x 100,000 elements (102,000 parameters): 2 + 9 x 3 = 29 kernels, 290 us, and
+    102,000 x 72 = 7.344 MB at 5 GB/s, 1,468.8 us. The foreach form (0 a tensor, 12 a step): 120 us + 1,468.8 us.
+    Without the table, or without tensors: the format-1 kernel (32 bytes a parameter, one launch a layer)."""
+    import dataclasses
+
+    from harness.plan.device import OptimizerCost
+
+    step = MemoryBound("optimizer.step", 102_000 * 32.0, "float32", flops=12 * 102_000.0, launches=3, op="adam",
+                       elements=102_000.0, tensors=((1_000, 2), (100_000, 1)))
+    single = OptimizerCost(kernels_per_tensor=9.0, kernels_per_step=2.0, bytes_per_parameter=72.0, kernel_s=10e-6,
+                           bandwidth=5e9)
+    model = DeviceModel(flat_device(optimizer={"adam": single}))
+    time = model.kernel_time(step)
+    assert time.launch_s == pytest.approx(290e-6) and time.memory_s == pytest.approx(1468.8e-6)
+    assert model.kernel_seconds(step) == pytest.approx(1758.8e-6) and time.bound == "memory"
+    foreach = dataclasses.replace(single, kernels_per_tensor=0.0, kernels_per_step=12.0)
+    assert DeviceModel(flat_device(optimizer={"adam": foreach})).kernel_seconds(step) == pytest.approx(1588.8e-6)
+    plain = DeviceModel(flat_device())
+    assert plain.kernel_seconds(step) == pytest.approx(3 * 5e-6 + 102_000 * 32 / 0.8e12)
+    assert model.kernel_seconds(dataclasses.replace(step, tensors=())) == plain.kernel_seconds(step)
+    assert DeviceModel(flat_device(optimizer={"sgd": single})).kernel_seconds(step) == plain.kernel_seconds(step)
+
+
+def test_optimizer_kernels_carry_the_parameter_tensors():
+    """GPT-2 (hidden 32, ffn 64, vocab 128, seq 16, untied): the embedding's 2 tables, a block's 12 tensors, the
+    head's final LayerNorm and projection; with ZeRO over dp = 2 each tensor's first dimension halved."""
+    plan = build_plan(spec_of())
+    step = next(e for e in plan.events.values() if e.content.get("phase") == "optimizer")
+    kernel, = event_kernels(step.content)
+    assert kernel.op == "adam" and kernel.elements == step.content["params"]
+    assert sum(e * c for e, c in kernel.tensors) == step.content["params"]
+    assert sum(c for _, c in kernel.tensors) == 2 + 2 * 12 + 3  # tokens, positions; 12 a block; norm, projection
+    runs = dict(kernel.tensors)
+    assert runs[3 * 32 * 32] == 2 and runs[64 * 32] == 4  # qkv weight; fc1 and fc2 weights of both blocks
+    assert runs[128 * 32] == 2 and runs[16 * 32] == 1 and runs[32] == 14  # token table, projection; positions
+    sgd = event_kernels({**step.content, "optimizer": "sgd", "momentum": 0.9})[0]
+    assert sgd.op == "sgd_momentum" and event_kernels({**step.content, "optimizer": "sgd"})[0].op == "sgd"
+    sharded = event_kernels({**step.content, "shard": 2})[0]
+    assert dict(sharded.tensors)[3 * 32 * 32 // 2] == 2  # (96, 32) -> (48, 32)
+    assert dict(sharded.tensors)[16] == 14  # a bias or norm of 32: 16
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+def test_parameter_tensor_shapes_are_the_models(family):
+    """harness.plan.kernels.parameter_tensor_shapes against the layers harness.models builds (tp = 1), and their
+    sum against LayerDesc.params at tp = 2."""
+    import math
+
+    from harness.models.transformer import build_layer
+    from harness.plan.kernels import parameter_tensor_shapes
+    from harness.plan.layers import describe_builtin
+    from harness.plan.spec import ModelSpec
+
+    model = ModelSpec(name="x", family=family, layers=1, hidden=64, heads=4, kv_heads=2 if family == "llama" else 4,
+                      ffn=96, seq_len=32, vocab=80, dtype="float32")
+    for layer in describe_builtin(model, 1):
+        built = [tuple(p.shape) for p in build_layer(model, layer.kind).parameters() if p.requires_grad]
+        assert sorted(built) == sorted(parameter_tensor_shapes(layer.kind, dict(layer.signature))), layer.kind
+    for layer in describe_builtin(model, 2, vocab_parallel=True):
+        shapes = parameter_tensor_shapes(layer.kind, dict(layer.signature))
+        assert sum(math.prod(s) for s in shapes) == layer.params, layer.kind
+
+
+def test_format_2_round_trips_and_format_1_stays_format_1():
+    """A description with [vector_ops] and [optimizer.NAME] writes format = 2 and reads back equal; every shipped
+    one has neither and still writes format = 1."""
+    from harness.plan.device import OptimizerCost
+
+    described = flat_device(vector_ops={"gelu": 12.5, "gelu_backward": 30.0}, launches={"rms_norm": 6.0},
+                            optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.6607e-6, 5.4321e9)})
+    text = described.to_toml()
+    assert text.startswith("format = 2") and "[vector_ops]" in text and "[optimizer.adam]" in text
+    assert "[launches]\nrms_norm = 6.0" in text
+    assert parse_device(tomllib.loads(text), default_name="flat") == described
+    for name in SHIPPED:
+        shipped = load_device(name)
+        assert shipped.format == 1 and not shipped.vector_ops and not shipped.optimizer and not shipped.launches
+        assert shipped.to_toml().startswith("format = 1")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_kinds_change_nothing_on_a_description_without_the_tables(name):
+    """Every kernel of a GPT-2, a LLaMA and a BERT job (the optimizer step included) costs the same on a shipped
+    description with its kinds, elements and tensors as without them (the format-1 kernels)."""
+    import dataclasses
+
+    model = DeviceModel(load_device(name))
+    for spec in (spec_of(), spec_of(name="llama-1b", kv_heads=2), spec_of(name="bert-base")):
+        plan = build_plan(spec)
+        for event in plan.events.values():
+            if event.kind != "compute":
+                continue
+            for kernel in event_kernels(event.content):
+                bare = dataclasses.replace(kernel, op="", elements=0.0, tensors=()) \
+                    if isinstance(kernel, MemoryBound) else kernel
+                assert model.kernel_time(kernel) == model.kernel_time(bare), kernel.name
+
+
+@pytest.mark.parametrize("table, field, message", [
+    ("[vector_ops]\ngelu = -3.0\n", "vector_ops.gelu", "0 or more"),
+    ("[vector_ops]\ngelu_forward = 3.0\n", "vector_ops.gelu_forward", "unknown field"),
+    ("[optimizer.lamb]\nkernels_per_tensor = 9.0\n", "optimizer.lamb", "unknown field"),
+    ("[optimizer.adam]\nkernels_per_tensor = 9.0\nbytes_per_parameter = 72.0\nkernel_us = 3.0\n"
+     "bandwidth_gb_s = 5.0\npasses = 9\n", "optimizer.adam.passes", "unknown field"),
+    ("[optimizer.adam]\nkernels_per_tensor = 9.0\nkernel_us = 3.0\nbandwidth_gb_s = 5.0\n",
+     "optimizer.adam.bytes_per_parameter", "required"),
+    ("[optimizer.adam]\nkernels_per_tensor = 9.0\nbytes_per_parameter = 72.0\nkernel_us = 3.0\n",
+     "optimizer.adam.bandwidth_gb_s", "required"),
+    ("[optimizer.adam]\nkernels_per_tensor = 9.0\nbytes_per_parameter = 72.0\nkernel_us = 3.0\n"
+     "bandwidth_gb_s = 0.0\n", "optimizer.adam.bandwidth_gb_s", "above 0"),
+    ("[optimizer.adam]\nkernels_per_tensor = 0.0\nbytes_per_parameter = 72.0\nkernel_us = 3.0\n"
+     "bandwidth_gb_s = 5.0\n", "optimizer.adam.kernels_per_tensor", "launches kernels"),
+    ("[optimizer]\nadam = 3\n", "optimizer.adam", "must be a table"),
+    ("[launches]\nrms_norm = 0.0\n", "launches.rms_norm", "above 0"),
+    ("[launches]\nnorm = 6.0\n", "launches.norm", "unknown field"),
+])
+def test_bad_format_2_tables_name_file_and_field(tmp_path, table, field, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(description_text(**{"format = 1": "format = 2"}) + "\n" + table)
+    with pytest.raises(SpecError, match=message) as caught:
+        load_device(str(path))
+    assert caught.value.field == field and caught.value.source == str(path)
+
+
+def test_a_tier_fitted_to_collectives_in_context_recovers_its_figures():
+    """analysis.device_model.in_context_tier: collectives costed by a known one-tier network (1 GB/s, 1 ms, grid
+    points) are fitted back exactly from the in-context column; the back-to-back column is fitted alike."""
+    from analysis.device_model import in_context_tier
+    from analysis.network import spec_network
+    from harness.plan.network import NetworkTier, contiguous_span
+
+    bandwidth, latency = 1.0, 10 ** (60 / 20)
+    tiers = (NetworkTier("gloo", 2, bandwidth, latency),)
+    model, span = spec_network(tiers), contiguous_span(2, tiers)
+    rows = [{"op": op, "bytes": size, "ranks": 2, "in_context_s": model.estimate(op, size, span).seconds,
+             "back_to_back_s": model.estimate(op, size, span).seconds / 2}
+            for op in ("allreduce", "allgather", "reducescatter") for size in (1 << 10, 1 << 16, 1 << 22)]
+    tier = in_context_tier(rows)
+    assert (tier["name"], tier["size"]) == ("gloo", 2)
+    assert tier["bandwidth_gbs"] == pytest.approx(bandwidth) and tier["latency_us"] == pytest.approx(latency)
+    assert tier["rms_log_error"] == pytest.approx(0.0, abs=1e-9) and tier["points"] == 9
+    assert in_context_tier(rows, column="back_to_back_s")["rms_log_error"] < 0.2

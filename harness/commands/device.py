@@ -2,6 +2,9 @@
 a device description (docs/devices.md, "Calibrating this machine") that `[cluster] device = "mine.toml"` reads.
 
 What is measured and how: harness.profile.device_curves; how the curves are fitted: harness.plan.device_fit.
+Under an MPI launcher with 2 or more ranks (`mpirun -n 2 python -m mpi4py -m harness device -o mine.toml`) every
+rank calibrates at once, then the collectives a training step runs are timed in context (their rows in --json
+and the summary: `collectives_in_context`); rank 0 writes and prints.
 """
 from __future__ import annotations
 
@@ -63,12 +66,28 @@ def options(args: argparse.Namespace) -> tuple[str | None, int, Path | None]:
 
 def run(args: argparse.Namespace) -> int:
     dtype, repeats, output = options(args)
+    from harness.common.launch_env import promised_world_size
     from harness.profile.device_curves import calibrate, observation_rows, pick_device
 
+    promised = promised_world_size()
+    comm, rank = None, 0
+    if promised is not None and promised[0] > 1:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank = comm.Get_rank()
     device = pick_device(args.device)
+    if comm is not None and device.type == "cuda":
+        import torch
+
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     name = args.name or (output.stem if output else "local")
-    calibration = calibrate(device, dtype, repeats, args.quick, name, show_progress=not args.quiet)
+    calibration = calibrate(device, dtype, repeats, args.quick, name, show_progress=not args.quiet and rank == 0,
+                            comm=comm)
+    if rank != 0:
+        return 0
     description = calibration.description
     errors = calibration.fit_errors()
     header = (f"written by python -m harness device{' --quick' if args.quick else ''} ({calibration.seconds:.0f} s); "
@@ -83,16 +102,18 @@ def run(args: argparse.Namespace) -> int:
                           "device": str(device), "dtype": dtype, "repeats": repeats, "quick": args.quick,
                           "seconds": calibration.seconds, "fit_errors": errors,
                           "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks},
+                          "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
+                          "collectives_in_context": calibration.collectives,
                           "kernels": observation_rows(calibration)}, indent=1))
         return 0
     if output is None:
         sys.stdout.write(text)
         return 0
-    print(summary(description, errors, output))
+    print(summary(description, errors, output, calibration.collectives))
     return 0
 
 
-def summary(description, errors: dict, output: Path) -> str:
+def summary(description, errors: dict, output: Path, collectives: list | None = None) -> str:
     """The answer first: where the description went, its peaks, then each curve and its fit's error."""
     peaks = ", ".join(f"{d} {description.matrix_peak[d] / 1e9:.3g}" for d in REQUIRED_DTYPES)
     lines = [f"wrote {output}: {description.title}",
@@ -100,10 +121,29 @@ def summary(description, errors: dict, output: Path) -> str:
              f"{description.launch_s * 1e6:.2f} us", ""]
     rows = []
     for curve, e in errors.items():
+        if curve not in description.curves:  # the optimizers' steps: their line below
+            continue
         c = description.curves[curve]
         rows.append([curve, c.max_fraction, f"{c.half_at:.3g}", c.steepness, c.half_dim or "-", e["kernels"],
                      e["median_abs_error_pct"], e["p90_abs_error_pct"]])
     lines.append(format_table(["curve", "max_fraction", "half_at", "steepness", "half_dim", "kernels",
                                "median |err| %", "p90 |err| %"], rows))
+    if description.vector_ops:
+        lines.append("\nvector operations an element: " + ", ".join(
+            f"{kind} {ops:.3g}" for kind, ops in description.vector_ops.items()))
+    for kind, cost in description.optimizer.items():
+        lines.append(f"optimizer {kind}: {cost.kernels_per_tensor:.3g} kernels a tensor, {cost.kernels_per_step:.3g} "
+                     f"a step, {cost.bytes_per_parameter:.3g} bytes a parameter, {cost.kernel_s * 1e6:.3g} us a "
+                     f"kernel beyond its bytes, {cost.bandwidth / 1e9:.3g} GB/s")
+    if "optimizer" in errors:
+        e = errors["optimizer"]
+        lines.append(f"optimizer steps measured: {e['kernels']}, median |error| {e['median_abs_error_pct']:.1f}%, "
+                     f"p90 {e['p90_abs_error_pct']:.1f}%")
+    if collectives:
+        lines += ["", f"collectives in context on {collectives[0]['ranks']} ranks (after a "
+                  f"{collectives[0]['burst_s'] * 1e3:g} ms compute burst; back to back after a barrier beside):"]
+        lines.append(format_table(["op", "bytes", "in context ms", "back to back ms"],
+                                  [[r["op"], r["bytes"], r["in_context_s"] * 1e3, r["back_to_back_s"] * 1e3]
+                                   for r in collectives]))
     lines.append(f"\nuse it: [cluster] device = \"{output}\" (docs/devices.md)")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ from typing import Any
 
 from harness.common.errors import SpecError
 
-DEVICE_FORMAT = 1
+DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
+FORMATS = (1, 2)  # 2 adds the optional [vector_ops] and [optimizer.NAME] tables; a description without them is 1
 US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
@@ -30,12 +31,46 @@ CURVES = {
     "materialized_attention": "the matrix peak, by a materialised-softmax attention's FLOPs (older Megatron-LM)",
     "memory": "the HBM bandwidth, by a memory-bound kernel's bytes",
 }
-_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency", "host"}
+# the kinds of memory-bound kernel harness.plan.kernels names (MemoryBound.op), each with its backward
+# (+ "_backward"), and what its `elements` count: a norm, activation, residual add, dropout or copy its output's
+# elements, rotary the rotated q and k elements, the embedding's lookup its rows' elements read (tables x tokens x h),
+# the loss its logits, a fill the elements it writes
+MEMORY_KINDS = ("copy", "add", "fill", "layer_norm", "rms_norm", "gelu", "swiglu", "dropout", "rotary", "embedding",
+                "cross_entropy")
+VECTOR_KINDS = tuple(k for kind in MEMORY_KINDS for k in (kind, f"{kind}_backward"))
+# an optimizer step's op (MemoryBound.op): torch's Adam, SGD without and with momentum
+OPTIMIZER_KINDS = ("adam", "sgd", "sgd_momentum")
+_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency", "host", "vector_ops",
+        "launches", "optimizer"}
+_FORMAT_2 = ("vector_ops", "launches", "optimizer")  # the tables format 2 adds
 _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
 _EFFICIENCY = {"launch_us", *CURVES}
 _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
 _HOST = {"kernel_issue_us"}
+_OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """An optimizer step as the framework runs it on the device ([optimizer.NAME], format 2): the kernels it
+    launches for each parameter tensor (torch's one-tensor-at-a-time implementation: every operation once a
+    tensor) and once a step (the foreach implementation: each operation once over every tensor), the bytes its
+    kernels read and write a parameter (every pass over the parameter, its gradient and its states): counted; a
+    kernel's seconds beyond its bytes (its launch and the framework's code around it) and the bytes/s its kernels
+    move those bytes at: measured. A step over T tensors of P parameters in all takes
+    (kernels_per_step + kernels_per_tensor x T) x kernel_s + P x bytes_per_parameter / bandwidth."""
+
+    kernels_per_tensor: float
+    kernels_per_step: float
+    bytes_per_parameter: float
+    kernel_s: float
+    bandwidth: float  # bytes/s
+
+    def to_dict(self) -> dict[str, float]:
+        return {"kernels_per_tensor": self.kernels_per_tensor, "kernels_per_step": self.kernels_per_step,
+                "bytes_per_parameter": self.bytes_per_parameter, "kernel_us": in_unit(self.kernel_s, US),
+                "bandwidth_gb_s": in_unit(self.bandwidth, GB_S)}
 
 
 @dataclass(frozen=True)
@@ -82,10 +117,27 @@ class DeviceDescription:
     fitted_on: str = ""
     kernel_issue_s: float = 0.0
     source: str = field(default="<device>", compare=False)
+    # format 2: vector operations an element and operations launched a call per kind of memory-bound kernel
+    # (VECTOR_KINDS), and optimizer steps as the framework runs them (OPTIMIZER_KINDS -> OptimizerCost); empty:
+    # bytes alone and one launch a kernel, as in format 1
+    vector_ops: Mapping[str, float] = field(default_factory=dict)
+    launches: Mapping[str, float] = field(default_factory=dict)
+    optimizer: Mapping[str, OptimizerCost] = field(default_factory=dict)
+
+    @property
+    def format(self) -> int:
+        """The format its file needs: 2 where it has a format-2 table, else 1 (read by every harness)."""
+        return 2 if self.vector_ops or self.launches or self.optimizer else 1
+
+    def kernel_launches(self, kernel: Any) -> float:
+        """A kernel's launches here: the listing's (kernel.launches) x, for a memory-bound kind in [launches],
+        the operations the framework launches for one (a LLaMA RMSNorm is 6: pow, mean, add, rsqrt, two mul)."""
+        per = self.launches.get(getattr(kernel, "op", ""), 1.0)
+        return kernel.launches * per
 
     def to_dict(self) -> dict[str, Any]:
         """The description as plain data in the file's form (parse_device reads it back)."""
-        out: dict[str, Any] = {"format": DEVICE_FORMAT, "name": self.name, "title": self.title, "fitted": self.fitted}
+        out: dict[str, Any] = {"format": self.format, "name": self.name, "title": self.title, "fitted": self.fitted}
         if self.fitted_on:
             out["fitted_on"] = self.fitted_on
         out["datasheet"] = {"memory_gb": self.memory_gb,
@@ -96,6 +148,12 @@ class DeviceDescription:
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
         if self.kernel_issue_s:
             out["host"] = {"kernel_issue_us": in_unit(self.kernel_issue_s, US)}
+        if self.vector_ops:
+            out["vector_ops"] = dict(self.vector_ops)
+        if self.launches:
+            out["launches"] = dict(self.launches)
+        if self.optimizer:
+            out["optimizer"] = {name: cost.to_dict() for name, cost in self.optimizer.items()}
         return out
 
     def to_toml(self, header: str = "") -> str:
@@ -112,6 +170,11 @@ class DeviceDescription:
             lines += ["", f"[efficiency.{name}]"] + [f"{key} = {_toml(value)}" for key, value in curve.items()]
         if "host" in data:
             lines += ["", "[host]"] + [f"{key} = {_toml(value)}" for key, value in data["host"].items()]
+        for table in ("vector_ops", "launches"):
+            if table in data:
+                lines += ["", f"[{table}]"] + [f"{key} = {_toml(value)}" for key, value in data[table].items()]
+        for name, cost in data.get("optimizer", {}).items():
+            lines += ["", f"[optimizer.{name}]"] + [f"{key} = {_toml(value)}" for key, value in cost.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -198,9 +261,12 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
 
     _known(data, _TOP, "", fail)
     version = data.get("format")
-    if version != DEVICE_FORMAT:
-        raise fail(f"unsupported device format {version!r}; this harness reads format = {DEVICE_FORMAT} "
-                   "(docs/devices.md)", "format")
+    if isinstance(version, bool) or version not in FORMATS:
+        raise fail(f"unsupported device format {version!r}; this harness reads format = "
+                   f"{' or '.join(map(str, FORMATS))} (docs/devices.md)", "format")
+    for key in _FORMAT_2:
+        if key in data and version < 2:
+            raise fail(f"[{key}] is a format 2 table; say format = 2 (docs/devices.md)", key)
     name = data.get("name", default_name)
     title = data.get("title", name)
     fitted_on = data.get("fitted_on", "")
@@ -238,6 +304,34 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     if not isinstance(host, dict):
         raise fail(f"must be a table, got {host!r}", "host")
     _known(host, _HOST, "host", fail)
+    vector_ops = data.get("vector_ops", {})
+    if not isinstance(vector_ops, dict):
+        raise fail(f"must be a table, got {vector_ops!r}", "vector_ops")
+    _known(vector_ops, set(VECTOR_KINDS), "vector_ops", fail)
+    vector_ops = {kind: _positive(vector_ops, kind, "vector_ops", fail, zero=True) for kind in vector_ops}
+    launches = data.get("launches", {})
+    if not isinstance(launches, dict):
+        raise fail(f"must be a table, got {launches!r}", "launches")
+    _known(launches, set(VECTOR_KINDS), "launches", fail)
+    launches = {kind: _positive(launches, kind, "launches", fail) for kind in launches}
+    optimizers = data.get("optimizer", {})
+    if not isinstance(optimizers, dict):
+        raise fail(f"must be a table, got {optimizers!r}", "optimizer")
+    _known(optimizers, set(OPTIMIZER_KINDS), "optimizer", fail)
+    optimizer = {}
+    for kind in optimizers:
+        where = f"optimizer.{kind}"
+        table = _table(optimizers, kind, fail, where)
+        _known(table, _OPTIMIZER, where, fail)
+        optimizer[kind] = OptimizerCost(
+            kernels_per_tensor=_positive(table, "kernels_per_tensor", where, fail, zero=True),
+            kernels_per_step=_positive(table, "kernels_per_step", where, fail, default=0.0, zero=True),
+            bytes_per_parameter=_positive(table, "bytes_per_parameter", where, fail),
+            kernel_s=_positive(table, "kernel_us", where, fail, zero=True) * US,
+            bandwidth=_positive(table, "bandwidth_gb_s", where, fail) * GB_S)
+        if not optimizer[kind].kernels_per_tensor and not optimizer[kind].kernels_per_step:
+            raise fail("an optimizer step launches kernels: give kernels_per_tensor or kernels_per_step above 0",
+                       f"{where}.kernels_per_tensor")
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,
@@ -246,7 +340,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                              curves=curves, fitted=fitted, fitted_on=fitted_on,
                              kernel_issue_s=_positive(host, "kernel_issue_us", "host", fail, default=0.0,
                                                       zero=True) * US,
-                             source=source)
+                             source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer)
 
 
 def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:

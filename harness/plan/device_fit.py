@@ -11,8 +11,15 @@ use. Pure Python and numpy. Rules:
   description held fixed, by Nelder-Mead from several starts; max_fraction is kept in (0, 1], steepness in
   [STEEPNESS_RANGE], half_at and half_dim above 0; a curve with fewer than FREE_SHAPE_AT kernels fits
   max_fraction and half_at alone (steepness 1, no half_dim);
-- the order is the dependency order: memory (which every kernel's memory side uses), then gemm, then the
-  attention curves.
+- the order is the dependency order: memory (which every kernel's memory side uses), then each memory-bound
+  kind's vector operations an element (fit_vector_ops), then gemm, then the attention curves. The memory curve is
+  fitted on the bandwidth kinds alone (BANDWIDTH_KINDS: copy, add, fill, and kernels of no kind), whose time is
+  their bytes; a kind bound by its arithmetic (GELU's erf, a norm's reductions on a CPU core) would bend it;
+- a kind's vector operations an element ([vector_ops], format 2) are the least-squares slope of its kernels'
+  seconds (less launches x launch_s) over their elements x the vector peak in its dtype (at least 0; one kernel:
+  its seconds over its elements): the operations an element that make the roofline's compute side its measured
+  time, a fixed time a call left out. The device model then costs a kernel of that kind as the longer of those
+  operations at the vector peak and its bytes on the memory curve.
 """
 from __future__ import annotations
 
@@ -23,13 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.plan.device import Curve, DeviceDescription
+from harness.plan.device import OPTIMIZER_KINDS, Curve, DeviceDescription
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
 
 # above 1, size / fraction(size) falls as size grows: a smaller kernel would take longer than a larger one
 STEEPNESS_RANGE = (0.25, 1.0)
 FREE_SHAPE_AT = 6  # kernels a curve needs before its steepness (and a GEMM's half_dim) is fitted; fewer: 1 and 0
 FIT_ORDER = ("memory", "gemm", "sdpa_forward", "sdpa_backward", "materialized_attention")
+BANDWIDTH_KINDS = ("copy", "add", "fill")  # memory-bound kinds that fit the memory curve (their time: their bytes)
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ def curve_of(kernel: Kernel) -> str:
         if kernel.kind == "materialized":
             return "materialized_attention"
         return "sdpa_backward" if kernel.backward else "sdpa_forward"
-    return "memory"
+    return "optimizer" if kernel.op in OPTIMIZER_KINDS else "memory"
 
 
 def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
@@ -64,13 +72,29 @@ def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
         executed = kernel.flops / 2 if causal_skip else kernel.flops
         fraction = curves[curve_of(kernel)].fraction(kernel.flops)
     elif isinstance(kernel, MemoryBound):
+        if kernel.op in device.optimizer and kernel.tensors:
+            return optimizer_seconds(device, kernel)
         peak, fraction, executed = device.vector_peak[kernel.dtype], 1.0, kernel.flops
+        if kernel.op in device.vector_ops:
+            executed = kernel.elements * device.vector_ops[kernel.op]
     else:
         raise TypeError(f"not a kernel: {kernel!r}")
     compute = executed / (peak * fraction) if executed > 0 else 0.0
-    memory = kernel.bytes / (device.memory_bandwidth * curves["memory"].fraction(kernel.bytes)) if kernel.bytes > 0 \
-        else 0.0
-    return kernel.launches * device.launch_s + max(compute, memory)
+    return device.kernel_launches(kernel) * device.launch_s + max(compute, memory_seconds(device, kernel.bytes))
+
+
+def memory_seconds(device: DeviceDescription, nbytes: float) -> float:
+    """One kernel's `nbytes` over the bandwidth x the memory curve's fraction at them."""
+    return nbytes / (device.memory_bandwidth * device.curves["memory"].fraction(nbytes)) if nbytes > 0 else 0.0
+
+
+def optimizer_seconds(device: DeviceDescription, kernel: MemoryBound) -> float:
+    """An optimizer step on a description with its [optimizer.NAME]: DeviceModel.optimizer_time's seconds."""
+    cost = device.optimizer[kernel.op]
+    tensors = sum(count for _, count in kernel.tensors)
+    params = sum(elements * count for elements, count in kernel.tensors)
+    launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
+    return launches * cost.kernel_s + params * cost.bytes_per_parameter / cost.bandwidth
 
 
 def log_errors(device: DeviceDescription, observations: Sequence[Observation]) -> np.ndarray:
@@ -152,15 +176,48 @@ def fit_description(device: DeviceDescription, observations: Sequence[Observatio
     its value."""
     for name in FIT_ORDER:
         mine = [o for o in observations if o.curve == name]
+        if name == "memory":
+            mine = [o for o in mine if o.kernel.op in BANDWIDTH_KINDS or not o.kernel.op]
         if mine:
             device = dataclasses.replace(device, curves={**device.curves, name: fit_curve(device, name, mine)})
+        if name == "memory":
+            ops = fit_vector_ops(device, observations)
+            if ops:
+                device = dataclasses.replace(device, vector_ops=ops)
     return device
+
+
+def fit_vector_ops(device: DeviceDescription, observations: Sequence[Observation]) -> dict[str, float]:
+    """Each measured memory-bound kind's vector operations an element (module docstring): the kinds other than
+    the bandwidth ones among `observations`, in first-seen order."""
+    kinds: dict[str, list[tuple[float, float, str]]] = {}
+    for o in observations:
+        kernel = o.kernel
+        if isinstance(kernel, MemoryBound) and kernel.op and kernel.op not in BANDWIDTH_KINDS \
+                and o.curve == "memory" and kernel.elements > 0:
+            work = o.seconds - device.kernel_launches(kernel) * device.launch_s
+            kinds.setdefault(kernel.op, []).append((kernel.elements, work, kernel.dtype))
+    return {op: vector_ops_of(points, device.vector_peak[points[0][2]]) for op, points in kinds.items()}
+
+
+def vector_ops_of(points: Sequence[tuple[float, float, str]], peak: float) -> float:
+    """One kind's vector operations an element from its kernels' (elements, seconds of work): the least-squares
+    slope of seconds over elements where they have two sizes or more (a fixed time a call, beyond the launch,
+    left out: autograd's, a module's), else the one kernel's seconds over its elements; x `peak` (FLOP/s), at
+    least 0."""
+    elements = np.array([p[0] for p in points])
+    seconds = np.array([p[1] for p in points])
+    if len(set(elements.tolist())) >= 2:
+        slope = float(np.polyfit(elements, seconds, 1)[0])
+    else:
+        slope = float(np.mean(seconds / elements))
+    return max(0.0, slope) * peak
 
 
 def error_summary(device: DeviceDescription, observations: Sequence[Observation]) -> dict[str, dict[str, float]]:
     """Per curve: kernels, median and 90th percentile of |modelled / measured - 1| in %."""
     out = {}
-    for name in FIT_ORDER:
+    for name in (*FIT_ORDER, "optimizer"):
         errors = [abs(e) * 100 for e in relative_errors(device, [o for o in observations if o.curve == name])]
         if errors:
             out[name] = {"kernels": len(errors), "median_abs_error_pct": float(np.median(errors)),

@@ -24,11 +24,13 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from harness.common.errors import UserError
+from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
 from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER
 from harness.plan.layers import LayerDesc
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
@@ -102,13 +104,20 @@ class Attention:
 @dataclass(frozen=True)
 class MemoryBound:
     """An elementwise, normalisation, copy or reduction kernel: `bytes` read and written, `flops` as the layer
-    counts them (0 for a block's)."""
+    counts them (0 for a block's). `op`: its kind (MEMORY_KINDS; a backward's is the forward's + "_backward"),
+    `elements` the elements it computes (what a kind's measured vector operations an element multiply: a
+    description's [vector_ops], docs/devices.md); an optimizer step's `op` is its optimizer (OPTIMIZER_KINDS),
+    `elements` its parameters and `tensors` its parameter tensors as (elements, count) runs (a description's
+    [optimizer.NAME] costs it tensor by tensor). Left empty: costed by bytes and `flops` alone, as before."""
 
     name: str
     bytes: float
     dtype: str
     flops: float = 0.0
     launches: int = 1
+    op: str = ""
+    elements: float = 0.0
+    tensors: tuple[tuple[int, int], ...] = ()
 
 
 Kernel = Gemm | Attention | MemoryBound
@@ -155,11 +164,59 @@ def event_kernels(content: Mapping[str, Any], recompute: str = "none") -> list[K
 def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
     """An optimizer step (harness.plan.events._optimizer_event): reads and writes each parameter, its gradient and
     its states (events.OPTIMIZER_BYTES_PER_PARAMETER) with 12 FLOPs a parameter, one launch per layer (foreach
-    kernels over a layer's tensors)."""
-    params = -(-int(content["params"]) // int(content.get("shard", 1)))
+    kernels over a layer's tensors). It also carries its optimizer (`op`: OPTIMIZER_KINDS), its parameters
+    (`elements`) and its parameter tensors as (elements, count) runs, each tensor's ZeRO shard (its first
+    dimension split over `shard`), for a description that measured the optimizer tensor by tensor
+    ([optimizer.NAME]); no tensors where a layer's are not known (a factory model's, a Mixture-of-Experts
+    block's)."""
+    shard = int(content.get("shard", 1))
+    params = -(-int(content["params"]) // shard)
     layers = sum(count for _, count in content.get("layers", ())) or 1
+    name = content.get("optimizer", "adam")
+    op = "adam" if name == "adam" else "sgd_momentum" if float(content.get("momentum", 0.0)) else "sgd"
+    runs: dict[int, int] = {}
+    for layer, count in content.get("layers", ()):
+        shapes = parameter_tensor_shapes(layer["layer"], dict(layer["signature"]))
+        if shapes is None:
+            runs = {}
+            break
+        for shape in shapes:
+            rows = -(-shape[0] // shard)
+            elements = rows * math.prod(shape[1:])
+            runs[elements] = runs.get(elements, 0) + int(count)
     return [MemoryBound("optimizer.step", float(params * OPTIMIZER_BYTES_PER_PARAMETER), "float32",
-                        flops=12.0 * params, launches=layers)]
+                        flops=12.0 * params, launches=layers, op=op, elements=float(params),
+                        tensors=tuple(sorted(runs.items())))]
+
+
+def parameter_tensor_shapes(kind: str, sig: Mapping[str, Any]) -> list[tuple[int, ...]] | None:
+    """The shapes of a built-in layer's trainable parameter tensors (this tensor-parallel shard's, as
+    harness.models builds them; LayerDesc.params is their elements' sum), None for a layer whose tensors the plan
+    does not know (a factory model's, a Mixture-of-Experts block's)."""
+    if kind not in ("embedding", "block", "head") or "experts" in sig:
+        return None
+    family, h, tp = sig["family"], int(sig["hidden"]), int(sig.get("tp", 1))
+    layer_norm = [(h,), (h,)]  # weight and bias
+    if kind == "block":
+        heads, kv_heads, ffn = int(sig["heads"]), int(sig["kv_heads"]), int(sig["ffn"])
+        head_dim = h // heads
+        if family == "llama":
+            qkv = (heads + 2 * kv_heads) * head_dim // tp
+            return [(h,), (qkv, h), (h, h // tp), (h,), (2 * ffn // tp, h), (h, ffn // tp)]
+        return [*layer_norm, (3 * h // tp, h), (3 * h // tp,), (h, h // tp), (h,), *layer_norm,
+                (ffn // tp, h), (ffn // tp,), (h, ffn // tp), (h,)]
+    vocab = int(sig["vocab"]) // tp
+    if kind == "embedding":
+        if family == "llama":
+            return [(vocab, h)]
+        positions = [(int(sig["max_seq"]), h)]
+        return [(vocab, h), *positions] + ([(2, h), *layer_norm] if family == "bert" else [])
+    projection = [] if sig.get("tied") else [(vocab, h)]
+    if family == "llama":
+        return [(h,), *projection]
+    if family == "bert":
+        return [(h, h), (h,), *layer_norm, *projection, (vocab,)]
+    return [*layer_norm, *projection]
 
 
 def kernels_flops(kernels: Iterable[Kernel]) -> float:
@@ -186,7 +243,8 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
     if kind == "embedding":  # PyTorch's dense gradient of this shard's token table: zeroed, then rows added
         vocab = int(sig["vocab"]) // int(sig.get("tp", 1))
         backward.append(MemoryBound("embedding.table_grad_fill", float(vocab * int(sig["hidden"])
-                                                                       * DTYPES[sig["dtype"]]), sig["dtype"]))
+                                                                       * DTYPES[sig["dtype"]]), sig["dtype"],
+                                    op="fill", elements=float(vocab * int(sig["hidden"]))))
     if kind == "block" and shape.recompute == "selective":
         backward = [k for k in forward if isinstance(k, Attention)] + backward
     if phase == "bwd":
@@ -210,7 +268,7 @@ def _gradients(kernel: Kernel) -> list[Kernel]:
                           kernel.head_dim, kernel.dtype, kernel.causal, backward=True,
                           launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches)]
     return [MemoryBound(f"{kernel.name}.grad", 1.5 * kernel.bytes, kernel.dtype, 2.0 * kernel.flops,
-                        kernel.launches)]
+                        kernel.launches, op=f"{kernel.op}_backward" if kernel.op else "", elements=kernel.elements)]
 
 
 def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
@@ -224,37 +282,46 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     tokens = shape.micro * shape.seq
     between = tokens // tp if sig.get("sp") else tokens  # the tokens between the tensor-parallel regions
     head_dim, local, local_kv = h // heads, heads // tp, kv_heads // tp
-    out: list[Kernel] = [MemoryBound("norm1", 2.0 * between * h * d, dtype),
+    norm = "rms_norm" if family == "llama" else "layer_norm"
+    out: list[Kernel] = [MemoryBound("norm1", 2.0 * between * h * d, dtype, op=norm, elements=float(between * h)),
                          Gemm("qkv", tokens, (local + 2 * local_kv) * head_dim, h, dtype)]
     if family == "llama":
-        out.append(MemoryBound("rotary", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype))
+        out.append(MemoryBound("rotary", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype, op="rotary",
+                               elements=float(tokens * (local + local_kv) * head_dim)))
     if local_kv != local:
-        out.append(MemoryBound("repeat_kv", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype))
+        out.append(MemoryBound("repeat_kv", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype, op="copy",
+                               elements=float(tokens * (local + local_kv) * head_dim)))
     attention = Attention("attention", shape.attention, shape.micro, local, shape.seq, shape.seq * cp, head_dim, dtype,
                           causal=family != "bert", launches=(cp if ring else 1)
                           * (3 if shape.attention == "materialized" else 1))
     out.append(attention)
     if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
-        out.append(MemoryBound("attention_dropout", shape.micro * local * shape.seq * shape.seq * cp
-                               * (2.0 * d + MASK_BYTES), dtype))
-    out += [MemoryBound("context_copy", 2.0 * tokens * local * head_dim * d, dtype),
+        scores = shape.micro * local * shape.seq * shape.seq * cp
+        out.append(MemoryBound("attention_dropout", scores * (2.0 * d + MASK_BYTES), dtype, op="dropout",
+                               elements=float(scores)))
+    out += [MemoryBound("context_copy", 2.0 * tokens * local * head_dim * d, dtype, op="copy",
+                        elements=float(tokens * local * head_dim)),
             Gemm("proj", tokens, h, local * head_dim, dtype)]
     out += _residual("1", between, h, d, dtype, shape.dropout)
-    out.append(MemoryBound("norm2", 2.0 * between * h * d, dtype))
+    out.append(MemoryBound("norm2", 2.0 * between * h * d, dtype, op=norm, elements=float(between * h)))
     if family == "llama":
         out += [Gemm("gate_up", tokens, 2 * ffn // tp, h, dtype),
-                MemoryBound("swiglu", 3.0 * tokens * ffn // tp * d, dtype),
+                MemoryBound("swiglu", 3.0 * tokens * ffn // tp * d, dtype, op="swiglu",
+                            elements=float(tokens * ffn // tp)),
                 Gemm("down", tokens, h, ffn // tp, dtype)]
     else:
-        out += [Gemm("fc1", tokens, ffn // tp, h, dtype), MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype),
+        out += [Gemm("fc1", tokens, ffn // tp, h, dtype),
+                MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype, op="gelu", elements=float(tokens * ffn // tp)),
                 Gemm("fc2", tokens, h, ffn // tp, dtype)]
     return out + _residual("2", between, h, d, dtype, shape.dropout)
 
 
 def _residual(which: str, tokens: int, h: int, d: int, dtype: str, dropout: float) -> list[Kernel]:
     """A sub-layer's output (dropped out with `dropout`: read, written and its mask) added to the residual stream."""
-    dropped = [MemoryBound(f"dropout{which}", tokens * h * (2.0 * d + MASK_BYTES), dtype)] if dropout else []
-    return dropped + [MemoryBound(f"residual{which}", 3.0 * tokens * h * d, dtype)]
+    dropped = [MemoryBound(f"dropout{which}", tokens * h * (2.0 * d + MASK_BYTES), dtype, op="dropout",
+                           elements=float(tokens * h))] if dropout else []
+    return dropped + [MemoryBound(f"residual{which}", 3.0 * tokens * h * d, dtype, op="add",
+                                  elements=float(tokens * h))]
 
 
 def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
@@ -265,9 +332,10 @@ def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     tokens = shape.micro * shape.seq
     tables = {"llama": 1, "gpt2": 2, "bert": 3}[family]  # rows read per token: tokens, positions, token types
     out: list[Kernel] = [MemoryBound("embedding.lookup", tokens * (ID_BYTES + (tables + 1) * h * d), dtype,
-                                     flops=float(tokens * h))]
+                                     flops=float(tokens * h), op="embedding", elements=float(tables * tokens * h))]
     if family == "bert":
-        out.append(MemoryBound("embedding.norm", 2.0 * tokens * h * d, dtype))
+        out.append(MemoryBound("embedding.norm", 2.0 * tokens * h * d, dtype, op="layer_norm",
+                               elements=float(tokens * h)))
     return out
 
 
@@ -280,7 +348,11 @@ def _head(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     tokens = shape.micro * shape.seq
     out: list[Kernel] = []
     if family == "bert":
-        out += [Gemm("transform", tokens, h, h, dtype), MemoryBound("transform_gelu", 2.0 * tokens * h * d, dtype)]
-    out += [MemoryBound("final_norm", 2.0 * tokens * h * d, dtype), Gemm("logits", tokens, vocab, h, dtype),
-            MemoryBound("cross_entropy", 3.0 * tokens * vocab * d, dtype, flops=5.0 * tokens * vocab)]
+        out += [Gemm("transform", tokens, h, h, dtype),
+                MemoryBound("transform_gelu", 2.0 * tokens * h * d, dtype, op="gelu", elements=float(tokens * h))]
+    norm = "rms_norm" if family == "llama" else "layer_norm"
+    out += [MemoryBound("final_norm", 2.0 * tokens * h * d, dtype, op=norm, elements=float(tokens * h)),
+            Gemm("logits", tokens, vocab, h, dtype),
+            MemoryBound("cross_entropy", 3.0 * tokens * vocab * d, dtype, flops=5.0 * tokens * vocab,
+                        op="cross_entropy", elements=float(tokens * vocab))]
     return out

@@ -20,7 +20,27 @@ Rules:
   (FRAMEWORK_FAMILIES, FRAMEWORK_SIZES) run forward and backward as a pass runs them, their time beyond their
   kernels' modelled work over the launches harness.plan.kernels lists for them (at least the bare launch; the
   curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written;
-- a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so.
+- a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
+- memory-bound kernels of every kind harness.plan.kernels names (MemoryBound.op), as the models run them: the
+  bandwidth kinds (BANDWIDTH_KINDS: copy, add, fill) fit the memory curve; every other kind (VECTOR_MEASURED: the
+  norms, GELU, SwiGLU, dropout, rotary, the embedding's lookup, the loss, each forward and backward) gets the
+  operations one call launches, counted by dispatch ([launches], format 2: count_kind_launches) and its
+  vector operations an element ([vector_ops], format 2): the slope of its kernels' seconds over their elements
+  (drawn from the range's two ends up) x the vector peak (harness.plan.device_fit.fit_vector_ops); the device
+  model costs it as the longer of that and its bytes on the memory curve;
+- the optimizers as harness train steps them (harness.models.make_optimizer: torch's default implementation for
+  the device, one tensor at a time on a CPU, foreach on CUDA; OPTIMIZERS): their kernels and bytes counted by
+  dispatch (count_optimizer: every aten operation a step dispatches and the bytes of its parameter-sized
+  operands, at 1 and OPTIMIZER_COUNT_TENSORS tensors: kernels a step and a tensor), and a kernel's seconds beyond
+  its bytes and the bandwidth its kernels move those bytes at, solved on two timed steps: over many small
+  tensors and over a few large ones ([optimizer.NAME]; fit_optimizer);
+- under an MPI launcher with 2 or more ranks (mpirun -n 2 python -m mpi4py -m harness device): every rank
+  calibrates at once (the ranks of a job share the memory bus and the cores; rank 0's figures are written), then
+  the collectives a training step runs are timed in context (collectives_in_context): each all-reduce,
+  all-gather and reduce-scatter right after a compute burst on every rank (a layer's GEMMs), as a
+  tensor-parallel layer runs them, each rank's time in the call: the transfer and the wait for the other ranks'
+  burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
+  barrier do not see.
 """
 from __future__ import annotations
 
@@ -39,8 +59,15 @@ import torch.nn.functional as F
 
 from harness.common.errors import UserError
 from harness.common.progress import Progress
-from harness.plan.device import REQUIRED_DTYPES, Curve, DeviceDescription
-from harness.plan.device_fit import Observation, curve_of, error_summary, fit_description, kernel_seconds
+from harness.plan.device import OPTIMIZER_KINDS, REQUIRED_DTYPES, Curve, DeviceDescription, OptimizerCost
+from harness.plan.device_fit import (
+    BANDWIDTH_KINDS,
+    Observation,
+    curve_of,
+    error_summary,
+    fit_description,
+    kernel_seconds,
+)
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, PassShape, layer_kernels
 from harness.plan.layers import describe_builtin
 from harness.plan.spec import DTYPES, ModelSpec
@@ -51,9 +78,29 @@ LAUNCH_LOOP = 50
 LEAD_S = 0.02  # on a GPU: how long a spin kernel holds it while the host issues a launch sample
 VECTOR_LOOP = 20  # multiply-adds a vector sample runs back to back (its tensors stay in cache)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# memory-bound kernels: bytes moved per element in units of the dtype's size, as harness.plan.kernels counts them
-MEMORY_OPS = {"add": 3, "gelu": 2, "layer_norm": 2, "copy": 2, "gelu_backward": 3}
-MEMORY_WIDTH = 256  # a memory-bound kernel's tensor is (rows, MEMORY_WIDTH)
+# memory-bound kernels: a forward kind's bytes an element in units of the dtype's size, as harness.plan.kernels
+# counts them (a backward's 1.5 x; dropout also writes a 1-byte mask an element)
+KIND_BYTES = {"copy": 2, "add": 3, "fill": 1, "layer_norm": 2, "rms_norm": 2, "gelu": 2, "swiglu": 3, "dropout": 2,
+              "rotary": 2, "embedding": 2, "cross_entropy": 3}
+# the kinds whose vector operations an element are measured (the bandwidth kinds fit the memory curve)
+VECTOR_MEASURED = tuple(k for kind in ("layer_norm", "rms_norm", "gelu", "swiglu", "dropout", "rotary", "embedding",
+                                       "cross_entropy") for k in (kind, f"{kind}_backward"))
+MEMORY_WIDTH = 256  # a memory-bound kernel's tensor is (rows, width): MEMORY_WIDTH, the loss's logits LOGITS_WIDTH
+LOGITS_WIDTH = 2048
+EMBEDDING_ROWS = 4096  # the lookup's table (its backward's: 64 rows, so that filling it stays a small part)
+DROPOUT_P = 0.1
+# optimizers as harness.models.make_optimizer builds them: OPTIMIZER_KINDS -> (name, momentum)
+OPTIMIZERS = {"adam": ("adam", 0.0), "sgd": ("sgd", 0.0), "sgd_momentum": ("sgd", 0.9)}
+OPTIMIZER_COUNT_TENSORS = 8  # a step's dispatched operations are counted over 1 and this many tensors
+OPTIMIZER_SMALL = (64, 256)  # (tensors, elements each): the step a kernel's seconds beyond its bytes is taken from
+OPTIMIZER_LARGE = (4, 1 << 18)  # a step over a few large tensors, measured as a check
+# collectives in context (2 or more ranks): the operations a tensor-parallel layer runs, the sizes (bytes, as
+# harness collectives counts them), and the compute burst each follows: a GEMM of about BURST_S on this device
+CONTEXT_OPS = ("allreduce", "allgather", "reducescatter")
+CONTEXT_SIZES = {"cpu": (1 << 10, 1 << 24), "cuda": (1 << 16, 1 << 30)}
+CONTEXT_FACTOR = 4  # between sizes (--quick: 16)
+CONTEXT_MIN_ROUNDS = 30  # rounds at least, whatever --repeats: a collective's wait is a wide distribution
+BURST_S = 0.002
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -75,33 +122,38 @@ class Scale:
     attention_max_flops: float
     memory_rows: tuple[int, int]
     vector_elements: int
+    kind_elements: tuple[int, int] = (1 << 14, 1 << 20)  # the vector kinds' kernels' elements
 
 
 SCALES = {
     "cpu": Scale(gemm_m=(16, 1024), gemm_nk=(32, 4096), gemm_max_flops=1.5e9,
                  peak_gemms=((256, 256, 256), (512, 512, 512)),
                  attention_batch=(1, 4), attention_heads=(1, 8), attention_seq=(32, 512), head_dims=(16, 32, 64),
-                 attention_max_flops=6e8, memory_rows=(4, 32768), vector_elements=1 << 14),
+                 attention_max_flops=6e8, memory_rows=(4, 32768), vector_elements=1 << 14,
+                 kind_elements=(1 << 14, 1 << 20)),
     "cuda": Scale(gemm_m=(128, 16384), gemm_nk=(128, 16384), gemm_max_flops=2e12,
                   peak_gemms=((4096, 4096, 4096), (8192, 8192, 8192)),
                   attention_batch=(1, 8), attention_heads=(8, 32), attention_seq=(256, 8192), head_dims=(64, 128),
-                  attention_max_flops=5e12, memory_rows=(256, 1 << 20), vector_elements=1 << 26),
+                  attention_max_flops=5e12, memory_rows=(256, 1 << 20), vector_elements=1 << 26,
+                  kind_elements=(1 << 16, 1 << 26)),
 }
 
 
 @dataclass(frozen=True)
 class Counts:
     """How many shapes of each kind a set draws: GEMMs, fused attentions (each forward and backward),
-    materialised attentions (each forward and backward), memory-bound kernels."""
+    materialised attentions (each forward and backward), memory-bound kernels of the bandwidth kinds (in turn),
+    and of each vector kind (VECTOR_MEASURED)."""
 
     gemm: int
     sdpa: int
     materialized: int
     memory: int
+    vector: int = 0
 
 
-FULL = Counts(gemm=24, sdpa=8, materialized=5, memory=15)
-QUICK = Counts(gemm=6, sdpa=2, materialized=1, memory=5)
+FULL = Counts(gemm=24, sdpa=8, materialized=5, memory=12, vector=3)
+QUICK = Counts(gemm=6, sdpa=2, materialized=1, memory=6, vector=2)
 
 
 @dataclass
@@ -118,6 +170,9 @@ class Calibration:
     held_out: list[Observation] = field(default_factory=list)  # measured in the same rounds, not fitted on
     bare_launch_s: float = 0.0  # a bare operator's launch (the curves' fit's); launch_s beside it on a CPU
     framework_blocks: dict[str, float] = field(default_factory=dict)  # family -> seconds a kernel (CPU)
+    optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
+    ranks: int = 1
 
     def bare(self) -> DeviceDescription:
         """The description with the bare launch: what a kernel run alone (a held-out one) takes."""
@@ -190,13 +245,35 @@ def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequ
             out += [forward, Attention("attention.grad", kernel_kind, batch, heads, seq, seq, head_dim, dtype,
                                        backward=True, launches=5 if kernel_kind == "materialized" else 1)]
             drawn += 1
-    ops, drawn = list(MEMORY_OPS), 0
+    drawn = 0
     while drawn < counts.memory:
-        op = ops[drawn % len(ops)]
-        rows = _log_uniform(rng, *scale.memory_rows)
-        if take(MemoryBound(op, float(MEMORY_OPS[op] * rows * MEMORY_WIDTH * DTYPES[dtype]), dtype)):
+        op = BANDWIDTH_KINDS[drawn % len(BANDWIDTH_KINDS)]
+        if take(kind_kernel(op, _log_uniform(rng, *scale.memory_rows), dtype)):
             drawn += 1
+    for op in VECTOR_MEASURED:  # the range's ends first (a kind's slope is fitted between its sizes)
+        drawn, width = 0, kind_width(op)
+        low, high = (max(1, bound // width) for bound in scale.kind_elements)
+        ends = [low, high]
+        while drawn < counts.vector:
+            rows = ends.pop(0) if ends else _log_uniform(rng, low, high)
+            if take(kind_kernel(op, rows, dtype)):
+                drawn += 1
     return out
+
+
+def kind_width(op: str) -> int:
+    """The width of a memory-bound kind's tensor: the loss's logits LOGITS_WIDTH, every other MEMORY_WIDTH."""
+    return LOGITS_WIDTH if op.startswith("cross_entropy") else MEMORY_WIDTH
+
+
+def kind_kernel(op: str, rows: int, dtype: str) -> MemoryBound:
+    """A memory-bound kernel of kind `op` over (rows, its width) elements, its bytes as harness.plan.kernels
+    counts its kind's (KIND_BYTES; a backward's 1.5 x; dropout's 1-byte mask)."""
+    forward = op.removesuffix("_backward")
+    elements = rows * kind_width(op)
+    per = KIND_BYTES[forward] * DTYPES[dtype] + (1 if forward == "dropout" else 0)
+    scale = 1.5 if op.endswith("_backward") else 1.0
+    return MemoryBound(op, float(scale * per * elements), dtype, op=op, elements=float(elements))
 
 
 def peak_kernels(kind: str, dtypes: Sequence[str], quick: bool) -> list[Gemm]:
@@ -236,12 +313,78 @@ def _runner(kernel: Kernel, device: torch.device) -> Callable[[], object]:
         grad = torch.randn_like(out)
         return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
     if isinstance(kernel, MemoryBound):
-        rows = round(kernel.bytes / (MEMORY_OPS[kernel.name] * MEMORY_WIDTH * DTYPES[kernel.dtype]))
-        x, y = randn(rows, MEMORY_WIDTH), randn(rows, MEMORY_WIDTH)
-        return {"add": lambda: x + y, "gelu": lambda: F.gelu(x), "copy": lambda: x.clone(),
-                "layer_norm": lambda: F.layer_norm(x, (MEMORY_WIDTH,)),
-                "gelu_backward": lambda: torch.ops.aten.gelu_backward(y, x)}[kernel.name]
+        return _kind_runner(kernel, device)
     raise TypeError(f"not a kernel: {kernel!r}")
+
+
+def _kind_runner(kernel: MemoryBound, device: torch.device) -> Callable[[], object]:
+    """A memory-bound kernel of its kind (kernel.op) as the models run it (harness.models.transformer): a
+    backward kind by autograd over the forward (retain_graph), which is what a training pass runs."""
+    from harness.models.transformer import RMSNorm, _rotary
+
+    dtype = TORCH_DTYPES[kernel.dtype]
+    op, width = kernel.op, kind_width(kernel.op)
+    forward_op, backward = op.removesuffix("_backward"), op.endswith("_backward")
+    rows = max(1, round(kernel.elements / width))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=backward)
+
+    if forward_op in BANDWIDTH_KINDS:
+        x, y = randn(rows, width), randn(rows, width)
+        return {"copy": lambda: x.clone(), "add": lambda: x + y,
+                "fill": lambda: torch.zeros(rows, width, dtype=dtype, device=device)}[forward_op]
+    x = randn(rows, width)
+    inputs = [x]
+    if forward_op == "layer_norm":
+        weight, bias = randn(width), randn(width)
+        inputs += [weight, bias]
+
+        def forward():
+            return F.layer_norm(x, (width,), weight, bias)
+    elif forward_op == "rms_norm":
+        norm = RMSNorm(width, dtype=dtype).to(device)
+        inputs += list(norm.parameters()) if backward else []
+
+        def forward():
+            return norm(x)
+    elif forward_op == "gelu":
+        def forward():
+            return F.gelu(x)
+    elif forward_op == "swiglu":
+        up = randn(rows, width)
+        inputs.append(up)
+
+        def forward():
+            return F.silu(x) * up
+    elif forward_op == "dropout":
+        def forward():
+            return F.dropout(x, DROPOUT_P, training=True)
+    elif forward_op == "rotary":
+        x = randn(1, 4, rows * width // (4 * 64), 64)
+        inputs = [x]
+
+        def forward():
+            return _rotary(x)
+    elif forward_op == "embedding":
+        table = randn(64 if backward else EMBEDDING_ROWS, width)
+        ids = torch.randint(0, table.shape[0], (rows,), device=device)
+        inputs = [table]
+
+        def forward():
+            return F.embedding(ids, table)
+    elif forward_op == "cross_entropy":
+        targets = torch.randint(0, width, (rows,), device=device)
+
+        def forward():
+            return F.cross_entropy(x.float(), targets)
+    else:
+        raise ValueError(f"no runner for memory-bound kind {op!r}")
+    if not backward:
+        return forward
+    out = forward()
+    grad = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
 
 def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Callable[[], object], list[Kernel]]:
@@ -272,8 +415,8 @@ def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list
     """Per block (kernels, measured seconds), its seconds a launch beyond its kernels' modelled work on
     `description` (launches costed 0): a list in the blocks' order."""
     workless = dataclasses.replace(description, launch_s=0.0)
-    return [(seconds - sum(kernel_seconds(workless, k) for k in kernels)) / sum(k.launches for k in kernels)
-            for kernels, seconds in blocks]
+    return [(seconds - sum(kernel_seconds(workless, k) for k in kernels))
+            / sum(description.kernel_launches(k) for k in kernels) for kernels, seconds in blocks]
 
 
 def _launch_runner(device: torch.device) -> Callable[[], object]:
@@ -295,6 +438,105 @@ def _vector_runner(device: torch.device, dtype: str, elements: int) -> Callable[
             torch.addcmul(x, y, z, out=out)
         return out
     return run
+
+
+def _optimizer_parameters(tensors: int, elements: int, device: torch.device) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.randn(elements, device=device)) for _ in range(tensors)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return params
+
+
+def _optimizer_runner(kind: str, tensors: int, elements: int, device: torch.device) -> Callable[[], object]:
+    """A step of optimizer `kind` (OPTIMIZERS) as harness train makes it, over `tensors` float32 parameters of
+    `elements` each with their gradients; one step taken first, so that its states exist."""
+    from harness.models import make_optimizer
+
+    name, momentum = OPTIMIZERS[kind]
+    optimizer = make_optimizer(name, momentum, _optimizer_parameters(tensors, elements, device), 1e-6)
+    optimizer.step()
+    return optimizer.step
+
+
+def count_dispatched(run: Callable[[], object], elements: int = 0) -> tuple[int, int]:
+    """(the aten operations one call of `run` dispatches, the bytes of those operands and results that hold
+    `elements` elements: read and written), counted by a TorchDispatchMode, not timed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kernels, self.bytes = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.kernels += 1
+            for value in (*args, *(kwargs or {}).values(), out):
+                for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(tensor, torch.Tensor) and tensor.numel() == elements:
+                        self.bytes += tensor.numel() * tensor.element_size()
+            return out
+
+    with Count() as count:
+        run()
+    return count.kernels, count.bytes
+
+
+def count_kind_launches(dtype: str, device: torch.device) -> dict[str, float]:
+    """Each measured memory-bound kind's operations a call ([launches]): what its runner (the models' code, a
+    backward by autograd) dispatches, counted on a small instance."""
+    return {op: float(count_dispatched(_kind_runner(kind_kernel(op, 64, dtype), device))[0])
+            for op in VECTOR_MEASURED}
+
+
+def count_optimizer(kind: str, device: torch.device, elements: int = 4096) -> dict[str, float]:
+    """What a step of optimizer `kind` dispatches, counted (not timed) over 1 and OPTIMIZER_COUNT_TENSORS tensors
+    of `elements` each: every aten operation is a kernel, and its bytes are those of its operands and results the
+    size of a parameter (its states, gradient and temporaries; scalars left out). kernels = kernels_per_step +
+    kernels_per_tensor x tensors solved on the two counts; bytes_per_parameter from the larger."""
+    counted = {}
+    for tensors in (1, OPTIMIZER_COUNT_TENSORS):
+        step = _optimizer_runner(kind, tensors, elements, device)
+        kernels, nbytes = count_dispatched(step, elements)
+        counted[tensors] = (kernels, nbytes / (tensors * elements))
+    (one, _), (many, per_parameter) = counted[1], counted[OPTIMIZER_COUNT_TENSORS]
+    per_tensor = (many - one) / (OPTIMIZER_COUNT_TENSORS - 1)
+    return {"kernels_per_tensor": float(per_tensor), "kernels_per_step": float(max(0.0, one - per_tensor)),
+            "bytes_per_parameter": float(per_parameter)}
+
+
+def optimizer_kernel(kind: str, tensors: int, elements: int) -> MemoryBound:
+    """The optimizer step `_optimizer_runner` runs, as harness.plan.kernels.optimizer_kernels lists one."""
+    from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER
+
+    params = tensors * elements
+    return MemoryBound("optimizer.step", float(params * OPTIMIZER_BYTES_PER_PARAMETER), "float32",
+                       flops=12.0 * params, launches=1, op=kind, elements=float(params),
+                       tensors=((elements, tensors),))
+
+
+def fit_optimizer(counted: dict[str, float], small_s: float, large_s: float) -> OptimizerCost:
+    """An optimizer's [optimizer.NAME]: the counted kernels and bytes, and the two figures that make the steps
+    over OPTIMIZER_SMALL's and OPTIMIZER_LARGE's tensors take `small_s` and `large_s`: each step's time is its
+    kernels x kernel_s + its parameters x bytes_per_parameter / bandwidth, two equations solved for kernel_s (at
+    least 0) and the bandwidth (where the two steps do not tell them apart, kernel_s 0 and the large step's
+    bytes over its time)."""
+    cost = OptimizerCost(kernels_per_tensor=counted["kernels_per_tensor"],
+                         kernels_per_step=counted["kernels_per_step"],
+                         bytes_per_parameter=counted["bytes_per_parameter"], kernel_s=0.0, bandwidth=1.0)
+    steps = []
+    for (tensors, elements), seconds in ((OPTIMIZER_SMALL, small_s), (OPTIMIZER_LARGE, large_s)):
+        launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
+        steps.append((launches, tensors * elements * cost.bytes_per_parameter, seconds))
+    (l1, b1, t1), (l2, b2, t2) = steps
+    determinant = l1 * b2 - l2 * b1
+    kernel_s, per_byte = 0.0, t2 / b2
+    if determinant:
+        kernel_s = (t1 * b2 - t2 * b1) / determinant
+        per_byte = (l1 * t2 - l2 * t1) / determinant
+    if kernel_s < 0 or per_byte <= 0:  # the steps do not tell them apart: bytes alone, at the large step's rate
+        kernel_s, per_byte = 0.0, t2 / b2
+    return dataclasses.replace(cost, kernel_s=kernel_s, bandwidth=1.0 / per_byte)
 
 
 def measure_launch_on_gpu(device: torch.device, repeats: int, warmup: int) -> tuple[float, float]:
@@ -330,6 +572,68 @@ def measure_kernels(kernels: Sequence[Kernel], device: torch.device, repeats: in
     return [Observation(curve_of(k), k, s) for k, s in zip(kernels, seconds)]
 
 
+def collectives_in_context(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int,
+                           quick: bool, group=None) -> list[dict[str, Any]]:
+    """The collectives of CONTEXT_OPS over CONTEXT_SIZES, timed in context on every rank of `comm` (mpi4py; torch's
+    process group started): each right after a compute burst (a square GEMM of about BURST_S at
+    `matrix_peak`), each rank's time in the call; and beside it back to back, after a barrier, as harness
+    collectives times it (the slowest rank's). Rounds (`repeats`, at least CONTEXT_MIN_ROUNDS) interleave every
+    operation and size. A row per operation and size: bytes, `in_context_s` (the mean over rounds of the ranks'
+    mean time in the call: what a step loses to it on average, the transfer and the wait for the other ranks'
+    burst; a mean, since a step's time is the sum of its collectives' and the wait's distribution has a long
+    tail of lost time slices) and `back_to_back_s` (the median, as harness collectives reports)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from harness.plan.collectives import input_elements, round_size
+    from harness.profile.collectives import CollectiveBench
+
+    ranks = comm.Get_size()
+    kind = device.type if device.type in CONTEXT_SIZES else "cpu"
+    low, high = CONTEXT_SIZES[kind]
+    factor = CONTEXT_FACTOR ** 2 if quick else CONTEXT_FACTOR
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= factor
+    bench = CollectiveBench(comm, tuple(range(ranks)), "torch", "float32", device, group)
+    tasks = []
+    for op in CONTEXT_OPS:
+        for nbytes in sizes:
+            nbytes = round_size(op, nbytes, "float32", ranks)
+            _, _, run, _ = bench._torch(op, *input_elements(op, nbytes, "float32", ranks))
+            tasks.append((op, nbytes, run))
+    side = max(16, round((BURST_S * matrix_peak / 2) ** (1 / 3)))
+    a, b = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
+    repeats = max(repeats, CONTEXT_MIN_ROUNDS)
+    in_context = np.zeros((len(tasks), repeats))
+    back_to_back = np.zeros((len(tasks), repeats))
+    for round_index in range(warmup + repeats):
+        for index, (_, _, run) in enumerate(tasks):
+            torch.mm(a, b)
+            synchronize(device)
+            started = time.perf_counter_ns()
+            run()
+            synchronize(device)
+            took = (time.perf_counter_ns() - started) / 1e9
+            dist.barrier(group=group)
+            synchronize(device)
+            started = time.perf_counter_ns()
+            run()
+            synchronize(device)
+            alone = (time.perf_counter_ns() - started) / 1e9
+            if round_index >= warmup:
+                in_context[index, round_index - warmup] = took
+                back_to_back[index, round_index - warmup] = alone
+    mean = np.empty_like(in_context)
+    comm.Allreduce(in_context, mean, op=MPI.SUM)
+    slowest = np.empty_like(back_to_back)
+    comm.Allreduce(back_to_back, slowest, op=MPI.MAX)
+    return [{"op": op, "bytes": nbytes, "ranks": ranks, "in_context_s": float(np.mean(mean[i] / ranks)),
+             "back_to_back_s": float(np.median(slowest[i])), "burst_s": BURST_S}
+            for i, (op, nbytes, _) in enumerate(tasks)]
+
+
 def describe_machine(device: torch.device) -> tuple[str, float]:
     """(title, memory in GB) of `device`: the GPU's name and memory, or the CPU's model name and this machine's
     memory."""
@@ -349,10 +653,12 @@ def describe_machine(device: torch.device) -> tuple[str, float]:
 
 
 def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name: str, warmup: int = 2,
-              show_progress: bool = True, held_out: Sequence[Kernel] = ()) -> Calibration:
+              show_progress: bool = True, held_out: Sequence[Kernel] = (), comm=None) -> Calibration:
     """Measure `device` (module docstring) and fit a description of it named `name`, its curves in `dtype`.
     `held_out`: kernels measured in the same rounds (the same minutes of the machine) but not fitted on, returned
-    as Calibration.held_out (bench/device_model.py sets them against the description)."""
+    as Calibration.held_out (bench/device_model.py sets them against the description). `comm`: an mpi4py
+    communicator of 2 or more ranks, every one calling this: they calibrate at once, then time the collectives
+    in context (Calibration.collectives); each rank returns its own fit (rank 0's is written)."""
     started = time.monotonic()
     kind = device.type if device.type in SCALES else "cpu"
     unsupported = [d for d in REQUIRED_DTYPES if not runs_dtype(device, d)]
@@ -367,6 +673,9 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     runners = [_launch_runner(device)] + [_vector_runner(device, d, scale.vector_elements) for d in runnable]
     blocks = [framework_block(family, dtype, device) for family in FRAMEWORK_FAMILIES] if kind == "cpu" else []
     runners += [run for run, _ in blocks]
+    # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
+    optimizers = [(kind, size) for kind in OPTIMIZER_KINDS for size in (OPTIMIZER_SMALL, OPTIMIZER_LARGE)]
+    runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
     runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
     progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
     try:
@@ -378,7 +687,9 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         launch_s, issue_s = measure_launch_on_gpu(device, repeats, warmup)
     vector = {d: 2.0 * scale.vector_elements * VECTOR_LOOP / s for d, s in zip(runnable, seconds[1:1 + len(runnable)])}
     block_seconds = seconds[1 + len(runnable):1 + len(runnable) + len(blocks)]
-    timed = seconds[1 + len(runnable) + len(blocks):]
+    at = 1 + len(runnable) + len(blocks)
+    optimizer_seconds = dict(zip(optimizers, seconds[at:at + len(optimizers)]))
+    timed = seconds[at + len(optimizers):]
     observations = [Observation(curve_of(k), k, s) for k, s in zip(fit_set, timed)]
     peak_seconds = timed[len(fit_set):len(fit_set) + len(peaks)]
     held_out_observations = [Observation(curve_of(k), k, s)
@@ -396,18 +707,44 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     start = DeviceDescription(name=name, title=title, memory_gb=memory_gb, memory_bandwidth=bandwidth,
                               matrix_peak={d: matrix[d] for d in REQUIRED_DTYPES},
                               vector_peak={d: vector[d] for d in REQUIRED_DTYPES}, launch_s=launch_s, curves=flat,
-                              fitted=True, fitted_on="", kernel_issue_s=issue_s)
+                              fitted=True, fitted_on="", kernel_issue_s=issue_s,
+                              launches=count_kind_launches(dtype, device))
     fitted = fit_description(start, observations)
+    counted = {kind: count_optimizer(kind, device) for kind in OPTIMIZER_KINDS}
+    fitted = dataclasses.replace(fitted, optimizer={
+        kind: fit_optimizer(counted[kind], optimizer_seconds[(kind, OPTIMIZER_SMALL)],
+                            optimizer_seconds[(kind, OPTIMIZER_LARGE)]) for kind in OPTIMIZER_KINDS})
+    observations += [Observation("optimizer", optimizer_kernel(kind, *size), s)
+                     for (kind, size), s in optimizer_seconds.items()]
     framework = {}
     if blocks:  # a CPU: a kernel in a pass costs the framework's time around it too (module docstring)
         per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
         framework = dict(zip(FRAMEWORK_FAMILIES, per_launch))
         fitted = dataclasses.replace(fitted, launch_s=max(launch_s, float(np.median(per_launch))))
     calibration = Calibration(fitted, observations, dtype, repeats, warmup, unsupported,
-                              held_out=held_out_observations, bare_launch_s=launch_s, framework_blocks=framework)
+                              held_out=held_out_observations, bare_launch_s=launch_s, framework_blocks=framework,
+                              optimizer_counts=counted)
+    if comm is not None and comm.Get_size() > 1:
+        calibration.ranks = comm.Get_size()
+        calibration.collectives = _collectives(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration
+
+
+def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int,
+                 quick: bool) -> list[dict[str, Any]]:
+    """collectives_in_context over torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended
+    after."""
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm.Barrier()
+    init_process_group(comm, discover(comm), device)
+    try:
+        return collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
+    finally:
+        destroy_process_group()
 
 
 def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescription:
@@ -415,13 +752,20 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
     scale, obs = SCALES[kind], calibration.observations
     count = {curve: sum(o.curve == curve for o in obs) for curve in
              ("gemm", "sdpa_forward", "sdpa_backward", "materialized_attention", "memory")}
+    bandwidth = sum(o.curve == "memory" and o.kernel.op in BANDWIDTH_KINDS for o in obs)
     note = (f"harness device {time.strftime('%Y-%m-%d %H:%M')}{' --quick' if quick else ''}, torch "
             f"{torch.__version__}: curves in {calibration.dtype} on {count['gemm']} GEMMs (m {scale.gemm_m[0]}-"
             f"{scale.gemm_m[1]}, n and k {scale.gemm_nk[0]}-{scale.gemm_nk[1]}), {count['sdpa_forward']} fused "
             f"attentions forward and backward and {count['materialized_attention']} materialised ones (seq "
-            f"{scale.attention_seq[0]}-{scale.attention_seq[1]}), {count['memory']} memory-bound kernels "
-            f"({', '.join(MEMORY_OPS)}); medians of {calibration.repeats} interleaved repeats after "
-            f"{calibration.warmup} warm-up; peaks the best measured"
+            f"{scale.attention_seq[0]}-{scale.attention_seq[1]}), {bandwidth} memory-bound kernels of "
+            f"{', '.join(BANDWIDTH_KINDS)} (the memory curve) and {count['memory'] - bandwidth} of "
+            f"{len(calibration.description.vector_ops)} other kinds (vector_ops: elements {scale.kind_elements[0]}-"
+            f"{scale.kind_elements[1]}); optimizers {', '.join(OPTIMIZER_KINDS)} by torch's default implementation "
+            f"here, their kernels and bytes counted by dispatch, a kernel's time beyond its bytes from a step over "
+            f"{OPTIMIZER_SMALL[0]} tensors of {OPTIMIZER_SMALL[1]}; medians of {calibration.repeats} interleaved "
+            f"repeats after {calibration.warmup} warm-up"
+            + (f", every one of {calibration.ranks} ranks at once (rank 0's figures)" if calibration.ranks > 1 else "")
+            + "; peaks the best measured"
             + (f"; launch_us the framework's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward ({', '.join(f'{v * 1e6:.1f}' for v in calibration.framework_blocks.values())}"
                f" us; their median), a bare operator's {calibration.bare_launch_s * 1e6:.2f} us"

@@ -1,0 +1,27 @@
+"""`harness device` on 2 or more ranks (pytest-mpi): the collectives a training step runs, timed in context after a
+compute burst and back to back, every operation and size, the same rows on every rank."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collectives_in_context_on_every_rank():
+    import torch
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import CONTEXT_OPS, collectives_in_context
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm = MPI.COMM_WORLD
+    cpu = torch.device("cpu")
+    init_process_group(comm, discover(comm), cpu)
+    try:
+        rows = collectives_in_context(comm, cpu, 1e9, repeats=2, warmup=1, quick=True)
+    finally:
+        destroy_process_group()
+    assert {r["op"] for r in rows} == set(CONTEXT_OPS)
+    assert len({r["bytes"] for r in rows}) >= 3  # sizes over the range, every operation at each
+    assert all(r["in_context_s"] > 0 and r["back_to_back_s"] > 0 and r["ranks"] == comm.Get_size() for r in rows)
+    assert all(other == rows for other in comm.allgather(rows))  # reduced over the ranks: the same everywhere
