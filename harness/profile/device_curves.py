@@ -33,7 +33,8 @@ Rules:
   dispatch (count_optimizer: every aten operation a step dispatches and the bytes of its parameter-sized
   operands, at 1 and OPTIMIZER_COUNT_TENSORS tensors: kernels a step and a tensor), and a kernel's seconds beyond
   its bytes and the bandwidth its kernels move those bytes at, solved on two timed steps: over many small
-  tensors and over a few large ones ([optimizer.NAME]; fit_optimizer);
+  tensors and over a few large ones ([optimizer.NAME]; fit_optimizer); a third step between them, measured in
+  the same rounds, is the check (the calibration's "optimizer" rows and fit error);
 - under an MPI launcher with 2 or more ranks (mpirun -n 2 python -m mpi4py -m harness device): every rank
   calibrates at once (the ranks of a job share the memory bus and the cores; rank 0's figures are written), then
   the collectives a training step runs are timed in context (collectives_in_context): each all-reduce,
@@ -93,7 +94,8 @@ DROPOUT_P = 0.1
 OPTIMIZERS = {"adam": ("adam", 0.0), "sgd": ("sgd", 0.0), "sgd_momentum": ("sgd", 0.9)}
 OPTIMIZER_COUNT_TENSORS = 8  # a step's dispatched operations are counted over 1 and this many tensors
 OPTIMIZER_SMALL = (64, 256)  # (tensors, elements each): the step a kernel's seconds beyond its bytes is taken from
-OPTIMIZER_LARGE = (4, 1 << 18)  # a step over a few large tensors, measured as a check
+OPTIMIZER_LARGE = (4, 1 << 18)  # a step over a few large tensors
+OPTIMIZER_CHECK = (16, 1 << 14)  # a step between them, measured in the same rounds and not fitted on: the check
 # collectives in context (2 or more ranks): the operations a tensor-parallel layer runs, the sizes (bytes, as
 # harness collectives counts them), and the compute burst each follows: a GEMM of about BURST_S on this device
 CONTEXT_OPS = ("allreduce", "allgather", "reducescatter")
@@ -674,7 +676,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     blocks = [framework_block(family, dtype, device) for family in FRAMEWORK_FAMILIES] if kind == "cpu" else []
     runners += [run for run, _ in blocks]
     # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
-    optimizers = [(kind, size) for kind in OPTIMIZER_KINDS for size in (OPTIMIZER_SMALL, OPTIMIZER_LARGE)]
+    optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
+                  for size in (OPTIMIZER_SMALL, OPTIMIZER_LARGE, OPTIMIZER_CHECK)]
     runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
     runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
     progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
@@ -714,8 +717,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     fitted = dataclasses.replace(fitted, optimizer={
         kind: fit_optimizer(counted[kind], optimizer_seconds[(kind, OPTIMIZER_SMALL)],
                             optimizer_seconds[(kind, OPTIMIZER_LARGE)]) for kind in OPTIMIZER_KINDS})
-    observations += [Observation("optimizer", optimizer_kernel(kind, *size), s)
-                     for (kind, size), s in optimizer_seconds.items()]
+    observations += [Observation("optimizer", optimizer_kernel(kind, *OPTIMIZER_CHECK), s)
+                     for (kind, size), s in optimizer_seconds.items() if size == OPTIMIZER_CHECK]
     framework = {}
     if blocks:  # a CPU: a kernel in a pass costs the framework's time around it too (module docstring)
         per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
