@@ -197,7 +197,8 @@ def search_round(spec: Path, folder: Path, limit_gb: float | None, strategies: b
     below every plain candidate's peak, from the first round (passed on to the others)."""
     folder.mkdir(parents=True, exist_ok=True)
     run(LAUNCH + ["profile", str(spec), "-o", str(folder / "prof"), "--quiet", "--force"], env)
-    search = [sys.executable, "-m", "analysis", "search", str(folder / "prof"), "--json", "--quiet"]
+    # every candidate's prediction, to rank them all against their runs
+    search = [sys.executable, "-m", "analysis", "search", str(folder / "prof"), "--json", "--quiet", "--exhaustive"]
     found = json.loads(run(search, env).stdout)
     if strategies:
         if limit_gb is None:

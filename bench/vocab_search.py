@@ -55,7 +55,8 @@ def profile_and_search(workdir: Path, vocab_parallel: bool, env: dict) -> dict:
     print(f"profiling vocab_parallel = {str(vocab_parallel).lower()} on 4 ranks ...", file=sys.stderr, flush=True)
     run([mpirun, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "harness", "profile", str(job), "-o",
          str(workdir / "prof"), "--quiet", "--force"], {**env, "DISTSIM_EMULATE_RANKS_PER_NODE": "2"})
-    result = run([sys.executable, "-m", "analysis", "search", str(workdir / "prof" / "profile.h5"), "--json"], env)
+    result = run([sys.executable, "-m", "analysis", "search", str(workdir / "prof" / "profile.h5"), "--json",
+                  "--exhaustive"], env)  # every layout's time, the slow ones too
     return json.loads(result.stdout)
 
 
