@@ -419,10 +419,10 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
     iterations, warmup = 5, 2
     # A stalled machine (CI once ran this job 100x slower than here, its ranks idle 99% of their spans in
     # trace.h5; a clean clone here once ran one measured iteration 10x longer than the others) leaves nothing to
-    # compare: run once more, then say so rather than judge the profiler by it. A breakdown that misses by more
-    # than 2 points (0.1-0.6 here, busy or not) also gets one more run; both reports are shown if both miss.
-    misses = []
-    for attempt in range(2):
+    # compare: such a run is reported, not judged. A breakdown that misses by more than 2 points (0.1-0.6 here,
+    # busy or not) fails the test when a second unstalled run misses too; up to three runs, all reports shown.
+    misses, unstalled = [], 0
+    for attempt in range(3):
         run, prof = shared_dir / f"run{attempt}", shared_dir / f"prof{attempt}"
         result = run_training(spec, comm, run, iterations, warmup, timeout_s=120, dp_backend="mpi4py",
                               torch_profiler=prof)
@@ -439,8 +439,12 @@ def test_profiler_traces_break_down_as_the_trace_does(shared_dir):
         if verdict is None:
             return
         misses.append(f"attempt {attempt}: {verdict}")
-    if all(miss.split(": ", 1)[1].startswith("stalled") for miss in misses):
-        pytest.skip(f"the machine stalled both runs ({misses}): nothing to compare the profiler traces with")
+        unstalled += not verdict.startswith("stalled")
+        if unstalled == 2:
+            break
+    if unstalled < 2:
+        pytest.skip(f"the machine stalled {len(misses) - unstalled} of {len(misses)} runs, which leaves no verdict: "
+                    f"{misses}")
     if comm.Get_rank() == 0:
         pytest.fail("the profiler's breakdown missed trace.h5's by more than 2 points:\n" + "\n".join(misses))
 
@@ -475,6 +479,9 @@ def _judge_profiler_traces(result, prof, n: int, iterations: int, warmup: int) -
         assert sum(name.startswith("distsim:send.") for name in names) == int(np.sum(measured["phase"] == "send"))
     from_profiler = breakdown(load_run(prof))
     assert len(from_profiler.run.iteration_s) == iterations - warmup
+    steps = from_profiler.run.iteration_s
+    if max(steps) > STALLED_RATIO * min(steps):
+        return f"stalled: the profiler's steps {np.round(steps, 3).tolist()} s"
     missed = [c for c in CATEGORIES if abs(from_profiler.mean_share(c) - from_trace.mean_share(c)) > 2.0]
     if not missed:
         return None
