@@ -58,12 +58,17 @@ test: setup slurm-deps
 lint: setup
 	$(BIN)/ruff check .
 
+# The tests run more ranks than cores: MPICH's waits then sleep instead of spinning (TEST_MPI_ENV; without it a
+# rank waiting in a collective takes a core from the rank it waits for, and the -n 4 pass ran 12-24 minutes).
+# Never for profiles or benchmarks: it makes a small all-reduce take 180 us instead of 11 (docs/testing.md).
+TEST_MPI_ENV := MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+
 test-serial: setup
-	$(PY) -m pytest -q tests
+	$(TEST_MPI_ENV) $(PY) -m pytest -q tests
 
 test-mpi: setup
-	$(MPIRUN) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi tests
-	$(MPIRUN) -n 4 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi tests
+	$(TEST_MPI_ENV) $(MPIRUN) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi tests
+	$(TEST_MPI_ENV) $(MPIRUN) -n 4 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi tests
 
 # Debian's Slurm and munge for the Slurm tests; only where we are root and apt exists (tests skip otherwise, fail under CI=true).
 slurm-deps:
