@@ -183,3 +183,12 @@ def test_background_communications_join_the_profiler_trace_on_threads_where_they
     assert events[1]["ts"] - events[0]["ts"] == pytest.approx(0.2, abs=1e-3)
     assert [e["name"] for e in background_events(rows, 1, 0, 42, mpi_buckets=False) if e["ph"] == "X"] == [
         "distsim:send.activation"] * 2
+
+
+def test_the_memory_peak_comes_from_the_last_warm_up_iteration_when_two_warm_up():
+    """With two or more warm-up iterations the saved-tensor count runs in the last of them only (the optimizer's
+    states exist from the second iteration on), so no timed iteration pays for it; with fewer it runs in the
+    measured ones."""
+    from harness.train.runner import memory_iteration
+
+    assert [memory_iteration(w) for w in range(5)] == [0, 1, 1, 2, 3]

@@ -17,6 +17,7 @@ are all launched after the last micro-batch's W, which makes their gradients.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -93,6 +94,9 @@ class PipelineEngine:
                           if params and self.optimizer_event else None)
         # what this device holds, by part, and its peak (harness.profile.memory; the memory model counts alike)
         self.memory = MemoryMeter()
+        # a Python call for every tensor autograd saves: the runner turns it on for the iteration whose peak it
+        # reports only, so the timed iterations run as training does (docs/train.md, "Memory")
+        self.meter_activations = True
         self.memory.hold_weights(every)
         self.memory.watch_gradients(p for p in every if p.requires_grad and self.grads.outside_buckets(p))
         self.memory.hold_gradient_buffers(self.grads.bucket_buffers())
@@ -141,7 +145,7 @@ class PipelineEngine:
             anchor = layers.mark() if layers else None
             marks, outputs = [], []
             out = x
-            with saving_into(self.memory):
+            with saving_into(self.memory) if self.meter_activations else nullcontext():
                 for run, again in self.segments[vs]:
                     if again:
                         # the whole forward again, as Megatron-LM (and the plan): torch's default early stop

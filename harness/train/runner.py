@@ -25,7 +25,7 @@ from harness.runtime.mpi_errors import raise_if_any, yielding_barrier
 from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
-DEFAULT_WARMUP = 1
+DEFAULT_WARMUP = 2
 DP_BACKENDS = ("torch", "mpi4py")
 
 
@@ -274,6 +274,14 @@ def _set_up(run: _Run, spec: JobSpec, comm, *, seed: int, lr: float, device: str
     run.first_sync = sync_clocks(comm, clock_samples)
 
 
+def memory_iteration(warmup: int) -> int:
+    """The iteration whose peak a run reports: the last warm-up one where two or more warm up (the optimizer's
+    states exist from the second iteration on), which alone runs the saved-tensor count, so the measured
+    iterations carry none of its cost; else the first measured one, the count running in every measured
+    iteration."""
+    return warmup - 1 if warmup >= 2 else warmup
+
+
 def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, seed: int, fresh_data: bool,
              barrier: bool, torch_profiler: str | Path | None, dp_backend: str) -> tuple[list, list, list]:
     """The training iterations: each one's start and end (ns, this rank's clock) and loss."""
@@ -283,6 +291,7 @@ def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, se
     from harness.train.profiler_trace import start_profiler, write_profiler_trace
 
     engine, dev = run.engine, run.device
+    metered = memory_iteration(warmup)
     starts, ends, losses = [], [], []
     fixed = make_tokens(spec, seed, 0)
     profiler = None
@@ -296,10 +305,11 @@ def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, se
             profiler.step()  # one ProfilerStep#N per measured iteration, from before its barrier
         if barrier:
             yielding_barrier(comm)
-        if iteration == warmup:  # the peak of the measured iterations only
+        if iteration == metered:
             engine.reset_memory_peak()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+        engine.meter_activations = iteration >= metered if metered == warmup else iteration == metered
         starts.append(engine.now())
         losses.append(engine.run_iteration(iteration, tokens))
         ends.append(engine.now())
