@@ -57,9 +57,10 @@ def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
     with h5py.File(out / "profile.h5") as f:  # P2P also with the sender computing, on either backend
         p2p = [g for g in f["measurements"].values() if plain(g.attrs["kind"]) == "p2p"]
         assert p2p and all((g["sender_busy_samples_s"][()] > 0).all() for g in p2p)
-        # and the sender's post of each send, shorter than the whole ping-pong's round trip
-        assert all((g["send_post_samples_s"][()] > 0).all()
-                   and (g["send_post_samples_s"][()] < 2 * g["samples_s"][()]).all() for g in p2p)
+        # and the sender's post of each send, its receiver waiting: host bookkeeping, never a transfer's wait
+        # (0.2-0.5 ms here; through the run's own path on torch, harness.train.p2p.post_send)
+        assert all((g["send_post_samples_s"][()] > 0).all() and (g["send_post_samples_s"][()] < 0.05).all()
+                   for g in p2p)
         # every rank timed the speed probe in the compute phase that took the compute samples
         phases = {compute_phase_key(g.attrs[COMPUTE_PHASE_ATTR]) for g in f["measurements"].values()
                   if plain(g.attrs["kind"]) == "compute"}

@@ -117,6 +117,8 @@ class CommProfiler:
                 samples = self._sharded(task, members, group, mpi_group, warmup, repeats)
             elif task.kind == "p2p":
                 round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
+                if mpi_group is None:  # the run's P2P is torch.distributed's, posted through its own path
+                    posts = self._p2p_posts_as_run(buffer, members, group, repeats)
                 samples = CommSamples(round_trips,
                                       self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats),
                                       send_post_s=posts)
@@ -237,6 +239,36 @@ class CommProfiler:
                 if self.rank == sender:
                     posts[i - warmup] = post_ns / 1e9
         return samples, posts
+
+    def _p2p_posts_as_run(self, buffer, members, group, repeats: int) -> np.ndarray:
+        """The sender's host time to post a send as a training step posts it (harness.train.p2p.post_send: the
+        send left to a watcher thread, its tensor held by the memory count), the receiver waiting in its receive:
+        what the run's step that sends pays before its device goes on (on gloo 1.8-2.0x the bare isend's call,
+        bench/p2p_host_cost.py). Per repeat; NaN on the receiver."""
+        from harness.profile.memory import LiveStorages
+        from harness.train.inflight import Completer
+        from harness.train.p2p import post_send
+
+        sender, receiver = members
+        completer, meter = Completer(poll=self.device.type == "cuda", timeout_s=600.0), LiveStorages()
+        posts = np.full(repeats, np.nan)
+        try:
+            for i in range(1 + repeats):  # the first starts the watcher thread: left out
+                dist.barrier(group=group)
+                synchronize(self.device)
+                if self.rank == sender:
+                    time.sleep(POST_DELAY_S)
+                    start = time.perf_counter_ns()
+                    pending = post_send(buffer, receiver, {"group": group}, completer, meter, start)
+                    posted = time.perf_counter_ns()
+                    completer.wait(pending)
+                    if i:
+                        posts[i - 1] = (posted - start) / 1e9
+                else:
+                    dist.recv(buffer, sender, group=group)
+        finally:
+            completer.close()
+        return posts
 
     def _p2p_sender_busy(self, buffer, members, group, mpi_group, warmup, repeats) -> np.ndarray:
         """Per repeat: barrier; the sender posts its send and computes for SENDER_BUSY_S; the receiver posts its

@@ -84,13 +84,10 @@ class StageLinks:
             peer, backward, event = self._rank_of_vs(vs + 1), False, self.plan.stages[vs].send_forward
         else:
             peer, backward, event = self._rank_of_vs(vs - 1), True, self.plan.stages[vs].send_backward
-        tensor = tensor.detach().contiguous()
         start = self.clock.now()
         channel = self._channel(what, self.rank, peer, self._tag(vs, micro, backward))
-        work = dist.isend(tensor, dst=peer, **channel)
-        self.memory.hold_while(tensor, tensor, "pipeline")  # until the send completes and lets it go
-        self.sends.append(self.completer.submit(("p2p", peer), work, start, keep=tensor,
-                                                meta=(f"send.{what}", event, vs, micro, peer)))
+        self.sends.append(post_send(tensor, peer, channel, self.completer, self.memory, start,
+                                    meta=(f"send.{what}", event, vs, micro, peer)))
 
     def reap_sends(self, block: bool) -> None:
         """Record completed sends (and free their tensors); with block, wait for all of them."""
@@ -104,3 +101,14 @@ class StageLinks:
             self.rec.add(pending.start_ns, pending.end_ns, blocked if block else 0, "p2p", name, "send", event, vs,
                          micro, peer)
         self.sends = still
+
+
+def post_send(tensor: torch.Tensor, peer: int, channel: dict[str, Any], completer: Completer, memory: LiveStorages,
+              start_ns: int, meta: tuple = ()) -> Pending:
+    """Post `tensor` to `peer` as a pipeline step does, the send left to complete in the background: held in
+    `memory` until it has, handed to `completer`'s watcher. The profile times its P2P posts through this too
+    (harness.profile.comm), so a timeline's post is the run's."""
+    tensor = tensor.detach().contiguous()
+    work = dist.isend(tensor, dst=peer, **channel)
+    memory.hold_while(tensor, tensor, "pipeline")  # until the send completes and lets it go
+    return completer.submit(("p2p", peer), work, start_ns, keep=tensor, meta=meta)
