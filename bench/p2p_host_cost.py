@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from harness.profile.memory import LiveStorages
-from harness.train.inflight import Completer
+from harness.runtime.inflight import Completer
 
 SEND_DELAY_S = 0.002  # the sender posts this long after the barrier, the receiver already waiting
 LATE_RECEIVE_S = 0.003  # the receiver posts this long after the sender's send

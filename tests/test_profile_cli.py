@@ -58,7 +58,7 @@ def test_profile_under_mpirun_and_show(tmp_path, project_env, backend):
         p2p = [g for g in f["measurements"].values() if plain(g.attrs["kind"]) == "p2p"]
         assert p2p and all((g["sender_busy_samples_s"][()] > 0).all() for g in p2p)
         # and the sender's post of each send, its receiver waiting: host bookkeeping, never a transfer's wait
-        # (0.2-0.5 ms here; through the run's own path on torch, harness.train.p2p.post_send)
+        # (0.2-0.5 ms here; through the run's own path on torch, harness.runtime.inflight.post_send)
         assert all((g["send_post_samples_s"][()] > 0).all() and (g["send_post_samples_s"][()] < 0.05).all()
                    for g in p2p)
         # every rank timed the speed probe in the compute phase that took the compute samples

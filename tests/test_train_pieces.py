@@ -147,7 +147,7 @@ def test_the_meter_holds_a_made_gradient_until_the_next_iteration_and_optimizer_
 
 def test_p2p_tags_are_distinct_and_every_received_tensor_has_a_shape():
     from harness.plan.schedules import virtual_stage
-    from harness.train.inflight import Completer
+    from harness.runtime.inflight import Completer
     from harness.train.p2p import StageLinks
 
     spec = loads_spec(spec_text(pp=2, layers=4, chunks=2, schedule="interleaved-1f1b", micro=1, global_batch=4))

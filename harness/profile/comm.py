@@ -241,13 +241,12 @@ class CommProfiler:
         return samples, posts
 
     def _p2p_posts_as_run(self, buffer, members, group, repeats: int) -> np.ndarray:
-        """The sender's host time to post a send as a training step posts it (harness.train.p2p.post_send: the
+        """The sender's host time to post a send as a training step posts it (harness.runtime.inflight.post_send: the
         send left to a watcher thread, its tensor held by the memory count), the receiver waiting in its receive:
         what the run's step that sends pays before its device goes on (on gloo 1.8-2.0x the bare isend's call,
         bench/p2p_host_cost.py). Per repeat; NaN on the receiver."""
         from harness.profile.memory import LiveStorages
-        from harness.train.inflight import Completer
-        from harness.train.p2p import post_send
+        from harness.runtime.inflight import Completer, post_send
 
         sender, receiver = members
         completer, meter = Completer(poll=self.device.type == "cuda", timeout_s=600.0), LiveStorages()

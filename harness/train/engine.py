@@ -7,7 +7,7 @@ adjacent virtual stages; GradientSync (harness.train.grad_sync) makes the replic
 or FSDP, then the expert, sequence-parallel and tied-embedding sums); MemoryMeter (harness.train.memory_meter)
 counts what the device holds by part; the Recorder and DeviceClock (harness.train.recorder) record every
 interval, LayerTimes (harness.train.layer_times) every layer's with `--layer-times`; the Completer
-(harness.train.inflight) watches the communication left in flight.
+(harness.runtime.inflight) watches the communication left in flight.
 
 A zero-bubble schedule's backward runs in two steps as torch.distributed.pipelining's stages run it: B with
 stage_backward_input (the stage input's gradient, sent on at once), W with stage_backward_weight (the
@@ -30,8 +30,8 @@ from harness.plan.layers import collective_kind, recompute_groups
 from harness.plan.schedules import device_steps, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.profile.memory import kept_gradients, saving_into
+from harness.runtime.inflight import Completer
 from harness.train.grad_sync import GradientSync
-from harness.train.inflight import Completer
 from harness.train.layer_times import LayerTimes
 from harness.train.memory_meter import MemoryMeter
 from harness.train.model import loss_of, micro_batch

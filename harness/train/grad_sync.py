@@ -32,7 +32,7 @@ except ImportError:  # zero > 0 then stops in ShardedReplicas with a message
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
 from harness.plan.spec import JobSpec
-from harness.train.inflight import Completer, Pending
+from harness.runtime.inflight import Completer, Pending
 from harness.train.model import replicated
 from harness.train.recorder import DeviceClock, Recorder
 

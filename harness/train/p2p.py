@@ -2,7 +2,7 @@
 one and the gradients that come back, each recorded as a row of kind `p2p`.
 
 A step that needs an input posts its receive when the device reaches it and waits for it (the row is the
-waiting); a send leaves with `isend` and completes in the background (harness.train.inflight), recorded once
+waiting); a send leaves with `isend` and completes in the background (harness.runtime.inflight), recorded once
 reaped. On gloo, messages carry a tag per (sending stage, micro-batch, direction); NCCL has no tags, so there
 every (kind, sender, receiver) has its own two-rank group whose messages arrive in order (`p2p_groups`).
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from harness.plan.events import EventPlan
 from harness.plan.spec import JobSpec
 from harness.profile.memory import LiveStorages
-from harness.train.inflight import Completer, Pending
+from harness.runtime.inflight import Completer, Pending, post_send
 from harness.train.model import activation_spec
 from harness.train.recorder import DeviceClock, Recorder
 
@@ -102,13 +102,3 @@ class StageLinks:
                          micro, peer)
         self.sends = still
 
-
-def post_send(tensor: torch.Tensor, peer: int, channel: dict[str, Any], completer: Completer, memory: LiveStorages,
-              start_ns: int, meta: tuple = ()) -> Pending:
-    """Post `tensor` to `peer` as a pipeline step does, the send left to complete in the background: held in
-    `memory` until it has, handed to `completer`'s watcher. The profile times its P2P posts through this too
-    (harness.profile.comm), so a timeline's post is the run's."""
-    tensor = tensor.detach().contiguous()
-    work = dist.isend(tensor, dst=peer, **channel)
-    memory.hold_while(tensor, tensor, "pipeline")  # until the send completes and lets it go
-    return completer.submit(("p2p", peer), work, start_ns, keep=tensor, meta=meta)

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 @dataclass(eq=False)
 class Pending:
@@ -90,3 +93,15 @@ class Completer:
                 thread.join(timeout=5)
         self._queues.clear()
         self._threads.clear()
+
+
+def post_send(tensor: torch.Tensor, peer: int, channel: dict[str, Any], completer: Completer, memory: Any,
+              start_ns: int, meta: tuple = ()) -> Pending:
+    """Post `tensor` to `peer` as a pipeline step of `harness train` does, the send left to complete in the
+    background: held in `memory` (a harness.profile.memory.LiveStorages) until it has, handed to `completer`'s
+    watcher. The profile times its P2P posts through this too (harness.profile.comm), so a timeline's post is
+    the run's."""
+    tensor = tensor.detach().contiguous()
+    work = dist.isend(tensor, dst=peer, **channel)
+    memory.hold_while(tensor, tensor, "pipeline")  # until the send completes and lets it go
+    return completer.submit(("p2p", peer), work, start_ns, keep=tensor, meta=meta)
