@@ -4,8 +4,9 @@
 
 Per repeat, interleaved and with the order alternated, on a torch.distributed gloo pair:
   post, as profiled    the sender's time in `dist.isend` with the receiver waiting (harness.profile.comm's post sample)
-  post, as the run     the same through the run's path (harness.train.p2p.StageLinks.send: detach and contiguous,
-                       isend, the memory count's hold, the Completer's hand-off to its watcher thread)
+  post, as the run     the same through the run's path (harness.runtime.inflight.post_send, which the profile
+                       now times too: detach and contiguous, isend, the memory count's hold, the Completer's
+                       hand-off to its watcher thread)
   transfer             half a ping-pong's round trip (the profile's P2P sample, which the timeline charges from
                        the later of the send and the receive's post)
   late receive         the receiver's time in a receive it posts 3 ms after the send (the run's receive: a
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from harness.profile.memory import LiveStorages
-from harness.runtime.inflight import Completer
+from harness.runtime.inflight import Completer, post_send
 
 SEND_DELAY_S = 0.002  # the sender posts this long after the barrier, the receiver already waiting
 LATE_RECEIVE_S = 0.003  # the receiver posts this long after the sender's send
@@ -62,10 +63,7 @@ def main() -> None:
                     posted = time.perf_counter_ns()
                     work.wait()
                 else:
-                    tensor = data.detach().contiguous()
-                    work = dist.isend(tensor, 1, tag=4 * i + 1)
-                    meter.hold_while(tensor, tensor, "pipeline")
-                    pending = completer.submit(("p2p", 1), work, start, keep=tensor)
+                    pending = post_send(data, 1, {"tag": 4 * i + 1}, completer, meter, start)
                     posted = time.perf_counter_ns()
                     completer.wait(pending)
                 if keep:

@@ -71,7 +71,7 @@ def test_end_to_end_profile_then_resume(tmp_path):
                 if plain(g.attrs["kind"]) == "p2p":
                     busy = g["sender_busy_samples_s"][()]
                     assert busy.shape == (2,) and (busy > 0).all() and (busy < 1.0).all()
-                    # the sender's own, one per repeat, posted as a training step posts (harness.train.p2p): the
+                    # the sender's own, one per repeat, posted as a training step posts (post_send): the
                     # receiver waits already, so a post is host bookkeeping (0.2-0.5 ms here), never a transfer's wait
                     posts = g["send_post_samples_s"][()]
                     assert posts.shape == (2,) and (posts > 0).all() and (posts < 0.05).all()

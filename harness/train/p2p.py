@@ -101,4 +101,3 @@ class StageLinks:
             self.rec.add(pending.start_ns, pending.end_ns, blocked if block else 0, "p2p", name, "send", event, vs,
                          micro, peer)
         self.sends = still
-
