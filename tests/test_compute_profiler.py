@@ -7,6 +7,7 @@ import torch
 
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
+from harness.profile import compute
 from harness.profile.compute import (
     ComputeRunner,
     backward_call_times,
@@ -43,6 +44,26 @@ def test_cpu_runner_rotates_copies_larger_than_the_cache():
     assert len(runner.layers) > 1 and len({id(layer) for layer in runner.layers}) == len(runner.layers)
     assert len(runner.layers) * weights * 2 >= min(2 * last_level_cache_bytes(), 16 * weights * 2)
     assert all(runner.sample() > 0 for _ in range(len(runner.layers) + 1))
+
+
+def test_a_checkpointed_forward_runs_under_checkpoint_and_its_memory_is_the_plain_forwards(monkeypatch):
+    """A recomputed block's forward is timed as harness train runs it, under torch.utils.checkpoint; what its
+    forward saves is measured without it (the memory model counts a recomputed layer's activations itself)."""
+    plan = build_plan(loads_spec(tiny_spec_text(layers=2, hidden=64, heads=4, ffn=128, seq=16, vocab=128,
+                                                recompute="full")))
+    contents = {e.id: e.content for e in plan.events.values() if e.name == "gpt2.block.fwd"}
+    (content,) = contents.values()
+    assert content["checkpointed"] is True
+    ran = []
+    real = compute.checkpointed
+    monkeypatch.setattr(compute, "checkpointed", lambda function, *args: ran.append(1) or real(function, *args))
+    runner = ComputeRunner(plan.spec, content, torch.device("cpu"), copies=1)
+    assert runner.sample() > 0 and len(ran) == 1
+    (taken,) = measure_compute_share(plan.spec, contents, torch.device("cpu"), warmup=1, repeats=2).values()
+    plain = [e.content for e in _plan().events.values() if e.name == "gpt2.block.fwd"][0]
+    (untaken,) = measure_compute_share(_plan().spec, {"plain": plain}, torch.device("cpu"), warmup=1,
+                                       repeats=2).values()
+    assert taken.activation_bytes == untaken.activation_bytes > 0
 
 
 def test_backward_samples_accumulate_gradients():

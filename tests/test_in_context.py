@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from analysis.costs import estimate_costs
-from analysis.costs.measured import rank_factor
+from analysis.costs.measured import rank_factor, unchecked_twin
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import layer_kind_ratios, validate
 from bench.layer_kinds import pooled
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
+from harness.profile import in_context
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
 from harness.store.hdf5_schema import IN_CONTEXT_SERIES
 from tests.conftest import ROOT
@@ -59,6 +60,46 @@ def test_every_position_of_a_chain_is_timed_each_round():
         positions = sum(list(chain.forward).count(eid) + list(chain.backward).count(eid)
                         + (chain.optimizer == eid) for chain in chains)
         assert values.shape == (positions * MIN_ROUNDS,) and (values > 0).all()
+
+
+def test_a_recomputing_stage_runs_its_groups_under_checkpoint_and_times_each_forward_twice(monkeypatch):
+    """recompute = "full" in chunks of 2 blocks: the chain runs each chunk under torch.utils.checkpoint, as harness
+    train does; a recomputed block's forward is sampled in the forward and again inside the backward (the plan
+    costs it twice), its backward once, less the forwards again."""
+    text = tiny_spec_text(layers=4, hidden=32, heads=4, ffn=64, seq=16, vocab=64, recompute="full")
+    plan = build_plan(loads_spec(text.replace('recompute = "full"\n', 'recompute = "full"\nrecompute_layers = 2\n')))
+    (chain,) = stage_chains([plan])
+    assert chain.groups == ((1, 2), (3, 4))
+    assert all(plan.events[chain.forward[p]].content["checkpointed"] for group in chain.groups for p in group)
+    assert not plan.events[chain.forward[0]].content.get("checkpointed")
+    ran = []
+    real = in_context.checkpointed
+    monkeypatch.setattr(in_context, "checkpointed", lambda function, *args: ran.append(1) or real(function, *args))
+    contents = {eid: e.content for eid, e in plan.events.items()}
+    samples = measure_chains(plan.spec, [chain], contents, torch.device("cpu"), warmup=1, repeats=MIN_ROUNDS,
+                             budget_s=0.0)
+    assert len(ran) == 2 * (1 + MIN_ROUNDS)  # two groups a run: the warm-up and the timed rounds
+    block_fwd, block_bwd = chain.forward[1], chain.backward[1]
+    assert samples[block_fwd].shape == (4 * 2 * MIN_ROUNDS,)  # 4 blocks, each forward and again
+    assert samples[block_bwd].shape == (4 * MIN_ROUNDS,)
+    assert (samples[block_fwd] > 0).all() and (samples[block_bwd] > 0).all()
+
+
+def test_a_profile_without_checkpointed_events_costs_them_from_their_twins_with_a_warning():
+    """The committed profile predates checkpointed events: a full-recompute plan of its spec takes a recomputed
+    block's costs from the same block's samples without the checkpoint, and says so."""
+    profile = load_profile(FIXTURE)
+    text = (ROOT / "tests" / "data" / "pp2.toml").read_text()
+    plan = build_plan(loads_spec(text.replace('schedule = "1f1b"', 'schedule = "1f1b"\nrecompute = "full"')))
+    plain = estimate_costs(build_plan(profile.spec), profile)
+    costs = estimate_costs(plan, profile)
+    checkpointed = [eid for eid, e in plan.events.items() if e.content.get("checkpointed")]
+    assert {plan.events[e].name for e in checkpointed} == {"gpt2.block.fwd", "gpt2.block.bwd"}
+    for eid in checkpointed:
+        twin = unchecked_twin(plan.events[eid])
+        assert eid not in profile.measurements and costs.seconds(eid) == plain.seconds(twin)
+    assert any("without torch.utils.checkpoint" in w and "profile the spec again" in w for w in costs.warnings)
+    assert not any("checkpoint" in w for w in plain.warnings)
 
 
 def test_in_context_samples_survive_the_store_and_the_costs_prefer_them(tmp_path):

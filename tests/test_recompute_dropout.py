@@ -116,9 +116,14 @@ def test_block_recompute_runs_the_first_blocks_of_each_stage_again():
     _, second = _backward(spec, 1)
     assert first == [(2, "B"), (1, "R"), (1, "B"), (0, "B")]
     assert second == [(5, "B"), (4, "B"), (3, "R"), (3, "B")]
-    # the blocks share one forward event: blocks 1 and 3 run it twice a micro-batch, blocks 2 and 4 once
-    block_forward = plan.stages[0].forward[plan.stages[0].forward_layers.index(1)]
-    assert plan.multiplicity[block_forward] == 6 * spec.micro_batches
+    # blocks 1 and 3 run under torch.utils.checkpoint, their own forward event, twice a micro-batch each; blocks
+    # 2 and 4 share the plain one, once
+    checkpointed = plan.stages[0].forward[plan.stages[0].forward_layers.index(1)]
+    plain = plan.stages[0].forward[plan.stages[0].forward_layers.index(2)]
+    assert plan.events[checkpointed].content["checkpointed"] is True
+    assert "checkpointed" not in plan.events[plain].content
+    assert plan.multiplicity[checkpointed] == 4 * spec.micro_batches
+    assert plan.multiplicity[plain] == 2 * spec.micro_batches
 
 
 def test_selective_recompute_costs_the_attention_core_in_the_backward():

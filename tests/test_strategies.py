@@ -68,20 +68,30 @@ def test_a_recomputing_backward_runs_each_blocks_forward_before_its_backward():
                      ("gpt2.block.bwd", False), tp, tp,
                      ("gpt2.block.fwd", True), ("allreduce 2KiB x2 intra", True), ("allreduce 2KiB x2 intra", True),
                      ("gpt2.block.bwd", False), tp, tp]
+    def names(plan, ids):
+        return [plan.events[e].name for e in ids]
+
     for plain, again in zip(none.stages, full.stages):
-        assert [e for e, redo in zip(again.backward, again.backward_again) if not redo] == plain.backward
-        assert again.forward == plain.forward
-    # each block's forward runs twice per micro-batch, its all-reduces three times (forward, recompute, backward)
+        assert names(full, [e for e, redo in zip(again.backward, again.backward_again) if not redo]) == \
+            names(none, plain.backward)
+        assert names(full, again.forward) == names(none, plain.forward)
+    # each block's forward runs twice per micro-batch, its all-reduces three times (forward, recompute, backward);
+    # a recomputed block's events are their own (it runs under torch.utils.checkpoint), the others' the same
     m, devices = full.spec.micro_batches, 2
-    block_fwd = next(e for e in full.events.values() if e.name == "gpt2.block.fwd")
+    block_fwd, plain_fwd = (next(e for e in plan.events.values() if e.name == "gpt2.block.fwd")
+                            for plan in (full, none))
     embedding_fwd = next(e for e in full.events.values() if e.name == "gpt2.embedding.fwd")
-    assert full.multiplicity[block_fwd.id] == 2 * none.multiplicity[block_fwd.id] == 2 * 4 * m * devices
+    assert block_fwd.content == {**plain_fwd.content, "checkpointed": True}
+    assert full.multiplicity[block_fwd.id] == 2 * none.multiplicity[plain_fwd.id] == 2 * 4 * m * devices
     assert full.multiplicity[embedding_fwd.id] == none.multiplicity[embedding_fwd.id]
     tp_id = next(e.id for e in full.events.values() if e.kind == "allreduce" and e.name == tp[0])
     # 4 blocks x 2 all-reduces per pass, one tensor-parallel group per stage; the embedding's forward and the
     # head's backward one each, not recomputed
     assert (none.multiplicity[tp_id], full.multiplicity[tp_id]) == (2 * 4 * 2 * m + 2 * m, 3 * 4 * 2 * m + 2 * m)
-    assert set(full.events) == set(none.events)  # nothing new to profile
+    checkpointed = {e.id for e in full.events.values() if e.content.get("checkpointed")}
+    assert {full.events[e].name for e in checkpointed} == {"gpt2.block.fwd", "gpt2.block.bwd"}
+    assert set(full.events) - checkpointed == set(none.events) - {plain_fwd.id, next(
+        e.id for e in none.events.values() if e.name == "gpt2.block.bwd")}  # nothing else new to profile
 
 
 def test_the_device_flow_marks_the_recomputed_forward():

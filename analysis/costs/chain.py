@@ -6,7 +6,7 @@ from analysis.calibration import device_kind
 from analysis.costs.device_source import DeviceSource, check_device_costable, device_model_for
 from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
 from analysis.costs.interpolated import InterpolatedSource, comm_curves
-from analysis.costs.measured import MeasuredSource, check_compute_measured, is_measured, rank_speed_factors
+from analysis.costs.measured import MeasuredSource, check_compute_measured, rank_speed_factors, samples_for
 from analysis.costs.network_source import NetworkSource, network_for, what_if_network
 from analysis.costs.records import Costs, EventCost
 from analysis.costs.samples import CommPoints, check_statistic, comm_points
@@ -79,7 +79,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     if device is None:
         check_compute_measured(plan, profile, spec_hint)
     else:
-        missing = [eid for eid, e in plan.events.items() if e.kind == "compute" and not is_measured(profile, eid)]
+        missing = [eid for eid, e in plan.events.items()
+                   if e.kind == "compute" and samples_for(profile, eid, e) is None]
         check_device_costable(plan, device, missing, max(profile.world_size, 1), spec_hint)
     points = comm_points(profile, extra_points)
     fits = comm_fits(points)

@@ -47,10 +47,28 @@ def is_measured(profile: Profile, eid: str) -> bool:
     return measurement is not None and measurement.count > 0
 
 
+def unchecked_twin(event: Event) -> str | None:
+    """A checkpointed event's (a layer of a full-recompute group) twin without torch.utils.checkpoint: the same
+    layer as a job without recompute runs it; None for any other event."""
+    if not event.content.get("checkpointed"):
+        return None
+    return event_id({key: value for key, value in event.content.items() if key != "checkpointed"})
+
+
+def samples_for(profile: Profile, eid: str, event: Event) -> str | None:
+    """The id whose samples cost the event: its own, or for a checkpointed event that a profile from before
+    checkpointed events lacks, its unchecked twin's (MeasuredSource warns); None where the profile has neither."""
+    if is_measured(profile, eid):
+        return eid
+    twin = unchecked_twin(event)
+    return twin if twin is not None and is_measured(profile, twin) else None
+
+
 def check_compute_measured(plan: EventPlan, profile: Profile, spec_hint: str) -> None:
     """MissingComputeError listing the plan's compute events the profile lacks (`spec_hint`: the spec path its
     command to profile them shows)."""
-    missing = sorted((eid for eid, e in plan.events.items() if e.kind == "compute" and not is_measured(profile, eid)),
+    missing = sorted((eid for eid, e in plan.events.items()
+                      if e.kind == "compute" and samples_for(profile, eid, e) is None),
                      key=lambda eid: plan.events[eid].name)
     if missing:
         raise MissingComputeError(plan, missing, max(profile.world_size, 1), spec_hint)
@@ -102,11 +120,15 @@ class MeasuredSource(CostSource):
                            and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
                            and m.count}
         self.uncorrected: list[str] = []  # compute events of a profiling run without a probe, where others have one
+        self.unchecked: list[str] = []  # checkpointed events costed from their twin without the checkpoint
 
     def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
-        if not is_measured(self.profile, eid):
+        measured = samples_for(self.profile, eid, event)
+        if measured is None:
             return None
-        measurement = self.profile.measurements[eid]
+        if measured != eid:
+            self.unchecked.append(event.name)
+        measurement = self.profile.measurements[measured]
         compute_stat = costs.compute_stat
         seconds = representative_seconds(measurement, compute_stat)
         factor = 1.0
@@ -135,6 +157,12 @@ class MeasuredSource(CostSource):
         return EventCost(eid, event.name, event.kind, seconds / factor, MEASURED, note=note)
 
     def finish(self, costs: Costs) -> None:
+        if self.unchecked:
+            costs.warnings.append(
+                f"{len(self.unchecked)} recomputed layer event(s) ({', '.join(sorted(set(self.unchecked)))}) come "
+                f"from {self.profile.path.name}'s samples of the same layer without torch.utils.checkpoint (a profile "
+                "from before checkpointed events), which leave out what the checkpoint costs; profile the spec again "
+                "to time them as a full-recompute run runs them")
         if self.uncorrected:
             costs.warnings.append(
                 f"{len(self.uncorrected)} compute event(s) ({', '.join(sorted(set(self.uncorrected)))}) come from a "

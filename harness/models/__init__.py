@@ -17,6 +17,17 @@ def make_optimizer(name: str, momentum: float, params: list, lr: float) -> torch
     return torch.optim.Adam(params, lr=lr)
 
 
+def checkpointed(function, *args):
+    """`function(*args)` as recompute = "full" runs it (harness train and the profile alike): under
+    torch.utils.checkpoint, non-reentrant, its forward run again whole before its backward. Torch's default
+    early stop would skip a pre-LN block's last projection and all-reduce, which nothing saves; Megatron-LM and
+    the plan run the whole forward again."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(function, *args, use_reentrant=False)
+
+
 def split_backward():
     """(stage_backward_input, stage_backward_weight): torch.distributed.pipelining's two halves of a backward,
     which its zero-bubble schedules run (a private module; UserError on a torch without it)."""

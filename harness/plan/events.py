@@ -412,10 +412,11 @@ class EventPlan:
                 # past the first virtual stage a split backward's B is the input's gradient, W the weights' (if
                 # any); on the first, B is empty and W the whole backward
                 split = s.split_backward and vs > 0
+                checkpointed = id(layer) in again
                 key = (layer.kind, layer.signature, layer.params, self.layers[index - 1].out_features if index else (),
-                       split)
+                       split, checkpointed)
                 if key not in per_layer:
-                    per_layer[key] = self._layer_events(layer, index, micro, seq, split)
+                    per_layer[key] = self._layer_events(layer, index, micro, seq, split, checkpointed)
                 f_id, b_id, w_id = per_layer[key]
                 if s.split_backward and not split:
                     b_id, w_id = "", b_id
@@ -527,15 +528,19 @@ class EventPlan:
         return self._collective("allreduce", nbytes, self.spec.strategy.dp // self.spec.strategy.ep, groups, 1,
                                 "expert data-parallel groups")
 
-    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int,
-                      split: bool) -> tuple[str, str, str]:
+    def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int, split: bool,
+                      checkpointed: bool = False) -> tuple[str, str, str]:
         """A layer's forward, backward and weight-gradient events (multiplicities left to the caller): the
         backward whole (2 forwards' FLOPs, and a selectively recomputed block's attention core's forward again)
         and no weight event, or with `split` torch.distributed.pipelining's stage_backward_input and
-        stage_backward_weight, a forward's FLOPs each (no weight event, '', for a layer without parameters)."""
+        stage_backward_weight, a forward's FLOPs each (no weight event, '', for a layer without parameters).
+        `checkpointed`: the layer is in a full-recompute group, which runs under torch.utils.checkpoint; its
+        events say so (`"checkpointed": true`), as they cost more than the same layer's without it."""
         sig = dict(layer.signature)
         label = layer_label(layer)
         compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
+        if checkpointed:
+            compute["checkpointed"] = True
         flops = layer.fwd_flops(micro, seq)
         traffic = self._traffic(layer, index, micro * seq)
         forward = self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic)

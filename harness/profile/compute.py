@@ -3,7 +3,10 @@
 The layer runs alone: a tensor-parallel shard's collectives are measured as their own events. A split
 backward (zero-bubble schedules) is timed in its two parts as torch.distributed.pipelining runs them:
 `bwd_input` (stage_backward_input: the input's gradient, keeping the weights' part of the graph) and
-`bwd_weight` (stage_backward_weight, after an untimed bwd_input).
+`bwd_weight` (stage_backward_weight, after an untimed bwd_input). A layer in a full-recompute group (its events'
+content says `checkpointed`) runs its forward under torch.utils.checkpoint, as harness train runs it; alone, its
+backward is timed as without recompute (its stage's chain, harness.profile.in_context, times it with the
+checkpoint's share).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness.models import TORCH_DTYPES, build_layer, make_optimizer, split_backward
+from harness.models import TORCH_DTYPES, build_layer, checkpointed, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
 from harness.plan.activations import BackwardTemporaries
 from harness.plan.precision import relative_half_width
@@ -101,11 +104,21 @@ def _fresh_parameters(shapes: list[tuple[torch.Size, torch.dtype]], device: torc
 
 
 def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: dict) -> torch.Tensor:
+    """The layer's forward (with the loss on the model's last layer), saving for its backward as without
+    recompute."""
     out = layer(x)
     if content.get("last"):  # the model's last layer: the loss is part of its forward
         targets = torch.randint(0, spec.model.vocab, out.shape[:2], device=out.device)
         return layer.loss(out, targets) if isinstance(layer, Head) else cross_entropy(out, targets)
     return out
+
+
+def _run_forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: dict) -> torch.Tensor:
+    """The forward a step runs: a checkpointed event's (full recompute) under torch.utils.checkpoint, as harness
+    train runs it."""
+    if content.get("checkpointed"):
+        return checkpointed(functools.partial(_forward, spec, layer, content=content), x)
+    return _forward(spec, layer, x, content)
 
 
 def last_level_cache_bytes() -> int:
@@ -250,7 +263,7 @@ class ComputeRunner:
     def _sample(self, index: int, layer: torch.nn.Module) -> float:
         if self.phase == "fwd":
             xs = [self.make_input() for _ in range(self.chain)]
-            return self._time(self._chained(xs, lambda x: _forward(self.spec, layer, x, self.content)))
+            return self._time(self._chained(xs, lambda x: _run_forward(self.spec, layer, x, self.content)))
         graphs = self._pending.pop(index, None) or self._forwards_for_backward(layer)
         # Gradients are left to accumulate, as they do over a real iteration's micro-batches.
         seconds = self._time(self._chained(graphs, self._backward_of(layer)), retry=False)

@@ -7,6 +7,10 @@ same layer meets its neighbours' working set in the caches, a graph as big as th
 autograd's engine walking the whole stage at once (docs/profiling.md, "In context"; bench/in_context.py
 separates these). The samples of an event at every position of every chain holding it are its in-context samples.
 
+A full-recompute group runs under torch.utils.checkpoint as harness train runs it: its forwards are timed inside
+the checkpoint, and the backward of the group's last layer, which starts by running the group's forwards again,
+is timed less those (each a further sample of its forward event, as the plan costs it again).
+
 Timing: on a CPU perf_counter marks each layer's forward and, inside the backward, the moment autograd hands
 each layer's input its gradient (a tensor hook: that layer's backward is over, the one before starts); on a GPU
 CUDA events recorded at the same marks (the hooks run on autograd's device thread, on the stream of the op
@@ -16,6 +20,7 @@ forwards and optimizer in context; their bwd_input and bwd_weight keep the isola
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.models import make_optimizer
+from harness.models import checkpointed, make_optimizer
 from harness.plan.events import EventPlan
+from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _make_layer, parameter_shapes, runner_content
 from harness.profile.timer import synchronize
@@ -40,11 +46,13 @@ BUDGET_FRACTION = 0.5
 @dataclass(frozen=True)
 class StageChain:
     """One distinct stage's compute events in the order a step runs them: forward event ids in layer order,
-    backward ids in the order they run (reverse; empty for a split backward), the device's optimizer step."""
+    backward ids in the order they run (reverse; empty for a split backward), the device's optimizer step, and
+    the full-recompute groups (positions into `forward`, each run under torch.utils.checkpoint together)."""
 
     forward: tuple[str, ...]
     backward: tuple[str, ...]
     optimizer: str | None
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def events(self) -> set[str]:
@@ -56,8 +64,9 @@ def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
     chains: dict[StageChain, None] = {}
     for plan in plans:
         for stage in plan.stages:
-            forward = tuple(eid for eid, layer in zip(stage.forward, stage.forward_layers)
-                            if layer >= 0 and plan.events[eid].kind == "compute")
+            items = [(eid, layer) for eid, layer in zip(stage.forward, stage.forward_layers)
+                     if layer >= 0 and plan.events[eid].kind == "compute"]
+            forward = tuple(eid for eid, _ in items)
             again = stage.backward_again or [False] * len(stage.backward)
             backward = tuple(eid for eid, redo in zip(stage.backward, again)
                              if not redo and eid and plan.events[eid].kind == "compute")
@@ -65,8 +74,11 @@ def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
                                                           for e in backward)
             if not forward:
                 continue
+            position = {layer: p for p, (_, layer) in enumerate(items)}
+            groups = tuple(tuple(position[stage.layers[q]] for q in group)
+                           for group in recompute_groups(plan.spec, [plan.layers[i] for i in stage.layers]))
             optimizer = stage.optimizer[0] if stage.optimizer else None
-            chains[StageChain(forward, backward if whole else (), optimizer)] = None
+            chains[StageChain(forward, backward if whole else (), optimizer, groups)] = None
     return list(chains)
 
 
@@ -116,19 +128,49 @@ class ChainRunner:
             self.optimizer = make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0), params,
                                             lr=1e-4)
 
+    def _segments(self) -> list[tuple[int, ...]]:
+        """The chain's positions in runs, in order: each recompute group together, every other position alone."""
+        start = {group[0]: group for group in self.chain.groups}
+        runs, position = [], 0
+        while position < len(self.layers):
+            run = start.get(position, (position,))
+            runs.append(run)
+            position += len(run)
+        return runs
+
     def run(self) -> dict[str, list[float]]:
         """One chain: seconds of each event at each of its positions."""
         clock, marks_in = self.clock, {}
-        x = self.make_input()
         forward_marks = [clock.mark()]
-        for position, (layer, content) in enumerate(zip(self.layers, self.contents)):
-            if position and self.chain.backward and isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda grad, p=position: marks_in.__setitem__(p, clock.mark()))
-            x = _forward(self.spec, layer, x, content)
-            forward_marks.append(clock.mark())
+        redo: dict[int, list] = {}  # a recomputed position's forward again inside the backward: [start, end]
+        in_backward = False
+        groups = {group[0]: group for group in self.chain.groups}
+
+        def through(run: tuple[int, ...], x):
+            """The layers at `run`'s positions in order; marks the forward, or the recompute inside the backward."""
+            for position in run:
+                layer, content = self.layers[position], self.contents[position]
+                if in_backward:
+                    start = clock.mark()
+                    x = _forward(self.spec, layer, x, content)
+                    redo[position] = [start, clock.mark()]
+                    continue
+                if position and self.chain.backward and isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(lambda grad, p=position: marks_in.__setitem__(p, clock.mark()))
+                x = _forward(self.spec, layer, x, content)
+                forward_marks.append(clock.mark())
+            return x
+
+        x = self.make_input()
+        for run in self._segments():
+            if run[0] in groups:  # as harness train runs a full-recompute group
+                x = checkpointed(functools.partial(through, run), x)
+            else:
+                x = through(run, x)
         backward_marks = []
         if self.chain.backward:
             grad = None if x.dim() == 0 else torch.randn_like(x)
+            in_backward = True
             start = clock.mark()
             x.backward(grad)
             end = clock.mark()
@@ -144,9 +186,15 @@ class ChainRunner:
         out: dict[str, list[float]] = {}
         for position, eid in enumerate(self.chain.forward):
             out.setdefault(eid, []).append(clock.seconds(forward_marks[position], forward_marks[position + 1]))
-        if backward_marks and all(m is not None for m in backward_marks):
+        recomputed = sum(len(group) for group in groups.values())
+        if backward_marks and all(m is not None for m in backward_marks) and len(redo) == recomputed:
+            # a group runs its forwards again at the start of its last layer's backward: that backward less them
+            again = {group[-1]: sum(clock.seconds(*redo[p]) for p in group) for group in groups.values()}
             for position, eid in enumerate(reversed(self.chain.backward)):  # backward ids in forward layer order
-                out.setdefault(eid, []).append(clock.seconds(backward_marks[position + 1], backward_marks[position]))
+                seconds = clock.seconds(backward_marks[position + 1], backward_marks[position])
+                out.setdefault(eid, []).append(seconds - again.get(position, 0.0))
+            for position, marks in redo.items():  # the forward again: a sample of the same event as the first
+                out[self.chain.forward[position]].append(clock.seconds(*marks))
         if self.optimizer is not None:
             out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
         return out

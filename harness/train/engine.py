@@ -21,9 +21,8 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from harness.models import make_optimizer, split_backward
+from harness.models import checkpointed, make_optimizer, split_backward
 from harness.models.tp import set_collective_hook
 from harness.plan.events import EventPlan
 from harness.plan.layers import collective_kind, recompute_groups
@@ -148,10 +147,7 @@ class PipelineEngine:
             with saving_into(self.memory) if self.meter_activations else nullcontext():
                 for run, again in self.segments[vs]:
                     if again:
-                        # the whole forward again, as Megatron-LM (and the plan): torch's default early stop
-                        # would skip a pre-LN block's last projection and all-reduce, which nothing saves
-                        with set_checkpoint_early_stop(False):
-                            out = checkpoint(_through, run, out, use_reentrant=False)
+                        out = checkpointed(_through, run, out)
                     else:
                         out = run[0](out)
                     if layers:
