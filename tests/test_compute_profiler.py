@@ -66,6 +66,55 @@ def test_a_checkpointed_forward_runs_under_checkpoint_and_its_memory_is_the_plai
     assert taken.activation_bytes == untaken.activation_bytes > 0
 
 
+ZERO_RUNNER = """
+import json, sys, torch
+from torch.distributed.fsdp import FSDPModule
+from harness.plan.events import build_plan
+from harness.plan.spec import loads_spec
+from harness.profile.compute import ComputeRunner, measure_compute_share
+plan = build_plan(loads_spec(sys.stdin.read()))
+out = {}
+for event in plan.events.values():
+    if event.kind == "compute" and event.content["phase"] in ("fwd", "bwd"):
+        runner = ComputeRunner(plan.spec, event.content, torch.device("cpu"), copies=2)
+        taken = measure_compute_share(plan.spec, {event.id: event.content}, torch.device("cpu"), 1, 2)[event.id]
+        out[event.name] = [all(isinstance(layer, FSDPModule) for layer in runner.layers),
+                           isinstance(runner.memory_layer, FSDPModule), runner.sample() > 0,
+                           taken.activation_bytes]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_zero_jobs_layers_are_timed_as_fsdp2_units_and_their_memory_without(zero, project_env):
+    """A ZeRO job's layer events say their level and run as FSDP2 units (over a one-rank group: a process of its
+    own, which starts torch.distributed); what a forward saves is the plain layer's."""
+    import json
+    import subprocess
+    import sys
+
+    text = tiny_spec_text(layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2, global_batch=4, micro=1,
+                          zero=zero)
+    plain = build_plan(loads_spec(tiny_spec_text(layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2,
+                                                 global_batch=4, micro=1)))
+    plan = build_plan(loads_spec(text))
+    layers = [e for e in plan.events.values() if e.kind == "compute" and e.content["phase"] != "optimizer"]
+    assert layers and all(e.content["zero"] == zero for e in layers)
+    assert {e.name for e in layers} == {e.name for e in plain.events.values()
+                                       if e.kind == "compute" and e.content["phase"] != "optimizer"}
+    assert all("zero" not in e.content for e in plain.events.values())
+    result = subprocess.run([sys.executable, "-c", ZERO_RUNNER], input=text, capture_output=True, text=True,
+                            env=project_env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ran = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(ran) >= {"gpt2.block.fwd", "gpt2.block.bwd", "gpt2.head.fwd"}
+    for name, (wrapped, memory_wrapped, sampled, _) in ran.items():
+        assert wrapped and not memory_wrapped and sampled, name
+    plain_saved = measure_compute_share(plain.spec, {e.id: e.content for e in plain.events.values()
+                                                     if e.name == "gpt2.block.fwd"}, torch.device("cpu"), 1, 2)
+    assert ran["gpt2.block.fwd"][3] == next(iter(plain_saved.values())).activation_bytes > 0
+
+
 def test_backward_samples_accumulate_gradients():
     plan = _plan()
     (bwd,) = [e for e in plan.events.values() if e.name == "gpt2.block.bwd"]

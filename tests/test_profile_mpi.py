@@ -9,6 +9,7 @@ import pytest
 from harness.plan.events import build_plan
 from harness.plan.spec import loads_spec
 from harness.store.hdf5_io import plain, read_attrs, read_environment
+from harness.store.hdf5_schema import IN_CONTEXT_SERIES
 from tests.helpers import tiny_spec_text
 
 
@@ -228,6 +229,13 @@ def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch)
             for event in sharded:
                 samples = f["measurements"][event.id]["samples_s"][()]
                 assert len(samples) >= 3 and (samples >= 0).all() and samples.max() > 0, event.name
+        # the layers' compute ran as FSDP2 units, as the run holds them (harness.profile.sharded), in context too
+        layers = [e for e in plan.events.values() if e.kind == "compute" and e.content.get("phase") != "optimizer"]
+        assert layers and all(e.content["zero"] == 3 for e in layers)
+        with h5py.File(outdir / "profile.h5") as f:
+            for event in layers:
+                group = f["measurements"][event.id]
+                assert (group["samples_s"][()] > 0).all() and (group[IN_CONTEXT_SERIES][()] > 0).all(), event.name
     if comm.rank in (0, 1):  # the two members of the data-parallel group measure every sharded event through FSDP2
         expected = {(e.kind, e.content["bytes"]) for e in build_plan(spec).events.values()
                     if e.kind in ("allgather", "reducescatter")}

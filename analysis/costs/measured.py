@@ -47,20 +47,25 @@ def is_measured(profile: Profile, eid: str) -> bool:
     return measurement is not None and measurement.count > 0
 
 
-def unchecked_twin(event: Event) -> str | None:
-    """A checkpointed event's (a layer of a full-recompute group) twin without torch.utils.checkpoint: the same
-    layer as a job without recompute runs it; None for any other event."""
-    if not event.content.get("checkpointed"):
+# what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2), which
+# profiles from before these keys timed without
+RUN_WRAPPERS = ("checkpointed", "zero")
+
+
+def unwrapped_twin(event: Event) -> str | None:
+    """A wrapped compute event's (RUN_WRAPPERS: a layer of a full-recompute group, a ZeRO job's layer) twin
+    without the wrapping: the same layer as a plain job runs it; None for any other event."""
+    if event.kind != "compute" or not any(key in event.content for key in RUN_WRAPPERS):
         return None
-    return event_id({key: value for key, value in event.content.items() if key != "checkpointed"})
+    return event_id({key: value for key, value in event.content.items() if key not in RUN_WRAPPERS})
 
 
 def samples_for(profile: Profile, eid: str, event: Event) -> str | None:
-    """The id whose samples cost the event: its own, or for a checkpointed event that a profile from before
-    checkpointed events lacks, its unchecked twin's (MeasuredSource warns); None where the profile has neither."""
+    """The id whose samples cost the event: its own, or for a wrapped event that a profile from before wrapped
+    events lacks, its unwrapped twin's (MeasuredSource warns); None where the profile has neither."""
     if is_measured(profile, eid):
         return eid
-    twin = unchecked_twin(event)
+    twin = unwrapped_twin(event)
     return twin if twin is not None and is_measured(profile, twin) else None
 
 
@@ -120,14 +125,14 @@ class MeasuredSource(CostSource):
                            and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
                            and m.count}
         self.uncorrected: list[str] = []  # compute events of a profiling run without a probe, where others have one
-        self.unchecked: list[str] = []  # checkpointed events costed from their twin without the checkpoint
+        self.unwrapped: list[str] = []  # wrapped events costed from their unwrapped twin (samples_for)
 
     def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
         measured = samples_for(self.profile, eid, event)
         if measured is None:
             return None
         if measured != eid:
-            self.unchecked.append(event.name)
+            self.unwrapped.append(event.name)
         measurement = self.profile.measurements[measured]
         compute_stat = costs.compute_stat
         seconds = representative_seconds(measurement, compute_stat)
@@ -157,12 +162,12 @@ class MeasuredSource(CostSource):
         return EventCost(eid, event.name, event.kind, seconds / factor, MEASURED, note=note)
 
     def finish(self, costs: Costs) -> None:
-        if self.unchecked:
+        if self.unwrapped:
             costs.warnings.append(
-                f"{len(self.unchecked)} recomputed layer event(s) ({', '.join(sorted(set(self.unchecked)))}) come "
-                f"from {self.profile.path.name}'s samples of the same layer without torch.utils.checkpoint (a profile "
-                "from before checkpointed events), which leave out what the checkpoint costs; profile the spec again "
-                "to time them as a full-recompute run runs them")
+                f"{len(self.unwrapped)} compute event(s) ({', '.join(sorted(set(self.unwrapped)))}) of layers a run "
+                f"wraps (full recompute's torch.utils.checkpoint, ZeRO's FSDP2) come from {self.profile.path.name}'s "
+                "samples of the same layers unwrapped (a profile from before wrapped events), which leave out what "
+                "the wrapping costs; profile the spec again to time them as the run runs them")
         if self.uncorrected:
             costs.warnings.append(
                 f"{len(self.uncorrected)} compute event(s) ({', '.join(sorted(set(self.uncorrected)))}) come from a "

@@ -28,6 +28,7 @@ from harness.plan.activations import BackwardTemporaries
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
+from harness.profile.sharded import shard_alone
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
@@ -205,6 +206,7 @@ class ComputeRunner:
             copies = copies or self._cold_cache_copies(first)
             self.layers = [first] + [_fresh_parameters(shapes, device) for _ in range(copies - 1)]
             self.make_input = lambda: None
+            self.memory_layer = None
             self.optimizers = [make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0),
                                               list(params.parameters()), lr=1e-4) for params in self.layers]
         else:
@@ -212,6 +214,12 @@ class ComputeRunner:
             if copies is None:  # a factory model's layers are built once and shared: no copies to rotate
                 copies = 1 if kind == "user" else self._cold_cache_copies(first)
             self.layers = [first] + [_make_layer(spec, content, device, group)[0] for _ in range(copies - 1)]
+            self.memory_layer = first
+            zero = int(content.get("zero", 0))
+            if zero and group is None:  # as a ZeRO run holds its layers: FSDP2 units (harness.profile.sharded)
+                self.memory_layer = copy.deepcopy(first)  # what a forward saves, counted without FSDP2's views
+                self.layers = [shard_alone(copy.deepcopy(layer) if kind == "user" else layer, zero, device)
+                               for layer in self.layers]
         self._next = 0
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # backward: copy -> forwards
         # On a GPU, forwards and backwards are timed with the host ahead (as in a training step, where one
@@ -433,11 +441,11 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
         for eid, runner in runners.items():  # untimed, once: the memory a forward holds until its backward
             forward = functools.partial(_forward, spec, content=runner.content)
             if runner.phase == "fwd":
-                saved[eid] = activation_bytes(runner.layers[0], runner.make_input, forward)
+                saved[eid] = activation_bytes(runner.memory_layer, runner.make_input, forward)
             elif runner.phase == "bwd_input":  # what it keeps for the W, what it lets go of as a stage's last
-                saved[eid], released[eid] = kept_for_weights(runner.layers[0], runner.make_input, forward)
+                saved[eid], released[eid] = kept_for_weights(runner.memory_layer, runner.make_input, forward)
             elif runner.phase == "bwd":  # what its backward makes and holds for a moment
-                temporaries[eid] = backward_temporaries(runner.layers[0], runner.make_input, forward)
+                temporaries[eid] = backward_temporaries(runner.memory_layer, runner.make_input, forward)
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = []

@@ -20,6 +20,7 @@ forwards and optimizer in context; their bwd_input and bwd_weight keep the isola
 """
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from harness.plan.events import EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _make_layer, parameter_shapes, runner_content
+from harness.profile.sharded import shard_alone
 from harness.profile.timer import synchronize
 
 # timed rounds every chain gets, even past the time budget: an event sits at several positions of several
@@ -113,6 +115,9 @@ class ChainRunner:
         for eid in chain.forward:
             content = runner_content(spec, contents[eid])
             layer, inputs = _make_layer(spec, content, device)
+            if content.get("zero"):  # as the run holds a ZeRO job's layer (a factory's layers are shared: a copy)
+                layer = shard_alone(copy.deepcopy(layer) if content["layer"] == "user" else layer, content["zero"],
+                                    device)
             make_input = make_input or inputs
             self.contents.append(content)
             self.layers.append(layer)
