@@ -99,10 +99,10 @@ def test_a_zero_jobs_layers_are_timed_as_fsdp2_units_and_their_memory_without(ze
                                                  global_batch=4, micro=1)))
     plan = build_plan(loads_spec(text))
     layers = [e for e in plan.events.values() if e.kind == "compute" and e.content["phase"] != "optimizer"]
-    assert layers and all(e.content["zero"] == zero for e in layers)
+    assert layers and all(e.content["fsdp2"] is True for e in layers)
     assert {e.name for e in layers} == {e.name for e in plain.events.values()
                                        if e.kind == "compute" and e.content["phase"] != "optimizer"}
-    assert all("zero" not in e.content for e in plain.events.values())
+    assert all("fsdp2" not in e.content for e in plain.events.values())
     result = subprocess.run([sys.executable, "-c", ZERO_RUNNER], input=text, capture_output=True, text=True,
                             env=project_env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -231,7 +231,7 @@ def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch)
                 assert len(samples) >= 3 and (samples >= 0).all() and samples.max() > 0, event.name
         # the layers' compute ran as FSDP2 units, as the run holds them (harness.profile.sharded), in context too
         layers = [e for e in plan.events.values() if e.kind == "compute" and e.content.get("phase") != "optimizer"]
-        assert layers and all(e.content["zero"] == 3 for e in layers)
+        assert layers and all(e.content["fsdp2"] is True for e in layers)
         with h5py.File(outdir / "profile.h5") as f:
             for event in layers:
                 group = f["measurements"][event.id]

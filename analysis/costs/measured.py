@@ -49,7 +49,7 @@ def is_measured(profile: Profile, eid: str) -> bool:
 
 # what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2), which
 # profiles from before these keys timed without
-RUN_WRAPPERS = ("checkpointed", "zero")
+RUN_WRAPPERS = ("checkpointed", "fsdp2")
 
 
 def unwrapped_twin(event: Event) -> str | None:

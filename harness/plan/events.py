@@ -536,14 +536,14 @@ class EventPlan:
         stage_backward_weight, a forward's FLOPs each (no weight event, '', for a layer without parameters).
         `checkpointed`: the layer is in a full-recompute group, which runs under torch.utils.checkpoint; its
         events say so (`"checkpointed": true`), as they cost more than the same layer's without it. With zero > 0
-        a layer with parameters runs as an FSDP2 unit, its events' `zero` the level (harness.profile.sharded)."""
+        a layer with parameters runs as an FSDP2 unit, its events' `fsdp2` true (harness.profile.sharded)."""
         sig = dict(layer.signature)
         label = layer_label(layer)
         compute = {"layer": layer.kind, "signature": sig, "micro": micro, "seq": seq}
         if checkpointed:
             compute["checkpointed"] = True
         if self.spec.strategy.zero and layer.params:
-            compute["zero"] = self.spec.strategy.zero
+            compute["fsdp2"] = True
         flops = layer.fwd_flops(micro, seq)
         traffic = self._traffic(layer, index, micro * seq)
         forward = self._add("compute", f"{label}.fwd", {**compute, "phase": "fwd"}, flops, 0, traffic)

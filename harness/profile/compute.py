@@ -215,10 +215,9 @@ class ComputeRunner:
                 copies = 1 if kind == "user" else self._cold_cache_copies(first)
             self.layers = [first] + [_make_layer(spec, content, device, group)[0] for _ in range(copies - 1)]
             self.memory_layer = first
-            zero = int(content.get("zero", 0))
-            if zero and group is None:  # as a ZeRO run holds its layers: FSDP2 units (harness.profile.sharded)
+            if content.get("fsdp2") and group is None:  # as a ZeRO run holds its layers (harness.profile.sharded)
                 self.memory_layer = copy.deepcopy(first)  # what a forward saves, counted without FSDP2's views
-                self.layers = [shard_alone(copy.deepcopy(layer) if kind == "user" else layer, zero, device)
+                self.layers = [shard_alone(copy.deepcopy(layer) if kind == "user" else layer, device)
                                for layer in self.layers]
         self._next = 0
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}  # backward: copy -> forwards

@@ -115,9 +115,8 @@ class ChainRunner:
         for eid in chain.forward:
             content = runner_content(spec, contents[eid])
             layer, inputs = _make_layer(spec, content, device)
-            if content.get("zero"):  # as the run holds a ZeRO job's layer (a factory's layers are shared: a copy)
-                layer = shard_alone(copy.deepcopy(layer) if content["layer"] == "user" else layer, content["zero"],
-                                    device)
+            if content.get("fsdp2"):  # as the run holds a ZeRO job's layer (a factory's layers are shared: a copy)
+                layer = shard_alone(copy.deepcopy(layer) if content["layer"] == "user" else layer, device)
             make_input = make_input or inputs
             self.contents.append(content)
             self.layers.append(layer)

@@ -399,7 +399,7 @@ def _set_up(run: ProfileRun) -> None:
     run.outdir.mkdir(parents=True, exist_ok=True)
     if topology.size > 1:  # tensor-parallel composites need torch.distributed whatever the comm backend
         init_process_group(comm, topology, run.device, run.spec.profile.timeout_s)
-    if any(event.content.get("zero") for event in run.unique.events.values()):
+    if any(event.content.get("fsdp2") for event in run.unique.events.values()):
         from harness.profile.sharded import set_up_alone_group
 
         set_up_alone_group()  # ZeRO's layers run as FSDP2 units, each rank's over a group of its own
