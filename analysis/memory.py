@@ -62,7 +62,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
@@ -74,7 +74,7 @@ from harness.plan.activations import (
     formula_released_bytes,
     stage_held_bytes,
 )
-from harness.plan.events import EventPlan
+from harness.plan.events import EventPlan, unwrapped_twin
 from harness.plan.layers import LayerDesc, describe, input_bytes, recompute_groups, selective, split_into_stages
 from harness.plan.schedules import kept_device_steps, most_in_flight, virtual_stage
 from harness.plan.spec import JobSpec
@@ -357,6 +357,20 @@ def _gradients_held(gradients: int, params: int, from_start: int, once_made: dic
     return gradients * held_params // max(1, params)
 
 
+T = TypeVar("T")
+
+
+def _with_twins(plan: EventPlan, table: Mapping[str, T]) -> dict[str, T]:
+    """`table` with every wrapped event of `plan` it lacks given its unwrapped twin's entry (events.unwrapped_twin):
+    what its layer saves does not change with the wrapping."""
+    out = dict(table)
+    for eid, event in plan.events.items():
+        twin = unwrapped_twin(event) if eid not in out else None
+        if twin is not None and twin in out:
+            out[eid] = out[twin]
+    return out
+
+
 def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: Mapping[str, int] | None = None,
                     temporaries: Mapping[str, BackwardTemporaries] | None = None) -> MemoryEstimate:
     """Each pipeline device's peak (module docstring); `activations` from `activation_bytes(profile)`,
@@ -366,6 +380,9 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
     layer's come from its formulas, backward_moments, which know when in its backward each falls). A B step's
     released bytes come from the formulas only where what it keeps does too: a profile that measured the B step
     but not its release (written before that measurement) releases nothing, as it always has."""
+    # a profile from before wrapped events (recompute's checkpoint, ZeRO's FSDP2) measured their layers unwrapped
+    activations, released, temporaries = (_with_twins(plan, table) if table is not None else None
+                                          for table in (activations, released, temporaries))
     measured = activations
     activations = {**formula_activation_bytes(plan), **measured}
     released = {**{eid: n for eid, n in formula_released_bytes(plan).items() if eid not in measured},

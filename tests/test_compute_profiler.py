@@ -115,6 +115,25 @@ def test_a_zero_jobs_layers_are_timed_as_fsdp2_units_and_their_memory_without(ze
     assert ran["gpt2.block.fwd"][3] == next(iter(plain_saved.values())).activation_bytes > 0
 
 
+def test_a_later_world_gets_its_own_one_rank_group(project_env):
+    """A profile's end destroys its world; a ZeRO layer in a later one (the same process) gets a group of it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "from harness.profile.sharded import shard_alone\n"
+        "first = shard_alone(torch.nn.Linear(4, 4), torch.device('cpu'))\n"
+        "dist.destroy_process_group()\n"
+        "second = shard_alone(torch.nn.Linear(4, 4), torch.device('cpu'))\n"
+        "second(torch.randn(2, 4)).sum().backward()\n"
+        "print(isinstance(first, FSDPModule) and isinstance(second, FSDPModule))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=project_env,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("True"), result.stderr[-2000:]
+
+
 def test_backward_samples_accumulate_gradients():
     plan = _plan()
     (bwd,) = [e for e in plan.events.values() if e.name == "gpt2.block.bwd"]

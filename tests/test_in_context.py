@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from analysis.costs import estimate_costs
-from analysis.costs.measured import rank_factor, unwrapped_twin
+from analysis.costs.measured import rank_factor
+from analysis.memory import _with_twins, activation_bytes, estimate_memory, released_bytes, temporary_bytes
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import layer_kind_ratios, validate
 from bench.layer_kinds import pooled
-from harness.plan.events import build_plan
+from harness.plan.events import build_plan, unwrapped_twin
 from harness.plan.spec import loads_spec
 from harness.profile import in_context
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
@@ -100,6 +101,11 @@ def test_a_profile_without_checkpointed_events_costs_them_from_their_twins_with_
         assert eid not in profile.measurements and costs.seconds(eid) == plain.seconds(twin)
     assert any("torch.utils.checkpoint" in w and "profile the spec again" in w for w in costs.warnings)
     assert not any("checkpoint" in w for w in plain.warnings)
+    # what a recomputed block's forward saves is its unwrapped twin's, as measured
+    saved = activation_bytes(profile)
+    block_fwd = next(e for e in checkpointed if plan.events[e].content["phase"] == "fwd")
+    assert _with_twins(plan, saved)[block_fwd] == saved[unwrapped_twin(plan.events[block_fwd])] > 0
+    assert not estimate_memory(plan, saved, released_bytes(profile), temporary_bytes(profile)).unmeasured
 
 
 def test_in_context_samples_survive_the_store_and_the_costs_prefer_them(tmp_path):

@@ -13,7 +13,7 @@ from analysis.costs.samples import compute_statistic, representative_seconds, st
 from analysis.costs.source import CostSource
 from analysis.profile_reader import MeasuredEvent, Profile
 from harness.common.errors import UserError
-from harness.plan.events import Event, EventPlan, composite_content, event_id
+from harness.plan.events import RUN_WRAPPERS, Event, EventPlan, composite_content, event_id, unwrapped_twin
 from harness.store.hdf5_schema import BACKWARD_CALL_ATTR, COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 
 
@@ -47,17 +47,14 @@ def is_measured(profile: Profile, eid: str) -> bool:
     return measurement is not None and measurement.count > 0
 
 
-# what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2), which
-# profiles from before these keys timed without
-RUN_WRAPPERS = ("checkpointed", "fsdp2")
-
-
-def unwrapped_twin(event: Event) -> str | None:
-    """A wrapped compute event's (RUN_WRAPPERS: a layer of a full-recompute group, a ZeRO job's layer) twin
-    without the wrapping: the same layer as a plain job runs it; None for any other event."""
-    if event.kind != "compute" or not any(key in event.content for key in RUN_WRAPPERS):
-        return None
-    return event_id({key: value for key, value in event.content.items() if key not in RUN_WRAPPERS})
+def _composite(profile: Profile, event: Event):
+    """The event's composite measurement (its layer with its tensor-parallel all-reduces), or for a wrapped event a
+    profile from before wrapped events lacks, its unwrapped twin's; None where there is none."""
+    for content in (event.content, {k: v for k, v in event.content.items() if k not in RUN_WRAPPERS}):
+        measurement = profile.measurements.get(event_id(composite_content(content)))
+        if measurement is not None and measurement.count:
+            return measurement
+    return None
 
 
 def samples_for(profile: Profile, eid: str, event: Event) -> str | None:
@@ -122,8 +119,7 @@ class MeasuredSource(CostSource):
     def __init__(self, plan: EventPlan, profile: Profile):
         self.plan, self.profile = plan, profile
         self.composites = {eid: m for eid, event in plan.events.items() if event.kind == "compute"
-                           and (m := profile.measurements.get(event_id(composite_content(event.content)))) is not None
-                           and m.count}
+                           and (m := _composite(profile, event)) is not None}
         self.uncorrected: list[str] = []  # compute events of a profiling run without a probe, where others have one
         self.unwrapped: list[str] = []  # wrapped events costed from their unwrapped twin (samples_for)
 

@@ -76,6 +76,19 @@ def event_id(content: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+# what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2), which
+# profiles from before these keys timed without
+RUN_WRAPPERS = ("checkpointed", "fsdp2")
+
+
+def unwrapped_twin(event: Event) -> str | None:
+    """A wrapped compute event's (RUN_WRAPPERS: a layer of a full-recompute group, a ZeRO job's layer) twin
+    without the wrapping: the same layer as a plain job runs it; None for any other event."""
+    if event.kind != "compute" or not any(key in event.content for key in RUN_WRAPPERS):
+        return None
+    return event_id({key: value for key, value in event.content.items() if key not in RUN_WRAPPERS})
+
+
 class CommunicationFields:
     """Message size, group size and placement read from `self.content` (events and measurements alike)."""
 

@@ -6,7 +6,7 @@ backward (zero-bubble schedules) is timed in its two parts as torch.distributed.
 `bwd_weight` (stage_backward_weight, after an untimed bwd_input). A layer in a full-recompute group (its events'
 content says `checkpointed`) runs its forward under torch.utils.checkpoint, as harness train runs it; alone, its
 backward is timed as without recompute (its stage's chain, harness.profile.in_context, times it with the
-checkpoint's share).
+checkpoint's share). A ZeRO job's layer with weights (`fsdp2`) runs as an FSDP2 unit (harness.profile.sharded).
 """
 from __future__ import annotations
 
@@ -107,18 +107,22 @@ def _fresh_parameters(shapes: list[tuple[torch.Size, torch.dtype]], device: torc
 def _forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: dict) -> torch.Tensor:
     """The layer's forward (with the loss on the model's last layer), saving for its backward as without
     recompute."""
-    out = layer(x)
-    if content.get("last"):  # the model's last layer: the loss is part of its forward
+    return _loss(spec, layer, layer(x), content)
+
+
+def _loss(spec: JobSpec, layer: torch.nn.Module, out: torch.Tensor, content: dict) -> torch.Tensor:
+    """The model's last layer's output made the loss, part of its forward event; any other layer's as it is."""
+    if content.get("last"):
         targets = torch.randint(0, spec.model.vocab, out.shape[:2], device=out.device)
         return layer.loss(out, targets) if isinstance(layer, Head) else cross_entropy(out, targets)
     return out
 
 
 def _run_forward(spec: JobSpec, layer: torch.nn.Module, x: torch.Tensor, content: dict) -> torch.Tensor:
-    """The forward a step runs: a checkpointed event's (full recompute) under torch.utils.checkpoint, as harness
-    train runs it."""
+    """The forward a step runs: a checkpointed event's (full recompute) under torch.utils.checkpoint, its loss
+    after it, as harness train runs them."""
     if content.get("checkpointed"):
-        return checkpointed(functools.partial(_forward, spec, layer, content=content), x)
+        return _loss(spec, layer, checkpointed(layer, x), content)
     return _forward(spec, layer, x, content)
 
 
@@ -445,6 +449,7 @@ def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torc
                 saved[eid], released[eid] = kept_for_weights(runner.memory_layer, runner.make_input, forward)
             elif runner.phase == "bwd":  # what its backward makes and holds for a moment
                 temporaries[eid] = backward_temporaries(runner.memory_layer, runner.make_input, forward)
+            runner.memory_layer = None  # measured: a ZeRO layer's plain copy is not held through the sampling
         for eid, runner in runners.items():
             if runner.issued or runner.waits_for_device:
                 host[eid] = []

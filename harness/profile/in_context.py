@@ -33,7 +33,7 @@ from harness.models import checkpointed, make_optimizer
 from harness.plan.events import EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
-from harness.profile.compute import ComputeRunner, _forward, _make_layer, parameter_shapes, runner_content
+from harness.profile.compute import ComputeRunner, _forward, _loss, _make_layer, parameter_shapes, runner_content
 from harness.profile.sharded import shard_alone
 from harness.profile.timer import synchronize
 
@@ -150,17 +150,21 @@ class ChainRunner:
         in_backward = False
         groups = {group[0]: group for group in self.chain.groups}
 
-        def through(run: tuple[int, ...], x):
-            """The layers at `run`'s positions in order; marks the forward, or the recompute inside the backward."""
+        def through(run: tuple[int, ...], x, checkpointed_run: bool = False):
+            """The layers at `run`'s positions in order; marks the forward, or the recompute inside the backward.
+            A checkpointed run leaves the model's loss to its caller, as harness train computes it after."""
             for position in run:
                 layer, content = self.layers[position], self.contents[position]
                 if in_backward:
                     start = clock.mark()
-                    x = _forward(self.spec, layer, x, content)
+                    x = layer(x)
                     redo[position] = [start, clock.mark()]
                     continue
                 if position and self.chain.backward and isinstance(x, torch.Tensor) and x.requires_grad:
                     x.register_hook(lambda grad, p=position: marks_in.__setitem__(p, clock.mark()))
+                if checkpointed_run and content.get("last"):
+                    x = layer(x)  # its forward mark after the loss
+                    continue
                 x = _forward(self.spec, layer, x, content)
                 forward_marks.append(clock.mark())
             return x
@@ -168,7 +172,11 @@ class ChainRunner:
         x = self.make_input()
         for run in self._segments():
             if run[0] in groups:  # as harness train runs a full-recompute group
-                x = checkpointed(functools.partial(through, run), x)
+                x = checkpointed(functools.partial(through, run, checkpointed_run=True), x)
+                last = run[-1]
+                if self.contents[last].get("last"):
+                    x = _loss(self.spec, self.layers[last], x, self.contents[last])
+                    forward_marks.append(clock.mark())
             else:
                 x = through(run, x)
         backward_marks = []
@@ -194,11 +202,15 @@ class ChainRunner:
         if backward_marks and all(m is not None for m in backward_marks) and len(redo) == recomputed:
             # a group runs its forwards again at the start of its last layer's backward: that backward less them
             again = {group[-1]: sum(clock.seconds(*redo[p]) for p in group) for group in groups.values()}
-            for position, eid in enumerate(reversed(self.chain.backward)):  # backward ids in forward layer order
-                seconds = clock.seconds(backward_marks[position + 1], backward_marks[position])
-                out.setdefault(eid, []).append(seconds - again.get(position, 0.0))
-            for position, marks in redo.items():  # the forward again: a sample of the same event as the first
-                out[self.chain.forward[position]].append(clock.seconds(*marks))
+            backward = [clock.seconds(backward_marks[position + 1], backward_marks[position]) - again.get(position, 0.0)
+                        for position in range(len(self.layers))]
+            # a group whose last layer saves nothing runs its forwards again inside an earlier layer's backward:
+            # where that shows (a negative remainder), this run's backward samples cannot be split and are left out
+            if min(backward) > 0:
+                for eid, seconds in zip(reversed(self.chain.backward), backward):  # backward ids in forward order
+                    out.setdefault(eid, []).append(seconds)
+                for position, marks in redo.items():  # the forward again: a sample of the same event as the first
+                    out[self.chain.forward[position]].append(clock.seconds(*marks))
         if self.optimizer is not None:
             out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
         return out

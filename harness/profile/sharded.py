@@ -10,24 +10,32 @@ at every zero level.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
-_ALONE: dict[str, object] = {}  # "group": this rank's one-rank process group, once made
+# this rank's one-rank process group ("group") and the world it was made in ("world"): a profile's end destroys its
+# world, and a later profile in the same process makes a new one
+_ALONE: dict[str, object] = {}
+
+
+def _alone_group():
+    """This rank's one-rank group of the current world; None before set_up_alone_group in it."""
+    if dist.is_initialized() and _ALONE.get("world") is dist.group.WORLD:
+        return _ALONE["group"]
+    return None
 
 
 def set_up_alone_group() -> None:
     """Make every rank's one-rank group: collective, every rank of torch.distributed's world calls it once, before
     any ZeRO layer is measured. Without torch.distributed (one process), a one-rank gloo world is started."""
-    if "group" in _ALONE:
+    if _alone_group() is not None:
         return
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() == 1:
-        _ALONE["group"] = dist.group.WORLD
-        return
-    mine, _ = dist.new_subgroups(group_size=1)
-    _ALONE["group"] = mine
+    group = dist.group.WORLD if dist.get_world_size() == 1 else dist.new_subgroups(group_size=1)[0]
+    _ALONE.update(group=group, world=dist.group.WORLD)
 
 
 def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -38,11 +46,14 @@ def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    if "group" not in _ALONE:  # one process: nothing else to agree with
+    if _alone_group() is None:  # one process: nothing else to agree with
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError("a ZeRO layer needs set_up_alone_group() on every rank first")
         set_up_alone_group()
-    mesh = DeviceMesh.from_group(_ALONE["group"], device_type=device.type)
+    # FSDP2 warns of a unit returning a view (an in-place op on it would skip its hooks): the profile never
+    # writes into a layer's output
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = DeviceMesh.from_group(_alone_group(), device_type=device.type)
     fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     layer.set_requires_gradient_sync(False)
     layer.set_reshard_after_backward(False)
