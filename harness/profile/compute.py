@@ -28,7 +28,7 @@ from harness.plan.activations import BackwardTemporaries
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
-from harness.profile.sharded import shard_alone
+from harness.profile.sharded import leaving_no_world, shard_alone
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
@@ -376,6 +376,7 @@ class Precision:
         return relative_half_width(np.asarray(samples), self.statistic) > self.goal
 
 
+@leaving_no_world()
 def measure_compute_share(spec: JobSpec, contents: dict[str, dict], device: torch.device, warmup: int,
                           repeats: int, on_round: Callable[[int], None] | None = None,
                           max_parameters: int = 2**28, origin_s: float | None = None,

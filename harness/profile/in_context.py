@@ -34,7 +34,7 @@ from harness.plan.events import EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _loss, _make_layer, parameter_shapes, runner_content
-from harness.profile.sharded import shard_alone
+from harness.profile.sharded import leaving_no_world, shard_alone
 from harness.profile.timer import synchronize
 
 # timed rounds every chain gets, even past the time budget: an event sits at several positions of several
@@ -216,6 +216,7 @@ class ChainRunner:
         return out
 
 
+@leaving_no_world()
 def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
                    warmup: int, repeats: int, budget_s: float,
                    on_skip: Callable[[StageChain, str], None] | None = None) -> dict[str, np.ndarray]:

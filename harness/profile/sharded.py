@@ -11,6 +11,7 @@ at every zero level.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -32,10 +33,24 @@ def set_up_alone_group() -> None:
     any ZeRO layer is measured. Without torch.distributed (one process), a one-rank gloo world is started."""
     if _alone_group() is not None:
         return
-    if not dist.is_initialized():
+    started = not dist.is_initialized()
+    if started:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.group.WORLD if dist.get_world_size() == 1 else dist.new_subgroups(group_size=1)[0]
-    _ALONE.update(group=group, world=dist.group.WORLD)
+    _ALONE.update(group=group, world=dist.group.WORLD, started=started)
+
+
+@contextmanager
+def leaving_no_world():
+    """Within: ZeRO layers may start a one-rank world where there is none (set_up_alone_group); on leaving, a world
+    started so is destroyed, so the process is left as it was (a training run may start its own after)."""
+    before = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not before and dist.is_initialized() and _ALONE.get("started") and _alone_group() is not None:
+            dist.destroy_process_group()
+            _ALONE.clear()
 
 
 def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module:
