@@ -145,6 +145,7 @@ class ChainRunner:
     def run(self) -> dict[str, list[float]]:
         """One chain: seconds of each event at each of its positions."""
         clock, marks_in = self.clock, {}
+        x = self.make_input()
         forward_marks = [clock.mark()]
         redo: dict[int, list] = {}  # a recomputed position's forward again inside the backward: [start, end]
         in_backward = False
@@ -169,7 +170,6 @@ class ChainRunner:
                 forward_marks.append(clock.mark())
             return x
 
-        x = self.make_input()
         for run in self._segments():
             if run[0] in groups:  # as harness train runs a full-recompute group
                 x = checkpointed(functools.partial(through, run, checkpointed_run=True), x)
