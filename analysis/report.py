@@ -10,7 +10,7 @@ from typing import Any
 from analysis.costs import Costs
 from analysis.costs.device_source import DEVICE, source_counts, sources_line
 from analysis.memory import GB, MemoryEstimate
-from analysis.simulate import Timeline
+from analysis.simulate import Timeline, drifting_replicas
 from analysis.uncertainty import BatchTimeInterval, IntervalExplanation, has_samples
 from harness.common.output import byte_unit, format_bytes, format_seconds, format_table
 from harness.plan.events import human_bytes
@@ -128,8 +128,9 @@ def replica_skew_summary(timeline: Timeline) -> dict[str, Any] | None:
     stages = []
     for device in timeline.pipeline:
         sigma, positions = skew.spread(device.replica_window_s)
-        stages.append({"stage": device.stage, "window_s": device.replica_window_s, "sigma": sigma,
-                       "positions": positions, "lag_s": device.replica_lag_s})
+        stages.append({"stage": device.stage, "drifting_replicas": drifting_replicas(timeline.plan, device.stage),
+                       "window_s": device.replica_window_s, "sigma": sigma, "positions": positions,
+                       "lag_s": device.replica_lag_s})
     return {"replicas": replicas, "profile_ranks": skew.ranks, "stages": stages}
 
 
@@ -303,12 +304,13 @@ def _details(timeline: Timeline) -> list[str]:
                                           if len(shown) < len(order) else ""))]
     skew = replica_skew_summary(timeline)
     if skew is not None:
-        rows = [(r["stage"], _ms(r["window_s"]), 100.0 * r["sigma"] if r["positions"] else "-", r["positions"],
-                 _ms(r["lag_s"])) for r in skew["stages"]]
-        out += ["", format_table(("stage", "compute span ms", "sigma %", "windows", "lag ms"), rows,
-                                 title=f"the slowest of {skew['replicas']} data-parallel replicas lags (sigma: how "
-                                       f"the speeds of the profile's ranks {','.join(map(str, skew['profile_ranks']))} "
-                                       "differed over such a span):")]
+        rows = [(r["stage"], r["drifting_replicas"], _ms(r["window_s"]), 100.0 * r["sigma"] if r["positions"] else "-",
+                 r["positions"], _ms(r["lag_s"])) for r in skew["stages"]]
+        out += ["", format_table(("stage", "drifting", "compute span ms", "sigma %", "windows", "lag ms"), rows,
+                                 title=f"the slowest of {skew['replicas']} data-parallel replicas lags (drifting: the "
+                                       "groups of them that drift apart, cp's ring and ep's all-to-alls holding theirs "
+                                       "together; sigma: how the speeds of the profile's ranks "
+                                       f"{','.join(map(str, skew['profile_ranks']))} differed over such a span):")]
     return out
 
 

@@ -18,7 +18,8 @@ Hierarchy (docs/analysis.md):
   they become ready during the last micro-batch's backward (dp_overlap, as DDP) or all after the
   device's whole backward (as DistSim); then the optimizer step once compute and all-reduces are done.
   A bucket is ready once the slowest replica has its gradients: where the profile shows how the ranks'
-  speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done. A
+  speeds differ (analysis.skew), that replica is expected to lag by a fraction of the compute done (among the
+  replicas that drift apart: cp's ring and ep's all-to-alls hold theirs together, drifting_replicas). A
   bucket's interval holds its averaging (the division by the replica count, Costs.bucket_divide) and then
   its all-reduce; the optimizer phase ends with each bucket zeroed for the next iteration
   (Costs.bucket_zero);
@@ -533,7 +534,7 @@ def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage:
     pipeline = []
     for d in range(pp):
         compute_end = free[d]
-        lag, window = _replica_lag(records[d], costs, s.gradient_replicas)
+        lag, window = _replica_lag(records[d], costs, drifting_replicas(plan, d))
         pending = []
         for chunk in range(s.chunks):
             vs = chunk * pp + d
@@ -565,6 +566,17 @@ def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage:
             device.usage = _usage(device, per_stage, batch_time_s, m)
     return Timeline(plan=plan, costs=costs, dp_overlap=overlap, batch_time_s=batch_time_s, pipeline=pipeline,
                     stage_costs=per_stage)
+
+
+def drifting_replicas(plan: EventPlan, device: int) -> int:
+    """How many groups of pipeline device `device`'s gradient replicas (dp x cp) drift apart: replicas that its
+    stages' every step exchanges with inside a layer (cp's ring, ep's all-to-all) wait for each other there,
+    layer by layer, and end their compute together, as one."""
+    s = plan.spec.strategy
+    axes = {name.split(".")[0] for chunk in range(s.chunks)
+            for name in plan.stages[virtual_stage(chunk, device, s.pp)].tp_events}
+    held = (s.cp if "cp" in axes else 1) * (s.ep if "ep" in axes else 1)
+    return max(1, s.gradient_replicas // held)
 
 
 def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):

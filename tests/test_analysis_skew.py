@@ -10,9 +10,10 @@ import pytest
 from analysis.costs import Costs
 from analysis.predict import predict
 from analysis.profile_reader import load_profile
-from analysis.simulate import simulate
+from analysis.simulate import drifting_replicas, simulate
 from analysis.skew import RankSpeedSeries, ReplicaSkew, expected_max_of_normals, replica_skew
 from harness.plan.events import build_plan
+from harness.plan.spec import parse_spec
 from harness.store.hdf5_schema import SAMPLE_END_SERIES
 from harness.store.profile_store import Measurement
 from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
@@ -177,3 +178,32 @@ def test_without_data_parallelism_there_is_no_lag():
     timeline = simulate(plan, costs)
     assert timeline.batch_time_s == before
     assert all(d.replica_lag_s == 0.0 for d in timeline.pipeline)
+
+
+def _job(cp: int = 1, dp: int = 1, ep: int = 1):
+    """A small job whose dp x cp ranks are gradient replicas; with ep > 1 its blocks hold 4 experts over ep ranks."""
+    model = {"name": "gpt2-small", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "seq_len": 32, "vocab": 128}
+    if ep > 1:
+        model |= {"experts": 4, "top_k": 2, "expert_ffn": 128}
+    data = {"model": model, "batch": {"global": 4 * dp, "micro": 1},
+            "strategy": {"dp": dp, "cp": cp, "ep": ep, "bucket_mb": 1000},
+            "cluster": {"nodes": 1, "gpus_per_node": dp * cp}}
+    return build_plan(parse_spec(data, source="test"))
+
+
+@pytest.mark.parametrize(("cp", "dp", "ep", "drifting"), [(1, 2, 1, 2), (2, 1, 1, 1), (2, 2, 1, 2), (1, 2, 2, 1),
+                                                          (1, 4, 2, 2)])
+def test_replicas_held_together_inside_their_layers_drift_as_one(cp, dp, ep, drifting):
+    # cp's ring exchanges and ep's all-to-alls make those replicas wait for each other layer by layer (a cp = 2
+    # run of the accuracy bench: 1-2 ms between its ranks' compute ends, where 2 drifting replicas would give 56-91)
+    plan = _job(cp, dp, ep)
+    assert drifting_replicas(plan, 0) == drifting
+    costs = Costs.from_seconds(plan, {eid: 1e-3 for eid in plan.events})
+    before = simulate(plan, costs).batch_time_s
+    costs.replica_skew = ReplicaSkew([series(0, np.ones(5000)), series(1, np.full(5000, 1.2))])
+    device = simulate(plan, costs).pipeline[0]
+    window = max(r.end_s for r in device.steps) - min(r.start_s for r in device.steps)
+    busy = sum(r.end_s - r.start_s for r in device.steps)
+    assert device.replica_lag_s == pytest.approx(costs.replica_skew.lag_fraction(drifting, window) * busy)
+    assert (device.replica_lag_s > 0) == (drifting > 1)
+    assert (simulate(plan, costs).batch_time_s > before) == (drifting > 1)
