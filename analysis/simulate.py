@@ -584,10 +584,10 @@ def _replica_lag(steps: Sequence[StepRecord], costs: Costs, replicas: int):
     time t, the window): the skew's lag fraction over the device's compute span (the window), times the
     compute done before t."""
     skew = costs.replica_skew
-    if replicas <= 1 or skew is None or not steps:
+    if skew is None or not steps:
         return (lambda t: 0.0), 0.0
     window = max(r.end_s for r in steps) - min(r.start_s for r in steps)
-    fraction = skew.lag_fraction(replicas, window)
+    fraction = skew.lag_fraction(replicas, window) if replicas > 1 else 0.0
     if fraction <= 0:
         return (lambda t: 0.0), window
     step_spans = sorted((r.start_s, r.end_s) for r in steps)

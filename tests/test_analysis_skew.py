@@ -206,4 +206,5 @@ def test_replicas_held_together_inside_their_layers_drift_as_one(cp, dp, ep, dri
     busy = sum(r.end_s - r.start_s for r in device.steps)
     assert device.replica_lag_s == pytest.approx(costs.replica_skew.lag_fraction(drifting, window) * busy)
     assert (device.replica_lag_s > 0) == (drifting > 1)
+    assert device.replica_window_s == pytest.approx(window)  # the span --details shows, lag or none
     assert (simulate(plan, costs).batch_time_s > before) == (drifting > 1)
