@@ -46,11 +46,11 @@
   shard; a backward that reduce-scatters (zero 2 and 3 every one, zero 1 the last) copies each layer's whole
   gradients into a reduce-scatter input and, while the collective runs, holds its working copy of that input
   (gloo's, as MemTracker saw it on a CPU) and its output, a shard, beside the layer's input gradient, the whole
-  gradients themselves let go (a built-in head's held: seen on every GPT-2 job probed, not on a factory
-  head, the cause not found); every layer being its own root, every such input stays until the backward ends
-  (temporaries), but at the first layer's reduce-scatter (its input, token ids, takes no gradient: FSDP2 runs
-  it at the backward's end), by when they are let go; gradients are held from the first backward (they are
-  freed with the optimizer step).
+  gradients themselves let go (at zero 3 a built-in head's held: seen on every GPT-2 job probed, not on a factory
+  head, the cause not found; at zero 2 let go too, as MemTracker saw on gpt2, bert and llama jobs); every layer being
+  its own root, every such input stays until the backward ends (temporaries), but at the first layer's reduce-scatter
+  (its input, token ids, takes no gradient: FSDP2 runs it at the backward's end), by when they are let go; gradients
+  are held from the first backward (they are freed with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
 from the start with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
@@ -316,7 +316,7 @@ class _Layer:
     whole: int  # its weights' bytes, whole (and its gradients')
     shard: int  # a replica's shard of its gradients (zero)
     input_gradient: int = 0  # the gradient at its input (zero: held through its reduce-scatter)
-    keeps_gradients: bool = False  # its whole gradients held through its reduce-scatter (zero: a built-in head's)
+    keeps_gradients: bool = False  # its whole gradients held through its reduce-scatter (zero 3: a built-in head's)
 
 
 def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = False) -> tuple[int, ...]:
@@ -335,7 +335,7 @@ def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = Fal
             candidates.append((again - freed - own, temporary + buffer + retained, again, weights, scattered))
         if scatters and layer.whole:  # its reduce-scatter: its whole gradients copied into the input, the
             # collective's working copy of it and the output, a shard, beside its input's gradient; weights let go
-            held_whole = layer.whole if zero >= 2 and layer.keeps_gradients else 0
+            held_whole = layer.whole if zero == 3 and layer.keeps_gradients else 0
             candidates.append((-freed - layer.held, 2 * layer.whole + layer.shard + layer.input_gradient
                                + (retained if layer.input_gradient else 0),
                                0, 0 if zero == 3 else -resharded, scattered + held_whole))
