@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from harness.plan.device import DeviceDescription, load_device
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
+from harness.plan.spec import DTYPES
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,14 @@ class DeviceModel:
     def optimizer_time(self, kernel: MemoryBound) -> KernelTime:
         """An optimizer step on a description with its [optimizer.NAME]: T tensors (kernel.tensors, runs of
         (elements, count)) of P parameters launch kernels_per_step + kernels_per_tensor x T kernels, each kernel_s
-        beyond its bytes, and move P x bytes_per_parameter at the optimizer's measured bandwidth."""
+        beyond its bytes, and move P x bytes_per_parameter (counted on float32 parameters: scaled to the step's
+        dtype) at the optimizer's measured bandwidth."""
         cost = self.description.optimizer[kernel.op]
         tensors = sum(count for _, count in kernel.tensors)
         params = sum(elements * count for elements, count in kernel.tensors)
         launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
-        return KernelTime(0.0, params * cost.bytes_per_parameter / cost.bandwidth, launches * cost.kernel_s)
+        nbytes = params * cost.bytes_per_parameter * DTYPES[kernel.dtype] / DTYPES["float32"]
+        return KernelTime(0.0, nbytes / cost.bandwidth, launches * cost.kernel_s)
 
     def kernel_seconds(self, kernel: Kernel) -> float:
         return self.kernel_time(kernel).seconds

@@ -137,14 +137,33 @@ def test_a_kinds_vector_operations_are_its_slope_by_hand():
     assert "copy" not in ops
 
 
+CPU_FIRST_GEMMS = [(16, 32, 32), (241, 40, 35), (525, 553, 95)]  # harness device's fit set on a CPU, (m, n, k)
+
+
+def test_a_gpus_shapes_are_drawn_as_real_models_have_them():
+    """On a GPU every GEMM dimension and attention length drawn is a multiple of 64 (a bfloat16 GEMM of odd ones
+    leaves the tensor cores' fast path); a CPU's draw is left as it was (its first GEMMs pinned)."""
+    from harness.plan.kernels import Attention, Gemm
+    from harness.profile.device_curves import FIT_SEED, FULL, draw_kernels
+
+    gpu = draw_kernels("cuda", "bfloat16", FULL, FIT_SEED)
+    gemms = [k for k in gpu if isinstance(k, Gemm)]
+    attentions = [k for k in gpu if isinstance(k, Attention)]
+    assert len(gemms) == FULL.gemm and len(attentions) == 2 * (FULL.sdpa + FULL.materialized)
+    assert all(d % 64 == 0 for g in gemms for d in (g.m, g.n, g.k))
+    assert all(a.q_len % 64 == 0 and a.kv_len == a.q_len for a in attentions)
+    cpu = [(k.m, k.n, k.k) for k in draw_kernels("cpu", "float32", FULL, FIT_SEED) if isinstance(k, Gemm)]
+    assert cpu[:3] == CPU_FIRST_GEMMS
+
+
 def test_an_optimizers_figures_are_solved_on_its_two_steps():
     """fit_optimizer: counted 9 kernels a tensor, 2 a step, 76 bytes a parameter; the small step (64 tensors of
     256: 578 kernels, 1,245,184 B) and the large one (4 of 262,144: 38 kernels, 79,691,776 B) timed as a device of
     10 us a kernel and 10 GB/s makes them (5.9045184 ms and 8.3491776 ms): both figures come back. Steps that
     would need a negative kernel time: 0 and the large step's bytes over its time."""
-    from harness.profile.device_curves import OPTIMIZER_LARGE, OPTIMIZER_SMALL, fit_optimizer
+    from harness.profile.device_curves import OPTIMIZER_SMALL, SCALES, fit_optimizer
 
-    assert (OPTIMIZER_SMALL, OPTIMIZER_LARGE) == ((64, 256), (4, 262_144))
+    assert (OPTIMIZER_SMALL, SCALES["cpu"].optimizer_large) == ((64, 256), (4, 262_144))
     counted = {"kernels_per_tensor": 9.0, "kernels_per_step": 2.0, "bytes_per_parameter": 76.0}
     cost = fit_optimizer(counted, 578 * 10e-6 + 1_245_184 / 10e9, 38 * 10e-6 + 79_691_776 / 10e9)
     assert (cost.kernels_per_tensor, cost.kernels_per_step, cost.bytes_per_parameter) == (9.0, 2.0, 76.0)

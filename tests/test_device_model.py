@@ -249,6 +249,32 @@ def test_optimizer_kernels():
     assert kernel.launches == 4  # the embedding, 2 blocks, the head
 
 
+def test_an_optimizer_steps_in_the_weights_dtype():
+    """A bfloat16 job's optimizer steps its bfloat16 weights and states (harness train keeps no other copy): half a
+    float32 step's bytes, the event's and its kernel's, and on a description measured tensor by tensor the counted
+    float32 bytes scaled alike; with master weights it steps float32 copies. Adam's event keeps its id."""
+    from harness.plan.device import OptimizerCost
+
+    def step_of(spec):
+        event = next(e for e in build_plan(spec).events.values() if e.content.get("phase") == "optimizer")
+        return event, event_kernels(event.content)[0]
+
+    text = tiny_spec_text(layers=2, global_batch=4)
+    full_event, full = step_of(loads_spec(text))
+    half_event, half = step_of(loads_spec(text.replace('dtype = "float32"', 'dtype = "bfloat16"')))
+    params = full_event.content["params"]
+    assert (full.dtype, half.dtype) == ("float32", "bfloat16") and half_event.content["params"] == params
+    assert half.bytes == params * OPTIMIZER_BYTES_PER_PARAMETER / 2 == half_event.traffic
+    assert "master_weights" not in half_event.content
+    master_event, master = step_of(loads_spec(text.replace('dtype = "float32"', 'dtype = "bfloat16"')
+                                              .replace("[cluster]", "[optimizer]\nmaster_weights = true\n[cluster]")))
+    assert master_event.content["master_weights"] is True and master.dtype == "float32"
+    assert master.bytes == params * OPTIMIZER_BYTES_PER_PARAMETER
+    measured = DeviceModel(flat_device(optimizer={"adam": OptimizerCost(0.0, 1.0, 52.0, 0.0, 1e9)}))
+    assert measured.kernel_time(half).memory_s == pytest.approx(params * 26 / 1e9)
+    assert measured.kernel_time(full).memory_s == pytest.approx(params * 52 / 1e9)
+
+
 def test_layers_without_kernels_are_refused():
     spec = loads_spec(tiny_spec_text(name="mixtral-8x7b", hidden=32, heads=4, ffn=64, layers=2, global_batch=4)
                       .replace("dtype = ", "kv_heads = 4\nexperts = 4\ntop_k = 2\nexpert_ffn = 32\ndtype = "))

@@ -111,7 +111,20 @@ def test_the_validation_says_in_one_line_whether_the_run_lies_in_the_interval(ca
     assert lines == ["in interval: yes, the measured median is inside the prediction's 90% interval, 201.639 to "
                      "325.643 ms (48.2% wide, with the model's held-out error)"]
     assert analysis_main(["validate", str(TRACE), str(PROFILE), "--resamples", "0"]) == 0
-    assert "in interval: not known (no interval: --resamples 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "in interval: not known (no interval: --resamples 0" in out
+
+
+def test_the_memory_table_shows_the_peak_its_error_is_taken_against(capsys):
+    """The meter cannot see a backward's temporaries: the error is against the model's peak of what it sees, and
+    the table shows that figure beside the whole peak (53.88 MB against 51.79 on stage 0)."""
+    assert analysis_main(["validate", str(TRACE), str(PROFILE), "--resamples", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("peak memory per pipeline stage"))
+    assert "error against the predicted peak of what the meter sees" in lines[header]
+    assert lines[header + 1].split("  ")[:5] == ["stage", "rank", "measured MB", "predicted MB",
+                                                 "predicted, meter's MB"]
+    assert lines[header + 3].split() == ["0", "0", "51.79", "53.88", "51.79", "-0.008", "activations"]
 
 
 COMM_PROFILE = DATA / "dp2pp2-profile.h5"

@@ -82,14 +82,17 @@ def run(args: argparse.Namespace) -> int:
         print()
         mb = lambda b: b / 1e6  # noqa: E731
         remade = any(r.get("remade_bytes") for r in result.memory)
+        narrowed = any(r["compared_bytes"] != r["predicted_bytes"] for r in result.memory)
         title = "peak memory per pipeline stage (its largest device; docs/analysis.md, Memory)"
-        if remade:
-            title += ("; error against the peak without the re-made activations of recompute, which the meter "
-                      "cannot see")
-        print(format_table(("stage", "rank", "measured MB", "predicted MB", "error %", "largest part")
+        if narrowed:
+            title += ("; error against the predicted peak of what the meter sees (without a backward's temporaries "
+                      "and the re-made activations of recompute)")
+        print(format_table(("stage", "rank", "measured MB", "predicted MB")
+                           + (("predicted, meter's MB",) if narrowed else ()) + ("error %", "largest part")
                            + (("re-made MB",) if remade else ()),
-                           [(r["stage"], r["rank"], mb(r["measured_bytes"]), mb(r["predicted_bytes"]), r["error_pct"],
-                             max(r["predicted_parts"], key=r["predicted_parts"].get))
+                           [(r["stage"], r["rank"], mb(r["measured_bytes"]), mb(r["predicted_bytes"]))
+                            + ((mb(r["compared_bytes"]),) if narrowed else ())
+                            + (r["error_pct"], max(r["predicted_parts"], key=r["predicted_parts"].get))
                             + ((mb(r["remade_bytes"]),) if remade else ()) for r in result.memory],
                            title=title))
     if result.replica_lag:

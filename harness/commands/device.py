@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"description": description.to_dict(), "output": str(output) if output else None,
                           "device": str(device), "dtype": dtype, "repeats": repeats, "quick": args.quick,
                           "seconds": calibration.seconds, "fit_errors": errors,
-                          "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks},
+                          "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks,
+                                     "bare_issue_s": calibration.bare_issue_s},
                           "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
                           "collectives_in_context": calibration.collectives,
                           "kernels": observation_rows(calibration)}, indent=1))

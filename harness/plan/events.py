@@ -32,7 +32,7 @@ from harness.plan.layers import (
     split_into_stages,
 )
 from harness.plan.schedules import device_steps, virtual_stage
-from harness.plan.spec import JobSpec
+from harness.plan.spec import DTYPES, JobSpec
 
 EVENTS_VERSION = 1
 INTRA, INTER = "intra", "inter"
@@ -123,7 +123,19 @@ class Event(CommunicationFields):
     traffic: float = 0.0
 
 
-OPTIMIZER_BYTES_PER_PARAMETER = 32  # Adam reads and writes parameter, gradient and two moments
+OPTIMIZER_BYTES_PER_PARAMETER = 32  # Adam reads and writes parameter, gradient and two moments, in float32
+
+
+def optimizer_dtype(model_dtype: str, master_weights: bool) -> str:
+    """The dtype an optimizer steps in: the weights' own (harness train keeps no other copy), float32 with master
+    weights (an fp32 copy of 16-bit weights, fp32 states)."""
+    return "float32" if master_weights else model_dtype
+
+
+def optimizer_bytes(params: int, dtype: str) -> float:
+    """The bytes an optimizer step over `params` parameters moves: OPTIMIZER_BYTES_PER_PARAMETER in float32,
+    scaled to `dtype`'s size."""
+    return float(params * OPTIMIZER_BYTES_PER_PARAMETER * DTYPES[dtype] / DTYPES["float32"])
 
 
 @dataclass
@@ -592,13 +604,15 @@ class EventPlan:
             content["shard"] = shard
             name += f" shard 1/{shard}"
             params = -(-params // shard)
-        return self._add("compute", name, content, 12.0 * params, 0, float(params * OPTIMIZER_BYTES_PER_PARAMETER))
+        dtype = optimizer_dtype(self.spec.model.dtype, self.spec.optimizer.master_weights)
+        return self._add("compute", name, content, 12.0 * params, 0, optimizer_bytes(params, dtype))
 
     def _optimizer_content(self) -> dict[str, Any]:
         """What an optimizer step's content adds for its optimizer: nothing for Adam (the default, so that
-        profiles of Adam jobs keep their ids), the name and momentum for SGD."""
+        profiles of Adam jobs keep their ids), the name and momentum for SGD; master weights where set."""
         o = self.spec.optimizer
-        return {} if o.name == "adam" else {"optimizer": o.name, "momentum": o.momentum}
+        content = {} if o.name == "adam" else {"optimizer": o.name, "momentum": o.momentum}
+        return {**content, "master_weights": True} if o.master_weights else content
 
     def _traffic(self, layer: LayerDesc, index: int, tokens: int) -> float:
         """A forward's memory traffic: its parameters and its activations in and out, in bytes."""

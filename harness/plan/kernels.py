@@ -31,7 +31,7 @@ from typing import Any
 
 from harness.common.errors import UserError
 from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
-from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER
+from harness.plan.events import optimizer_bytes, optimizer_dtype
 from harness.plan.layers import LayerDesc
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
@@ -163,7 +163,8 @@ def event_kernels(content: Mapping[str, Any], recompute: str = "none") -> list[K
 
 def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
     """An optimizer step (harness.plan.events._optimizer_event): reads and writes each parameter, its gradient and
-    its states (events.OPTIMIZER_BYTES_PER_PARAMETER) with 12 FLOPs a parameter, one launch per layer (foreach
+    its states (events.optimizer_bytes, in the weights' dtype, float32 with master weights: its layers'
+    signatures and the content's `master_weights`) with 12 FLOPs a parameter, one launch per layer (foreach
     kernels over a layer's tensors). It also carries its optimizer (`op`: OPTIMIZER_KINDS), its parameters
     (`elements`) and its parameter tensors as (elements, count) runs, each tensor's ZeRO shard (its first
     dimension split over `shard`), for a description that measured the optimizer tensor by tensor
@@ -184,9 +185,11 @@ def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
             rows = -(-shape[0] // shard)
             elements = rows * math.prod(shape[1:])
             runs[elements] = runs.get(elements, 0) + int(count)
-    return [MemoryBound("optimizer.step", float(params * OPTIMIZER_BYTES_PER_PARAMETER), "float32",
-                        flops=12.0 * params, launches=layers, op=op, elements=float(params),
-                        tensors=tuple(sorted(runs.items())))]
+    signatures = [dict(layer["signature"]) for layer, _ in content.get("layers", ())]
+    dtype = optimizer_dtype(signatures[0].get("dtype", "float32") if signatures else "float32",
+                            bool(content.get("master_weights", False)))
+    return [MemoryBound("optimizer.step", optimizer_bytes(params, dtype), dtype, flops=12.0 * params,
+                        launches=layers, op=op, elements=float(params), tensors=tuple(sorted(runs.items())))]
 
 
 def parameter_tensor_shapes(kind: str, sig: Mapping[str, Any]) -> list[tuple[int, ...]] | None:

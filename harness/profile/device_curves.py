@@ -4,11 +4,13 @@ harness.plan.device, its curves fitted by harness.plan.device_fit: what `python 
 Rules:
 - every kernel is described as harness.plan.kernels describes a layer's (Gemm, Attention, MemoryBound), so the
   device model costs exactly what was measured; shapes are drawn log-uniformly from a seed within the ranges of
-  the device's kind (SCALES: a CPU's are the sizes of the jobs that run on it here, a GPU's those of real jobs);
+  the device's kind (SCALES: a CPU's are the sizes of the jobs that run on it here, a GPU's those of real jobs,
+  their GEMM dimensions and attention lengths multiples of 64 as real models' are: on a GPU a bfloat16 GEMM of
+  odd dimensions leaves the tensor cores' fast path and ran 3-5x slower on an H200);
 - every kernel runs `warmup` untimed rounds, then `repeats` timed ones; each round times every kernel once, one
   after another (interleaved, so that the machine's drift over the run falls on every kernel alike); a kernel's
-  figure is the median of its samples. Timing: CUDA events on a GPU, perf_counter_ns on a CPU
-  (harness.profile.timer.time_region);
+  figure is the median of its samples. Timing: perf_counter_ns on a CPU (harness.profile.timer.time_region);
+  on a GPU CUDA events with the GPU held busy while the host issues (measure): the device's time alone;
 - peaks: the matrix peak of a dtype is the best FLOP/s of its GEMMs; the vector peak the best of an elementwise
   multiply-add (2 FLOPs an element) on a tensor that fits in cache, VECTOR_LOOP of them a sample; the memory
   bandwidth the best bytes/s of the memory-bound kernels; a launch the time of a tiny elementwise kernel with
@@ -19,7 +21,9 @@ Rules:
   graph and its engine, the views between kernels): `launch_us` is then taken from tiny built-in blocks
   (FRAMEWORK_FAMILIES, FRAMEWORK_SIZES) run forward and backward as a pass runs them, their time beyond their
   kernels' modelled work over the launches harness.plan.kernels lists for them (at least the bare launch; the
-  curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written;
+  curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written. On a GPU the
+  host issues a pass's kernels through the same framework: `kernel_issue_us` is the host's time a kernel of
+  those blocks issued with the GPU held busy (at least the bare operator's issue);
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
 - memory-bound kernels of every kind harness.plan.kernels names (MemoryBound.op), as the models run them: the
   bandwidth kinds (BANDWIDTH_KINDS: copy, add, fill) fit the memory curve; every other kind (VECTOR_MEASURED: the
@@ -77,6 +81,7 @@ from harness.profile.timer import can_time_issued, synchronize, time_issued, tim
 FIT_SEED = 43  # the fit's shapes; a held-out set draws from another seed and leaves these out
 LAUNCH_LOOP = 50
 LEAD_S = 0.02  # on a GPU: how long a spin kernel holds it while the host issues a launch sample
+ISSUE_LEAD_S = (1e-3, 0.5)  # on a GPU: the least and most a kernel's sample holds it busy (measure)
 VECTOR_LOOP = 20  # multiply-adds a vector sample runs back to back (its tensors stay in cache)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # memory-bound kernels: a forward kind's bytes an element in units of the dtype's size, as harness.plan.kernels
@@ -94,8 +99,7 @@ DROPOUT_P = 0.1
 OPTIMIZERS = {"adam": ("adam", 0.0), "sgd": ("sgd", 0.0), "sgd_momentum": ("sgd", 0.9)}
 OPTIMIZER_COUNT_TENSORS = 8  # a step's dispatched operations are counted over 1 and this many tensors
 OPTIMIZER_SMALL = (64, 256)  # (tensors, elements each): the step a kernel's seconds beyond its bytes is taken from
-OPTIMIZER_LARGE = (4, 1 << 18)  # a step over a few large tensors
-OPTIMIZER_CHECK = (16, 1 << 14)  # a step between them, measured in the same rounds and not fitted on: the check
+# (a step over a few large tensors, the bandwidth's, and Scale.optimizer_check between them: not fitted on)
 # collectives in context (2 or more ranks): the operations a tensor-parallel layer runs, the sizes (bytes, as
 # harness collectives counts them), and the compute burst each follows: a GEMM of about BURST_S on this device
 CONTEXT_OPS = ("allreduce", "allgather", "reducescatter")
@@ -125,6 +129,9 @@ class Scale:
     memory_rows: tuple[int, int]
     vector_elements: int
     kind_elements: tuple[int, int] = (1 << 14, 1 << 20)  # the vector kinds' kernels' elements
+    multiple: int = 1  # GEMM dimensions and attention lengths are drawn as multiples of this
+    optimizer_large: tuple[int, int] = (4, 1 << 18)  # (tensors, elements each): the step the bandwidth is taken from
+    optimizer_check: tuple[int, int] = (16, 1 << 14)  # a step between it and OPTIMIZER_SMALL, not fitted on
 
 
 SCALES = {
@@ -137,7 +144,8 @@ SCALES = {
                   peak_gemms=((4096, 4096, 4096), (8192, 8192, 8192)),
                   attention_batch=(1, 8), attention_heads=(8, 32), attention_seq=(256, 8192), head_dims=(64, 128),
                   attention_max_flops=5e12, memory_rows=(256, 1 << 20), vector_elements=1 << 26,
-                  kind_elements=(1 << 16, 1 << 26)),
+                  kind_elements=(1 << 16, 1 << 26), multiple=64, optimizer_large=(4, 1 << 24),
+                  optimizer_check=(16, 1 << 20)),
 }
 
 
@@ -171,7 +179,9 @@ class Calibration:
     seconds: float = 0.0
     held_out: list[Observation] = field(default_factory=list)  # measured in the same rounds, not fitted on
     bare_launch_s: float = 0.0  # a bare operator's launch (the curves' fit's); launch_s beside it on a CPU
-    framework_blocks: dict[str, float] = field(default_factory=dict)  # family -> seconds a kernel (CPU)
+    # family -> seconds a kernel of its tiny block: the framework's time (CPU), the host's issue time (GPU)
+    framework_blocks: dict[str, float] = field(default_factory=dict)
+    bare_issue_s: float = 0.0  # a bare operator's issue on the host (GPU); kernel_issue_s beside it
     optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
     ranks: int = 1
@@ -206,8 +216,9 @@ def runs_dtype(device: torch.device, dtype: str) -> bool:
         return False
 
 
-def _log_uniform(rng: np.random.Generator, low: int, high: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+def _log_uniform(rng: np.random.Generator, low: int, high: int, multiple: int = 1) -> int:
+    drawn = math.exp(rng.uniform(math.log(low), math.log(high)))
+    return max(multiple, int(round(drawn / multiple)) * multiple)
 
 
 def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequence[Kernel] = ()) -> list[Kernel]:
@@ -227,7 +238,8 @@ def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequ
     corner = Gemm("gemm", scale.gemm_m[0], scale.gemm_nk[0], scale.gemm_nk[0], dtype)  # the smallest GEMM drawn
     drawn = 1 if counts.gemm and take(corner) else 0
     while drawn < counts.gemm:
-        m, n, k = _log_uniform(rng, *scale.gemm_m), _log_uniform(rng, *scale.gemm_nk), _log_uniform(rng, *scale.gemm_nk)
+        m, n, k = (_log_uniform(rng, *scale.gemm_m, scale.multiple), _log_uniform(rng, *scale.gemm_nk, scale.multiple),
+                   _log_uniform(rng, *scale.gemm_nk, scale.multiple))
         gemm = Gemm("gemm", m, n, k, dtype)
         if gemm.flops <= scale.gemm_max_flops and take(gemm):
             drawn += 1
@@ -239,7 +251,8 @@ def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequ
                 (batch, heads, seq, head_dim), smallest = smallest, None
             else:
                 batch, heads = _log_uniform(rng, *scale.attention_batch), _log_uniform(rng, *scale.attention_heads)
-                seq, head_dim = _log_uniform(rng, *scale.attention_seq), int(rng.choice(scale.head_dims))
+                seq = _log_uniform(rng, *scale.attention_seq, scale.multiple)
+                head_dim = int(rng.choice(scale.head_dims))
             forward = Attention("attention", kernel_kind, batch, heads, seq, seq, head_dim, dtype,
                                 launches=3 if kernel_kind == "materialized" else 1)
             if forward.flops > scale.attention_max_flops or forward in left_out or forward in out:
@@ -517,17 +530,18 @@ def optimizer_kernel(kind: str, tensors: int, elements: int) -> MemoryBound:
                        tensors=((elements, tensors),))
 
 
-def fit_optimizer(counted: dict[str, float], small_s: float, large_s: float) -> OptimizerCost:
+def fit_optimizer(counted: dict[str, float], small_s: float, large_s: float,
+                  large: tuple[int, int] = SCALES["cpu"].optimizer_large) -> OptimizerCost:
     """An optimizer's [optimizer.NAME]: the counted kernels and bytes, and the two figures that make the steps
-    over OPTIMIZER_SMALL's and OPTIMIZER_LARGE's tensors take `small_s` and `large_s`: each step's time is its
-    kernels x kernel_s + its parameters x bytes_per_parameter / bandwidth, two equations solved for kernel_s (at
-    least 0) and the bandwidth (where the two steps do not tell them apart, kernel_s 0 and the large step's
+    over OPTIMIZER_SMALL's and `large`'s (tensors, elements each) take `small_s` and `large_s`: each step's time
+    is its kernels x kernel_s + its parameters x bytes_per_parameter / bandwidth, two equations solved for kernel_s
+    (at least 0) and the bandwidth (where the two steps do not tell them apart, kernel_s 0 and the large step's
     bytes over its time)."""
     cost = OptimizerCost(kernels_per_tensor=counted["kernels_per_tensor"],
                          kernels_per_step=counted["kernels_per_step"],
                          bytes_per_parameter=counted["bytes_per_parameter"], kernel_s=0.0, bandwidth=1.0)
     steps = []
-    for (tensors, elements), seconds in ((OPTIMIZER_SMALL, small_s), (OPTIMIZER_LARGE, large_s)):
+    for (tensors, elements), seconds in ((OPTIMIZER_SMALL, small_s), (large, large_s)):
         launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
         steps.append((launches, tensors * elements * cost.bytes_per_parameter, seconds))
     (l1, b1, t1), (l2, b2, t2) = steps
@@ -541,29 +555,63 @@ def fit_optimizer(counted: dict[str, float], small_s: float, large_s: float) -> 
     return dataclasses.replace(cost, kernel_s=kernel_s, bandwidth=1.0 / per_byte)
 
 
-def measure_launch_on_gpu(device: torch.device, repeats: int, warmup: int) -> tuple[float, float]:
-    """(device seconds, host seconds) of one launch on a GPU: LAUNCH_LOOP tiny kernels issued while the GPU is
-    held busy (timer.time_issued), medians of the samples in which the host stayed ahead (all, if none did)."""
-    run = _launch_runner(device)
+def issued_medians(run: Callable[[], object], device: torch.device, repeats: int,
+                   warmup: int) -> tuple[float, float]:
+    """(device seconds, host seconds) of `run()` on a GPU issued while the GPU is held busy for LEAD_S
+    (timer.time_issued), medians of the samples in which the host stayed ahead (all, if none did)."""
     samples = [time_issued(run, device, LEAD_S) for _ in range(warmup + repeats)][warmup:]
     ahead = [s for s in samples if s.ahead] or samples
-    return (float(np.median([s.device_s for s in ahead])) / LAUNCH_LOOP,
-            float(np.median([s.host_s for s in ahead])) / LAUNCH_LOOP)
+    return float(np.median([s.device_s for s in ahead])), float(np.median([s.host_s for s in ahead]))
+
+
+def measure_launch_on_gpu(device: torch.device, repeats: int, warmup: int) -> tuple[float, float]:
+    """(device seconds, host seconds) of one launch on a GPU: LAUNCH_LOOP tiny kernels (issued_medians)."""
+    device_s, host_s = issued_medians(_launch_runner(device), device, repeats, warmup)
+    return device_s / LAUNCH_LOOP, host_s / LAUNCH_LOOP
+
+
+def framework_issue_on_gpu(description: DeviceDescription, dtype: str, device: torch.device, repeats: int,
+                           warmup: int) -> dict[str, float]:
+    """Per family of FRAMEWORK_FAMILIES, the host's seconds a kernel of its tiny block's forward and backward as
+    a training pass issues them (nn.Module calls, autograd's graph and engine, the views between kernels) on a
+    GPU: the block's host time issued (issued_medians) over the launches harness.plan.kernels lists for it."""
+    out = {}
+    for family in FRAMEWORK_FAMILIES:
+        run, kernels = framework_block(family, dtype, device)
+        out[family] = (issued_medians(run, device, repeats, warmup)[1]
+                       / sum(description.kernel_launches(k) for k in kernels))
+    return out
 
 
 def measure(runners: Sequence[Callable[[], object]], device: torch.device, repeats: int, warmup: int,
             progress: Progress | None = None) -> list[float]:
     """Each runner's median seconds over `repeats` interleaved rounds after `warmup` untimed ones (module
-    docstring); `progress` advances once a round per runner."""
+    docstring); `progress` advances once a round per runner.
+
+    On a GPU (timer.can_time_issued) a sample is the device's time alone: the GPU is held busy while the host
+    issues the runner (timer.time_issued), for twice the runner's longest warm-up (synchronized: the host's issue
+    and the device's work; ISSUE_LEAD_S bounds it), doubled after a sample the host fell behind in; the median is
+    of the samples the host stayed ahead in (all, if none did). A synchronized sample of a small kernel is its
+    host's issue, which the device model adds itself ([host] kernel_issue_us)."""
+    issued = can_time_issued(device)
     samples: list[list[float]] = [[] for _ in runners]
+    behind: list[list[float]] = [[] for _ in runners]  # samples the host fell behind in (GPU)
+    lead = [ISSUE_LEAD_S[0]] * len(runners)
     for round_index in range(warmup + repeats):
         for index, run in enumerate(runners):
-            seconds = time_region(run, device)
-            if round_index >= warmup:
-                samples[index].append(seconds)
+            if not issued or round_index < warmup:
+                seconds = time_region(run, device)
+                lead[index] = min(ISSUE_LEAD_S[1], max(lead[index], 2 * seconds))
+                if round_index >= warmup:
+                    samples[index].append(seconds)
+            else:
+                sample = time_issued(run, device, lead[index])
+                (samples if sample.ahead else behind)[index].append(sample.device_s)
+                if not sample.ahead:
+                    lead[index] = min(ISSUE_LEAD_S[1], 2 * max(lead[index], sample.host_s))
             if progress is not None:
                 progress.advance()
-    return [float(np.median(s)) for s in samples]
+    return [float(np.median(ahead or late)) for ahead, late in zip(samples, behind)]
 
 
 def measure_kernels(kernels: Sequence[Kernel], device: torch.device, repeats: int, warmup: int,
@@ -677,7 +725,7 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     runners += [run for run, _ in blocks]
     # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
     optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
-                  for size in (OPTIMIZER_SMALL, OPTIMIZER_LARGE, OPTIMIZER_CHECK)]
+                  for size in (OPTIMIZER_SMALL, scale.optimizer_large, scale.optimizer_check)]
     runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
     runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
     progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
@@ -686,7 +734,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     finally:
         progress.close()
     launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
-    if device.type == "cuda" and can_time_issued(device):
+    gpu_issued = device.type == "cuda" and can_time_issued(device)
+    if gpu_issued:
         launch_s, issue_s = measure_launch_on_gpu(device, repeats, warmup)
     vector = {d: 2.0 * scale.vector_elements * VECTOR_LOOP / s for d, s in zip(runnable, seconds[1:1 + len(runnable)])}
     block_seconds = seconds[1 + len(runnable):1 + len(runnable) + len(blocks)]
@@ -716,16 +765,21 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     counted = {kind: count_optimizer(kind, device) for kind in OPTIMIZER_KINDS}
     fitted = dataclasses.replace(fitted, optimizer={
         kind: fit_optimizer(counted[kind], optimizer_seconds[(kind, OPTIMIZER_SMALL)],
-                            optimizer_seconds[(kind, OPTIMIZER_LARGE)]) for kind in OPTIMIZER_KINDS})
-    observations += [Observation("optimizer", optimizer_kernel(kind, *OPTIMIZER_CHECK), s)
-                     for (kind, size), s in optimizer_seconds.items() if size == OPTIMIZER_CHECK]
+                            optimizer_seconds[(kind, scale.optimizer_large)], scale.optimizer_large)
+        for kind in OPTIMIZER_KINDS})
+    observations += [Observation("optimizer", optimizer_kernel(kind, *scale.optimizer_check), s)
+                     for (kind, size), s in optimizer_seconds.items() if size == scale.optimizer_check]
     framework = {}
     if blocks:  # a CPU: a kernel in a pass costs the framework's time around it too (module docstring)
         per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
         framework = dict(zip(FRAMEWORK_FAMILIES, per_launch))
         fitted = dataclasses.replace(fitted, launch_s=max(launch_s, float(np.median(per_launch))))
+    elif gpu_issued:  # a GPU: the host issues a pass's kernels through the same framework (module docstring)
+        framework = framework_issue_on_gpu(fitted, dtype, device, repeats, warmup)
+        fitted = dataclasses.replace(fitted, kernel_issue_s=max(issue_s, float(np.median(list(framework.values())))))
     calibration = Calibration(fitted, observations, dtype, repeats, warmup, unsupported,
                               held_out=held_out_observations, bare_launch_s=launch_s, framework_blocks=framework,
+                              bare_issue_s=issue_s,
                               optimizer_counts=counted)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
@@ -756,6 +810,7 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
     count = {curve: sum(o.curve == curve for o in obs) for curve in
              ("gemm", "sdpa_forward", "sdpa_backward", "materialized_attention", "memory")}
     bandwidth = sum(o.curve == "memory" and o.kernel.op in BANDWIDTH_KINDS for o in obs)
+    per_block = ", ".join(f"{v * 1e6:.1f}" for v in calibration.framework_blocks.values())
     note = (f"harness device {time.strftime('%Y-%m-%d %H:%M')}{' --quick' if quick else ''}, torch "
             f"{torch.__version__}: curves in {calibration.dtype} on {count['gemm']} GEMMs (m {scale.gemm_m[0]}-"
             f"{scale.gemm_m[1]}, n and k {scale.gemm_nk[0]}-{scale.gemm_nk[1]}), {count['sdpa_forward']} fused "
@@ -770,9 +825,12 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             + (f", every one of {calibration.ranks} ranks at once (rank 0's figures)" if calibration.ranks > 1 else "")
             + "; peaks the best measured"
             + (f"; launch_us the framework's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
-               f"forward and backward ({', '.join(f'{v * 1e6:.1f}' for v in calibration.framework_blocks.values())}"
-               f" us; their median), a bare operator's {calibration.bare_launch_s * 1e6:.2f} us"
-               if calibration.framework_blocks else "")
+               f"forward and backward ({per_block} us; their median), a bare operator's "
+               f"{calibration.bare_launch_s * 1e6:.2f} us"
+               if calibration.framework_blocks and kind == "cpu" else "")
+            + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
+               f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
+               f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")
             + (f"; {', '.join(calibration.unsupported)} not run here: float32's peaks" if calibration.unsupported
                else ""))
     return dataclasses.replace(calibration.description, fitted_on=note)
