@@ -47,10 +47,13 @@
   gradients into a reduce-scatter input and, while the collective runs, holds its working copy of that input
   (gloo's, as MemTracker saw it on a CPU) and its output, a shard, beside the layer's input gradient, the whole
   gradients themselves let go (at zero 3 a built-in head's held: seen on every GPT-2 job probed, not on a factory
-  head, the cause not found; at zero 2 let go too, as MemTracker saw on gpt2, bert and llama jobs); every layer being
-  its own root, every such input stays until the backward ends (temporaries), but at the first layer's reduce-scatter
-  (its input, token ids, takes no gradient: FSDP2 runs it at the backward's end), by when they are let go; gradients
-  are held from the first backward (they are freed with the optimizer step).
+  head, the cause not found; at zero 2 let go too, as MemTracker saw on gpt2, bert and llama jobs); zero 1's
+  last backward lets a layer's accumulated whole gradients go into the input and holds no working copy beside it
+  (eight ZeRO-1 gpt2, bert and llama jobs under MemTracker: within 0.05%, with the copy and the gradients up to
+  12% over, cause not found); every layer being its own root, every such input stays until the backward ends
+  (temporaries), but at the first layer's reduce-scatter (its input, token ids, takes no gradient: FSDP2 runs it
+  at the backward's end), by when they are let go; gradients are held from the first backward (they are freed
+  with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
 from the start with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
@@ -334,11 +337,13 @@ def _worst_backward_moment(layers: list[_Layer], zero: int = 0, last: bool = Fal
             again = layer.again if when == "during" else 0
             candidates.append((again - freed - own, temporary + buffer + retained, again, weights, scattered))
         if scatters and layer.whole:  # its reduce-scatter: its whole gradients copied into the input, the
-            # collective's working copy of it and the output, a shard, beside its input's gradient; weights let go
+            # collective's working copy of it and the output, a shard, beside its input's gradient; weights let go.
+            # zero 1: its accumulated whole gradients let go into the input, no working copy beside it
             held_whole = layer.whole if zero == 3 and layer.keeps_gradients else 0
-            candidates.append((-freed - layer.held, 2 * layer.whole + layer.shard + layer.input_gradient
+            copies, let_go = (1, layer.whole) if zero == 1 else (2, 0)
+            candidates.append((-freed - layer.held, copies * layer.whole + layer.shard + layer.input_gradient
                                + (retained if layer.input_gradient else 0),
-                               0, 0 if zero == 3 else -resharded, scattered + held_whole))
+                               0, 0 if zero == 3 else -resharded, scattered + held_whole - let_go))
         best = max([best, *candidates], key=lambda m: m[0] + m[1] + m[3] + m[4])  # m[2] is within m[0]
         freed += layer.held
         if scatters:
