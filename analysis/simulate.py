@@ -342,6 +342,15 @@ class _Schedule(NamedTuple):
     posts: list[list[Post]]  # per device, its host's posts of sends after steps
 
 
+def engine_gap(gaps: dict[str, float], before: str | None, after: str) -> float:
+    """The training engine's host seconds between a device's step of phase `before` and its next of phase `after`
+    (Costs.engine_gaps; a split backward's W counted as a B): none before the first step (the iteration's start
+    gap holds it) or where the profile has none."""
+    if before is None or not gaps:
+        return 0.0
+    return gaps.get(f"{'B' if before == 'W' else before}->{'B' if after == 'W' else after}", 0.0)
+
+
 def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -> bool:
     """Whether a device runs a step at time t (`steps` in start order, `starts` their start times)."""
     i = bisect_right(starts, t) - 1
@@ -351,7 +360,8 @@ def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -
 def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
               previous: list[list[StepRecord]] | None) -> _Schedule:
     """One pass of list scheduling: every device runs its steps in the schedule's order, each when the device
-    is free and its input has arrived; a step that sends keeps its device for the send's post after it. A P2P
+    is free (and the engine's gap since its last step has passed: engine_gap) and its input has arrived; the
+    first after the iteration's start gap; a step that sends keeps its device for the send's post after it. A P2P
     transfer starts once the sender has finished the step and the receiver has posted its receive (when it
     reaches the step): a transfer that waits for its receiver pays the P2P's sender-busy extra if the sender
     computes at that moment in the `previous` pass."""
@@ -364,7 +374,9 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     records: list[list[StepRecord]] = [[] for _ in range(pp)]
     transfers: dict[tuple[str, int, int], tuple[float, float]] = {}
     sender_busy: set = set()
-    free = [0.0] * pp
+    gaps = costs.engine_gaps
+    free = [gaps.get("start", 0.0)] * pp  # the engine's gap from the iteration's start to its first step
+    last_phase: list[str | None] = [None] * pp
     posts: list[list[Post]] = [[] for _ in range(pp)]
     position = [0] * pp
     previous_starts = [[r.start_s for r in steps] for steps in previous] if previous is not None else None
@@ -426,7 +438,8 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                             break
                         ready = own_forward
                     duration = per_stage[vs].backward_step(micro, m).seconds
-                start = max(free[d], ready)
+                start = max(free[d] + engine_gap(gaps, last_phase[d], phase), ready)
+                last_phase[d] = phase
                 end = start + duration
                 if phase == "F":
                     forward_end[vs][micro] = end
@@ -552,7 +565,7 @@ def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage:
             # the bucket's interval covers its averaging (divided by the replica count) and its all-reduce
             comm_free = start + costs.bucket_divide.get(bucket.event, 0.0) + costs.seconds(bucket.event)
             buckets.append(BucketRecord(vs, index, bucket.event, bucket.nbytes, ready, start, comm_free))
-        optimizer_start = max([compute_end] + [b.end_s for b in buckets])
+        optimizer_start = max([compute_end + costs.engine_gaps.get("B->opt", 0.0)] + [b.end_s for b in buckets])
         optimizer_s = sum(per_stage[chunk * pp + d].optimizer_s for chunk in range(s.chunks))
         receives[d].sort(key=lambda t: t.start_s)
         pipeline.append(PipelineDevice(d, records[d], sends[d], receives[d], buckets, optimizer_start,
@@ -560,7 +573,7 @@ def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage:
                                        lag(compute_end), window, schedule.posts[d]))
     _gradient_syncs(plan, costs, pipeline)
     _tie_embeddings(plan, costs, pipeline)
-    batch_time_s = max(device.end_s for device in pipeline)
+    batch_time_s = max(device.end_s for device in pipeline) + costs.engine_gaps.get("end", 0.0)
     if usage:
         for device in pipeline:
             device.usage = _usage(device, per_stage, batch_time_s, m)

@@ -182,10 +182,12 @@ def mpi_library_version(text: str | None = None) -> str:
 
 
 def discover(comm) -> Topology:
-    """Discover the topology collectively over an mpi4py communicator (every rank must call it)."""
+    """Discover the topology collectively over an mpi4py communicator (every rank must call it); the launcher's
+    promised rank count is held against the world's (or a copy of it), not against a part such as COMM_SELF."""
     from mpi4py import MPI
 
-    check_world_size(comm.Get_size())
+    if comm.Compare(MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+        check_world_size(comm.Get_size())
     rank, size = comm.Get_rank(), comm.Get_size()
     hostname = socket.gethostname()
     hostnames = tuple(comm.allgather(hostname))

@@ -109,6 +109,37 @@ def test_a_step_that_sends_holds_its_device_for_the_sends_post(tmp_path):
     assert predict(instant).timeline.batch_time_s > predict(unposted).timeline.batch_time_s + 0.2
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_engines_gaps_between_steps_wait_on_every_device(tmp_path, schedule):
+    """The engine's gaps (ENGINE_GAPS_ENV, as harness profile measures them): one device, m = 3: its start gap
+    before the first step, one gap of its kind between each two steps, one before the optimizer and one after it
+    (GPipe: F->F twice, F->B once, B->B twice; 1F1B: F->B three times, B->F twice); a profile without them
+    predicts as before. Two devices: each waits out its own gaps, and a step waiting for its input hides them."""
+    from harness.store.hdf5_schema import ENGINE_GAPS_ENV
+
+    gaps = {"F->B": 0.01, "B->F": 0.02, "F->F": 0.04, "B->B": 0.08, "B->opt": 0.16, "start": 0.32, "end": 0.64}
+    spec = make_spec(pp=1, micro_batches=3, schedule=schedule)
+    plain = simulated(tmp_path / "plain", spec, uniform())
+    path = write_handmade_profile(tmp_path / "gaps" / "profile.h5", spec, by_name(uniform()),
+                                  environment={ENGINE_GAPS_ENV: gaps})
+    timeline = predict(path).timeline
+    assert timeline.costs.engine_gaps == gaps
+    between = 2 * 0.04 + 0.01 + 2 * 0.08 if schedule == "gpipe" else 3 * 0.01 + 2 * 0.02
+    assert timeline.batch_time_s == pytest.approx(plain.batch_time_s + 0.32 + between + 0.16 + 0.64, rel=1e-12)
+    (device,) = timeline.pipeline
+    assert device.steps[0].start_s == pytest.approx(0.32)
+    assert device.optimizer_start_s == pytest.approx(device.steps[-1].end_s + 0.16)
+    assert device.usage.compute_s == pytest.approx(plain.pipeline[0].usage.compute_s)
+    two = make_spec(pp=2, micro_batches=4, schedule="gpipe")
+    path = write_handmade_profile(tmp_path / "two" / "profile.h5", two, by_name(uniform()),
+                                  environment={ENGINE_GAPS_ENV: gaps})
+    first, last = predict(path).timeline.pipeline
+    forwards = [s for s in first.steps if s.phase == "F"]
+    assert [s.start_s for s in forwards] == pytest.approx([0.32 + i * (T_F + 0.04) for i in range(4)])
+    # the last stage's forwards wait for their inputs, which come no earlier than its gaps end
+    assert [s.start_s for s in last.steps if s.phase == "F"] == pytest.approx([s.end_s for s in forwards])
+
+
 def test_a_transfer_waiting_on_a_computing_sender_pays_the_sender_busy_extra(tmp_path):
     # samples with the sender busy: mean 0.5 + 0.25 -> an extra 0.25 over the P2P's 0.5
     spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")
@@ -349,3 +380,22 @@ def test_the_batch_time_alone_is_the_full_simulations(tmp_path, schedule, pp, dp
         full = simulate(timeline.plan, timeline.costs, overlap)
         assert batch_time(timeline.plan, timeline.costs, overlap) == full.batch_time_s
     assert full.pipeline[0].usage.compute_s > 0
+
+
+def test_the_engines_gaps_are_read_off_a_trace_by_transition():
+    """harness.profile.engine_gaps.transitions on one rank's columns: two iterations, the first a warm-up; in the
+    second F0 B0 F1 B1 and the optimizer, each gap the time from one interval's end to the next one's start, the
+    iteration's start to its first step and its last interval (a bucket zeroing here) to its end."""
+    import numpy as np
+
+    from harness.profile.engine_gaps import transitions
+
+    rows = [  # (start, end, kind, phase, iteration)
+        (0.0, 1.0, "compute", "F", 0), (1.5, 2.0, "compute", "B", 0),
+        (10.1, 11.0, "compute", "F", 1), (11.2, 12.0, "compute", "B", 1), (12.5, 13.0, "compute", "F", 1),
+        (13.1, 14.0, "compute", "B", 1), (14.4, 15.0, "optimizer", "opt", 1), (15.0, 15.25, "optimizer", "opt", 1)]
+    columns = {name: np.array([row[i] for row in rows]) for i, name in
+               enumerate(("start_s", "end_s", "kind", "phase", "iteration"))}
+    gaps = transitions(columns, {"start_s": np.array([0.0, 10.0]), "end_s": np.array([3.0, 15.5])}, warmup=1)
+    expected = {"start": [0.1], "F->B": [0.2, 0.1], "B->F": [0.5], "B->opt": [0.4], "end": [0.25]}
+    assert {kind: [round(v, 9) for v in values] for kind, values in gaps.items() if values} == expected

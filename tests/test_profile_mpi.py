@@ -87,6 +87,11 @@ def test_end_to_end_profile_then_resume(tmp_path):
             assert f["environment"].attrs["world_size"] == comm.size
             first_probes = read_environment(f)["rank_speed_probe_s"]  # every rank's, for the one compute phase
             assert len(first_probes) == 1 and all(len(m) == comm.size and min(m) > 0 for m in first_probes.values())
+            # the engine's host time between steps (a stage's copy trained alone on every rank): every kind of
+            # transition, each a positive time well under a step's (0.03-0.6 ms on a CPU here)
+            gaps = read_environment(f)["engine_gaps_s"]
+            assert set(gaps) == {"F->B", "B->F", "F->F", "B->B", "B->opt", "start", "end"}
+            assert all(0 < seconds < 0.05 for seconds in gaps.values()), gaps
         assert sorted(p.name for p in outdir.glob("rank-*.h5")) == [f"rank-{r:05d}.h5" for r in range(comm.size)]
     again = run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:

@@ -291,7 +291,10 @@ def test_the_search_finds_the_strategy_that_only_fits_with_zero(tmp_path):
     assert len(everything) == 4
     peaks = {label: c.peak_memory_bytes for label, c in everything.items()}
     order = sorted(peaks, key=peaks.get)
-    assert [label.rsplit(" ", 1)[-1] for label in order] == ["zero=3", "zero=2", "zero=1", "m=2"]
+    # zero 3 least, no ZeRO most; zero 1 and 2 between, in either order (zero 2's reduce-scatter inputs in every
+    # backward against zero 1's whole gradients: 1.80 against 1.70 MB here)
+    ranked = [label.rsplit(" ", 1)[-1] for label in order]
+    assert ranked[0] == "zero=3" and ranked[-1] == "m=2" and set(ranked[1:3]) == {"zero=1", "zero=2"}
     limit = (peaks[order[0]] + peaks[order[1]]) / 2
     result = search(profile, capacity_bytes=limit, jobs=1)
     assert [c.label for c in result.candidates if c.feasible] == [order[0]]

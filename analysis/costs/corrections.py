@@ -1,9 +1,11 @@
 """What the timeline adds beside an event's duration, from the profile's measurements (else from a measured
 neighbour): a P2P's extra time while its sender computes (`sender_busy_extra`) and its post (`send_post`), a
-gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`), and how far the slowest data-parallel
-replica lags (analysis.skew). Rules and reasons: docs/analysis.md, "Where durations come from"."""
+gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`), how far the slowest data-parallel
+replica lags (analysis.skew), and the training engine's gaps between steps (`engine_gaps`). Rules and reasons:
+docs/analysis.md, "Where durations come from"."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -13,7 +15,7 @@ from analysis.costs.samples import compute_statistic, representative_seconds
 from analysis.profile_reader import Profile
 from analysis.skew import replica_skew
 from harness.plan.events import INTER, EventPlan
-from harness.store.hdf5_schema import DIVIDE_SERIES, ZERO_SERIES
+from harness.store.hdf5_schema import DIVIDE_SERIES, ENGINE_GAPS_ENV, ZERO_SERIES
 
 
 def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
@@ -21,6 +23,7 @@ def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     replica skew too (each with a warning where the profile lacks them)."""
     sender_busy_extras(plan, profile, costs)
     send_posts(plan, profile, costs)
+    costs.engine_gaps = engine_gaps(profile)
     if plan.spec.strategy.gradient_replicas > 1:
         bucket_passes(plan, profile, costs)
         costs.replica_skew = replica_skew(profile)
@@ -30,6 +33,15 @@ def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
                 "two ranks at the same moments: a profile written before they were recorded, one rank, or too "
                 "few repeats), so the prediction has no wait for the slowest data-parallel replica; profile "
                 "again on 2 or more ranks with more repeats to include it")
+
+
+def engine_gaps(profile: Profile) -> dict[str, float]:
+    """The training engine's gaps between steps the profile measured (ENGINE_GAPS_ENV), in seconds by transition;
+    none from a profile taken before they were."""
+    gaps = profile.environment.get(ENGINE_GAPS_ENV) or {}
+    if isinstance(gaps, str):
+        gaps = json.loads(gaps)
+    return {str(kind): max(0.0, float(seconds)) for kind, seconds in gaps.items()}
 
 
 def sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None:

@@ -84,6 +84,9 @@ class Costs:
     bucket_divide: dict[str, float] = field(default_factory=dict)
     # data-parallel bucket all-reduce event id -> seconds to zero the bucket for the next iteration
     bucket_zero: dict[str, float] = field(default_factory=dict)
+    # the training engine's host seconds between steps, by transition ("F->B", "B->F", "F->F", "B->B", "B->opt",
+    # "start", "end"; harness.profile.engine_gaps): the timeline waits them out (empty: profiles before them)
+    engine_gaps: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None
     # per compute phase (profile.h5's key), every profiling rank's speed-probe time over the ranks' mean: the

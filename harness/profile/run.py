@@ -5,7 +5,7 @@ One function per phase over a ProfileRun, separated by barriers so that measurem
   2. compute (`_profile_compute`): every rank its own share at once;
   3. tensor-parallel composites (`_profile_composites`): one tp group at a time;
   4. communication (`_profile_communication`): one P2P pair or all-reduce group at a time, every rank in step;
-  5. merge (`_merge`): rank files -> OUTDIR/profile.h5.
+  5. merge (`_merge`): the engine's gaps (every rank trains a stage's copy alone), rank files -> OUTDIR/profile.h5.
 A watchdog ends the whole job if a phase outlives profile.timeout_s; an exception on any rank ends the
 job at once with that rank's message (MPI_Abort), so nothing hangs.
 """
@@ -41,6 +41,7 @@ from harness.store.hdf5_schema import (
     BACKWARD_CALL_ATTR,
     COMPUTE_PHASE_ATTR,
     DIVIDE_SERIES,
+    ENGINE_GAPS_ENV,
     HOST_ISSUE_SERIES,
     IN_CONTEXT_CHAINS_ENV,
     IN_CONTEXT_SERIES,
@@ -622,10 +623,11 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
     comm.Barrier()
     comm_wall_s = time.perf_counter() - run.comm_start
     destroy_process_group()
+    gaps = comm.gather(_engine_gaps(run), root=0)
     result = error = None
     if run.rank == 0:
         try:
-            result = _write_profile(run, busy, probe_medians, comm_wall_s)
+            result = _write_profile(run, busy, probe_medians, comm_wall_s, gaps)
         except WriteError as exc:
             error = UserError(f"{exc}. The rank files in {outdir} hold every measurement: run the same command "
                               "again to merge them")
@@ -633,7 +635,21 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
     return result
 
 
-def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm_wall_s: float) -> ProfileResult:
+def _engine_gaps(run: ProfileRun) -> dict[str, float] | None:
+    """This rank's engine gaps (harness.profile.engine_gaps), every rank at once with its own device; None, with a
+    warning, where the copy cannot train (what was measured is kept either way)."""
+    from harness.profile.engine_gaps import measure_engine_gaps
+
+    try:
+        return measure_engine_gaps(run.spec, str(run.device))
+    except Exception as exc:  # noqa: BLE001 - a profile is written without them rather than lost
+        print(f"harness profile: rank {run.rank}: the engine's gaps between steps were not measured "
+              f"({type(exc).__name__}: {exc}); predictions from this profile leave them out", file=sys.stderr)
+        return None
+
+
+def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm_wall_s: float,
+                   gaps: list[dict[str, float] | None]) -> ProfileResult:
     """Rank 0: the rank files (and what was stored) merged into OUTDIR/profile.h5."""
     import torch
 
@@ -668,6 +684,10 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
         "budget_s": run.spec.profile.budget_s, "host_memory": run.host_memory,
         SPEED_PROBE_ENV: PROBE_DESCRIPTION, RANK_SPEED_PROBE_ENV: speeds,
     }
+    measured_gaps = [g for g in gaps if g]
+    if measured_gaps:
+        environment[ENGINE_GAPS_ENV] = {kind: float(np.median([g[kind] for g in measured_gaps if kind in g]))
+                                        for kind in sorted({kind for g in measured_gaps for kind in g})}
     path = write_profile(outdir / "profile.h5", spec_json=run.spec.to_json(),
                          layers_json=json.dumps([layer.to_dict() for layer in run.unique.layers]),
                          events=run.unique.table(), measurements=merged.values(), unmeasured=unmeasured,

@@ -43,15 +43,19 @@ def _gpu_identity(index: int) -> str | None:
 
 
 def pick_device(topology: Topology, wanted: str = "auto", comm=None) -> torch.device:
-    """One device per local rank when CUDA is present (and wanted), else the CPU. With `comm` (collective
-    over it) two ranks that would share one GPU are refused."""
+    """One device per local rank when CUDA is present (and wanted), else the CPU; `wanted` "cuda:N" takes GPU N.
+    With `comm` (collective over it) two ranks that would share one GPU are refused."""
     device = torch.device("cpu")
     gpu = None
-    if wanted in ("auto", "cuda") and torch.cuda.is_available():
+    if wanted.startswith("cuda:") and torch.cuda.is_available():
+        index = int(wanted.split(":", 1)[1])
+        torch.cuda.set_device(index)
+        device, gpu = torch.device("cuda", index), _gpu_identity(index)
+    elif wanted in ("auto", "cuda") and torch.cuda.is_available():
         index = topology.local_rank % torch.cuda.device_count()  # Slurm may show each rank only its own GPU
         torch.cuda.set_device(index)
         device, gpu = torch.device("cuda", index), _gpu_identity(index)
-    elif wanted == "cuda":
+    elif wanted.startswith("cuda"):
         from harness.common.errors import UserError
 
         raise UserError("profile.device = 'cuda' but torch sees no CUDA device on "
