@@ -91,6 +91,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                                   for eid, extra in sorted(costs.sender_busy_extra.items())],
         "p2p_send_post": [{"id": eid, "name": timeline.plan.events[eid].name, "post_s": post}
                           for eid, post in sorted(costs.send_post.items())],
+        "engine_gaps_s": dict(sorted(costs.engine_gaps.items())),
         "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
                                 "device_s": costs.seconds(eid), "host_issue_s": host}
                                for eid, host in sorted(costs.host_issue.items())],
@@ -270,6 +271,10 @@ def _details(timeline: Timeline) -> list[str]:
         rows = [(eid, timeline.plan.events[eid].name, _ms(post)) for eid, post in sorted(costs.send_post.items())]
         out += ["", format_table(("id", "event", "post ms"), rows,
                                  title="a step that sends holds its device to post the send for:")]
+    if costs.engine_gaps:
+        rows = [(kind, _ms(seconds)) for kind, seconds in sorted(costs.engine_gaps.items())]
+        out += ["", format_table(("between", "gap ms"), rows,
+                                 title="the training engine's host time between steps, which each device waits out:")]
     if costs.host_issue:
         # the layers whose host issues them slower than the device runs them first (launch-bound), most so first
         by_excess = sorted(costs.host_issue.items(), key=lambda kv: (costs.seconds(kv[0]) - kv[1], kv[0]))

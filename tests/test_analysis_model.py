@@ -110,7 +110,7 @@ def test_a_step_that_sends_holds_its_device_for_the_sends_post(tmp_path):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_engines_gaps_between_steps_wait_on_every_device(tmp_path, schedule):
+def test_the_engines_gaps_between_steps_wait_on_every_device(tmp_path, capsys, schedule):
     """The engine's gaps (ENGINE_GAPS_ENV, as harness profile measures them): one device, m = 3: its start gap
     before the first step, one gap of its kind between each two steps, one before the optimizer and one after it
     (GPipe: F->F twice, F->B once, B->B twice; 1F1B: F->B three times, B->F twice); a profile without them
@@ -130,6 +130,17 @@ def test_the_engines_gaps_between_steps_wait_on_every_device(tmp_path, schedule)
     assert device.steps[0].start_s == pytest.approx(0.32)
     assert device.optimizer_start_s == pytest.approx(device.steps[-1].end_s + 0.16)
     assert device.usage.compute_s == pytest.approx(plain.pipeline[0].usage.compute_s)
+    if schedule == "1f1b":  # the report shows them: its JSON and --details
+        import json
+
+        from analysis.__main__ import main as analysis_main
+
+        assert analysis_main(["simulate", str(path), "--json", "--resamples", "0"]) == 0
+        assert json.loads(capsys.readouterr().out)["engine_gaps_s"] == gaps
+        assert analysis_main(["simulate", str(path), "--details", "--resamples", "0"]) == 0
+        details = capsys.readouterr().out.splitlines()
+        title = details.index("the training engine's host time between steps, which each device waits out:")
+        assert details[title + 3].split() == ["B->B", "80.0"] and details[title + 9].split() == ["start", "320.0"]
     two = make_spec(pp=2, micro_batches=4, schedule="gpipe")
     path = write_handmade_profile(tmp_path / "two" / "profile.h5", two, by_name(uniform()),
                                   environment={ENGINE_GAPS_ENV: gaps})
