@@ -394,12 +394,12 @@ def test_the_batch_time_alone_is_the_full_simulations(tmp_path, schedule, pp, dp
 
 
 def test_the_engines_gaps_are_read_off_a_trace_by_transition():
-    """harness.profile.engine_gaps.transitions on one rank's columns: two iterations, the first a warm-up; in the
+    """harness.train.engine_gaps.transitions on one rank's columns: two iterations, the first a warm-up; in the
     second F0 B0 F1 B1 and the optimizer, each gap the time from one interval's end to the next one's start, the
     iteration's start to its first step and its last interval (a bucket zeroing here) to its end."""
     import numpy as np
 
-    from harness.profile.engine_gaps import transitions
+    from harness.train.engine_gaps import transitions
 
     rows = [  # (start, end, kind, phase, iteration)
         (0.0, 1.0, "compute", "F", 0), (1.5, 2.0, "compute", "B", 0),

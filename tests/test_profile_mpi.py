@@ -48,12 +48,13 @@ def test_placement_disjoint_and_complete():
 @pytest.mark.mpi(min_size=2)
 def test_end_to_end_profile_then_resume(tmp_path):
     from harness.profile.run import run_profile
+    from harness.train.engine_gaps import measure_engine_gaps
 
     comm = _world()
     outdir = _shared_dir(tmp_path) / "profile"
     spec = _spec(pp=2, dp=2, global_batch=8, micro=2, nodes=1, gpus_per_node=4)
     plan = build_plan(spec)
-    result = run_profile(spec, outdir, comm=comm, show_progress=False)
+    result = run_profile(spec, outdir, comm=comm, show_progress=False, engine_gaps=measure_engine_gaps)
     comm.Barrier()
     if comm.rank == 0:
         assert result.measured > 0 and not result.unmeasured

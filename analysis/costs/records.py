@@ -85,7 +85,7 @@ class Costs:
     # data-parallel bucket all-reduce event id -> seconds to zero the bucket for the next iteration
     bucket_zero: dict[str, float] = field(default_factory=dict)
     # the training engine's host seconds between steps, by transition ("F->B", "B->F", "F->F", "B->B", "B->opt",
-    # "start", "end"; harness.profile.engine_gaps): the timeline waits them out (empty: profiles before them)
+    # "start", "end"; harness.train.engine_gaps): the timeline waits them out (empty: profiles before them)
     engine_gaps: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None

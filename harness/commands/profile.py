@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     from harness.profile.run import check_outdir, run_profile
     from harness.store.folder_lock import FolderLock, clear_for_this_job, command_line
+    from harness.train.engine_gaps import measure_engine_gaps
 
     comm = MPI.COMM_WORLD
     spec = unique = grid = None
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             clear_for_this_job(lock, "harness profile")
         result = run_profile(spec, outdir, comm=comm, force=args.force, show_progress=not args.quiet,
-                             events=unique)
+                             events=unique, engine_gaps=measure_engine_gaps)
     except AgreedError as exc:  # a full disk, say: every rank stops, rank 0 says why
         return stop_agreed(comm, exc)
     finally:

@@ -5,7 +5,8 @@ One function per phase over a ProfileRun, separated by barriers so that measurem
   2. compute (`_profile_compute`): every rank its own share at once;
   3. tensor-parallel composites (`_profile_composites`): one tp group at a time;
   4. communication (`_profile_communication`): one P2P pair or all-reduce group at a time, every rank in step;
-  5. merge (`_merge`): the engine's gaps (every rank trains a stage's copy alone), rank files -> OUTDIR/profile.h5.
+  5. merge (`_merge`): the engine's gaps (every rank trains a stage's copy alone, where the caller gives the
+     trainer's measure), rank files -> OUTDIR/profile.h5.
 A watchdog ends the whole job if a phase outlives profile.timeout_s; an exception on any rank ends the
 job at once with that rank's message (MPI_Abort), so nothing hangs.
 """
@@ -20,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,6 +320,7 @@ class ProfileRun:
     in_context_chains: int = 0
     in_context_skipped: list[str] = field(default_factory=list)
     comm_start: float = 0.0  # perf_counter at the communication phase's start
+    engine_gaps: Any = None  # run_profile's `engine_gaps`
 
     @property
     def rank(self) -> int:
@@ -342,9 +345,12 @@ class ProfileRun:
 
 
 def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_progress: bool = True,
-                events: UniqueEvents | None = None) -> ProfileResult | None:
+                events: UniqueEvents | None = None,
+                engine_gaps: Callable[[JobSpec, str], dict[str, float]] | None = None) -> ProfileResult | None:
     """Profile the unique `events` (default: those of `spec`'s plan) on the ranks of `comm` into `outdir`, one
-    phase after another; rank 0 returns the result, others None."""
+    phase after another; rank 0 returns the result, others None. `engine_gaps(spec, device)`: this rank's gaps
+    of the training engine between steps (harness.train.engine_gaps.measure_engine_gaps, which `harness profile`
+    passes: the trainer is not the profiler's to import), run by every rank before the merge; None: none."""
     from harness.profile.in_context import stage_chains
 
     topology = discover(comm)
@@ -353,6 +359,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         events = build_plan(spec, layers).unique()
     run = ProfileRun(spec, events, outdir, comm, topology, Watchdog(comm, topology.rank, spec.profile.timeout_s),
                      force=force, show_progress=show_progress)
+    run.engine_gaps = engine_gaps
     # the stages of every plan whose events these are (a search's candidates), as chains of those events
     run.chains = [chain for chain in stage_chains(build_plan(candidate, layers) for candidate in
                                                   (expand(spec).candidates if spec.search else [spec]))
@@ -636,12 +643,12 @@ def _merge(run: ProfileRun) -> ProfileResult | None:
 
 
 def _engine_gaps(run: ProfileRun) -> dict[str, float] | None:
-    """This rank's engine gaps (harness.profile.engine_gaps), every rank at once with its own device; None, with a
+    """This rank's engine gaps (run_profile's `engine_gaps`), every rank at once with its own device; None, with a
     warning, where the copy cannot train (what was measured is kept either way)."""
-    from harness.profile.engine_gaps import measure_engine_gaps
-
+    if run.engine_gaps is None:
+        return None
     try:
-        return measure_engine_gaps(run.spec, str(run.device))
+        return run.engine_gaps(run.spec, str(run.device))
     except Exception as exc:  # noqa: BLE001 - a profile is written without them rather than lost
         print(f"harness profile: rank {run.rank}: the engine's gaps between steps were not measured "
               f"({type(exc).__name__}: {exc}); predictions from this profile leave them out", file=sys.stderr)

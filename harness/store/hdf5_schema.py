@@ -74,7 +74,7 @@ COMPUTE_PHASE_ATTR = "compute_phase"
 RANK_SPEED_PROBE_ENV = "rank_speed_probe_s"
 SPEED_PROBE_ENV = "speed_probe"  # /environment: what the probe is
 # /environment, JSON: the training engine's host seconds between steps by transition ("F->B", "B->F", "F->F", "B->B",
-# "B->opt", "start", "end"), the median over the ranks of a copy of the job trained alone (harness.profile.engine_gaps);
+# "B->opt", "start", "end"), the median over the ranks of a copy of the job trained alone (harness.train.engine_gaps);
 # absent in older profiles
 ENGINE_GAPS_ENV = "engine_gaps_s"
 
