@@ -1,7 +1,7 @@
 """The training engine's host time between steps: from one step's end to the next one's start (the engine's
 bookkeeping, the next micro-batch's tokens copied to the device, the clock's synchronize on a GPU), measured
-by training a one-layer copy of the job on this rank alone with harness train's own engine. Every run of the job
-pays it; no event holds it (docs/profiling.md, "The engine's gaps").
+by training a copy of one of the job's stages on this rank alone with harness train's own engine. Every run of
+the job pays it; no event holds it (docs/profiling.md, "The engine's gaps").
 
 Rules:
 - the copy is one pipeline stage of the job as one rank holds it: the model's family, dtype and micro-batch size
