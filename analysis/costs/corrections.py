@@ -5,7 +5,6 @@ replica lags (analysis.skew), and the training engine's gaps between steps (`eng
 docs/analysis.md, "Where durations come from"."""
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -38,9 +37,9 @@ def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
 def engine_gaps(profile: Profile) -> dict[str, float]:
     """The training engine's gaps between steps the profile measured (ENGINE_GAPS_ENV), in seconds by transition;
     none from a profile taken before they were."""
-    gaps = profile.environment.get(ENGINE_GAPS_ENV) or {}
-    if isinstance(gaps, str):
-        gaps = json.loads(gaps)
+    gaps = profile.environment.get(ENGINE_GAPS_ENV)  # read_environment decodes its JSON
+    if not isinstance(gaps, dict):
+        return {}
     return {str(kind): max(0.0, float(seconds)) for kind, seconds in gaps.items()}
 
 

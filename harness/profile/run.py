@@ -358,8 +358,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
     if events is None:
         events = build_plan(spec, layers).unique()
     run = ProfileRun(spec, events, outdir, comm, topology, Watchdog(comm, topology.rank, spec.profile.timeout_s),
-                     force=force, show_progress=show_progress)
-    run.engine_gaps = engine_gaps
+                     force=force, show_progress=show_progress, engine_gaps=engine_gaps)
     # the stages of every plan whose events these are (a search's candidates), as chains of those events
     run.chains = [chain for chain in stage_chains(build_plan(candidate, layers) for candidate in
                                                   (expand(spec).candidates if spec.search else [spec]))

@@ -47,15 +47,13 @@ def pick_device(topology: Topology, wanted: str = "auto", comm=None) -> torch.de
     With `comm` (collective over it) two ranks that would share one GPU are refused."""
     device = torch.device("cpu")
     gpu = None
-    if wanted.startswith("cuda:") and torch.cuda.is_available():
-        index = int(wanted.split(":", 1)[1])
+    cuda = wanted == "auto" or wanted.startswith("cuda")
+    if cuda and torch.cuda.is_available():
+        # Slurm may show each rank only its own GPU: the local rank picks among those it sees
+        index = int(wanted[5:]) if wanted.startswith("cuda:") else topology.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         device, gpu = torch.device("cuda", index), _gpu_identity(index)
-    elif wanted in ("auto", "cuda") and torch.cuda.is_available():
-        index = topology.local_rank % torch.cuda.device_count()  # Slurm may show each rank only its own GPU
-        torch.cuda.set_device(index)
-        device, gpu = torch.device("cuda", index), _gpu_identity(index)
-    elif wanted.startswith("cuda"):
+    elif cuda and wanted != "auto":
         from harness.common.errors import UserError
 
         raise UserError("profile.device = 'cuda' but torch sees no CUDA device on "
