@@ -21,6 +21,7 @@ from harness.plan.events import build_plan, unwrapped_twin
 from harness.plan.spec import loads_spec
 from harness.profile import in_context
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
+from harness.profile.run import chains_of_rank
 from harness.store.hdf5_schema import IN_CONTEXT_SERIES
 from tests.conftest import ROOT
 from tests.helpers import mpirun_harness, tiny_spec_text
@@ -144,6 +145,33 @@ def test_profiles_without_in_context_samples_are_costed_as_before():
             assert costs.seconds(eid) == pytest.approx(measurement.mean_s / factor, rel=1e-12)
             np.testing.assert_allclose(costs.sampled["events"][eid].values, measurement.samples_s / factor,
                                        rtol=1e-12)
+
+
+def test_every_rank_times_a_chain_while_the_chains_are_timed():
+    chains = ["a", "b", "c"]
+    # as many chains as ranks or more: a disjoint share each, every chain once
+    assert [chains_of_rank(chains, r, 2) for r in range(2)] == [["a", "c"], ["b"]]
+    assert [chains_of_rank(chains, r, 3) for r in range(3)] == [["a"], ["b"], ["c"]]
+    # fewer: no rank waits while another times (a run computes on every device at once)
+    assert [chains_of_rank(chains, r, 8) for r in range(8)] == [[c] for c in "abcabcab"]
+    assert [chains_of_rank(["a"], r, 2) for r in range(2)] == [["a"], ["a"]]
+    assert chains_of_rank([], 1, 2) == []
+
+
+def test_a_one_stage_job_times_its_chain_on_every_rank(tmp_path, project_env):
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(layers=1, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2, global_batch=4,
+                                   micro=2, warmup=1, repeats=3))
+    out = tmp_path / "out"
+    result = mpirun_harness(2, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(out / "profile.h5")
+    assert profile.environment["in_context_chains"] == 1
+    (chain,) = stage_chains([build_plan(profile.spec)])
+    for eid, measurement in profile.measurements.items():
+        if measurement.kind == "compute":  # both ranks' rounds, each at least MIN_ROUNDS
+            positions = list(chain.forward).count(eid) + list(chain.backward).count(eid) + (chain.optimizer == eid)
+            assert measurement.in_context_samples_s.size >= 2 * MIN_ROUNDS * positions
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
