@@ -174,6 +174,34 @@ def test_a_one_stage_job_times_its_chain_on_every_rank(tmp_path, project_env):
             assert measurement.in_context_samples_s.size >= 2 * MIN_ROUNDS * positions
 
 
+def test_a_backward_window_is_taken_less_the_post_backwards_inside_it():
+    runner = in_context.ChainRunner.__new__(in_context.ChainRunner)  # its clock and spans only (CPU seconds)
+    runner.clock = in_context._Clock(torch.device("cpu"))
+    runner.post_backwards = [(1.0, 1.5), (2.8, 3.2)]
+    # windows [3, 4], [2, 3], [0, 2] (marks latest first): a span across a boundary is shared by overlap
+    np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [0.8, 0.8, 1.5])
+    runner.post_backwards = []
+    np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [1.0, 1.0, 2.0])
+
+
+def test_a_zero_job_times_its_chain_over_pairs_of_ranks(tmp_path, project_env):
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(layers=1, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2, global_batch=8,
+                                   micro=2, warmup=1, repeats=3, zero=2))
+    out = tmp_path / "out"
+    result = mpirun_harness(2, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
+    assert result.returncode == 0, result.stderr
+    assert "could not run here" not in result.stdout
+    profile = load_profile(out / "profile.h5")
+    (chain,) = stage_chains([build_plan(profile.spec)])
+    for eid, measurement in profile.measurements.items():
+        if measurement.kind == "compute":  # the pair's two members' rounds, the same number on each
+            positions = list(chain.forward).count(eid) + list(chain.backward).count(eid) + (chain.optimizer == eid)
+            samples = measurement.in_context_samples_s
+            assert samples.size >= 2 * MIN_ROUNDS * positions and samples.size % (2 * positions) == 0
+            assert (samples > 0).all()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_profile_times_its_stage_chains_in_context(tmp_path, project_env, ranks):
     spec = tmp_path / "job.toml"

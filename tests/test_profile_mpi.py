@@ -312,3 +312,48 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
         pair.Free()
         if started_here:
             destroy_process_group()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
+    """In context, a ZeRO job's stage chain runs over pairs of ranks (an odd last rank alone), its layers FSDP2 units
+    over the pair: each backward's post-backwards are timed, one a unit, and the pair's members run the same
+    rounds whatever their own budgets say (one stopping alone would leave the other in a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.profile.in_context import MIN_ROUNDS, ChainRunner, measure_chains, stage_chains
+    from harness.profile.run import pair_up
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm, cpu = _world(), torch.device("cpu")
+    started_here = not dist.is_initialized()
+    if started_here:
+        init_process_group(comm, discover(comm), cpu)
+    try:
+        group, agree, share, shares = pair_up(comm)
+        alone = comm.size % 2 == 1 and comm.rank == comm.size - 1
+        assert (share, shares) == (comm.rank // 2, (comm.size + 1) // 2)
+        assert (group is None, agree is None) == (alone, alone)
+        spec = _spec(dp=2, global_batch=8, micro=2, zero=2)
+        plan = build_plan(spec)
+        (chain,) = stage_chains([plan])
+        contents = {eid: e.content for eid, e in plan.events.items()}
+        if not alone:
+            runner = ChainRunner(spec, chain, contents, torch.device("cpu"), group=group, micro_batches=2)
+            assert runner.units and all(dict(contents[e]).get("fsdp2") for e in chain.forward)
+            runner.run()
+            assert len(runner.post_backwards) == len(runner.units)  # zero 2: every backward reduce-scatters
+        budget_s = 0.0 if comm.rank % 2 == 0 else 1e9  # the pair's first member wants to stop at MIN_ROUNDS
+        samples = measure_chains(spec, [chain], contents, cpu, 1, 3 * MIN_ROUNDS, budget_s, group=group, agree=agree)
+        counts = comm.allgather({eid: values.size for eid, values in samples.items()})
+        positions = {eid: list(chain.forward).count(eid) + list(chain.backward).count(eid) + (chain.optimizer == eid)
+                     for eid in chain.events}
+        if not alone:
+            assert counts[comm.rank] == {eid: MIN_ROUNDS * n for eid, n in positions.items()}
+            assert counts[comm.rank] == counts[comm.rank ^ 1]
+        comm.Barrier()
+    finally:
+        if started_here:
+            destroy_process_group()

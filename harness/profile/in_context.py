@@ -34,7 +34,7 @@ from harness.plan.events import EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _loss, _make_layer, parameter_shapes, runner_content
-from harness.profile.sharded import leaving_no_world, shard_alone
+from harness.profile.sharded import leaving_no_world, shard_alone, shard_over
 from harness.profile.timer import synchronize
 
 # timed rounds every chain gets, even past the time budget: an event sits at several positions of several
@@ -104,19 +104,36 @@ class _Clock:
 class ChainRunner:
     """A stage chain built on a device: a layer per forward position, the stage's input, the optimizer over the
     stage's own parameters (or, where the device's optimizer covers more than this stage, over fresh parameters
-    of its shapes, as ComputeRunner steps it)."""
+    of its shapes, as ComputeRunner steps it).
 
-    def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device):
+    A ZeRO job's layers (`fsdp2`) are FSDP2 units over this rank alone, or with `group` over that group of ranks,
+    every member running the same chains in step (harness.profile.sharded.shard_over): each run() is then one
+    micro-batch of `micro_batches`, reduce-scattering and resharding as the run does at the job's zero level
+    (spec.strategy.zero; 2 where the spec has none, a search's), the weights gathered before the timed forward,
+    and each backward sample less the FSDP2 post-backwards inside it (the collectives' events hold them)."""
+
+    def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device,
+                 group=None, micro_batches: int = 1):
         self.spec, self.chain, self.device = spec, chain, device
         self.clock = _Clock(device)
         self.contents = []
         self.layers = []
+        self.units: list[torch.nn.Module] = []  # the layers sharded over `group`
+        self.post_backwards: list[tuple] = []  # (start, end) marks of their post-backwards in this run()
+        self.zero, self.micro_batches, self.micro = spec.strategy.zero or 2, max(1, micro_batches), 0
         make_input = None
         for eid in chain.forward:
             content = runner_content(spec, contents[eid])
             layer, inputs = _make_layer(spec, content, device)
             if content.get("fsdp2"):  # as the run holds a ZeRO job's layer (a factory's layers are shared: a copy)
-                layer = shard_alone(copy.deepcopy(layer) if content["layer"] == "user" else layer, device)
+                layer = copy.deepcopy(layer) if content["layer"] == "user" else layer
+                if group is None:
+                    layer = shard_alone(layer, device)
+                else:
+                    layer = shard_over(layer, device, group,
+                                       lambda start, end: self.post_backwards.append((start, end)), self.clock.mark)
+                    if any(True for _ in layer.parameters()):
+                        self.units.append(layer)
             make_input = make_input or inputs
             self.contents.append(content)
             self.layers.append(layer)
@@ -142,8 +159,30 @@ class ChainRunner:
             position += len(run)
         return runs
 
+    def _micro_batch_begins(self) -> None:
+        """Over a group: which backward reduce-scatters and reshards, as harness train's ShardedReplicas sets it
+        (zero 1 keeps whole gradients to the last micro-batch; zero 3 reshards after each backward), and the
+        weights gathered again where they were resharded, before the timed forward."""
+        last = self.micro % self.micro_batches == self.micro_batches - 1
+        self.micro += 1
+        for unit in self.units:
+            unit.set_requires_gradient_sync(last or self.zero >= 2)
+            unit.set_reshard_after_backward(last or self.zero == 3)
+            unit.unshard()
+        self.post_backwards.clear()
+
+    def _less_post_backwards(self, start, bounds: list) -> list[float]:
+        """Seconds of each backward window [bounds[p + 1], bounds[p]] (marks, latest first) less the time the units'
+        post-backwards took inside it."""
+        at = [self.clock.seconds(start, mark) for mark in bounds]
+        spans = [(self.clock.seconds(start, a), self.clock.seconds(start, b)) for a, b in self.post_backwards]
+        return [at[p] - at[p + 1] - sum(max(0.0, min(b, at[p]) - max(a, at[p + 1])) for a, b in spans)
+                for p in range(len(at) - 1)]
+
     def run(self) -> dict[str, list[float]]:
         """One chain: seconds of each event at each of its positions."""
+        if self.units:
+            self._micro_batch_begins()
         clock, marks_in = self.clock, {}
         x = self.make_input()
         forward_marks = [clock.mark()]
@@ -202,8 +241,8 @@ class ChainRunner:
         if backward_marks and all(m is not None for m in backward_marks) and len(redo) == recomputed:
             # a group runs its forwards again at the start of its last layer's backward: that backward less them
             again = {group[-1]: sum(clock.seconds(*redo[p]) for p in group) for group in groups.values()}
-            backward = [clock.seconds(backward_marks[position + 1], backward_marks[position]) - again.get(position, 0.0)
-                        for position in range(len(self.layers))]
+            windows = self._less_post_backwards(start, backward_marks)
+            backward = [windows[position] - again.get(position, 0.0) for position in range(len(self.layers))]
             # a group whose last layer saves nothing runs its forwards again inside an earlier layer's backward:
             # where that shows (a negative remainder), this run's backward samples cannot be split and are left out
             if min(backward) > 0:
@@ -219,17 +258,20 @@ class ChainRunner:
 @leaving_no_world()
 def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
                    warmup: int, repeats: int, budget_s: float,
-                   on_skip: Callable[[StageChain, str], None] | None = None) -> dict[str, np.ndarray]:
+                   on_skip: Callable[[StageChain, str], None] | None = None, group=None,
+                   agree: Callable[[bool], bool] | None = None) -> dict[str, np.ndarray]:
     """In-context samples of every event of `chains` (ids of `contents`): the chains round-robin, `warmup` untimed
     rounds then up to `repeats` timed ones, stopping after MIN_ROUNDS once `budget_s` have passed since the call
     (building and warming up included).
     A chain that cannot be built or run on this device is left out (`on_skip(chain, why)`): its events keep
-    their isolated samples."""
+    their isolated samples.
+    `group`: the ranks that run these same chains together, a ZeRO job's layers sharded over it (ChainRunner);
+    `agree(stop)` then tells every member whether any wants to stop, so that all run the same rounds."""
     start = time.perf_counter()
     runners = []
     for chain in chains:
         try:
-            runner = ChainRunner(spec, chain, contents, device)
+            runner = ChainRunner(spec, chain, contents, device, group=group, micro_batches=spec.micro_batches)
             for _ in range(max(1, warmup)):
                 runner.run()
         except (RuntimeError, ValueError, TypeError, AttributeError) as exc:  # a shape a stage never chains
@@ -239,7 +281,8 @@ def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, 
         runners.append(runner)
     samples: dict[str, list[float]] = {}
     for round_ in range(repeats):
-        if round_ >= MIN_ROUNDS and time.perf_counter() - start > budget_s:
+        stop = round_ >= MIN_ROUNDS and time.perf_counter() - start > budget_s
+        if agree(stop) if agree is not None else stop:
             break
         for runner in runners:
             for eid, seconds in runner.run().items():

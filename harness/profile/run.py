@@ -498,6 +498,36 @@ def _profile_compute(run: ProfileRun) -> None:
     run.compute_wall_s = time.perf_counter() - phase_start
 
 
+def pair_up(comm) -> tuple[Any, Callable[[bool], bool] | None, int, int]:
+    """Pairs of the ranks of `comm` (0 and 1, 2 and 3, ...; an odd last rank alone), each a torch.distributed group
+    whose members run the same stage chains together. Collective over `comm` and torch.distributed's world (the
+    same ranks). Returns (this rank's pair group or None alone, the agreement over the pair, whether any member
+    wants to stop, or None alone, the pair's index, the pairs)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pairs = [[r, r + 1] for r in range(0, size - 1, 2)] + ([[size - 1]] if size % 2 else [])
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    mine = comm.Split(color=rank // 2, key=rank)
+    if mine.Get_size() < 2:
+        return None, None, rank // 2, len(pairs)
+    return group, (lambda stop: bool(mine.allreduce(bool(stop), op=MPI.LOR))), rank // 2, len(pairs)
+
+
+def chain_pairs(run: ProfileRun, chains: list) -> tuple[Any, Callable[[bool], bool] | None, int, int]:
+    """Where a chain holds a ZeRO job's layers and there are several ranks: pair_up's pairs, which run the same
+    chains together, their layers sharded over the pair as a run shards them over its data-parallel group
+    (harness.profile.in_context.ChainRunner); else each rank a share of its own. Collective over the world.
+    Returns pair_up's tuple."""
+    import torch.distributed as dist
+
+    if run.comm.Get_size() < 2 or not dist.is_initialized() or not any(
+            run.unique.events[eid].content.get("fsdp2") for chain in chains for eid in chain.events):
+        return None, None, run.rank, run.comm.Get_size()
+    return pair_up(run.comm)
+
+
 def chains_of_rank(chains: list, rank: int, size: int) -> list:
     """The stage chains rank `rank` of `size` runs: its share of them, and one at least where there are fewer chains
     than ranks (rank r the r-th modulo their number), so that every rank computes while the chains are timed, as
@@ -525,9 +555,10 @@ def _profile_in_context(run: ProfileRun) -> None:
     comm.Barrier()
     t0 = time.perf_counter()
     skipped: list[str] = []
+    group, agree, share, shares = chain_pairs(run, chains)
     # one untimed run a chain: its layers are new, but the compute phase has warmed the code paths they take
-    samples = measure_chains(run.spec, chains_of_rank(chains, rank, comm.Get_size()), contents, run.device, 1,
-                             run.repeats, budget_s,
+    samples = measure_chains(run.spec, chains_of_rank(chains, share, shares), contents, run.device, 1, run.repeats,
+                             budget_s, group=group, agree=agree,
                              on_skip=lambda chain, why: skipped.append(
                                  f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
     run.busy_s += time.perf_counter() - t0

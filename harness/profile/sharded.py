@@ -7,10 +7,17 @@ the first sample, and never reduce-scatters. What a run's FSDP2 does around its 
 and out of the gathered buffers, the gradients copied in, averaged and accumulated) is in the collectives' own
 events, which time them through FSDP2 (harness.profile.comm, `_fsdp`); the samples here hold the rest, the same
 at every zero level.
+
+In context (harness.profile.in_context), a stage chain's units can instead be sharded over a real group of ranks
+(`shard_over`), which run the chain together: the gradients reduce-scattered and the weights resharded as the
+run's zero level and micro-batches do it, FSDP2's post-backward (all of that work) timed so that the chain's
+backward samples leave it to the collectives' events. Run so, a stage's forwards and backwards took longer than
+over a one-rank group (docs/profiling.md, "In context").
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -72,4 +79,55 @@ def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module
     fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     layer.set_requires_gradient_sync(False)
     layer.set_reshard_after_backward(False)
+    return layer
+
+
+def shard_over(layer: torch.nn.Module, device: torch.device, group, post_backward: Callable[[float, float], None],
+               mark: Callable[[], object]) -> torch.nn.Module:
+    """`layer` made an FSDP2 unit over `group` (every member makes its copy of the same layer, in the same order),
+    weights kept whole after the forward, its reduce-scatter waited for inside FSDP2's post-backward; each
+    post-backward (gradients copied in, reduce-scattered, averaged, accumulated, and any reshard) reported as
+    `post_backward(start, end)` of `mark()`s. Which backwards reduce-scatter and reshard is the caller's
+    (set_requires_gradient_sync, set_reshard_after_backward). Raises RuntimeError where this torch's FSDP2 lacks
+    custom collectives or its parameter groups (the caller then keeps the one-rank units)."""
+    if not any(True for _ in layer.parameters()):
+        return layer
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError as exc:
+        raise RuntimeError("this torch's FSDP2 has no custom reduce-scatter") from exc
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise RuntimeError("this torch's FSDP2 has no custom reduce-scatter")
+
+    class WaitedReduceScatter(ReduceScatter):
+        """FSDP2's reduce-scatter, waited for in the call (as harness train's is), so that it ends inside the
+        post-backward that issued it."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+            if work is not None:
+                work.wait()
+            return work
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    fully_shard(layer, mesh=DeviceMesh.from_group(group, device_type=device.type), reshard_after_forward=False)
+    layer.set_custom_reduce_scatter(WaitedReduceScatter())
+    state = layer._get_fsdp_state()  # FSDP2 calls its parameter groups' post_backward by attribute: time it there
+    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    if not groups or any(g is None or not hasattr(g, "post_backward") for g in groups):
+        raise RuntimeError("this torch's FSDP2 keeps its parameter groups elsewhere")
+    for param_group in groups:
+        def timed(*args, _inner=param_group.post_backward, **kwargs):
+            start = mark()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                post_backward(start, mark())
+        param_group.post_backward = timed
     return layer
