@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.plan.events import build_plan
+from harness.plan.events import build_plan, event_id, unwrapped_twin
 from harness.plan.spec import loads_spec
 from harness.profile import compute
 from harness.profile.compute import (
@@ -81,6 +81,11 @@ for event in plan.events.values():
         out[event.name] = [all(isinstance(layer, FSDPModule) for layer in runner.layers),
                            isinstance(runner.memory_layer, FSDPModule), runner.sample() > 0,
                            taken.activation_bytes]
+    elif event.kind == "compute":
+        from torch.distributed.tensor import DTensor
+        runner = ComputeRunner(plan.spec, event.content, torch.device("cpu"), copies=2)
+        out["optimizer"] = [all(isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+                                for params in runner.layers for p in params.parameters()), runner.sample() > 0]
 print(json.dumps(out))
 """
 
@@ -108,6 +113,12 @@ def test_a_zero_jobs_layers_are_timed_as_fsdp2_units_and_their_memory_without(ze
     assert result.returncode == 0, result.stderr[-3000:]
     ran = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(ran) >= {"gpt2.block.fwd", "gpt2.block.bwd", "gpt2.head.fwd"}
+    # the optimizer steps FSDP2's shards, DTensors (their dispatch made the runs' steps 2-7 times plain tensors');
+    # a profile from before costs it from its twin of plain tensors
+    assert ran.pop("optimizer") == [True, True]
+    (step,) = [e for e in plan.events.values() if e.kind == "compute" and e.content["phase"] == "optimizer"]
+    assert step.content["fsdp2"] is True and step.content["shard"] == 2
+    assert unwrapped_twin(step) == event_id({k: v for k, v in step.content.items() if k != "fsdp2"})
     for name, (wrapped, memory_wrapped, sampled, _) in ran.items():
         assert wrapped and not memory_wrapped and sampled, name
     plain_saved = measure_compute_share(plain.spec, {e.id: e.content for e in plain.events.values()

@@ -82,8 +82,8 @@ RUN_WRAPPERS = ("checkpointed", "fsdp2")
 
 
 def unwrapped_twin(event: Event) -> str | None:
-    """A wrapped compute event's (RUN_WRAPPERS: a layer of a full-recompute group, a ZeRO job's layer) twin
-    without the wrapping: the same layer as a plain job runs it; None for any other event."""
+    """A wrapped compute event's (RUN_WRAPPERS: a layer of a full-recompute group, a ZeRO job's layer or optimizer
+    step) twin without the wrapping: the same layer or step as a plain job runs it; None for any other event."""
     if event.kind != "compute" or not any(key in event.content for key in RUN_WRAPPERS):
         return None
     return event_id({key: value for key, value in event.content.items() if key not in RUN_WRAPPERS})
@@ -583,7 +583,8 @@ class EventPlan:
 
     def _optimizer_event(self, layers: list[LayerDesc]) -> str:
         """The optimizer step of one device: one optimizer over the parameters of `layers`, in order (multiplicity
-        left to the caller); '' where they have no parameters."""
+        left to the caller); '' where they have no parameters. With zero > 0 it steps each replica's shard
+        (`shard`, where dp > 1) of FSDP2's parameters, its content's `fsdp2` true (harness.profile.compute)."""
         params = sum(layer.params for layer in layers)
         if not params:
             return ""
@@ -604,6 +605,8 @@ class EventPlan:
             content["shard"] = shard
             name += f" shard 1/{shard}"
             params = -(-params // shard)
+        if self.spec.strategy.zero:  # it steps FSDP2's sharded parameters (DTensors), as the run does
+            content["fsdp2"] = True
         dtype = optimizer_dtype(self.spec.model.dtype, self.spec.optimizer.master_weights)
         return self._add("compute", name, content, 12.0 * params, 0, optimizer_bytes(params, dtype))
 

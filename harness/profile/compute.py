@@ -28,7 +28,7 @@ from harness.plan.activations import BackwardTemporaries
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
-from harness.profile.sharded import leaving_no_world, shard_alone
+from harness.profile.sharded import leaving_no_world, shard_alone, sharded_alone
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 _USER_MODELS: dict[JobSpec, tuple] = {}
@@ -95,12 +95,17 @@ def parameter_shapes(spec: JobSpec, runs: list, device: torch.device,
     return shapes
 
 
-def _fresh_parameters(shapes: list[tuple[torch.Size, torch.dtype]], device: torch.device) -> torch.nn.ParameterList:
-    """New parameters of these shapes, each with a gradient, as a stage holds them after its backward."""
-    params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(shape, dtype=dtype, device=device) * 0.02)
+def _fresh_parameters(shapes: list[tuple[torch.Size, torch.dtype]], device: torch.device,
+                      sharded: bool = False) -> torch.nn.ParameterList:
+    """New parameters of these shapes, each with a gradient, as a stage holds them after its backward; `sharded`:
+    as FSDP2 holds a ZeRO replica's shards, DTensors (harness.profile.sharded.sharded_alone)."""
+    def made(tensor: torch.Tensor) -> torch.Tensor:
+        return sharded_alone(tensor, device) if sharded else tensor
+
+    params = torch.nn.ParameterList(torch.nn.Parameter(made(torch.randn(shape, dtype=dtype, device=device) * 0.02))
                                     for shape, dtype in shapes)
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.grad = made(torch.randn(tuple(p.shape), dtype=p.dtype, device=device))  # one rank: its shard is whole
     return params
 
 
@@ -206,9 +211,12 @@ class ComputeRunner:
             shard = int(content.get("shard", 1))
             if shard > 1:  # ZeRO: the first replica's shard, as FSDP2 splits each parameter along dimension 0
                 shapes = [(torch.Size((-(-shape[0] // shard),) + tuple(shape[1:])), dtype) for shape, dtype in shapes]
-            first = _fresh_parameters(shapes, device)
+            # a ZeRO job's (`fsdp2`): FSDP2's DTensor shards, each step's every operation through DTensor's
+            # dispatch, which made the runs' steps 2-7 times the plain tensors' (docs/profiling.md, "ZeRO's layers")
+            sharded = bool(content.get("fsdp2"))
+            first = _fresh_parameters(shapes, device, sharded)
             copies = copies or self._cold_cache_copies(first)
-            self.layers = [first] + [_fresh_parameters(shapes, device) for _ in range(copies - 1)]
+            self.layers = [first] + [_fresh_parameters(shapes, device, sharded) for _ in range(copies - 1)]
             self.make_input = lambda: None
             self.memory_layer = None
             self.optimizers = [make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0),

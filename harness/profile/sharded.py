@@ -60,22 +60,36 @@ def leaving_no_world():
             _ALONE.clear()
 
 
-def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`layer` made an FSDP2 unit over this rank alone, kept whole (the module docstring); a layer without
-    parameters is left as it is."""
-    if not any(True for _ in layer.parameters()):
-        return layer
+def alone_mesh(device: torch.device):
+    """A DeviceMesh of this rank alone (its set_up_alone_group group; in one process, started here)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     if _alone_group() is None:  # one process: nothing else to agree with
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError("a ZeRO layer needs set_up_alone_group() on every rank first")
         set_up_alone_group()
+    return DeviceMesh.from_group(_alone_group(), device_type=device.type)
+
+
+def sharded_alone(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` as one rank's shard of an FSDP2 parameter (a DTensor split along its first dimension) over this
+    rank alone: what a ZeRO run's optimizer steps, each of its operations through DTensor's dispatch."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(tensor, alone_mesh(device), [Shard(0)], run_check=False)
+
+
+def shard_alone(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`layer` made an FSDP2 unit over this rank alone, kept whole (the module docstring); a layer without
+    parameters is left as it is."""
+    if not any(True for _ in layer.parameters()):
+        return layer
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = alone_mesh(device)
     # FSDP2 warns of a unit returning a view (an in-place op on it would skip its hooks): the profile never
     # writes into a layer's output
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = DeviceMesh.from_group(_alone_group(), device_type=device.type)
     fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     layer.set_requires_gradient_sync(False)
     layer.set_reshard_after_backward(False)
