@@ -324,6 +324,7 @@ def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
 
     from harness.profile.in_context import MIN_ROUNDS, ChainRunner, measure_chains, stage_chains
     from harness.profile.run import pair_up
+    from harness.profile.sharded import set_up_alone_group
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
@@ -332,6 +333,7 @@ def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
     if started_here:
         init_process_group(comm, discover(comm), cpu)
     try:
+        set_up_alone_group()  # the optimizer steps FSDP2's shards over each rank alone (collective)
         group, agree, share, shares = pair_up(comm)
         alone = comm.size % 2 == 1 and comm.rank == comm.size - 1
         assert (share, shares) == (comm.rank // 2, (comm.size + 1) // 2)
