@@ -501,8 +501,8 @@ def _profile_compute(run: ProfileRun) -> None:
 def pair_up(comm) -> tuple[Any, Callable[[bool], bool] | None, int, int]:
     """Pairs of the ranks of `comm` (0 and 1, 2 and 3, ...; an odd last rank alone), each a torch.distributed group
     whose members run the same stage chains together. Collective over `comm` and torch.distributed's world (the
-    same ranks). Returns (this rank's pair group or None alone, the agreement over the pair, whether any member
-    wants to stop, or None alone, the pair's index, the pairs)."""
+    same ranks). Returns (group, agree, index, pairs): this rank's pair group; `agree(stop)`, whether either member
+    wants to stop (both None for the rank alone); the index of this rank's pair, and how many pairs there are."""
     import torch.distributed as dist
     from mpi4py import MPI
 
@@ -531,8 +531,8 @@ def chain_pairs(run: ProfileRun, chains: list) -> tuple[Any, Callable[[bool], bo
 def chains_of_rank(chains: list, rank: int, size: int) -> list:
     """The stage chains rank `rank` of `size` runs: its share of them, and one at least where there are fewer chains
     than ranks (rank r the r-th modulo their number), so that every rank computes while the chains are timed, as
-    every device of a run computes at once: one rank timing a chain while the others wait ran it 6-10% faster on this
-    project's 2-core CPUs (docs/profiling.md, "In context")."""
+    every device of a run computes at once: one rank timing a chain while the others waited ran it 2-4% faster on
+    this project's 2-core CPUs (docs/profiling.md, "In context")."""
     if not chains:
         return []
     if len(chains) < size:

@@ -103,7 +103,8 @@ def shard_over(layer: torch.nn.Module, device: torch.device, group, post_backwar
     post-backward (gradients copied in, reduce-scattered, averaged, accumulated, and any reshard) reported as
     `post_backward(start, end)` of `mark()`s. Which backwards reduce-scatter and reshard is the caller's
     (set_requires_gradient_sync, set_reshard_after_backward). Raises RuntimeError where this torch's FSDP2 lacks
-    custom collectives or its parameter groups (the caller then keeps the one-rank units)."""
+    custom collectives or its parameter groups (measure_chains then leaves the chain out: its events keep their
+    isolated samples)."""
     if not any(True for _ in layer.parameters()):
         return layer
     from torch.distributed.device_mesh import DeviceMesh
