@@ -12,7 +12,7 @@ In context (harness.profile.in_context), a stage chain's units can instead be sh
 (`shard_over`), which run the chain together: the gradients reduce-scattered and the weights resharded as the
 run's zero level and micro-batches do it, FSDP2's post-backward (all of that work) timed so that the chain's
 backward samples leave it to the collectives' events. Run so, a stage's forwards and backwards took longer than
-over a one-rank group (docs/profiling.md, "In context").
+over a one-rank group (docs/profiling.md, "ZeRO's layers").
 """
 from __future__ import annotations
 
