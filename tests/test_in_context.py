@@ -184,7 +184,9 @@ def test_a_backward_window_is_taken_less_the_post_backwards_inside_it():
     np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [1.0, 1.0, 2.0])
 
 
-def test_a_zero_job_times_its_chain_over_pairs_of_ranks(tmp_path, project_env):
+def test_a_zero_job_s_profile_times_its_chain_on_both_ranks_and_leaves_none_out(tmp_path, project_env):
+    """End to end through `harness profile` (its pair, the sharded units and their agreed rounds are
+    tests/test_profile_mpi.py's)."""
     spec = tmp_path / "job.toml"
     spec.write_text(tiny_spec_text(layers=1, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2, global_batch=8,
                                    micro=2, warmup=1, repeats=3, zero=2))
@@ -195,7 +197,7 @@ def test_a_zero_job_times_its_chain_over_pairs_of_ranks(tmp_path, project_env):
     profile = load_profile(out / "profile.h5")
     (chain,) = stage_chains([build_plan(profile.spec)])
     for eid, measurement in profile.measurements.items():
-        if measurement.kind == "compute":  # the pair's two members' rounds, the same number on each
+        if measurement.kind == "compute":  # both ranks' rounds, each at least MIN_ROUNDS
             positions = list(chain.forward).count(eid) + list(chain.backward).count(eid) + (chain.optimizer == eid)
             samples = measurement.in_context_samples_s
             assert samples.size >= 2 * MIN_ROUNDS * positions and samples.size % (2 * positions) == 0

@@ -334,9 +334,10 @@ def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
         init_process_group(comm, discover(comm), cpu)
     try:
         set_up_alone_group()  # the optimizer steps FSDP2's shards over each rank alone (collective)
-        group, agree, share, shares = pair_up(comm)
+        share = pair_up(comm)
+        group, agree = share.group, share.agree
         alone = comm.size % 2 == 1 and comm.rank == comm.size - 1
-        assert (share, shares) == (comm.rank // 2, (comm.size + 1) // 2)
+        assert (share.index, share.count) == (comm.rank // 2, (comm.size + 1) // 2)
         assert (group is None, agree is None) == (alone, alone)
         spec = _spec(dp=2, global_batch=8, micro=2, zero=2)
         plan = build_plan(spec)
@@ -355,6 +356,7 @@ def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
         if not alone:
             assert counts[comm.rank] == {eid: MIN_ROUNDS * n for eid, n in positions.items()}
             assert counts[comm.rank] == counts[comm.rank ^ 1]
+        share.free()
         comm.Barrier()
     finally:
         if started_here:

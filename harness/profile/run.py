@@ -498,33 +498,56 @@ def _profile_compute(run: ProfileRun) -> None:
     run.compute_wall_s = time.perf_counter() - phase_start
 
 
-def pair_up(comm) -> tuple[Any, Callable[[bool], bool] | None, int, int]:
+@dataclass
+class ChainShare:
+    """Which stage chains a rank times (chains_of_rank's `index` of `count` shares) and with whom: alone, or with its
+    pair (`group`, torch.distributed's; `comm`, the pair's MPI communicator), whose members run the same chains."""
+
+    index: int
+    count: int
+    group: Any = None
+    comm: Any = None
+
+    @property
+    def agree(self) -> Callable[[bool], bool] | None:
+        """`agree(stop)`: whether either member of the pair wants to stop (None alone)."""
+        if self.comm is None:
+            return None
+        from mpi4py import MPI
+
+        return lambda stop: bool(self.comm.allreduce(bool(stop), op=MPI.LOR))
+
+    def free(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+def pair_up(comm) -> ChainShare:
     """Pairs of the ranks of `comm` (0 and 1, 2 and 3, ...; an odd last rank alone), each a torch.distributed group
-    whose members run the same stage chains together. Collective over `comm` and torch.distributed's world (the
-    same ranks). Returns (group, agree, index, pairs): this rank's pair group; `agree(stop)`, whether either member
-    wants to stop (both None for the rank alone); the index of this rank's pair, and how many pairs there are."""
+    whose members run the same stage chains together, a share of the chains each pair. Collective over `comm` and
+    torch.distributed's world (the same ranks); the caller frees the share."""
     import torch.distributed as dist
-    from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
     pairs = [[r, r + 1] for r in range(0, size - 1, 2)] + ([[size - 1]] if size % 2 else [])
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     mine = comm.Split(color=rank // 2, key=rank)
     if mine.Get_size() < 2:
-        return None, None, rank // 2, len(pairs)
-    return group, (lambda stop: bool(mine.allreduce(bool(stop), op=MPI.LOR))), rank // 2, len(pairs)
+        mine.Free()
+        return ChainShare(rank // 2, len(pairs))
+    return ChainShare(rank // 2, len(pairs), group, mine)
 
 
-def chain_pairs(run: ProfileRun, chains: list) -> tuple[Any, Callable[[bool], bool] | None, int, int]:
+def chain_pairs(run: ProfileRun, chains: list) -> ChainShare:
     """Where a chain holds a ZeRO job's layers and there are several ranks: pair_up's pairs, which run the same
     chains together, their layers sharded over the pair as a run shards them over its data-parallel group
-    (harness.profile.in_context.ChainRunner); else each rank a share of its own. Collective over the world.
-    Returns pair_up's tuple."""
+    (harness.profile.in_context.ChainRunner); else each rank a share of its own. Collective over the world."""
     import torch.distributed as dist
 
     if run.comm.Get_size() < 2 or not dist.is_initialized() or not any(
             run.unique.events[eid].content.get("fsdp2") for chain in chains for eid in chain.events):
-        return None, None, run.rank, run.comm.Get_size()
+        return ChainShare(run.rank, run.comm.Get_size())
     return pair_up(run.comm)
 
 
@@ -555,12 +578,15 @@ def _profile_in_context(run: ProfileRun) -> None:
     comm.Barrier()
     t0 = time.perf_counter()
     skipped: list[str] = []
-    group, agree, share, shares = chain_pairs(run, chains)
-    # one untimed run a chain: its layers are new, but the compute phase has warmed the code paths they take
-    samples = measure_chains(run.spec, chains_of_rank(chains, share, shares), contents, run.device, 1, run.repeats,
-                             budget_s, group=group, agree=agree,
-                             on_skip=lambda chain, why: skipped.append(
-                                 f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
+    share = chain_pairs(run, chains)
+    try:
+        # one untimed run a chain: its layers are new, but the compute phase has warmed the code paths they take
+        samples = measure_chains(run.spec, chains_of_rank(chains, share.index, share.count), contents, run.device, 1,
+                                 run.repeats, budget_s, group=share.group, agree=share.agree,
+                                 on_skip=lambda chain, why: skipped.append(
+                                     f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
+    finally:
+        share.free()
     run.busy_s += time.perf_counter() - t0
     gathered = comm.allgather(samples)
     # a chain two ranks ran fails on both: one line for it

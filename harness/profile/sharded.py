@@ -16,6 +16,7 @@ over a one-rank group (docs/profiling.md, "ZeRO's layers").
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -109,30 +110,13 @@ def shard_over(layer: torch.nn.Module, device: torch.device, group, post_backwar
         return layer
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    except ImportError as exc:
-        raise RuntimeError("this torch's FSDP2 has no custom reduce-scatter") from exc
-    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+
+    waited = _waited_reduce_scatter()  # imported here: torch's FSDP2 takes half a second to import
+    if waited is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError("this torch's FSDP2 has no custom reduce-scatter")
-
-    class WaitedReduceScatter(ReduceScatter):
-        """FSDP2's reduce-scatter, waited for in the call (as harness train's is), so that it ends inside the
-        post-backward that issued it."""
-
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
-            if work is not None:
-                work.wait()
-            return work
-
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     fully_shard(layer, mesh=DeviceMesh.from_group(group, device_type=device.type), reshard_after_forward=False)
-    layer.set_custom_reduce_scatter(WaitedReduceScatter())
+    layer.set_custom_reduce_scatter(waited())
     state = layer._get_fsdp_state()  # FSDP2 calls its parameter groups' post_backward by attribute: time it there
     groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
     if not groups or any(g is None or not hasattr(g, "post_backward") for g in groups):
@@ -146,3 +130,27 @@ def shard_over(layer: torch.nn.Module, device: torch.device, group, post_backwar
                 post_backward(start, mark())
         param_group.post_backward = timed
     return layer
+
+
+@functools.cache
+def _waited_reduce_scatter() -> type | None:
+    """FSDP2's reduce-scatter, waited for in the call (as harness train's is), so that it ends inside the
+    post-backward that issued it; buffers allocated as FSDP2's default does. None where this torch has no custom
+    collectives (before 2.8)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return None
+
+    class WaitedReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+            if work is not None:
+                work.wait()
+            return work
+
+    return WaitedReduceScatter
