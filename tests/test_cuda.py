@@ -88,3 +88,35 @@ def test_layer_clock_reads_cuda_events_as_host_nanoseconds():
     host_ns = time.perf_counter_ns() - start_ns
     gpu_ns = clock.to_ns(start_ns, anchor, mark) - start_ns
     assert 0 < gpu_ns <= host_ns + 1_000_000
+
+
+def test_a_chains_backward_spans_the_step_as_harness_trains_clock_reads_it():
+    """In context on a GPU: the chain's backward samples of a stage add up to its backward step timed the way
+    harness train's clock reads it (synchronized at its start and end), the host's start of autograd's engine
+    included (the device idles through it in the run)."""
+    from harness.profile.compute import _forward
+    from harness.profile.in_context import ChainRunner, stage_chains
+
+    spec = loads_spec(tiny_spec_text(hidden=64, ffn=128, seq=32))
+    plan = build_plan(spec)
+    (chain,) = stage_chains([plan])
+    contents = {eid: e.content for eid, e in plan.events.items()}
+    device = torch.device("cuda", 0)
+    runner = ChainRunner(spec, chain, contents, device)
+    for _ in range(3):
+        runner.run()
+    backward = set(chain.backward)  # backward events only: each sample of theirs is a backward's
+    in_chain = sorted(sum(sum(seconds) for eid, seconds in runner.run().items() if eid in backward)
+                      for _ in range(15))[7]
+    steps = []
+    for _ in range(15):
+        x = runner.make_input()
+        for layer, content in zip(runner.layers, runner.contents):
+            x = _forward(spec, layer, x, content)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        x.backward(None if x.dim() == 0 else torch.randn_like(x))
+        torch.cuda.synchronize(device)
+        steps.append(time.perf_counter() - start)
+    step = sorted(steps)[7]
+    assert 0.75 < in_chain / step < 1.25, (in_chain, step)

@@ -64,6 +64,24 @@ def test_every_position_of_a_chain_is_timed_each_round():
         assert values.shape == (positions * MIN_ROUNDS,) and (values > 0).all()
 
 
+def test_a_chain_waits_for_its_device_where_harness_trains_clock_does(monkeypatch):
+    """The backward and the optimizer start on a synchronized device, as each step of harness train does (its clock
+    synchronizes at every step's start): on a GPU their first kernels then wait for the host, as the run's do."""
+    plan = _plan()
+    (chain,) = stage_chains([plan])
+    contents = {eid: e.content for eid, e in plan.events.items()}
+    runner = in_context.ChainRunner(plan.spec, chain, contents, torch.device("cpu"))
+    order = []
+    clock_mark = runner.clock.mark
+    monkeypatch.setattr(runner.clock, "mark", lambda: order.append("mark") or clock_mark())
+    monkeypatch.setattr(in_context, "synchronize", lambda device: order.append("sync"))
+    runner.run()
+    marks_before = [order[:i].count("mark") for i, item in enumerate(order) if item == "sync"]
+    forwards = len(chain.forward) + 1  # a mark before the first forward and after each
+    # before the backward's start mark, before the optimizer's (after the backward's end), and at the run's end
+    assert marks_before == [forwards, forwards + 2 + len(chain.backward) - 1, forwards + 2 + len(chain.backward) + 1]
+
+
 def test_a_recomputing_stage_runs_its_groups_under_checkpoint_and_times_each_forward_twice(monkeypatch):
     """recompute = "full" in chunks of 2 blocks: the chain runs each chunk under torch.utils.checkpoint, as harness
     train does; a recomputed block's forward is sampled in the forward and again inside the backward (the plan

@@ -14,7 +14,9 @@ is timed less those (each a further sample of its forward event, as the plan cos
 Timing: on a CPU perf_counter marks each layer's forward and, inside the backward, the moment autograd hands
 each layer's input its gradient (a tensor hook: that layer's backward is over, the one before starts); on a GPU
 CUDA events recorded at the same marks (the hooks run on autograd's device thread, on the stream of the op
-that made the gradient). A layer's backward is the time between the gradient of its output and that of its
+that made the gradient), the device synchronized before the backward and the optimizer as harness train's clock
+does before every step: a step starts on an idle GPU, whose first kernels wait for the host (the backward() call
+starting autograd's engine). A layer's backward is the time between the gradient of its output and that of its
 input; the stage's first layer's ends with the call. Stages of a split backward (zero-bubble) run their
 forwards and optimizer in context; their bwd_input and bwd_weight keep the isolated figures.
 """
@@ -222,6 +224,7 @@ class ChainRunner:
         if self.chain.backward:
             grad = None if x.dim() == 0 else torch.randn_like(x)
             in_backward = True
+            synchronize(self.device)  # harness train's clock waits for the device at every step's start
             start = clock.mark()
             x.backward(grad)
             end = clock.mark()
@@ -230,6 +233,7 @@ class ChainRunner:
             backward_marks = [end] + backward_marks + [start]  # position p's backward: marks[p + 1] .. marks[p]
         del x
         if self.optimizer is not None:
+            synchronize(self.device)
             opt_start = clock.mark()
             self.optimizer.step()
             opt_end = clock.mark()
