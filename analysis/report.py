@@ -246,8 +246,9 @@ def _details(timeline: Timeline) -> list[str]:
         rows = [(eid, timeline.plan.events[eid].name, _ms(alone), _ms(costs.seconds(eid)), costs.seconds(eid) / alone)
                 for eid, alone in sorted(costs.isolated.items(), key=lambda kv: timeline.plan.events[kv[0]].name)]
         out += ["", format_table(("id", "event", "alone ms", "in context ms", "ratio"), rows,
-                                 title="compute timed alone and inside its stages' chains (the costs use the "
-                                       "in-context figure; docs/profiling.md, \"In context\"):")]
+                                 title="compute (and ZeRO's reduce-scatters) timed alone and inside its stages' "
+                                       "chains (the costs use the in-context figure; docs/profiling.md, "
+                                       "\"In context\"):")]
     out += _device_details(costs)
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,

@@ -195,10 +195,12 @@ def test_a_one_stage_job_times_its_chain_on_every_rank(tmp_path, project_env):
 def test_a_backward_window_is_taken_less_the_post_backwards_inside_it():
     runner = in_context.ChainRunner.__new__(in_context.ChainRunner)  # its clock and spans only (CPU seconds)
     runner.clock = in_context._Clock(torch.device("cpu"))
-    runner.post_backwards = [(1.0, 1.5), (2.8, 3.2)]
+    runner.post_backwards, runner.syncing = [(0, 1.0, 1.5), (1, 2.8, 3.2)], True
     # windows [3, 4], [2, 3], [0, 2] (marks latest first): a span across a boundary is shared by overlap
     np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [0.8, 0.8, 1.5])
-    runner.post_backwards = []
+    runner.syncing = False  # a backward that reduce-scatters nothing keeps its post-backwards, as the run's does
+    np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [1.0, 1.0, 2.0])
+    runner.post_backwards, runner.syncing = [], True
     np.testing.assert_allclose(runner._less_post_backwards(0.0, [4.0, 3.0, 2.0, 0.0]), [1.0, 1.0, 2.0])
 
 
@@ -220,6 +222,14 @@ def test_a_zero_job_s_profile_times_its_chain_on_both_ranks_and_leaves_none_out(
             samples = measurement.in_context_samples_s
             assert samples.size >= 2 * MIN_ROUNDS * positions and samples.size % (2 * positions) == 0
             assert (samples > 0).all()
+    # each reduce-scatter as its unit's post-backwards in the pair's chain (zero 2: every backward), costed so
+    scatters = {eid: m for eid, m in profile.measurements.items()
+                if m.kind == "reducescatter" and m.content.get("fsdp")}  # not the sweep's bare ones
+    assert scatters and all(m.in_context_samples_s.size >= 2 * MIN_ROUNDS for m in scatters.values())
+    costs = estimate_costs(build_plan(profile.spec), profile)
+    for eid, measurement in scatters.items():
+        assert costs.seconds(eid) == float(np.median(measurement.in_context_samples_s))
+        assert costs.isolated[eid] == measurement.median_s
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -318,7 +318,8 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
 def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
     """In context, a ZeRO job's stage chain runs over pairs of ranks (an odd last rank alone), its layers FSDP2 units
     over the pair: each backward's post-backwards are timed, one a unit, and the pair's members run the same
-    rounds whatever their own budgets say (one stopping alone would leave the other in a collective)."""
+    rounds whatever their own budgets say (one stopping alone would leave the other in a collective). Each unit's
+    post-backward is a sample of its reduce-scatter event over a pair of one node."""
     import torch
     import torch.distributed as dist
 
@@ -346,13 +347,28 @@ def test_ranks_in_pairs_run_a_zero_chain_together_and_agree_on_its_rounds():
         if not alone:
             runner = ChainRunner(spec, chain, contents, torch.device("cpu"), group=group, micro_batches=2)
             assert runner.units and all(dict(contents[e]).get("fsdp2") for e in chain.forward)
-            runner.run()
+            out = runner.run()
             assert len(runner.post_backwards) == len(runner.units)  # zero 2: every backward reduce-scatters
+            scatters = [e for e in runner.unit_reduce_scatters if e is not None]
+            assert len(scatters) == len(runner.units)  # every unit has its reduce-scatter event over the pair
+            assert all(plan.events[e].kind == "reducescatter" and contents[e]["group"] == 2 for e in scatters)
+            assert all(len(out[e]) == scatters.count(e) and min(out[e]) > 0 for e in scatters)
+            # zero 1: only a step's last backward reduce-scatters; the first keeps its post-backwards
+            spec1 = _spec(dp=2, global_batch=8, micro=2, zero=1)
+            plan1 = build_plan(spec1)
+            (chain1,) = stage_chains([plan1])
+            contents1 = {eid: e.content for eid, e in plan1.events.items()}
+            runner1 = ChainRunner(spec1, chain1, contents1, cpu, group=group, micro_batches=2)
+            first, last = runner1.run(), runner1.run()
+            scatters1 = set(e for e in runner1.unit_reduce_scatters if e is not None)
+            assert scatters1 and not scatters1 & set(first) and scatters1 <= set(last)
         budget_s = 0.0 if comm.rank % 2 == 0 else 1e9  # the pair's first member wants to stop at MIN_ROUNDS
         samples = measure_chains(spec, [chain], contents, cpu, 1, 3 * MIN_ROUNDS, budget_s, group=group, agree=agree)
         counts = comm.allgather({eid: values.size for eid, values in samples.items()})
         positions = {eid: list(chain.forward).count(eid) + list(chain.backward).count(eid) + (chain.optimizer == eid)
                      for eid in chain.events}
+        if not alone:
+            positions.update({e: scatters.count(e) for e in scatters})
         if not alone:
             assert counts[comm.rank] == {eid: MIN_ROUNDS * n for eid, n in positions.items()}
             assert counts[comm.rank] == counts[comm.rank ^ 1]

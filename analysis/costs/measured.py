@@ -111,7 +111,8 @@ class MeasuredSource(CostSource):
     """An event the profile measured: its samples' statistic (a compute event's divided by its measuring rank's
     speed factor, unless it is also measured as a composite), with its samples for the interval, and a GPU
     compute event's host issue time and a backward's call overhead. A compute event the profile also timed in
-    context (inside its stages' chains: harness.profile.in_context) is costed from those samples instead, its
+    context (inside its stages' chains: harness.profile.in_context), and a ZeRO reduce-scatter timed in its pairs'
+    chains (its unit's post-backwards), is costed from those samples instead (a reduce-scatter's median), its
     figure alone kept in costs.isolated and both in its note; profiles without them are costed as before.
     Afterwards: the composites (tensor-parallel layers measured with their all-reduces) and the corrections
     (corrections.py)."""
@@ -139,11 +140,13 @@ class MeasuredSource(CostSource):
                 self.uncorrected.append(event.name)
                 factor = 1.0
         samples, note = measurement.samples_s, ""
-        in_context = measurement.in_context_samples_s if event.kind == "compute" else np.empty(0)
+        in_chains = event.kind == "compute" or (event.kind == "reducescatter" and event.content.get("fsdp"))
+        in_context = measurement.in_context_samples_s if in_chains else np.empty(0)
         if in_context.size:  # timed inside its stages' chains: what a step meets, preferred to the layer alone
             costs.isolated[eid] = seconds / factor
             samples = in_context
-            seconds = compute_statistic(compute_stat, float(in_context.mean()), float(np.median(in_context)))
+            seconds = (compute_statistic(compute_stat, float(in_context.mean()), float(np.median(in_context)))
+                       if event.kind == "compute" else float(np.median(in_context)))
             note = (f"in context: {seconds / factor * 1e3:.3f} ms inside its stages' chains, "
                     f"{costs.isolated[eid] * 1e3:.3f} ms alone ({seconds / factor / costs.isolated[eid]:.2f}x)")
         costs.sampled["events"][eid] = SampleSet(samples / factor, statistic_of(event.kind, compute_stat))

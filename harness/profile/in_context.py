@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -86,6 +87,21 @@ def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
     return list(chains)
 
 
+
+def fsdp_key(layer: dict) -> str:
+    """The key of the FSDP2 unit holding a layer of this content (its layer and signature), as a ZeRO collective's
+    content names it (`fsdp`)."""
+    return json.dumps({"layer": layer["layer"], "signature": layer["signature"]}, sort_keys=True)
+
+
+def reduce_scatters_over(contents: dict[str, dict], group_size: int, placement: str) -> dict[str, str]:
+    """The ZeRO reduce-scatter events of `contents` over a group of `group_size` ranks at `placement` (intra,
+    inter), by the key of the unit whose gradients they carry (fsdp_key): what a chain sharded over such a group
+    runs in its units' post-backwards."""
+    return {fsdp_key(c["fsdp"]): eid for eid, c in contents.items()
+            if c.get("kind") == "reducescatter" and c.get("fsdp") and c.get("group") == group_size
+            and c.get("placement") == placement}
+
 class _Clock:
     """Marks on a device's clock: perf_counter on a CPU, CUDA events on a GPU; seconds between marks."""
 
@@ -111,18 +127,24 @@ class ChainRunner:
     A ZeRO job's layers (`fsdp2`) are FSDP2 units over this rank alone, or with `group` over that group of ranks,
     every member running the same chains in step (harness.profile.sharded.shard_over): each run() is then one
     micro-batch of `micro_batches`, reduce-scattering and resharding as the run does at the job's zero level
-    (spec.strategy.zero; 2 where the spec has none, a search's), the weights gathered before the timed forward,
-    and each backward sample less the FSDP2 post-backwards inside it (the collectives' events hold them)."""
+    (spec.strategy.zero; 2 where the spec has none, a search's), the weights gathered before the timed forward.
+    A backward that reduce-scatters is timed less its units' post-backwards (the collectives' events hold them),
+    and each unit's post-backward is a sample of its reduce-scatter event over such a group (`placement`: the
+    group's, intra or inter; reduce_scatters_over), as the run meets it; a backward that does not keeps them, as
+    the run's backward step does (gradients accumulated, no collective)."""
 
     def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device,
-                 group=None, micro_batches: int = 1):
+                 group=None, micro_batches: int = 1, placement: str = "intra"):
         self.spec, self.chain, self.device = spec, chain, device
         self.clock = _Clock(device)
         self.contents = []
         self.layers = []
         self.units: list[torch.nn.Module] = []  # the layers sharded over `group`
-        self.post_backwards: list[tuple] = []  # (start, end) marks of their post-backwards in this run()
+        self.unit_reduce_scatters: list[str | None] = []  # each unit's reduce-scatter event over such a group
+        self.post_backwards: list[tuple] = []  # (unit, start, end): marks of their post-backwards in this run()
         self.zero, self.micro_batches, self.micro = spec.strategy.zero or 2, max(1, micro_batches), 0
+        self.syncing = False  # whether this run()'s backward reduce-scatters
+        over = reduce_scatters_over(contents, group.size(), placement) if group is not None else {}
         make_input = None
         for eid in chain.forward:
             content = runner_content(spec, contents[eid])
@@ -132,10 +154,13 @@ class ChainRunner:
                 if group is None:
                     layer = shard_alone(layer, device)
                 else:
+                    unit = len(self.units)
                     layer = shard_over(layer, device, group,
-                                       lambda start, end: self.post_backwards.append((start, end)), self.clock.mark)
+                                       lambda start, end, u=unit: self.post_backwards.append((u, start, end)),
+                                       self.clock.mark)
                     if any(True for _ in layer.parameters()):
                         self.units.append(layer)
+                        self.unit_reduce_scatters.append(over.get(fsdp_key(content)))
             make_input = make_input or inputs
             self.contents.append(content)
             self.layers.append(layer)
@@ -167,17 +192,19 @@ class ChainRunner:
         weights gathered again where they were resharded, before the timed forward."""
         last = self.micro % self.micro_batches == self.micro_batches - 1
         self.micro += 1
+        self.syncing = last or self.zero >= 2
         for unit in self.units:
-            unit.set_requires_gradient_sync(last or self.zero >= 2)
+            unit.set_requires_gradient_sync(self.syncing)
             unit.set_reshard_after_backward(last or self.zero == 3)
             unit.unshard()
         self.post_backwards.clear()
 
     def _less_post_backwards(self, start, bounds: list) -> list[float]:
-        """Seconds of each backward window [bounds[p + 1], bounds[p]] (marks, latest first) less the time the units'
-        post-backwards took inside it."""
+        """Seconds of each backward window [bounds[p + 1], bounds[p]] (marks, latest first), less the time the units'
+        post-backwards took inside it where they reduce-scattered."""
         at = [self.clock.seconds(start, mark) for mark in bounds]
-        spans = [(self.clock.seconds(start, a), self.clock.seconds(start, b)) for a, b in self.post_backwards]
+        spans = [(self.clock.seconds(start, a), self.clock.seconds(start, b))
+                 for _, a, b in (self.post_backwards if self.syncing else ())]
         return [at[p] - at[p + 1] - sum(max(0.0, min(b, at[p]) - max(a, at[p + 1])) for a, b in spans)
                 for p in range(len(at) - 1)]
 
@@ -254,28 +281,42 @@ class ChainRunner:
                     out.setdefault(eid, []).append(seconds)
                 for position, marks in redo.items():  # the forward again: a sample of the same event as the first
                     out[self.chain.forward[position]].append(clock.seconds(*marks))
+                if self.syncing:
+                    self._reduce_scatter_samples(out)
         if self.optimizer is not None:
             out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
         return out
+
+    def _reduce_scatter_samples(self, out: dict[str, list[float]]) -> None:
+        """Each unit's post-backward in this run() (all of its parameter groups') as a sample of the unit's
+        reduce-scatter event, where it has one over this group."""
+        per_unit: dict[int, float] = {}
+        for unit, a, b in self.post_backwards:
+            per_unit[unit] = per_unit.get(unit, 0.0) + self.clock.seconds(a, b)
+        for unit, seconds in per_unit.items():
+            if (eid := self.unit_reduce_scatters[unit]) is not None:
+                out.setdefault(eid, []).append(seconds)
 
 
 @leaving_no_world()
 def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
                    warmup: int, repeats: int, budget_s: float,
                    on_skip: Callable[[StageChain, str], None] | None = None, group=None,
-                   agree: Callable[[bool], bool] | None = None) -> dict[str, np.ndarray]:
+                   agree: Callable[[bool], bool] | None = None, placement: str = "intra") -> dict[str, np.ndarray]:
     """In-context samples of every event of `chains` (ids of `contents`): the chains round-robin, `warmup` untimed
     rounds then up to `repeats` timed ones, stopping after MIN_ROUNDS once `budget_s` have passed since the call
     (building and warming up included).
     A chain that cannot be built or run on this device is left out (`on_skip(chain, why)`): its events keep
     their isolated samples.
-    `group`: the ranks that run these same chains together, a ZeRO job's layers sharded over it (ChainRunner);
+    `group`: the ranks that run these same chains together, a ZeRO job's layers sharded over it (ChainRunner; at
+    `placement`, intra or inter, the samples of its reduce-scatter events over such a group with them);
     `agree(stop)` then tells every member whether any wants to stop, so that all run the same rounds."""
     start = time.perf_counter()
     runners = []
     for chain in chains:
         try:
-            runner = ChainRunner(spec, chain, contents, device, group=group, micro_batches=spec.micro_batches)
+            runner = ChainRunner(spec, chain, contents, device, group=group, micro_batches=spec.micro_batches,
+                                 placement=placement)
             for _ in range(max(1, warmup)):
                 runner.run()
         except (RuntimeError, ValueError, TypeError, AttributeError) as exc:  # a shape a stage never chains

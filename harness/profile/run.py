@@ -32,7 +32,7 @@ from harness.common.errors import UserError, WriteError
 from harness.common.progress import Progress
 from harness.models.user import factory_layers
 from harness.plan.candidates import expand
-from harness.plan.events import COMM_KINDS, UniqueEvents, build_plan
+from harness.plan.events import COMM_KINDS, INTER, INTRA, UniqueEvents, build_plan
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
@@ -319,6 +319,8 @@ class ProfileRun:
     in_context_wall_s: float = 0.0
     in_context_chains: int = 0
     in_context_skipped: list[str] = field(default_factory=list)
+    # communication events timed inside the chains (ZeRO's reduce-scatters over the pairs), for their measurers
+    in_context_comm: dict[str, np.ndarray] = field(default_factory=dict)
     comm_start: float = 0.0  # perf_counter at the communication phase's start
     engine_gaps: Any = None  # run_profile's `engine_gaps`
 
@@ -507,6 +509,7 @@ class ChainShare:
     count: int
     group: Any = None
     comm: Any = None
+    placement: str = "intra"  # the pair's: on one node or not
 
     @property
     def agree(self) -> Callable[[bool], bool] | None:
@@ -523,10 +526,11 @@ class ChainShare:
             self.comm = None
 
 
-def pair_up(comm) -> ChainShare:
+def pair_up(comm, hostnames: list[str] | None = None) -> ChainShare:
     """Pairs of the ranks of `comm` (0 and 1, 2 and 3, ...; an odd last rank alone), each a torch.distributed group
     whose members run the same stage chains together, a share of the chains each pair. Collective over `comm` and
-    torch.distributed's world (the same ranks); the caller frees the share."""
+    torch.distributed's world (the same ranks); the caller frees the share. `hostnames` (per rank of `comm`): a
+    pair on two hosts is an inter-node pair (ChainShare.placement)."""
     import torch.distributed as dist
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -536,7 +540,8 @@ def pair_up(comm) -> ChainShare:
     if mine.Get_size() < 2:
         mine.Free()
         return ChainShare(rank // 2, len(pairs))
-    return ChainShare(rank // 2, len(pairs), group, mine)
+    apart = hostnames is not None and hostnames[rank] != hostnames[rank ^ 1]
+    return ChainShare(rank // 2, len(pairs), group, mine, INTER if apart else INTRA)
 
 
 def chain_pairs(run: ProfileRun, chains: list) -> ChainShare:
@@ -548,7 +553,7 @@ def chain_pairs(run: ProfileRun, chains: list) -> ChainShare:
     if run.comm.Get_size() < 2 or not dist.is_initialized() or not any(
             run.unique.events[eid].content.get("fsdp2") for chain in chains for eid in chain.events):
         return ChainShare(run.rank, run.comm.Get_size())
-    return pair_up(run.comm)
+    return pair_up(run.comm, run.topology.hostnames)
 
 
 def chains_of_rank(chains: list, rank: int, size: int) -> list:
@@ -583,6 +588,7 @@ def _profile_in_context(run: ProfileRun) -> None:
         # one untimed run a chain: its layers are new, but the compute phase has warmed the code paths they take
         samples = measure_chains(run.spec, chains_of_rank(chains, share.index, share.count), contents, run.device, 1,
                                  run.repeats, budget_s, group=share.group, agree=share.agree,
+                                 placement=share.placement,
                                  on_skip=lambda chain, why: skipped.append(
                                      f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
     finally:
@@ -599,6 +605,9 @@ def _profile_in_context(run: ProfileRun) -> None:
         measurement = run.recorder.measurements.get(eid)
         if measurement is not None and eid in by_event:
             measurement.series[IN_CONTEXT_SERIES] = np.concatenate(by_event[eid])
+    # ZeRO's reduce-scatters in their pairs' chains, for the ranks that measure them next (_profile_communication)
+    run.in_context_comm = {eid: np.concatenate(values) for eid, values in by_event.items()
+                           if run.unique.events[eid].kind != "compute"}
     run.recorder.save(comm)
     run.in_context_wall_s = time.perf_counter() - t0
     run.in_context_chains = len(chains)
@@ -678,6 +687,8 @@ def _profile_communication(run: ProfileRun) -> None:
                      "backend": run.backend_label, "needed": task.needed, "warmup": run.warmup,
                      PRECISION_GOAL_ATTR: run.spec.profile.precision,
                      PRECISION_BUDGET_ATTR: run.spec.profile.budget_s}
+            if task.id in run.in_context_comm:  # a ZeRO reduce-scatter, timed in its pairs' chains too
+                series[IN_CONTEXT_SERIES] = run.in_context_comm[task.id]
             measurement = Measurement(task.id, task.kind, content, measured.samples_s, list(task.ranks),
                                       run.env_key, attrs, series)
             attrs[PRECISION_ATTR] = reached_precision(measurement)
