@@ -43,13 +43,19 @@ def test_a_stage_chain_is_its_forwards_its_backwards_in_reverse_and_its_optimize
     assert plan.events[chain.optimizer].content["phase"] == "optimizer"
     two = stage_chains([_plan(pp=2)])
     assert len(two) == 2 and all(len(c.forward) == 2 and len(c.backward) == 2 and c.optimizer for c in two)
-    # the same stages in two plans are one chain each; a split backward keeps its isolated samples
+    # the same stages in two plans are one chain each
     assert stage_chains([_plan(pp=2), _plan(pp=2)]) == two
-    assert all(not c.backward for c in stage_chains([_plan(pp=2, schedule="zb-h1")]))
+    # a split backward: the first stage's W is its whole backward, the others' B and W events apart
+    plan = _plan(pp=2, schedule="zb-h1")
+    first, second = stage_chains([plan])
+    assert names(first.backward) == ["gpt2.block.bwd", "gpt2.embedding.bwd"] and not first.weight
+    assert names(second.backward) == ["gpt2.head.bwd_input", "gpt2.block.bwd_input"]
+    assert names(second.weight) == ["gpt2.head.bwd_weight", "gpt2.block.bwd_weight"]
 
 
-def test_every_position_of_a_chain_is_timed_each_round():
-    plan = _plan(pp=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_every_position_of_a_chain_is_timed_each_round(schedule):
+    plan = _plan(pp=2, schedule=schedule)
     chains = stage_chains([plan])
     contents = {eid: e.content for eid, e in plan.events.items()}
     skipped = []
@@ -60,7 +66,7 @@ def test_every_position_of_a_chain_is_timed_each_round():
     assert set(samples) == wanted
     for eid, values in samples.items():
         positions = sum(list(chain.forward).count(eid) + list(chain.backward).count(eid)
-                        + (chain.optimizer == eid) for chain in chains)
+                        + list(chain.weight).count(eid) + (chain.optimizer == eid) for chain in chains)
         assert values.shape == (positions * MIN_ROUNDS,) and (values > 0).all()
 
 

@@ -11,14 +11,19 @@ A full-recompute group runs under torch.utils.checkpoint as harness train runs i
 the checkpoint, and the backward of the group's last layer, which starts by running the group's forwards again,
 is timed less those (each a further sample of its forward event, as the plan costs it again).
 
+A split backward (the zero-bubble schedules) runs as harness train's B and W steps: the B one stage_backward_input
+call over the stage (its layers' bwd_input marked as a whole backward's are), the W stage_backward_weight a layer's
+parameter groups at a time, last layer first, each layer's bwd_weight between marks. A split schedule's first stage
+runs its W as one whole backward, as the run does.
+
 Timing: on a CPU perf_counter marks each layer's forward and, inside the backward, the moment autograd hands
 each layer's input its gradient (a tensor hook: that layer's backward is over, the one before starts); on a GPU
 CUDA events recorded at the same marks (the hooks run on autograd's device thread, on the stream of the op
 that made the gradient), the device synchronized before the backward and the optimizer as harness train's clock
 does before every step: a step starts on an idle GPU, whose first kernels wait for the host (the backward() call
 starting autograd's engine). A layer's backward is the time between the gradient of its output and that of its
-input; the stage's first layer's ends with the call. Stages of a split backward (zero-bubble) run their
-forwards and optimizer in context; their bwd_input and bwd_weight keep the isolated figures.
+input; the stage's first layer's ends with the call. A split backward with recompute, or of ZeRO's layers, runs
+its forwards and optimizer in context, its bwd_input and bwd_weight keeping the isolated figures.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.models import checkpointed, make_optimizer
+from harness.models import checkpointed, make_optimizer, split_backward
 from harness.plan.events import EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
@@ -58,10 +63,12 @@ class StageChain:
     backward: tuple[str, ...]
     optimizer: str | None
     groups: tuple[tuple[int, ...], ...] = ()
+    weight: tuple[str, ...] = ()  # a split backward's W events in the order they run (`backward` its B events)
 
     @property
     def events(self) -> set[str]:
-        return set(self.forward) | set(self.backward) | ({self.optimizer} if self.optimizer else set())
+        return (set(self.forward) | set(self.backward) | set(self.weight)
+                | ({self.optimizer} if self.optimizer else set()))
 
 
 def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
@@ -75,17 +82,28 @@ def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
             again = stage.backward_again or [False] * len(stage.backward)
             backward = tuple(eid for eid, redo in zip(stage.backward, again)
                              if not redo and eid and plan.events[eid].kind == "compute")
-            whole = len(backward) == len(forward) and all(plan.events[e].content.get("phase") == "bwd"
-                                                          for e in backward)
+            weight = tuple(eid for eid in stage.weight if eid and plan.events[eid].kind == "compute")
+            if not backward and _phases(plan, weight, len(forward)) == {"bwd"}:
+                backward, weight = weight, ()  # a split schedule's first stage: its W step is the whole backward
             if not forward:
                 continue
             position = {layer: p for p, (_, layer) in enumerate(items)}
             groups = tuple(tuple(position[stage.layers[q]] for q in group)
                            for group in recompute_groups(plan.spec, [plan.layers[i] for i in stage.layers]))
+            whole = _phases(plan, backward, len(forward)) == {"bwd"}
+            split = (not groups and _phases(plan, backward, len(forward)) == {"bwd_input"}
+                     and _phases(plan, weight, len(forward)) == {"bwd_weight"}
+                     and not any(plan.events[e].content.get("fsdp2") for e in forward))
             optimizer = stage.optimizer[0] if stage.optimizer else None
-            chains[StageChain(forward, backward if whole else (), optimizer, groups)] = None
+            chains[StageChain(forward, backward if whole or split else (), optimizer, groups,
+                              weight if split else ())] = None
     return list(chains)
 
+
+
+def _phases(plan: EventPlan, ids: tuple[str, ...], layers: int) -> set[str]:
+    """The phases of events `ids`, one an event of each of `layers` layers (an empty set where they are not)."""
+    return {plan.events[e].content.get("phase") for e in ids} if ids and len(ids) == layers else set()
 
 
 def fsdp_key(layer: dict) -> str:
@@ -168,7 +186,7 @@ class ChainRunner:
         self.optimizer = None
         if chain.optimizer is not None:
             content = contents[chain.optimizer]
-            own = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+            own = self._parameters()
             shapes = parameter_shapes(spec, content["layers"], device)
             params = own
             if int(content.get("shard", 1)) > 1 or [(p.shape, p.dtype) for p in own] != shapes or not chain.backward:
@@ -214,6 +232,9 @@ class ChainRunner:
             self._micro_batch_begins()
         clock, marks_in = self.clock, {}
         x = self.make_input()
+        if self.chain.weight and x.is_floating_point():  # a split backward's B is the stage input's gradient
+            x.requires_grad_(True)
+        stage_input = x
         forward_marks = [clock.mark()]
         redo: dict[int, list] = {}  # a recomputed position's forward again inside the backward: [start, end]
         in_backward = False
@@ -247,18 +268,25 @@ class ChainRunner:
                     forward_marks.append(clock.mark())
             else:
                 x = through(run, x)
-        backward_marks = []
+        backward_marks, weight_seconds = [], []
         if self.chain.backward:
             grad = None if x.dim() == 0 else torch.randn_like(x)
             in_backward = True
             synchronize(self.device)  # harness train's clock waits for the device at every step's start
             start = clock.mark()
-            x.backward(grad)
+            if self.chain.weight:  # as harness train's B step: the input's gradient over the stage in one call
+                backward_input, _ = split_backward()
+                _, param_groups = backward_input([x], None if grad is None else [grad], [stage_input],
+                                                 self._parameters())
+            else:
+                x.backward(grad)
             end = clock.mark()
             # the last layer's backward starts with the call; each earlier one when its output got its gradient
             backward_marks = [marks_in.get(p) for p in range(1, len(self.layers))]
             backward_marks = [end] + backward_marks + [start]  # position p's backward: marks[p + 1] .. marks[p]
-        del x
+            if self.chain.weight:
+                weight_seconds = self._weight_gradients(param_groups)
+        del x, stage_input
         if self.optimizer is not None:
             synchronize(self.device)
             opt_start = clock.mark()
@@ -281,11 +309,41 @@ class ChainRunner:
                     out.setdefault(eid, []).append(seconds)
                 for position, marks in redo.items():  # the forward again: a sample of the same event as the first
                     out[self.chain.forward[position]].append(clock.seconds(*marks))
+                for eid, seconds in zip(self.chain.weight, weight_seconds):  # W ids in the order they ran
+                    out.setdefault(eid, []).append(seconds)
                 if self.syncing:
                     self._reduce_scatter_samples(out)
         if self.optimizer is not None:
             out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
         return out
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+
+    def _weight_gradients(self, param_groups: list[dict]) -> list[float]:
+        """A split backward's W step after its B (harness train's one stage_backward_weight call over the stage's
+        parameter groups), run a layer's groups at a time in the order the run meets them (the last layer's
+        first), a step of its own (synchronized first): seconds per layer in that order; none where a group
+        holds weights of two layers (the step then runs whole, untimed)."""
+        from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+        _, backward_weight = split_backward()
+        owner = {_get_grad_fn_or_grad_acc(p): position for position, layer in enumerate(self.layers)
+                 for p in layer.parameters() if p.requires_grad}
+        by_layer: dict[int, list[dict]] = {}
+        for group in param_groups:
+            owners = {owner.get(node) for node in group["params"]}
+            if len(owners) != 1 or None in owners:
+                backward_weight(self._parameters(), param_groups)
+                return []
+            by_layer.setdefault(owners.pop(), []).append(group)
+        synchronize(self.device)
+        marks = [self.clock.mark()]
+        for position in reversed(range(len(self.layers))):
+            backward_weight([p for p in self.layers[position].parameters() if p.requires_grad],
+                            by_layer.get(position, []))
+            marks.append(self.clock.mark())
+        return [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
 
     def _reduce_scatter_samples(self, out: dict[str, list[float]]) -> None:
         """Each unit's post-backward in this run() (all of its parameter groups') as a sample of the unit's
