@@ -10,9 +10,9 @@ at every zero level.
 
 In context (harness.profile.in_context), a stage chain's units can instead be sharded over a real group of ranks
 (`shard_over`), which run the chain together: the gradients reduce-scattered and the weights resharded as the
-run's zero level and micro-batches do it, FSDP2's post-backward (all of that work) timed so that the chain's
-backward samples leave it to the collectives' events. Run so, a stage's forwards and backwards took longer than
-over a one-rank group (docs/profiling.md, "ZeRO's layers").
+run's zero level and micro-batches do it, FSDP2's post-backward (all of that work) timed: where it reduce-scatters,
+the chain's backward samples leave it to the collective's event, of which it is an in-context sample. Run so, a
+stage's forwards and backwards took longer than over a one-rank group (docs/profiling.md, "ZeRO's layers").
 """
 from __future__ import annotations
 
