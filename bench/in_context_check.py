@@ -3,10 +3,11 @@
 
     python bench/in_context_check.py RUNDIR PROFILE [--json OUT.json]
 
-Prints, per compute event with in-context samples, its median alone and inside its stages' chains and their
-ratio; then the run's median batch time against the prediction from the in-context figures (what the costs use)
-and from the isolated ones alone (the same profile with its in-context series set aside). Exit 1 when the
-profile holds no in-context samples (profiled before they were taken, or every chain failed).
+Prints, per event with in-context samples (compute, ZeRO's reduce-scatters), its median alone and inside its
+stages' chains and their ratio; then the run's median batch time against the prediction from the in-context
+figures (what the costs use) and from the isolated ones alone (the same profile with its in-context series set
+aside). Exit 1 when the profile holds no in-context samples (profiled before they were taken, or every chain
+failed); a file that cannot be read is one message and exit 2.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.profile_reader import load_profile  # noqa: E402
 from analysis.trace_reader import read_trace  # noqa: E402
 from analysis.validate import validate  # noqa: E402
+from harness.common.errors import UserError  # noqa: E402
 from harness.store.hdf5_schema import IN_CONTEXT_SERIES  # noqa: E402
 
 
@@ -31,10 +33,14 @@ def main() -> int:
     parser.add_argument("profile", help="OUTDIR or profile.h5 of `harness profile`")
     parser.add_argument("--json", metavar="OUT.json")
     args = parser.parse_args()
-    profile, trace = load_profile(args.profile), read_trace(args.run)
+    try:
+        profile, trace = load_profile(args.profile), read_trace(args.run)
+    except UserError as exc:
+        print(f"in_context_check: {exc}", file=sys.stderr)
+        return 2
     rows = []
     for eid, m in sorted(profile.measurements.items(), key=lambda item: profile.event_name(item[0])):
-        if m.kind == "compute" and m.in_context_samples_s.size:
+        if m.in_context_samples_s.size:
             in_context = float(np.median(m.in_context_samples_s))
             rows.append({"event": profile.event_name(eid), "alone_ms": m.median_s * 1e3,
                          "in_context_ms": in_context * 1e3, "ratio": in_context / m.median_s})
