@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from harness.models import checkpointed, make_optimizer, split_backward
-from harness.plan.events import EventPlan
+from harness.plan.events import INTRA, EventPlan
 from harness.plan.layers import recompute_groups
 from harness.plan.spec import JobSpec
 from harness.profile.compute import ComputeRunner, _forward, _loss, _make_layer, parameter_shapes, runner_content
@@ -100,7 +100,6 @@ def stage_chains(plans: Iterable[EventPlan]) -> list[StageChain]:
     return list(chains)
 
 
-
 def _phases(plan: EventPlan, ids: tuple[str, ...], layers: int) -> set[str]:
     """The phases of events `ids`, one an event of each of `layers` layers (an empty set where they are not)."""
     return {plan.events[e].content.get("phase") for e in ids} if ids and len(ids) == layers else set()
@@ -119,6 +118,7 @@ def reduce_scatters_over(contents: dict[str, dict], group_size: int, placement: 
     return {fsdp_key(c["fsdp"]): eid for eid, c in contents.items()
             if c.get("kind") == "reducescatter" and c.get("fsdp") and c.get("group") == group_size
             and c.get("placement") == placement}
+
 
 class _Clock:
     """Marks on a device's clock: perf_counter on a CPU, CUDA events on a GPU; seconds between marks."""
@@ -152,7 +152,7 @@ class ChainRunner:
     the run's backward step does (gradients accumulated, no collective)."""
 
     def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device,
-                 group=None, micro_batches: int = 1, placement: str = "intra"):
+                 group=None, micro_batches: int = 1, placement: str = INTRA):
         self.spec, self.chain, self.device = spec, chain, device
         self.clock = _Clock(device)
         self.contents = []
@@ -360,7 +360,7 @@ class ChainRunner:
 def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
                    warmup: int, repeats: int, budget_s: float,
                    on_skip: Callable[[StageChain, str], None] | None = None, group=None,
-                   agree: Callable[[bool], bool] | None = None, placement: str = "intra") -> dict[str, np.ndarray]:
+                   agree: Callable[[bool], bool] | None = None, placement: str = INTRA) -> dict[str, np.ndarray]:
     """In-context samples of every event of `chains` (ids of `contents`): the chains round-robin, `warmup` untimed
     rounds then up to `repeats` timed ones, stopping after MIN_ROUNDS once `budget_s` have passed since the call
     (building and warming up included).

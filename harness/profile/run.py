@@ -509,7 +509,7 @@ class ChainShare:
     count: int
     group: Any = None
     comm: Any = None
-    placement: str = "intra"  # the pair's: on one node or not
+    placement: str = INTRA  # the pair's: on one node (INTRA) or not
 
     @property
     def agree(self) -> Callable[[bool], bool] | None:
