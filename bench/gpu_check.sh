@@ -3,7 +3,8 @@
 # layer's time depends on how it is timed (gpu_timing.py) and what a backward() call costs (backward_call.py), a
 # one-GPU profile, real training and the validation of the prediction against it (for the first size also a
 # run traced layer by layer with CUDA events, --layer-times); harness device's curves and each size from its
-# spec alone on them; then two ranks (NCCL, one device per local rank) where there are two GPUs, or the clear
+# spec alone on them; then two ranks (NCCL, one device per local rank: dp=2, pp=2 and ZeRO-2, whose in-context
+# chain runs over the pair of GPUs, each with its in-context check) where there are two GPUs, or the clear
 # refusal where there is one.
 #
 #   bench/gpu_check.sh [OUTDIR]             # on a GPU machine, with the project's Python as python3
@@ -40,13 +41,13 @@ if [ "$DEVICE" = cuda ]; then
 else
     SIZES="medium:128:512:4:64:2:8" DTYPE=float32 REPEATS=5 ITER=4
 fi
-spec() {  # spec FILE HIDDEN:FFN:HEADS:SEQ:MICRO:GLOBAL DP PP
+spec() {  # spec FILE HIDDEN:FFN:HEADS:SEQ:MICRO:GLOBAL DP PP [ZERO]
     local hidden ffn heads seq micro global
     IFS=: read -r hidden ffn heads seq micro global <<<"$2"
     printf '%s\n' "spec_version = 1" "[model]" 'name = "gpt2-small"' "layers = 4" "hidden = $hidden" \
         "heads = $heads" "ffn = $ffn" "seq_len = $seq" "vocab = 8192" "dtype = \"$DTYPE\"" \
         "[batch]" "global = $global" "micro = $micro" \
-        "[strategy]" "dp = $3" "tp = 1" "pp = $4" 'schedule = "1f1b"' \
+        "[strategy]" "dp = $3" "tp = 1" "pp = $4" 'schedule = "1f1b"' "zero = ${5:-0}" \
         "[cluster]" "nodes = 1" "gpus_per_node = $(($3 * $4))" \
         "[profile]" "warmup = 3" "repeats = $REPEATS" "device = \"$DEVICE\"" >"$1"
 }
@@ -135,17 +136,19 @@ done
 first=${SIZES%% *}
 spec "$OUTDIR/dp2.toml" "${first#*:}" 2 1
 spec "$OUTDIR/pp2.toml" "${first#*:}" 1 2
+spec "$OUTDIR/zero2.toml" "${first#*:}" 2 1 2  # ZeRO-2: FSDP2 units, the in-context chain over the pair of GPUs
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$DEVICE" = cuda ] && [ "$GPUS" -lt 2 ]; then
     step 07-one-gpu-two-ranks bash -c "$MPIRUN -n 2 $PY -m mpi4py -m harness profile $OUTDIR/dp2.toml -o $OUTDIR/dp2 \
         >$OUTDIR/refusal.txt 2>&1; status=\$?; cat $OUTDIR/refusal.txt; test \$status -eq 2 \
         && grep -q 'share one GPU' $OUTDIR/refusal.txt"
 else
-    for job in dp2 pp2; do
+    for job in dp2 pp2 zero2; do
         step "07-$job-profile" $MPIRUN -n 2 $PY -m mpi4py -m harness profile "$OUTDIR/$job.toml" -o "$OUTDIR/$job"
         step "08-$job-train" $MPIRUN -n 2 $PY -m mpi4py -m harness train "$OUTDIR/$job.toml" -o "$OUTDIR/$job-run" \
             --iterations $ITER --warmup 3
         step "09-$job-validate" $PY -m analysis validate "$OUTDIR/$job-run" "$OUTDIR/$job"
+        step "09-$job-in-context" $PY bench/in_context_check.py "$OUTDIR/$job-run" "$OUTDIR/$job"
     done
 fi
 echo; cat "$SUMMARY"
