@@ -277,7 +277,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc,
       temporary_bytes(profile)), that backward's worst moment, with its weights in use, and the model's last
       layer its loss's before its weights (the loss after it outside the layer).
     Split by vocabulary over tp (vocab_parallel), V is the shard's vocab / tp, and the head's loss makes the
-    logits' gradient in place of the softmax it saved (harness.models.tp): nothing beyond it before its start.
+    logits' gradient in place of the softmax it saved (harness.models.tp): nothing beyond it before its start; so
+    does a whole head's Megatron-LM loss (its signature's ("cross_entropy", "megatron")).
     A weight's gradient is a temporary when it accumulates into one the iteration's earlier backwards made
     (with data parallelism, always), else the gradient itself, made a moment early: counted here either way."""
     signature = dict(layer.signature)
@@ -287,7 +288,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc,
     if layer.kind == "head":
         vocab = int(signature.get("vocab", spec.model.vocab)) // shards
         log_probs = b * s * vocab * LOSS_BYTES
-        return [(2 * log_probs if shards == 1 else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
+        torch_loss = shards == 1 and signature.get("cross_entropy") != "megatron"
+        return [(2 * log_probs if torch_loss else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
                 (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
     if layer.kind == "block" and "experts" in signature:
         # a MoE block's experts: the stacked gradient of all this rank's experts made at once, beside the

@@ -65,6 +65,26 @@ def test_the_materialized_core_computes_what_the_fused_one_does(causal_family):
     assert torch.allclose(grad, x.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("micro, fallback", [(1, True), (4, False)])
+def test_16_bit_scores_megatrons_fused_kernel_does_not_take_are_softmaxed_in_float32(monkeypatch, micro, fallback):
+    """Two heads of 64 keys: micro x heads = 2 is not a multiple of the fused kernel's 8 batches a block, so the
+    block masks and softmaxes its bfloat16 scores in float32 (Megatron-LM's fallback); at micro 4 it does not. Either
+    way the probabilities are bfloat16 and the output is the fused attention's within bfloat16's precision."""
+    seen = []
+    softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, dim: seen.append(x.dtype) or softmax(x, dim=dim))
+    text = spec_text("materialized", hidden=32, heads=2, seq=64, micro=micro, global_batch=micro)
+    spec = loads_spec(text.replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    torch.manual_seed(0)
+    materialized = TransformerBlock(spec.model)
+    fused = TransformerBlock(loads_spec(spec.to_toml().replace('attention = "materialized"\n', "")).model)
+    fused.load_state_dict(materialized.state_dict())
+    x = torch.randn(micro, 64, 32, dtype=torch.bfloat16)
+    out = materialized(x)
+    assert seen == [torch.float32 if fallback else torch.bfloat16] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, fused(x), atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("change, field, message", [
     ('attention = "flash"', "model.attention", "unknown value 'flash'; expected one of sdpa, materialized"),
     ('attention = "materialized"\n[cp]', "model.attention", "materialized attention with cp = 2 is not built"),

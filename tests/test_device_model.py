@@ -27,6 +27,7 @@ from harness.plan.kernels import (
     MemoryBound,
     PassShape,
     event_kernels,
+    fused_softmax,
     kernels_flops,
     layer_kernels,
 )
@@ -221,6 +222,59 @@ def test_embedding_and_head_kernels_by_hand():
     norm, logits, loss = layer_kernels(head, PassShape(2, 16), "fwd")
     assert (logits.m, logits.n, logits.k) == (32, 128, 32)
     assert loss.flops == 5 * 32 * 128 and loss.bytes == 3 * 32 * 128 * 4
+
+
+def test_a_16_bit_heads_loss_runs_on_float32_logits_torchs_or_megatrons():
+    """The logits made float32 (2 + 4 bytes a logit), then torch's log-softmax (3 float32 passes) or, for a head
+    split by vocabulary or a Megatron-LM loss, Megatron-LM's max, shift, exponential, sum and division (8 passes, 5
+    launches) whose backward scales the saved softmax in place (2 passes, 1 launch)."""
+    logits = 32 * 128  # 2 x 16 tokens, vocab 128
+
+    def head_of(text_change="", tp=1):
+        text = tiny_spec_text(hidden=32, heads=4, ffn=64, seq=16, vocab=128, micro=2, tp=tp, layers=2, global_batch=4)
+        spec = loads_spec(text.replace('dtype = "float32"', 'dtype = "bfloat16"' + text_change))
+        return describe(spec)[-1]
+
+    _, _, upcast, loss = layer_kernels(head_of(), PassShape(2, 16), "fwd")
+    assert (upcast.name, upcast.bytes, upcast.dtype) == ("logits_float32", logits * (2 + 4), "bfloat16")
+    assert (loss.bytes, loss.dtype, loss.launches) == (3 * logits * 4, "float32", 1)
+    assert layer_kernels(head_of(), PassShape(2, 16), "bwd")[0].bytes == 1.5 * 3 * logits * 4
+    megatron = head_of('\ncross_entropy = "megatron"')
+    assert ("cross_entropy", "megatron") in megatron.signature
+    *_, loss = layer_kernels(megatron, PassShape(2, 16), "fwd")
+    assert (loss.bytes, loss.launches) == (8 * logits * 4, 5)
+    grad = layer_kernels(megatron, PassShape(2, 16), "bwd")[0]
+    assert (grad.op, grad.bytes, grad.launches) == ("cross_entropy_backward", 2 * logits * 4, 1)
+    split = head_of(tp=2)  # split by vocabulary: Megatron-LM's loss over the shard's 64 entries
+    *_, loss = layer_kernels(split, PassShape(2, 16), "fwd")
+    assert (loss.bytes, loss.launches) == (8 * logits // 2 * 4, 5)
+    assert "cross_entropy" not in dict(split.signature)
+    float32_head = describe(spec_of())[-1]
+    assert [k.name for k in layer_kernels(float32_head, PassShape(2, 16), "fwd")] == \
+        ["final_norm", "logits", "cross_entropy"]  # float32 logits: nothing to convert
+
+
+@pytest.mark.parametrize("micro, heads, seq, fused", [
+    (1, 2, 1024, False), (2, 2, 1024, True), (1, 4, 1024, True), (3, 2, 1024, False), (1, 4, 128, False),
+    (2, 4, 128, True), (2, 2, 4100, False), (8, 2, 16, False)])
+def test_megatrons_fused_softmax_or_its_float32_fallback(micro, heads, seq, fused):
+    """Megatron-LM's FusedScaleMaskSoftmax takes 16-bit scores of 16 < keys <= 4096 (multiples of 4) when micro x
+    local heads is a multiple of its batches a block (4 from 128 keys on, 8 below); else the softmax runs in float32:
+    4 more launches and 32 more bytes a score forward (36 against the fused 4), 34 backward (40 against 6)."""
+    assert fused_softmax("bfloat16", micro * heads, seq, seq) is fused
+    assert fused_softmax("float32", micro * heads, seq, seq)  # no fused kernel, no fallback: the softmax as it is
+    spec = loads_spec(tiny_spec_text(hidden=32 * heads, heads=heads, ffn=64, seq=seq, vocab=128, micro=micro,
+                                     layers=2, global_batch=micro).replace('dtype = "float32"', 'dtype = "float16"'))
+    block = describe(spec)[1]
+    shape = PassShape(micro, seq, attention="materialized")
+    names = {k.name: k for k in layer_kernels(block, shape, "fwd")}
+    assert ("attention_softmax_float32" in names) is not fused
+    if not fused:
+        scores = micro * heads * seq * seq
+        extra = names["attention_softmax_float32"]
+        assert (extra.bytes, extra.launches) == (32 * scores, 4)
+        grad = next(k for k in layer_kernels(block, shape, "bwd") if k.name == "attention_softmax_float32.grad")
+        assert (grad.bytes, grad.launches) == (34 * scores, 4)
 
 
 def test_attention_kinds_context_parallel_and_selective_recompute():

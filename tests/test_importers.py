@@ -253,7 +253,7 @@ def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
             "model": {"name": "gpt2", "layers": run.layers, "hidden": run.hidden, "heads": run.heads,
                       "ffn": 4 * run.hidden, "seq_len": run.seq, "vocab": 50257, "vocab_divisible_by": 128,
                       "tie_embeddings": True, "dtype": "float16", "attention": "materialized",
-                      "dropout": 0.1},
+                      "cross_entropy": "megatron", "dropout": 0.1},
             "batch": {"global": run.global_batch, "micro": run.micro},
             "strategy": {"dp": run.dp, "tp": run.tp, "pp": run.pp, "recompute": "full", "dp_overlap": False},
             "cluster": {"nodes": max(1, run.gpus // 8), "gpus_per_node": min(run.gpus, 8)},

@@ -19,9 +19,10 @@ from tests.helpers import tiny_spec_text
 from tests.test_analysis_helpers import make_spec
 
 
-def _one_device(schedule: str, micro: int):
+def _one_device(schedule: str, micro: int, cross_entropy: str = "torch"):
     data = make_spec(pp=1, micro_batches=4, micro=micro, layers=2, schedule=schedule, hidden=64, seq=32).to_dict()
     data["model"]["vocab"] = 512
+    data["model"]["cross_entropy"] = cross_entropy
     return parse_spec(data)
 
 
@@ -41,12 +42,15 @@ def _tracked_peak(spec, plan, with_engine: bool = False):
     return (tracker_peak(tracker), engine) if with_engine else tracker_peak(tracker)
 
 
-@pytest.mark.parametrize("schedule,micro", [("gpipe", 2), ("1f1b", 2), ("gpipe", 1)])
-def test_the_model_meets_pytorchs_own_peak(schedule, micro):
+@pytest.mark.parametrize("schedule,micro,cross_entropy", [("gpipe", 2, "torch"), ("1f1b", 2, "torch"),
+                                                          ("gpipe", 1, "torch"), ("gpipe", 2, "megatron")])
+def test_the_model_meets_pytorchs_own_peak(schedule, micro, cross_entropy):
     """GPipe peaks in its first backward with every micro-batch in flight, 1F1B with one and the gradients
-    made; micro = 1 moves the head's worst moment from its loss to its projection. The model is within 2% of
-    MemTracker's peak, and its temporaries are what MemTracker counts as such at its peak within 10%."""
-    spec = _one_device(schedule, micro)
+    made; micro = 1 moves the head's worst moment from its loss to its projection; Megatron-LM's loss makes the
+    logits' gradient in place of its saved softmax. The model is within 2% of MemTracker's peak, and its
+    temporaries are what MemTracker counts as such at its peak within 10% (torch's loss: MemTracker counts
+    Megatron-LM's in-place gradient with the softmax whose storage it is, the model as a temporary)."""
+    spec = _one_device(schedule, micro, cross_entropy)
     plan = build_plan(spec)
     forwards = {eid: e.content for eid, e in plan.events.items()
                 if e.kind == "compute" and e.content.get("phase") == "fwd"}
@@ -56,7 +60,8 @@ def test_the_model_meets_pytorchs_own_peak(schedule, micro):
     peak, engine = _tracked_peak(spec, plan, with_engine=True)
     assert peak["optstate"] > 0 and peak["parameter"] == stage.weights
     assert abs(stage.total - peak["total"]) / peak["total"] < 0.02, (stage.to_dict(), peak)
-    assert stage.temporaries == pytest.approx(peak["temp"], rel=0.1)
+    if cross_entropy == "torch":
+        assert stage.temporaries == pytest.approx(peak["temp"], rel=0.1)
     # the meter, which leaves temporaries out, is met by the model's peak without them
     assert abs(stage.metered - engine.memory.peak) / engine.memory.peak < 0.01
 

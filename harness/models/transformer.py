@@ -15,10 +15,13 @@ probabilities (scaled_dot_product_attention's dropout_p), each sub-layer's outpu
 embedding's output are dropped with probability P, from torch's global generator (harness train seeds it); P = 0
 runs no dropout at all. With the model's attention = "materialized" the attention core writes its scores out
 (q k^T / sqrt(d) by baddbmm, the causal mask, softmax, dropout, bmm with v: Megatron-LM's local attention without
-flash attention) instead of calling scaled_dot_product_attention. A block built `selective` runs its attention
-core (scaled_dot_product_attention or the materialised one, its dropout included) under torch.utils.checkpoint:
-its inputs kept, the core run again in the backward with the same random state (Megatron-LM's selective
-recompute).
+flash attention) instead of calling scaled_dot_product_attention; 16-bit scores whose shape Megatron-LM's fused
+softmax kernel does not take (harness.plan.kernels.fused_softmax) are masked and softmaxed in float32, as its
+fallback does. A head's loss is Megatron-LM's vocabulary-parallel cross-entropy where it is split by vocabulary or
+the model's cross_entropy says "megatron", else torch's; both on float32 logits. A block built `selective` runs its
+attention core (scaled_dot_product_attention or the materialised one, its dropout included) under
+torch.utils.checkpoint: its inputs kept, the core run again in the backward with the same random state
+(Megatron-LM's selective recompute).
 Parameter counts match harness.plan.layers, which the event generator uses.
 """
 from __future__ import annotations
@@ -40,10 +43,12 @@ from harness.models.tp import (
     scatter_sequence,
     vocab_parallel_cross_entropy,
 )
+from harness.plan.kernels import fused_softmax
 from harness.plan.routing import moe_tag, router
 from harness.plan.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
 
 
 class RMSNorm(nn.Module):
@@ -155,10 +160,13 @@ class TransformerBlock(nn.Module):
         scores = torch.baddbmm(torch.empty(b * heads, s, k.shape[2], dtype=q.dtype, device=q.device),
                                q.reshape(b * heads, s, d), k.reshape(b * heads, -1, d).transpose(1, 2),
                                beta=0.0, alpha=d ** -0.5)
+        if not fused_softmax(DTYPE_NAMES[q.dtype], b * heads, s, k.shape[2]):
+            scores = scores.float()  # Megatron-LM's fallback: the softmax in float32, made 16-bit again after it
         if self.causal:
             mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(mask, float("-inf"))
-        probabilities = F.dropout(torch.softmax(scores, dim=-1), p) if p else torch.softmax(scores, dim=-1)
+        probabilities = torch.softmax(scores, dim=-1).to(q.dtype)
+        probabilities = F.dropout(probabilities, p) if p else probabilities
         return torch.bmm(probabilities, v.reshape(b * heads, -1, d)).view(b, heads, s, d)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +242,8 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final norm (BERT: transform) and the vocabulary projection; `loss` adds cross-entropy. With tp > 1 the
     projection holds shard `tp_index`'s vocab / tp outputs, its input's gradient is all-reduced over `group`
-    (copy_to_tp) and the loss is vocabulary-parallel. `tied`: the projection's weight is not the head's own
+    (copy_to_tp) and the loss is vocabulary-parallel, Megatron-LM's; a whole head runs Megatron-LM's loss too where
+    the model's cross_entropy says "megatron", else torch's. `tied`: the projection's weight is not the head's own
     parameter but a buffer (a stand-in of its shape until `tie` makes it the embedding's token table). With `sp`
     its input is a sequence shard, all-gathered after the norm (its gradient reduce-scattered)."""
 
@@ -247,6 +256,7 @@ class Head(nn.Module):
         self.group = group
         self.tp, self.sp = tp, sp
         self.sharded = tp > 1
+        self.megatron_loss = self.sharded or model.cross_entropy == "megatron"
         vocab = model.vocab // tp
         self.vocab_start = tp_index * vocab
         if model.family == "llama":
@@ -287,8 +297,8 @@ class Head(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy (float32) of this head's logits, the mean over the micro-batch's tokens."""
-        if self.sharded:
-            return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+        if self.megatron_loss:
+            return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group if self.sharded else None)
         return cross_entropy(logits, targets)
 
 

@@ -38,6 +38,7 @@ from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 RECOMPUTES = ("none", "full", "selective")
 MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
+LOSS_BYTES = 4  # the loss's logits: float32
 ID_BYTES = 8  # a token id (int64)
 
 
@@ -118,6 +119,9 @@ class MemoryBound:
     op: str = ""
     elements: float = 0.0
     tensors: tuple[tuple[int, int], ...] = ()
+    # its backward's bytes and launches where they are not the rule's (1.5 x its bytes, its launches): 0 = the rule
+    grad_bytes: float = 0.0
+    grad_launches: int = 0
 
 
 Kernel = Gemm | Attention | MemoryBound
@@ -259,9 +263,9 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
 def _gradients(kernel: Kernel) -> list[Kernel]:
     """A forward kernel's backward: a GEMM's input and weight gradients (none for a weight-less batched one's
     weight), attention's gradient, a memory-bound kernel's (its output's gradient and its input read, the input's
-    gradient written: 1.5 x its bytes; its counted FLOPs twice). Materialised attention's backward is 5 launches
-    for its forward's 3 (two bmm for the probabilities' and the values' gradients, the softmax's, two for q's and
-    k's)."""
+    gradient written: 1.5 x its bytes unless it says its own, grad_bytes; its counted FLOPs twice). Materialised
+    attention's backward is 5 launches for its forward's 3 (two bmm for the probabilities' and the values'
+    gradients, the softmax's, two for q's and k's)."""
     if isinstance(kernel, Gemm):
         return [Gemm(f"{kernel.name}.grad_input", kernel.m, kernel.k, kernel.n, kernel.dtype, kernel.batch),
                 Gemm(f"{kernel.name}.grad_weight", kernel.k, kernel.n, kernel.m, kernel.dtype, kernel.batch,
@@ -270,8 +274,9 @@ def _gradients(kernel: Kernel) -> list[Kernel]:
         return [Attention(f"{kernel.name}.grad", kernel.kind, kernel.batch, kernel.heads, kernel.q_len, kernel.kv_len,
                           kernel.head_dim, kernel.dtype, kernel.causal, backward=True,
                           launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches)]
-    return [MemoryBound(f"{kernel.name}.grad", 1.5 * kernel.bytes, kernel.dtype, 2.0 * kernel.flops,
-                        kernel.launches, op=f"{kernel.op}_backward" if kernel.op else "", elements=kernel.elements)]
+    return [MemoryBound(f"{kernel.name}.grad", kernel.grad_bytes or 1.5 * kernel.bytes, kernel.dtype,
+                        2.0 * kernel.flops, kernel.grad_launches or kernel.launches,
+                        op=f"{kernel.op}_backward" if kernel.op else "", elements=kernel.elements)]
 
 
 def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
@@ -298,6 +303,8 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                           causal=family != "bert", launches=(cp if ring else 1)
                           * (3 if shape.attention == "materialized" else 1))
     out.append(attention)
+    if shape.attention == "materialized" and not fused_softmax(dtype, shape.micro * local, shape.seq, shape.seq * cp):
+        out.append(_unfused_softmax(shape.micro * local * shape.seq * shape.seq * cp, dtype))
     if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
         scores = shape.micro * local * shape.seq * shape.seq * cp
         out.append(MemoryBound("attention_dropout", scores * (2.0 * d + MASK_BYTES), dtype, op="dropout",
@@ -317,6 +324,30 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                 MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype, op="gelu", elements=float(tokens * ffn // tp)),
                 Gemm("fc2", tokens, h, ffn // tp, dtype)]
     return out + _residual("2", between, h, d, dtype, shape.dropout)
+
+
+def fused_softmax(dtype: str, batch_heads: int, q_len: int, kv_len: int) -> bool:
+    """Whether Megatron-LM's materialised attention runs its fused scale-mask-softmax kernel on these scores
+    (FusedScaleMaskSoftmax.is_kernel_available, megatron/model/fused_softmax.py, the causal case): 16-bit scores,
+    16 < keys <= 4096, queries and keys multiples of 4 and (micro-batch x local heads) a multiple of the kernel's
+    batches a block, 4 from 128 keys on; else it falls back to PyTorch in float32. A 32-bit job runs no fused
+    kernel and no fallback: its softmax is the materialised attention's own."""
+    if DTYPES[dtype] == 4:
+        return True
+    per_block = 4 if kv_len > 128 else 8  # 128 threads a block: one row a warp from 128 keys on, else two
+    return 16 < kv_len <= 4096 and q_len % 4 == 0 and kv_len % 4 == 0 and batch_heads % per_block == 0
+
+
+def _unfused_softmax(scores: int, dtype: str) -> MemoryBound:
+    """What Megatron-LM's float32 fallback (fused_softmax is False) adds to the fused kernel that materialised
+    attention counts (its 16-bit scores read and probabilities written): the scores made float32, scaled, masked,
+    softmaxed and made 16-bit again, 4 more launches and 36 - 4 bytes an element in d = 2; its backward, autograd
+    over the same five steps, 40 bytes an element against the fused backward's 6."""
+    d = DTYPES[dtype]
+    forward = (d + 4) + 8 + 8 + 8 + (4 + d) - 2 * d
+    backward = (d + 4) + 12 + 8 + 8 + (4 + d) - 3 * d
+    return MemoryBound("attention_softmax_float32", float(scores * forward), dtype, launches=4, op="copy",
+                       elements=float(scores), grad_bytes=float(scores * backward), grad_launches=4)
 
 
 def _residual(which: str, tokens: int, h: int, d: int, dtype: str, dropout: float) -> list[Kernel]:
@@ -354,8 +385,20 @@ def _head(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
         out += [Gemm("transform", tokens, h, h, dtype),
                 MemoryBound("transform_gelu", 2.0 * tokens * h * d, dtype, op="gelu", elements=float(tokens * h))]
     norm = "rms_norm" if family == "llama" else "layer_norm"
+    logits = tokens * vocab
     out += [MemoryBound("final_norm", 2.0 * tokens * h * d, dtype, op=norm, elements=float(tokens * h)),
-            Gemm("logits", tokens, vocab, h, dtype),
-            MemoryBound("cross_entropy", 3.0 * tokens * vocab * d, dtype, flops=5.0 * tokens * vocab,
-                        op="cross_entropy", elements=float(tokens * vocab))]
+            Gemm("logits", tokens, vocab, h, dtype)]
+    if d < LOSS_BYTES:  # the loss runs on float32 logits (harness.models.transformer, Megatron-LM)
+        out.append(MemoryBound("logits_float32", float(logits * (d + LOSS_BYTES)), dtype, op="copy",
+                               elements=float(logits)))
+    if int(sig.get("tp", 1)) > 1 or sig.get("cross_entropy") == "megatron":
+        # Megatron-LM's vocab_parallel_cross_entropy: the maximum, the shifted logits, their exponential in place,
+        # its sum and the division in place (8 float32 passes: a read, two, two, a read, two); its backward scales
+        # the saved softmax in place
+        out.append(MemoryBound("cross_entropy", 8.0 * logits * LOSS_BYTES, "float32", flops=5.0 * logits,
+                               launches=5, op="cross_entropy", elements=float(logits),
+                               grad_bytes=2.0 * logits * LOSS_BYTES, grad_launches=1))
+    else:  # torch's cross_entropy: a log-softmax over the logits (its maximum, its sum, the result)
+        out.append(MemoryBound("cross_entropy", 3.0 * logits * LOSS_BYTES, "float32", flops=5.0 * logits,
+                               op="cross_entropy", elements=float(logits)))
     return out

@@ -211,7 +211,9 @@ def _described_builtin(model: ModelSpec, tp: int, vocab_parallel: bool, pp: int,
     With dropout (the model's, Megatron-LM's hidden and attention dropout) the block's and the embedding's
     signatures say ("dropout", P); with materialized attention (the model's `attention`) the block's says
     ("attention", "materialized"); with `selective` (recompute = "selective") the block's says ("recompute",
-    "selective"): its backward runs its attention core's forward again (attention_core_flops).
+    "selective"): its backward runs its attention core's forward again (attention_core_flops). A whole head whose
+    loss is Megatron-LM's (the model's cross_entropy = "megatron") says ("cross_entropy", "megatron"); a split one
+    always runs it.
     """
     h, ffn = model.hidden, model.ffn
     shards = tp if vocab_parallel and tp > 1 else 1
@@ -250,8 +252,9 @@ def _described_builtin(model: ModelSpec, tp: int, vocab_parallel: bool, pp: int,
                           tp_backward=((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ())
     tied = model.tie_embeddings and pp == 1
     loss = ((LOSS_MAX, 4, "float32"), (LOSS_SUMS, 8, "float32"))
+    megatron_loss = (("cross_entropy", "megatron"),) if model.cross_entropy == "megatron" and shards == 1 else ()
     head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied
-                     + sequence, params=head_params(model, shards, tied),
+                     + sequence + megatron_loss, params=head_params(model, shards, tied),
                      fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
                      out_features=(),
                      tp_forward=(((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ()) + loss * bool(sharded),

@@ -27,6 +27,10 @@ RECOMPUTE = ("none", "selective", "full")
 # [model] attention: sdpa (fused: flash / memory-efficient, the scores never in HBM) or materialized (the scores
 # in HBM: baddbmm, softmax, bmm, as Megatron-LM's local attention without flash attention)
 ATTENTION_KINDS = ("sdpa", "materialized")
+# [model] cross_entropy: the loss over a head's whole vocabulary, torch's cross_entropy (a log-softmax) or
+# Megatron-LM's vocab_parallel_cross_entropy (max, exponential, sum, division in float32), which a head split by
+# vocabulary always runs
+CROSS_ENTROPY_KINDS = ("torch", "megatron")
 RECOMPUTE_METHODS = ("uniform", "block")  # full recompute of a part of a stage's blocks (Megatron-LM's meanings)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO: nothing sharded; the optimizer state; and the gradients; and the weights
 BACKENDS = ("torch", "mpi4py")
@@ -76,7 +80,7 @@ _SECTIONS = {
     "spec_version": None,
     "model": {"name", "factory", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq_len", "vocab", "dtype",
               "tie_embeddings", "experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor",
-              "routing", "expert_histogram", "vocab_divisible_by", "dropout", "attention"},
+              "routing", "expert_histogram", "vocab_divisible_by", "dropout", "attention", "cross_entropy"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
                  "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method"},
@@ -127,6 +131,7 @@ class ModelSpec:
     # output before its residual add and the embedding's output dropped with this probability (built-ins only)
     dropout: float = 0.0
     attention: str = "sdpa"  # ATTENTION_KINDS: how the built-in blocks run their attention core
+    cross_entropy: str = "torch"  # CROSS_ENTROPY_KINDS: the built-in head's loss where its vocabulary is whole
 
     @property
     def dtype_bytes(self) -> int:
@@ -305,6 +310,8 @@ class JobSpec:
             del m["dropout"]
         if m["attention"] == "sdpa":
             del m["attention"]
+        if m["cross_entropy"] == "torch":
+            del m["cross_entropy"]
         if not self.model.moe:  # a dense model's spec names no Mixture-of-Experts field
             for key in ("experts", "top_k", "expert_ffn", "shared_experts", "moe_every", "capacity_factor", "routing",
                         "expert_histogram"):
@@ -669,8 +676,13 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
     if "attention" in m and merged["family"] == "user":
         raise SpecError("a factory model's attention is its own code; attention is for the built-in families",
                         field="model.attention")
+    cross_entropy = _choice(m, "cross_entropy", "model", "torch", CROSS_ENTROPY_KINDS)
+    if "cross_entropy" in m and merged["family"] == "user":
+        raise SpecError("a factory model's loss is its own code; cross_entropy is for the built-in families",
+                        field="model.cross_entropy")
     return ModelSpec(name=name, family=merged["family"], dtype=dtype, factory=factory, tie_embeddings=tie,
                      vocab_divisible_by=divisible_by, dropout=_dropout(m, merged["family"]), attention=attention,
+                     cross_entropy=cross_entropy,
                      **ints,
                      **_parse_experts(merged, ints, m))
 

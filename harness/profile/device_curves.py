@@ -283,8 +283,10 @@ def kind_width(op: str) -> int:
 
 def kind_kernel(op: str, rows: int, dtype: str) -> MemoryBound:
     """A memory-bound kernel of kind `op` over (rows, its width) elements, its bytes as harness.plan.kernels
-    counts its kind's (KIND_BYTES; a backward's 1.5 x; dropout's 1-byte mask)."""
+    counts its kind's (KIND_BYTES; a backward's 1.5 x; dropout's 1-byte mask). The loss runs on float32 logits
+    whatever the model's dtype (their conversion is a copy of its own)."""
     forward = op.removesuffix("_backward")
+    dtype = "float32" if forward == "cross_entropy" else dtype
     elements = rows * kind_width(op)
     per = KIND_BYTES[forward] * DTYPES[dtype] + (1 if forward == "dropout" else 0)
     scale = 1.5 if op.endswith("_backward") else 1.0

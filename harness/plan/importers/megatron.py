@@ -43,7 +43,7 @@ FLAGS = {
     "--defer-embedding-wgrad-compute", "--align-grad-reduce", "--cpu-optimizer", "--zero-bubble-v-schedule",
     "--disable-moe-token-dropping", "--create-moe-param-group", "--partition-activations", "--checkpoint-in-cpu",
     "--contigious-checkpointing", "--fp32-residual-connection", "--bert-binary-head", "--use-flash-attn-v1",
-    "--use-flash-attn-v2", "--use-flash-attn-triton", "--use-flash-attn-builder",
+    "--use-flash-attn-v2", "--use-flash-attn-triton", "--use-flash-attn-builder", "--fp16-lm-cross-entropy",
 }
 # Attention's kernels (_attention): flash attention's flags (Megatron-LM's, Megatron-DeepSpeed's versions); the
 # arguments only Megatron-DeepSpeed and the older Megatron-LM take, whose attention was local (materialised)
@@ -116,6 +116,7 @@ NOT_MODELLED = {
     "--partition-activations": "DeepSpeed's saved activations split over the tp group",
     "--checkpoint-in-cpu": "saved activations kept in host memory",
     "--contigious-checkpointing": "saved activations in one buffer", "--fp32-residual-connection": "fp32 residuals",
+    "--fp16-lm-cross-entropy": "the loss on 16-bit logits (costed on float32 ones)",
 }
 
 # The spec field a SpecError names -> the argument that set it (a refusal names the argument).
@@ -408,6 +409,7 @@ def from_megatron(source: str, gpus: int | None = None, gpus_per_node: int | Non
     cp = args.integer("--context-parallel-size", 1)
     model["attention"] = _attention(args, cp, result)
     model["dropout"] = _dropout(args, result)
+    model["cross_entropy"] = "megatron"  # vocab_parallel_cross_entropy, whatever tp is
     nodes, per_node = _gpus(launcher, sbatch, gpus, gpus_per_node, tp * pp * cp, result)
     world = nodes * per_node
     if world % (tp * pp * cp):
