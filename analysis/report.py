@@ -242,13 +242,17 @@ def _details(timeline: Timeline) -> list[str]:
         out += ["", format_table(("id", "event", "bytes", "predicted ms", "how"), rows,
                                  title=f"interpolated: {len(interpolated)} events costed between measured sizes of "
                                        "their kind, placement and group")]
-    if costs.isolated:
-        rows = [(eid, timeline.plan.events[eid].name, _ms(alone), _ms(costs.seconds(eid)), costs.seconds(eid) / alone)
-                for eid, alone in sorted(costs.isolated.items(), key=lambda kv: timeline.plan.events[kv[0]].name)]
+    if costs.isolated or costs.isolated_composites:
+        name = lambda eid: timeline.plan.events[eid].name  # noqa: E731
+        rows = [(eid, name(eid), _ms(alone), _ms(costs.seconds(eid)), costs.seconds(eid) / alone)
+                for eid, alone in sorted(costs.isolated.items(), key=lambda kv: name(kv[0]))]
+        rows += [(eid, f"{name(eid)} with its ring", _ms(alone), _ms(costs.composites[eid]),
+                  costs.composites[eid] / alone)
+                 for eid, alone in sorted(costs.isolated_composites.items(), key=lambda kv: name(kv[0]))]
         out += ["", format_table(("id", "event", "alone ms", "in context ms", "ratio"), rows,
-                                 title="compute (and ZeRO's reduce-scatters) timed alone and inside its stages' "
-                                       "chains (the costs use the in-context figure; docs/profiling.md, "
-                                       "\"In context\"):")]
+                                 title="compute (and ZeRO's reduce-scatters, context-parallel blocks with their "
+                                       "ring) timed alone and inside its stages' chains (the costs use the "
+                                       "in-context figure; docs/profiling.md, \"In context\"):")]
     out += _device_details(costs)
     if costs.fits:
         rows = [(f.kind, f.placement, f.form, f.points, f.alpha_s * 1e6,

@@ -17,7 +17,7 @@ from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import layer_kind_ratios, validate
 from bench.layer_kinds import pooled
-from harness.plan.events import build_plan, unwrapped_twin
+from harness.plan.events import build_plan, composite_content, event_id, unwrapped_twin
 from harness.plan.spec import loads_spec
 from harness.profile import in_context
 from harness.profile.in_context import MIN_ROUNDS, measure_chains, stage_chains
@@ -236,6 +236,35 @@ def test_a_zero_job_s_profile_times_its_chain_on_both_ranks_and_leaves_none_out(
     for eid, measurement in scatters.items():
         assert costs.seconds(eid) == float(np.median(measurement.in_context_samples_s))
         assert costs.isolated[eid] == measurement.median_s
+
+
+def test_a_context_parallel_job_times_its_blocks_with_their_ring_in_the_pairs_chain(tmp_path, project_env):
+    """cp = 2 on 2 ranks: the pair runs the stage chain with its blocks on the pair (the ring exchanged between
+    them, as the run's cp group exchanges it); each block's forward and backward there is a sample of its
+    composite, not of the block alone, and the costs take the composites from them (the composite alone kept)."""
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(layers=2, hidden=32, heads=4, ffn=64, seq=32, vocab=64, cp=2, global_batch=2,
+                                   micro=1, warmup=1, repeats=3))
+    out = tmp_path / "out"
+    result = mpirun_harness(2, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
+    assert result.returncode == 0, result.stderr
+    assert "could not run here" not in result.stdout
+    profile = load_profile(out / "profile.h5")
+    composites = {eid: m for eid, m in profile.measurements.items() if m.kind == "composite"}
+    assert {m.content["phase"] for m in composites.values()} == {"fwd", "bwd"}
+    # both ranks' rounds, two blocks each
+    assert all(m.in_context_samples_s.size >= 2 * 2 * MIN_ROUNDS and (m.in_context_samples_s > 0).all()
+               for m in composites.values())
+    plan = build_plan(profile.spec)
+    blocks = [eid for eid, e in plan.events.items() if e.kind == "compute" and e.content.get("layer") == "block"]
+    assert all(not profile.measurements[eid].in_context_samples_s.size for eid in blocks)  # no ring: not theirs
+    others = [eid for eid, m in profile.measurements.items() if m.kind == "compute" and eid not in blocks]
+    assert others and all(profile.measurements[eid].in_context_samples_s.size for eid in others)
+    costs = estimate_costs(plan, profile)
+    assert set(costs.isolated_composites) == set(blocks)
+    for eid in blocks:
+        samples = profile.measurements[event_id(composite_content(plan.events[eid].content))].in_context_samples_s
+        assert costs.composites[eid] == pytest.approx(samples.mean())
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

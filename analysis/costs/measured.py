@@ -114,8 +114,9 @@ class MeasuredSource(CostSource):
     context (inside its stages' chains: harness.profile.in_context), and a ZeRO reduce-scatter timed in its pairs'
     chains (its unit's post-backwards), is costed from those samples instead (a reduce-scatter's median), its
     figure alone kept in costs.isolated and both in its note; profiles without them are costed as before.
-    Afterwards: the composites (tensor-parallel layers measured with their all-reduces) and the corrections
-    (corrections.py)."""
+    Afterwards: the composites (tensor-parallel layers measured with their all-reduces; a context-parallel block's
+    from its samples in its pairs' chains where the profile has them, the composite alone kept in
+    costs.isolated_composites) and the corrections (corrections.py)."""
 
     def __init__(self, plan: EventPlan, profile: Profile):
         self.plan, self.profile = plan, profile
@@ -177,4 +178,11 @@ class MeasuredSource(CostSource):
         apply_corrections(self.plan, self.profile, costs)
         for eid, composite in self.composites.items():
             costs.composites[eid] = representative_seconds(composite, costs.compute_stat)
-            costs.sampled["composites"][eid] = SampleSet(composite.samples_s, costs.compute_stat)
+            samples = composite.samples_s
+            in_context = composite.in_context_samples_s
+            if in_context.size:  # a context-parallel block timed in its pairs' chains: preferred to it alone
+                costs.isolated_composites[eid] = costs.composites[eid]
+                costs.composites[eid] = compute_statistic(costs.compute_stat, float(in_context.mean()),
+                                                          float(np.median(in_context)))
+                samples = in_context
+            costs.sampled["composites"][eid] = SampleSet(samples, costs.compute_stat)

@@ -62,6 +62,8 @@ class Costs:
     curves: dict[tuple[str, str, int], CommCurve] = field(default_factory=dict)
     # compute event id -> seconds of the layer with its tensor-parallel all-reduces, measured together
     composites: dict[str, float] = field(default_factory=dict)
+    # compute event id -> its composite timed alone, where `composites` holds its figure inside its pairs' chains
+    isolated_composites: dict[str, float] = field(default_factory=dict)
     # P2P event id -> extra seconds of a transfer that waits for its receiver while the sender computes
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
     # P2P event id -> the sender's host seconds to post the send, before its device goes on

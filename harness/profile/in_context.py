@@ -24,6 +24,10 @@ does before every step: a step starts on an idle GPU, whose first kernels wait f
 starting autograd's engine). A layer's backward is the time between the gradient of its output and that of its
 input; the stage's first layer's ends with the call. A split backward with recompute, or of ZeRO's layers, runs
 its forwards and optimizer in context, its bwd_input and bwd_weight keeping the isolated figures.
+
+Over a pair of ranks (a ZeRO job's, or a context-parallel job's with cp = 2: harness.profile.run.chain_pairs), a
+block whose composite is over two ranks is built on the pair, its ring exchanged with the other rank as the run's
+cp group exchanges it: its samples there are its composite's (the block with its ring), not the block's alone.
 """
 from __future__ import annotations
 
@@ -149,10 +153,16 @@ class ChainRunner:
     A backward that reduce-scatters is timed less its units' post-backwards (the collectives' events hold them),
     and each unit's post-backward is a sample of its reduce-scatter event over such a group (`placement`: the
     group's, intra or inter; reduce_scatters_over), as the run meets it; a backward that does not keeps them, as
-    the run's backward step does (gradients accumulated, no collective)."""
+    the run's backward step does (gradients accumulated, no collective).
+
+    `composites` (compute event id -> its composite's id, the layer with its collectives on a group the size of
+    `group`): with `group` and no ZeRO layer in the chain, a position whose forward and backward both have one is
+    built on `group` (a context-parallel block's ring, a tensor-parallel layer's all-reduces, as the run's group
+    runs them), and its samples are the composites' (in-context composite samples) instead of the events'."""
 
     def __init__(self, spec: JobSpec, chain: StageChain, contents: dict[str, dict], device: torch.device,
-                 group=None, micro_batches: int = 1, placement: str = INTRA):
+                 group=None, micro_batches: int = 1, placement: str = INTRA,
+                 composites: dict[str, str] | None = None):
         self.spec, self.chain, self.device = spec, chain, device
         self.clock = _Clock(device)
         self.contents = []
@@ -163,10 +173,11 @@ class ChainRunner:
         self.zero, self.micro_batches, self.micro = spec.strategy.zero or 2, max(1, micro_batches), 0
         self.syncing = False  # whether this run()'s backward reduce-scatters
         over = reduce_scatters_over(contents, group.size(), placement) if group is not None else {}
+        self.renamed = self._on_group(chain, contents, group, composites or {})
         make_input = None
         for eid in chain.forward:
             content = runner_content(spec, contents[eid])
-            layer, inputs = _make_layer(spec, content, device)
+            layer, inputs = _make_layer(spec, content, device, group=group if eid in self.renamed else None)
             if content.get("fsdp2"):  # as the run holds a ZeRO job's layer (a factory's layers are shared: a copy)
                 layer = copy.deepcopy(layer) if content["layer"] == "user" else layer
                 if group is None:
@@ -193,6 +204,21 @@ class ChainRunner:
                 params = list(ComputeRunner(spec, content, device, copies=1).layers[0].parameters())
             self.optimizer = make_optimizer(content.get("optimizer", "adam"), content.get("momentum", 0.0), params,
                                             lr=1e-4)
+
+    @staticmethod
+    def _on_group(chain: StageChain, contents: dict[str, dict], group, composites: dict[str, str]) -> dict[str, str]:
+        """The chain's events whose samples are their composites' (ChainRunner's `composites`), by event id."""
+        if group is None or not composites or chain.weight or any(
+                contents[eid].get("fsdp2") for eid in chain.forward):
+            return {}
+        backward = dict(zip(chain.forward, reversed(chain.backward))) if chain.backward else {}
+        out = {}
+        for eid in chain.forward:
+            if eid in composites and (not chain.backward or backward.get(eid) in composites):
+                out[eid] = composites[eid]
+                if chain.backward:
+                    out[backward[eid]] = composites[backward[eid]]
+        return out
 
     def _segments(self) -> list[tuple[int, ...]]:
         """The chain's positions in runs, in order: each recompute group together, every other position alone."""
@@ -315,6 +341,9 @@ class ChainRunner:
                     self._reduce_scatter_samples(out)
         if self.optimizer is not None:
             out.setdefault(self.chain.optimizer, []).append(clock.seconds(opt_start, opt_end))
+        for eid, composite in self.renamed.items():  # built on the group: the layer with its collectives
+            if eid in out:
+                out.setdefault(composite, []).extend(out.pop(eid))
         return out
 
     def _parameters(self) -> list[torch.nn.Parameter]:
@@ -360,7 +389,8 @@ class ChainRunner:
 def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, dict], device: torch.device,
                    warmup: int, repeats: int, budget_s: float,
                    on_skip: Callable[[StageChain, str], None] | None = None, group=None,
-                   agree: Callable[[bool], bool] | None = None, placement: str = INTRA) -> dict[str, np.ndarray]:
+                   agree: Callable[[bool], bool] | None = None, placement: str = INTRA,
+                   composites: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """In-context samples of every event of `chains` (ids of `contents`): the chains round-robin, `warmup` untimed
     rounds then up to `repeats` timed ones, stopping after MIN_ROUNDS once `budget_s` have passed since the call
     (building and warming up included).
@@ -368,13 +398,14 @@ def measure_chains(spec: JobSpec, chains: list[StageChain], contents: dict[str, 
     their isolated samples.
     `group`: the ranks that run these same chains together, a ZeRO job's layers sharded over it (ChainRunner; at
     `placement`, intra or inter, the samples of its reduce-scatter events over such a group with them);
-    `agree(stop)` then tells every member whether any wants to stop, so that all run the same rounds."""
+    `agree(stop)` then tells every member whether any wants to stop, so that all run the same rounds;
+    `composites` (event id -> composite id) the layers built on it, whose samples are their composites'."""
     start = time.perf_counter()
     runners = []
     for chain in chains:
         try:
             runner = ChainRunner(spec, chain, contents, device, group=group, micro_batches=spec.micro_batches,
-                                 placement=placement)
+                                 placement=placement, composites=composites)
             for _ in range(max(1, warmup)):
                 runner.run()
         except (RuntimeError, ValueError, TypeError, AttributeError) as exc:  # a shape a stage never chains

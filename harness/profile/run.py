@@ -32,7 +32,7 @@ from harness.common.errors import UserError, WriteError
 from harness.common.progress import Progress
 from harness.models.user import factory_layers
 from harness.plan.candidates import expand
-from harness.plan.events import COMM_KINDS, INTER, INTRA, UniqueEvents, build_plan
+from harness.plan.events import COMM_KINDS, INTER, INTRA, UniqueEvents, build_plan, composite_content, event_id
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
@@ -321,6 +321,8 @@ class ProfileRun:
     in_context_skipped: list[str] = field(default_factory=list)
     # communication events timed inside the chains (ZeRO's reduce-scatters over the pairs), for their measurers
     in_context_comm: dict[str, np.ndarray] = field(default_factory=dict)
+    # composites timed inside the pairs' chains (context-parallel blocks on the pair), by composite id
+    in_context_composites: dict[str, np.ndarray] = field(default_factory=dict)
     comm_start: float = 0.0  # perf_counter at the communication phase's start
     engine_gaps: Any = None  # run_profile's `engine_gaps`
 
@@ -544,14 +546,32 @@ def pair_up(comm, hostnames: list[str] | None = None) -> ChainShare:
     return ChainShare(rank // 2, len(pairs), group, mine, INTER if apart else INTRA)
 
 
-def chain_pairs(run: ProfileRun, chains: list) -> ChainShare:
-    """Where a chain holds a ZeRO job's layers and there are several ranks: pair_up's pairs, which run the same
-    chains together, their layers sharded over the pair as a run shards them over its data-parallel group
-    (harness.profile.in_context.ChainRunner); else each rank a share of its own. Collective over the world."""
+def chain_composites(run: ProfileRun) -> dict[str, str]:
+    """The compute events whose composite a pair's chain times (ChainRunner's `composites`): a context-parallel
+    block's over 2 ranks, its ring exchanged with the pair's other rank as the run's cp group exchanges it; by
+    event id, its composite's id. Tensor-parallel and expert-parallel composites keep their samples alone."""
+    tasks = {task.id for task in run.placement.composites if len(task.ranks) == 2}
+    out = {}
+    for eid, event in run.unique.events.items():
+        signature = event.content.get("signature", {})
+        if event.kind == "compute" and event.content.get("layer") == "block" and int(signature.get("cp", 1)) == 2:
+            composite = event_id(composite_content(event.content))
+            if composite in tasks:
+                out[eid] = composite
+    return out
+
+
+def chain_pairs(run: ProfileRun, chains: list, composites: dict[str, str] | None = None) -> ChainShare:
+    """Where a chain holds a ZeRO job's layers, or an event of `composites` (chain_composites), and there are
+    several ranks: pair_up's pairs, which run the same chains together, their layers sharded over the pair as a
+    run shards them over its data-parallel group, or their ring on it (harness.profile.in_context.ChainRunner);
+    else each rank a share of its own. Collective over the world."""
     import torch.distributed as dist
 
+    composites = composites or {}
     if run.comm.Get_size() < 2 or not dist.is_initialized() or not any(
-            run.unique.events[eid].content.get("fsdp2") for chain in chains for eid in chain.events):
+            run.unique.events[eid].content.get("fsdp2") or eid in composites
+            for chain in chains for eid in chain.events):
         return ChainShare(run.rank, run.comm.Get_size())
     return pair_up(run.comm, run.topology.hostnames)
 
@@ -583,12 +603,13 @@ def _profile_in_context(run: ProfileRun) -> None:
     comm.Barrier()
     t0 = time.perf_counter()
     skipped: list[str] = []
-    share = chain_pairs(run, chains)
+    composites = chain_composites(run)
+    share = chain_pairs(run, chains, composites)
     try:
         # one untimed run a chain: its layers are new, but the compute phase has warmed the code paths they take
         samples = measure_chains(run.spec, chains_of_rank(chains, share.index, share.count), contents, run.device, 1,
                                  run.repeats, budget_s, group=share.group, agree=share.agree,
-                                 placement=share.placement,
+                                 placement=share.placement, composites=composites,
                                  on_skip=lambda chain, why: skipped.append(
                                      f"{' > '.join(run.unique.events[e].name for e in chain.forward)}: {why}"))
     finally:
@@ -605,9 +626,13 @@ def _profile_in_context(run: ProfileRun) -> None:
         measurement = run.recorder.measurements.get(eid)
         if measurement is not None and eid in by_event:
             measurement.series[IN_CONTEXT_SERIES] = np.concatenate(by_event[eid])
+    # composites in their pairs' chains, for the ranks that measure them next (_profile_composites)
+    timed_composites = set(composites.values())
+    run.in_context_composites = {eid: np.concatenate(values) for eid, values in by_event.items()
+                                 if eid in timed_composites}
     # ZeRO's reduce-scatters in their pairs' chains, for the ranks that measure them next (_profile_communication)
     run.in_context_comm = {eid: np.concatenate(values) for eid, values in by_event.items()
-                           if run.unique.events[eid].kind != "compute"}
+                           if eid not in timed_composites and run.unique.events[eid].kind != "compute"}
     run.recorder.save(comm)
     run.in_context_wall_s = time.perf_counter() - t0
     run.in_context_chains = len(chains)
@@ -646,10 +671,13 @@ def _profile_composites(run: ProfileRun) -> None:
         if run.rank in task.ranks:
             run.busy_s += time.perf_counter() - t0
         if samples is not None:
-            run.recorder.add(Measurement(task.id, "composite", task.content, samples, list(task.ranks), run.env_key,
-                                         {"group_size": len(task.ranks), "placement": "intra",
-                                          "backend": run.backend_label, "warmup": run.warmup,
-                                          "composite_sample": COMPOSITE_SAMPLE}))
+            measurement = Measurement(task.id, "composite", task.content, samples, list(task.ranks), run.env_key,
+                                      {"group_size": len(task.ranks), "placement": "intra",
+                                       "backend": run.backend_label, "warmup": run.warmup,
+                                       "composite_sample": COMPOSITE_SAMPLE})
+            if task.id in run.in_context_composites:  # a context-parallel block, timed in its pairs' chains too
+                measurement.series[IN_CONTEXT_SERIES] = run.in_context_composites[task.id]
+            run.recorder.add(measurement)
         if progress is not None:
             progress.advance()
     if progress is not None:
