@@ -123,8 +123,9 @@ def test_recompute_full_keeps_a_blocks_input_and_the_head_what_it_saves():
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_materialised_softmax_with_dropout_is_korthikanti_et_als_count(tp, sp):
     """Per layer in 16-bit with dropout: s b h (34 + 5 a s / h) at t = 1, s b h (10 + 24 / t + 5 a s / (h t))
-    with tp, s b h (34 / t + 5 a s / (h t)) with sp; the norms' statistics, which they leave out, aside."""
-    s, h, a = 64, 64, 8
+    with tp, s b h (34 / t + 5 a s / (h t)) with sp; the norms' statistics, which they leave out, aside. (At 256
+    keys Megatron-LM's fused softmax takes every shape here, which their count assumes.)"""
+    s, h, a = 256, 64, 8
     spec = _spec(dtype="bfloat16", tp=tp, sp=sp, hidden=h, seq=s, heads=a)
     terms = layer_terms(spec, _layer(spec, "block"), B, s, attention="materialized", dropout=0.1)
     counted = sum(terms.values()) - terms["norm statistics"]
@@ -138,6 +139,22 @@ def test_materialised_softmax_with_dropout_is_korthikanti_et_als_count(tp, sp):
     # flash keeps a logsumexp instead of the s x s matrices, and no attention dropout mask
     flash = layer_terms(spec, _layer(spec, "block"), B, s, dropout=0.1)
     assert "attention softmax" not in flash and flash["attention logsumexp"] == B * a // tp * s * 4
+
+
+def test_megatrons_float32_softmax_fallback_keeps_its_float32_output():
+    """Where Megatron-LM's fused softmax does not take the shape (2 micro-batches x 2 local heads over 64 keys: not a
+    multiple of 8), its float32 fallback saves the softmax's float32 output (4 bytes a score, not 2); without dropout
+    the bmm keeps the 16-bit copy beside it."""
+    s, h, a = 64, 64, 8
+    spec = _spec(dtype="bfloat16", tp=4, hidden=h, seq=s, heads=a)
+    scores = B * (a // 4) * s * s
+    dropped = layer_terms(spec, _layer(spec, "block"), B, s, attention="materialized", dropout=0.1)
+    assert dropped["attention softmax"] == scores * 4 and dropped["attention dropout"] == scores * (1 + 2)
+    plain = layer_terms(spec, _layer(spec, "block"), B, s, attention="materialized")
+    assert plain["attention softmax"] == scores * (4 + 2)
+    fused = _spec(dtype="bfloat16", tp=2, hidden=h, seq=s, heads=a)  # 2 x 4 local heads: the fused kernel's
+    assert layer_terms(fused, _layer(fused, "block"), B, s, attention="materialized")["attention softmax"] == \
+        B * (a // 2) * s * s * 2
 
 
 def test_dropout_masks_are_one_byte_per_hidden_element():

@@ -27,11 +27,10 @@ from harness.plan.kernels import (
     MemoryBound,
     PassShape,
     event_kernels,
-    fused_softmax,
     kernels_flops,
     layer_kernels,
 )
-from harness.plan.layers import describe
+from harness.plan.layers import describe, fused_softmax
 from harness.plan.spec import loads_spec
 from tests.helpers import tiny_spec_text
 
@@ -261,8 +260,8 @@ def test_megatrons_fused_softmax_or_its_float32_fallback(micro, heads, seq, fuse
     """Megatron-LM's FusedScaleMaskSoftmax takes 16-bit scores of 16 < keys <= 4096 (multiples of 4) when micro x
     local heads is a multiple of its batches a block (4 from 128 keys on, 8 below); else the softmax runs in float32:
     4 more launches and 32 more bytes a score forward (36 against the fused 4), 34 backward (40 against 6)."""
-    assert fused_softmax("bfloat16", micro * heads, seq, seq) is fused
-    assert fused_softmax("float32", micro * heads, seq, seq)  # no fused kernel, no fallback: the softmax as it is
+    assert fused_softmax(2, micro * heads, seq, seq) is fused
+    assert fused_softmax(4, micro * heads, seq, seq)  # no fused kernel, no fallback: the softmax as it is
     spec = loads_spec(tiny_spec_text(hidden=32 * heads, heads=heads, ffn=64, seq=seq, vocab=128, micro=micro,
                                      layers=2, global_batch=micro).replace('dtype = "float32"', 'dtype = "float16"'))
     block = describe(spec)[1]

@@ -16,7 +16,7 @@ embedding's output are dropped with probability P, from torch's global generator
 runs no dropout at all. With the model's attention = "materialized" the attention core writes its scores out
 (q k^T / sqrt(d) by baddbmm, the causal mask, softmax, dropout, bmm with v: Megatron-LM's local attention without
 flash attention) instead of calling scaled_dot_product_attention; 16-bit scores whose shape Megatron-LM's fused
-softmax kernel does not take (harness.plan.kernels.fused_softmax) are masked and softmaxed in float32, as its
+softmax kernel does not take (harness.plan.layers.fused_softmax) are masked and softmaxed in float32, as its
 fallback does. A head's loss is Megatron-LM's vocabulary-parallel cross-entropy where it is split by vocabulary or
 the model's cross_entropy says "megatron", else torch's; both on float32 logits. A block built `selective` runs its
 attention core (scaled_dot_product_attention or the materialised one, its dropout included) under
@@ -43,12 +43,11 @@ from harness.models.tp import (
     scatter_sequence,
     vocab_parallel_cross_entropy,
 )
-from harness.plan.kernels import fused_softmax
+from harness.plan.layers import fused_softmax
 from harness.plan.routing import moe_tag, router
 from harness.plan.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +159,7 @@ class TransformerBlock(nn.Module):
         scores = torch.baddbmm(torch.empty(b * heads, s, k.shape[2], dtype=q.dtype, device=q.device),
                                q.reshape(b * heads, s, d), k.reshape(b * heads, -1, d).transpose(1, 2),
                                beta=0.0, alpha=d ** -0.5)
-        if not fused_softmax(DTYPE_NAMES[q.dtype], b * heads, s, k.shape[2]):
+        if not fused_softmax(q.element_size(), b * heads, s, k.shape[2]):
             scores = scores.float()  # Megatron-LM's fallback: the softmax in float32, made 16-bit again after it
         if self.causal:
             mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)

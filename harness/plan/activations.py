@@ -57,7 +57,15 @@ from typing import NamedTuple
 
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
-from harness.plan.layers import LayerDesc, input_bytes, moe_load, recompute_group, recompute_groups, selective
+from harness.plan.layers import (
+    LayerDesc,
+    fused_softmax,
+    input_bytes,
+    moe_load,
+    recompute_group,
+    recompute_groups,
+    selective,
+)
 from harness.plan.spec import JobSpec
 
 ATTENTION_KINDS = ("flash", "materialized", "math")
@@ -163,9 +171,13 @@ def _attention(z: Sizes, attention: str, dropout: float, mask_bytes: int = MASK_
         out["attention output"] = t * a * hd * d
         return out
     if attention == "materialized":
-        out["attention softmax"] = b * a * s * keys * d
+        scores = b * a * s * keys
+        if fused_softmax(d, b * a, s, keys):
+            out["attention softmax"] = scores * d
+        else:  # Megatron-LM's float32 fallback: the softmax keeps its float32 output, the bmm the 16-bit copy
+            out["attention softmax"] = scores * ACC_BYTES + (0 if dropout > 0 else scores * d)
         if dropout > 0:
-            out["attention dropout"] = b * a * s * keys * (mask_bytes + d)
+            out["attention dropout"] = scores * (mask_bytes + d)
         out["attention output"] = t * a * hd * d
         return out
     if attention == "math":

@@ -32,7 +32,7 @@ from typing import Any
 from harness.common.errors import UserError
 from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
 from harness.plan.events import optimizer_bytes, optimizer_dtype
-from harness.plan.layers import LayerDesc
+from harness.plan.layers import LayerDesc, fused_softmax
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -303,7 +303,7 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                           causal=family != "bert", launches=(cp if ring else 1)
                           * (3 if shape.attention == "materialized" else 1))
     out.append(attention)
-    if shape.attention == "materialized" and not fused_softmax(dtype, shape.micro * local, shape.seq, shape.seq * cp):
+    if shape.attention == "materialized" and not fused_softmax(d, shape.micro * local, shape.seq, shape.seq * cp):
         out.append(_unfused_softmax(shape.micro * local * shape.seq * shape.seq * cp, dtype))
     if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
         scores = shape.micro * local * shape.seq * shape.seq * cp
@@ -324,18 +324,6 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                 MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype, op="gelu", elements=float(tokens * ffn // tp)),
                 Gemm("fc2", tokens, h, ffn // tp, dtype)]
     return out + _residual("2", between, h, d, dtype, shape.dropout)
-
-
-def fused_softmax(dtype: str, batch_heads: int, q_len: int, kv_len: int) -> bool:
-    """Whether Megatron-LM's materialised attention runs its fused scale-mask-softmax kernel on these scores
-    (FusedScaleMaskSoftmax.is_kernel_available, megatron/model/fused_softmax.py, the causal case): 16-bit scores,
-    16 < keys <= 4096, queries and keys multiples of 4 and (micro-batch x local heads) a multiple of the kernel's
-    batches a block, 4 from 128 keys on; else it falls back to PyTorch in float32. A 32-bit job runs no fused
-    kernel and no fallback: its softmax is the materialised attention's own."""
-    if DTYPES[dtype] == 4:
-        return True
-    per_block = 4 if kv_len > 128 else 8  # 128 threads a block: one row a warp from 128 keys on, else two
-    return 16 < kv_len <= 4096 and q_len % 4 == 0 and kv_len % 4 == 0 and batch_heads % per_block == 0
 
 
 def _unfused_softmax(scores: int, dtype: str) -> MemoryBound:
