@@ -104,13 +104,15 @@ def test_a_factory_model_is_refused_an_attention_kind():
     assert caught.value.field == "model.attention"
 
 
-def test_the_cli_refuses_an_unknown_kind_with_exit_2(tmp_path, project_env):
+@pytest.mark.parametrize("field, value", [("attention", "materialised"), ("cross_entropy", "megatron-lm")])
+def test_the_cli_refuses_an_unknown_kind_with_exit_2(tmp_path, project_env, field, value):
+    """[model] attention's and cross_entropy's (tests/test_cross_entropy_kind.py) unknown values."""
     path = tmp_path / "spec.toml"
-    path.write_text(spec_text("materialised"))
+    path.write_text(tiny_spec_text(layers=2).replace("vocab = 128", f'vocab = 128\n{field} = "{value}"'))
     result = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
                             env=project_env, timeout=120)
     assert result.returncode == 2
-    assert "[model.attention] unknown value 'materialised'" in result.stderr and "Traceback" not in result.stderr
+    assert f"[model.{field}] unknown value '{value}'" in result.stderr and "Traceback" not in result.stderr
 
 
 MEGATRON = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --micro-batch-size 2 "

@@ -3,9 +3,6 @@ head split by vocabulary always runs), from the spec through the head's signatur
 the memory model and Megatron's arguments; the refusals."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -70,15 +67,6 @@ def test_refusals_name_the_field():
     with pytest.raises(SpecError, match="a factory model's loss is its own code") as caught:
         loads_spec(factory, import_factory=False)
     assert caught.value.field == "model.cross_entropy"
-
-
-def test_the_cli_refuses_an_unknown_kind_with_exit_2(tmp_path, project_env):
-    path = tmp_path / "spec.toml"
-    path.write_text(spec_text("megatron-lm"))
-    result = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
-                            env=project_env, timeout=120)
-    assert result.returncode == 2
-    assert "[model.cross_entropy] unknown value 'megatron-lm'" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_megatrons_arguments_say_megatrons_loss_and_list_its_16_bit_one():

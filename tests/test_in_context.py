@@ -182,14 +182,19 @@ def test_every_rank_times_a_chain_while_the_chains_are_timed():
     assert chains_of_rank([], 1, 2) == []
 
 
-def test_a_one_stage_job_times_its_chain_on_every_rank(tmp_path, project_env):
-    spec = tmp_path / "job.toml"
-    spec.write_text(tiny_spec_text(layers=1, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2, global_batch=4,
-                                   micro=2, warmup=1, repeats=3))
+def _profiled(tmp_path, project_env, ranks: int = 2, **spec):
+    """`harness profile` of tiny_spec_text(**spec) on `ranks` ranks under mpirun: (its result, the profile)."""
+    path = tmp_path / "job.toml"
+    path.write_text(tiny_spec_text(**spec))
     out = tmp_path / "out"
-    result = mpirun_harness(2, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
+    result = mpirun_harness(ranks, ["profile", str(path), "-o", str(out), "--quiet"], project_env)
     assert result.returncode == 0, result.stderr
-    profile = load_profile(out / "profile.h5")
+    return result, load_profile(out / "profile.h5")
+
+
+def test_a_one_stage_job_times_its_chain_on_every_rank(tmp_path, project_env):
+    _, profile = _profiled(tmp_path, project_env, layers=1, hidden=32, heads=4, ffn=64, seq=16, vocab=64, dp=2,
+                           global_batch=4, micro=2, warmup=1, repeats=3)
     assert profile.environment["in_context_chains"] == 1
     (chain,) = stage_chains([build_plan(profile.spec)])
     for eid, measurement in profile.measurements.items():
@@ -242,14 +247,9 @@ def test_a_context_parallel_job_times_its_blocks_with_their_ring_in_the_pairs_ch
     """cp = 2 on 2 ranks: the pair runs the stage chain with its blocks on the pair (the ring exchanged between
     them, as the run's cp group exchanges it); each block's forward and backward there is a sample of its
     composite, not of the block alone, and the costs take the composites from them (the composite alone kept)."""
-    spec = tmp_path / "job.toml"
-    spec.write_text(tiny_spec_text(layers=2, hidden=32, heads=4, ffn=64, seq=32, vocab=64, cp=2, global_batch=2,
-                                   micro=1, warmup=1, repeats=3))
-    out = tmp_path / "out"
-    result = mpirun_harness(2, ["profile", str(spec), "-o", str(out), "--quiet"], project_env)
-    assert result.returncode == 0, result.stderr
+    result, profile = _profiled(tmp_path, project_env, layers=2, hidden=32, heads=4, ffn=64, seq=32, vocab=64, cp=2,
+                                global_batch=2, micro=1, warmup=1, repeats=3)
     assert "could not run here" not in result.stdout
-    profile = load_profile(out / "profile.h5")
     composites = {eid: m for eid, m in profile.measurements.items() if m.kind == "composite"}
     assert {m.content["phase"] for m in composites.values()} == {"fwd", "bwd"}
     # both ranks' rounds, two blocks each
