@@ -262,6 +262,9 @@ def test_megatrons_fused_softmax_or_its_float32_fallback(micro, heads, seq, fuse
     4 more launches and 32 more bytes a score forward (36 against the fused 4), 34 backward (40 against 6)."""
     assert fused_softmax(2, micro * heads, seq, seq) is fused
     assert fused_softmax(4, micro * heads, seq, seq)  # no fused kernel, no fallback: the softmax as it is
+    # a padding mask (BERT's): the queries, not micro x heads, a multiple of the batches a block (micro x heads of 4)
+    assert fused_softmax(2, 4, 64, 64, causal=False) and not fused_softmax(2, 4, 60, 60, causal=False)
+    assert not fused_softmax(2, 2, 64, 64, causal=False)
     spec = loads_spec(tiny_spec_text(hidden=32 * heads, heads=heads, ffn=64, seq=seq, vocab=128, micro=micro,
                                      layers=2, global_batch=micro).replace('dtype = "float32"', 'dtype = "float16"'))
     block = describe(spec)[1]

@@ -159,7 +159,7 @@ class TransformerBlock(nn.Module):
         scores = torch.baddbmm(torch.empty(b * heads, s, k.shape[2], dtype=q.dtype, device=q.device),
                                q.reshape(b * heads, s, d), k.reshape(b * heads, -1, d).transpose(1, 2),
                                beta=0.0, alpha=d ** -0.5)
-        if not fused_softmax(q.element_size(), b * heads, s, k.shape[2]):
+        if not fused_softmax(q.element_size(), b * heads, s, k.shape[2], self.causal):
             scores = scores.float()  # Megatron-LM's fallback: the softmax in float32, made 16-bit again after it
         if self.causal:
             mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)

@@ -172,7 +172,7 @@ def _attention(z: Sizes, attention: str, dropout: float, mask_bytes: int = MASK_
         return out
     if attention == "materialized":
         scores = b * a * s * keys
-        if fused_softmax(d, b * a, s, keys):
+        if fused_softmax(d, b * a, s, keys, causal=z.family != "bert"):
             out["attention softmax"] = scores * d
         else:  # Megatron-LM's float32 fallback: the softmax keeps its float32 output, the bmm the 16-bit copy
             out["attention softmax"] = scores * ACC_BYTES + (0 if dropout > 0 else scores * d)

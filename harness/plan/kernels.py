@@ -303,7 +303,8 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                           causal=family != "bert", launches=(cp if ring else 1)
                           * (3 if shape.attention == "materialized" else 1))
     out.append(attention)
-    if shape.attention == "materialized" and not fused_softmax(d, shape.micro * local, shape.seq, shape.seq * cp):
+    if shape.attention == "materialized" and not fused_softmax(d, shape.micro * local, shape.seq, shape.seq * cp,
+                                                               causal=family != "bert"):
         out.append(_unfused_softmax(shape.micro * local * shape.seq * shape.seq * cp, dtype))
     if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
         scores = shape.micro * local * shape.seq * shape.seq * cp

@@ -182,16 +182,18 @@ def sequence_parallel_block(hidden_bytes: int, dtype: str) -> tuple[tuple, tuple
     return (gather, scatter) * 2, (gather, scatter, gather) * 2
 
 
-def fused_softmax(dtype_bytes: int, batch_heads: int, q_len: int, kv_len: int) -> bool:
+def fused_softmax(dtype_bytes: int, batch_heads: int, q_len: int, kv_len: int, causal: bool = True) -> bool:
     """Whether Megatron-LM's materialised attention runs its fused scale-mask-softmax kernel on these scores
-    (FusedScaleMaskSoftmax.is_kernel_available, megatron/model/fused_softmax.py, the causal case): 16-bit scores,
-    16 < keys <= 4096, queries and keys multiples of 4 and (micro-batch x local heads) a multiple of the kernel's
-    batches a block, 4 from 128 keys on; else it falls back to PyTorch in float32. A 32-bit job runs no fused
-    kernel and no fallback: its softmax is the materialised attention's own."""
+    (FusedScaleMaskSoftmax.is_kernel_available, megatron/model/fused_softmax.py): 16-bit scores, 16 < keys <= 4096,
+    queries and keys multiples of 4, micro-batch x local heads a multiple of 4, and (causal) that product, or (a
+    padding mask: BERT's) the queries, a multiple of the kernel's batches a block (4 from 128 keys on, else 8);
+    else it falls back to PyTorch in float32. A 32-bit job runs no fused kernel and no fallback: its softmax is
+    the materialised attention's own."""
     if dtype_bytes == 4:
         return True
     per_block = 4 if kv_len > 128 else 8  # 128 threads a block: one row a warp from 128 keys on, else two
-    return 16 < kv_len <= 4096 and q_len % 4 == 0 and kv_len % 4 == 0 and batch_heads % per_block == 0
+    return (16 < kv_len <= 4096 and q_len % 4 == 0 and kv_len % 4 == 0 and batch_heads % 4 == 0
+            and (batch_heads if causal else q_len) % per_block == 0)
 
 
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
