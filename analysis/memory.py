@@ -78,7 +78,15 @@ from harness.plan.activations import (
     stage_held_bytes,
 )
 from harness.plan.events import EventPlan, unwrapped_twin
-from harness.plan.layers import LayerDesc, describe, input_bytes, recompute_groups, selective, split_into_stages
+from harness.plan.layers import (
+    LayerDesc,
+    describe,
+    input_bytes,
+    megatron_loss,
+    recompute_groups,
+    selective,
+    split_into_stages,
+)
 from harness.plan.schedules import kept_device_steps, most_in_flight, virtual_stage
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import (
@@ -288,8 +296,8 @@ def backward_moments(spec: JobSpec, layer: LayerDesc,
     if layer.kind == "head":
         vocab = int(signature.get("vocab", spec.model.vocab)) // shards
         log_probs = b * s * vocab * LOSS_BYTES
-        torch_loss = shards == 1 and signature.get("cross_entropy") != "megatron"
-        return [(2 * log_probs if torch_loss else 0, 0, "before"), (b * s * vocab * d, log_probs, "start"),
+        return [(0 if megatron_loss(signature) else 2 * log_probs, 0, "before"),
+                (b * s * vocab * d, log_probs, "start"),
                 (b * s * vocab * d + (vocab + b * s) * h * d, log_probs, "during")]
     if layer.kind == "block" and "experts" in signature:
         # a MoE block's experts: the stacked gradient of all this rank's experts made at once, beside the

@@ -243,7 +243,9 @@ def _details(timeline: Timeline) -> list[str]:
                                  title=f"interpolated: {len(interpolated)} events costed between measured sizes of "
                                        "their kind, placement and group")]
     if costs.isolated or costs.isolated_composites:
-        name = lambda eid: timeline.plan.events[eid].name  # noqa: E731
+        def name(eid: str) -> str:
+            return timeline.plan.events[eid].name
+
         rows = [(eid, name(eid), _ms(alone), _ms(costs.seconds(eid)), costs.seconds(eid) / alone)
                 for eid, alone in sorted(costs.isolated.items(), key=lambda kv: name(kv[0]))]
         rows += [(eid, f"{name(eid)} with its ring", _ms(alone), _ms(costs.composites[eid]),

@@ -32,7 +32,7 @@ from typing import Any
 from harness.common.errors import UserError
 from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
 from harness.plan.events import optimizer_bytes, optimizer_dtype
-from harness.plan.layers import LayerDesc, fused_softmax
+from harness.plan.layers import LayerDesc, fused_softmax, megatron_loss
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -380,7 +380,7 @@ def _head(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     if d < LOSS_BYTES:  # the loss runs on float32 logits (harness.models.transformer, Megatron-LM)
         out.append(MemoryBound("logits_float32", float(logits * (d + LOSS_BYTES)), dtype, op="copy",
                                elements=float(logits)))
-    if int(sig.get("tp", 1)) > 1 or sig.get("cross_entropy") == "megatron":
+    if megatron_loss(sig):
         # Megatron-LM's vocab_parallel_cross_entropy: the maximum, the shifted logits, their exponential in place,
         # its sum and the division in place (8 float32 passes: a read, two, two, a read, two); its backward scales
         # the saved softmax in place

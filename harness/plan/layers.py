@@ -196,6 +196,12 @@ def fused_softmax(dtype_bytes: int, batch_heads: int, q_len: int, kv_len: int, c
             and (batch_heads if causal else q_len) % per_block == 0)
 
 
+def megatron_loss(head_signature: dict) -> bool:
+    """Whether a built-in head runs Megatron-LM's vocab_parallel_cross_entropy: split by vocabulary (its
+    signature's tp), or whole with the model's cross_entropy = "megatron"; else torch's cross_entropy."""
+    return int(head_signature.get("tp", 1)) > 1 or head_signature.get("cross_entropy") == "megatron"
+
+
 def describe_builtin(model: ModelSpec, tp: int, vocab_parallel: bool = False, pp: int = 1,
                      sp: bool = False, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
                      tokens: int = 0, selective: bool = False) -> list[LayerDesc]:
