@@ -5,6 +5,11 @@ profile's sampling noise and the machine's drift (docs/analysis.md, "How far to 
 (a profile, then a real run of a job drawn from a seed nobody tuned to), with the seeds and dates they came from. A
 pair's error e (percent, (predicted - measured) / measured) is the factor 1 / (1 + e / 100) by which its run took
 longer than its prediction. A device kind without held-out runs has no such factor, and the interval says so.
+
+A kind's entry may state the domain its runs cover (`domain`: the model widths, device counts and nodes they had)
+and, beside its runs, `beyond_runs`: errors measured where the model was fitted on part of that domain and scored
+outside it. A prediction outside the domain draws on those (ResidualDomain.contains), since the runs inside it say
+nothing of how far the model carries.
 """
 from __future__ import annotations
 
@@ -22,6 +27,26 @@ RESIDUALS_KIND = "distsim-model-residuals"
 
 
 @dataclass(frozen=True)
+class ResidualDomain:
+    """What held-out runs covered: model widths (hidden) and device counts from-to, and at most `nodes` nodes."""
+
+    hidden: tuple[int, int]
+    devices: tuple[int, int]
+    nodes: int
+
+    def contains(self, hidden: int, devices: int, nodes: int) -> bool:
+        return (self.hidden[0] <= hidden <= self.hidden[1] and self.devices[0] <= devices <= self.devices[1]
+                and nodes <= self.nodes)
+
+    def text(self) -> str:
+        return (f"hidden {self.hidden[0]}-{self.hidden[1]}, {self.devices[0]}-{self.devices[1]} devices, "
+                f"{'one node' if self.nodes == 1 else f'up to {self.nodes} nodes'}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hidden": list(self.hidden), "devices": list(self.devices), "nodes": self.nodes}
+
+
+@dataclass(frozen=True)
 class ModelResiduals:
     """Held-out runs of one device kind: each pair's run over its prediction, and where they came from."""
 
@@ -30,18 +55,23 @@ class ModelResiduals:
     seeds: tuple[int, ...]
     dates: tuple[str, ...]
     bench: str = "bench/generalization.py"  # what measured them (the file's "command", its script)
+    domain: ResidualDomain | None = None  # what the runs covered (None: not stated)
+    beyond: bool = False  # errors of predictions outside the domain of the runs fitted on
 
     @property
     def source(self) -> str:
-        seeds = ", ".join(str(s) for s in self.seeds)
-        return (f"{len(self.ratios)} held-out {self.device.upper()} runs of {self.bench} (seeds {seeds}; "
-                f"{', '.join(sorted(set(self.dates)))})")
+        seeds = ", ".join(str(s) for s in dict.fromkeys(self.seeds))
+        what = "out-of-domain" if self.beyond else "held-out"
+        where = f"; beyond {self.domain.text()}" if self.beyond and self.domain else ""
+        return (f"{len(self.ratios)} {what} {self.device.upper()} runs of {self.bench} (seeds {seeds}; "
+                f"{', '.join(sorted(set(self.dates)))}{where})")
 
     def to_dict(self) -> dict[str, Any]:
         ratios = np.asarray(self.ratios)
         return {"device": self.device, "runs": len(self.ratios), "seeds": list(self.seeds), "dates": list(self.dates),
                 "median_ratio": float(np.median(ratios)), "p5_ratio": float(np.percentile(ratios, 5)),
-                "p95_ratio": float(np.percentile(ratios, 95)), "source": self.source}
+                "p95_ratio": float(np.percentile(ratios, 95)), "source": self.source,
+                "domain": self.domain.to_dict() if self.domain else None, "beyond_domain": self.beyond}
 
 
 def device_kind(environment: Mapping[str, Any]) -> str:
@@ -50,15 +80,17 @@ def device_kind(environment: Mapping[str, Any]) -> str:
 
 
 @lru_cache(maxsize=8)
-def model_residuals(device: str, path: Path = RESIDUALS_PATH) -> ModelResiduals | None:
-    """The held-out runs of `device` ('cpu', 'cuda'); None where there are none (or no file)."""
+def model_residuals(device: str, path: Path = RESIDUALS_PATH, beyond: bool = False) -> ModelResiduals | None:
+    """The held-out runs of `device` ('cpu', 'cuda'), or with `beyond` its out-of-domain runs; None where there are
+    none (or no file)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if data.get("kind") != RESIDUALS_KIND:
         return None
-    runs = data.get("devices", {}).get(device, {}).get("runs", [])
+    entry = data.get("devices", {}).get(device, {})
+    runs = entry.get("beyond_runs" if beyond else "runs", [])
     ratios, seeds, dates = [], [], []
     for run in runs:
         seeds.append(int(run["seed"]))
@@ -69,4 +101,7 @@ def model_residuals(device: str, path: Path = RESIDUALS_PATH) -> ModelResiduals 
         return None
     words = str(data.get("command", "")).split()
     bench = next((word for word in words if word.endswith(".py")), "bench/generalization.py")
-    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates), bench)
+    domain = entry.get("domain")
+    if domain:
+        domain = ResidualDomain(tuple(domain["hidden"]), tuple(domain["devices"]), int(domain["nodes"]))
+    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates), bench, domain or None, beyond)

@@ -148,10 +148,11 @@ def interval_text(interval: BatchTimeInterval | None) -> str:
     nothing without one."""
     if interval is None:
         return ""
+    source = ("with the model's error beyond its held-out runs)" if interval.beyond_domain else
+              "with the model's held-out error)" if interval.residuals else
+              "with the machine's drift)" if interval.sampling else "from the profile's samples)")
     return (f" (90% interval {format_seconds(interval.p5_s)} to {format_seconds(interval.p95_s)}, "
-            f"{interval.width:.1%} wide, " + ("with the model's held-out error)" if interval.residuals else
-                                              "with the machine's drift)" if interval.sampling else
-                                              "from the profile's samples)"))
+            f"{interval.width:.1%} wide, " + source)
 
 
 def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, details: bool = False,

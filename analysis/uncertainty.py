@@ -17,8 +17,10 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
 - a prediction without samples (a spec alone, every compute event from the device model) is its batch time times
   the 5th, 50th and 95th percentile of the model's held-out error on published GPU runs predicted so
-  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py). A GPU profile's prediction does
-  not draw from them (its compute is measured, not modelled): it keeps its kind's profiled pairs or the drift;
+  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a spec outside those runs' domain
+  (wider, more devices, more nodes) draws on the errors of fits scored outside their own (gpu_residuals_for). A
+  GPU profile's prediction does not draw from them (its compute is measured, not modelled): it keeps its kind's
+  profiled pairs or the drift;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,7 @@ from analysis.costs import Costs, SampleSet
 from analysis.simulate import batch_time
 from harness.plan.events import EventPlan
 from harness.plan.precision import BATCHES, MIN_BATCHED
+from harness.plan.spec import JobSpec
 
 DEFAULT_RESAMPLES = 200
 SEED = 20261201
@@ -59,6 +63,7 @@ class BatchTimeInterval:
     sampling: BatchTimeInterval | None = None
     drift_sigma: float | None = None  # the machine's drift over the profile (held only without `residuals`)
     residuals: str | None = None  # the held-out runs whose errors it holds (ModelResiduals.source)
+    beyond_domain: bool = False  # those errors are of predictions beyond the runs fitted on (ModelResiduals.beyond)
 
     def contains(self, seconds: float) -> bool:
         return self.p5_s <= seconds <= self.p95_s
@@ -73,7 +78,7 @@ class BatchTimeInterval:
         return {"batch_time_p5_s": self.p5_s, "batch_time_p50_s": self.p50_s, "batch_time_p95_s": self.p95_s,
                 "interval_resamples": self.resamples, "interval_sampling_p5_s": sampling.p5_s,
                 "interval_sampling_p95_s": sampling.p95_s, "interval_drift_sigma": self.drift_sigma,
-                "interval_model_residuals": self.residuals}
+                "interval_model_residuals": self.residuals, "interval_beyond_domain": self.beyond_domain}
 
 
 def bootstrap_statistics(samples: SampleSet, resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -198,7 +203,7 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
     if not has_samples(costs):
         if costs.device_model is None:
             return None
-        return spec_only_interval(batch_time(plan, costs, dp_overlap))
+        return spec_only_interval(batch_time(plan, costs, dp_overlap), spec=plan.spec)
     times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
     sampling = interval_of(times)
     residuals = model_residuals(costs.device) if costs.device else None
@@ -216,15 +221,27 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
                              residuals.source if residuals is not None else None)
 
 
-def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None) -> BatchTimeInterval | None:
+def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None,
+                       spec: JobSpec | None = None) -> BatchTimeInterval | None:
     """A prediction without samples (every compute event from the device model): `batch_time_s` times the 5th,
-    50th and 95th percentile of the GPU residuals' ratios (run over prediction: GPU_RESIDUALS_PATH unless
+    50th and 95th percentile of the GPU residuals' ratios (run over prediction: gpu_residuals_for(spec) unless
     `residuals`); None without residuals."""
-    residuals = residuals if residuals is not None else model_residuals("cuda", GPU_RESIDUALS_PATH)
+    residuals = residuals if residuals is not None else gpu_residuals_for(spec)
     if residuals is None:
         return None
     p5, p50, p95 = (batch_time_s * float(v) for v in np.percentile(np.asarray(residuals.ratios), [5, 50, 95]))
-    return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source)
+    return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source, beyond_domain=residuals.beyond)
+
+
+def gpu_residuals_for(spec: JobSpec | None, path: Path = GPU_RESIDUALS_PATH) -> ModelResiduals | None:
+    """The GPU residuals a spec-only prediction of `spec` draws on: the held-out runs where `spec` lies within their
+    domain (or either is unknown), else the out-of-domain runs where the file has them."""
+    inside = model_residuals("cuda", path)
+    if spec is None or inside is None or inside.domain is None:
+        return inside
+    if inside.domain.contains(spec.model.hidden, spec.cluster.devices, spec.cluster.nodes):
+        return inside
+    return model_residuals("cuda", path, beyond=True) or inside
 
 
 PART_LABELS = {"events": "", "host_issue": " (host issue)", "composites": " (with its all-reduces)"}

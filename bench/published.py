@@ -19,9 +19,11 @@ The fitted description is written to bench/out/a100-vtrain-fitted.toml.
 Printed per set (fit half, held-out half, multi-node) and per model size: MAPE, median, p90 and worst |error|;
 Spearman's rank correlation of predicted against measured time within each (model, GPUs) group; each group's
 regret of the fastest predicted configuration (the search's pick) against the measured best; the 90% interval's
-coverage (the model's out-of-sample error on GPUs, analysis.uncertainty.spec_only_interval: residuals from both
-folds of the single-node halves, each half scored on a description fitted on the other; the second fit serves the
-residuals only; coverage on the multi-node set from them all, the held-out half's 2-fold within its own); vTrain's
+coverage (the model's out-of-sample error on GPUs, analysis.uncertainty.spec_only_interval: within the single-node
+runs' domain, residuals from both folds of the single-node halves, each half scored on a description fitted on the
+other, the held-out half's coverage 2-fold within its own; outside it, as every multi-node run is, the errors of
+fits on the narrowest width, the widest, or fewer than the most GPUs, scored on the other single-node runs:
+beyond_splits; these fits serve the residuals only); vTrain's
 and Calculon's published errors beside them; the worst ten rows with where their time went; a PNG of predicted
 against measured. `--json PATH` writes the figures; `--residuals` writes analysis/data/gpu_residuals.json.
 
@@ -35,6 +37,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from analysis.calibration import ResidualDomain  # noqa: E402
 from analysis.costs.device_source import host_issue_seconds  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
@@ -537,22 +541,82 @@ def cross_fold_ratios(folds: Sequence[Fold]) -> list[float]:
     return [ratio for fold in folds for ratio in ratios_of(fold.errors)]
 
 
-def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str) -> dict:
+def residual_domain(runs: Sequence[Run]) -> ResidualDomain:
+    """The widths, GPU counts and nodes `runs` cover (analysis.calibration: a spec outside draws on BEYOND folds)."""
+    return ResidualDomain((min(r.hidden for r in runs), max(r.hidden for r in runs)),
+                          (min(r.gpus for r in runs), max(r.gpus for r in runs)),
+                          max(-(-r.gpus // GPUS_PER_NODE) for r in runs))
+
+
+def beyond_splits(runs: Sequence[Run]) -> list[tuple[str, list[Run], list[Run]]]:
+    """(name, fitted on, scored on) for the out-of-domain residuals: the description fitted on the narrowest width
+    and scored on the wider ones, fitted on the widest and scored on the narrower, fitted on fewer than the most
+    GPUs and scored on the most. Fixed before the multi-node coverage was computed with them."""
+    widths, most = sorted({r.hidden for r in runs}), max(r.gpus for r in runs)
+    return [(f"hidden-{widths[0]}-to-wider", [r for r in runs if r.hidden == widths[0]],
+             [r for r in runs if r.hidden > widths[0]]),
+            (f"hidden-{widths[-1]}-to-narrower", [r for r in runs if r.hidden == widths[-1]],
+             [r for r in runs if r.hidden < widths[-1]]),
+            (f"under-{most}-gpus-to-{most}", [r for r in runs if r.gpus < most], [r for r in runs if r.gpus == most])]
+
+
+def beyond_folds(runs: Sequence[Run], base: DeviceDescription,
+                 progress: Callable[[str], None] | None = None) -> list[Fold]:
+    """beyond_splits' folds: each fit (fit_description) scored on its other runs."""
+    folds = []
+    for name, fitted_on, scored_on in beyond_splits(runs):
+        if progress:
+            progress(f"  out of domain: {name} ({len(fitted_on)} runs fitted, {len(scored_on)} scored)")
+        figures, _ = fit_description(prepare(fitted_on), base)
+        predicted = predict_ms(prepare(scored_on), with_figures(base, figures))
+        folds.append(Fold(name, list(scored_on), errors_pct(predicted, [r.measured_ms for r in scored_on])))
+    return folds
+
+
+def coverage_by_domain(scored: Scored, inside: Sequence[float], beyond: Sequence[float],
+                       domain: ResidualDomain) -> float:
+    """interval_coverage_pct with each run's own residuals: `inside` for a run in `domain`, else `beyond`
+    (analysis.uncertainty.gpu_residuals_for's rule)."""
+    within = np.array([domain.contains(r.hidden, r.gpus, -(-r.gpus // GPUS_PER_NODE)) for r in scored.runs])
+    covered = 0.0
+    for mask, ratios in ((within, inside), (~within, beyond)):
+        if mask.any():
+            covered += interval_coverage_pct(scored.predicted[mask], scored.measured[mask], ratios) * mask.sum()
+    return covered / len(scored.runs)
+
+
+def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str,
+                       beyond: Sequence[Fold] = (), domain: ResidualDomain | None = None) -> dict:
     """analysis/data/gpu_residuals.json: each fold's out-of-sample single-node errors (analysis.calibration's
-    format, device kind 'cuda'), one job per run, one run entry per fold."""
+    format, device kind 'cuda'), one job per run, one run entry per fold; the `beyond` folds' as `beyond_runs`
+    and the runs' `domain`."""
+    def entries(of: Sequence[Fold]) -> list[dict]:
+        return [{"run": f"vtrain-single-{fold.name}", "seed": seed, "date": datetime.date.today().isoformat(),
+                 "jobs": [{"job": run.label, "pair_error_pct": [round(float(e), 2)]}
+                          for run, e in zip(fold.runs, fold.errors)]} for fold in of]
+
+    cuda = {"machine": "NVIDIA A100 SXM4 (DGX A100 nodes; vTrain's measurements, MICRO'24)", "runs": entries(folds)}
+    if domain is not None:
+        cuda["domain"] = domain.to_dict()
+    if beyond:
+        cuda["beyond_runs"] = entries(beyond)
     return {"kind": "distsim-model-residuals", "version": 1,
             "what": ("Out-of-sample errors of a spec-only prediction on GPUs: vTrain's single-node A100 runs "
                      "(../shared/data/vtrain/) halved by bench/published.py's seeded split, each half's runs "
                      "predicted on the description fitted on the other half, each run's batch-time error "
                      "(predicted - measured) / measured in percent (the reported description: "
-                     f"{fitted_on}). analysis.uncertainty.spec_only_interval draws from them."),
+                     f"{fitted_on}). analysis.uncertainty.spec_only_interval draws from them for a spec within "
+                     "`domain`; `beyond_runs`, for a spec outside it, are the errors of descriptions fitted on "
+                     "the narrowest width, the widest, or fewer than the most GPUs and scored on the other runs."),
             "command": "python bench/published.py --residuals",
-            "devices": {"cuda": {"machine": "NVIDIA A100 SXM4 (DGX A100 nodes; vTrain's measurements, MICRO'24)",
-                                 "runs": [{"run": f"vtrain-single-{fold.name}", "seed": seed,
-                                           "date": datetime.date.today().isoformat(),
-                                           "jobs": [{"job": run.label, "pair_error_pct": [round(float(e), 2)]}
-                                                    for run, e in zip(fold.runs, fold.errors)]}
-                                          for fold in folds]}}}
+            "devices": {"cuda": cuda}}
+
+
+def residuals_text(document: dict) -> str:
+    """The residuals document as JSON with one job a line (thousands of them)."""
+    text = json.dumps(document, indent=1)
+    return re.sub(r'\{\n\s*"job": ("[^"]*"),\n\s*"pair_error_pct": \[\n\s*([-0-9.e]+)\n\s*\]\n\s*\}',
+                  r'{"job": \1, "pair_error_pct": [\2]}', text) + "\n"
 
 
 def two_fold_coverage(held: Scored, seed: int) -> float:
@@ -614,9 +678,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     other = predict_ms(prepare(fit_runs), with_figures(base, other_figures))
     folds = (Fold("held-out-half", held.runs, held.errors),
              Fold("fit-half", list(fit_runs), errors_pct(other, [run.measured_ms for run in fit_runs])))
-    gpu_ratios = cross_fold_ratios(folds)
+    say("out-of-domain folds: fits on part of the single-node runs, scored on the rest (the interval beyond them) ...")
+    domain, beyond = residual_domain(single), beyond_folds(single, base, say)
     coverage = {"single_fit": None, "single_held_out": two_fold_coverage(held, args.seed),
-                "multi": interval_coverage_pct(scored["multi"].predicted, scored["multi"].measured, gpu_ratios)}
+                "multi": coverage_by_domain(scored["multi"], cross_fold_ratios(folds), cross_fold_ratios(beyond),
+                                            domain)}
     sets = {name: set_figures(s, coverage[name], fitted_on) for name, s in scored.items()}
     worst = []
     for name in ("single_held_out", "multi"):
@@ -628,13 +694,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = sorted(worst, key=lambda w: -abs(w["error_pct"]))[:WORST_SHOWN]
     print_tables(sets, worst)
     print("\n90% interval: the single-node runs' out-of-sample errors (run / prediction ratios; each half scored on "
-          "a description fitted on the other) around each prediction; multi-node coverage from all of them, the "
-          "held-out half's 2-fold within its own errors")
+          "a description fitted on the other) around a prediction within their domain (" + domain.text() + "; the "
+          "held-out half's coverage 2-fold within its own errors); outside it (every multi-node run) the errors of "
+          "fits scored beyond their runs:")
+    for fold in beyond:
+        low, mid, high = np.percentile(ratios_of(fold.errors), [5, 50, 95])
+        print(f"  {fold.name:28s} {len(fold.runs):4d} runs  MAPE {np.mean(np.abs(fold.errors)):5.2f}%  "
+              f"run / prediction {low:.3f} - {mid:.3f} - {high:.3f}")
     write_png(args.png, list(scored.values()))
     print(f"wrote {args.png}")
     if args.residuals:
-        GPU_RESIDUALS.write_text(json.dumps(residuals_document(folds, args.seed, fitted_on), indent=1) + "\n")
-        print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({sum(len(fold.runs) for fold in folds)} runs, two folds)")
+        GPU_RESIDUALS.write_text(residuals_text(residuals_document(folds, args.seed, fitted_on, beyond, domain)))
+        print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({sum(len(fold.runs) for fold in folds)} runs in two folds, "
+              f"{sum(len(fold.runs) for fold in beyond)} out of domain)")
     if args.json:
         document = {"version": JSON_VERSION,
                     "what": "bench/published.py: vTrain's published A100 runs predicted from their specs",
@@ -642,6 +714,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "fitted": {figure_name(key): v for key, v in figures.items()}, "fitted_on": fitted_on,
                     "published_mape_pct": {who: {"single": a, "multi": b} for who, (a, b) in PUBLISHED.items()},
                     "sets": {name: sets[name] for name in ("single_held_out", "multi")},
+                    "residual_domain": domain.to_dict(),
+                    "beyond_folds": [{"name": fold.name, "rows": len(fold.runs),
+                                      "mape_pct": float(np.mean(np.abs(fold.errors))),
+                                      "ratio_p5_p50_p95": [float(v) for v in
+                                                           np.percentile(ratios_of(fold.errors), [5, 50, 95])]}
+                                     for fold in beyond],
                     "fit_set": sets["single_fit"], "worst": worst}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1) + "\n")

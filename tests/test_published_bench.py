@@ -8,13 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from analysis.calibration import ModelResiduals, model_residuals
+from analysis.calibration import ModelResiduals, ResidualDomain, model_residuals
 from analysis.device_model import DeviceModel
-from analysis.uncertainty import spec_only_interval
+from analysis.report import interval_text
+from analysis.uncertainty import gpu_residuals_for, spec_only_interval
 from bench import published
 from bench.published import (
     Fold,
     Run,
+    Scored,
+    beyond_splits,
+    coverage_by_domain,
     cross_fold_ratios,
     error_summary,
     errors_pct,
@@ -22,7 +26,9 @@ from bench.published import (
     interval_coverage_pct,
     ratios_of,
     regret_pct,
+    residual_domain,
     residuals_document,
+    residuals_text,
     split_half,
 )
 from harness.plan.device import load_device
@@ -31,8 +37,8 @@ needs_data = pytest.mark.skipif(not published.VTRAIN.is_dir(),
                                 reason="the shared vTrain data is not beside the project")
 
 
-def _run(row: int, model_layers: int = 12, gpus: int = 8, measured: float = 100.0) -> Run:
-    return Run("single", row, gpus, 16, 2, 1024, 16, model_layers, 1024, 2, 2, 2, measured)
+def _run(row: int, model_layers: int = 12, gpus: int = 8, measured: float = 100.0, hidden: int = 1024) -> Run:
+    return Run("single", row, gpus, 16, 2, hidden, 16, model_layers, 1024, 2, 2, 2, measured)
 
 
 def test_error_summary_holds_mean_median_p90_and_worst_of_the_absolute_errors():
@@ -112,6 +118,50 @@ def test_the_intervals_residuals_pool_both_folds_and_read_back_as_every_runs_rat
     assert sorted(model_residuals("cuda", path).ratios) == pytest.approx([0.5, 0.8, 1.25])
 
 
+def test_the_out_of_domain_folds_fit_on_one_end_of_the_runs_and_score_the_rest():
+    runs = [_run(i, gpus=g, hidden=h) for i, (g, h) in enumerate([(2, 1024), (8, 1024), (4, 2048), (8, 2048),
+                                                                   (2, 1536)])]
+    splits = {name: ([r.row for r in fit], [r.row for r in scored]) for name, fit, scored in beyond_splits(runs)}
+    assert splits == {"hidden-1024-to-wider": ([0, 1], [2, 3, 4]), "hidden-2048-to-narrower": ([2, 3], [0, 1, 4]),
+                      "under-8-gpus-to-8": ([0, 2, 4], [1, 3])}
+    assert residual_domain(runs) == ResidualDomain((1024, 2048), (2, 8), 1)
+    assert residual_domain(runs + [_run(9, gpus=64)]).nodes == 8
+
+
+def test_a_run_outside_the_domain_is_covered_by_the_out_of_domain_ratios():
+    domain = ResidualDomain((1024, 2048), (2, 8), 1)
+    inside, outside = _run(0, gpus=8, measured=130.0), _run(1, gpus=64, measured=130.0)
+    scored = Scored("multi", [inside, outside], np.array([100.0, 100.0]))
+    # run / prediction 1.3: outside the narrow ratios, inside the wide ones
+    narrow, wide = [0.9, 1.0, 1.1], [0.7, 1.0, 1.4]
+    assert coverage_by_domain(scored, narrow, wide, domain) == pytest.approx(50.0)
+    assert coverage_by_domain(scored, wide, narrow, domain) == pytest.approx(50.0)
+    assert coverage_by_domain(scored, wide, wide, domain) == pytest.approx(100.0)
+    assert domain.contains(2048, 8, 1) and not domain.contains(3072, 8, 1) and not domain.contains(1024, 16, 2)
+
+
+def test_a_spec_outside_the_residuals_domain_draws_on_the_out_of_domain_runs(tmp_path):
+    folds = [Fold("held-out-half", [_run(0)], np.array([0.0]))]
+    beyond = [Fold("hidden-1024-to-wider", [_run(1), _run(2)], np.array([-20.0, 25.0]))]
+    document = residuals_document(folds, 7, "fitted", beyond, ResidualDomain((1024, 2048), (2, 8), 1))
+    text = residuals_text(document)
+    assert json.loads(text) == document
+    job_lines = [json.loads(line.strip().rstrip(",")) for line in text.splitlines() if '"job"' in line]
+    assert job_lines == [{"job": run.label, "pair_error_pct": [e]}
+                         for run, e in [(_run(0), 0.0), (_run(1), -20.0), (_run(2), 25.0)]]  # one job a line
+    path = tmp_path / "gpu.json"
+    path.write_text(text)
+    spec = published.run_spec(_run(0))
+    assert gpu_residuals_for(spec, path).ratios == pytest.approx((1.0,))
+    wide = dataclasses.replace(spec, model=dataclasses.replace(spec.model, hidden=4096))
+    residuals = gpu_residuals_for(wide, path)
+    assert residuals.beyond and sorted(residuals.ratios) == pytest.approx([0.8, 1.25])
+    assert "2 out-of-domain CUDA runs" in residuals.source and "beyond hidden 1024-2048" in residuals.source
+    many = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, nodes=2))
+    assert gpu_residuals_for(many, path).beyond
+    assert gpu_residuals_for(None, path) == model_residuals("cuda", path)
+
+
 @needs_data
 def test_a_run_becomes_its_megatron_spec_on_the_readmes_cluster():
     run = published.read_runs("multi")[0]
@@ -159,3 +209,9 @@ def test_a_spec_alone_states_its_interval_from_the_gpu_residuals():
     interval, batch = prediction.interval, prediction.timeline.batch_time_s
     assert interval is not None and interval.p5_s < batch < interval.p95_s
     assert "held-out CUDA runs of bench/published.py" in interval.residuals
+    multi = predict_spec(published.run_spec(published.read_runs("multi")[0]), dp_overlap=False).interval
+    assert "out-of-domain CUDA runs of bench/published.py" in multi.residuals
+    assert multi.p95_s / multi.p5_s > interval.p95_s / interval.p5_s  # beyond the runs, wider
+    assert interval_text(multi).endswith("wide, with the model's error beyond its held-out runs)")
+    assert interval_text(interval).endswith("wide, with the model's held-out error)")
+    assert multi.to_dict()["interval_beyond_domain"] and not interval.to_dict()["interval_beyond_domain"]
