@@ -15,12 +15,12 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   device kind (analysis.calibration). Those runs were a profile and then a run on such a machine, so their
   errors hold the machine's drift between the two; only for a kind without them is the factor 1 + the drift
   over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
-- a prediction without samples (a spec alone, every compute event from the device model) is its batch time times
+- a prediction without samples (a spec alone, every compute event from a GPU's description) is its batch time times
   the 5th, 50th and 95th percentile of the model's held-out error on published GPU runs predicted so
   (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a spec outside those runs' domain
   (wider, more devices, more nodes) draws on the errors of fits scored outside their own (gpu_residuals_for). A
   GPU profile's prediction does not draw from them (its compute is measured, not modelled): it keeps its kind's
-  profiled pairs or the drift;
+  profiled pairs or the drift; a CPU description's (`processor = "cpu"`) has no interval: no held-out runs;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -197,12 +197,13 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
                         resamples: int = DEFAULT_RESAMPLES, seed: int = SEED) -> BatchTimeInterval | None:
     """The prediction's 90% interval: the sampling interval's resamples times the model's held-out error and the
     machine's drift (module docstring); the sampling interval alone where neither is known; without samples,
-    a device-model prediction's spec_only_interval; None with no resamples, or no samples and no device model."""
+    a device-model prediction's spec_only_interval (a GPU description's only); None with no resamples, or no
+    samples and no GPU description."""
     if resamples <= 0:
         return None
     if not has_samples(costs):
-        if costs.device_model is None:
-            return None
+        if costs.device_model is None or costs.device_model.description.processor != "gpu":
+            return None  # the held-out spec-only runs are GPU runs: they say nothing of a CPU description's error
         return spec_only_interval(batch_time(plan, costs, dp_overlap), spec=plan.spec)
     times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
     sampling = interval_of(times)

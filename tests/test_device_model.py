@@ -395,6 +395,7 @@ def description_text(**replace) -> str:
     ("format = 1", "format = 3", "format", "unsupported device format"),
     ("fitted = false\n", "fitted = false\n[vector_ops]\ngelu = 3.0\n", "vector_ops", "format 2 table"),
     ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
+    ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
     path = tmp_path / "bad.toml"
@@ -451,6 +452,14 @@ def test_host_issue_time_is_the_launches_times_the_descriptions_figure():
     assert model.issue_seconds(event_kernels(fwd.content)) == pytest.approx(13 * 50e-6)
     assert model.issue_seconds(event_kernels(bwd.content)) == pytest.approx(19 * 50e-6)
     assert DeviceModel(flat_device()).issue_seconds(event_kernels(fwd.content)) == 0.0  # no figure: no host time
+
+
+def test_the_processor_round_trips_and_is_a_gpu_unless_said():
+    cpu = flat_device(processor="cpu")
+    text = cpu.to_toml()
+    assert 'processor = "cpu"' in text and parse_device(tomllib.loads(text)) == cpu
+    assert "processor" not in flat_device().to_toml()
+    assert all(load_device(name).processor == "gpu" for name in SHIPPED)
 
 
 def test_host_figure_round_trips_and_is_optional():

@@ -170,6 +170,21 @@ def test_one_device_needs_no_network():
     assert {c.source for c in prediction.costs.events.values()} == {DEVICE}
 
 
+def test_a_cpu_description_states_no_interval_from_the_gpu_runs(tmp_path):
+    """The held-out spec-only runs are A100 runs: a spec alone on a GPU description draws its interval from them, on a
+    CPU description (processor = "cpu", as harness device writes on a CPU) it states none."""
+    from harness.plan.device import load_device
+
+    gpu = predict_spec(loads_spec(spec_text()))
+    assert gpu.interval is not None and "CUDA runs of bench/published.py" in gpu.interval.residuals
+    cpu = write(tmp_path, load_device("a100-80gb").to_toml().replace('title = "', 'processor = "cpu"\ntitle = "'),
+                "cpu.toml")
+    prediction = predict_spec(loads_spec(spec_text(device=str(cpu))))
+    assert prediction.costs.device_model.description.processor == "cpu"
+    assert prediction.interval is None
+    assert prediction.timeline.batch_time_s == pytest.approx(gpu.timeline.batch_time_s)  # the same figures
+
+
 def test_a_factory_model_alone_is_refused():
     text = spec_text(tp=1, dp=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
     spec = loads_spec(text, import_factory=False)

@@ -40,8 +40,9 @@ MEMORY_KINDS = ("copy", "add", "fill", "layer_norm", "rms_norm", "gelu", "swiglu
 VECTOR_KINDS = tuple(k for kind in MEMORY_KINDS for k in (kind, f"{kind}_backward"))
 # an optimizer step's op (MemoryBound.op): torch's Adam, SGD without and with momentum
 OPTIMIZER_KINDS = ("adam", "sgd", "sgd_momentum")
-_TOP = {"format", "name", "title", "fitted", "fitted_on", "datasheet", "efficiency", "host", "vector_ops",
-        "launches", "optimizer"}
+_TOP = {"format", "name", "title", "processor", "fitted", "fitted_on", "datasheet", "efficiency", "host",
+        "vector_ops", "launches", "optimizer"}
+PROCESSORS = ("gpu", "cpu")  # what the description describes; a spec-only interval draws on held-out runs of its kind
 _FORMAT_2 = ("vector_ops", "launches", "optimizer")  # the tables format 2 adds
 _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
 _EFFICIENCY = {"launch_us", *CURVES}
@@ -123,6 +124,7 @@ class DeviceDescription:
     vector_ops: Mapping[str, float] = field(default_factory=dict)
     launches: Mapping[str, float] = field(default_factory=dict)
     optimizer: Mapping[str, OptimizerCost] = field(default_factory=dict)
+    processor: str = "gpu"  # PROCESSORS: a GPU (every shipped description) or a CPU (harness device on one)
 
     @property
     def format(self) -> int:
@@ -137,7 +139,10 @@ class DeviceDescription:
 
     def to_dict(self) -> dict[str, Any]:
         """The description as plain data in the file's form (parse_device reads it back)."""
-        out: dict[str, Any] = {"format": self.format, "name": self.name, "title": self.title, "fitted": self.fitted}
+        out: dict[str, Any] = {"format": self.format, "name": self.name, "title": self.title}
+        if self.processor != "gpu":
+            out["processor"] = self.processor
+        out["fitted"] = self.fitted
         if self.fitted_on:
             out["fitted_on"] = self.fitted_on
         out["datasheet"] = {"memory_gb": self.memory_gb,
@@ -160,8 +165,8 @@ class DeviceDescription:
         """The description as a TOML file (what a fit or a calibration writes); `header` becomes comments."""
         data = self.to_dict()
         lines = [f"# {line}" for line in header.splitlines()]
-        lines += [f"{key} = {_toml(data[key])}" for key in ("format", "name", "title", "fitted", "fitted_on")
-                  if key in data]
+        lines += [f"{key} = {_toml(data[key])}" for key in ("format", "name", "title", "processor", "fitted",
+                                                             "fitted_on") if key in data]
         sheet = data["datasheet"]
         lines += ["", "[datasheet]"] + [f"{key} = {_toml(value)}" for key, value in sheet.items()]
         efficiency = data["efficiency"]
@@ -273,6 +278,9 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     for key, value in (("name", name), ("title", title), ("fitted_on", fitted_on)):
         if not isinstance(value, str):
             raise fail(f"must be a string, got {value!r}", key)
+    processor = data.get("processor", "gpu")
+    if processor not in PROCESSORS:
+        raise fail(f"must be one of {', '.join(PROCESSORS)}, got {processor!r}", "processor")
     fitted = data.get("fitted", False)
     if not isinstance(fitted, bool):
         raise fail(f"must be true or false, got {fitted!r}", "fitted")
@@ -340,7 +348,8 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                              curves=curves, fitted=fitted, fitted_on=fitted_on,
                              kernel_issue_s=_positive(host, "kernel_issue_us", "host", fail, default=0.0,
                                                       zero=True) * US,
-                             source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer)
+                             source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
+                             processor=processor)
 
 
 def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:

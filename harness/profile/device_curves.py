@@ -762,7 +762,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               matrix_peak={d: matrix[d] for d in REQUIRED_DTYPES},
                               vector_peak={d: vector[d] for d in REQUIRED_DTYPES}, launch_s=launch_s, curves=flat,
                               fitted=True, fitted_on="", kernel_issue_s=issue_s,
-                              launches=count_kind_launches(dtype, device))
+                              launches=count_kind_launches(dtype, device),
+                              processor="cpu" if device.type == "cpu" else "gpu")
     fitted = fit_description(start, observations)
     counted = {kind: count_optimizer(kind, device) for kind in OPTIMIZER_KINDS}
     fitted = dataclasses.replace(fitted, optimizer={
