@@ -30,16 +30,17 @@ def load(paths: Sequence[str | Path]) -> list[CollectivesRun]:
     return runs
 
 
-def profile_points(runs: Sequence[CollectivesRun], profile_backend: str, profile_device: str, profile_name: str
-                   ) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
+def profile_points(runs: Sequence[CollectivesRun], profile_backend: str | None, profile_device: str,
+                   profile_name: str) -> dict[tuple[str, str], list[tuple[float, int, float]]]:
     """Benchmark results as communication points of a profile's kinds (harness.plan.collectives.PROFILE_KINDS:
     send/recv as P2P, at its minimum; the collectives at their median, as analysis.costs takes a profile's),
-    keyed (kind, placement) with (bytes, group size, seconds). A run on another backend or device, or with
-    wrong outputs, is bad input."""
+    keyed (kind, placement) with (bytes, group size, seconds). A run on another backend or device than the
+    profile's (`profile_backend` None: a spec alone, whose network they are), or with wrong outputs, is bad
+    input."""
     points: dict[tuple[str, str], list[tuple[float, int, float]]] = {}
     for run in runs:
         device = str(run.environment.get("device", "?"))
-        if run.backend != profile_backend or device != profile_device:
+        if profile_backend is not None and (run.backend != profile_backend or device != profile_device):
             raise UserError(f"{run.path} was measured with {run.backend} on {device}, {profile_name} with "
                             f"{profile_backend} on {profile_device}; give a benchmark of the profile's backend "
                             f"and device (harness collectives --backend {profile_backend.removeprefix('torch-')})")

@@ -52,24 +52,28 @@ def predict_spec(spec: JobSpec, profile: Profile | None = None, dp_overlap: bool
     referred to the ranks' mean speed unless not `rank_speed`; the rest from the spec's device and network
     models; with no profile every event from them), simulate one iteration and, with `resamples` and samples to
     resample, the batch time's interval (none without a profile). dp_overlap None follows the spec.
-    `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication.
+    `collectives`: benchmark files (harness collectives -o) whose points join the profile's communication; for a spec
+    alone they are its communication's measurements (interpolated, then fitted per kind where the spec has no
+    [[cluster.network]]), whatever backend took them.
     `network`: a what-if network (--network: a spec's [[cluster.network]] or TIER.FIELD=VALUE changes) that
     costs every communication event. `source`: the spec's file, for messages.
     Raises UserError on bad input, or where neither the profile nor the models can cost an event (a spec alone
     without [cluster] device or [[cluster.network]], a factory model's layers without a profile)."""
     hint = str(source) if source else "SPEC"
     spec_only = profile is None
+    # a spec alone costs its communication from collective benchmarks where they are given, as from a network
+    network_given = network is not None or bool(collectives)
     if profile is None:
-        check_spec_only(spec, hint, {}, network_given=network is not None)  # a factory model, no device
+        check_spec_only(spec, hint, {}, network_given=network_given)  # a factory model, no device
         profile = spec_profile(spec, hint)
     plan = build_plan(spec, layers_for(profile, spec))
     if spec_only:
-        check_spec_only(spec, hint, plan_communication(plan), network_given=network is not None)
+        check_spec_only(spec, hint, plan_communication(plan), network_given=network_given)
     extra = None
     if collectives:
         from analysis.collectives import load, profile_points
 
-        extra = profile_points(load(collectives), str(profile.environment.get("backend", "?")),
+        extra = profile_points(load(collectives), None if spec_only else str(profile.environment.get("backend", "?")),
                                str(profile.environment.get("device", "?")), profile.path.name)
     costs = estimate_costs(plan, profile, spec_hint=hint, compute_stat=compute_stat, rank_speed=rank_speed,
                            extra_points=extra, what_if=network)

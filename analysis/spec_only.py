@@ -70,7 +70,8 @@ def command_input(path: str | Path, profile: str | Path | None = None, spec_path
 def check_spec_only(spec: JobSpec, source: str, communication: dict[str, int], network_given: bool = False) -> None:
     """UserError, before costing, where a spec alone cannot cost a job: compute without `[cluster] device`, or
     `communication` (kind -> events; empty: none) without `[[cluster.network]]` (`network_given`: a what-if
-    --network supplies one), or a factory model (its layers are code the analysis does not run)."""
+    --network or collective benchmarks, --collectives, supply one), or a factory model (its layers are code the
+    analysis does not run)."""
     if spec.model.family == "user":
         raise UserError(f"{source}: a factory model's layers are its own code, which the analysis does not run; "
                         "profile the job (python -m harness profile) and give the profile beside the spec "
@@ -86,7 +87,8 @@ def check_spec_only(spec: JobSpec, source: str, communication: dict[str, int], n
         raise UserError(f"{source}: no profile and no [[cluster.network]] to cost its "
                         + (f"{count} communication events ({kinds})" if kinds else "communication")
                         + " from; describe the network's tiers in the spec (docs/spec.md, [[cluster.network]]), "
-                        "give --network OTHER_SPEC.toml, or give a profile beside the spec (--profile PROFILE.h5)")
+                        "give --network OTHER_SPEC.toml or --collectives FILE.h5 (harness collectives -o), or give "
+                        "a profile beside the spec (--profile PROFILE.h5)")
 
 
 def plan_communication(plan: EventPlan) -> dict[str, int]:

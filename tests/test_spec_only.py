@@ -170,6 +170,36 @@ def test_one_device_needs_no_network():
     assert {c.source for c in prediction.costs.events.values()} == {DEVICE}
 
 
+def test_a_spec_alone_costs_its_communication_from_collective_benchmarks(tmp_path, project_env):
+    """--collectives beside a spec without [[cluster.network]]: its all-reduces interpolated on the benchmark's points
+    (whatever backend took them), linear here at 1 ns a byte; a size outside them fitted on them."""
+    import numpy as np
+
+    from harness.plan.collectives import SizeResult
+    from harness.store.collectives_file import CollectivesRun, write_collectives
+
+    spec_path = write(tmp_path, spec_text(network=False, dp=2, tp=1, pp=1, nodes=1, gpus_per_node=2))
+    spec = load_spec(spec_path)
+    with pytest.raises(UserError, match=r"--collectives FILE.h5"):
+        predict_spec(spec)
+    sizes = (1_000, 10_000_000_000)
+    results = {"allreduce": [SizeResult("allreduce", n, "float32", 2, np.array([n * 1e-9] * 3), 0) for n in sizes]}
+    bench = tmp_path / "bench.h5"
+    write_collectives(bench, CollectivesRun(bench, "nccl", "all", "intra", [0, 1], "float32", 3, 1, results,
+                                            {"device": "cuda"}))
+    prediction = predict_spec(spec, collectives=[bench])
+    plan, costs = prediction.plan, prediction.costs
+    allreduces = [eid for eid, e in plan.events.items() if e.kind == "allreduce"]
+    assert allreduces
+    for eid in allreduces:
+        assert costs.events[eid].source == "interpolated"
+        assert costs.events[eid].seconds == pytest.approx(plan.events[eid].bytes * 1e-9, rel=1e-6)
+    done = analysis("simulate", str(spec_path), "--collectives", str(bench), "--json", env=project_env)
+    assert done.returncode == 0, done.stderr
+    sources = {e["source"] for e in json.loads(done.stdout)["event_sources"] if e["kind"] in COMM_KINDS}
+    assert sources == {"interpolated"}
+
+
 def test_a_cpu_description_states_no_interval_from_the_gpu_runs(tmp_path):
     """The held-out spec-only runs are A100 runs: a spec alone on a GPU description draws its interval from them, on a
     CPU description (processor = "cpu", as harness device writes on a CPU) it states none."""

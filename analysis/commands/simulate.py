@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_network_argument(parser)
     parser.add_argument("--collectives", nargs="+", default=(), metavar="FILE.h5",
                         help="collective benchmarks (harness collectives -o) of the profile's backend and device: "
-                             "their points join the profile's, to interpolate and fit communication")
+                             "their points join the profile's, to interpolate and fit communication; beside a spec "
+                             "alone, they cost its communication (in place of [[cluster.network]])")
     parser.add_argument("--details", action="store_true",
                         help="also print the model's corrections and the communication fits (--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
