@@ -19,7 +19,9 @@ against real runs, and the network model against published figures.
     tier, `gloo`, fitted to that calibration's collectives (analysis.device_model.in_context_tier; --network
     back-to-back: to the same collectives timed back to back after a barrier, as harness collectives times
     them), and right after it `harness train` on 2 ranks bound to cores (--iterations, 2 of them warm-up); a
-    pair's error is the prediction over the run's median iteration, minus 1. --profiled: each pair also
+    pair's error is the prediction over the run's median iteration, minus 1. Beside it, "per kind": the same spec
+    without the tier, its communication from the calibration's in-context collectives as a benchmark file
+    (`simulate --collectives`: each kind interpolated on its own points, fitted beyond them). --profiled: each pair also
     profiles the job before the run (harness profile) and reports the profiled path's error on the same run
     beside (analysis validate): what the machine's minute costs any prediction. A job's error is the median
     over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
@@ -127,17 +129,37 @@ def costable_jobs(seed: int, count: int) -> tuple[list[DrawnJob], int]:
     return fit[:count], drawn.index(fit[count - 1]) + 1 - count
 
 
-def write_spec(job: DrawnJob, folder: Path, description: Path, tier: dict, seed: int) -> Path:
-    network = [{key: tier[key] for key in ("name", "size", "bandwidth_gbs", "latency_us")}]
+def write_spec(job: DrawnJob, folder: Path, description: Path, tier: dict | None, seed: int,
+               suffix: str = "") -> Path:
+    """The job's spec on `description` with `tier` as its one [[cluster.network]] tier (None: none, for a network
+    given as collective benchmarks)."""
+    network = [{key: tier[key] for key in ("name", "size", "bandwidth_gbs", "latency_us")}] if tier else []
     spec = job.spec.with_changes(device=str(description.resolve()), network=network)
-    path = folder / f"job{job.index + 1:02d}.toml"
+    path = folder / f"job{job.index + 1:02d}{suffix}.toml"
     path.write_text(spec.to_toml(header=f"bench/device_model.py --seed {seed}: {job.name}"))
     return path
 
 
-def predict(spec_path: Path) -> float:
-    """The spec-only batch time of `python -m analysis simulate SPEC.toml --json`."""
-    result = run([sys.executable, "-m", "analysis", "simulate", str(spec_path), "--json"], environment())
+def kinds_collectives(rows: list[dict], path: Path) -> Path:
+    """The calibration's collectives in context as a collective benchmark (harness collectives' file) that
+    `analysis simulate SPEC --collectives` costs a spec's communication from, each kind on its own points."""
+    from harness.plan.collectives import SizeResult
+    from harness.store.collectives_file import CollectivesRun, write_collectives
+
+    ranks = int(rows[0]["ranks"])
+    results: dict[str, list] = {}
+    for r in rows:
+        results.setdefault(r["op"], []).append(
+            SizeResult(r["op"], int(r["bytes"]), "float32", ranks, np.array([float(r["in_context_s"])]), 0))
+    write_collectives(path, CollectivesRun(path, "torch-gloo", "all", "intra", list(range(ranks)), "float32", 1, 0,
+                                           results, {"device": "cpu"}))
+    return path
+
+
+def predict(spec_path: Path, collectives: Path | None = None) -> float:
+    """The spec-only batch time of `python -m analysis simulate SPEC.toml --json` (with `--collectives`)."""
+    extra = ["--collectives", str(collectives)] if collectives else []
+    result = run([sys.executable, "-m", "analysis", "simulate", str(spec_path), "--json", *extra], environment())
     return float(json.loads(result.stdout)["batch_time_s"])
 
 
@@ -167,9 +189,13 @@ def measure_pair(job: DrawnJob, folder: Path, args: argparse.Namespace) -> dict:
         run(launcher() + ["profile", str(spec_path), "-o", str(folder / "prof"), "--quiet", "--force"],
             environment())
     predicted = predict(spec_path)
+    # beside it: no tier, each kind of collective costed on its own in-context points (analysis simulate
+    # --collectives); P2P on the network those points calibrate
+    by_kind = predict(write_spec(job, folder, description, None, args.seed, "-kinds"),
+                      kinds_collectives(rows, folder / "collectives-in-context.h5"))
     measured = measure_run(spec_path, folder / "run", args.iterations)
     pair = {"predicted_s": predicted, "measured_s": measured, "error_pct": (predicted / measured - 1) * 100,
-            "tiers": tiers}
+            "kinds_s": by_kind, "kinds_error_pct": (by_kind / measured - 1) * 100, "tiers": tiers}
     if args.profiled:
         checked = validate(folder, environment())
         pair.update(profiled_s=checked["predicted_batch_time_s"], profiled_error_pct=checked["batch_time_error_pct"])
@@ -198,7 +224,8 @@ def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path)
             profiled = f", profiled {pair['profiled_error_pct']:+.1f}%" if args.profiled else ""
             print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: measured "
                   f"{pair['measured_s'] * 1e3:.1f} ms, spec-only {pair['predicted_s'] * 1e3:.1f} ms, error "
-                  f"{pair['error_pct']:+.1f}%{profiled}; tier {net['bandwidth_gbs']:.3g} GB/s "
+                  f"{pair['error_pct']:+.1f}% (per kind {pair['kinds_error_pct']:+.1f}%){profiled}; tier "
+                  f"{net['bandwidth_gbs']:.3g} GB/s "
                   f"{net['latency_us']:.3g} us "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr,
                   flush=True)
@@ -208,6 +235,7 @@ def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path)
         profiled = [p["profiled_error_pct"] for p in mine if "profiled_error_pct" in p]
         rows.append({"name": job.name, "spec": job.spec.to_dict(), "pairs": mine,
                      "error_pct": float(np.median([p["error_pct"] for p in mine])) if mine else None,
+                     "kinds_error_pct": float(np.median([p["kinds_error_pct"] for p in mine])) if mine else None,
                      "profiled_error_pct": float(np.median(profiled)) if profiled else None,
                      "failed": failures.get(job.index)})
     return rows, tiers
@@ -219,9 +247,10 @@ def summary(rows: list[dict]) -> dict:
            "p90_abs_error_pct": float(np.percentile(errors, 90)) if errors else None,
            "short": sum(r["error_pct"] < 0 for r in rows if r["error_pct"] is not None),
            "jobs": len(errors), "failed_jobs": sum(r["failed"] is not None for r in rows)}
-    profiled = [abs(r["profiled_error_pct"]) for r in rows if r.get("profiled_error_pct") is not None]
-    out["profiled_median_abs_error_pct"] = float(np.median(profiled)) if profiled else None
-    out["profiled_p90_abs_error_pct"] = float(np.percentile(profiled, 90)) if profiled else None
+    for name, key in (("profiled", "profiled_error_pct"), ("kinds", "kinds_error_pct")):
+        beside = [abs(r[key]) for r in rows if r.get(key) is not None]
+        out[f"{name}_median_abs_error_pct"] = float(np.median(beside)) if beside else None
+        out[f"{name}_p90_abs_error_pct"] = float(np.percentile(beside, 90)) if beside else None
     out["goals_met"] = {key: out[key] is not None and out[key] <= goal for key, goal in GOALS.items()}
     return out
 
@@ -251,15 +280,16 @@ def report(result: dict) -> str:
     rows = []
     for r in b["rows"]:
         if r["failed"] is not None:
-            rows.append([r["name"], "FAILED", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
+            rows.append([r["name"], "FAILED", "-", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
             continue
         profiled = "-" if r["profiled_error_pct"] is None else f"{r['profiled_error_pct']:+.1f}"
-        rows.append([r["name"], f"{r['error_pct']:+.1f}", profiled,
+        kinds = "-" if r.get("kinds_error_pct") is None else f"{r['kinds_error_pct']:+.1f}"
+        rows.append([r["name"], f"{r['error_pct']:+.1f}", kinds, profiled,
                      np.median([p["measured_s"] for p in r["pairs"]]) * 1e3,
                      np.median([p["predicted_s"] for p in r["pairs"]]) * 1e3,
                      " ".join(f"{p['error_pct']:+.1f}" for p in r["pairs"])])
-    lines.append(format_table(["job", "error %", "profiled %", "measured ms", "spec-only ms", "rounds' errors %"],
-                              rows))
+    lines.append(format_table(["job", "error %", "per kind %", "profiled %", "measured ms", "spec-only ms",
+                               "rounds' errors %"], rows))
 
     def cell(key: str) -> str:
         value = s[key]
@@ -269,6 +299,9 @@ def report(result: dict) -> str:
     beside = ("" if s["profiled_median_abs_error_pct"] is None else
               f"; the profiled path on the same pairs: median {s['profiled_median_abs_error_pct']:.1f}%, p90 "
               f"{s['profiled_p90_abs_error_pct']:.1f}%")
+    if s.get("kinds_median_abs_error_pct") is not None:
+        beside += (f"; each kind of collective on its own points (per kind %): median "
+                   f"{s['kinds_median_abs_error_pct']:.1f}%, p90 {s['kinds_p90_abs_error_pct']:.1f}%")
     lines.append(f"median |error| {cell('median_abs_error_pct')}, p90 {cell('p90_abs_error_pct')}; "
                  f"{s['short']} of {s['jobs']} short{failed}{beside}")
     lines += ["", "(c) the network rows against published figures (bench/network_model.py --published)",

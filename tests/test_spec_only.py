@@ -200,6 +200,20 @@ def test_a_spec_alone_costs_its_communication_from_collective_benchmarks(tmp_pat
     assert sources == {"interpolated"}
 
 
+def test_the_device_benchs_in_context_collectives_become_a_benchmark_file(tmp_path):
+    """bench/device_model.py's "per kind" column: harness device's in-context rows as a collectives file, each kind
+    its own points (bytes, ranks, seconds) as analysis.collectives reads them for a spec alone."""
+    from analysis.collectives import load, profile_points
+    from bench.device_model import kinds_collectives
+
+    rows = [{"op": op, "bytes": n, "ranks": 2, "in_context_s": t, "back_to_back_s": t / 2}
+            for op, n, t in (("allreduce", 1024, 1e-3), ("allreduce", 4096, 2e-3), ("reducescatter", 4096, 5e-3))]
+    path = kinds_collectives(rows, tmp_path / "c.h5")
+    points = profile_points(load([path]), None, "cpu", "SPEC")
+    assert points == {("allreduce", "intra"): [(1024.0, 2, 1e-3), (4096.0, 2, 2e-3)],
+                      ("reducescatter", "intra"): [(4096.0, 2, 5e-3)]}
+
+
 def test_a_cpu_description_states_no_interval_from_the_gpu_runs(tmp_path):
     """The held-out spec-only runs are A100 runs: a spec alone on a GPU description draws its interval from them, on a
     CPU description (processor = "cpu", as harness device writes on a CPU) it states none."""
