@@ -37,6 +37,7 @@ exit 2 with one message. Figures and history: docs/benchmarks.md ("Device model"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -133,8 +134,11 @@ def write_spec(job: DrawnJob, folder: Path, description: Path, tier: dict | None
                suffix: str = "") -> Path:
     """The job's spec on `description` with `tier` as its one [[cluster.network]] tier (None: none, for a network
     given as collective benchmarks)."""
-    network = [{key: tier[key] for key in ("name", "size", "bandwidth_gbs", "latency_us")}] if tier else []
-    spec = job.spec.with_changes(device=str(description.resolve()), network=network)
+    spec = job.spec.with_changes(device=str(description.resolve()))
+    if tier:
+        spec = spec.with_changes(network=[{key: tier[key] for key in ("name", "size", "bandwidth_gbs", "latency_us")}])
+    elif spec.cluster.network:
+        spec = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, network=()))
     path = folder / f"job{job.index + 1:02d}{suffix}.toml"
     path.write_text(spec.to_toml(header=f"bench/device_model.py --seed {seed}: {job.name}"))
     return path
