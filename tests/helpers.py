@@ -21,15 +21,17 @@ dtype = "float32"
 def tiny_spec_text(*, name="gpt2-small", layers=4, hidden=32, heads=4, ffn=64, seq=16, vocab=128, global_batch=8,
                    micro=2, dp=1, tp=1, pp=1, schedule="1f1b", chunks=None, nodes=1, gpus_per_node=None,
                    warmup=1, repeats=3, precision=0.5, budget_s=0.001, recompute="none", zero=0, cp=1,
-                   cp_comm="ring", extra="") -> str:
-    """A small, valid spec as TOML text (the cluster defaults to one node holding the whole job). Its profile
-    takes exactly `repeats` samples by default: a budget spent by the repeats leaves nothing for precision."""
+                   cp_comm="ring", model=None, extra="") -> str:
+    """A small, valid spec as TOML text (the cluster defaults to one node holding the whole job); `model`: more
+    [model] fields (name -> a string value). Its profile takes exactly `repeats` samples by default: a budget spent
+    by the repeats leaves nothing for precision."""
     gpus_per_node = gpus_per_node or dp * tp * cp * pp // nodes
     chunk_line = f"chunks = {chunks}\n" if chunks else ""
     chunk_line += f"recompute = \"{recompute}\"\n" if recompute != "none" else ""
     chunk_line += f"zero = {zero}\n" if zero else ""
     chunk_line += f"cp = {cp}\ncp_comm = \"{cp_comm}\"\n" if cp > 1 else ""
     return (TINY_MODEL.format(name=name, layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq=seq, vocab=vocab)
+            + "".join(f'{key} = "{value}"\n' for key, value in (model or {}).items())
             + f"[batch]\nglobal = {global_batch}\nmicro = {micro}\n"
             + f"[strategy]\ndp = {dp}\ntp = {tp}\npp = {pp}\nschedule = \"{schedule}\"\n{chunk_line}"
             + f"[cluster]\nnodes = {nodes}\ngpus_per_node = {gpus_per_node}\n"

@@ -18,8 +18,7 @@ from tests.helpers import tiny_spec_text
 
 
 def spec_text(attention: str | None = None, **kwargs) -> str:
-    text = tiny_spec_text(layers=2, **kwargs)
-    return text.replace("vocab = 128", f"vocab = 128\nattention = \"{attention}\"") if attention else text
+    return tiny_spec_text(layers=2, model={"attention": attention} if attention else None, **kwargs)
 
 
 def test_the_default_is_fused_and_a_materialized_spec_round_trips():
@@ -108,7 +107,7 @@ def test_a_factory_model_is_refused_an_attention_kind():
 def test_the_cli_refuses_an_unknown_kind_with_exit_2(tmp_path, project_env, field, value):
     """[model] attention's and cross_entropy's (tests/test_cross_entropy_kind.py) unknown values."""
     path = tmp_path / "spec.toml"
-    path.write_text(tiny_spec_text(layers=2).replace("vocab = 128", f'vocab = 128\n{field} = "{value}"'))
+    path.write_text(tiny_spec_text(layers=2, model={field: value}))
     result = subprocess.run([sys.executable, "-m", "harness", "events", str(path)], capture_output=True, text=True,
                             env=project_env, timeout=120)
     assert result.returncode == 2

@@ -16,8 +16,7 @@ from tests.helpers import tiny_spec_text
 
 
 def spec_text(cross_entropy: str | None = None, **kwargs) -> str:
-    text = tiny_spec_text(layers=2, **kwargs)
-    return text.replace("vocab = 128", f"vocab = 128\ncross_entropy = \"{cross_entropy}\"") if cross_entropy else text
+    return tiny_spec_text(layers=2, model={"cross_entropy": cross_entropy} if cross_entropy else None, **kwargs)
 
 
 def test_the_default_is_torchs_and_megatrons_round_trips_into_the_heads_signature():

@@ -445,8 +445,7 @@ def test_host_issue_time_is_the_launches_times_the_descriptions_figure():
              if plan.events[e].name.startswith("gpt2.block")}
     assert model.issue_seconds(event_kernels(block["fwd"].content)) == pytest.approx(11 * 50e-6)
     assert model.issue_seconds(event_kernels(block["bwd"].content)) == pytest.approx(15 * 50e-6)
-    materialized = build_plan(loads_spec(tiny_spec_text(layers=2).replace("vocab = 128", "vocab = 128\n"
-                                                                          "attention = \"materialized\"")))
+    materialized = build_plan(loads_spec(tiny_spec_text(layers=2, model={"attention": "materialized"})))
     fwd, bwd = (next(e for e in materialized.events.values() if e.name == f"gpt2.block.{phase}")
                 for phase in ("fwd", "bwd"))
     assert model.issue_seconds(event_kernels(fwd.content)) == pytest.approx(13 * 50e-6)
