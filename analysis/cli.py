@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from harness.common.subcommands import build_parser, run_cli
 
-SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "network", "breakdown", "scaling")
+SUBCOMMANDS = ("simulate", "search", "validate", "collectives", "network", "device", "breakdown", "scaling")
 
 
 def main(argv: list[str] | None = None) -> int:
