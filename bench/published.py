@@ -54,6 +54,7 @@ from analysis.costs.device_source import host_issue_seconds  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
 from analysis.device_model import DeviceModel  # noqa: E402
+from analysis.device_refine import HOST, LAUNCH, coordinate_search, describe_step, figure_name, figure_of, with_figures  # noqa: E402
 from analysis.network import spec_network  # noqa: E402
 from analysis.simulate import (  # noqa: E402
     BACKWARD,
@@ -87,8 +88,6 @@ VOCAB = 50257
 # GPU by analysis.memory (fp16 with fp32 master weights and Adam, no distributed optimizer; up to 77 GB) and none more
 # than 80 GB: they ran, so they fit (the single-node runs need at most 30 GB and say nothing either way)
 DEVICE = "a100-80gb"
-LAUNCH = "launch"  # FITTED's name for [efficiency] launch_us
-HOST = "host"  # FITTED's name for the [host] table
 FITTED_NAME = "a100-80gb-vtrain-fit"  # a name of its own: analysis.costs.device_source caches costings by name
 # (curve, field) the fit moves; every other figure stays the shipped description's
 FITTED = (("gemm", "max_fraction"), ("gemm", "half_at"), (LAUNCH, "us"), (HOST, "kernel_issue_us"))
@@ -314,68 +313,24 @@ def predict_ms(prepared: Sequence[SpecOnlyRun], description: DeviceDescription) 
 
 # ----- the fit -----
 
-def with_figures(description: DeviceDescription, figures: Mapping[tuple[str, str], float],
-                 fitted_on: str = "") -> DeviceDescription:
-    """`description` with FITTED's figures replaced (fractions capped at 1)."""
-    curves, launch_s, issue_s = dict(description.curves), description.launch_s, description.kernel_issue_s
-    for (curve, name), value in figures.items():
-        if curve == LAUNCH:
-            launch_s = value * 1e-6
-        elif curve == HOST:
-            issue_s = value * 1e-6
-        else:
-            value = min(value, 1.0) if name == "max_fraction" else value
-            curves[curve] = dataclasses.replace(curves[curve], **{name: value})
-    return dataclasses.replace(description, curves=curves, launch_s=launch_s, kernel_issue_s=issue_s,
-                               fitted=bool(fitted_on), fitted_on=fitted_on)
-
-
-def figure_name(key: tuple[str, str]) -> str:
-    """A FITTED figure as the description's file names it (efficiency.CURVE.FIELD, efficiency.launch_us,
-    host.kernel_issue_us)."""
-    return "launch_us" if key[0] == LAUNCH else f"{key[0]}.{key[1]}"
-
-
-def figure_of(description: DeviceDescription, key: tuple[str, str]) -> float:
-    """One of FITTED's figures as the description holds it (launch and host issue in microseconds)."""
-    if key[0] == LAUNCH:
-        return description.launch_s * 1e6
-    if key[0] == HOST:
-        return description.kernel_issue_s * 1e6
-    return getattr(description.curves[key[0]], key[1])
-
-
 def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, steps: Sequence[float] = FIT_STEPS,
                     progress: Callable[[str], None] | None = None) -> tuple[dict[tuple[str, str], float], float]:
     """FITTED's figures that give the least mean |error| on `prepared`, and that error: for each step in turn,
     a figure times or over the step is taken wherever it lowers the error, until no figure's move does; no figure
     moves above its FIT_CEILINGS (a fraction above 1)."""
     measured = np.array([p.run.measured_ms for p in prepared])
-    figures = {key: figure_of(base, key) or FIT_START.get(key, 0.0) for key in FITTED}
+    start = {key: figure_of(base, key) or FIT_START.get(key, 0.0) for key in FITTED}
 
     def score(candidate: Mapping[tuple[str, str], float]) -> float:
         predicted = predict_ms(prepared, with_figures(base, candidate))
         return float(np.mean(np.abs(errors_pct(predicted, measured))))
 
-    best = score(figures)
-    for step in steps:
-        improved = True
-        while improved:
-            improved = False
-            for key in FITTED:
-                for factor in (step, 1 / step):
-                    value = figures[key] * factor
-                    if value > FIT_CEILINGS.get(key, 1.0 if key[1] == "max_fraction" else math.inf):
-                        continue
-                    candidate = {**figures, key: value}
-                    error = score(candidate)
-                    if error < best:
-                        figures, best, improved = candidate, error, True
-                        break
+    def step_done(step: float, best: float, figures: dict) -> None:
         if progress:
-            progress(f"  step x{step}: MAPE {best:.2f}% at " + ", ".join(
-                f"{figure_name(key)}={v:.3g}" for key, v in figures.items()))
-    return figures, best
+            progress(describe_step(step, f"MAPE {best:.2f}%", figures))
+
+    return coordinate_search(start, score, steps, lambda key: FIT_CEILINGS.get(
+        key, 1.0 if key[1] == "max_fraction" else math.inf), step_done)
 
 
 # ----- the report -----
