@@ -23,7 +23,9 @@ against real runs, and the network model against published figures.
     without the tier, its communication from the calibration's in-context collectives as a benchmark file
     (`simulate --collectives`: each kind interpolated on its own points, fitted beyond them). --profiled: each pair also
     profiles the job before the run (harness profile) and reports the profiled path's error on the same run
-    beside (analysis validate): what the machine's minute costs any prediction. A job's error is the median
+    beside (analysis validate): what the machine's minute costs any prediction, and "refined": the spec
+    costed on its calibration refined on the round's previous pair's profile (`analysis device`), another job's.
+    A job's error is the median
     over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
     43): median <= 10%, p90 <= 20%, on a seed nobody picked: the default seed is the clock's, printed.
 (c) the network rows: bench/network_model.py's published() (the shipped DGX H100 and DGX A100 specs against
@@ -206,23 +208,43 @@ def measure_pair(job: DrawnJob, folder: Path, args: argparse.Namespace) -> dict:
     return pair
 
 
+def refined_on_another(done: list[tuple[DrawnJob, Path, dict]], args: argparse.Namespace) -> None:
+    """With --profiled, after a round: each pair's spec costed again on its calibration refined on the round's
+    previous pair's profile (`python -m analysis device`; the first pair on the last's), a job it has not seen, the
+    tier as before: the "refined" column, what a small profile of one job gives a spec alone of another."""
+    for i, (job, folder, pair) in enumerate(done):
+        other = done[i - 1][1]
+        refined = folder / "device-refined.toml"
+        run([sys.executable, "-m", "analysis", "device", str(other / "prof"), "--device", str(folder / "device.toml"),
+             "-o", str(refined), "--quiet"], environment())
+        pair["refined_s"] = predict(write_spec(job, folder, refined, pair["tiers"][args.network], args.seed,
+                                               "-refined"))
+        pair["refined_error_pct"] = (pair["refined_s"] / pair["measured_s"] - 1) * 100
+        pair["refined_on"] = other.name
+        print(f"  {folder.name} refined on {other.name}'s profile: spec-only {pair['refined_s'] * 1e3:.1f} ms, "
+              f"error {pair['refined_error_pct']:+.1f}%", file=sys.stderr, flush=True)
+
+
 def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path) -> tuple[list, list]:
     """(b)'s rounds: a pair for every job (in reverse order every other round). (job rows, each pair's tiers)."""
     pairs: dict[int, list[dict]] = {job.index: [] for job in jobs}
     failures: dict[int, str] = {}
     tiers = []
     for round_index in range(args.rounds):
+        done: list[tuple[DrawnJob, Path, dict]] = []
         for job in jobs if round_index % 2 == 0 else list(reversed(jobs)):
             if job.index in failures:
                 continue
             started = time.monotonic()
+            folder = root / f"round{round_index + 1}-job{job.index + 1:02d}"
             try:
-                pair = measure_pair(job, root / f"round{round_index + 1}-job{job.index + 1:02d}", args)
+                pair = measure_pair(job, folder, args)
             except SystemExit as exc:  # bench.accuracy.run's failure: the command and its stderr's tail
                 failures[job.index] = str(exc.code)
                 print(f"[round {round_index + 1} job {job.index + 1}] {job.name}: FAILED", file=sys.stderr)
                 continue
             pairs[job.index].append({"round": round_index + 1, **pair})
+            done.append((job, folder, pairs[job.index][-1]))
             tiers.append(pair["tiers"])
             net = pair["tiers"][args.network]
             profiled = f", profiled {pair['profiled_error_pct']:+.1f}%" if args.profiled else ""
@@ -233,6 +255,8 @@ def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path)
                   f"{net['latency_us']:.3g} us "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr,
                   flush=True)
+        if args.profiled and len(done) > 1:
+            refined_on_another(done, args)
     rows = []
     for job in jobs:
         mine = pairs[job.index]
@@ -240,6 +264,8 @@ def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path)
         rows.append({"name": job.name, "spec": job.spec.to_dict(), "pairs": mine,
                      "error_pct": float(np.median([p["error_pct"] for p in mine])) if mine else None,
                      "kinds_error_pct": float(np.median([p["kinds_error_pct"] for p in mine])) if mine else None,
+                     "refined_error_pct": (float(np.median([p["refined_error_pct"] for p in mine]))
+                                           if mine and all("refined_error_pct" in p for p in mine) else None),
                      "profiled_error_pct": float(np.median(profiled)) if profiled else None,
                      "failed": failures.get(job.index)})
     return rows, tiers
@@ -251,7 +277,8 @@ def summary(rows: list[dict]) -> dict:
            "p90_abs_error_pct": float(np.percentile(errors, 90)) if errors else None,
            "short": sum(r["error_pct"] < 0 for r in rows if r["error_pct"] is not None),
            "jobs": len(errors), "failed_jobs": sum(r["failed"] is not None for r in rows)}
-    for name, key in (("profiled", "profiled_error_pct"), ("kinds", "kinds_error_pct")):
+    for name, key in (("profiled", "profiled_error_pct"), ("kinds", "kinds_error_pct"),
+                      ("refined", "refined_error_pct")):
         beside = [abs(r[key]) for r in rows if r.get(key) is not None]
         out[f"{name}_median_abs_error_pct"] = float(np.median(beside)) if beside else None
         out[f"{name}_p90_abs_error_pct"] = float(np.percentile(beside, 90)) if beside else None
@@ -284,15 +311,16 @@ def report(result: dict) -> str:
     rows = []
     for r in b["rows"]:
         if r["failed"] is not None:
-            rows.append([r["name"], "FAILED", "-", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
+            rows.append([r["name"], "FAILED", "-", "-", "-", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
             continue
         profiled = "-" if r["profiled_error_pct"] is None else f"{r['profiled_error_pct']:+.1f}"
         kinds = "-" if r.get("kinds_error_pct") is None else f"{r['kinds_error_pct']:+.1f}"
-        rows.append([r["name"], f"{r['error_pct']:+.1f}", kinds, profiled,
+        refined = "-" if r.get("refined_error_pct") is None else f"{r['refined_error_pct']:+.1f}"
+        rows.append([r["name"], f"{r['error_pct']:+.1f}", kinds, refined, profiled,
                      np.median([p["measured_s"] for p in r["pairs"]]) * 1e3,
                      np.median([p["predicted_s"] for p in r["pairs"]]) * 1e3,
                      " ".join(f"{p['error_pct']:+.1f}" for p in r["pairs"])])
-    lines.append(format_table(["job", "error %", "per kind %", "profiled %", "measured ms", "spec-only ms",
+    lines.append(format_table(["job", "error %", "per kind %", "refined %", "profiled %", "measured ms", "spec-only ms",
                                "rounds' errors %"], rows))
 
     def cell(key: str) -> str:
@@ -306,6 +334,9 @@ def report(result: dict) -> str:
     if s.get("kinds_median_abs_error_pct") is not None:
         beside += (f"; each kind of collective on its own points (per kind %): median "
                    f"{s['kinds_median_abs_error_pct']:.1f}%, p90 {s['kinds_p90_abs_error_pct']:.1f}%")
+    if s.get("refined_median_abs_error_pct") is not None:
+        beside += (f"; on the calibration refined on another job's profile (refined %): median "
+                   f"{s['refined_median_abs_error_pct']:.1f}%, p90 {s['refined_p90_abs_error_pct']:.1f}%")
     lines.append(f"median |error| {cell('median_abs_error_pct')}, p90 {cell('p90_abs_error_pct')}; "
                  f"{s['short']} of {s['jobs']} short{failed}{beside}")
     lines += ["", "(c) the network rows against published figures (bench/network_model.py --published)",

@@ -114,11 +114,15 @@ step "06-$first_name-layer-times" bash -c "$PY -m harness train $OUTDIR/$first_n
 
 # The device model (issue 43): this device's curves measured by harness device (one calibration: the TOML and
 # its JSON at once), then each size from its spec alone on them (every compute event from the device model)
-# beside the run above (its measured batch time); on a GPU also on the shipped description of an H200.
+# beside the run above (its measured batch time); on the calibration refined on a profile; on a GPU also on the
+# shipped description of an H200.
 QUICK=$([ "$DEVICE" = cuda ] || echo --quick)
 step 10-device-calibrate bash -c "$PY -m harness device --device $DEVICE --dtype $DTYPE $QUICK --quiet --json \
     -o $OUTDIR/local-device.toml >$OUTDIR/local-device.json && cat $OUTDIR/local-device.toml"
-DESCRIPTIONS="local:$OUTDIR/local-device.toml"
+# The calibration refined on the first size's profile (analysis device): the other sizes are jobs it has not seen.
+step 10-device-refine $PY -m analysis device "$OUTDIR/$first_name" --device "$OUTDIR/local-device.toml" \
+    -o "$OUTDIR/local-refined.toml" --quiet
+DESCRIPTIONS="local:$OUTDIR/local-device.toml refined:$OUTDIR/local-refined.toml"
 [ "$DEVICE" = cuda ] && DESCRIPTIONS="$DESCRIPTIONS shipped-h200:h200"
 for size in $SIZES; do
     name=${size%%:*}
