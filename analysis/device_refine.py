@@ -161,9 +161,10 @@ def profile_events(profile: Profile) -> list[RefineEvent]:
 # ----- the refinement -----
 
 def figure_shares(device: DeviceModel, events: Sequence[RefineEvent]) -> dict[tuple[str, str], float]:
-    """Each REFINABLE figure's share of the events' modelled seconds on `device`: the seconds of the kernels whose
-    time it sets (a GEMM's or an attention's compute-bound time, a memory-bound kernel's or any kernel's memory-
-    bound time, every kernel's launches)."""
+    """Each REFINABLE figure's share of the events' modelled seconds on `device`: the memory curve's the time of
+    every memory-bound kind's kernels and of any kernel on the memory side of the roofline; a GEMM curve's the
+    compute time of the compute-bound GEMMs, an attention curve's that of its attention kernels; the launch's
+    every launch."""
     seconds: dict[tuple[str, str], float] = dict.fromkeys(REFINABLE, 0.0)
     total = 0.0
     for event in events:
@@ -172,8 +173,7 @@ def figure_shares(device: DeviceModel, events: Sequence[RefineEvent]) -> dict[tu
             total += time.seconds
             seconds[(LAUNCH, "us")] += time.launch_s
             if time.bound == "memory" or isinstance(kernel, MemoryBound):
-                if not (isinstance(kernel, MemoryBound) and kernel.op in device.description.optimizer):
-                    seconds[("memory", "max_fraction")] += max(time.compute_s, time.memory_s)
+                seconds[("memory", "max_fraction")] += max(time.compute_s, time.memory_s)
             elif isinstance(kernel, Gemm):
                 seconds[("gemm", "max_fraction")] += time.compute_s
                 seconds[("gemm", "half_at")] += time.compute_s
@@ -229,11 +229,8 @@ def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str =
                         "backward)")
     device = DeviceModel(base)
     shares = figure_shares(device, events)
-    keys = [key for key in REFINABLE if shares[key] >= MIN_SHARE and (key[0] == LAUNCH or key[0] in base.curves)]
-    start = {key: figure_of(base, key) for key in keys}
-    if any(value <= 0 for value in start.values()):
-        keys = [key for key in keys if start[key] > 0]
-        start = {key: start[key] for key in keys}
+    start = {key: figure_of(base, key) for key in REFINABLE if shares[key] >= MIN_SHARE
+             and (key[0] == LAUNCH or key[0] in base.curves) and figure_of(base, key) > 0}
 
     def score(figures: dict) -> float:
         return float(np.mean(np.abs(log_errors(DeviceModel(with_figures(base, figures)), events))))
@@ -242,7 +239,7 @@ def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str =
         if progress:
             progress(describe_step(step, f"mean |log error| {best:.4f}", figures))
 
-    figures, _ = coordinate_search(start, score, progress=step_done, min_gain=MIN_GAIN) if keys else ({}, 0.0)
+    figures, _ = coordinate_search(start, score, progress=step_done, min_gain=MIN_GAIN) if start else ({}, 0.0)
     issued = [e for e in events if e.host_issue_s > 0]
     if issued:
         launches = sum(base.kernel_launches(k) for e in issued for k in e.kernels)
