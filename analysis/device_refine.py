@@ -34,7 +34,8 @@ from harness.plan.device import DeviceDescription
 from harness.plan.events import build_plan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 
-LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and [host] kernel_issue_us
+LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and the [host] table's
+_HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s"}
 REFINABLE = (("gemm", "max_fraction"), ("gemm", "half_at"), ("memory", "max_fraction"),
              ("sdpa_forward", "max_fraction"), ("sdpa_backward", "max_fraction"),
              ("materialized_attention", "max_fraction"), (LAUNCH, "us"))
@@ -51,36 +52,36 @@ JSON_VERSION = 1  # of `analysis device --json` (docs/devices.md, "Refined on a 
 
 def figure_name(key: tuple[str, str]) -> str:
     """A figure as the description's file names it (efficiency.CURVE.FIELD, efficiency.launch_us,
-    host.kernel_issue_us)."""
+    host.kernel_issue_us, host.collective_issue_us)."""
     if key[0] == LAUNCH:
         return "efficiency.launch_us"
     if key[0] == HOST:
-        return "host.kernel_issue_us"
+        return f"host.{key[1]}"
     return f"efficiency.{key[0]}.{key[1]}"
 
 
 def figure_of(description: DeviceDescription, key: tuple[str, str]) -> float:
-    """A figure as the description holds it (the launch and the host's issue in microseconds)."""
+    """A figure as the description holds it (the launch and the host's issue times in microseconds)."""
     if key[0] == LAUNCH:
         return description.launch_s * 1e6
     if key[0] == HOST:
-        return description.kernel_issue_s * 1e6
+        return getattr(description, _HOST_FIELDS[key[1]]) * 1e6
     return getattr(description.curves[key[0]], key[1])
 
 
 def with_figures(description: DeviceDescription, figures: Mapping[tuple[str, str], float],
                  fitted_on: str = "") -> DeviceDescription:
     """`description` with `figures` replaced (a max_fraction capped at 1); `fitted_on` given: marked fitted on it."""
-    curves, launch_s, issue_s = dict(description.curves), description.launch_s, description.kernel_issue_s
+    curves, launch_s, host = dict(description.curves), description.launch_s, {}
     for (curve, name), value in figures.items():
         if curve == LAUNCH:
             launch_s = value * 1e-6
         elif curve == HOST:
-            issue_s = value * 1e-6
+            host[_HOST_FIELDS[name]] = value * 1e-6
         else:
             value = min(value, 1.0) if name == "max_fraction" else value
             curves[curve] = dataclasses.replace(curves[curve], **{name: value})
-    changed = dataclasses.replace(description, curves=curves, launch_s=launch_s, kernel_issue_s=issue_s)
+    changed = dataclasses.replace(description, curves=curves, launch_s=launch_s, **host)
     return dataclasses.replace(changed, fitted=True, fitted_on=fitted_on) if fitted_on else changed
 
 

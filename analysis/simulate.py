@@ -248,11 +248,13 @@ def _step_durations(costs: Costs, items: Sequence[str], layers: Sequence[int]) -
     """Durations of a step's items. A tensor-parallel layer profiled as a composite (with its all-reduces, on a
     real group) takes the composite's time: its compute as profiled alone, its all-reduces share the rest.
     Where a GPU profile gives the host's issue times, the step is issued and run as on a GPU (`_issued`; the
-    host waits after the inline collectives unless `Costs.host_waits_on_collectives` says it does not).
+    host waits after the inline collectives unless `Costs.host_waits_on_collectives` says it does not; it issues
+    each of them in `Costs.collective_issue_s`).
     A backward step is one backward() call: every backward but the first sheds the call's start that its
     own sample paid (`Costs.backward_call`), from the host's issue time on a GPU, from its time on a CPU."""
     out = _composite_split(costs, items, layers)
-    host = [costs.host_issue.get(e) for e in items]
+    host = [costs.host_issue.get(e) if layer != -1 else (costs.collective_issue_s or None)
+            for e, layer in zip(items, layers)]
     called = False
     for i, eid in enumerate(items):
         call = costs.backward_call.get(eid)

@@ -90,10 +90,14 @@ VOCAB = 50257
 DEVICE = "a100-80gb"
 FITTED_NAME = "a100-80gb-vtrain-fit"  # a name of its own: analysis.costs.device_source caches costings by name
 # (curve, field) the fit moves; every other figure stays the shipped description's
-FITTED = (("gemm", "max_fraction"), ("gemm", "half_at"), (LAUNCH, "us"), (HOST, "kernel_issue_us"))
+FITTED = (("gemm", "max_fraction"), ("gemm", "half_at"), (LAUNCH, "us"), (HOST, "kernel_issue_us"),
+          (HOST, "collective_issue_us"))
 # where the multiplicative search starts a figure the description leaves at 0 (the shipped A100s give no host time):
 # eager PyTorch's few microseconds a kernel on the host, times a few for Megatron's Python around each
 FIT_START = {(HOST, "kernel_issue_us"): 20.0}
+# a figure whose multiplicative search would walk to 0 and never come back, fitted on a grid instead (the others
+# searched at each value): the host's time to issue a collective, 0 to 80 us (eager c10d and NCCL's enqueue are tens)
+FIT_GRID = {(HOST, "collective_issue_us"): (0.0, 5.0, 10.0, 20.0, 40.0, 80.0)}
 FIT_STEPS = (1.5, 1.2, 1.07)  # the coarse search's multiplicative steps, coarse to fine
 # the most a fitted figure may be, from outside these runs: a GEMM curve's plateau no higher than the best an A100 SXM
 # was measured to multiply at (271.2 of 312 TFLOP/s in bf16, the best of a search over shapes: stas00/ml-engineering,
@@ -256,7 +260,8 @@ class SpecOnlyRun:
     """One run's plan with what does not depend on the device's figures made once: its communication events'
     seconds (the network model over the slowest of their groups) and its compute events' kernels (attention as the
     spec says). Costed as analysis.costs.device_source costs them: the kernels' seconds on the device, the
-    host's issue time (host_issue_seconds) as Costs.host_issue, and no host wait after an inline collective."""
+    host's issue time (host_issue_seconds) as Costs.host_issue, each inline collective issued in the description's
+    collective_issue_s and no host wait after it."""
 
     def __init__(self, run: Run, network: tuple[NetworkTier, ...]):
         self.run = run
@@ -289,6 +294,7 @@ class SpecOnlyRun:
         # every compute event is the description's: the host does not wait after the inline collectives, as
         # predict_spec's chain says (DeviceSource.finish)
         costs.host_waits_on_collectives = False
+        costs.collective_issue_s = device.description.collective_issue_s
         return costs
 
     def batch_time_s(self, device: DeviceModel, cache: dict[str, tuple[float, float]] | None = None) -> float:
@@ -315,11 +321,13 @@ def predict_ms(prepared: Sequence[SpecOnlyRun], description: DeviceDescription) 
 
 def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, steps: Sequence[float] = FIT_STEPS,
                     progress: Callable[[str], None] | None = None) -> tuple[dict[tuple[str, str], float], float]:
-    """FITTED's figures that give the least mean |error| on `prepared`, and that error: for each step in turn,
-    a figure times or over the step is taken wherever it lowers the error, until no figure's move does; no figure
-    moves above its FIT_CEILINGS (a fraction above 1)."""
+    """FITTED's figures that give the least mean |error| on `prepared`, and that error. For each value of
+    FIT_GRID's figure, the others by coordinate_search (for each step in turn, a figure times or over the step
+    wherever it lowers the error, until no figure's move does; none above its FIT_CEILINGS); the best of those,
+    then every figure once more at the finest step."""
     measured = np.array([p.run.measured_ms for p in prepared])
     start = {key: figure_of(base, key) or FIT_START.get(key, 0.0) for key in FITTED}
+    ceiling = lambda key: FIT_CEILINGS.get(key, 1.0 if key[1] == "max_fraction" else math.inf)  # noqa: E731
 
     def score(candidate: Mapping[tuple[str, str], float]) -> float:
         predicted = predict_ms(prepared, with_figures(base, candidate))
@@ -329,8 +337,16 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
         if progress:
             progress(describe_step(step, f"MAPE {best:.2f}%", figures))
 
-    return coordinate_search(start, score, steps, lambda key: FIT_CEILINGS.get(
-        key, 1.0 if key[1] == "max_fraction" else math.inf), step_done)
+    (grid_key, values), = FIT_GRID.items()
+    best: tuple[dict, float] | None = None
+    for value in values:
+        others = {key: v for key, v in start.items() if key != grid_key}
+        figures, error = coordinate_search(others, lambda c, v=value: score({**c, grid_key: v}), steps, ceiling)
+        if progress:
+            progress(f"  {figure_name(grid_key)} = {value:g}: MAPE {error:.2f}%")
+        if best is None or error < best[1]:
+            best = {**figures, grid_key: value}, error
+    return coordinate_search(best[0], score, steps[-1:], ceiling, step_done)
 
 
 # ----- the report -----

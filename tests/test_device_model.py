@@ -395,6 +395,8 @@ def description_text(**replace) -> str:
     ("format = 1", "format = 3", "format", "unsupported device format"),
     ("fitted = false\n", "fitted = false\n[vector_ops]\ngelu = 3.0\n", "vector_ops", "format 2 table"),
     ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
+    ("fitted = false\n", "fitted = false\n[host]\ncollective_issue_us = -3.0\n", "host.collective_issue_us",
+     "0 or more"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
@@ -468,6 +470,10 @@ def test_host_figure_round_trips_and_is_optional():
     assert parse_device(tomllib.loads(text)).kernel_issue_s == pytest.approx(72e-6)
     assert "[host]" not in flat_device().to_toml()
     assert all(load_device(name).kernel_issue_s == 0.0 for name in SHIPPED)
+    both = flat_device(kernel_issue_s=72e-6, collective_issue_s=25e-6)
+    assert "[host]\nkernel_issue_us = 72.0\ncollective_issue_us = 25.0" in both.to_toml()
+    assert parse_device(tomllib.loads(both.to_toml())) == both
+    assert all(load_device(name).collective_issue_s == 0.0 for name in SHIPPED)
 
 
 def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):

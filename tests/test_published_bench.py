@@ -177,11 +177,15 @@ def test_a_run_becomes_its_megatron_spec_on_the_readmes_cluster():
 
 @needs_data
 def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
-    runs = published.read_runs("single")[:3] + published.read_runs("multi")[:2]
+    single = published.read_runs("single")
+    runs = single[:3] + [run for run in single if run.tp == 8][:1] + published.read_runs("multi")[:2]
+    assert sum(run.tp > 1 for run in runs) >= 1  # a run with inline collectives, issued on the host
     base = load_device(published.DEVICE)
-    # every fitted figure moved, the host's issue time from 0 to the fit's start: the fast path plays it as
-    # predict_spec does (Costs.host_issue against the device's time)
-    figures = {key: (published.figure_of(base, key) or published.FIT_START[key]) * 1.1 for key in published.FITTED}
+    # every fitted figure moved, the host's issue times from 0 to the fit's start (a collective's to its grid's
+    # 20 us): the fast path plays them as predict_spec does (Costs.host_issue and collective_issue_s against the
+    # device's time)
+    start = {**published.FIT_START, (published.HOST, "collective_issue_us"): 20.0}
+    figures = {key: (published.figure_of(base, key) or start[key]) * 1.1 for key in published.FITTED}
     described = dataclasses.replace(published.with_figures(base, figures, "a test"), name="a100-test-fit")
     path = tmp_path / "a100-test-fit.toml"
     path.write_text(described.to_toml())
@@ -198,7 +202,9 @@ def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
         min(1.0, base.curves["gemm"].max_fraction * 1.1))
     assert described.kernel_issue_s == pytest.approx(published.FIT_START[(published.HOST, "kernel_issue_us")]
                                                       * 1.1e-6)
+    assert described.collective_issue_s == pytest.approx(22e-6)
     assert predictions[0].costs.host_issue  # the spec-only prediction was played against the host
+    assert all(p.costs.collective_issue_s == pytest.approx(22e-6) for p in predictions)
 
 
 @needs_data

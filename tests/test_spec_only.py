@@ -313,6 +313,32 @@ def test_a_spec_alone_enqueues_its_collectives_without_the_hosts_wait(tmp_path):
     assert predict_spec(spec, resamples=0).timeline.batch_time_s == pytest.approx(free)
 
 
+def test_the_host_issues_each_inline_collective_in_the_descriptions_time(tmp_path):
+    """[host] collective_issue_us: a host-bound spec alone pays it once an inline collective, on the host's track
+    (played as a compute event's issue time is), nothing where the description gives none."""
+    import dataclasses
+
+    from analysis.simulate import batch_time
+    from harness.plan.device import load_device
+
+    described = dataclasses.replace(load_device("a100-80gb"), name="a100-collective-issue-test", kernel_issue_s=200e-6)
+    plain = write(tmp_path, described.to_toml(), "plain.toml")
+    issuing = write(tmp_path, dataclasses.replace(described, collective_issue_s=1e-3).to_toml(), "issuing.toml")
+    layout = {"pp": 1, "nodes": 1, "gpus_per_node": 4}  # one stage: its steps one after another
+    spec = loads_spec(spec_text(device=str(plain), **layout))
+    plan = build_plan(spec)
+    inline = sum(layer == -1 for layer in plan.stages[0].forward_layers + plan.stages[0].backward_layers)
+    costs = estimate_costs(plan, spec_profile(spec))
+    assert costs.collective_issue_s == 0.0 and inline > 0
+    slow_spec = loads_spec(spec_text(device=str(issuing), **layout))
+    slow_plan = build_plan(slow_spec)
+    slow = estimate_costs(slow_plan, spec_profile(slow_spec))
+    assert slow.collective_issue_s == pytest.approx(1e-3)
+    # every collective's millisecond on the host, the device far ahead of it
+    assert batch_time(slow_plan, slow) - batch_time(plan, costs) == pytest.approx(inline * spec.micro_batches * 1e-3,
+                                                                                  rel=0.05)
+
+
 def test_the_model_state_floor_is_what_the_last_backward_leaves():
     """18 bytes a parameter of the larger pipeline stage with Megatron's mixed precision; the modelled peak holds
     it and more (the activations), so a search may rule a candidate out by it alone."""

@@ -156,11 +156,13 @@ class DeviceSource(CostSource):
 
     def finish(self, costs: Costs) -> None:
         """Where every compute event is the description's (a spec alone), the job runs as Megatron-LM runs it:
-        the host enqueues a step's inline collectives and goes on (Costs.host_waits_on_collectives); a profile's
-        measured events keep the waits of the harness's loop that timed them."""
+        the host enqueues a step's inline collectives, each in the description's collective_issue_s, and goes on
+        (Costs.host_waits_on_collectives); a profile's measured events keep the waits of the harness's loop that
+        timed them."""
         compute = [cost for cost in costs.events.values() if cost.kind == "compute"]
         if compute and all(cost.source == DEVICE for cost in compute):
             costs.host_waits_on_collectives = False
+            costs.collective_issue_s = self.device.description.collective_issue_s
 
 
 def source_counts(costs: Costs) -> dict[str, dict[str, int]]:

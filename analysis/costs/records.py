@@ -76,6 +76,10 @@ class Costs:
     # from a device description alone, as Megatron-LM runs it (its collectives enqueued on the stream, the host
     # issuing the next kernels at once; analysis.costs.device_source)
     host_waits_on_collectives: bool = True
+    # the host's seconds to issue each inline collective of a step (a spec alone on a description with [host]
+    # collective_issue_us; analysis.costs.device_source): played against the device's time as a compute event's
+    # host_issue is
+    collective_issue_s: float = 0.0
     # compute event id -> its samples' statistic alone (the layer in a loop), where the profile timed it in its
     # stages' chains too and `events` holds that in-context figure instead (harness.profile.in_context)
     isolated: dict[str, float] = field(default_factory=dict)
