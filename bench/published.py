@@ -10,9 +10,10 @@ predictions are analysis.predict.predict_spec's (no profile); the fit evaluates 
 (SpecOnlyRun: the communication and the kernels made once per run).
 
 Fitted, and on what: the description's figures FITTED (the GEMM curve, the launch time and the host's issue time
-a kernel) on a seeded half of the single-node set (split_half: within every (model, GPUs) group, a permutation by
-SPLIT_SEED; the seed is printed), by a coarse search (fit_description: coordinate passes over a multiplicative
-grid, least mean |error|; the GEMM plateau no higher than an A100's best measured matmul, FIT_CEILINGS). The
+a kernel and a collective) on a seeded half of the single-node set (split_half: within every (model, GPUs) group, a
+permutation by SPLIT_SEED; the seed is printed), by a coarse search (fit_description: the collective's issue time on
+a grid, FIT_GRID, the others by coordinate passes over a multiplicative grid at each of its values, least mean
+|error|; the GEMM plateau no higher than an A100's best measured matmul, FIT_CEILINGS). The
 other half and the whole multi-node set are held out: nothing is fitted on them.
 The fitted description is written to bench/out/a100-vtrain-fitted.toml.
 
