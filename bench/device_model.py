@@ -215,10 +215,15 @@ def refined_on_another(done: list[tuple[DrawnJob, Path, dict]], args: argparse.N
     for i, (job, folder, pair) in enumerate(done):
         other = done[i - 1][1]
         refined = folder / "device-refined.toml"
-        run([sys.executable, "-m", "analysis", "device", str(other / "prof"), "--device", str(folder / "device.toml"),
-             "-o", str(refined), "--quiet"], environment())
-        pair["refined_s"] = predict(write_spec(job, folder, refined, pair["tiers"][args.network], args.seed,
-                                               "-refined"))
+        try:
+            run([sys.executable, "-m", "analysis", "device", str(other / "prof"), "--device",
+                 str(folder / "device.toml"), "-o", str(refined), "--quiet"], environment())
+            pair["refined_s"] = predict(write_spec(job, folder, refined, pair["tiers"][args.network], args.seed,
+                                                   "-refined"))
+        except SystemExit as exc:  # the pairs already measured are kept; this column is left out for the job
+            print(f"  {folder.name} refined on {other.name}'s profile: FAILED {str(exc.code).strip()[-200:]}",
+                  file=sys.stderr, flush=True)
+            continue
         pair["refined_error_pct"] = (pair["refined_s"] / pair["measured_s"] - 1) * 100
         pair["refined_on"] = other.name
         print(f"  {folder.name} refined on {other.name}'s profile: spec-only {pair['refined_s'] * 1e3:.1f} ms, "
