@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.calibration import device_kind
+from analysis.costs import estimate_costs
+from analysis.costs.records import MEASURED
 from analysis.device_model import DeviceModel
 from analysis.profile_reader import Profile, layers_for
 from harness.common.errors import UserError
@@ -139,9 +141,6 @@ class RefineEvent:
 
 def profile_events(profile: Profile) -> list[RefineEvent]:
     """The profile's forward and backward compute events (module docstring) as its own plan costs them."""
-    from analysis.costs import estimate_costs
-    from analysis.costs.records import MEASURED
-
     spec = dataclasses.replace(profile.spec, cluster=dataclasses.replace(profile.spec.cluster, device=""))
     plan = build_plan(spec, layers=layers_for(profile, spec))
     costs = estimate_costs(plan, profile, spec_hint=str(profile.path))

@@ -134,6 +134,12 @@ def write_handmade_profile(path: str | Path, spec: JobSpec,
                          placement={m.id: m.ranks for m in measurements})
 
 
+def run_analysis(*args: str, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m analysis ARGS` in a fresh interpreter from the repository (or `cwd`)."""
+    return subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True, cwd=cwd or REPO,
+                          timeout=120)
+
+
 def run_python(script: str, cwd: str | Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run a Python script in a fresh interpreter with the project importable."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import tomllib
 
 import pytest
@@ -29,15 +27,10 @@ from harness.common.errors import UserError
 from harness.plan.device import load_device, parse_device
 from harness.plan.kernels import Gemm, MemoryBound
 from tests.helpers import write_spec
-from tests.test_analysis_helpers import REPO
+from tests.test_analysis_helpers import REPO, run_analysis
 
 PROFILE = REPO / "tests" / "data" / "pp2-profile.h5"
 CPU = REPO / "tests" / "data" / "cpu-device.toml"
-
-
-def run_analysis(*args):
-    return subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
 
 
 def test_the_profiles_events_are_its_measured_forwards_and_backwards():

@@ -4,7 +4,6 @@ hand, NCCL's choices, the plan's groups over the tiers, the what-if and `analysi
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ from harness.common.errors import SpecError
 from harness.plan.events import build_plan
 from harness.plan.network import GroupSpan, NetworkTier, check_tiers, group_span, parse_network, parse_overrides
 from harness.plan.spec import loads_spec
-from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, write_handmade_profile
+from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_analysis, write_handmade_profile
 
 DGX = [dict(name="nvlink", size=8, bandwidth_gbs=450, latency_us=1.0, nvls=True),
        dict(name="ib", size=2048, bandwidth_gbs=50, latency_us=5.0, rails=True)]
@@ -195,11 +194,6 @@ def test_the_plan_costs_its_groups_where_they_lie(tmp_path):
     assert faster.events[dp_event].seconds < costs.events[dp_event].seconds / 2
     with pytest.raises(SpecError, match="no tier 'ib'"):
         what_if_network(target, profile, "ib.bandwidth_gbs=10")
-
-
-def run_analysis(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "analysis", *args], capture_output=True, text=True, cwd=cwd or REPO,
-                          timeout=120)
 
 
 def test_analysis_network_command(tmp_path):
