@@ -8,8 +8,9 @@ longer than its prediction. A device kind without held-out runs has no such fact
 
 A kind's entry may state the domain its runs cover (`domain`: the model widths, device counts and nodes they had)
 and, beside its runs, `beyond_runs`: errors measured where the model was fitted on part of that domain and scored
-outside it. A prediction outside the domain draws on those (ResidualDomain.contains), since the runs inside it say
-nothing of how far the model carries.
+outside it, and `multi_node_runs`: held-out errors of runs on many nodes. A prediction outside the domain draws on
+one of those (analysis.uncertainty.gpu_residuals_for says which), since the runs inside it say nothing of how far the
+model carries.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import numpy as np
 
 RESIDUALS_PATH = Path(__file__).resolve().parent / "data" / "model_residuals.json"
 RESIDUALS_KIND = "distsim-model-residuals"
+# a kind's lists of runs in the file, and what each holds
+RESIDUAL_PARTS = {"runs": "held-out", "beyond_runs": "out-of-domain", "multi_node_runs": "multi-node held-out"}
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,17 @@ class ModelResiduals:
     dates: tuple[str, ...]
     bench: str = "bench/generalization.py"  # what measured them (the file's "command", its script)
     domain: ResidualDomain | None = None  # what the runs covered (None: not stated)
-    beyond: bool = False  # errors of predictions outside the domain of the runs fitted on
+    part: str = "runs"  # which of the file's lists (RESIDUAL_PARTS)
+
+    @property
+    def beyond(self) -> bool:
+        """Errors of predictions outside the domain of the runs fitted on."""
+        return self.part == "beyond_runs"
 
     @property
     def source(self) -> str:
         seeds = ", ".join(str(s) for s in dict.fromkeys(self.seeds))
-        what = "out-of-domain" if self.beyond else "held-out"
+        what = RESIDUAL_PARTS[self.part]
         where = f"; beyond {self.domain.text()}" if self.beyond and self.domain else ""
         return (f"{len(self.ratios)} {what} {self.device.upper()} runs of {self.bench} (seeds {seeds}; "
                 f"{', '.join(sorted(set(self.dates)))}{where})")
@@ -71,7 +79,8 @@ class ModelResiduals:
         return {"device": self.device, "runs": len(self.ratios), "seeds": list(self.seeds), "dates": list(self.dates),
                 "median_ratio": float(np.median(ratios)), "p5_ratio": float(np.percentile(ratios, 5)),
                 "p95_ratio": float(np.percentile(ratios, 95)), "source": self.source,
-                "domain": self.domain.to_dict() if self.domain else None, "beyond_domain": self.beyond}
+                "domain": self.domain.to_dict() if self.domain else None, "beyond_domain": self.beyond,
+                "part": self.part}
 
 
 def device_kind(environment: Mapping[str, Any]) -> str:
@@ -80,9 +89,9 @@ def device_kind(environment: Mapping[str, Any]) -> str:
 
 
 @lru_cache(maxsize=8)
-def model_residuals(device: str, path: Path = RESIDUALS_PATH, beyond: bool = False) -> ModelResiduals | None:
-    """The held-out runs of `device` ('cpu', 'cuda'), or with `beyond` its out-of-domain runs; None where there are
-    none (or no file)."""
+def model_residuals(device: str, path: Path = RESIDUALS_PATH, part: str = "runs") -> ModelResiduals | None:
+    """The held-out runs of `device` ('cpu', 'cuda'), or another of its lists (`part`, RESIDUAL_PARTS); None where
+    there are none (or no file)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -90,7 +99,7 @@ def model_residuals(device: str, path: Path = RESIDUALS_PATH, beyond: bool = Fal
     if data.get("kind") != RESIDUALS_KIND:
         return None
     entry = data.get("devices", {}).get(device, {})
-    runs = entry.get("beyond_runs" if beyond else "runs", [])
+    runs = entry.get(part, [])
     ratios, seeds, dates = [], [], []
     for run in runs:
         seeds.append(int(run["seed"]))
@@ -104,4 +113,4 @@ def model_residuals(device: str, path: Path = RESIDUALS_PATH, beyond: bool = Fal
     domain = entry.get("domain")
     if domain:
         domain = ResidualDomain(tuple(domain["hidden"]), tuple(domain["devices"]), int(domain["nodes"]))
-    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates), bench, domain or None, beyond)
+    return ModelResiduals(device, tuple(ratios), tuple(seeds), tuple(dates), bench, domain or None, part)

@@ -236,13 +236,15 @@ def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = N
 
 def gpu_residuals_for(spec: JobSpec | None, path: Path = GPU_RESIDUALS_PATH) -> ModelResiduals | None:
     """The GPU residuals a spec-only prediction of `spec` draws on: the held-out runs where `spec` lies within their
-    domain (or either is unknown), else the out-of-domain runs where the file has them."""
+    domain (or either is unknown); else, for a spec on more than one node, the multi-node held-out runs, and
+    otherwise the out-of-domain runs, where the file has them."""
     inside = model_residuals("cuda", path)
     if spec is None or inside is None or inside.domain is None:
         return inside
     if inside.domain.contains(spec.model.hidden, spec.cluster.devices, spec.cluster.nodes):
         return inside
-    return model_residuals("cuda", path, beyond=True) or inside
+    multi_node = model_residuals("cuda", path, "multi_node_runs") if spec.cluster.nodes > 1 else None
+    return multi_node or model_residuals("cuda", path, "beyond_runs") or inside
 
 
 PART_LABELS = {"events": "", "host_issue": " (host issue)", "composites": " (with its all-reduces)"}

@@ -22,9 +22,10 @@ Spearman's rank correlation of predicted against measured time within each (mode
 regret of the fastest predicted configuration (the search's pick) against the measured best; the 90% interval's
 coverage (the model's out-of-sample error on GPUs, analysis.uncertainty.spec_only_interval: within the single-node
 runs' domain, residuals from both folds of the single-node halves, each half scored on a description fitted on the
-other, the held-out half's coverage 2-fold within its own; outside it, as every multi-node run is, the errors of
-fits on the narrowest width, the widest, or fewer than the most GPUs, scored on the other single-node runs:
-beyond_splits; these fits serve the residuals only); vTrain's
+other, the held-out half's coverage 2-fold within its own; on more than one node, the multi-node runs' own held-out
+errors, each (model, GPUs) group's coverage from the other groups' errors: leave_group_out_coverage; outside the
+single-node domain on one node, the errors of fits on the narrowest width, the widest, or fewer than the most GPUs,
+scored on the other single-node runs: beyond_splits, fits that serve the residuals only); vTrain's
 and Calculon's published errors beside them; the worst ten rows with where their time went; a PNG of predicted
 against measured. `--json PATH` writes the figures; `--residuals` writes analysis/data/gpu_residuals.json.
 
@@ -507,12 +508,6 @@ class Fold:
     errors: np.ndarray
 
 
-def cross_fold_ratios(folds: Sequence[Fold]) -> list[float]:
-    """The interval's residual ratios (run / prediction) pooled over both folds of the single-node halves: every
-    single-node run scored once, by a description fitted on the other half."""
-    return [ratio for fold in folds for ratio in ratios_of(fold.errors)]
-
-
 def residual_domain(runs: Sequence[Run]) -> ResidualDomain:
     """The widths, GPU counts and nodes `runs` cover (analysis.calibration: a spec outside draws on BEYOND folds)."""
     return ResidualDomain((min(r.hidden for r in runs), max(r.hidden for r in runs)),
@@ -545,25 +540,28 @@ def beyond_folds(runs: Sequence[Run], base: DeviceDescription,
     return folds
 
 
-def coverage_by_domain(scored: Scored, inside: Sequence[float], beyond: Sequence[float],
-                       domain: ResidualDomain) -> float:
-    """interval_coverage_pct with each run's own residuals: `inside` for a run in `domain`, else `beyond`
-    (analysis.uncertainty.gpu_residuals_for's rule)."""
-    within = np.array([domain.contains(r.hidden, r.gpus, -(-r.gpus // GPUS_PER_NODE)) for r in scored.runs])
-    covered = 0.0
-    for mask, ratios in ((within, inside), (~within, beyond)):
-        if mask.any():
-            covered += interval_coverage_pct(scored.predicted[mask], scored.measured[mask], ratios) * mask.sum()
-    return covered / len(scored.runs)
+def leave_group_out_coverage(scored: Scored) -> tuple[float, dict[tuple[str, int], float]]:
+    """interval_coverage_pct of the multi-node runs on their own held-out errors without scoring a run on its own
+    model's: each (model, GPUs) group's runs from the ratios of every other group's. The mean over the runs, and
+    each group's."""
+    groups = [run.group for run in scored.runs]
+    by_group = {}
+    for group in dict.fromkeys(groups):
+        mask = np.array([g == group for g in groups])
+        by_group[group] = interval_coverage_pct(scored.predicted[mask], scored.measured[mask],
+                                                ratios_of(scored.errors[~mask]))
+    covered = sum(by_group[g] * groups.count(g) for g in by_group)
+    return covered / len(groups), by_group
 
 
 def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str,
-                       beyond: Sequence[Fold] = (), domain: ResidualDomain | None = None) -> dict:
+                       beyond: Sequence[Fold] = (), domain: ResidualDomain | None = None,
+                       multi_node: Fold | None = None) -> dict:
     """analysis/data/gpu_residuals.json: each fold's out-of-sample single-node errors (analysis.calibration's
-    format, device kind 'cuda'), one job per run, one run entry per fold; the `beyond` folds' as `beyond_runs`
-    and the runs' `domain`."""
-    def entries(of: Sequence[Fold]) -> list[dict]:
-        return [{"run": f"vtrain-single-{fold.name}", "seed": seed, "date": datetime.date.today().isoformat(),
+    format, device kind 'cuda'), one job per run, one run entry per fold; the `beyond` folds' as `beyond_runs`,
+    the runs' `domain`, and the multi-node runs' held-out errors as `multi_node_runs`."""
+    def entries(of: Sequence[Fold], set_name: str = "single") -> list[dict]:
+        return [{"run": f"vtrain-{set_name}-{fold.name}", "seed": seed, "date": datetime.date.today().isoformat(),
                  "jobs": [{"job": run.label, "pair_error_pct": [round(float(e), 2)]}
                           for run, e in zip(fold.runs, fold.errors)]} for fold in of]
 
@@ -572,14 +570,18 @@ def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str,
         cuda["domain"] = domain.to_dict()
     if beyond:
         cuda["beyond_runs"] = entries(beyond)
+    if multi_node is not None:
+        cuda["multi_node_runs"] = entries([multi_node], "multi")
     return {"kind": "distsim-model-residuals", "version": 1,
             "what": ("Out-of-sample errors of a spec-only prediction on GPUs: vTrain's single-node A100 runs "
                      "(../shared/data/vtrain/) halved by bench/published.py's seeded split, each half's runs "
                      "predicted on the description fitted on the other half, each run's batch-time error "
                      "(predicted - measured) / measured in percent (the reported description: "
                      f"{fitted_on}). analysis.uncertainty.spec_only_interval draws from them for a spec within "
-                     "`domain`; `beyond_runs`, for a spec outside it, are the errors of descriptions fitted on "
-                     "the narrowest width, the widest, or fewer than the most GPUs and scored on the other runs."),
+                     "`domain`; `multi_node_runs`, for a spec on more than one node, are the held-out errors of "
+                     "vTrain's multi-node runs on the reported description; `beyond_runs`, for any other spec "
+                     "outside the domain, are the errors of descriptions fitted on the narrowest width, the widest, "
+                     "or fewer than the most GPUs and scored on the other runs."),
             "command": "python bench/published.py --residuals",
             "devices": {"cuda": cuda}}
 
@@ -652,9 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              Fold("fit-half", list(fit_runs), errors_pct(other, [run.measured_ms for run in fit_runs])))
     say("out-of-domain folds: fits on part of the single-node runs, scored on the rest (the interval beyond them) ...")
     domain, beyond = residual_domain(single), beyond_folds(single, base, say)
-    coverage = {"single_fit": None, "single_held_out": two_fold_coverage(held, args.seed),
-                "multi": coverage_by_domain(scored["multi"], cross_fold_ratios(folds), cross_fold_ratios(beyond),
-                                            domain)}
+    multi_coverage, multi_by_group = leave_group_out_coverage(scored["multi"])
+    coverage = {"single_fit": None, "single_held_out": two_fold_coverage(held, args.seed), "multi": multi_coverage}
     sets = {name: set_figures(s, coverage[name], fitted_on) for name, s in scored.items()}
     worst = []
     for name in ("single_held_out", "multi"):
@@ -667,8 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_tables(sets, worst)
     print("\n90% interval: the single-node runs' out-of-sample errors (run / prediction ratios; each half scored on "
           "a description fitted on the other) around a prediction within their domain (" + domain.text() + "; the "
-          "held-out half's coverage 2-fold within its own errors); outside it (every multi-node run) the errors of "
-          "fits scored beyond their runs:")
+          "held-out half's coverage 2-fold within its own errors); on more than one node the multi-node runs' own "
+          "held-out errors, each group's coverage from the other groups' errors:")
+    for (model, gpus), pct in multi_by_group.items():
+        print(f"  multi-node {model:>8s} on {gpus:3d} GPUs: {pct:5.1f}% covered by the other groups' errors")
+    print("outside the domain on one node, the errors of fits scored beyond their runs:")
     for fold in beyond:
         low, mid, high = np.percentile(ratios_of(fold.errors), [5, 50, 95])
         print(f"  {fold.name:28s} {len(fold.runs):4d} runs  MAPE {np.mean(np.abs(fold.errors)):5.2f}%  "
@@ -676,9 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_png(args.png, list(scored.values()))
     print(f"wrote {args.png}")
     if args.residuals:
-        GPU_RESIDUALS.write_text(residuals_text(residuals_document(folds, args.seed, fitted_on, beyond, domain)))
+        multi_node = Fold("held-out", scored["multi"].runs, scored["multi"].errors)
+        GPU_RESIDUALS.write_text(residuals_text(residuals_document(folds, args.seed, fitted_on, beyond, domain,
+                                                                   multi_node)))
         print(f"wrote {GPU_RESIDUALS.relative_to(ROOT)} ({sum(len(fold.runs) for fold in folds)} runs in two folds, "
-              f"{sum(len(fold.runs) for fold in beyond)} out of domain)")
+              f"{sum(len(fold.runs) for fold in beyond)} out of domain, {len(multi_node.runs)} multi-node)")
     if args.json:
         document = {"version": JSON_VERSION,
                     "what": "bench/published.py: vTrain's published A100 runs predicted from their specs",
@@ -687,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "published_mape_pct": {who: {"single": a, "multi": b} for who, (a, b) in PUBLISHED.items()},
                     "sets": {name: sets[name] for name in ("single_held_out", "multi")},
                     "residual_domain": domain.to_dict(),
+                    "multi_coverage_by_group": [{"model": model, "gpus": gpus, "interval_coverage_pct": pct}
+                                                for (model, gpus), pct in multi_by_group.items()],
                     "beyond_folds": [{"name": fold.name, "rows": len(fold.runs),
                                       "mape_pct": float(np.mean(np.abs(fold.errors))),
                                       "ratio_p5_p50_p95": [float(v) for v in

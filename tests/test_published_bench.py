@@ -18,12 +18,11 @@ from bench.published import (
     Run,
     Scored,
     beyond_splits,
-    coverage_by_domain,
-    cross_fold_ratios,
     error_summary,
     errors_pct,
     group_spearman,
     interval_coverage_pct,
+    leave_group_out_coverage,
     ratios_of,
     regret_pct,
     residual_domain,
@@ -109,7 +108,6 @@ def test_the_intervals_residuals_pool_both_folds_and_read_back_as_every_runs_rat
     # fold A: +25% and -20% (ratios 0.8, 1.25); fold B: +100% (ratio 0.5)
     folds = (Fold("held-out-half", [_run(0), _run(1)], np.array([25.0, -20.0])),
              Fold("fit-half", [_run(2)], np.array([100.0])))
-    assert cross_fold_ratios(folds) == pytest.approx([0.8, 1.25, 0.5])
     document = residuals_document(folds, 7, "fitted on the fit half")
     assert [run["run"] for run in document["devices"]["cuda"]["runs"]] == ["vtrain-single-held-out-half",
                                                                            "vtrain-single-fit-half"]
@@ -128,27 +126,29 @@ def test_the_out_of_domain_folds_fit_on_one_end_of_the_runs_and_score_the_rest()
     assert residual_domain(runs + [_run(9, gpus=64)]).nodes == 8
 
 
-def test_a_run_outside_the_domain_is_covered_by_the_out_of_domain_ratios():
+def test_multi_node_coverage_scores_each_group_on_the_other_groups_errors():
+    # two groups: A's runs read 1.0 and 1.3 x their predictions, B's 1.1 and 1.2
+    a = [_run(0, gpus=64, measured=100.0), _run(1, gpus=64, measured=130.0)]
+    b = [_run(2, gpus=512, measured=110.0), _run(3, gpus=512, measured=120.0)]
+    scored = Scored("multi", a + b, np.array([100.0] * 4))
+    coverage, by_group = leave_group_out_coverage(scored)
+    # A on B's ratios [1.1, 1.2]: neither 1.0 nor 1.3 within; B on A's [1.0, 1.3]: both within
+    assert by_group == {(a[0].model, 64): pytest.approx(0.0), (b[0].model, 512): pytest.approx(100.0)}
+    assert coverage == pytest.approx(50.0)
     domain = ResidualDomain((1024, 2048), (2, 8), 1)
-    inside, outside = _run(0, gpus=8, measured=130.0), _run(1, gpus=64, measured=130.0)
-    scored = Scored("multi", [inside, outside], np.array([100.0, 100.0]))
-    # run / prediction 1.3: outside the narrow ratios, inside the wide ones
-    narrow, wide = [0.9, 1.0, 1.1], [0.7, 1.0, 1.4]
-    assert coverage_by_domain(scored, narrow, wide, domain) == pytest.approx(50.0)
-    assert coverage_by_domain(scored, wide, narrow, domain) == pytest.approx(50.0)
-    assert coverage_by_domain(scored, wide, wide, domain) == pytest.approx(100.0)
     assert domain.contains(2048, 8, 1) and not domain.contains(3072, 8, 1) and not domain.contains(1024, 16, 2)
 
 
 def test_a_spec_outside_the_residuals_domain_draws_on_the_out_of_domain_runs(tmp_path):
     folds = [Fold("held-out-half", [_run(0)], np.array([0.0]))]
     beyond = [Fold("hidden-1024-to-wider", [_run(1), _run(2)], np.array([-20.0, 25.0]))]
-    document = residuals_document(folds, 7, "fitted", beyond, ResidualDomain((1024, 2048), (2, 8), 1))
+    multi_node = Fold("held-out", [_run(3, gpus=64)], np.array([-50.0]))
+    document = residuals_document(folds, 7, "fitted", beyond, ResidualDomain((1024, 2048), (2, 8), 1), multi_node)
     text = residuals_text(document)
     assert json.loads(text) == document
     job_lines = [json.loads(line.strip().rstrip(",")) for line in text.splitlines() if '"job"' in line]
-    assert job_lines == [{"job": run.label, "pair_error_pct": [e]}
-                         for run, e in [(_run(0), 0.0), (_run(1), -20.0), (_run(2), 25.0)]]  # one job a line
+    assert job_lines == [{"job": run.label, "pair_error_pct": [e]} for run, e in
+                         [(_run(0), 0.0), (_run(1), -20.0), (_run(2), 25.0), (_run(3, gpus=64), -50.0)]]
     path = tmp_path / "gpu.json"
     path.write_text(text)
     spec = published.run_spec(_run(0))
@@ -158,7 +158,13 @@ def test_a_spec_outside_the_residuals_domain_draws_on_the_out_of_domain_runs(tmp
     assert residuals.beyond and sorted(residuals.ratios) == pytest.approx([0.8, 1.25])
     assert "2 out-of-domain CUDA runs" in residuals.source and "beyond hidden 1024-2048" in residuals.source
     many = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, nodes=2))
-    assert gpu_residuals_for(many, path).beyond
+    multi = gpu_residuals_for(many, path)  # on more than one node: the multi-node runs' own held-out errors
+    assert not multi.beyond and multi.part == "multi_node_runs" and multi.ratios == pytest.approx((2.0,))
+    assert multi.source.startswith("1 multi-node held-out CUDA runs of bench/published.py")
+    document["devices"]["cuda"].pop("multi_node_runs")
+    path.write_text(residuals_text(document))
+    model_residuals.cache_clear()
+    assert gpu_residuals_for(many, path).beyond  # a file without them: the out-of-domain runs
     assert gpu_residuals_for(None, path) == model_residuals("cuda", path)
 
 
@@ -216,8 +222,11 @@ def test_a_spec_alone_states_its_interval_from_the_gpu_residuals():
     assert interval is not None and interval.p5_s < batch < interval.p95_s
     assert "held-out CUDA runs of bench/published.py" in interval.residuals
     multi = predict_spec(published.run_spec(published.read_runs("multi")[0]), dp_overlap=False).interval
-    assert "out-of-domain CUDA runs of bench/published.py" in multi.residuals
-    assert multi.p95_s / multi.p5_s > interval.p95_s / interval.p5_s  # beyond the runs, wider
-    assert interval_text(multi).endswith("wide, with the model's error beyond its held-out runs)")
-    assert interval_text(interval).endswith("wide, with the model's held-out error)")
-    assert multi.to_dict()["interval_beyond_domain"] and not interval.to_dict()["interval_beyond_domain"]
+    assert "109 multi-node held-out CUDA runs of bench/published.py" in multi.residuals
+    assert multi.p95_s / multi.p5_s > interval.p95_s / interval.p5_s  # many nodes: wider
+    assert interval_text(multi).endswith("wide, with the model's held-out error)")
+    spec = published.run_spec(published.read_runs("single")[0])
+    wide = dataclasses.replace(spec, model=dataclasses.replace(spec.model, hidden=4096))
+    beyond = predict_spec(wide, dp_overlap=False).interval  # one node, wider than the runs: the out-of-domain runs
+    assert interval_text(beyond).endswith("wide, with the model's error beyond its held-out runs)")
+    assert beyond.to_dict()["interval_beyond_domain"] and not multi.to_dict()["interval_beyond_domain"]
