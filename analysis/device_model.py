@@ -130,11 +130,11 @@ TIER_LATENCIES_US = tuple(10 ** (x / 20) for x in range(0, 101))  # 1 us to 100 
 
 def fit_tier(points: Sequence[tuple[str, float, float]], ranks: int, name: str = "gloo",
              bandwidths_gbs: Sequence[float] = TIER_BANDWIDTHS_GBS,
-             latencies_us: Sequence[float] = TIER_LATENCIES_US) -> dict:
+             latencies_us: Sequence[float] = TIER_LATENCIES_US, library: str = "gloo") -> dict:
     """The one-tier network of `ranks` devices (analysis.network's model: NetworkTier(name, ranks, bandwidth,
-    latency)) whose estimates best fit `points` (operation, bytes as harness collectives counts them, seconds):
-    the grid point of least squared log error. Its fields as [[cluster.network]] takes them, with the fit's rms
-    log error and its points."""
+    latency), its collectives run by `library`, as the points were) whose estimates best fit `points` (operation,
+    bytes as harness collectives counts them, seconds): the grid point of least squared log error. Its fields as
+    [[cluster.network]] takes them, with the fit's rms log error and its points."""
     from analysis.network import spec_network
     from harness.plan.network import NetworkTier, contiguous_span
 
@@ -145,7 +145,7 @@ def fit_tier(points: Sequence[tuple[str, float, float]], ranks: int, name: str =
     for bandwidth in bandwidths_gbs:
         for latency in latencies_us:
             tiers = (NetworkTier(name, ranks, bandwidth, latency),)
-            model, span = spec_network(tiers), contiguous_span(ranks, tiers)
+            model, span = spec_network(tiers, library), contiguous_span(ranks, tiers)
             loss = sum(math.log(model.estimate(op, size, span).seconds / seconds) ** 2 for op, size, seconds in points)
             if best is None or loss < best[0]:
                 best = (loss, bandwidth, latency)
@@ -154,7 +154,9 @@ def fit_tier(points: Sequence[tuple[str, float, float]], ranks: int, name: str =
             "rms_log_error": math.sqrt(loss / len(points)), "points": len(points)}
 
 
-def in_context_tier(rows: Sequence[dict], name: str = "gloo", column: str = "in_context_s") -> dict:
-    """fit_tier on `harness device`'s collectives in context (its --json `collectives_in_context` rows; `column`
-    back_to_back_s: the same collectives back to back after a barrier)."""
-    return fit_tier([(r["op"], r["bytes"], r[column]) for r in rows], int(rows[0]["ranks"]), name)
+def in_context_tier(rows: Sequence[dict], name: str = "gloo", column: str = "in_context_s",
+                    library: str = "gloo") -> dict:
+    """fit_tier on `harness device`'s collectives in context (its --json `collectives_in_context` rows, timed over
+    torch.distributed: gloo on a CPU; `column` back_to_back_s: the same collectives back to back after a
+    barrier)."""
+    return fit_tier([(r["op"], r["bytes"], r[column]) for r in rows], int(rows[0]["ranks"]), name, library=library)

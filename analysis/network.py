@@ -19,6 +19,9 @@ innermost domains of at most g:
 - all-to-all: every pair at once, a GPU's bytes to its own domain over the innermost tier, the rest over its
   NIC, whichever is slower; off-rail pairs of a `rails` tier take one more innermost hop (NCCL's PXN);
 - send/recv: one hop over the outermost tier the pair crosses.
+- a network whose collectives run on gloo (`library`, PyTorch's CPU backend) reduce-scatters as PyTorch's
+  ProcessGroupGloo does: an all-reduce of the whole input (a clone of it all-reduced, then the rank's chunk copied
+  out), so a reduce-scatter costs the all-reduce of its bytes, not half of it.
 A hop between domains is costed at the outermost tier the group crosses. Where the innermost tier gives
 `memory_gbs`, every algorithm also reads its input from and writes its output to device memory once, at that
 bandwidth, not hidden behind the links (MEMORY_PASSES). A network calibrated from a profile (no
@@ -61,6 +64,8 @@ NVLS_EFFICIENCY = 0.85  # Hopper
 MEMORY_PASSES = {"allreduce": lambda n: 2.0, "allgather": lambda n: 1.0 + 1.0 / n,
                  "reducescatter": lambda n: 1.0 + 1.0 / n, "alltoall": lambda n: 2.0, "sendrecv": lambda n: 1.0}
 NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or the calibrated fits' own form (ring)
+GLOO = "gloo"
+LIBRARIES = (NCCL, GLOO)  # what runs a job's collectives: NCCL on GPUs, gloo on CPUs (torch.distributed's choice)
 LINK_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")  # what a measured link stands for
 CALIBRATED_NAMES = (INTRA, INTER)
 
@@ -93,6 +98,7 @@ class NetworkModel:
     notes: tuple[str, ...] = ()
     # (op kind, tier) -> the (kind, placement) of the profile's fit its link came from (a calibrated network)
     link_fits: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
+    library: str = NCCL  # LIBRARIES: the collective library whose algorithms a spec's tiers are costed by
     # (op, bytes, ranks) -> Estimate: a search costs the same groups' collectives for many candidates
     _estimates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -102,7 +108,8 @@ class NetworkModel:
         changed = {key.partition(".")[0] for key in overrides if key.partition(".")[2] in LINK_FIELDS}
         kept = {key: value for key, value in self.links.items() if self.tiers[key[1]].name not in changed}
         return NetworkModel(tiers, self.algorithms, f"{self.origin}, what-if {_overrides_text(overrides)}", kept,
-                            self.notes, {key: value for key, value in self.link_fits.items() if key in kept})
+                            self.notes, {key: value for key, value in self.link_fits.items() if key in kept},
+                            self.library)
 
     # ---- the links ---------------------------------------------------------------------------------------
     def _link(self, kind: str, tier: int) -> tuple[float, float]:
@@ -253,6 +260,9 @@ class NetworkModel:
             return self._sendrecv(nbytes, span)
         if op == "alltoall":
             return self._alltoall(nbytes, span)
+        if op == "reducescatter" and self.library == GLOO and self.algorithms == NCCL:
+            return [(seconds, "allreduce-ring", protocol)
+                    for seconds, _, protocol in self._ring("allreduce", nbytes, span)]
         options = self._ring(op, nbytes, span)
         if op == "allreduce" and self.algorithms == NCCL:
             options += self._tree(nbytes, span)
@@ -275,7 +285,7 @@ class NetworkModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"origin": self.origin, "algorithms": self.algorithms,
-                "nccl_version": NCCL_VERSION if self.algorithms == NCCL else None,
+                "nccl_version": NCCL_VERSION if self.algorithms == NCCL else None, "library": self.library,
                 "tiers": [{**t.to_dict(), "latency_us": self._link("allreduce", i)[0] * 1e6,
                            "bytes_per_s": self._link("allreduce", i)[1]} for i, t in enumerate(self.tiers)],
                 "notes": list(self.notes)}
@@ -326,14 +336,17 @@ def _overrides_text(overrides: Mapping[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in overrides.items())
 
 
-def spec_network(tiers: Sequence[NetworkTier]) -> NetworkModel:
-    """The network of a spec's `[[cluster.network]]`, one model per distinct tiers (its estimates kept)."""
-    return _spec_network(tuple(tiers))
+def spec_network(tiers: Sequence[NetworkTier], library: str = NCCL) -> NetworkModel:
+    """The network of a spec's `[[cluster.network]]` with its collectives run by `library` (LIBRARIES), one model
+    per distinct tiers and library (its estimates kept)."""
+    if library not in LIBRARIES:
+        raise ValueError(f"unknown collective library {library!r}; known: {', '.join(LIBRARIES)}")
+    return _spec_network(tuple(tiers), library)
 
 
 @functools.lru_cache(maxsize=64)
-def _spec_network(tiers: tuple[NetworkTier, ...]) -> NetworkModel:
-    return NetworkModel(tiers, NCCL, "spec")
+def _spec_network(tiers: tuple[NetworkTier, ...], library: str) -> NetworkModel:
+    return NetworkModel(tiers, NCCL, "spec" if library == NCCL else f"spec, {library}", library=library)
 
 
 def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, int, float]]], gpus_per_node: int,

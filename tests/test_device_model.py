@@ -672,15 +672,16 @@ def test_bad_format_2_tables_name_file_and_field(tmp_path, table, field, message
 
 
 def test_a_tier_fitted_to_collectives_in_context_recovers_its_figures():
-    """analysis.device_model.in_context_tier: collectives costed by a known one-tier network (1 GB/s, 1 ms, grid
-    points) are fitted back exactly from the in-context column; the back-to-back column is fitted alike."""
+    """analysis.device_model.in_context_tier: collectives costed by a known one-tier gloo network (1 GB/s, 1 ms,
+    grid points; its reduce-scatter an all-reduce, as gloo runs it) are fitted back exactly from the in-context
+    column; the back-to-back column is fitted alike."""
     from analysis.device_model import in_context_tier
     from analysis.network import spec_network
     from harness.plan.network import NetworkTier, contiguous_span
 
     bandwidth, latency = 1.0, 10 ** (60 / 20)
     tiers = (NetworkTier("gloo", 2, bandwidth, latency),)
-    model, span = spec_network(tiers), contiguous_span(2, tiers)
+    model, span = spec_network(tiers, "gloo"), contiguous_span(2, tiers)
     rows = [{"op": op, "bytes": size, "ranks": 2, "in_context_s": model.estimate(op, size, span).seconds,
              "back_to_back_s": model.estimate(op, size, span).seconds / 2}
             for op in ("allreduce", "allgather", "reducescatter") for size in (1 << 10, 1 << 16, 1 << 22)]

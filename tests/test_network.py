@@ -152,6 +152,42 @@ def test_nvls_and_rails():
     assert extra == pytest.approx(0.6 / 3.4 * 1e-6)  # one NVLink LL hop: NCCL's PXN
 
 
+def test_gloo_reduce_scatters_as_an_all_reduce_of_the_whole_input():
+    """PyTorch's ProcessGroupGloo reduce-scatters by all-reducing a clone of the input and copying its chunk out:
+    on a gloo network a reduce-scatter costs the all-reduce of its bytes (NCCL's ring moves half of it)."""
+    tiers = (NetworkTier("gloo", 4, 1.0, 1000.0),)
+    nccl, gloo = spec_network(tiers), spec_network(tiers, "gloo")
+    span, s = GroupSpan(4, 1, 4, 0), 16e6
+    assert gloo.library == "gloo" and nccl.library == "nccl" and gloo.origin == "spec, gloo"
+    scatter = gloo.estimate("reducescatter", s, span)
+    assert scatter.seconds == pytest.approx(nccl.estimate("allreduce", s, span).seconds)
+    assert scatter.algorithm == "allreduce-ring"
+    # NCCL's ring: 3 steps and 3/4 of the bytes, against the all-reduce's 6 and 6/4 (Simple, by hand)
+    assert _simple(nccl, "reducescatter", s, span, "ring") == pytest.approx(
+        (8.4 + 3 * 1000.0) * 1e-6 + 3 / 4 * s / 1e9)
+    for op in ("allreduce", "allgather", "alltoall", "sendrecv"):  # the rest as NCCL's formulas cost them
+        assert gloo.estimate(op, s, span).seconds == pytest.approx(nccl.estimate(op, s, span).seconds)
+    with pytest.raises(ValueError, match="unknown collective library 'mpi'"):
+        spec_network(tiers, "mpi")
+
+
+def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
+    from analysis.costs import collective_library
+    from analysis.profile_reader import load_profile
+    from analysis.spec_only import spec_profile
+    from harness.plan.device import load_device
+
+    assert collective_library(loads_spec(spec_text())) == "nccl"  # no device: NCCL's
+    cpu = tmp_path / "cpu.toml"
+    cpu.write_text(load_device("a100-80gb").to_toml().replace('title = "', 'processor = "cpu"\ntitle = "'))
+    on_cpu = loads_spec(spec_text().replace("gpus_per_node = 8", f"gpus_per_node = 8\ndevice = '{cpu}'"))
+    on_gpu = loads_spec(spec_text().replace("gpus_per_node = 8", "gpus_per_node = 8\ndevice = 'a100-80gb'"))
+    assert collective_library(on_cpu) == "gloo" and collective_library(on_gpu) == "nccl"
+    assert collective_library(on_cpu, spec_profile(on_cpu)) == "gloo"  # a spec alone's profile: no environment
+    profile = load_profile(REPO / "tests" / "data" / "pp2-profile.h5")  # taken on this machine's CPU
+    assert collective_library(on_gpu, profile) == "gloo"  # where the profile was taken wins
+
+
 def test_nccl_choices_and_the_flat_ring_they_replace():
     """Small messages take a low-latency protocol and the tree across many nodes; a large one takes the bandwidth
     algorithm; a 256-node all-reduce of a small bucket costs a fraction of a flat ring's 2(n-1) latencies."""

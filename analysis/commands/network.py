@@ -54,7 +54,10 @@ def load_network(source: str) -> tuple[NetworkModel, int, int]:
     if not spec.cluster.network:
         raise UserError(f"{path}: the spec has no [[cluster.network]]; describe the target's tiers there "
                         "(docs/spec.md, \"Network\"), or give a profile (PROFILE.h5) to calibrate them from")
-    return spec_network(spec.cluster.network), spec.cluster.gpus_per_node, spec.cluster.nodes
+    from analysis.costs import collective_library
+
+    return (spec_network(spec.cluster.network, collective_library(spec)), spec.cluster.gpus_per_node,
+            spec.cluster.nodes)
 
 
 def _node_counts(text: str | None, nodes: int) -> list[int]:

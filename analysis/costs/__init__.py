@@ -7,8 +7,9 @@ event, with their reasons, are in docs/analysis.md ("Where durations come from")
 - measured.py: the profile's own measurements (compute referred to the ranks' mean speed); a missing compute
   event is a UserError listing it
 - interpolated.py: communication between two measured sizes of its kind, placement and group size
-- network_source.py: the network model beyond the measured points (the spec's tiers, or tiers calibrated from
-  the profile's fits; a what-if network, which costs all communication)
+- network_source.py: the network model beyond the measured points (the spec's tiers, costed by the library that
+  runs the job's collectives, or tiers calibrated from the profile's fits; a what-if network, which costs all
+  communication)
 - fits.py: alpha-beta fits per kind and placement; the fit, then 0, where there is no network model
 - corrections.py: a P2P's sender-busy extra and send post, a gradient bucket's averaging and zeroing, the
   data-parallel replicas' skew (analysis.skew)
@@ -28,6 +29,7 @@ from analysis.costs.interpolated import CommCurve, HeldOutCheck, InterpolatedSou
 from analysis.costs.measured import MeasuredSource, MissingComputeError, rank_speed_factors
 from analysis.costs.network_source import (
     NetworkSource,
+    collective_library,
     communication_by_tier,
     network_for,
     slowest_group,
@@ -58,8 +60,8 @@ __all__ = [
     "COMPUTE_STATS", "FITTED", "GIVEN", "INTERPOLATED", "MEASURED", "MODELLED", "PLACEMENTS", "UNAVAILABLE",
     "CommCurve", "CommFit", "CommPoints", "CostSource", "Costs", "EventCost", "FitSource", "HeldOutCheck",
     "InterpolatedSource", "MeasuredSource", "MissingComputeError", "NetworkSource", "SampleSet", "UnavailableSource",
-    "UnmeasuredLedger", "apply_corrections", "choose_fit", "comm_curves", "comm_features", "comm_fits", "cost_chain",
-    "communication_by_tier", "estimate_costs", "first_answer", "fit_alpha_beta", "held_out_checks",
-    "measured_comm_points", "network_for", "rank_speed_factors", "representative_seconds", "slowest_group",
-    "statistic_of", "what_if_network",
+    "UnmeasuredLedger", "apply_corrections", "choose_fit", "collective_library", "comm_curves", "comm_features",
+    "comm_fits", "cost_chain", "communication_by_tier", "estimate_costs", "first_answer", "fit_alpha_beta",
+    "held_out_checks", "measured_comm_points", "network_for", "rank_speed_factors", "representative_seconds",
+    "slowest_group", "statistic_of", "what_if_network",
 ]

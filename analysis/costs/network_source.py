@@ -1,17 +1,21 @@
 """Communication beyond the measured points: the network model (analysis.network) of the spec's
 `[[cluster.network]]`, else tiers calibrated from the profile's own alpha-beta fits (`network_for`), or a
 what-if network (`what_if_network`), costing a collective by NCCL's algorithms or the profiling backend's ring
-over where its group lies (`NetworkSource`, marked `network`); and each tier's share of the communication."""
+over where its group lies (`NetworkSource`, marked `network`); and each tier's share of the communication. A spec's
+tiers are costed by the library that runs the job's collectives (`collective_library`: gloo on CPUs, NCCL on
+GPUs)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
 
+from analysis.calibration import device_kind
+from analysis.costs.device_source import device_model
 from analysis.costs.fits import CommFit, comm_fits
 from analysis.costs.records import MODELLED, Costs, EventCost
 from analysis.costs.samples import PLACEMENTS, CommPoints, bare_collective_note, measured_comm_points
 from analysis.costs.source import CostSource
-from analysis.network import Estimate, NetworkModel, calibrated_network, spec_network
+from analysis.network import GLOO, NCCL, Estimate, NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.events import COMM_KINDS, INTER, Event, EventPlan
@@ -19,17 +23,28 @@ from harness.plan.network import check_tiers, group_span, parse_overrides
 from harness.plan.spec import JobSpec, load_spec
 
 
+def collective_library(spec: JobSpec, profile: Profile | None = None) -> str:
+    """The library that runs the job's collectives, as torch.distributed picks it: gloo where the profile was taken
+    on a CPU or, for a spec alone, where its device (`[cluster] device`) is a CPU; NCCL otherwise."""
+    if profile is not None and profile.environment:
+        return GLOO if device_kind(profile.environment) == "cpu" else NCCL
+    if spec.cluster.device:
+        return GLOO if device_model(spec.cluster.device).description.processor == "cpu" else NCCL
+    return NCCL
+
+
 def network_for(spec: JobSpec, profile: Profile, points: CommPoints | None = None,
                 fits: Mapping[tuple[str, str], CommFit] | None = None) -> NetworkModel | None:
-    """The target's network: the spec's `[[cluster.network]]`, else tiers calibrated from the profile's points
-    (a node of the spec's gpus_per_node, then the rest); None when the profile measured no communication."""
+    """The target's network: the spec's `[[cluster.network]]` (its collectives by collective_library's), else tiers
+    calibrated from the profile's points (a node of the spec's gpus_per_node, then the rest); None when the profile
+    measured no communication."""
     cluster = spec.cluster
     if points is None:
         points = measured_comm_points(profile)
     if fits is None:
         fits = comm_fits(points)
     if cluster.network:
-        return spec_network(cluster.network)
+        return spec_network(cluster.network, collective_library(spec, profile))
     return calibrated_network(points, cluster.gpus_per_node, profile.path.name,
                               lambda kind, placement, _: fits[(kind, placement)])
 
@@ -44,7 +59,8 @@ def what_if_network(spec: JobSpec, profile: Profile, what_if: str, points: CommP
         if not other.cluster.network:
             raise UserError(f"--network {what_if}: that spec has no [[cluster.network]] to take the tiers from")
         check_tiers(other.cluster.network, devices, f"--network {what_if} for {devices} GPUs")
-        return NetworkModel(other.cluster.network, origin=f"what-if {what_if}")
+        return NetworkModel(other.cluster.network, origin=f"what-if {what_if}",
+                            library=collective_library(spec, profile))
     overrides = parse_overrides(what_if)
     base = network_for(spec, profile, points, fits)
     if base is None:
