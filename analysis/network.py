@@ -350,12 +350,13 @@ def _spec_network(tiers: tuple[NetworkTier, ...], library: str) -> NetworkModel:
 
 
 def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, int, float]]], gpus_per_node: int,
-                       source: str, fit) -> NetworkModel | None:
+                       source: str, fit, library: str = NCCL) -> NetworkModel | None:
     """A two-tier network (`intra`: a node of `gpus_per_node`; `inter`: the rest, unbounded) whose links are the
     profile's own: per op kind and placement the latency and bandwidth `fit` (analysis.costs.fit_alpha_beta)
     draws from its points. A (kind, placement) without points takes, in turn, the same kind's other placement,
     another kind's at the same placement, another kind's at the other (COMM_KINDS' order: the formulas share the
-    link's alpha and beta). None when nothing was measured."""
+    link's alpha and beta). `library`: what ran them (said, not used: each kind's link is its own fit). None when
+    nothing was measured."""
     from harness.plan.events import COMM_KINDS
 
     kinds = tuple(dict.fromkeys((*COMM_KINDS, "alltoall")))
@@ -395,7 +396,7 @@ def calibrated_network(points: Mapping[tuple[str, str], Iterable[tuple[float, in
     tiers = (NetworkTier(INTRA, per_node, typical(0)[1] / 1e9, typical(0)[0] * 1e6),
              NetworkTier(INTER, per_node * max(2, -(-MAX_DEVICES // per_node)), typical(1)[1] / 1e9,
                          typical(1)[0] * 1e6))
-    return NetworkModel(tiers, MEASURED, f"calibrated from {source}", links, tuple(notes), origin)
+    return NetworkModel(tiers, MEASURED, f"calibrated from {source}", links, tuple(notes), origin, library)
 
 
 def _link_of(fit) -> tuple[float, float] | None:

@@ -43,10 +43,11 @@ def network_for(spec: JobSpec, profile: Profile, points: CommPoints | None = Non
         points = measured_comm_points(profile)
     if fits is None:
         fits = comm_fits(points)
+    library = collective_library(spec, profile)
     if cluster.network:
-        return spec_network(cluster.network, collective_library(spec, profile))
+        return spec_network(cluster.network, library)
     return calibrated_network(points, cluster.gpus_per_node, profile.path.name,
-                              lambda kind, placement, _: fits[(kind, placement)])
+                              lambda kind, placement, _: fits[(kind, placement)], library)
 
 
 def what_if_network(spec: JobSpec, profile: Profile, what_if: str, points: CommPoints | None = None,
