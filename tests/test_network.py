@@ -15,6 +15,7 @@ from harness.plan.network import GroupSpan, NetworkTier, check_tiers, group_span
 from harness.plan.spec import loads_spec
 from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, run_analysis, write_handmade_profile
 
+CPU_DEVICE = REPO / "tests" / "data" / "cpu-device.toml"  # harness device on this machine's CPU
 DGX = [dict(name="nvlink", size=8, bandwidth_gbs=450, latency_us=1.0, nvls=True),
        dict(name="ib", size=2048, bandwidth_gbs=50, latency_us=5.0, rails=True)]
 SPEC = """
@@ -186,6 +187,38 @@ def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
     assert collective_library(on_cpu, spec_profile(on_cpu)) == "gloo"  # a spec alone's profile: no environment
     profile = load_profile(REPO / "tests" / "data" / "pp2-profile.h5")  # taken on this machine's CPU
     assert collective_library(on_gpu, profile) == "gloo"  # where the profile was taken wins
+
+
+def test_a_spec_alone_on_a_cpu_costs_zeros_reduce_scatters_as_gloo_runs_them():
+    """ZeRO-2 on two CPU ranks from a spec alone (this machine's committed calibration): each FSDP2 reduce-scatter
+    is costed as the all-reduce of its bytes, and says so; its all-gathers as the ring's."""
+    from analysis.predict import predict_spec
+
+    network = """
+[[cluster.network]]
+name = "gloo"
+size = 2
+bandwidth_gbs = 1.0
+latency_us = 1000.0
+"""
+    text = spec_text(dp=2, nodes=1, network=network).replace("gpus_per_node = 8", "gpus_per_node = 2")
+    text = text.replace("pp = 1", "pp = 1\nzero = 2")
+    spec = loads_spec(text.replace("gpus_per_node = 2", f"gpus_per_node = 2\ndevice = '{CPU_DEVICE}'"))
+    prediction = predict_spec(spec, resamples=0)
+    costs, tiers = prediction.costs, prediction.costs.network.tiers
+    assert costs.network.library == "gloo"
+    scatters = [c for c in costs.events.values() if c.kind == "reducescatter"]
+    gathers = [c for c in costs.events.values() if c.kind == "allgather"]
+    assert scatters and gathers
+    model = spec_network(tiers)  # the same tiers as NCCL would run them
+    span = GroupSpan(2, 1, 2, 0)
+    for cost in scatters:
+        event = prediction.plan.events[cost.id]
+        assert "allreduce-ring" in cost.note and "(spec, gloo)" in cost.note
+        assert cost.seconds == pytest.approx(model.estimate("allreduce", event.bytes, span).seconds)
+    for cost in gathers:
+        event = prediction.plan.events[cost.id]
+        assert cost.seconds == pytest.approx(model.estimate("allgather", event.bytes, span).seconds)
 
 
 def test_nccl_choices_and_the_flat_ring_they_replace():
