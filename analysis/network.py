@@ -19,9 +19,11 @@ innermost domains of at most g:
 - all-to-all: every pair at once, a GPU's bytes to its own domain over the innermost tier, the rest over its
   NIC, whichever is slower; off-rail pairs of a `rails` tier take one more innermost hop (NCCL's PXN);
 - send/recv: one hop over the outermost tier the pair crosses.
-- a network whose collectives run on gloo (`library`, PyTorch's CPU backend) reduce-scatters as PyTorch's
-  ProcessGroupGloo does: an all-reduce of the whole input (a clone of it all-reduced, then the rank's chunk copied
-  out), so a reduce-scatter costs the all-reduce of its bytes, not half of it.
+- a network whose collectives run on gloo (`library`, PyTorch's CPU backend) all-reduces by the ring alone (none of
+  NCCL's trees, NVLS or hierarchy) and reduce-scatters as PyTorch's ProcessGroupGloo does: an all-reduce of the
+  whole input (a clone of it all-reduced, then the rank's chunk copied out), so a reduce-scatter costs that ring
+  all-reduce of its bytes, not half of it (the clone and the copy are not costed: at least that). MPI's (mpi4py's)
+  are costed by NCCL's formulas.
 A hop between domains is costed at the outermost tier the group crosses. Where the innermost tier gives
 `memory_gbs`, every algorithm also reads its input from and writes its output to device memory once, at that
 bandwidth, not hidden behind the links (MEMORY_PASSES). A network calibrated from a profile (no
@@ -64,8 +66,9 @@ NVLS_EFFICIENCY = 0.85  # Hopper
 MEMORY_PASSES = {"allreduce": lambda n: 2.0, "allgather": lambda n: 1.0 + 1.0 / n,
                  "reducescatter": lambda n: 1.0 + 1.0 / n, "alltoall": lambda n: 2.0, "sendrecv": lambda n: 1.0}
 NCCL, MEASURED = "nccl", "measured"  # algorithm sets: NCCL's, or the calibrated fits' own form (ring)
-GLOO = "gloo"
-LIBRARIES = (NCCL, GLOO)  # what runs a job's collectives: NCCL on GPUs, gloo on CPUs (torch.distributed's choice)
+GLOO, MPI = "gloo", "mpi"
+# what runs a job's collectives: torch.distributed's NCCL on GPUs and gloo on CPUs, or MPI (the mpi4py backend)
+LIBRARIES = (NCCL, GLOO, MPI)
 LINK_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription")  # what a measured link stands for
 CALIBRATED_NAMES = (INTRA, INTER)
 
@@ -264,7 +267,7 @@ class NetworkModel:
             return [(seconds, "allreduce-ring", protocol)
                     for seconds, _, protocol in self._ring("allreduce", nbytes, span)]
         options = self._ring(op, nbytes, span)
-        if op == "allreduce" and self.algorithms == NCCL:
+        if op == "allreduce" and self.algorithms == NCCL and self.library != GLOO:
             options += self._tree(nbytes, span)
             if self.tiers[0].nvls:
                 options += self._nvls(nbytes, span)
@@ -285,7 +288,8 @@ class NetworkModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"origin": self.origin, "algorithms": self.algorithms,
-                "nccl_version": NCCL_VERSION if self.algorithms == NCCL else None, "library": self.library,
+                "nccl_version": NCCL_VERSION if self.algorithms == NCCL and self.library != GLOO else None,
+                "library": self.library,
                 "tiers": [{**t.to_dict(), "latency_us": self._link("allreduce", i)[0] * 1e6,
                            "bytes_per_s": self._link("allreduce", i)[1]} for i, t in enumerate(self.tiers)],
                 "notes": list(self.notes)}

@@ -17,8 +17,9 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   over this profile (analysis.skew.MachineDrift: its relative standard deviation) x a standard normal draw;
 - a prediction without samples (a spec alone, every compute event from a GPU's description) is its batch time times
   the 5th, 50th and 95th percentile of the model's held-out error on published GPU runs predicted so
-  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a spec outside those runs' domain
-  (wider, more devices, more nodes) draws on the errors of fits scored outside their own (gpu_residuals_for). A
+  (spec_only_interval: analysis/data/gpu_residuals.json, bench/published.py); a spec on more than one node draws
+  on the multi-node runs' own held-out errors, and one otherwise outside those runs' domain (wider, more devices)
+  on the errors of fits scored outside their own (gpu_residuals_for). A
   GPU profile's prediction does not draw from them (its compute is measured, not modelled): it keeps its kind's
   profiled pairs or the drift; a CPU description's (`processor = "cpu"`) has no interval: no held-out runs;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)

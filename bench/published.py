@@ -509,7 +509,8 @@ class Fold:
 
 
 def residual_domain(runs: Sequence[Run]) -> ResidualDomain:
-    """The widths, GPU counts and nodes `runs` cover (analysis.calibration: a spec outside draws on BEYOND folds)."""
+    """The widths, GPU counts and nodes `runs` cover (analysis.uncertainty.gpu_residuals_for: a spec outside draws
+    on the multi-node runs' errors, or on one node on the BEYOND folds')."""
     return ResidualDomain((min(r.hidden for r in runs), max(r.hidden for r in runs)),
                           (min(r.gpus for r in runs), max(r.gpus for r in runs)),
                           max(-(-r.gpus // GPUS_PER_NODE) for r in runs))

@@ -168,8 +168,17 @@ def test_gloo_reduce_scatters_as_an_all_reduce_of_the_whole_input():
         (8.4 + 3 * 1000.0) * 1e-6 + 3 / 4 * s / 1e9)
     for op in ("allreduce", "allgather", "alltoall", "sendrecv"):  # the rest as NCCL's formulas cost them
         assert gloo.estimate(op, s, span).seconds == pytest.approx(nccl.estimate(op, s, span).seconds)
-    with pytest.raises(ValueError, match="unknown collective library 'mpi'"):
-        spec_network(tiers, "mpi")
+    with pytest.raises(ValueError, match="unknown collective library 'ucc'"):
+        spec_network(tiers, "ucc")
+    # over two tiers: gloo all-reduces by the ring alone (no tree, NVLS or hierarchy), its reduce-scatter the same
+    dgx = tuple(parse_network(DGX, 16))
+    nccl, gloo, nodes = spec_network(dgx), spec_network(dgx, "gloo"), group_span(range(16), dgx)
+    ring = min(t for t, algorithm, _ in nccl.candidates("allreduce", s, nodes) if algorithm == "ring")
+    assert nccl.estimate("allreduce", s, nodes).seconds < ring  # NCCL's tree or NVLS-tree is faster there
+    assert gloo.estimate("allreduce", s, nodes).seconds == pytest.approx(ring)
+    assert gloo.estimate("reducescatter", s, nodes).seconds == pytest.approx(ring)
+    assert spec_network(dgx, "mpi").estimate("reducescatter", s, nodes).seconds == pytest.approx(
+        nccl.estimate("reducescatter", s, nodes).seconds)
 
 
 def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
@@ -186,7 +195,13 @@ def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
     assert collective_library(on_cpu) == "gloo" and collective_library(on_gpu) == "nccl"
     assert collective_library(on_cpu, spec_profile(on_cpu)) == "gloo"  # a spec alone's profile: no environment
     profile = load_profile(REPO / "tests" / "data" / "pp2-profile.h5")  # taken on this machine's CPU
-    assert collective_library(on_gpu, profile) == "gloo"  # where the profile was taken wins
+    assert collective_library(profile.spec, profile) == "gloo"  # no device named: where the profile was taken
+    assert collective_library(on_gpu, profile) == "nccl"  # the spec's device is the target's
+    mpi = loads_spec(spec_text().replace("[cluster]", "[profile]\nbackend = 'mpi4py'\n[cluster]"))
+    assert collective_library(mpi, profile) == "mpi"  # MPI's own collectives: NCCL's formulas cost them
+    tiers = tuple(parse_network(DGX, 16))
+    what_if = spec_network(tiers, "gloo").with_overrides({"ib.bandwidth_gbs": 100.0}, 16)
+    assert what_if.library == "gloo" and what_if.to_dict()["nccl_version"] is None
 
 
 def test_a_spec_alone_on_a_cpu_costs_zeros_reduce_scatters_as_gloo_runs_them():
@@ -219,6 +234,14 @@ latency_us = 1000.0
     for cost in gathers:
         event = prediction.plan.events[cost.id]
         assert cost.seconds == pytest.approx(model.estimate("allgather", event.bytes, span).seconds)
+    # the same job on A100s: NCCL's reduce-scatter, half the all-reduce's bytes
+    gpu = predict_spec(loads_spec(text.replace("gpus_per_node = 2", "gpus_per_node = 2\ndevice = 'a100-80gb'")),
+                       resamples=0)
+    assert gpu.costs.network.library == "nccl"
+    for cost in (c for c in gpu.costs.events.values() if c.kind == "reducescatter"):
+        event = gpu.plan.events[cost.id]
+        assert "allreduce-ring" not in cost.note
+        assert cost.seconds == pytest.approx(model.estimate("reducescatter", event.bytes, span).seconds)
 
 
 def test_nccl_choices_and_the_flat_ring_they_replace():

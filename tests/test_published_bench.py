@@ -124,6 +124,8 @@ def test_the_out_of_domain_folds_fit_on_one_end_of_the_runs_and_score_the_rest()
                       "under-8-gpus-to-8": ([0, 2, 4], [1, 3])}
     assert residual_domain(runs) == ResidualDomain((1024, 2048), (2, 8), 1)
     assert residual_domain(runs + [_run(9, gpus=64)]).nodes == 8
+    domain = ResidualDomain((1024, 2048), (2, 8), 1)
+    assert domain.contains(2048, 8, 1) and not domain.contains(3072, 8, 1) and not domain.contains(1024, 16, 2)
 
 
 def test_multi_node_coverage_scores_each_group_on_the_other_groups_errors():
@@ -135,8 +137,6 @@ def test_multi_node_coverage_scores_each_group_on_the_other_groups_errors():
     # A on B's ratios [1.1, 1.2]: neither 1.0 nor 1.3 within; B on A's [1.0, 1.3]: both within
     assert by_group == {(a[0].model, 64): pytest.approx(0.0), (b[0].model, 512): pytest.approx(100.0)}
     assert coverage == pytest.approx(50.0)
-    domain = ResidualDomain((1024, 2048), (2, 8), 1)
-    assert domain.contains(2048, 8, 1) and not domain.contains(3072, 8, 1) and not domain.contains(1024, 16, 2)
 
 
 def test_a_spec_outside_the_residuals_domain_draws_on_the_out_of_domain_runs(tmp_path):

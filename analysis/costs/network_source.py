@@ -3,7 +3,7 @@
 what-if network (`what_if_network`), costing a collective by NCCL's algorithms or the profiling backend's ring
 over where its group lies (`NetworkSource`, marked `network`); and each tier's share of the communication. A spec's
 tiers are costed by the library that runs the job's collectives (`collective_library`: gloo on CPUs, NCCL on
-GPUs)."""
+GPUs, MPI under the mpi4py backend)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,7 +15,7 @@ from analysis.costs.fits import CommFit, comm_fits
 from analysis.costs.records import MODELLED, Costs, EventCost
 from analysis.costs.samples import PLACEMENTS, CommPoints, bare_collective_note, measured_comm_points
 from analysis.costs.source import CostSource
-from analysis.network import GLOO, NCCL, Estimate, NetworkModel, calibrated_network, spec_network
+from analysis.network import GLOO, MPI, NCCL, Estimate, NetworkModel, calibrated_network, spec_network
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.events import COMM_KINDS, INTER, Event, EventPlan
@@ -24,12 +24,16 @@ from harness.plan.spec import JobSpec, load_spec
 
 
 def collective_library(spec: JobSpec, profile: Profile | None = None) -> str:
-    """The library that runs the job's collectives, as torch.distributed picks it: gloo where the profile was taken
-    on a CPU or, for a spec alone, where its device (`[cluster] device`) is a CPU; NCCL otherwise."""
-    if profile is not None and profile.environment:
-        return GLOO if device_kind(profile.environment) == "cpu" else NCCL
+    """The library that runs the target's collectives: MPI under the mpi4py backend (`[profile] backend`); else
+    torch.distributed's choice for the target's device, gloo on a CPU and NCCL on a GPU. The device is the spec's
+    (`[cluster] device`: the target's, whatever the profile was taken on), else the profile's; NCCL where neither
+    says."""
+    if spec.profile.backend == "mpi4py":
+        return MPI
     if spec.cluster.device:
         return GLOO if device_model(spec.cluster.device).description.processor == "cpu" else NCCL
+    if profile is not None and profile.environment:
+        return GLOO if device_kind(profile.environment) == "cpu" else NCCL
     return NCCL
 
 
