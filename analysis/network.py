@@ -22,7 +22,7 @@ innermost domains of at most g:
 - a network whose collectives run on gloo (`library`, PyTorch's CPU backend) all-reduces by the ring alone (none of
   NCCL's trees, NVLS or hierarchy) and reduce-scatters as PyTorch's ProcessGroupGloo does: an all-reduce of the
   whole input (a clone of it all-reduced, then the rank's chunk copied out), so a reduce-scatter costs that ring
-  all-reduce of its bytes, not half of it (the clone and the copy are not costed: at least that). MPI's (mpi4py's)
+  all-reduce of its bytes, not half of it (its clone and copy are not costed: a lower bound). MPI's (mpi4py's)
   are costed by NCCL's formulas.
 A hop between domains is costed at the outermost tier the group crosses. Where the innermost tier gives
 `memory_gbs`, every algorithm also reads its input from and writes its output to device memory once, at that
