@@ -88,15 +88,16 @@ def with_figures(description: DeviceDescription, figures: Mapping[tuple[str, str
 
 
 def coordinate_search(start: Mapping[tuple[str, str], float], score: Callable[[dict], float],
-                      steps: Sequence[float] = STEPS, ceiling: Callable[[tuple[str, str]], float] | None = None,
+                      steps: Sequence[float] = STEPS, ceilings: Mapping[tuple[str, str], float] | None = None,
                       progress: Callable[[float, float, dict], None] | None = None, min_gain: float = 0.0
                       ) -> tuple[dict[tuple[str, str], float], float]:
     """The figures of least `score` from `start`, and that score: for each step in turn, a figure times or over the
     step is taken wherever it lowers the score by more than `min_gain`, until no figure's move does; no figure
-    above its `ceiling` (a max_fraction's default 1). `progress(step, score, figures)` after each step."""
+    above its entry in `ceilings` (without one: 1 for a max_fraction, else no ceiling). `progress(step, score,
+    figures)` after each step."""
     def limit(key: tuple[str, str]) -> float:
-        if ceiling is not None:
-            return ceiling(key)
+        if ceilings and key in ceilings:
+            return ceilings[key]
         return 1.0 if key[1] == "max_fraction" else math.inf
 
     figures, best = dict(start), score(dict(start))

@@ -38,7 +38,6 @@ import csv
 import dataclasses
 import datetime
 import json
-import math
 import re
 import sys
 from collections import defaultdict
@@ -56,7 +55,15 @@ from analysis.costs.device_source import host_issue_seconds  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
 from analysis.device_model import DeviceModel  # noqa: E402
-from analysis.device_refine import HOST, LAUNCH, coordinate_search, describe_step, figure_name, figure_of, with_figures  # noqa: E402
+from analysis.device_refine import (  # noqa: E402
+    HOST,
+    LAUNCH,
+    coordinate_search,
+    describe_step,
+    figure_name,
+    figure_of,
+    with_figures,
+)
 from analysis.network import spec_network  # noqa: E402
 from analysis.simulate import (  # noqa: E402
     BACKWARD,
@@ -329,7 +336,6 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
     then every figure once more at the finest step."""
     measured = np.array([p.run.measured_ms for p in prepared])
     start = {key: figure_of(base, key) or FIT_START.get(key, 0.0) for key in FITTED}
-    ceiling = lambda key: FIT_CEILINGS.get(key, 1.0 if key[1] == "max_fraction" else math.inf)  # noqa: E731
 
     def score(candidate: Mapping[tuple[str, str], float]) -> float:
         predicted = predict_ms(prepared, with_figures(base, candidate))
@@ -343,12 +349,12 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
     best: tuple[dict, float] | None = None
     for value in values:
         others = {key: v for key, v in start.items() if key != grid_key}
-        figures, error = coordinate_search(others, lambda c, v=value: score({**c, grid_key: v}), steps, ceiling)
+        figures, error = coordinate_search(others, lambda c, v=value: score({**c, grid_key: v}), steps, FIT_CEILINGS)
         if progress:
             progress(f"  {figure_name(grid_key)} = {value:g}: MAPE {error:.2f}%")
         if best is None or error < best[1]:
             best = {**figures, grid_key: value}, error
-    return coordinate_search(best[0], score, steps[-1:], ceiling, step_done)
+    return coordinate_search(best[0], score, steps[-1:], FIT_CEILINGS, step_done)
 
 
 # ----- the report -----

@@ -97,10 +97,10 @@ def test_the_search_takes_only_moves_that_gain_and_keeps_under_its_ceiling():
         return (math.log(figures["x"] / 8)) ** 2 + (math.log(figures["y"])) ** 2
 
     figures, best = coordinate_search({"x": 1.0, "y": 3.0}, score, steps=(2.0, 1.1),
-                                      ceiling=lambda key: 4.0 if key == "x" else math.inf)
+                                      ceilings={"x": 4.0, "y": math.inf})
     assert figures["x"] == pytest.approx(4.0) and figures["y"] == pytest.approx(3.0 / 2 / 2 * 1.1 ** 3)
     assert best == pytest.approx(score(figures))
-    stopped, _ = coordinate_search({"x": 1.0, "y": 1.0}, score, steps=(2.0,), ceiling=lambda key: math.inf,
+    stopped, _ = coordinate_search({"x": 1.0, "y": 1.0}, score, steps=(2.0,), ceilings={"x": math.inf, "y": math.inf},
                                    min_gain=10.0)
     assert stopped == {"x": 1.0, "y": 1.0}
 
