@@ -37,7 +37,8 @@ from harness.plan.events import build_plan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 
 LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and the [host] table's
-_HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s"}
+_HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
+                "step_gap_us": "step_gap_s"}
 REFINABLE = (("gemm", "max_fraction"), ("gemm", "half_at"), ("memory", "max_fraction"),
              ("sdpa_forward", "max_fraction"), ("sdpa_backward", "max_fraction"),
              ("materialized_attention", "max_fraction"), (LAUNCH, "us"))
@@ -54,7 +55,7 @@ JSON_VERSION = 1  # of `analysis device --json` (docs/devices.md, "Refined on a 
 
 def figure_name(key: tuple[str, str]) -> str:
     """A figure as the description's file names it (efficiency.CURVE.FIELD, efficiency.launch_us,
-    host.kernel_issue_us, host.collective_issue_us)."""
+    host.kernel_issue_us, host.collective_issue_us, host.step_gap_us)."""
     if key[0] == LAUNCH:
         return "efficiency.launch_us"
     if key[0] == HOST:

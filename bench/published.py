@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from analysis.calibration import ResidualDomain  # noqa: E402
-from analysis.costs.device_source import host_issue_seconds  # noqa: E402
+from analysis.costs.device_source import host_issue_seconds, run_as_described  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
 from analysis.device_model import DeviceModel  # noqa: E402
@@ -100,14 +100,19 @@ DEVICE = "a100-80gb"
 FITTED_NAME = "a100-80gb-vtrain-fit"  # a name of its own: analysis.costs.device_source caches costings by name
 # (curve, field) the fit moves; every other figure stays the shipped description's
 FITTED = (("gemm", "max_fraction"), ("gemm", "half_at"), (LAUNCH, "us"), (HOST, "kernel_issue_us"),
-          (HOST, "collective_issue_us"))
+          (HOST, "collective_issue_us"), (HOST, "step_gap_us"))
 # where the multiplicative search starts a figure the description leaves at 0 (the shipped A100s give no host time):
-# eager PyTorch's few microseconds a kernel on the host, times a few for Megatron's Python around each
-FIT_START = {(HOST, "kernel_issue_us"): 20.0}
-# a figure whose multiplicative search would walk to 0 and never come back, fitted on a grid instead (the others
-# searched at each value): the host's time to issue a collective, 0 to 80 us (eager c10d and NCCL's enqueue are tens)
-FIT_GRID = {(HOST, "collective_issue_us"): (0.0, 5.0, 10.0, 20.0, 40.0, 80.0)}
+# eager PyTorch's few microseconds a kernel on the host, times a few for Megatron's Python around each; tens of
+# microseconds to issue a collective (eager c10d and NCCL's enqueue)
+FIT_START = {(HOST, "kernel_issue_us"): 20.0, (HOST, "collective_issue_us"): 20.0}
+# a figure fitted on a grid instead (the others searched at each value): the engine's host time between steps, 0 to
+# 2 ms (Megatron's batch broadcast, DeepSpeed's hooks and timers), which moves only together with the host's issue
+# times and the GEMM curve (a search from one start walks it to 0 and never comes back)
+FIT_GRID = {(HOST, "step_gap_us"): (0.0, 500.0, 1000.0, 1500.0, 2000.0)}
 FIT_STEPS = (1.5, 1.2, 1.07)  # the coarse search's multiplicative steps, coarse to fine
+# a move must lower the fit half's MAPE by more than this (0.001 of a point): a figure the runs no longer see (a host
+# time walking to 0) stops there instead of drifting a step at a time
+FIT_MIN_GAIN = 1e-3
 # the most a fitted figure may be, from outside these runs: a GEMM curve's plateau no higher than the best an A100 SXM
 # was measured to multiply at (271.2 of 312 TFLOP/s in bf16, the best of a search over shapes: stas00/ml-engineering,
 # compute/accelerator, "Maximum Achievable Matmul FLOPS comparison table", torch 2.6 with CUDA 12.6)
@@ -269,8 +274,9 @@ class SpecOnlyRun:
     """One run's plan with what does not depend on the device's figures made once: its communication events'
     seconds (the network model over the slowest of their groups) and its compute events' kernels (attention as the
     spec says). Costed as analysis.costs.device_source costs them: the kernels' seconds on the device, the
-    host's issue time (host_issue_seconds) as Costs.host_issue, each inline collective issued in the description's
-    collective_issue_s and no host wait after it."""
+    host's issue time (host_issue_seconds) as Costs.host_issue, the host as the description runs it
+    (run_as_described: each inline collective issued in collective_issue_s, no host wait after it, the engine's
+    step_gap_s between steps)."""
 
     def __init__(self, run: Run, network: tuple[NetworkTier, ...]):
         self.run = run
@@ -300,10 +306,7 @@ class SpecOnlyRun:
                 cache[eid] = seconds[eid], issue[eid]
         costs = Costs.from_seconds(self.plan, seconds)
         costs.host_issue.update({eid: s for eid, s in issue.items() if s})
-        # every compute event is the description's: the host does not wait after the inline collectives, as
-        # predict_spec's chain says (DeviceSource.finish)
-        costs.host_waits_on_collectives = False
-        costs.collective_issue_s = device.description.collective_issue_s
+        run_as_described(costs, device.description)  # every compute event is the description's (DeviceSource.finish)
         return costs
 
     def batch_time_s(self, device: DeviceModel, cache: dict[str, tuple[float, float]] | None = None) -> float:
@@ -332,8 +335,8 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
                     progress: Callable[[str], None] | None = None) -> tuple[dict[tuple[str, str], float], float]:
     """FITTED's figures that give the least mean |error| on `prepared`, and that error. For each value of
     FIT_GRID's figure, the others by coordinate_search (for each step in turn, a figure times or over the step
-    wherever it lowers the error, until no figure's move does; none above its FIT_CEILINGS); the best of those,
-    then every figure once more at the finest step."""
+    wherever it lowers the error by more than FIT_MIN_GAIN, until no figure's move does; none above its
+    FIT_CEILINGS); the best of those, then every figure once more at the finest step."""
     measured = np.array([p.run.measured_ms for p in prepared])
     start = {key: figure_of(base, key) or FIT_START.get(key, 0.0) for key in FITTED}
 
@@ -349,12 +352,13 @@ def fit_description(prepared: Sequence[SpecOnlyRun], base: DeviceDescription, st
     best: tuple[dict, float] | None = None
     for value in values:
         others = {key: v for key, v in start.items() if key != grid_key}
-        figures, error = coordinate_search(others, lambda c, v=value: score({**c, grid_key: v}), steps, FIT_CEILINGS)
+        figures, error = coordinate_search(others, lambda c, v=value: score({**c, grid_key: v}), steps, FIT_CEILINGS,
+                                           min_gain=FIT_MIN_GAIN)
         if progress:
             progress(f"  {figure_name(grid_key)} = {value:g}: MAPE {error:.2f}%")
         if best is None or error < best[1]:
             best = {**figures, grid_key: value}, error
-    return coordinate_search(best[0], score, steps[-1:], FIT_CEILINGS, step_done)
+    return coordinate_search(best[0], score, steps[-1:], FIT_CEILINGS, step_done, min_gain=FIT_MIN_GAIN)
 
 
 # ----- the report -----
@@ -400,8 +404,8 @@ def predict_runs(runs: Sequence[Run], description_path: Path,
 
 def time_spent(timeline) -> dict[str, float]:
     """Where the first pipeline stage's iteration went (ms): compute (forward, backward, recompute, optimizer),
-    tp (its blocking all-reduces), dp (the exposed all-reduce after the backward) and pp (the rest: the pipeline's
-    bubble and its transfers)."""
+    tp (its blocking all-reduces), dp (the exposed all-reduce after the backward) and idle (the rest: the
+    pipeline's bubble and its transfers, the engine's gaps between steps)."""
     spent: dict[str, float] = defaultdict(float)
     for interval in timeline.intervals(0):
         duration = (interval.end_s - interval.start_s) * 1e3
@@ -411,8 +415,8 @@ def time_spent(timeline) -> dict[str, float]:
             spent["tp"] += duration
         elif interval.category == DP_ALLREDUCE:
             spent["dp"] += duration
-    spent["pp"] = max(0.0, timeline.batch_time_s * 1e3 - sum(spent.values()))
-    return {key: spent[key] for key in ("compute", "tp", "pp", "dp")}
+    spent["idle"] = max(0.0, timeline.batch_time_s * 1e3 - sum(spent.values()))
+    return {key: spent[key] for key in ("compute", "tp", "idle", "dp")}
 
 
 def group_figures(scored: Scored) -> list[dict]:

@@ -397,6 +397,7 @@ def description_text(**replace) -> str:
     ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
     ("fitted = false\n", "fitted = false\n[host]\ncollective_issue_us = -3.0\n", "host.collective_issue_us",
      "0 or more"),
+    ("fitted = false\n", "fitted = false\n[host]\nstep_gap_us = -1.0\n", "host.step_gap_us", "0 or more"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
@@ -474,6 +475,10 @@ def test_host_figure_round_trips_and_is_optional():
     assert "[host]\nkernel_issue_us = 72.0\ncollective_issue_us = 25.0" in both.to_toml()
     assert parse_device(tomllib.loads(both.to_toml())) == both
     assert all(load_device(name).collective_issue_s == 0.0 for name in SHIPPED)
+    gapped = flat_device(step_gap_s=1.5e-3)
+    assert "[host]\nstep_gap_us = 1500.0" in gapped.to_toml()
+    assert parse_device(tomllib.loads(gapped.to_toml())) == gapped
+    assert all(load_device(name).step_gap_s == 0.0 for name in SHIPPED)
 
 
 def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):

@@ -187,10 +187,9 @@ def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
     runs = single[:3] + [run for run in single if run.tp == 8][:1] + published.read_runs("multi")[:2]
     assert sum(run.tp > 1 for run in runs) >= 1  # a run with inline collectives, issued on the host
     base = load_device(published.DEVICE)
-    # every fitted figure moved, the host's issue times from 0 to the fit's start (a collective's to its grid's
-    # 20 us): the fast path plays them as predict_spec does (Costs.host_issue and collective_issue_s against the
-    # device's time)
-    start = {**published.FIT_START, (published.HOST, "collective_issue_us"): 20.0}
+    # every fitted figure moved, the host's figures from 0 to the fit's start (the step gap to 1 ms on its grid):
+    # the fast path plays them as predict_spec does (Costs.host_issue, collective_issue_s and engine_gaps)
+    start = {**published.FIT_START, (published.HOST, "step_gap_us"): 1000.0}
     figures = {key: (published.figure_of(base, key) or start[key]) * 1.1 for key in published.FITTED}
     described = dataclasses.replace(published.with_figures(base, figures, "a test"), name="a100-test-fit")
     path = tmp_path / "a100-test-fit.toml"
@@ -211,6 +210,10 @@ def test_the_fits_fast_path_predicts_what_predict_spec_predicts(tmp_path):
     assert described.collective_issue_s == pytest.approx(22e-6)
     assert predictions[0].costs.host_issue  # the spec-only prediction was played against the host
     assert all(p.costs.collective_issue_s == pytest.approx(22e-6) for p in predictions)
+    # the engine's gap between steps, from the fit's start: predict_spec's costs carry it, as the fast path's do
+    assert described.step_gap_s == pytest.approx(1.1e-3)
+    assert all(len(p.costs.engine_gaps) == 4 and all(g == pytest.approx(described.step_gap_s)
+                                                     for g in p.costs.engine_gaps.values()) for p in predictions)
 
 
 @needs_data

@@ -339,6 +339,31 @@ def test_the_host_issues_each_inline_collective_in_the_descriptions_time(tmp_pat
                                                                                   rel=0.05)
 
 
+def test_the_engines_step_gap_idles_the_device_between_its_steps(tmp_path):
+    """[host] step_gap_us: a spec alone waits it out between every two steps of a device (Costs.engine_gaps, every
+    pair of phases), none before the first; one stage of m micro-batches has 2m steps, so 2m - 1 gaps."""
+    import dataclasses
+
+    from analysis.simulate import batch_time
+    from harness.plan.device import load_device
+
+    described = dataclasses.replace(load_device("a100-80gb"), name="a100-step-gap-test")
+    plain = write(tmp_path, described.to_toml(), "plain.toml")
+    gapped = write(tmp_path, dataclasses.replace(described, step_gap_s=2e-3).to_toml(), "gapped.toml")
+    layout = {"pp": 1, "nodes": 1, "gpus_per_node": 4}
+    spec = loads_spec(spec_text(device=str(plain), **layout))
+    plan = build_plan(spec)
+    costs = estimate_costs(plan, spec_profile(spec))
+    assert costs.engine_gaps == {}
+    gap_spec = loads_spec(spec_text(device=str(gapped), **layout))
+    gap_plan = build_plan(gap_spec)
+    gap_costs = estimate_costs(gap_plan, spec_profile(gap_spec))
+    assert gap_costs.engine_gaps == {key: pytest.approx(2e-3) for key in ("F->F", "F->B", "B->F", "B->B")}
+    m = spec.micro_batches
+    assert m > 1
+    assert batch_time(gap_plan, gap_costs) - batch_time(plan, costs) == pytest.approx((2 * m - 1) * 2e-3, rel=1e-6)
+
+
 def test_the_model_state_floor_is_what_the_last_backward_leaves():
     """18 bytes a parameter of the larger pipeline stage with Megatron's mixed precision; the modelled peak holds
     it and more (the activations), so a search may rule a candidate out by it alone."""

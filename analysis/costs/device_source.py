@@ -20,6 +20,7 @@ from analysis.costs.records import FITTED, MODELLED, UNAVAILABLE, Costs, EventCo
 from analysis.costs.source import CostSource
 from analysis.device_model import DeviceModel, KernelTime
 from harness.common.errors import UserError
+from harness.plan.device import DeviceDescription
 from harness.plan.events import Event, EventPlan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 
@@ -155,14 +156,22 @@ class DeviceSource(CostSource):
         return EventCost(eid, event.name, event.kind, costing.seconds, DEVICE, note=costing.note)
 
     def finish(self, costs: Costs) -> None:
-        """Where every compute event is the description's (a spec alone), the job runs as Megatron-LM runs it:
-        the host enqueues a step's inline collectives, each in the description's collective_issue_s, and goes on
-        (Costs.host_waits_on_collectives); a profile's measured events keep the waits of the harness's loop that
-        timed them."""
+        """Where every compute event is the description's (a spec alone), the host runs as the description says
+        (run_as_described); a profile's measured events keep the waits and gaps of the harness's loop that timed
+        them."""
         compute = [cost for cost in costs.events.values() if cost.kind == "compute"]
         if compute and all(cost.source == DEVICE for cost in compute):
-            costs.host_waits_on_collectives = False
-            costs.collective_issue_s = self.device.description.collective_issue_s
+            run_as_described(costs, self.device.description)
+
+
+def run_as_described(costs: Costs, description: DeviceDescription) -> None:
+    """A spec alone runs as Megatron-LM runs it: the host enqueues a step's inline collectives, each in the
+    description's collective_issue_s, and goes on (Costs.host_waits_on_collectives); between a device's steps the
+    engine's host time, step_gap_s, which the device waits out (Costs.engine_gaps, every pair of phases)."""
+    costs.host_waits_on_collectives = False
+    costs.collective_issue_s = description.collective_issue_s
+    if description.step_gap_s:
+        costs.engine_gaps = {f"{a}->{b}": description.step_gap_s for a in "FB" for b in "FB"}
 
 
 def source_counts(costs: Costs) -> dict[str, dict[str, int]]:

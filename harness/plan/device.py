@@ -48,7 +48,7 @@ _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tfl
 _EFFICIENCY = {"launch_us", *CURVES}
 _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
-_HOST = {"kernel_issue_us", "collective_issue_us"}
+_HOST = {"kernel_issue_us", "collective_issue_us", "step_gap_us"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
 
 
@@ -104,7 +104,9 @@ class DeviceDescription:
     bytes/s and capacity in GB (1e9 bytes), a kernel launch's seconds, and the efficiency curves (CURVES).
     `kernel_issue_s`: the host's seconds to issue one kernel (the framework driving the device; 0: the host
     keeps ahead of the device); `collective_issue_s` its seconds to issue one collective inline in a step (the
-    framework's collective call and the library's enqueue; 0: none). `fitted`: whether the figures were fitted on
+    framework's collective call and the library's enqueue; 0: none); `step_gap_s` the training engine's host seconds
+    between a device's steps that the device waits out (a synchronising data load, the engine's bookkeeping per
+    micro-batch; 0: none). `fitted`: whether the figures were fitted on
     measurements (`fitted_on` says which), or are starting values."""
 
     name: str
@@ -119,6 +121,7 @@ class DeviceDescription:
     fitted_on: str = ""
     kernel_issue_s: float = 0.0
     collective_issue_s: float = 0.0
+    step_gap_s: float = 0.0
     source: str = field(default="<device>", compare=False)
     # format 2: vector operations an element and operations launched a call per kind of memory-bound kernel
     # (VECTOR_KINDS), and optimizer steps as the framework runs them (OPTIMIZER_KINDS -> OptimizerCost); empty:
@@ -154,7 +157,8 @@ class DeviceDescription:
         out["efficiency"] = {"launch_us": in_unit(self.launch_s, US),
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
         host = {key: in_unit(value, US) for key, value in (("kernel_issue_us", self.kernel_issue_s),
-                                                             ("collective_issue_us", self.collective_issue_s)) if value}
+                                                             ("collective_issue_us", self.collective_issue_s),
+                                                             ("step_gap_us", self.step_gap_s)) if value}
         if host:
             out["host"] = host
         if self.vector_ops:
@@ -354,6 +358,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                                                       zero=True) * US,
                              collective_issue_s=_positive(host, "collective_issue_us", "host", fail, default=0.0,
                                                           zero=True) * US,
+                             step_gap_s=_positive(host, "step_gap_us", "host", fail, default=0.0, zero=True) * US,
                              source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
                              processor=processor)
 
