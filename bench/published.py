@@ -431,6 +431,17 @@ def group_figures(scored: Scored) -> list[dict]:
     return out
 
 
+def max_job_regret_pct(scored: Scored) -> float | None:
+    """The worst regret among one job's configurations: runs of one model, GPU count and global batch (a search
+    never changes the global batch; a (model, GPUs) group mixes several), in groups of GROUP_MIN_RUNS or more."""
+    jobs: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    for i, run in enumerate(scored.runs):
+        jobs[(*run.group, run.global_batch)].append(i)
+    regrets = [regret_pct(list(scored.predicted[members]), list(scored.measured[members]))
+               for members in jobs.values() if len(members) >= GROUP_MIN_RUNS]
+    return max(regrets) if regrets else None
+
+
 def set_figures(scored: Scored, coverage_pct: float | None, fitted_on: str) -> dict:
     """The JSON's figures of one set (docs/benchmarks.md, "Published A100 runs")."""
     groups = group_figures(scored)
@@ -442,6 +453,7 @@ def set_figures(scored: Scored, coverage_pct: float | None, fitted_on: str) -> d
     return {**error_summary(scored.errors),
             "min_group_spearman": min(spearmans) if spearmans else None,
             "max_group_regret_pct": max(g["regret_pct"] for g in judged) if judged else None,
+            "max_job_regret_pct": max_job_regret_pct(scored),
             "interval_coverage_pct": coverage_pct, "fitted_on": fitted_on,
             "by_model": {model: error_summary(errors) for model, errors in sorted(by_model.items())},
             "groups": groups}
@@ -450,14 +462,15 @@ def set_figures(scored: Scored, coverage_pct: float | None, fitted_on: str) -> d
 def print_tables(figures: Mapping[str, dict], worst: Sequence[dict]) -> None:
     names = list(figures)
     print(f"\n{'set':<18}{'rows':>6}{'MAPE%':>8}{'median%':>9}{'p90%':>7}{'worst%':>8}{'signed%':>9}"
-          f"{'min rho':>9}{'max regret%':>13}{'90% cover%':>12}")
+          f"{'min rho':>9}{'max regret%':>13}{'job regret%':>13}{'90% cover%':>12}")
     for name in names:
         f = figures[name]
         rho = "-" if f["min_group_spearman"] is None else f"{f['min_group_spearman']:.2f}"
         regret = "-" if f["max_group_regret_pct"] is None else f"{f['max_group_regret_pct']:.1f}"
+        job = "-" if f["max_job_regret_pct"] is None else f"{f['max_job_regret_pct']:.1f}"
         cover = "-" if f["interval_coverage_pct"] is None else f"{f['interval_coverage_pct']:.0f}"
         print(f"{name:<18}{f['rows']:>6}{f['mape_pct']:>8.2f}{f['median_abs_pct']:>9.2f}{f['p90_abs_pct']:>7.1f}"
-              f"{f['worst_abs_pct']:>8.1f}{f['median_signed_pct']:>+9.1f}{rho:>9}{regret:>13}{cover:>12}")
+              f"{f['worst_abs_pct']:>8.1f}{f['median_signed_pct']:>+9.1f}{rho:>9}{regret:>13}{job:>13}{cover:>12}")
     for who, (single, multi) in PUBLISHED.items():
         print(f"{who:<40} MAPE single node {single:.2f}%, multi-node {multi:.2f}% (published)")
     print(f"\n{'set':<18}{'model':>9}{'rows':>6}{'MAPE%':>8}{'median%':>9}{'p90%':>7}{'worst%':>8}")
@@ -475,7 +488,7 @@ def print_tables(figures: Mapping[str, dict], worst: Sequence[dict]) -> None:
     for w in worst:
         s = w["spent_ms"]
         print(f"  {w['error_pct']:+7.1f}%  {w['run']}: predicted {w['predicted_ms']:.1f}, measured "
-              f"{w['measured_ms']:.1f}; compute {s['compute']:.1f}, tp {s['tp']:.1f}, pp {s['pp']:.1f}, "
+              f"{w['measured_ms']:.1f}; compute {s['compute']:.1f}, tp {s['tp']:.1f}, idle {s['idle']:.1f}, "
               f"dp {s['dp']:.1f}")
 
 

@@ -23,11 +23,14 @@ from bench.published import (
     group_spearman,
     interval_coverage_pct,
     leave_group_out_coverage,
+    max_job_regret_pct,
+    print_tables,
     ratios_of,
     regret_pct,
     residual_domain,
     residuals_document,
     residuals_text,
+    set_figures,
     split_half,
 )
 from harness.plan.device import load_device
@@ -233,3 +236,22 @@ def test_a_spec_alone_states_its_interval_from_the_gpu_residuals():
     beyond = predict_spec(wide, dp_overlap=False).interval  # one node, wider than the runs: the out-of-domain runs
     assert interval_text(beyond).endswith("wide, with the model's error beyond its held-out runs)")
     assert beyond.to_dict()["interval_beyond_domain"] and not multi.to_dict()["interval_beyond_domain"]
+
+
+def test_a_jobs_regret_is_among_the_runs_of_one_global_batch(capsys):
+    """One model on 8 GPUs at two global batches: the (model, GPUs) group's pick is the quick small batch and right,
+    but within the larger batch (one job, five configurations) the pick ran 10% slower than that job's best."""
+    small = [dataclasses.replace(_run(i, measured=50.0 + i), global_batch=16) for i in range(5)]
+    large = [dataclasses.replace(_run(10 + i, measured=m), global_batch=32)
+             for i, m in enumerate((110.0, 100.0, 120.0, 130.0, 140.0))]
+    predicted = np.array([50.0, 51, 52, 53, 54, 90, 95, 96, 97, 98])  # the large batch's pick: 110 against 100
+    scored = Scored("single_held_out", small + large, predicted)
+    figures = set_figures(scored, None, "a test")
+    assert figures["max_group_regret_pct"] == pytest.approx(0.0)
+    assert figures["max_job_regret_pct"] == pytest.approx(10.0)
+    assert max_job_regret_pct(Scored("s", small[:4], predicted[:4])) is None  # under GROUP_MIN_RUNS: not judged
+    worst = [{"set": "single_held_out", "run": large[0].label, "error_pct": -18.2, "predicted_ms": 90.0,
+              "measured_ms": 110.0, "spent_ms": {"compute": 70.0, "tp": 10.0, "idle": 8.0, "dp": 2.0}}]
+    print_tables({"single_held_out": figures}, worst)
+    out = capsys.readouterr().out
+    assert "job regret%" in out and "idle 8.0" in out
