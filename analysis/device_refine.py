@@ -32,13 +32,11 @@ from analysis.costs.records import MEASURED
 from analysis.device_model import DeviceModel
 from analysis.profile_reader import Profile, layers_for
 from harness.common.errors import UserError
-from harness.plan.device import DeviceDescription
+from harness.plan.device import HOST_FIELDS, DeviceDescription
 from harness.plan.events import build_plan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 
 LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and the [host] table's
-_HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
-                "step_gap_us": "step_gap_s"}
 REFINABLE = (("gemm", "max_fraction"), ("gemm", "half_at"), ("memory", "max_fraction"),
              ("sdpa_forward", "max_fraction"), ("sdpa_backward", "max_fraction"),
              ("materialized_attention", "max_fraction"), (LAUNCH, "us"))
@@ -68,7 +66,7 @@ def figure_of(description: DeviceDescription, key: tuple[str, str]) -> float:
     if key[0] == LAUNCH:
         return description.launch_s * 1e6
     if key[0] == HOST:
-        return getattr(description, _HOST_FIELDS[key[1]]) * 1e6
+        return getattr(description, HOST_FIELDS[key[1]]) * 1e6
     return getattr(description.curves[key[0]], key[1])
 
 
@@ -80,7 +78,7 @@ def with_figures(description: DeviceDescription, figures: Mapping[tuple[str, str
         if curve == LAUNCH:
             launch_s = value * 1e-6
         elif curve == HOST:
-            host[_HOST_FIELDS[name]] = value * 1e-6
+            host[HOST_FIELDS[name]] = value * 1e-6
         else:
             value = min(value, 1.0) if name == "max_fraction" else value
             curves[curve] = dataclasses.replace(curves[curve], **{name: value})

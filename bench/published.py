@@ -9,17 +9,18 @@ tier of harness/jobs/dgx-a100.toml with the inter-node link at 800 Gb/s a node, 
 predictions are analysis.predict.predict_spec's (no profile); the fit evaluates the same costs faster
 (SpecOnlyRun: the communication and the kernels made once per run).
 
-Fitted, and on what: the description's figures FITTED (the GEMM curve, the launch time and the host's issue time
-a kernel and a collective) on a seeded half of the single-node set (split_half: within every (model, GPUs) group, a
-permutation by SPLIT_SEED; the seed is printed), by a coarse search (fit_description: the collective's issue time on
-a grid, FIT_GRID, the others by coordinate passes over a multiplicative grid at each of its values, least mean
-|error|; the GEMM plateau no higher than an A100's best measured matmul, FIT_CEILINGS). The
-other half and the whole multi-node set are held out: nothing is fitted on them.
+Fitted, and on what: the description's figures FITTED (the GEMM curve, the launch time, the host's issue time a
+kernel and a collective, the engine's gap between steps) on a seeded half of the single-node set (split_half:
+within every (model, GPUs) group, a permutation by SPLIT_SEED; the seed is printed), by a coarse search
+(fit_description: the step gap on a grid, FIT_GRID, the others by coordinate passes over a multiplicative grid at
+each of its values, least mean |error|; the GEMM plateau no higher than an A100's best measured matmul,
+FIT_CEILINGS). The other half and the whole multi-node set are held out: nothing is fitted on them.
 The fitted description is written to bench/out/a100-vtrain-fitted.toml.
 
 Printed per set (fit half, held-out half, multi-node) and per model size: MAPE, median, p90 and worst |error|;
 Spearman's rank correlation of predicted against measured time within each (model, GPUs) group; each group's
-regret of the fastest predicted configuration (the search's pick) against the measured best; the 90% interval's
+regret of the fastest predicted configuration (the search's pick) against the measured best, and the worst such
+regret within one job (one model, GPU count and global batch: max_job_regret_pct); the 90% interval's
 coverage (the model's out-of-sample error on GPUs, analysis.uncertainty.spec_only_interval: within the single-node
 runs' domain, residuals from both folds of the single-node halves, each half scored on a description fitted on the
 other, the held-out half's coverage 2-fold within its own; on more than one node, the multi-node runs' own held-out
@@ -122,7 +123,7 @@ FIT_CEILINGS = {("gemm", "max_fraction"): 271.2 / 312.0}
 PUBLISHED = {"vTrain (MICRO'24, profiled kernels)": (8.37, 14.73), "Calculon (as a new user runs it)": (38.9, 11.1)}
 GROUP_MIN_RUNS = 5  # Spearman and regret goals hold for groups of at least this many runs
 WORST_SHOWN = 10
-JSON_VERSION = 1  # of --json's document (docs/benchmarks.md, "Published A100 runs")
+JSON_VERSION = 2  # of --json's document (docs/benchmarks.md, "Published A100 runs"; 2: worst[].spent_ms.idle)
 COMPUTE_CATEGORIES = (FORWARD, BACKWARD, BACKWARD_WEIGHT, RECOMPUTE, OPTIMIZER)
 
 
@@ -379,10 +380,11 @@ class Scored:
     def errors(self) -> np.ndarray:
         return errors_pct(self.predicted, self.measured)
 
-    def groups(self) -> dict[tuple[str, int], list[int]]:
-        out: dict[tuple[str, int], list[int]] = defaultdict(list)
+    def groups(self, key: Callable[[Run], tuple] = lambda run: run.group) -> dict[tuple, list[int]]:
+        """The runs' indices by `key` (default: (model, GPUs))."""
+        out: dict[tuple, list[int]] = defaultdict(list)
         for i, run in enumerate(self.runs):
-            out[run.group].append(i)
+            out[key(run)].append(i)
         return dict(sorted(out.items()))
 
 
@@ -434,9 +436,7 @@ def group_figures(scored: Scored) -> list[dict]:
 def max_job_regret_pct(scored: Scored) -> float | None:
     """The worst regret among one job's configurations: runs of one model, GPU count and global batch (a search
     never changes the global batch; a (model, GPUs) group mixes several), in groups of GROUP_MIN_RUNS or more."""
-    jobs: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    for i, run in enumerate(scored.runs):
-        jobs[(*run.group, run.global_batch)].append(i)
+    jobs = scored.groups(lambda run: (*run.group, run.global_batch))
     regrets = [regret_pct(list(scored.predicted[members]), list(scored.measured[members]))
                for members in jobs.values() if len(members) >= GROUP_MIN_RUNS]
     return max(regrets) if regrets else None

@@ -364,6 +364,47 @@ def test_the_engines_step_gap_idles_the_device_between_its_steps(tmp_path):
     assert batch_time(gap_plan, gap_costs) - batch_time(plan, costs) == pytest.approx((2 * m - 1) * 2e-3, rel=1e-6)
 
 
+def test_a_profiles_measured_engine_gaps_win_over_the_descriptions(tmp_path):
+    """A profile given beside a spec whose compute it did not measure leaves every compute event to the
+    description, but the engine's gaps it measured (start, end, B->opt too) stay its own."""
+    import dataclasses
+
+    from analysis.costs.device_source import STEP_GAPS, run_as_described
+    from harness.plan.device import load_device
+
+    gapped = dataclasses.replace(load_device("a100-80gb"), step_gap_s=1e-3)
+    spec = loads_spec(spec_text(pp=1, nodes=1, gpus_per_node=4))
+    costs = estimate_costs(build_plan(spec), spec_profile(spec))
+    measured = {"F->B": 2e-4, "B->F": 3e-4, "start": 5e-4, "end": 1e-4, "B->opt": 2e-4}
+    costs.engine_gaps = dict(measured)
+    run_as_described(costs, gapped)
+    assert costs.engine_gaps == measured
+    costs.engine_gaps = {}
+    run_as_described(costs, gapped)
+    assert costs.engine_gaps == dict.fromkeys(STEP_GAPS, 1e-3)
+
+
+def test_a_pipeline_hides_the_step_gap_where_a_step_waits_for_its_input(tmp_path):
+    """pp = 2, 1F1B: a step that waits for its input (warm-up, cool-down) hides its gap, so the iteration grows by
+    more than nothing and less than a gap at each of a device's 2m - 1 transitions."""
+    import dataclasses
+
+    from analysis.simulate import batch_time
+    from harness.plan.device import load_device
+
+    described = dataclasses.replace(load_device("a100-80gb"), name="a100-pipeline-gap-test")
+    plain = write(tmp_path, described.to_toml(), "plain.toml")
+    gapped = write(tmp_path, dataclasses.replace(described, step_gap_s=2e-3).to_toml(), "gapped.toml")
+    layout = {"dp": 1, "tp": 1, "pp": 2, "nodes": 1, "gpus_per_node": 2}
+    times = []
+    for path in (plain, gapped):
+        spec = loads_spec(spec_text(device=str(path), **layout))
+        plan = build_plan(spec)
+        times.append(batch_time(plan, estimate_costs(plan, spec_profile(spec))))
+    m = spec.micro_batches
+    assert 0 < times[1] - times[0] < (2 * m - 1) * 2e-3
+
+
 def test_the_model_state_floor_is_what_the_last_backward_leaves():
     """18 bytes a parameter of the larger pipeline stage with Megatron's mixed precision; the modelled peak holds
     it and more (the activations), so a search may rule a candidate out by it alone."""

@@ -4,7 +4,8 @@ roofline and efficiency curves (analysis.device_model), marked `device`. Where t
 time to issue a kernel (`[host] kernel_issue_us`), the event's issue time goes to Costs.host_issue, which the
 simulation plays against the device's time as it does a GPU profile's; where the description costs every compute
 event (a spec alone), without the host's wait after each inline collective that the harness's loop has
-(Costs.host_waits_on_collectives).
+(Costs.host_waits_on_collectives) and with the description's engine gap between steps (`[host] step_gap_us`;
+run_as_described).
 
 Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
 compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
@@ -164,14 +165,19 @@ class DeviceSource(CostSource):
             run_as_described(costs, self.device.description)
 
 
+STEP_GAPS = ("F->B", "B->F", "F->F", "B->B")  # the transitions between two steps (harness.train.engine_gaps' first)
+
+
 def run_as_described(costs: Costs, description: DeviceDescription) -> None:
-    """A spec alone runs as Megatron-LM runs it: the host enqueues a step's inline collectives, each in the
-    description's collective_issue_s, and goes on (Costs.host_waits_on_collectives); between a device's steps the
-    engine's host time, step_gap_s, which the device waits out (Costs.engine_gaps, every pair of phases)."""
+    """Every compute event is the description's: the job runs as Megatron-LM runs it. The host enqueues a step's
+    inline collectives, each in the description's collective_issue_s, and goes on
+    (Costs.host_waits_on_collectives); between a device's steps the engine's host time, step_gap_s, which the
+    device waits out (Costs.engine_gaps, each of STEP_GAPS), unless a profile given beside the spec measured the
+    engine's gaps: measured gaps win."""
     costs.host_waits_on_collectives = False
     costs.collective_issue_s = description.collective_issue_s
-    if description.step_gap_s:
-        costs.engine_gaps = {f"{a}->{b}": description.step_gap_s for a in "FB" for b in "FB"}
+    if description.step_gap_s and not costs.engine_gaps:
+        costs.engine_gaps = dict.fromkeys(STEP_GAPS, description.step_gap_s)
 
 
 def source_counts(costs: Costs) -> dict[str, dict[str, int]]:

@@ -91,7 +91,9 @@ class Costs:
     # data-parallel bucket all-reduce event id -> seconds to zero the bucket for the next iteration
     bucket_zero: dict[str, float] = field(default_factory=dict)
     # the training engine's host seconds between steps, by transition ("F->B", "B->F", "F->F", "B->B", "B->opt",
-    # "start", "end"; harness.train.engine_gaps): the timeline waits them out (empty: profiles before them)
+    # "start", "end"; harness.train.engine_gaps), or for a spec alone its description's [host] step_gap_us between
+    # two steps (analysis.costs.device_source.run_as_described): the timeline waits them out (empty: profiles
+    # before them, descriptions without one)
     engine_gaps: dict[str, float] = field(default_factory=dict)
     # the ranks' speed over time in the profile: how far the slowest data-parallel replica lags (analysis.skew)
     replica_skew: ReplicaSkew | None = None

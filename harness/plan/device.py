@@ -48,7 +48,9 @@ _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tfl
 _EFFICIENCY = {"launch_us", *CURVES}
 _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
-_HOST = {"kernel_issue_us", "collective_issue_us", "step_gap_us"}
+# [host] field -> DeviceDescription attribute (microseconds in the file, seconds in the description)
+HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
+               "step_gap_us": "step_gap_s"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
 
 
@@ -156,9 +158,8 @@ class DeviceDescription:
                             "vector_tflops": {k: in_unit(v, TFLOPS) for k, v in self.vector_peak.items()}}
         out["efficiency"] = {"launch_us": in_unit(self.launch_s, US),
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
-        host = {key: in_unit(value, US) for key, value in (("kernel_issue_us", self.kernel_issue_s),
-                                                             ("collective_issue_us", self.collective_issue_s),
-                                                             ("step_gap_us", self.step_gap_s)) if value}
+        host = {key: in_unit(getattr(self, attribute), US) for key, attribute in HOST_FIELDS.items()
+                if getattr(self, attribute)}
         if host:
             out["host"] = host
         if self.vector_ops:
@@ -319,7 +320,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     host = data.get("host", {})
     if not isinstance(host, dict):
         raise fail(f"must be a table, got {host!r}", "host")
-    _known(host, _HOST, "host", fail)
+    _known(host, set(HOST_FIELDS), "host", fail)
     vector_ops = data.get("vector_ops", {})
     if not isinstance(vector_ops, dict):
         raise fail(f"must be a table, got {vector_ops!r}", "vector_ops")
@@ -354,11 +355,8 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                              matrix_peak=peaks["matrix_tflops"], vector_peak=peaks["vector_tflops"],
                              launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * US,
                              curves=curves, fitted=fitted, fitted_on=fitted_on,
-                             kernel_issue_s=_positive(host, "kernel_issue_us", "host", fail, default=0.0,
-                                                      zero=True) * US,
-                             collective_issue_s=_positive(host, "collective_issue_us", "host", fail, default=0.0,
-                                                          zero=True) * US,
-                             step_gap_s=_positive(host, "step_gap_us", "host", fail, default=0.0, zero=True) * US,
+                             **{attribute: _positive(host, key, "host", fail, default=0.0, zero=True) * US
+                                for key, attribute in HOST_FIELDS.items()},
                              source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
                              processor=processor)
 
