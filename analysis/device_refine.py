@@ -14,6 +14,8 @@ Rules:
   over the events, each event once.
 - A GPU profile's host issue times (Costs.host_issue: the host's seconds to issue each event's kernels) give
   [host] kernel_issue_us directly: their sum over the events' launches on the description.
+- The training engine's gaps the profile measured between two steps (analysis.costs.corrections.engine_gaps:
+  F->B, B->F, F->F, B->B) give [host] step_gap_us directly: their mean.
 - The profile's device and the description's processor agree (a CPU profile refines a CPU description).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from analysis.calibration import device_kind
 from analysis.costs import estimate_costs
+from analysis.costs.device_source import STEP_GAPS
 from analysis.costs.records import MEASURED
 from analysis.device_model import DeviceModel
 from analysis.profile_reader import Profile, layers_for
@@ -221,8 +224,10 @@ class Refinement:
 
 
 def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str = "the profile", name: str = "",
-           progress: Callable[[str], None] | None = None) -> Refinement:
-    """`base` refined on `events` (module docstring); `source` names them in the refined description's fitted_on."""
+           progress: Callable[[str], None] | None = None,
+           engine_gaps: Mapping[str, float] | None = None) -> Refinement:
+    """`base` refined on `events` (module docstring); `source` names them in the refined description's fitted_on;
+    `engine_gaps`: the profile's measured gaps by transition (seconds), which set the step gap."""
     if len(events) < MIN_EVENTS:
         raise UserError(f"{source}: {len(events)} measured compute event(s) whose kernels the plan can list; a "
                         f"refinement needs at least {MIN_EVENTS} (profile a job of built-in layers, forward and "
@@ -244,6 +249,9 @@ def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str =
     if issued:
         launches = sum(base.kernel_launches(k) for e in issued for k in e.kernels)
         figures[(HOST, "kernel_issue_us")] = sum(e.host_issue_s for e in issued) / launches * 1e6
+    between = [engine_gaps[key] for key in STEP_GAPS if key in (engine_gaps or {})]
+    if between and sum(between) > 0:
+        figures[(HOST, "step_gap_us")] = sum(between) / len(between) * 1e6
     note = (f"{base.fitted_on or base.name}; refined on {source}'s {len(events)} compute events "
             f"({datetime.date.today().isoformat()})")
     refined = with_figures(base, figures, fitted_on=note)

@@ -91,6 +91,21 @@ def test_a_gpu_profiles_host_issue_gives_the_hosts_time_a_kernel():
     assert refinement.figures[(HOST, "kernel_issue_us")] == (0.0, pytest.approx(30.0))
 
 
+def test_the_profiles_engine_gaps_give_the_step_gap():
+    """[host] step_gap_us: the mean of the gaps the profile measured between two steps (F->B, B->F, F->F, B->B), in
+    microseconds; the iteration's start and end and the optimizer's gap are not between steps; none measured: none."""
+    base = load_device("a100-80gb")
+    gemm = Gemm("g", 1024, 1024, 1024, "bfloat16")
+    device = DeviceModel(base)
+    events = [RefineEvent(f"e{n}", f"x{n}", (gemm,) * n, device.event_seconds((gemm,) * n)) for n in (2, 4, 6)]
+    gaps = {"F->B": 1e-4, "B->F": 3e-4, "F->F": 2e-4, "B->B": 2e-4, "start": 9e-3, "end": 5e-3, "B->opt": 7e-3}
+    refinement = refine(base, events, engine_gaps=gaps)
+    assert refinement.refined.step_gap_s == pytest.approx(2e-4)
+    assert refinement.figures[(HOST, "step_gap_us")] == (0.0, pytest.approx(200.0))
+    assert refine(base, events, engine_gaps={}).refined.step_gap_s == 0.0
+    assert refine(base, events, engine_gaps={"start": 1e-3}).refined.step_gap_s == 0.0
+
+
 def test_the_search_takes_only_moves_that_gain_and_keeps_under_its_ceiling():
     # a bowl at x = 8, y = 1 (log scale), x capped at 4: y 3 -> 1.5 -> 0.75 by halves, then up by 1.1 three times
     def score(figures):

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from analysis.costs.corrections import engine_gaps
 from analysis.device_refine import Refinement, check_processor, figure_name, profile_events, refine
 from analysis.profile_reader import load_profile
 from harness.common.errors import UserError
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     check_processor(profile, base)
     name = args.name or (Path(args.output).stem if args.output else "")
     progress = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-    refinement = refine(base, profile_events(profile), source=str(profile.path), name=name, progress=progress)
+    refinement = refine(base, profile_events(profile), source=str(profile.path), name=name, progress=progress,
+                        engine_gaps=engine_gaps(profile))
     written = None
     if args.output:
         header = (f"{refinement.refined.name}: {base.name} refined on {profile.path} (python -m analysis device); "
