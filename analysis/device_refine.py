@@ -30,7 +30,6 @@ import numpy as np
 
 from analysis.calibration import device_kind
 from analysis.costs import estimate_costs
-from analysis.costs.device_source import STEP_GAPS
 from analysis.costs.records import MEASURED
 from analysis.device_model import DeviceModel
 from analysis.profile_reader import Profile, layers_for
@@ -38,6 +37,7 @@ from harness.common.errors import UserError
 from harness.plan.device import HOST_FIELDS, DeviceDescription
 from harness.plan.events import build_plan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
+from harness.store.hdf5_schema import STEP_GAPS
 
 LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and the [host] table's
 REFINABLE = (("gemm", "max_fraction"), ("gemm", "half_at"), ("memory", "max_fraction"),

@@ -369,8 +369,9 @@ def test_a_profiles_measured_engine_gaps_win_over_the_descriptions(tmp_path):
     description, but the engine's gaps it measured (start, end, B->opt too) stay its own."""
     import dataclasses
 
-    from analysis.costs.device_source import STEP_GAPS, run_as_described
+    from analysis.costs.device_source import run_as_described
     from harness.plan.device import load_device
+    from harness.store.hdf5_schema import STEP_GAPS
 
     gapped = dataclasses.replace(load_device("a100-80gb"), step_gap_s=1e-3)
     spec = loads_spec(spec_text(pp=1, nodes=1, gpus_per_node=4))

@@ -24,6 +24,7 @@ from harness.common.errors import UserError
 from harness.plan.device import DeviceDescription
 from harness.plan.events import Event, EventPlan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
+from harness.store.hdf5_schema import STEP_GAPS
 
 DEVICE = "device"  # EventCost.source of an event costed by the device model
 _MODELS: dict[str, DeviceModel] = {}  # `[cluster] device` text -> its model, per process
@@ -163,9 +164,6 @@ class DeviceSource(CostSource):
         compute = [cost for cost in costs.events.values() if cost.kind == "compute"]
         if compute and all(cost.source == DEVICE for cost in compute):
             run_as_described(costs, self.device.description)
-
-
-STEP_GAPS = ("F->B", "B->F", "F->F", "B->B")  # the transitions between two steps (harness.train.engine_gaps' first)
 
 
 def run_as_described(costs: Costs, description: DeviceDescription) -> None:

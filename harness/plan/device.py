@@ -108,8 +108,8 @@ class DeviceDescription:
     keeps ahead of the device); `collective_issue_s` its seconds to issue one collective inline in a step (the
     framework's collective call and the library's enqueue; 0: none); `step_gap_s` the training engine's host seconds
     between a device's steps that the device waits out (a synchronising data load, the engine's bookkeeping per
-    micro-batch; 0: none). `fitted`: whether the figures were fitted on
-    measurements (`fitted_on` says which), or are starting values."""
+    micro-batch; 0: none). `fitted`: whether the figures were fitted on measurements (`fitted_on` says which), or
+    are starting values."""
 
     name: str
     title: str

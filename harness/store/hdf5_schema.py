@@ -73,10 +73,11 @@ COMPUTE_PHASE_ATTR = "compute_phase"
 # (harness.profile.probe), so that the analysis can refer each rank's samples to the ranks' mean speed
 RANK_SPEED_PROBE_ENV = "rank_speed_probe_s"
 SPEED_PROBE_ENV = "speed_probe"  # /environment: what the probe is
-# /environment, JSON: the training engine's host seconds between steps by transition ("F->B", "B->F", "F->F", "B->B",
-# "B->opt", "start", "end"), the median over the ranks of a copy of the job trained alone (harness.train.engine_gaps);
-# absent in older profiles
+# /environment, JSON: the training engine's host seconds between steps by transition (ENGINE_GAPS), the median over
+# the ranks of a copy of the job trained alone (harness.train.engine_gaps); absent in older profiles
 ENGINE_GAPS_ENV = "engine_gaps_s"
+STEP_GAPS = ("F->B", "B->F", "F->F", "B->B")  # between two steps of a device
+ENGINE_GAPS = (*STEP_GAPS, "B->opt", "start", "end")  # and before the optimizer, the iteration's start and end
 
 
 def compute_phase_key(compute_phase: float) -> str:

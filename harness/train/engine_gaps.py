@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-GAPS = ("F->B", "B->F", "F->F", "B->B", "B->opt", "start", "end")
+from harness.store.hdf5_schema import ENGINE_GAPS as GAPS
+
 FAMILIES = {"gpt2": "gpt2-small", "bert": "bert-base", "llama": "llama-1b"}
 FACTORY_STAND_IN = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "vocab": 512}
 MICRO_BATCHES = 2
