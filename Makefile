@@ -27,7 +27,7 @@ DEMO_RANKS ?= 4
 # Run a set-up command without its chatter; on failure show everything it printed.
 quietly = out=$$($(1) 2>&1) || { echo "$$out"; exit 1; }
 
-.PHONY: setup demo test lint test-serial test-mpi test-slurm slurm-deps bench bench-accuracy clean
+.PHONY: setup demo test lint test-serial test-mpi slurm-deps bench bench-accuracy clean
 
 setup: $(VENV)/.setup-$(MPI)
 

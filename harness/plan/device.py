@@ -17,7 +17,7 @@ from typing import Any
 from harness.common.errors import SpecError
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
-FORMATS = (1, 2)  # 2 adds the optional [vector_ops] and [optimizer.NAME] tables; a description without them is 1
+FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches] and [optimizer.NAME] tables; without them: 1
 US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
