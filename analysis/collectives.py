@@ -121,7 +121,6 @@ def write_png(path: str | Path, runs: Sequence[CollectivesRun]) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from analysis.plot import save
+
+    return save(fig, path)

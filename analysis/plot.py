@@ -26,6 +26,7 @@ from analysis.simulate import (
     ZERO_REDUCESCATTER,
     Timeline,
 )
+from harness.common.errors import UserError
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
@@ -102,9 +103,14 @@ def add_legend(fig, used: set[str]) -> None:
 
 
 def save(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` as a PNG (a name ending in .png: matplotlib would otherwise pick the format from the
+    suffix, or add .png to a name without one)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    if path.suffix.lower() != ".png":
+        plt.close(fig)
+        raise UserError(f"{path}: charts are written as PNG; give a file name ending in .png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

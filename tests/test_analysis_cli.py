@@ -204,9 +204,9 @@ def test_unwritable_outputs_are_bad_input(tmp_path):
     profile_path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2), by_name({}, default=1e-3))
     blocker = tmp_path / "file"
     blocker.write_text("")
-    for option in ("--trace", "--png", "--out"):
+    for option, name in (("--trace", "x.json"), ("--png", "x.png"), ("--out", "x.h5")):
         result = run_python(f"import sys; from analysis.cli import main; "
-                            f"sys.exit(main(['simulate', {str(profile_path)!r}, {option!r}, {str(blocker / 'x')!r}]))")
+                            f"sys.exit(main(['simulate', {str(profile_path)!r}, {option!r}, {str(blocker / name)!r}]))")
         assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -399,6 +399,7 @@ def description_text(**replace) -> str:
      "0 or more"),
     ("fitted = false\n", "fitted = false\n[host]\nstep_gap_us = -1.0\n", "host.step_gap_us", "0 or more"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
+    ("format = 1\n", "\n", "format", "is missing; a description starts with format = 1"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
     path = tmp_path / "bad.toml"
@@ -407,6 +408,7 @@ def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message
         load_device(str(path))
     assert caught.value.field == field and caught.value.source == str(path)
     assert str(path) in str(caught.value) and f"[{field}]" in str(caught.value)
+    assert str(caught.value).count(f"[{field}]") == 1  # the place once, not again in the message
 
 
 def test_unknown_name_and_missing_file(tmp_path):
@@ -415,6 +417,8 @@ def test_unknown_name_and_missing_file(tmp_path):
     assert caught.value.field == "cluster.device"
     with pytest.raises(SpecError, match="not found"):
         load_device(str(tmp_path / "absent.toml"))
+    with pytest.raises(SpecError, match="is a folder; give the description's TOML file"):
+        load_device(str(tmp_path))
     for value in (5, ""):
         with pytest.raises(SpecError, match="must be a device name") as caught:
             load_device(value)

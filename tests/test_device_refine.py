@@ -162,7 +162,8 @@ def test_analysis_device_command_writes_a_description_a_spec_alone_runs_on(tmp_p
 @pytest.mark.parametrize("args, message", [
     ([], "names no [cluster] device and no --device was given"),
     (["--device", "a100-80gb"], "was measured on a CPU, and the description 'a100-80gb' describes a GPU"),
-    (["--device", "z900"], "z900"),
+    (["--device", "z900"], "--device: unknown device 'z900'"),
+    (["--device", str(CPU), "-o", "refined.txt"], "-o refined.txt: a device description is a .toml file"),
 ])
 def test_analysis_device_bad_input(args, message):
     result = run_analysis("device", str(PROFILE), *args)

@@ -285,6 +285,15 @@ def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
      "no GPU count"),
     ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
      "--recompute-granularity some", 8, "--recompute-granularity must be one of full, selective, got 'some'"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
+     "--hidden-dropout nan", 8, "--hidden-dropout must be a number of 0 or more, got 'nan'"),
+    ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
+     "--zero-stage 7", 8, "--zero-stage must be 0, 1, 2 or 3"),
+    ("--num-layers " + "9" * 5000 + " --hidden-size 1024 --num-attention-heads 16 --seq-length 1024", 8,
+     "--num-layers must be an integer of at least 1, got '99999999999999999999... (5000 characters)'"),
+    ("torchrun --nproc-per-node=\u00b2 pretrain_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
+     "--seq-length 1024 --vocab-size 1000", None, "the launcher's --nproc-per-node is"),
+    ("", None, "nothing given"),
 ])
 def test_bad_megatron_arguments_exit_2_naming_the_argument(arguments, gpus, words, capsys):
     argv = ["spec", "--from-megatron", arguments] + (["--gpus", str(gpus)] if gpus else [])
@@ -326,6 +335,10 @@ def test_megatron_recompute_layers_beyond_a_stage_exit_2_naming_the_argument(cap
     ('{"model_type": "llama", "hidden_size": 4096}', "num_hidden_layers is missing"),
     ('{"model_type": "gpt2", "n_embd": -1, "n_layer": 2, "n_head": 2}', "n_embd must be a positive integer"),
     ("not json", "cannot read"),
+    ('{"model_type": ["gpt2"]}', "model_type ['gpt2'] is not one of the families built in"),
+    ('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 100, '
+     '"torch_dtype": ["x"]}', "torch_dtype must be a dtype's name"),
+    ('{"model_type": "gpt2", "n_layer": ' + "9" * 5000 + "}", "cannot read"),
 ])
 def test_bad_hugging_face_configs_exit_2(tmp_path, content, words, capsys):
     config = tmp_path / "config.json"
@@ -351,3 +364,57 @@ def test_the_command_writes_a_spec_that_loads_back(tmp_path, project_env):
     assert harness_main(["spec", "--from-hf", str(DATA / "hf" / "Meta-Llama-3-8B.json"), "--gpus", "8",
                          "--strategy", "tp=8,dp=1", "-o", str(hf)]) == 0
     assert loads_spec(hf.read_text()).model.vocab == 128_256  # tp divides it: by default not padded
+
+
+def test_a_megatron_refusal_drops_the_feature_it_names_and_nothing_else():
+    """Context parallelism refuses dropout (not the tied embedding): the import drops dropout, with a note, and keeps
+    the tie."""
+    imported = from_megatron("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                             "--vocab-size 1024 --context-parallel-size 2", gpus=2)
+    assert imported.spec.model.tie_embeddings and imported.spec.model.dropout == 0.0
+    assert [line for line in imported.not_modelled if line.startswith("dropout")]
+    assert not [line for line in imported.not_modelled if "tied" in line]
+
+
+@pytest.mark.parametrize("launch, extra, layout", [
+    ("#SBATCH -N2\nsrun --ntasks-per-node=8 python pretrain_gpt.py", {}, (2, 8)),
+    ("srun -N 2 -n 16 python pretrain_gpt.py", {}, (2, 8)),
+    ("mpirun -n 4 python pretrain_gpt.py", {}, (1, 4)),
+    ("torchrun --nproc-per-node 8 pretrain_gpt.py", {"gpus_per_node": 4}, (2, 4)),
+    ('ARGS=(--global-batch-size 64)\ntorchrun --nproc-per-node 8 pretrain_gpt.py "${ARGS[@]}"', {}, (1, 8)),
+])
+def test_the_launchers_gpu_count_reads_as_slurm_and_bash_would(tmp_path, launch, extra, layout):
+    """sbatch's attached -N2, srun's tasks in all over its nodes, a quoted array an element a word, and
+    --gpus-per-node a new node size for the launcher's GPUs (not a new count)."""
+    script = tmp_path / "run.sh"
+    script.write_text(launch + " --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                      "--vocab-size 1024 --micro-batch-size 1\n")
+    cluster = from_megatron(str(script), **extra).spec.cluster
+    assert (cluster.nodes, cluster.gpus_per_node) == layout
+
+
+@pytest.mark.parametrize("source, words", [
+    ("FOLDER", "is a folder; give the launch script in it"),
+    ("BINARY", "is not a text file"),
+])
+def test_a_megatron_source_that_is_no_script_exits_2(tmp_path, source, words, capsys):
+    binary = tmp_path / "run.bin"
+    binary.write_bytes(bytes(range(128, 256)))
+    path = {"FOLDER": tmp_path, "BINARY": binary}[source]
+    assert harness_main(["spec", "--from-megatron", str(path), "--gpus", "8"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_gpus_per_node_that_does_not_divide_the_gpus_exits_2(capsys):
+    arguments = "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1024"
+    assert harness_main(["spec", "--from-megatron", arguments, "--gpus", "8", "--gpus-per-node", "3"]) == 2
+    assert "8 GPUs do not fill nodes of --gpus-per-node 3" in capsys.readouterr().err
+
+
+def test_a_hugging_face_dtype_this_tool_does_not_model_is_said(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, '
+                      '"vocab_size": 100, "torch_dtype": "float64"}')
+    imported = from_hf(str(config))
+    assert imported.spec.model.dtype == "float32"
+    assert any("torch_dtype float64" in note for note in imported.notes)

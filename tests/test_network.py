@@ -310,6 +310,8 @@ def test_analysis_network_command(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "512"], "do not fit in the outermost tier"),
     (["--nodes", "two"], "--nodes 'two'"),
+    (["--nodes", "300"], "--nodes 300 (300 x 8 GPUs): tier 'ib' (size 2048) does not divide"),
+    (["--network", "ib.nvls=maybe"], "'maybe' is not a number (nvls and rails take true or false)"),
     (["--network", "eth.latency_us=1"], "no tier 'eth'"),
     (["-b", "1M", "-e", "1K"], "smallest size"),
 ])

@@ -49,3 +49,26 @@ def test_an_unwritable_csv_is_bad_input(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="cannot write"):
         write_csv(tmp_path / "file" / "t.csv", ("a",), [(1,)])
+
+
+def test_a_pseudo_file_system_states_no_free_space():
+    """/proc states a size of 0: not a full disk, so nothing is refused for want of space there."""
+    import shutil
+    from pathlib import Path
+
+    from harness.common.output import free_bytes
+
+    if not Path("/proc").is_dir() or shutil.disk_usage("/proc").total:
+        pytest.skip("no /proc stating a size of 0 on this system")
+    assert free_bytes("/proc/none/x.h5") is None
+
+
+@pytest.mark.parametrize("name", ["chart.txt", "chart"])
+def test_a_chart_is_written_as_png_only(tmp_path, name):
+    from analysis.plot import pyplot, save
+
+    fig = pyplot().figure()
+    with pytest.raises(UserError, match="charts are written as PNG; give a file name ending in .png"):
+        save(fig, tmp_path / name)
+    assert not list(tmp_path.iterdir())
+    assert save(pyplot().figure(), tmp_path / "chart.png").is_file()

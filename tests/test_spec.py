@@ -136,6 +136,11 @@ def test_strategy_overrides_change_the_cluster():
     assert bigger.cluster.devices == 32 and bigger.cluster.gpus_per_node == 4
     with pytest.raises(SpecError, match="unknown field"):
         spec.with_changes(colour=3)
+    for text, words in (("tp=x", "[strategy.tp] must be an integer, got 'x'"), ("dp=", "[strategy.dp] must be an "
+                                                                                    "integer, got ''")):
+        with pytest.raises(SpecError) as caught:  # a degree that is no number is named, not a TypeError
+            spec.with_changes(**parse_strategy_overrides(text))
+        assert words in str(caught.value)
 
 
 def test_cli_exit_status_2_without_traceback(tmp_path, project_env):

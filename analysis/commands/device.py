@@ -10,9 +10,9 @@ from pathlib import Path
 from analysis.costs.corrections import engine_gaps
 from analysis.device_refine import Refinement, check_processor, figure_name, profile_events, refine
 from analysis.profile_reader import load_profile
-from harness.common.errors import UserError
+from harness.common.errors import SpecError, UserError
 from harness.common.output import format_table, writable
-from harness.plan.device import load_device
+from harness.plan.device import check_output_path, load_device
 
 NAME = "device"
 HELP = "refine a device description on a profile's measured compute events, for a spec alone's estimates"
@@ -31,12 +31,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output_path(args.output)
     profile = load_profile(args.profile)
     text = args.device or profile.spec.cluster.device
     if not text:
         raise UserError(f"{profile.path}: its spec names no [cluster] device and no --device was given: name the "
                         "description to refine (a shipped one, or a file that `python -m harness device -o` wrote)")
-    base = load_device(text)
+    try:
+        base = load_device(text)
+    except SpecError as exc:
+        if not args.device or exc.field != "cluster.device":
+            raise
+        # the name came from --device, not from a spec's [cluster] device
+        raise UserError(f"--device: {str(exc).split('] ', 1)[-1]}") from None
     check_processor(profile, base)
     name = args.name or (Path(args.output).stem if args.output else "")
     progress = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
-from harness.common.errors import UserError
+from harness.common.errors import SpecError, UserError
 from harness.common.output import format_table, writable, write_csv
 from harness.plan.collectives import parse_size, sweep_sizes
 from harness.plan.network import check_tiers, parse_overrides
@@ -81,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
     if args.network:
         model = model.with_overrides(parse_overrides(args.network), max(counts) * per_node)
     for count in counts:
-        check_tiers(model.tiers, count * per_node, f"--nodes {count} ({count} x {per_node} GPUs)")
+        try:
+            check_tiers(model.tiers, count * per_node)
+        except SpecError as exc:
+            why = str(exc).split("] ", 1)[-1].split("; give")[0]  # the rule broken, without its place and advice
+            raise UserError(f"--nodes {count} ({count} x {per_node} GPUs): {why}; give node counts the network's "
+                            "tiers hold, or change the tiers (--network)") from None
     sizes = sweep_sizes(parse_size(args.minbytes, "-b"), parse_size(args.maxbytes, "-e"), args.stepfactor)
     rows = []
     for count in counts:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness.common.errors import UserError
 from harness.common.output import format_table, writable
-from harness.plan.device import REQUIRED_DTYPES
+from harness.plan.device import REQUIRED_DTYPES, check_output_path
 
 NAME = "device"
 HELP = "measure this machine's device (CUDA, else the CPU) and write its description for [cluster] device"
@@ -54,13 +54,7 @@ def options(args: argparse.Namespace) -> tuple[str | None, int, Path | None]:
             repeats = 0
         if not 1 <= repeats <= MAX_REPEATS:
             raise UserError(f"--repeats {args.repeats!r}: give a whole number from 1 to {MAX_REPEATS}")
-    output = Path(args.output) if args.output else None
-    if output is not None:
-        if output.suffix != ".toml":
-            raise UserError(f"-o {args.output}: a device description is a .toml file (a spec's [cluster] device "
-                            "reads a path ending in .toml)")
-        if output.is_dir():
-            raise UserError(f"-o {args.output}: is a folder; give the description's file, e.g. {output}/mine.toml")
+    output = check_output_path(args.output) if args.output else None
     return args.dtype, repeats, output
 
 

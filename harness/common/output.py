@@ -76,14 +76,16 @@ READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def free_bytes(folder: str | Path) -> int | None:
-    """Bytes free to this user in `folder` (its nearest existing parent), None where the system cannot tell."""
+    """Bytes free to this user in `folder` (its nearest existing parent), None where the system cannot tell (a
+    pseudo file system such as /proc or /sys states a size of 0)."""
     folder = Path(folder)
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     try:
-        return shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
     except OSError:
         return None
+    return usage.free if usage.total else None
 
 
 def write_failure(path: str | Path, exc: OSError, needed: int | None = None, free: int | None = None) -> WriteError:

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from harness.common.errors import SpecError
+from harness.common.errors import SpecError, UserError
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
 FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches] and [optimizer.NAME] tables; without them: 1
@@ -227,6 +227,18 @@ def shipped_devices() -> list[str]:
     return sorted(path.stem for path in SHIPPED_DIR.glob("*.toml"))
 
 
+def check_output_path(text: str, option: str = "-o") -> Path:
+    """The path a description is written to: a .toml file (what `[cluster] device` reads as a path), not a folder;
+    UserError naming `option` otherwise."""
+    output = Path(text)
+    if output.suffix != ".toml":
+        raise UserError(f"{option} {text}: a device description is a .toml file (a spec's [cluster] device reads a "
+                        "path ending in .toml)")
+    if output.is_dir():
+        raise UserError(f"{option} {text}: is a folder; give the description's file, e.g. {output}/mine.toml")
+    return output
+
+
 def is_device_path(text: str) -> bool:
     """Whether `device = TEXT` is a file's path (ends in .toml or has a folder) rather than a shipped name."""
     return text.endswith(".toml") or "/" in text or "\\" in text
@@ -241,6 +253,9 @@ def load_device(text: str) -> DeviceDescription:
                         f"(*.toml, docs/devices.md), got {text!r}", field="cluster.device")
     if is_device_path(text):
         path = Path(text)
+        if path.is_dir():
+            raise SpecError(f"device description {text!r} is a folder; give the description's TOML file",
+                            field="cluster.device")
         if not path.is_file():
             raise SpecError(f"device description {text!r} not found; give a TOML file's path (format in "
                             f"docs/devices.md) or a shipped name ({', '.join(shipped_devices())})",
@@ -275,12 +290,15 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
 
     _known(data, _TOP, "", fail)
     version = data.get("format")
+    if version is None:
+        raise fail(f"is missing; a description starts with format = {FORMATS[0]} (or {DEVICE_FORMAT} with its "
+                   "optional tables; docs/devices.md)", "format")
     if isinstance(version, bool) or version not in FORMATS:
         raise fail(f"unsupported device format {version!r}; this harness reads format = "
                    f"{' or '.join(map(str, FORMATS))} (docs/devices.md)", "format")
     for key in _FORMAT_2:
         if key in data and version < 2:
-            raise fail(f"[{key}] is a format 2 table; say format = 2 (docs/devices.md)", key)
+            raise fail("is a format 2 table; say format = 2 (docs/devices.md)", key)
     name = data.get("name", default_name)
     title = data.get("title", name)
     fitted_on = data.get("fitted_on", "")

@@ -160,7 +160,8 @@ def parse_overrides(text: str) -> dict[str, float | bool]:
         try:
             value = float(raw)
         except ValueError:
-            raise SpecError(f"{item!r}: {raw!r} is not a number", source="--network") from None
+            raise SpecError(f"{item!r}: {raw!r} is not a number (nvls and rails take true or false)",
+                            source="--network") from None
         out[key.strip()] = int(value) if key.strip().endswith(".size") and value.is_integer() else value
     if not out:
         raise SpecError("no change given; write TIER.FIELD=VALUE pairs separated by commas", source="--network")

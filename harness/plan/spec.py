@@ -373,11 +373,12 @@ class JobSpec:
                     data["strategy"].pop(key, None)
         if "schedule" in changes and "chunks" not in changes:  # the schedule's default, as in a TOML spec
             data["strategy"]["chunks"] = default_chunks(changes["schedule"])
-        if not {"nodes", "gpus_per_node"} & set(changes):
-            # Another strategy usually means another device count: keep the node size, change the node count.
-            world = (data["strategy"]["dp"] * data["strategy"]["tp"] * data["strategy"]["pp"]
-                     * data["strategy"].get("cp", 1))
-            layout = node_layout(world, data["cluster"]["gpus_per_node"])
+        degrees = [data["strategy"].get(key, 1) for key in ("dp", "tp", "pp", "cp")]
+        if not {"nodes", "gpus_per_node"} & set(changes) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in degrees):
+            # Another strategy usually means another device count: keep the node size, change the node count
+            # (a degree that is not a positive whole number is left to parse_spec, which names it).
+            layout = node_layout(math.prod(degrees), data["cluster"]["gpus_per_node"])
             if layout:  # else parse_spec says the strategy does not match the cluster
                 data["cluster"].update(nodes=layout[0], gpus_per_node=layout[1])
         return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)

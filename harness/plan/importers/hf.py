@@ -48,8 +48,11 @@ def read_config(path: str) -> dict[str, Any]:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"--from-hf: {path} not found; give a Hugging Face model's config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"--from-hf: cannot read {path} as JSON: {exc}") from None
+    except IsADirectoryError:
+        raise UserError(f"--from-hf: {path} is a folder; give the config.json file in it") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: bad JSON, or an integer past the limit
+        raise UserError(f"--from-hf: cannot read {path} as JSON ({exc}); give a Hugging Face model's config.json"
+                        ) from None
     if not isinstance(data, dict):
         raise UserError(f"--from-hf: {path} is not a JSON object (a config.json is one)")
     return data
@@ -75,7 +78,7 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
     after); `seq_len` replaces the config's maximum positions."""
     config = read_config(path)
     model_type = config.get("model_type")
-    if model_type not in FAMILY:
+    if not isinstance(model_type, str) or model_type not in FAMILY:
         raise UserError(f"--from-hf: {path}: model_type {model_type!r} is not one of the families built in "
                         f"({', '.join(FAMILY)})")
     family = FAMILY[model_type]
@@ -97,8 +100,12 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
         raise UserError(f"--from-hf: {path}: tie_word_embeddings must be true or false, got {tied!r}")
     model["tie_embeddings"] = tied
     dtype = config.get("torch_dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise UserError(f"--from-hf: {path}: torch_dtype must be a dtype's name, got {dtype!r}")
     if dtype in DTYPES:
         model["dtype"] = dtype
+    elif dtype is not None:
+        result.notes.append(f"torch_dtype {dtype} is not one this tool models ({', '.join(DTYPES)}): float32")
     _experts(config, model, path, result)
     for name, what in _NOT_MODELLED.items():
         if config.get(name) not in (None, False, 0) and not (

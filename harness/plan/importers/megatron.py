@@ -11,6 +11,7 @@ would refuse stops with one message naming the argument (UserError, exit 2).
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 import shlex
@@ -140,6 +141,8 @@ def read_source(source: str) -> tuple[str, str]:
     """(text, where): a script's text, or `source` itself when it is the arguments (it starts with '-' or holds
     ' --'); anything else that is not a readable file is refused."""
     path = Path(source)
+    if not source.strip():
+        raise UserError("--from-megatron: nothing given; give a launch script or the arguments in quotes")
     if source.lstrip().startswith("-") or " --" in source:
         return source, "the arguments"
     try:
@@ -147,8 +150,14 @@ def read_source(source: str) -> tuple[str, str]:
     except FileNotFoundError:
         raise UserError(f"--from-megatron: {source!r} is neither a file nor Megatron arguments (they start with "
                         "'--'); give a launch script or the arguments in quotes") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"--from-megatron: cannot read {source}: {exc}") from None
+    except IsADirectoryError:
+        raise UserError(f"--from-megatron: {source} is a folder; give the launch script in it") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--from-megatron: {source} is not a text file; give a launch script (a shell script) or "
+                        "the arguments in quotes") from None
+    except OSError as exc:
+        raise UserError(f"--from-megatron: cannot read {source} ({exc.strerror}); give a readable launch "
+                        "script") from None
 
 
 # ----- the shell: variables, arrays, continuations, comments -----
@@ -156,6 +165,7 @@ def read_source(source: str) -> tuple[str, str]:
 _ARRAY = re.compile(r"^\s*(?:export\s+|declare\s+-a\s+|local\s+)?([A-Za-z_]\w*)=\((.*)$")
 _ASSIGN = re.compile(r"^([A-Za-z_]\w*)=(.*)$")
 _ARITH = re.compile(r"\$\(\((.*?)\)\)")
+_QUOTED_ARRAY = re.compile(r'"\$\{([A-Za-z_]\w*)\[@\]\}"')
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{#?([A-Za-z_]\w*)(?::?-([^}]*))?\}|\$([A-Za-z_]\w*|[0-9#@*?])")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Div: operator.floordiv, ast.Mod: operator.mod}
@@ -190,6 +200,10 @@ class _Shell:
         self.sbatch: list[str] = []
 
     def expand(self, text: str) -> str:
+        # "${ARGS[@]}" in quotes is still one word an element, as bash expands it
+        text = _QUOTED_ARRAY.sub(lambda m: shlex.join(self.arrays.get(m.group(1), [self.scalars.get(m.group(1), "")])),
+                                 text)
+
         def variable(match: re.Match) -> str:
             array, name, default, plain = match.groups()
             if array:
@@ -291,14 +305,19 @@ def parse_arguments(words: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 _NODES = ("--nnodes", "--num_nodes", "--num-nodes", "-N", "--nodes")
 _PER_NODE = ("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", "--ntasks-per-node",
              "--gpus-per-node")
+_TASKS = ("-n", "--ntasks")  # srun / sbatch: tasks in all, one a GPU
 
 
 def _option(words: list[str], names: tuple[str, ...]) -> tuple[str, str] | None:
-    """The last of `names` in `words` as (name, value), `--a=b` and `--a b` alike."""
+    """The last of `names` in `words` as (name, value): `--a=b`, `--a b`, and a short option's `-N2` alike."""
     found = None
     for i, word in enumerate(words):
         name, eq, value = word.partition("=")
-        if name in names:
+        short = next((n for n in names if len(n) == 2 and word.startswith(n) and re.fullmatch(r"[0-9]+", word[2:])),
+                     None)
+        if short:  # srun / sbatch's -N2
+            found = (short, word[2:])
+        elif name in names:
             if eq:
                 found = (name, value)
             elif i + 1 < len(words):
@@ -311,7 +330,7 @@ def _option(words: list[str], names: tuple[str, ...]) -> tuple[str, str] | None:
 def _count(option: tuple[str, str]) -> int:
     name, value = option
     upper = value.split(":")[-1]  # torchrun's elastic MIN:MAX: the most nodes
-    if not upper.isdigit() or int(upper) < 1:
+    if not re.fullmatch(r"[0-9]{1,9}", upper) or int(upper) < 1:
         raise UserError(f"--from-megatron: the launcher's {name} is {value!r}, not a number of nodes or GPUs (a "
                         "variable the script does not set?); give the GPU count with --gpus N")
     return int(upper)
@@ -325,12 +344,21 @@ def launcher_gpus(launcher: list[str], sbatch: list[str]) -> tuple[int, int, str
     inner = next((i for i, w in enumerate(launcher) if w in ("torchrun", "deepspeed") or "torch.distributed" in w),
                  None)
     sources = ([launcher[inner:]] if inner is not None else []) + [launcher, sbatch]
+    tasks = None
     for words in sources:
         per_node = per_node or _option(words, _PER_NODE)
         nodes = nodes or _option(words, _NODES)
-    if per_node is None and nodes is None:
+        tasks = tasks or _option(words, _TASKS)
+    if per_node is None and nodes is None and tasks is None:
         return None
     nodes_n = _count(nodes) if nodes else 1
+    if per_node is None and tasks is not None:  # srun -N 2 -n 16: the tasks of all nodes, one a GPU
+        total = _count(tasks)
+        if total % nodes_n:
+            raise UserError(f"--from-megatron: the launcher's {tasks[0]} {tasks[1]} tasks do not split evenly over "
+                            f"{nodes_n} nodes; give the GPU count with --gpus N")
+        where = " x ".join(f"{option[0]} {option[1]}" for option in (nodes, tasks) if option)
+        return nodes_n, total // nodes_n, where
     per_node_n = _count(per_node) if per_node else 1
     where = " x ".join(f"{option[0]} {option[1]}" for option in (nodes, per_node) if option)
     return nodes_n, per_node_n, where
@@ -363,8 +391,9 @@ class _Reader:
         value = self.text(name)
         if value is None:
             return default
-        if not re.fullmatch(r"-?\d+", value) or int(value) < minimum:
-            raise UserError(f"--from-megatron: {name} must be an integer of at least {minimum}, got {value!r}")
+        if not re.fullmatch(r"-?[0-9]{1,18}", value) or int(value) < minimum:
+            shown = value if len(value) <= 40 else f"{value[:20]}... ({len(value)} characters)"
+            raise UserError(f"--from-megatron: {name} must be an integer of at least {minimum}, got {shown!r}")
         return int(value)
 
     def number(self, name: str, default: float | None = None) -> float | None:
@@ -375,7 +404,7 @@ class _Reader:
             number = float(value)
         except ValueError:
             number = -1.0
-        if number < 0:
+        if not math.isfinite(number) or number < 0:
             raise UserError(f"--from-megatron: {name} must be a number of 0 or more, got {value!r}")
         return number
 
@@ -561,6 +590,8 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
         result.not_modelled.append(f"--cp-comm-type {comm}: the all-to-all context parallelism (the ring here)")
     strategy.update(_recompute(args))
     zero = args.integer("--zero-stage", 0, minimum=0)
+    if zero > 3:
+        raise UserError(f"--from-megatron: --zero-stage must be 0, 1, 2 or 3 (DeepSpeed's ZeRO stages), got {zero}")
     if args.has("--use-distributed-optimizer"):
         zero = max(zero, 1)  # the optimizer state sharded over the data-parallel ranks: ZeRO-1
     if zero:
@@ -602,9 +633,10 @@ def _optimizer(args: _Reader, dtype: str) -> dict:
 
 def _gpus(launcher: list[str], sbatch: list[str], gpus: int | None, gpus_per_node: int | None, replica: int,
           result: ImportedSpec) -> tuple[int, int]:
-    """(nodes, GPUs per node): --gpus N (on the launcher's node size where it divides N, else 8 a node), else the
-    launcher's; a launcher with fewer GPUs than one model replica (an example left at one node) gives way to the
-    replica's, with a note."""
+    """(nodes, GPUs per node): --gpus N, else the launcher's count; on nodes of --gpus-per-node where given (it must
+    divide a count above it), else of the launcher's node size where it divides N, else of 8; fewer GPUs than a node
+    are one node of them. A launcher with fewer GPUs than one model replica (an example left at one node) gives way
+    to the replica's, with a note."""
     launched = launcher_gpus(launcher, sbatch)
     if gpus is None and launched is None:
         raise UserError("--from-megatron: no GPU count: no torchrun, deepspeed, srun or #SBATCH line says it; give "
@@ -616,8 +648,13 @@ def _gpus(launcher: list[str], sbatch: list[str], gpus: int | None, gpus_per_nod
                                 f"(tp x pp x cp = {replica}): the spec takes {replica} (dp = 1); give --gpus N for "
                                 "the real count")
             gpus = replica
+        elif gpus_per_node is None:
+            return nodes, per_node
         else:
-            return nodes, gpus_per_node or per_node
+            gpus = nodes * per_node  # the launcher's count, on nodes of --gpus-per-node (checked below)
+    if gpus_per_node is not None and gpus > gpus_per_node and gpus % gpus_per_node:
+        raise UserError(f"--from-megatron: {gpus} GPUs do not fill nodes of --gpus-per-node {gpus_per_node}; give a "
+                        "node size that divides the GPU count")
     per_node = gpus_per_node or (launched[1] if launched else 8)
     if gpus % per_node:
         per_node = gpus if gpus < 8 or gpus % 8 else 8
@@ -686,9 +723,9 @@ def _validate(data: dict, where: str, result: ImportedSpec):
         try:
             return parse_spec(data, source=where, import_factory=False)
         except SpecError as exc:
-            fields = {f"{section}.{key}" for section, key, _, _ in _DROPPABLE}
-            droppable = [d for d in _DROPPABLE if data[d[0]].get(d[1], d[2]) != d[2]]
-            if exc.field in fields and droppable:
+            # the feature the refusal names, where the import set it
+            droppable = [d for d in _DROPPABLE if f"{d[0]}.{d[1]}" == exc.field and data[d[0]].get(d[1], d[2]) != d[2]]
+            if droppable:
                 section, key, off, what = droppable[0]
                 data[section][key] = off
                 result.not_modelled.append(f"{what}: {str(exc).split('] ', 1)[-1]}")  # the message, not the place
