@@ -309,6 +309,10 @@ def read_kineto(path: str | Path, *, whole_microseconds: bool = False) -> Kineto
         raise UserError(f"{path}: the trace names no rank (no \"distributedInfo\" and no rank-N in the file name); "
                         "rename the files rank-0.json, rank-1.json, ... ")
     world = distributed.get("world_size")
+    for name, value in (("rank", rank), ("world_size", world)):
+        if value is not None and (isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,9}", str(value))):
+            raise UserError(f"{path}: distributedInfo.{name} is {value!r}, not a whole number; the trace was written "
+                            "by another tool, or edited: take it again with torch.profiler")
     return KinetoTrace(path=path, rank=int(rank), rank_source=source, world_size=int(world) if world else None,
                        backend=distributed.get("backend"), distributed=distributed, metadata=metadata,
                        events=events, thread_names=thread_names, fractional_times=fractional)

@@ -14,6 +14,7 @@ way.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,14 +69,18 @@ class Scaling:
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
-    """--label NAME=RUN[,RUN...] (repeatable) -> run path -> label."""
+    """--label NAME=RUN[,RUN...] (repeatable) -> run path (resolved) -> label; a run labelled twice is refused."""
     out: dict[str, str] = {}
     for item in items:
         name, sep, paths = item.partition("=")
         if not sep or not name.strip() or not paths.strip():
             raise UserError(f"--label {item!r}: expected NAME=RUN[,RUN...], e.g. --label mpi=runs/dp2-mpi")
         for path in filter(None, (p.strip() for p in paths.split(","))):
-            out[str(Path(path))] = name.strip()
+            key = str(Path(path).resolve())
+            if key in out and out[key] != name.strip():
+                raise UserError(f"--label: {path} is labelled both {out[key]!r} and {name.strip()!r}; give each run "
+                                "one label")
+            out[key] = name.strip()
     return out
 
 
@@ -144,7 +149,11 @@ def _predict(run: RunActivity, profiles: Sequence[Any]) -> float:
     profile = next((p for p in profiles if p.environment.get("backend") == run.backend), profiles[0])
     spec = parse_spec_offline(run.spec, source=f"{run.source}:spec_json")
     if profile.spec.model != spec.model:
-        raise UserError(f"{profile.path} profiles {profile.spec.model.name}, not {spec.model.name} of {run.source}")
+        differ = [f"{key} {mine!r} against {theirs!r}" for key, mine, theirs in (
+            (f.name, getattr(profile.spec.model, f.name), getattr(spec.model, f.name))
+            for f in dataclasses.fields(spec.model)) if mine != theirs]
+        raise UserError(f"{profile.path} profiles another model than {run.source} ran ({'; '.join(differ)}); give a "
+                        "profile of the same model")
     plan = build_plan(spec, layers_for(profile, spec))
     return simulate(plan, estimate_costs(plan, profile)).batch_time_s
 
@@ -159,10 +168,13 @@ def scaling(runs: Sequence[RunActivity], labels: dict[str, str] | None = None, p
     labels = labels or {}
     per_sample = all(r.global_batch for r in runs)
     grouped: dict[str, list[RunActivity]] = {}
+    def named(run: RunActivity) -> list[str]:  # what --label may name a run by: its file, else its folder
+        return [str(Path(run.source).resolve()), str(Path(run.source).resolve().parent)]
+
     for run in runs:
-        label = labels.get(str(run.source)) or labels.get(str(Path(run.source).parent)) or run.backend or "run"
+        label = next((labels[key] for key in named(run) if key in labels), None) or run.backend or "run"
         grouped.setdefault(label, []).append(run)
-    unknown = set(labels) - {str(r.source) for r in runs} - {str(Path(r.source).parent) for r in runs}
+    unknown = set(labels) - set().union(*(named(r) for r in runs))
     if unknown:
         raise UserError(f"--label names runs that are not given: {', '.join(sorted(unknown))}")
     series = []

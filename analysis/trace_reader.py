@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from harness.common.errors import UserError
 from harness.store.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
 from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP
 from harness.store.hdf5_schema import TRACE_COLUMNS as COLUMNS
+
+SPEC_SECTIONS = ("model", "batch", "strategy", "cluster", "optimizer", "profile")  # spec_json's tables
 
 
 class TraceError(ValueError):
@@ -242,7 +245,16 @@ def read_trace(path: str | Path) -> Trace:
             rank = int(dattrs["rank"])
             devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs,
                                         layers)
-    spec_json = attrs.pop("spec_json")
-    layers = json.loads(attrs.pop("layers_json"))
-    return Trace(path=path, spec=json.loads(spec_json), spec_json=spec_json, layers=layers, attrs=attrs,
+    try:
+        spec_json = str(attrs.pop("spec_json"))
+        spec = json.loads(spec_json)
+        layers = json.loads(str(attrs.pop("layers_json")))
+        if not isinstance(spec, dict) or not all(isinstance(spec.get(key, {}), dict) for key in SPEC_SECTIONS):
+            raise ValueError("spec_json is not a table of the spec's sections")
+        if not isinstance(layers, list):
+            raise ValueError("layers_json is not a list")
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{path}: spec_json or layers_json is missing or not what docs/hdf5.md describes ({exc}); "
+                        "a harness train run writes them: take the trace again") from None
+    return Trace(path=path, spec=spec, spec_json=spec_json, layers=layers, attrs=attrs,
                  environment=environment, clock=clock, iterations=iterations, devices=dict(sorted(devices.items())))

@@ -31,8 +31,7 @@ OUTDIR=$2
 shift 2
 [[ -f "$SPEC" ]] || die "spec not found: $SPEC (relative paths are taken from $PWD)"
 SPEC=$(cd "$(dirname "$SPEC")" && pwd)/$(basename "$SPEC")
-mkdir -p "$OUTDIR"
-OUTDIR=$(cd "$OUTDIR" && pwd)
+[[ -n "$OUTDIR" ]] || die "OUTDIR is empty: give the folder the profile is written to"
 
 # Project root. Slurm runs a copy of this script from its spool folder, so $0 only helps
 # when the script is run in place (e.g. under salloc).
@@ -53,6 +52,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 VENV=${DISTSIM_VENV:-$ROOT/.venv}
 if [[ -n "${DISTSIM_PYTHON:-}" ]]; then
     PY=$DISTSIM_PYTHON
+    [[ -x "$PY" ]] || PY=$(command -v "$PY") || die "DISTSIM_PYTHON=$DISTSIM_PYTHON is not an interpreter found here"
 elif [[ -x "$VENV/bin/python" ]]; then
     PY=$VENV/bin/python
 elif [[ -n "${DISTSIM_VENV:-}" ]]; then
@@ -80,6 +80,10 @@ case "${DISTSIM_LAUNCHER:-srun}" in
         ;;
     *) die "DISTSIM_LAUNCHER must be srun or mpirun, not '$DISTSIM_LAUNCHER'" ;;
 esac
+
+# The output folder last, once every setting is known good: a refusal leaves no empty folder behind.
+mkdir -p "$OUTDIR" 2>/dev/null || die "cannot create OUTDIR $OUTDIR: give a folder this job can write"
+OUTDIR=$(cd "$OUTDIR" && pwd)
 
 PROFILE=$OUTDIR/profile.h5
 PREDICTION=$OUTDIR/prediction.json

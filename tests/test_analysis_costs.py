@@ -156,7 +156,7 @@ def test_missing_compute_exits_2_with_the_list_and_the_profile_command(tmp_path,
     err = capsys.readouterr().err
     assert "lacks 2 compute event(s)" in err
     assert "gpt2.block.bwd" in err and "gpt2.head.fwd" in err
-    assert "mpirun -n 2 python -m harness profile SPEC -o OUTDIR" in err
+    assert "mpirun -n 2 python -m mpi4py -m harness profile SPEC -o OUTDIR" in err
     assert "Traceback" not in err
     # a changed strategy needs new compute events (tp=2 shards the blocks): same error
     assert main(["simulate", str(path), "--strategy", "tp=2"]) == 2

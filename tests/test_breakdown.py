@@ -267,6 +267,11 @@ def test_missing_run_and_bad_windows(tmp_path, capsys):
     assert "no such file or folder" in capsys.readouterr().err
     assert main(["breakdown", str(DATA / "pp2-trace.h5"), "--windows", "0"]) == 2
     assert "--windows" in capsys.readouterr().err
+    for option, value, words in (("--windows", "1000000000", "windows over the run's"),
+                                 ("--window-ms", "1e-9", "windows over the run's"),
+                                 ("--window-ms", "nan", "--window-ms must be a positive number")):
+        assert main(["breakdown", str(DATA / "pp2-trace.h5"), option, value]) == 2  # refused before any array
+        assert words in capsys.readouterr().err
     with pytest.raises(UserError, match="neither a trace.h5"):
         load_runs([tmp_path])
 
@@ -277,3 +282,21 @@ def test_several_runs_print_one_after_another(capsys):
     assert data["kind"] == "distsim-breakdown" and data["schema_version"] == 1
     assert [r["trace"] for r in data["runs"]] == ["trace.h5", "kineto-cpu"]
     assert to_json(breakdown(load_run(DATA / "ddp-gloo")))["summary"]["overlap_pct"] > 0
+
+
+def test_a_trace_whose_rank_or_spec_is_not_what_the_writer_writes_is_refused(tmp_path, capsys):
+    """A Kineto trace naming rank 'x', and a trace.h5 whose spec_json is not JSON or whose model is no table: one
+    message each, exit 2."""
+    import shutil
+
+    import h5py
+
+    bad_rank = write_trace(tmp_path / "rank-0.json", [event("volta_sgemm", 0, 100)], rank="x")
+    assert main(["breakdown", str(bad_rank)]) == 2
+    assert "distributedInfo.rank is 'x', not a whole number" in capsys.readouterr().err
+    for name, text in (("not-json.h5", "{bad"), ("model-3.h5", '{"model": 3}')):
+        copy = shutil.copy(DATA / "pp2-trace.h5", tmp_path / name)
+        with h5py.File(copy, "r+") as f:
+            f.attrs["spec_json"] = text
+        assert main(["breakdown", str(copy)]) == 2
+        assert "spec_json or layers_json is missing or not what docs/hdf5.md describes" in capsys.readouterr().err

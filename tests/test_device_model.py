@@ -3,6 +3,7 @@ roofline that costs them (analysis.device_model): every formula on hand-computed
 and the refusals (exit 2, one message naming the file and the field)."""
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from collections import Counter
 
@@ -356,6 +357,8 @@ def test_shipped_descriptions_load_and_validate():
         assert all(0 < curve.max_fraction <= 1 for curve in device.curves.values())
         # what a fit writes back loads as the same description
         assert parse_device(tomllib.loads(device.to_toml()), source="refit") == device
+        odd = dataclasses.replace(device, name='a "b"\nc\\d', fitted_on="tab\there")  # what --name may hold
+        assert parse_device(tomllib.loads(odd.to_toml()), source="refit") == odd
         model = DeviceModel.named(name)
         big = Gemm("g", 8192, 8192, 8192, "bfloat16")
         achieved = big.flops / model.kernel_seconds(big)

@@ -116,6 +116,14 @@ def test_a_factory_model_needs_its_layers_handed_to_the_plan():
         build_plan(loads_spec(text))
 
 
+def test_a_factory_that_returns_no_layers_is_refused():
+    from harness.models.user import factory_layers
+
+    text = tiny_spec_text(layers=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:not_layers"')
+    with pytest.raises(UserError, match="must return a non-empty sequence of torch.nn.Module, got int"):
+        factory_layers(loads_spec(text))
+
+
 def test_user_factory_model_events():
     from harness.models.user import factory_layers
 

@@ -26,3 +26,8 @@ def build(model):
     width = model.hidden or 32
     return [Embed(model.vocab, width), *(Mixer(width) for _ in range(model.layers - 2)),
             nn.Linear(width, model.vocab)]
+
+
+def not_layers(model):
+    """A factory that breaks the contract: a number, not a sequence of layers."""
+    return 42

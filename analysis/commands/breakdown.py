@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from harness.common.errors import UserError
@@ -38,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.windows is not None and args.windows < 1:
         raise UserError(f"--windows must be at least 1, got {args.windows}")
-    if args.window_ms is not None and args.window_ms <= 0:
-        raise UserError(f"--window-ms must be positive, got {args.window_ms}")
+    if args.window_ms is not None and not (0 < args.window_ms < math.inf):
+        raise UserError(f"--window-ms must be a positive number of milliseconds, got {args.window_ms}")
     runs = load_runs(args.runs, args.span)
     if len(runs) > 1 and (args.png or args.csv):
         raise UserError(f"--png and --csv draw one run, but {len(runs)} runs were given; give them one at a time")

@@ -136,8 +136,8 @@ def check_device_costable(plan: EventPlan, device: DeviceModel, missing: Sequenc
              f"the device model ({device.name}):"]
     lines += [f"  {eid}  {plan.events[eid].name}: {why.splitlines()[0]}" for eid, why in sorted(
         refused.items(), key=lambda item: plan.events[item[0]].name)]
-    lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR, and give "
-                 "the profile (simulate PROFILE.h5 --spec SPEC, or SPEC --profile PROFILE.h5)")
+    lines.append(f"profile them with: mpirun -n {ranks} python -m mpi4py -m harness profile {spec_hint} -o OUTDIR, and "
+                 "give the profile (simulate PROFILE.h5 --spec SPEC, or SPEC --profile PROFILE.h5)")
     raise UserError("\n".join(lines))
 
 

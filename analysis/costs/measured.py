@@ -33,7 +33,7 @@ class MissingComputeError(UserError):
             detail = [f"{k} {content[k]}" for k in ("micro", "seq") if k in content]
             detail += [f"tp {signature['tp']}"] if "tp" in signature else []
             lines.append(f"  {eid}  {event.name}" + (f"  ({', '.join(detail)})" if detail else ""))
-        lines.append(f"profile them with: mpirun -n {ranks} python -m harness profile {spec_hint} -o OUTDIR")
+        lines.append(f"profile them with: mpirun -n {ranks} python -m mpi4py -m harness profile {spec_hint} -o OUTDIR")
         if spec_hint == "SPEC":
             lines.append(f"  (SPEC: a job spec with this model and strategy: dp = {s.dp}, tp = {s.tp}, pp = {s.pp}, "
                          + ("sp = true, " if s.sp else "") + (f"cp = {s.cp}, " if s.cp > 1 else "")

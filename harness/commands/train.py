@@ -6,6 +6,7 @@ intervals of the events the simulator predicts, on a common timebase, for `analy
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from harness.commands.cli import default_spec_path
@@ -65,8 +66,14 @@ def run(args: argparse.Namespace) -> int:
         check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
-        if args.timeout_s is not None and args.timeout_s <= 0:
-            raise UserError(f"--timeout-s must be positive, got {args.timeout_s}")
+        if args.timeout_s is not None and not 0 < args.timeout_s < math.inf:
+            raise UserError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
+        if not 0 < args.lr < math.inf:
+            raise UserError(f"--lr must be a positive learning rate, got {args.lr}")
+        if spec.model.factory:  # the user's layers built (on the meta device) before any rank starts training
+            from harness.models.user import factory_layers
+
+            factory_layers(spec)
         if (args.device or spec.profile.device) == "cuda":
             import torch
 

@@ -31,10 +31,13 @@ def load_factory_layers(model: ModelSpec) -> list[nn.Module]:
         raise SpecError(f"factory {model.factory!r} returned one {type(built).__name__}; return a sequence of "
                         "layers (list, nn.Sequential or nn.ModuleList) so it can be split into stages",
                         field="model.factory")
-    layers: Sequence = list(built)
+    try:
+        layers: Sequence = list(built)
+    except TypeError:  # not iterable: an int, None, a tensor of no dimensions
+        layers = []
     if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
-        raise SpecError(f"factory {model.factory!r} must return a non-empty sequence of torch.nn.Module",
-                        field="model.factory")
+        raise SpecError(f"factory {model.factory!r} must return a non-empty sequence of torch.nn.Module, got "
+                        f"{type(built).__name__}", field="model.factory")
     if len(layers) != model.layers:
         raise SpecError(f"factory {model.factory!r} returned {len(layers)} layers but the spec says "
                         f"layers = {model.layers}; set layers to {len(layers)}", field="model.layers")

@@ -16,6 +16,7 @@ analysis reads and compares (analysis.collectives) with these same definitions.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,12 +67,19 @@ def parse_size(text: str, what: str) -> int:
     return value
 
 
+MAX_SWEEP_SIZES = 10_000  # a sweep's sizes at most: each is measured (or modelled) and printed
+
+
 def sweep_sizes(begin: int, end: int, factor: float) -> list[int]:
     """begin, begin x factor, ... up to end (nccl-tests' -b -e -f); end itself closes the sweep."""
     if begin > end:
         raise UserError(f"the smallest size (-b {begin}) is above the largest (-e {end}); give -b <= -e")
     if not factor > 1:
         raise UserError(f"-f {factor}: the factor between sizes must be above 1 (nccl-tests uses 2)")
+    steps = math.log(end / begin) / math.log(factor) if end > begin else 0.0
+    if steps >= MAX_SWEEP_SIZES:
+        raise UserError(f"-f {factor}: from {begin:,} to {end:,} bytes that is about {steps:,.0f} sizes, more than "
+                        f"{MAX_SWEEP_SIZES:,}; give a larger factor (nccl-tests uses 2)")
     sizes, size = [], float(begin)
     while size <= end * (1 + 1e-9):
         rounded = int(round(size))

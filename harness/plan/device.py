@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.common.errors import SpecError, UserError
+from harness.common.toml_text import toml_value
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
 FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches] and [optimizer.NAME] tables; without them: 1
@@ -174,21 +175,21 @@ class DeviceDescription:
         """The description as a TOML file (what a fit or a calibration writes); `header` becomes comments."""
         data = self.to_dict()
         lines = [f"# {line}" for line in header.splitlines()]
-        lines += [f"{key} = {_toml(data[key])}" for key in ("format", "name", "title", "processor", "fitted",
+        lines += [f"{key} = {toml_value(data[key])}" for key in ("format", "name", "title", "processor", "fitted",
                                                              "fitted_on") if key in data]
         sheet = data["datasheet"]
-        lines += ["", "[datasheet]"] + [f"{key} = {_toml(value)}" for key, value in sheet.items()]
+        lines += ["", "[datasheet]"] + [f"{key} = {toml_value(value)}" for key, value in sheet.items()]
         efficiency = data["efficiency"]
-        lines += ["", "[efficiency]", f"launch_us = {_toml(efficiency.pop('launch_us'))}"]
+        lines += ["", "[efficiency]", f"launch_us = {toml_value(efficiency.pop('launch_us'))}"]
         for name, curve in efficiency.items():
-            lines += ["", f"[efficiency.{name}]"] + [f"{key} = {_toml(value)}" for key, value in curve.items()]
+            lines += ["", f"[efficiency.{name}]"] + [f"{key} = {toml_value(value)}" for key, value in curve.items()]
         if "host" in data:
-            lines += ["", "[host]"] + [f"{key} = {_toml(value)}" for key, value in data["host"].items()]
+            lines += ["", "[host]"] + [f"{key} = {toml_value(value)}" for key, value in data["host"].items()]
         for table in ("vector_ops", "launches"):
             if table in data:
-                lines += ["", f"[{table}]"] + [f"{key} = {_toml(value)}" for key, value in data[table].items()]
+                lines += ["", f"[{table}]"] + [f"{key} = {toml_value(value)}" for key, value in data[table].items()]
         for name, cost in data.get("optimizer", {}).items():
-            lines += ["", f"[optimizer.{name}]"] + [f"{key} = {_toml(value)}" for key, value in cost.items()]
+            lines += ["", f"[optimizer.{name}]"] + [f"{key} = {toml_value(value)}" for key, value in cost.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -210,16 +211,6 @@ def in_unit(value: float, unit: float) -> float:
             if figure * unit == value:
                 return figure
     return quotient
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + " }"
-    return repr(float(value)) if isinstance(value, float) else repr(value)
 
 
 def shipped_devices() -> list[str]:

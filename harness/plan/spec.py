@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.common.errors import SpecError
+from harness.common.toml_text import toml_value
 from harness.plan.device import load_device
 from harness.plan.network import NetworkTier, check_tiers, parse_network
 from harness.plan.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, default_chunks, zero_bubble_rounds
@@ -351,10 +352,10 @@ class JobSpec:
         for section, values in data.items():
             tables = values.pop("network", []) if section == "cluster" else []
             lines += ["", f"[{section}]"]
-            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+            lines += [f"{key} = {toml_value(value)}" for key, value in values.items() if value is not None]
             for table in tables:  # arrays of tables after their parent's keys, as TOML requires
                 lines += ["", f"[[{section}.network]]"]
-                lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+                lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
         return "\n".join(lines) + "\n"
 
     def with_changes(self, **changes: Any) -> JobSpec:
@@ -423,17 +424,6 @@ def node_layout(world: int, gpus_per_node: int) -> tuple[int, int] | None:
         return world // gpus_per_node, gpus_per_node
     return (1, world) if world < gpus_per_node else None
 
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
 
 
 def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
