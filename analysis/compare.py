@@ -1,13 +1,11 @@
 """Measured and predicted timelines side by side: a Perfetto trace holding both, and a PNG one above the other."""
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 from typing import Any
 
 from analysis.intervals import lanes
-from analysis.perfetto import trace_events
+from analysis.perfetto import trace_events, write_document
 from analysis.plot import add_legend, draw_row, label_rows, measured_category, pyplot, save, timeline_bars
 from analysis.validate import Validation, measured_intervals
 
@@ -48,11 +46,7 @@ def write_comparison_trace(path: str | Path, validation: Validation) -> Path:
             ts = round(start * 1e6, 3)
             events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": tid, "ts": ts,
                            "dur": round(end * 1e6 - ts, 3)})
-    data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")).encode()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
-    return path
+    return write_document(path, {"traceEvents": events, "displayTimeUnit": "ms"})
 
 
 def write_comparison_png(path: str | Path, validation: Validation) -> Path:

@@ -72,3 +72,19 @@ def test_a_chart_is_written_as_png_only(tmp_path, name):
         save(fig, tmp_path / name)
     assert not list(tmp_path.iterdir())
     assert save(pyplot().figure(), tmp_path / "chart.png").is_file()
+
+
+def test_a_trace_is_written_as_json_only(tmp_path):
+    from analysis.perfetto import write_document
+
+    with pytest.raises(UserError, match="a trace is written as FILE.json or FILE.json.gz"):
+        write_document(tmp_path / "trace.txt", {"traceEvents": []})
+    assert write_document(tmp_path / "trace.json.gz", {"traceEvents": []}).is_file()
+
+
+def test_a_file_where_a_folder_should_be_is_said(tmp_path):
+    from harness.common.output import write_csv
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match="a part of .*afile is a file, not a folder"):
+        write_csv(tmp_path / "afile" / "out.csv", ("a",), [(1,)])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from analysis.predict import add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         written.append(("CSV", write_csv(args.csv, columns, [[d[c] for c in columns] for d in result.devices])))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
+        for what, path in written:
+            print(f"wrote {path}: {what}", file=sys.stderr)
         return 0
     ms = lambda s: s * 1e3  # noqa: E731
     print(f"{trace.spec['model']['name']}: {len(result.iterations)} measured iterations")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -97,6 +98,25 @@ class Options:
         return sizes, notes
 
 
+def _check_host_memory(largest: int, comm) -> None:
+    """UserError where the ranks of this node cannot all hold the largest message's buffers (an input and an
+    output the message's size each) in the node's memory."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = local.Get_size()
+    local.Free()
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # a system that does not say
+        return
+    needed = 2 * largest * ranks_here
+    if needed > memory:
+        raise UserError(f"-e {largest:,} B: {ranks_here} ranks on this node need about {needed / 2**30:,.1f} GiB for "
+                        f"the largest message's buffers, more than the node's {memory / 2**30:,.1f} GiB; give a "
+                        "smaller -e")
+
+
 def _torch_backend(name: str, device_wanted: str) -> tuple[str, str]:
     """(torch backend, device type) for --backend; a backend this torch lacks is a UserError naming those it has."""
     import torch
@@ -133,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         ranks, placement = benchmark_group(topology, options.group)
         if options.backend != "mpi4py":
             torch_backend, device_type = _torch_backend(options.backend, options.device)
+        if device_type != "cuda":  # host memory: a GPU's own is its allocator's to refuse
+            _check_host_memory(max(options.sizes), comm)
     except UserError as exc:
         error = exc
     status = stop_on_error(comm, error)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", metavar="FILE.csv", help="write every unique event as CSV (docs/events.md)")
 
 
+MAX_FLOW_EVENTS = 1_000_000  # a device's flow listed at most (--device)
+
+
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec or default_spec_path())
     padding = vocab_padding_note(spec)
@@ -35,7 +39,13 @@ def run(args: argparse.Namespace) -> int:
     summary = plan.summary()
     if args.device is not None and not 0 <= args.device < spec.strategy.world:
         raise UserError(f"--device {args.device} is outside the job's ranks 0..{spec.strategy.world - 1}")
-    flow = list(plan.device_flow(args.device)) if args.device is not None else None
+    flow = None
+    if args.device is not None:
+        flow = list(itertools.islice(plan.device_flow(args.device), MAX_FLOW_EVENTS + 1))
+        if len(flow) > MAX_FLOW_EVENTS:
+            raise UserError(f"--device {args.device}: the device runs more than {MAX_FLOW_EVENTS:,} events an "
+                            "iteration, too many to list; give a spec with fewer micro-batches or layers a stage to "
+                            "see its flow")
     if args.csv:
         _write_events_csv(args.csv, plan.table())
     if args.json:

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                     if folder is not None:
                         Path(folder).mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
-                    raise UserError(f"cannot create the {what} {folder}: {exc.strerror}") from None
+                    raise UserError(f"cannot create the {what} {folder}: {exc.strerror}; give a folder this job "
+                                    "can create") from None
             lock = FolderLock(args.output, command_line()).acquire()  # one job at a time in a run folder
     except UserError as exc:
         error = exc

@@ -102,6 +102,9 @@ def write_failure(path: str | Path, exc: OSError, needed: int | None = None, fre
                           "space there or write elsewhere", str(path), disk_full=True)
     if exc.errno in READ_ONLY_ERRNOS:
         return WriteError(f"cannot write in {folder}: {reason}; give a writable folder", str(path))
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):  # a file stands where a folder of the path should be
+        return WriteError(f"cannot write {path}: a part of {folder} is a file, not a folder; give a path in a "
+                          "folder", str(path))
     return WriteError(f"cannot write {path}: {reason}; give a path in a writable folder", str(path))
 
 

@@ -382,7 +382,8 @@ class JobSpec:
             layout = node_layout(math.prod(degrees), data["cluster"]["gpus_per_node"])
             if layout:  # else parse_spec says the strategy does not match the cluster
                 data["cluster"].update(nodes=layout[0], gpus_per_node=layout[1])
-        return parse_spec(data, source=f"{self.source} with {changes}", import_factory=self.import_factory)
+        given = ",".join(f"{key}={value}" for key, value in changes.items())  # as the options that asked for them
+        return parse_spec(data, source=f"{self.source} with {given}", import_factory=self.import_factory)
 
     def with_strategy(self, strategy: StrategySpec, micro: int, source: str | None = None) -> JobSpec:
         """This job under `strategy` at micro-batch size `micro`, without a [search] grid, on the device count the
@@ -433,6 +434,9 @@ def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
         text = path.read_text()
     except FileNotFoundError:
         raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)",
+                        source=str(path)) from None
+    except IsADirectoryError:
+        raise SpecError("is a folder; give the path to a TOML job spec in it (see docs/spec.md)",
                         source=str(path)) from None
     except OSError as exc:
         raise SpecError(f"cannot read spec: {exc.strerror}", source=str(path)) from None

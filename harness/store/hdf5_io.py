@@ -35,7 +35,7 @@ import numpy as np
 
 from harness.common.errors import UserError
 from harness.common.output import free_bytes, write_failure
-from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, REMEDIES
+from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, MERGED_KINDS, REMEDIES
 
 LONG_ATTRS = "long_attrs"
 LONG_TEXT_BYTES = 60_000
@@ -297,7 +297,8 @@ def _check(f: h5py.File, path: Path, kinds: tuple[str, ...], versions: Sequence[
         raise UserError(f"{path}: an HDF5 file that distsim-harness did not write (no `kind`), not {wanted}; "
                         f"{remedy}")
     if kind not in kinds:
-        hint = MERGED_FILE_HINTS.get(kind, "check which file goes where (--help)")
+        hint = (MERGED_FILE_HINTS[kind] if MERGED_KINDS.get(kind) in kinds  # a rank's file where its merged one goes
+                else "check which file goes where (--help)")
         raise UserError(f"{path} is {describe_kind(kind)}, not {wanted}; {hint}")
     version = attrs.get("schema_version")
     if not isinstance(version, int) or version < 1:

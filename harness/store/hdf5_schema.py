@@ -139,3 +139,4 @@ REMEDIES = {
 # what to say to a user who gave a per-rank file where the merged one belongs
 MERGED_FILE_HINTS = {RANK_PROFILE_KIND: "give the merged profile.h5 of its folder",
                      TRACE_RANK_KIND: "give the merged trace.h5 of its folder"}
+MERGED_KINDS = {RANK_PROFILE_KIND: PROFILE_KIND, TRACE_RANK_KIND: TRACE_KIND}  # a rank's file -> its folder's merged
