@@ -16,7 +16,6 @@ that arrived last is the one the others waited for, each for its arrival minus t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,11 +155,11 @@ def breakdown(run: RunActivity, *, windows: int | None = None, window_s: float |
     if windows is None and window_s is None:
         windows = DEFAULT_WINDOWS
     zero, end = run.start, run.end
-    count = windows if windows is not None else math.ceil((end - zero) / window_s)
-    if count > MAX_WINDOWS:
+    count = windows if windows is not None else (end - zero) / window_s  # a width's may overflow: not rounded
+    if not count <= MAX_WINDOWS:
         asked = f"--windows {windows}" if windows is not None else f"--window-ms {window_s * 1e3:g}"
-        raise UserError(f"{asked}: {count:,} windows over the run's {end - zero:.3g} s, more than {MAX_WINDOWS:,} (a "
-                        "row per rank and window); give fewer or wider windows")
+        raise UserError(f"{asked}: {count:,.0f} windows over the run's {end - zero:.3g} s, more than {MAX_WINDOWS:,} "
+                        "(a row per rank and window); give fewer or wider windows")
     edges = window_edges(zero, end, count=windows, width=window_s)
     ranks, phases, per_window = [], [], []
     for activity in run.ranks.values():

@@ -16,7 +16,7 @@ from typing import Any
 from analysis.intervals import lanes
 from analysis.report import strategy_label
 from analysis.simulate import COMM_TRACK, Interval, Timeline, transfer_name
-from harness.common.errors import UserError
+from harness.common.output import TRACE_NAMES, check_name
 
 COMPUTE_TID = 0
 _US = 1e6
@@ -94,10 +94,7 @@ def write_trace(path: str | Path, timeline: Timeline, ranks: Sequence[int]) -> P
 def write_document(path: str | Path, document: dict[str, Any]) -> Path:
     """A Perfetto (Chrome trace event) document written to `path`: FILE.json, or FILE.json.gz gzipped; UserError
     for another name."""
-    path = Path(path)
-    if not path.name.endswith((".json", ".json.gz")):
-        raise UserError(f"{path}: a trace is written as FILE.json or FILE.json.gz (what ui.perfetto.dev opens); "
-                        "give such a name")
+    path = check_name(path, TRACE_NAMES)
     data = json.dumps(document, separators=(",", ":")).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.name.endswith(".gz"):

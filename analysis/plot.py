@@ -27,6 +27,7 @@ from analysis.simulate import (
     Timeline,
 )
 from harness.common.errors import UserError
+from harness.common.output import PNG_NAMES, check_name
 
 COLOURS = {FORWARD: "#4C72B0", BACKWARD: "#55A868", TP_ALLREDUCE: "#C44E52", OPTIMIZER: "#8C613C",
            P2P_SEND: "#8C8C8C", P2P_RECV: "#BDBDBD", DP_ALLREDUCE: "#8172B2", P2P_POST: "#CCB974",
@@ -107,10 +108,11 @@ def save(fig, path: str | Path) -> Path:
     suffix, or add .png to a name without one)."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    if path.suffix.lower() != ".png":
+    try:
+        path = check_name(path, PNG_NAMES)
+    except UserError:
         plt.close(fig)
-        raise UserError(f"{path}: charts are written as PNG; give a file name ending in .png")
+        raise
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

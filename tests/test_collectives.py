@@ -59,6 +59,7 @@ def test_sizes_as_nccl_tests_reads_them():
         sweep_sizes(64, 8, 2)
     with pytest.raises(UserError, match="more than 10,000; give a larger factor"):  # not a sweep without end
         sweep_sizes(8, 1 << 30, 1.0000000001)
+    assert sweep_sizes(1, 100, 1.0000000001) == list(range(1, 101))  # every whole byte, at once
     with pytest.raises(UserError, match="above 1"):
         sweep_sizes(8, 64, 1)
 

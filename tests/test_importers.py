@@ -366,6 +366,15 @@ def test_the_command_writes_a_spec_that_loads_back(tmp_path, project_env):
     assert loads_spec(hf.read_text()).model.vocab == 128_256  # tp divides it: by default not padded
 
 
+def test_the_distributed_optimizer_gives_way_to_the_tied_embedding():
+    """The spec refuses a tied embedding under ZeRO; Megatron's distributed optimizer (ZeRO-1 here) is what is
+    dropped, with a note, not the model's tie."""
+    imported = from_megatron("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                             "--vocab-size 1024 --use-distributed-optimizer", gpus=8)
+    assert imported.spec.model.tie_embeddings and imported.spec.strategy.zero == 0
+    assert [line for line in imported.not_modelled if line.startswith("--use-distributed-optimizer")]
+
+
 def test_a_megatron_refusal_drops_the_feature_it_names_and_nothing_else():
     """Context parallelism refuses dropout (not the tied embedding): the import drops dropout, with a note, and keeps
     the tie."""
@@ -381,7 +390,10 @@ def test_a_megatron_refusal_drops_the_feature_it_names_and_nothing_else():
     ("srun -N 2 -n 16 python pretrain_gpt.py", {}, (2, 8)),
     ("mpirun -n 4 python pretrain_gpt.py", {}, (1, 4)),
     ("torchrun --nproc-per-node 8 pretrain_gpt.py", {"gpus_per_node": 4}, (2, 4)),
-    ('ARGS=(--global-batch-size 64)\ntorchrun --nproc-per-node 8 pretrain_gpt.py "${ARGS[@]}"', {}, (1, 8)),
+    ('ARGS=(--global-batch-size 64)\ntorchrun --nproc-per-node 8 pretrain_gpt.py "${ARGS[@]}" "${UNSET[@]}"', {},
+     (1, 8)),
+    ("mpirun -N 8 -n 16 python pretrain_gpt.py", {}, (2, 8)),
+    ("nice -n 10 torchrun --nnodes 2 --nproc-per-node 4 pretrain_gpt.py", {}, (2, 4)),
 ])
 def test_the_launchers_gpu_count_reads_as_slurm_and_bash_would(tmp_path, launch, extra, layout):
     """sbatch's attached -N2, srun's tasks in all over its nodes, a quoted array an element a word, and

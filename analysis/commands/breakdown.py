@@ -8,7 +8,7 @@ import math
 import sys
 
 from harness.common.errors import UserError
-from harness.common.output import writable, write_csv
+from harness.common.output import PNG_NAMES, named, writable, write_csv
 
 NAME = "breakdown"
 SPAN_CHOICES = ("trace", "hta")  # analysis.activity.SPANS, spelled here so that --help imports no numpy
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GPU event of the rest, times rounded to whole microseconds as HTA does (docs/runs.md)")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/runs.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every rank's categories, whole and per window")
-    parser.add_argument("--png", metavar="FILE.png",
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
                         help="draw ranks by time windows coloured by the compute share, and the shares over time")
 
 

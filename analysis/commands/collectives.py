@@ -7,7 +7,7 @@ import json
 import sys
 
 from analysis.collectives import compare_json, compare_report, compare_rows, load, write_png
-from harness.common.output import writable, write_csv
+from harness.common.output import PNG_NAMES, named, writable, write_csv
 from harness.store.collectives_report import run_report
 
 NAME = "collectives"
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE.h5", help="results of `harness collectives -o FILE.h5`")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/collectives.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the side-by-side table as CSV")
-    parser.add_argument("--png", metavar="FILE.png",
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
                         help="draw bus bandwidth against size, a line per operation and run")
 
 

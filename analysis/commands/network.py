@@ -9,7 +9,7 @@ from pathlib import Path
 
 from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
 from harness.common.errors import SpecError, UserError
-from harness.common.output import format_table, writable, write_csv
+from harness.common.output import PNG_NAMES, format_table, named, writable, write_csv
 from harness.plan.collectives import parse_size, sweep_sizes
 from harness.plan.network import check_tiers, parse_overrides
 from harness.plan.spec import MAX_DEVICES, load_spec
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what-if: change tiers' fields, e.g. ib.bandwidth_gbs=100,nvlink.latency_us=0.5")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the rows as CSV")
-    parser.add_argument("--png", metavar="FILE.png", help="draw bus bandwidth against size, a line per node count")
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
+                        help="draw bus bandwidth against size, a line per node count")
 
 
 def load_network(source: str) -> tuple[NetworkModel, int, int]:

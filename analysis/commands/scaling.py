@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from harness.common.output import writable, write_csv
+from harness.common.output import PNG_NAMES, named, writable, write_csv
 
 NAME = "scaling"
 HELP = "compare real runs of one model at several device counts: speed-up, parallel efficiency, shares, series"
@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how runs that do not record their batch scale (profiler traces)")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/runs.md, \"Scaling\")")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the table as CSV")
-    parser.add_argument("--png", metavar="FILE.png", help="draw efficiency and throughput against devices")
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
+                        help="draw efficiency and throughput against devices")
 
 
 def run(args: argparse.Namespace) -> int:

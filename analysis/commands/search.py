@@ -23,11 +23,13 @@ from analysis.spec_only import command_input, spec_profile
 from harness.common.errors import UserError
 from harness.common.launch_env import promised_world_size
 from harness.common.output import (
+    PNG_NAMES,
     byte_unit,
     format_bytes,
     format_duration,
     format_seconds,
     format_table,
+    named,
     writable,
     write_csv,
 )
@@ -71,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_network_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write every candidate as CSV")
-    parser.add_argument("--png", metavar="FILE.png", help="throughput against peak memory, the Pareto front marked")
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
+                        help="throughput against peak memory, the Pareto front marked")
     parser.add_argument("--write-spec", metavar="BEST.toml",
                         help="write the recommended candidate (the fastest that fits, or one within its noise on "
                              "fewer devices or, with --memory-gb, with more headroom) as a runnable spec")

@@ -11,7 +11,7 @@ from analysis.predict import add_network_argument, add_prediction_arguments, pre
 from analysis.report import format_report, summary
 from analysis.spec_only import command_input, is_spec_only
 from analysis.uncertainty import explain_interval
-from harness.common.output import writable, write_csv
+from harness.common.output import PNG_NAMES, TRACE_NAMES, named, writable, write_csv
 
 NAME = "simulate"
 HELP = ("predict one training iteration's timeline on every device from a profile or a spec alone (table, --json, "
@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also print the model's corrections and the communication fits (--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the chosen devices' usage as CSV (docs/analysis.md)")
-    parser.add_argument("--trace", metavar="FILE.json[.gz]", help="write a Chrome/Perfetto trace")
-    parser.add_argument("--png", metavar="FILE.png", help="write a Gantt chart")
+    parser.add_argument("--trace", metavar="FILE.json[.gz]", type=named(TRACE_NAMES),
+                        help="write a Chrome/Perfetto trace")
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES), help="write a Gantt chart")
     parser.add_argument("--out", metavar="TIMELINE.h5", help="write the timeline in HDF5 (docs/timeline.md)")
 
 

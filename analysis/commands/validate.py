@@ -9,7 +9,7 @@ from analysis.predict import add_prediction_arguments, prediction_options
 from analysis.profile_reader import load_profile
 from analysis.trace_reader import read_trace
 from analysis.validate import layer_kind_ratios, validate
-from harness.common.output import format_table, writable, write_csv
+from harness.common.output import PNG_NAMES, TRACE_NAMES, format_table, named, writable, write_csv
 
 NAME = "validate"
 HELP = "compare a real run (trace.h5 of `harness train`) with the prediction from a profile"
@@ -21,8 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prediction_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the per-device errors as CSV (docs/analysis.md)")
-    parser.add_argument("--png", metavar="FILE.png", help="measured and predicted timelines, one above the other")
+    parser.add_argument("--png", metavar="FILE.png", type=named(PNG_NAMES),
+                        help="measured and predicted timelines, one above the other")
     parser.add_argument("--trace-out", "--perfetto", dest="trace_out", metavar="FILE.json[.gz]",
+                        type=named(TRACE_NAMES),
                         help="one Perfetto trace holding the measured and the predicted timelines")
 
 

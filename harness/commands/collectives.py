@@ -98,13 +98,13 @@ class Options:
         return sizes, notes
 
 
-def _check_host_memory(largest: int, comm) -> None:
-    """UserError where the ranks of this node cannot all hold the largest message's buffers (an input and an
-    output the message's size each) in the node's memory."""
+def _check_host_memory(largest: int, comm, group: list[int]) -> None:
+    """UserError where the benchmark group's ranks on this node cannot all hold the largest message's buffers (at
+    most an input and an output of the message's size each) in the node's memory. Every rank calls it."""
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = local.Get_size()
+    ranks_here = local.allreduce(int(comm.Get_rank() in group))
     local.Free()
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         if options.backend != "mpi4py":
             torch_backend, device_type = _torch_backend(options.backend, options.device)
         if device_type != "cuda":  # host memory: a GPU's own is its allocator's to refuse
-            _check_host_memory(max(options.sizes), comm)
+            _check_host_memory(max(options.sizes), comm, ranks)
     except UserError as exc:
         error = exc
     status = stop_on_error(comm, error)

@@ -10,6 +10,7 @@ Pure Python (the analysis front ends use it too). Rules:
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import errno
 import math
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from harness.common.errors import WriteError
+from harness.common.errors import UserError, WriteError
 
 T = TypeVar("T")
 
@@ -40,6 +41,33 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     out.append("  ".join("-" * w for w in widths))
     out.extend(line(row).rstrip() for row in cells)
     return "\n".join(out)
+
+
+PNG_NAMES = ((".png",), "charts are written as PNG; give a file name ending in .png")
+TRACE_NAMES = ((".json", ".json.gz"), "a trace is written as FILE.json or FILE.json.gz (what ui.perfetto.dev "
+                                      "opens); give such a name")
+
+
+def check_name(path: str | Path, names: tuple[tuple[str, ...], str]) -> Path:
+    """`path`, where its name ends in one of `names`' suffixes (PNG_NAMES, TRACE_NAMES); else a UserError that says
+    what to give."""
+    suffixes, advice = names
+    path = Path(path)
+    if not path.name.lower().endswith(suffixes):
+        raise UserError(f"{path}: {advice}")
+    return path
+
+
+def named(names: tuple[tuple[str, ...], str]) -> Callable[[str], str]:
+    """An argparse type for an output file of `names` (PNG_NAMES, TRACE_NAMES): refused as the options are read,
+    before any output is written."""
+    def check(text: str) -> str:
+        try:
+            check_name(text, names)
+        except UserError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return check
 
 
 def write_csv(path: str | Path, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Path:

@@ -77,15 +77,16 @@ def sweep_sizes(begin: int, end: int, factor: float) -> list[int]:
     if not factor > 1:
         raise UserError(f"-f {factor}: the factor between sizes must be above 1 (nccl-tests uses 2)")
     steps = math.log(end / begin) / math.log(factor) if end > begin else 0.0
-    if steps >= MAX_SWEEP_SIZES:
-        raise UserError(f"-f {factor}: from {begin:,} to {end:,} bytes that is about {steps:,.0f} sizes, more than "
+    count = min(steps + 1, end - begin + 1)  # whole bytes: no more sizes than there are between the two
+    if count > MAX_SWEEP_SIZES:
+        raise UserError(f"-f {factor}: from {begin:,} to {end:,} bytes that is about {count:,.0f} sizes, more than "
                         f"{MAX_SWEEP_SIZES:,}; give a larger factor (nccl-tests uses 2)")
     sizes, size = [], float(begin)
     while size <= end * (1 + 1e-9):
         rounded = int(round(size))
         if not sizes or rounded > sizes[-1]:
             sizes.append(rounded)
-        size *= factor
+        size = max(size * factor, rounded + 0.75)  # at least the next whole byte: a factor near 1 cannot stall
     if sizes[-1] < end:
         sizes.append(end)
     return sizes

@@ -199,15 +199,20 @@ class _Shell:
         self.commands: list[list[str]] = []
         self.sbatch: list[str] = []
 
+    def elements(self, name: str) -> list[str]:
+        """"${NAME[@]}"'s words: an array's elements, a scalar's one value, none where NAME is unset (as bash)."""
+        if name in self.arrays:
+            return self.arrays[name]
+        return [self.scalars[name]] if name in self.scalars else []
+
     def expand(self, text: str) -> str:
         # "${ARGS[@]}" in quotes is still one word an element, as bash expands it
-        text = _QUOTED_ARRAY.sub(lambda m: shlex.join(self.arrays.get(m.group(1), [self.scalars.get(m.group(1), "")])),
-                                 text)
+        text = _QUOTED_ARRAY.sub(lambda m: shlex.join(self.elements(m.group(1))), text)
 
         def variable(match: re.Match) -> str:
             array, name, default, plain = match.groups()
             if array:
-                return shlex.join(self.arrays.get(array, [self.scalars.get(array, "")]))
+                return shlex.join(self.elements(array))
             name = name or plain
             if name in self.arrays:
                 return shlex.quote(self.arrays[name][0]) if self.arrays[name] else ""
@@ -302,10 +307,12 @@ def parse_arguments(words: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 
 # ----- the launcher: how many GPUs -----
 
-_NODES = ("--nnodes", "--num_nodes", "--num-nodes", "-N", "--nodes")
+_NODES = ("--nnodes", "--num_nodes", "--num-nodes", "--nodes")
 _PER_NODE = ("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", "--ntasks-per-node",
              "--gpus-per-node")
-_TASKS = ("-n", "--ntasks")  # srun / sbatch: tasks in all, one a GPU
+# short options mean a count only to the launcher that owns them (nice -n, numactl -N are not counts)
+_SLURM_NODES, _SLURM_TASKS = ("-N",), ("-n", "--ntasks")  # srun / salloc / sbatch: nodes; tasks in all
+_MPI_PER_NODE, _MPI_TASKS = ("-N", "-npernode", "--npernode", "-ppn"), ("-n", "-np")  # mpirun / mpiexec
 
 
 def _option(words: list[str], names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -336,21 +343,36 @@ def _count(option: tuple[str, str]) -> int:
     return int(upper)
 
 
+def _from(words: list[str], commands: tuple[str, ...]) -> list[str]:
+    """`words` from the first of `commands` on (none where it is not there)."""
+    at = next((i for i, w in enumerate(words) if Path(w).name in commands), None)
+    return words[at:] if at is not None else []
+
+
 def launcher_gpus(launcher: list[str], sbatch: list[str]) -> tuple[int, int, str] | None:
     """(nodes, GPUs per node, where they were read) from the launcher's words (torchrun / deepspeed ahead of srun,
-    srun ahead of #SBATCH), or None where none says."""
-    per_node = nodes = None
+    srun ahead of #SBATCH; mpirun's -n and -N), or None where none says."""
     # torchrun's or deepspeed's own count comes first: an srun around them starts one task per node
     inner = next((i for i, w in enumerate(launcher) if w in ("torchrun", "deepspeed") or "torch.distributed" in w),
                  None)
-    sources = ([launcher[inner:]] if inner is not None else []) + [launcher, sbatch]
-    tasks = None
-    for words in sources:
+    slurm = _from(launcher, ("srun", "salloc")) + sbatch
+    mpi = _from(launcher, ("mpirun", "mpiexec"))
+    per_node = nodes = tasks = None
+    for words in ([launcher[inner:]] if inner is not None else []) + [launcher, sbatch]:
         per_node = per_node or _option(words, _PER_NODE)
         nodes = nodes or _option(words, _NODES)
-        tasks = tasks or _option(words, _TASKS)
+    nodes = nodes or _option(slurm, _SLURM_NODES)
+    tasks = _option(slurm, _SLURM_TASKS)
+    per_node = per_node or _option(mpi, _MPI_PER_NODE)
+    tasks = tasks or _option(mpi, _MPI_TASKS)
     if per_node is None and nodes is None and tasks is None:
         return None
+    if per_node is not None and nodes is None and tasks is not None:  # mpirun -N 8 -n 16: the nodes follow
+        total, size = _count(tasks), _count(per_node)
+        if total % size:
+            raise UserError(f"--from-megatron: the launcher's {tasks[0]} {tasks[1]} ranks do not fill nodes of "
+                            f"{per_node[0]} {per_node[1]}; give the GPU count with --gpus N")
+        return total // size, size, f"{tasks[0]} {tasks[1]} / {per_node[0]} {per_node[1]}"
     nodes_n = _count(nodes) if nodes else 1
     if per_node is None and tasks is not None:  # srun -N 2 -n 16: the tasks of all nodes, one a GPU
         total = _count(tasks)
@@ -723,8 +745,10 @@ def _validate(data: dict, where: str, result: ImportedSpec):
         try:
             return parse_spec(data, source=where, import_factory=False)
         except SpecError as exc:
-            # the feature the refusal names, where the import set it
-            droppable = [d for d in _DROPPABLE if f"{d[0]}.{d[1]}" == exc.field and data[d[0]].get(d[1], d[2]) != d[2]]
+            # a feature the refusal is about (its field, or named in its message: "tie_embeddings with zero = 1"),
+            # where the import set it, in _DROPPABLE's order
+            droppable = [d for d in _DROPPABLE if data[d[0]].get(d[1], d[2]) != d[2]
+                         and (f"{d[0]}.{d[1]}" == exc.field or f"{d[1]} =" in str(exc))]
             if droppable:
                 section, key, off, what = droppable[0]
                 data[section][key] = off
