@@ -83,4 +83,11 @@ def describe_user_model(spec: JobSpec) -> list[LayerDesc]:
 def factory_layers(spec: JobSpec) -> list[LayerDesc] | None:
     """A factory model's layer descriptions, traced with torch, for the plan; None for a built-in model (the plan
     describes those from the spec alone)."""
-    return describe_user_model(spec) if spec.model.family == "user" else None
+    if spec.model.family != "user":
+        return None
+    try:
+        return describe_user_model(spec)
+    except SpecError as exc:  # the factory's refusal, said with the spec that names it
+        if exc.source is not None or not spec.source:
+            raise
+        raise SpecError(str(exc).split("] ", 1)[-1], field=exc.field, source=spec.source) from None
