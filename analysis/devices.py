@@ -39,6 +39,8 @@ def select_devices(spec: JobSpec, text: str | None, limit: int = ALL_DEVICES_LIM
             first, last = int(low), int(high) if sep else int(low)
         except ValueError:
             raise UserError(f"--devices: expected all, stages or ranks like 0,3,8-11; got {item!r}") from None
+        if first > last:
+            raise UserError(f"--devices: {item} runs backwards; write the range low-high, e.g. {last}-{first}")
         if not 0 <= first <= last < world:
             raise UserError(f"--devices: {item} is outside the job's ranks 0..{world - 1}")
         ranks.update(range(first, last + 1))

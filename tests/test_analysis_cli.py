@@ -252,3 +252,12 @@ def test_output_cut_short_by_its_reader_ends_quietly(hybrid_profile):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141, stderr
     assert stderr == ""
+
+
+@pytest.mark.parametrize("devices, words", [("3-1", "3-1 runs backwards; write the range low-high, e.g. 1-3")])
+def test_a_backwards_device_range_is_said(tmp_path, capsys, devices, words):
+    from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
+
+    path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2), by_name({}, default=1e-3))
+    assert main(["simulate", str(path), "--devices", devices]) == 2
+    assert words in capsys.readouterr().err

@@ -232,3 +232,25 @@ def test_an_error_of_the_readers_own_is_not_blamed_on_the_file(files, tmp_path):
 
         with open_file(files["profile"], PROFILE_KIND, READ_VERSIONS) as f, reading(files["profile"], PROFILE_KIND):
             f["no-such-group"]
+
+
+@pytest.mark.parametrize("damage", ["content_json", "spec_list"])
+def test_an_edited_profile_is_one_message(tmp_path, damage):
+    """A profile whose measurement's content is no JSON, or whose spec_json is a list: UserError naming the file,
+    not a traceback."""
+    import shutil
+
+    import h5py
+
+    from harness.common.errors import UserError
+    from harness.store.profile_reader import load_profile
+
+    path = shutil.copy(Path(__file__).parent / "data" / "pp2-profile.h5", tmp_path / "profile.h5")
+    with h5py.File(path, "r+") as f:
+        if damage == "content_json":
+            first = next(iter(f["measurements"].values()))
+            first.attrs["content_json"] = "{"
+        else:
+            f.attrs["spec_json"] = "[1, 2]"
+    with pytest.raises(UserError, match="not what docs/hdf5.md describes"):
+        load_profile(path)

@@ -430,3 +430,17 @@ def test_a_hugging_face_dtype_this_tool_does_not_model_is_said(tmp_path):
     imported = from_hf(str(config))
     assert imported.spec.model.dtype == "float32"
     assert any("torch_dtype float64" in note for note in imported.notes)
+
+
+def test_the_command_keeps_the_gpus_it_is_given_and_refuses_options_of_the_other_importer(capsys):
+    """--gpus N with --strategy tp=4: dp follows (N / 4), not the node count; a dp that breaks N is refused; the
+    Hugging Face batch options are refused beside --from-megatron, not dropped."""
+    config = str(DATA / "hf" / "gpt2.json")
+    assert harness_main(["spec", "--from-hf", config, "--gpus", "4", "--strategy", "tp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp = 1" in out and "tp = 4" in out and "gpus_per_node = 4" in out and "nodes = 1" in out
+    assert harness_main(["spec", "--from-hf", config, "--gpus", "4", "--strategy", "tp=4,dp=2"]) == 2
+    assert "is 8 GPUs, not the --gpus 4" in capsys.readouterr().err
+    arguments = "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1024"
+    assert harness_main(["spec", "--from-megatron", arguments, "--gpus", "8", "--seq-len", "5"]) == 2
+    assert "--seq-len: for --from-hf only" in capsys.readouterr().err

@@ -177,7 +177,9 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
 @pytest.mark.parametrize("args,words", [(["--memory-gb", "0"], "--memory-gb 0"),
                                         (["--gpus", "3"], "no combination"),
                                         (["--top", "-1"], "--top -1"),
-                                        (["--iterations", "0"], "--iterations 0")])
+                                        (["--iterations", "0"], "--iterations 0"),
+                                        (["--gpus", "99999999999"], "give a device count from 1 to 1,048,576"),
+                                        (["--jobs", "100000"], "--jobs 100000: give 1 to")])
 def test_bad_input_is_one_message(tmp_path, capsys, args, words):
     path = _profile(tmp_path, _search_spec())
     assert main(["search", str(path), *args]) == 2
@@ -381,3 +383,14 @@ def test_an_mpi_launch_spreads_the_candidates_over_its_ranks(tmp_path):
     refused = _run(*args, ranks=2)
     assert refused.returncode == 2 and "python -m mpi4py.futures" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_the_search_never_writes_over_the_spec_it_reads(tmp_path, capsys):
+    grid_spec = _search_spec()
+    path = _profile(tmp_path, grid_spec)
+    spec = tmp_path / "job.toml"
+    spec.write_text(grid_spec.to_toml(search=True))
+    before = spec.read_text()
+    assert main(["search", str(path), "--spec", str(spec), "--write-spec", str(spec)]) == 2
+    assert "is the spec the search reads" in capsys.readouterr().err
+    assert spec.read_text() == before

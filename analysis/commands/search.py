@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from analysis.costs.device_source import DEVICE, describe_sources
 from analysis.memory import GB
@@ -34,6 +36,7 @@ from harness.common.output import (
     write_csv,
 )
 from harness.common.progress import Progress
+from harness.plan.spec import MAX_DEVICES
 
 NAME = "search"
 HELP = "rank every strategy of a [search] grid by predicted batch time, with the memory each device needs"
@@ -81,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
+MAX_JOBS = max(1, 4 * (os.cpu_count() or 1))  # worker processes at most: a few a core
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.memory_gb is not None and not args.memory_gb > 0:
         raise UserError(f"--memory-gb {args.memory_gb:g}: give each device's memory in GB, above 0")
@@ -90,8 +96,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--iterations {args.iterations}: give 1 or more")
     if args.tokens is not None and not args.tokens > 0:
         raise UserError(f"--tokens {args.tokens:g}: give a token count above 0")
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs {args.jobs}: give 1 or more")
+    if args.jobs is not None and not 1 <= args.jobs <= MAX_JOBS:
+        raise UserError(f"--jobs {args.jobs}: give 1 to {MAX_JOBS} worker processes (default: one per core)")
+    if args.gpus is not None and not 1 <= args.gpus <= MAX_DEVICES:
+        raise UserError(f"--gpus {args.gpus:,}: give a device count from 1 to {MAX_DEVICES:,}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
                         f"spread it over them with mpi4py.futures: mpirun -n {promised[0]} python -m mpi4py.futures "
                         "-m analysis search ...")
     spec, profile, source = command_input(args.input, args.profile, args.spec)
+    inputs = [p for p in (args.input, args.spec) if p and str(p).endswith(".toml")]
+    if args.write_spec and any(Path(args.write_spec).resolve() == Path(p).resolve() for p in inputs):
+        raise UserError(f"--write-spec {args.write_spec}: is the spec the search reads (its [search] grid would be "
+                        "lost); write the best candidate to another file")
     if profile is None:
         profile = spec_profile(spec, source)
     from harness.plan.candidates import expand
@@ -132,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
         written.append(("chart", writable(args.png, lambda: write_search_chart(args.png, result, **training))))
     best = result.to_run
     if args.write_spec and best is not None:
-        from pathlib import Path
-
         header = spec_header(result, args.input)
         path = Path(args.write_spec)
 

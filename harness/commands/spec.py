@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs a node (default: the launcher's, or 8)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="Hugging Face: the training sequence length "
                         "(default: the config's maximum positions)")
-    parser.add_argument("--micro", type=int, default=1, metavar="N", help="Hugging Face: the micro-batch (default 1)")
+    parser.add_argument("--micro", type=int, metavar="N", help="Hugging Face: the micro-batch (default 1)")
     parser.add_argument("--global", dest="global_batch", type=int, metavar="N",
                         help="Hugging Face: the global batch (default micro x dp)")
     parser.add_argument("--strategy", metavar="K=V,...", help="then change strategy, batch or cluster fields, e.g. "
@@ -42,15 +42,24 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-').replace('global-batch', 'global')} must be at least 1, "
                             f"got {value}")
     if args.from_megatron is not None:
+        given = [f"--{name}" for name, value in (("seq-len", args.seq_len), ("micro", args.micro),
+                                                  ("global", args.global_batch)) if value is not None]
+        if given:
+            raise UserError(f"{', '.join(given)}: for --from-hf only; a Megatron launch states them (--seq-length, "
+                            "--micro-batch-size, --global-batch-size): change them there, or the batch after with "
+                            "--strategy micro=N,global=N")
         imported = from_megatron(args.from_megatron, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
         origin = f"harness spec --from-megatron {imported.source}"
     else:
-        imported = from_hf(args.from_hf, gpus=args.gpus or 1, gpus_per_node=args.gpus_per_node, micro=args.micro,
-                           global_batch=args.global_batch, seq_len=args.seq_len)
+        imported = from_hf(args.from_hf, gpus=args.gpus or 1, gpus_per_node=args.gpus_per_node,
+                           micro=args.micro or 1, global_batch=args.global_batch, seq_len=args.seq_len)
         origin = f"harness spec --from-hf {imported.source}"
     spec = imported.spec
     if args.strategy:
-        spec = spec.with_changes(**parse_strategy_overrides(args.strategy))
+        changes = parse_strategy_overrides(args.strategy)
+        if args.gpus is not None:
+            changes = _on_the_gpus(spec, changes, args.gpus)
+        spec = spec.with_changes(**changes)
     lines = imported.report()
     padding = vocab_padding_note(spec)
     if padding:
@@ -69,3 +78,22 @@ def run(args: argparse.Namespace) -> int:
         for line in lines:
             print(line, file=sys.stderr)
     return 0
+
+
+def _on_the_gpus(spec, changes: dict, gpus: int) -> dict:
+    """--strategy's changes on the GPU count --gpus fixed: dp follows the other degrees where not given; a dp that
+    is given must make the count."""
+    degrees = {key: changes.get(key, getattr(spec.strategy, key)) for key in ("tp", "pp", "cp")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in degrees.values()):
+        return changes  # parse_spec names the degree that is not a positive whole number
+    replica = degrees["tp"] * degrees["pp"] * degrees["cp"]
+    if "dp" not in changes:
+        if gpus % replica:
+            raise UserError(f"--strategy: tp x pp x cp = {replica} does not divide the --gpus {gpus}; give degrees "
+                            "whose product divides it")
+        return {**changes, "dp": gpus // replica}
+    dp = changes["dp"]
+    if isinstance(dp, int) and dp * replica != gpus:
+        raise UserError(f"--strategy: dp x tp x pp x cp = {dp} x {replica} is {dp * replica} GPUs, not the --gpus "
+                        f"{gpus}; drop dp (it follows) or give degrees that make {gpus}")
+    return changes

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,9 @@ def _values(spec: JobSpec, field: str, gpus: int | None) -> tuple:
 
 
 def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """n's divisors, smallest first (pairs up to its square root: fast for any n a spec allows)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def _auto_combinations(spec: JobSpec, fields: dict[str, tuple]) -> list[tuple]:

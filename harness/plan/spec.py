@@ -364,6 +364,9 @@ class JobSpec:
         for key, value in changes.items():
             section = next((name for name in ("strategy", "batch", "cluster", "profile", "optimizer")
                             if key in _SECTIONS[name]), None)
+            if key == "network":
+                raise SpecError("network is a table of tiers, not a value; give --network SPEC (a spec's "
+                                "[[cluster.network]]) or --network TIER.FIELD=VALUE", source="--strategy")
             if section is None:
                 known = sorted(_SECTIONS["strategy"] | _SECTIONS["batch"] | _SECTIONS["cluster"])
                 raise SpecError(f"unknown field {key!r}; expected one of {', '.join(known)}", source="--strategy")
@@ -747,7 +750,10 @@ def _parse_search(s: dict) -> SearchSpec:
             elif key == "sp":
                 _flag({key: item}, key, "search", False)
             else:
-                _int({key: item}, key, "search")
+                value = _int({key: item}, key, "search")
+                if key == "gpus" and value > MAX_DEVICES:
+                    raise SpecError(f"{value:,} devices is more than the {MAX_DEVICES:,} a spec may describe",
+                                    field="search.gpus")
         values[key] = tuple(items)
     return SearchSpec(**values)
 

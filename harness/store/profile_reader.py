@@ -152,15 +152,21 @@ def load_profile(path: str | Path) -> Profile:
         try:
             spec_data = json.loads(spec_json)
             layers = [LayerDesc.from_dict(d) for d in json.loads(str(attrs.get("layers_json", "[]")))]
-        except (ValueError, KeyError, TypeError) as exc:
+            if not isinstance(spec_data, dict):
+                raise TypeError("spec_json is not a table")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserError(f"{path}: spec_json or layers_json is not what docs/hdf5.md describes ({exc})") from None
         spec = parse_spec_offline(spec_data, source=f"{path}:spec_json")
-        return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
-                       layers=layers, events=_read_events(f), measurements=_read_measurements(f),
-                       unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
-                       environment=read_environment(f),
-                       placement={eid: [int(r) for r in ranks.split(",") if r]
-                                  for eid, ranks in _read_pairs(f, "placement", "id", "ranks").items()})
+        try:  # the rest as docs/hdf5.md lays it out; an edited or foreign file is said so, not a traceback
+            return Profile(path=path, schema_version=int(attrs["schema_version"]), spec=spec, spec_json=spec_json,
+                           layers=layers, events=_read_events(f), measurements=_read_measurements(f),
+                           unmeasured=_read_pairs(f, "unmeasured", "id", "reason"),
+                           environment=read_environment(f),
+                           placement={eid: [int(r) for r in ranks.split(",") if r]
+                                      for eid, ranks in _read_pairs(f, "placement", "id", "ranks").items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{path}: a part is not what docs/hdf5.md describes ({type(exc).__name__}: {exc}); "
+                            f"{REMEDIES[PROFILE_KIND]}") from None
 
 
 def parse_spec_offline(data: dict, source: str) -> JobSpec:
