@@ -97,7 +97,7 @@ def write_document(path: str | Path, document: dict[str, Any]) -> Path:
     path = check_name(path, TRACE_NAMES)
     data = json.dumps(document, separators=(",", ":")).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.name.endswith(".gz"):
+    if path.name.lower().endswith(".gz"):  # as check_name reads the suffix
         data = gzip.compress(data, compresslevel=6)
     path.write_bytes(data)
     return path

@@ -80,6 +80,8 @@ def test_a_trace_is_written_as_json_only(tmp_path):
     with pytest.raises(UserError, match="a trace is written as FILE.json or FILE.json.gz"):
         write_document(tmp_path / "trace.txt", {"traceEvents": []})
     assert write_document(tmp_path / "trace.json.gz", {"traceEvents": []}).is_file()
+    upper = write_document(tmp_path / "TRACE.JSON.GZ", {"traceEvents": []})  # a name check_name takes is gzipped
+    assert upper.read_bytes()[:2] == b"\x1f\x8b"
 
 
 def test_a_file_where_a_folder_should_be_is_said(tmp_path):
