@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 
 from harness.common.errors import UserError
+from harness.plan.spec import TABLES
 from harness.store.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
 from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP
 from harness.store.hdf5_schema import TRACE_COLUMNS as COLUMNS
-
-SPEC_SECTIONS = ("model", "batch", "strategy", "cluster", "optimizer", "profile")  # spec_json's tables
 
 
 class TraceError(ValueError):
@@ -249,7 +248,7 @@ def read_trace(path: str | Path) -> Trace:
         spec_json = str(attrs.pop("spec_json"))
         spec = json.loads(spec_json)
         layers = json.loads(str(attrs.pop("layers_json")))
-        if not isinstance(spec, dict) or not all(isinstance(spec.get(key, {}), dict) for key in SPEC_SECTIONS):
+        if not isinstance(spec, dict) or not all(isinstance(spec.get(key, {}), dict) for key in TABLES):
             raise ValueError("spec_json is not a table of the spec's sections")
         if not isinstance(layers, list):
             raise ValueError("layers_json is not a list")

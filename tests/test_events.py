@@ -124,6 +124,15 @@ def test_a_factory_that_returns_no_layers_is_refused():
         factory_layers(loads_spec(text))
 
 
+def test_a_factory_that_exits_is_refused_with_a_message():
+    """sys.exit in a factory is a SystemExit, not an Exception: it would end the run with status 0 and no word."""
+    from harness.models.user import factory_layers
+
+    text = tiny_spec_text(layers=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:exits"')
+    with pytest.raises(UserError, match=r"called sys.exit\(0\); return the layers instead"):
+        factory_layers(loads_spec(text))
+
+
 def test_user_factory_model_events():
     from harness.models.user import factory_layers
 

@@ -128,8 +128,9 @@ def test_bad_spec_exits_2_once(tmp_path, project_env):
     (["--precision", "0"], "[profile.precision] must be a fraction above 0 and at most 0.5"),
     (["--precision", "60%"], "[profile.precision] must be a fraction above 0 and at most 0.5"),
     (["--precision", "abc"], "--precision: 'abc' is not a fraction (0.02) or a percentage (2%)"),
-    (["--budget-s", "0"], "--budget-s: '0' is not a positive number of seconds"),
-    (["--budget-s", "-3"], "--budget-s: '-3' is not a positive number of seconds")])
+    (["--budget-s", "0"], "--budget-s: '0' is not a positive, finite number of seconds"),
+    (["--budget-s", "-3"], "--budget-s: '-3' is not a positive, finite number of seconds"),
+    (["--budget-s", "inf"], "--budget-s: 'inf' is not a positive, finite number of seconds")])
 def test_bad_precision_or_budget_exits_2_once(tmp_path, spec_file, project_env, option, message):
     result = mpirun(2, ["profile", str(spec_file), "-o", str(tmp_path / "o"), *option], project_env)
     assert result.returncode == 2, result.stderr

@@ -117,6 +117,8 @@ def test_factory_that_cannot_be_imported():
     assert "[model.factory]" in _error(text) and "cannot import" in _error(text)
     text = tiny_spec_text().replace('name = "gpt2-small"', 'factory = "json:no_such_function"')
     assert "has no callable" in _error(text)
+    text = tiny_spec_text().replace('name = "gpt2-small"', 'factory = "tests.exiting_module:build"')
+    assert "called sys.exit(0) as it was imported" in _error(text)
 
 
 def test_factory_model_rejects_tensor_parallelism():
@@ -141,6 +143,22 @@ def test_strategy_overrides_change_the_cluster():
         with pytest.raises(SpecError) as caught:  # a degree that is no number is named, not a TypeError
             spec.with_changes(**parse_strategy_overrides(text))
         assert words in str(caught.value)
+    for text, words in (("tp=2,dp=2,tp=4", "tp is given twice"), ("network=ib", "network is a table of tiers")):
+        with pytest.raises(SpecError, match=words):
+            parse_strategy_overrides(text)
+
+
+def test_a_spec_takes_its_network_tiers_from_code():
+    """with_changes(network=[...]) is the programmatic way to set the tiers (bench/device_model.py writes its
+    calibrated tier so); only --strategy's key=value cannot say a list of tables."""
+    tier = {"name": "node", "size": 64, "bandwidth_gbs": 1.5, "latency_us": 40.0}
+    spec = loads_spec(ISSUE_EXAMPLE).with_changes(network=[tier])
+    assert [(t.name, t.size, t.bandwidth_gbs, t.latency_us) for t in spec.cluster.network] == [("node", 64, 1.5, 40.0)]
+
+
+def test_positive_figures_are_finite():
+    text = tiny_spec_text(budget_s="inf")
+    assert "[profile.budget_s] must be a positive, finite number, got inf" in _error(text)
 
 
 def test_cli_exit_status_2_without_traceback(tmp_path, project_env):

@@ -31,3 +31,8 @@ def build(model):
 def not_layers(model):
     """A factory that breaks the contract: a number, not a sequence of layers."""
     return 42
+
+
+def exits(model):
+    """A factory that breaks the contract another way: it ends the process instead of returning layers."""
+    raise SystemExit(0)

@@ -54,8 +54,8 @@ def budget_option(text: str | None) -> float | None:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise UserError(f"--budget-s: {text!r} is not a positive number of seconds")
+    if not 0 < value < math.inf:
+        raise UserError(f"--budget-s: {text!r} is not a positive, finite number of seconds")
     return value
 
 

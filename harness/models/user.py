@@ -24,6 +24,9 @@ def load_factory_layers(model: ModelSpec) -> list[nn.Module]:
     factory = getattr(importlib.import_module(module_name), func_name)
     try:
         built = factory(model)
+    except SystemExit as exc:  # would end every rank's run without a word
+        raise SpecError(f"factory {model.factory!r} called sys.exit({exc.code!r}); return the layers instead",
+                        field="model.factory") from None
     except Exception as exc:
         raise SpecError(f"factory {model.factory!r} raised {type(exc).__name__}: {exc}",
                         field="model.factory") from exc

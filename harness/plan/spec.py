@@ -90,6 +90,7 @@ _SECTIONS = {
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
     "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "ep", "auto"},
 }
+TABLES = tuple(name for name in _SECTIONS if name != "spec_version")  # a spec's tables, as a spec file holds them
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -364,9 +365,6 @@ class JobSpec:
         for key, value in changes.items():
             section = next((name for name in ("strategy", "batch", "cluster", "profile", "optimizer")
                             if key in _SECTIONS[name]), None)
-            if key == "network":
-                raise SpecError("network is a table of tiers, not a value; give --network SPEC (a spec's "
-                                "[[cluster.network]]) or --network TIER.FIELD=VALUE", source="--strategy")
             if section is None:
                 known = sorted(_SECTIONS["strategy"] | _SECTIONS["batch"] | _SECTIONS["cluster"])
                 raise SpecError(f"unknown field {key!r}; expected one of {', '.join(known)}", source="--strategy")
@@ -501,8 +499,8 @@ def _int(section: dict, key: str, where: str, default: Any = None, minimum: int 
 
 def _number(section: dict, key: str, where: str, default: float) -> float:
     value = section.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise SpecError(f"must be a positive number, got {value!r}", field=f"{where}.{key}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise SpecError(f"must be a positive, finite number, got {value!r}", field=f"{where}.{key}")
     return float(value)
 
 
@@ -614,6 +612,10 @@ def check_factory(factory: str, import_it: bool = True) -> None:
         return
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:  # a module that exits as it is imported would end the run without a word
+        raise SpecError(f"cannot import factory module {module_name!r}: it called sys.exit({exc.code!r}) as it was "
+                        "imported; keep a script's main code under `if __name__ == \"__main__\":`",
+                        field="model.factory") from None
     except Exception as exc:  # an ImportError or any error raised while importing the user's module
         raise SpecError(f"cannot import factory module {module_name!r}: {exc}", field="model.factory") from None
     if not callable(getattr(module, func_name, None)):
@@ -1021,6 +1023,11 @@ def parse_strategy_overrides(text: str) -> dict[str, Any]:
             raise SpecError(f"expected key=value, got {item!r}", source="--strategy")
         key = key.strip()
         value = value.strip()
+        if key in out:
+            raise SpecError(f"{key} is given twice ({text!r}); give each field once", source="--strategy")
+        if key == "network":  # with_changes takes the tiers as a list of tables, which key=value cannot write
+            raise SpecError("network is a table of tiers, not a value; give --network SPEC (a spec's "
+                            "[[cluster.network]]) or --network TIER.FIELD=VALUE", source="--strategy")
         if value.lower() in ("true", "false"):
             out[key] = value.lower() == "true"
         else:
