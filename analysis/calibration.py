@@ -88,6 +88,11 @@ def device_kind(environment: Mapping[str, Any]) -> str:
     return "cuda" if str(environment.get("device", "cpu")).startswith("cuda") else "cpu"
 
 
+def processor_of(environment: Mapping[str, Any]) -> str:
+    """The processor a profile measured on, as a device description names it (harness.plan.device.PROCESSORS)."""
+    return "gpu" if device_kind(environment) == "cuda" else "cpu"
+
+
 @lru_cache(maxsize=8)
 def model_residuals(device: str, path: Path = RESIDUALS_PATH, part: str = "runs") -> ModelResiduals | None:
     """The held-out runs of `device` ('cpu', 'cuda'), or another of its lists (`part`, RESIDUAL_PARTS); None where

@@ -15,14 +15,18 @@ Where the description measured them (format 2, docs/devices.md):
 - an optimizer step whose optimizer is in its [optimizer] is costed as the framework runs it (optimizer_time):
   its kernels (per tensor and per step) x the measured seconds a kernel beyond its bytes, plus its parameters x
   the counted bytes a parameter at the optimizer's measured bandwidth.
+- a layer the run wraps (a full-recompute layer under torch.utils.checkpoint, a ZeRO job's FSDP2 unit) costs its
+  wrapper's [wrappers.NAME] seconds beyond its kernels (wrapper_seconds): the device's time on a CPU, where the
+  framework's code runs on the cores that compute; the host's issue time on a GPU.
 The host issues each kernel in the description's `[host] kernel_issue_us` (per launch): a compute event's issue
 time (`issue_seconds`), which analysis.simulate plays against the device's time (Costs.host_issue).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from harness.plan.device import DeviceDescription, load_device
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
@@ -103,9 +107,8 @@ class DeviceModel:
         beyond its bytes, and move P x bytes_per_parameter (counted on float32 parameters: scaled to the step's
         dtype) at the optimizer's measured bandwidth."""
         cost = self.description.optimizer[kernel.op]
-        tensors = sum(count for _, count in kernel.tensors)
         params = sum(elements * count for elements, count in kernel.tensors)
-        launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
+        launches = self.launched(kernel)
         nbytes = params * cost.bytes_per_parameter * DTYPES[kernel.dtype] / DTYPES["float32"]
         return KernelTime(0.0, nbytes / cost.bandwidth, launches * cost.kernel_s)
 
@@ -115,6 +118,33 @@ class DeviceModel:
     def event_seconds(self, kernels: Iterable[Kernel]) -> float:
         """A compute event's seconds: its kernels', one after another."""
         return sum(self.kernel_seconds(kernel) for kernel in kernels)
+
+    def wrapper_seconds(self, content: Mapping[str, Any], kernels: Iterable[Kernel]) -> float:
+        """The framework's seconds around a compute event's layer beyond its kernels, where the run wraps it
+        (content's RUN_WRAPPERS keys; the description's [wrappers.NAME], 0 where it has none): a wrapper's
+        forward_s on a `fwd`, its backward_s on the call that runs the layer's autograd (`bwd`, or a split
+        backward's `bwd_input`), and on an `optimizer` step over FSDP2's shards optimizer_kernel_s a kernel it
+        launches. A full-recompute group of several layers runs one checkpoint and is costed one a layer."""
+        phase = content.get("phase")
+        total = 0.0
+        for name, cost in self.description.wrappers.items():
+            if not content.get(name):
+                continue
+            if phase == "fwd":
+                total += cost.forward_s
+            elif phase in ("bwd", "bwd_input"):
+                total += cost.backward_s
+            elif phase == "optimizer" and cost.optimizer_kernel_s:
+                total += cost.optimizer_kernel_s * sum(self.launched(kernel) for kernel in kernels)
+        return total
+
+    def launched(self, kernel: Kernel) -> float:
+        """The kernels the framework launches for `kernel`: an optimizer step's by its [optimizer.NAME]
+        (optimizer_time), any other's by its listing and [launches]."""
+        cost = self.description.optimizer.get(getattr(kernel, "op", ""))
+        if cost is not None and isinstance(kernel, MemoryBound) and kernel.tensors:
+            return cost.kernels_per_step + cost.kernels_per_tensor * sum(count for _, count in kernel.tensors)
+        return self.description.kernel_launches(kernel)
 
     def issue_seconds(self, kernels: Iterable[Kernel]) -> float:
         """The host's seconds to issue a compute event's kernels: their launches x the description's

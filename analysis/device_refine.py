@@ -25,16 +25,17 @@ import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from analysis.calibration import device_kind
+from analysis.calibration import processor_of
 from analysis.costs import estimate_costs
 from analysis.costs.records import MEASURED
 from analysis.device_model import DeviceModel
 from analysis.profile_reader import Profile, layers_for
 from harness.common.errors import UserError
-from harness.plan.device import HOST_FIELDS, DeviceDescription
+from harness.plan.device import HOST_FIELDS, RUN_WRAPPERS, DeviceDescription
 from harness.plan.events import build_plan
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
 from harness.store.hdf5_schema import STEP_GAPS
@@ -132,14 +133,21 @@ def describe_step(step: float, score: str, figures: Mapping[tuple[str, str], flo
 
 @dataclass(frozen=True)
 class RefineEvent:
-    """One measured compute event: its name, kernels, the profiled path's seconds for it and (a GPU profile) the
-    host's seconds to issue it."""
+    """One measured compute event: its name, kernels, the profiled path's seconds for it, (a GPU profile) the
+    host's seconds to issue it, and its content's wrappers (a checkpointed or FSDP2 layer's: their time is the
+    description's [wrappers], not its curves')."""
 
     eid: str
     name: str
     kernels: tuple[Kernel, ...]
     measured_s: float
     host_issue_s: float = 0.0
+    wrapped: tuple[tuple[str, Any], ...] = ()
+
+    def modelled_s(self, device: DeviceModel) -> float:
+        """Its seconds on `device`: its kernels' and, on a CPU, its wrappers' (DeviceModel.wrapper_seconds)."""
+        wrapper = device.wrapper_seconds(dict(self.wrapped), self.kernels)
+        return device.event_seconds(self.kernels) + (wrapper if device.description.processor == "cpu" else 0.0)
 
 
 def profile_events(profile: Profile) -> list[RefineEvent]:
@@ -157,7 +165,8 @@ def profile_events(profile: Profile) -> list[RefineEvent]:
         except (UserError, KeyError, ValueError):
             continue
         if kernels and cost.seconds > 0:
-            events.append(RefineEvent(eid, event.name, kernels, cost.seconds, costs.host_issue.get(eid, 0.0)))
+            wrapped = tuple((key, event.content[key]) for key in ("phase", *RUN_WRAPPERS) if key in event.content)
+            events.append(RefineEvent(eid, event.name, kernels, cost.seconds, costs.host_issue.get(eid, 0.0), wrapped))
     return events
 
 
@@ -189,7 +198,7 @@ def figure_shares(device: DeviceModel, events: Sequence[RefineEvent]) -> dict[tu
 
 def log_errors(device: DeviceModel, events: Sequence[RefineEvent]) -> np.ndarray:
     """log(model / measured) of each event on `device`."""
-    return np.array([math.log(device.event_seconds(e.kernels) / e.measured_s) for e in events])
+    return np.array([math.log(e.modelled_s(device) / e.measured_s) for e in events])
 
 
 @dataclass
@@ -259,13 +268,12 @@ def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str =
     after = DeviceModel(refined)
     return Refinement(base, refined, list(events),
                       {key: (figure_of(base, key), figure_of(refined, key)) for key in figures},
-                      [device.event_seconds(e.kernels) for e in events],
-                      [after.event_seconds(e.kernels) for e in events])
+                      [e.modelled_s(device) for e in events], [e.modelled_s(after) for e in events])
 
 
 def check_processor(profile: Profile, description: DeviceDescription) -> None:
     """UserError where the profile ran on another kind of device than the description describes."""
-    ran = "gpu" if device_kind(profile.environment) == "cuda" else "cpu"
+    ran = processor_of(profile.environment)
     if ran != description.processor:
         raise UserError(f"{profile.path} was measured on a {ran.upper()}, and the description {description.name!r} "
                         f"describes a {description.processor.upper()}: refine a description of the device the profile "

@@ -17,6 +17,8 @@ from harness.plan.device import (
     REQUIRED_DTYPES,
     Curve,
     DeviceDescription,
+    OptimizerCost,
+    WrapperCost,
     load_device,
     parse_device,
     shipped_devices,
@@ -510,6 +512,57 @@ def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):
 
 # --- format 2: memory-bound kinds, the optimizer tensor by tensor, collectives in context ---------------------------
 
+WRAPPED = dict(wrappers={"checkpointed": WrapperCost(100e-6, 300e-6), "fsdp2": WrapperCost(200e-6, 50e-6, 10e-6)},
+               optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 3e-6, 5e9)})
+
+
+def test_a_wrapped_layers_framework_time_by_hand():
+    """[wrappers] checkpointed 100 / 300 us, fsdp2 200 / 50 us and 10 us an optimizer kernel: a forward of a layer
+    both wrap 300 us, its backward 350 us, a split backward's input half 50 us (FSDP2's) and its weight half
+    nothing; an unwrapped layer nothing; an Adam step over FSDP2's shards of 3 tensors 10 us x (2 + 9 x 3)."""
+    model = DeviceModel(flat_device(processor="cpu", **WRAPPED))
+    both = {"checkpointed": True, "fsdp2": True}
+    assert model.wrapper_seconds({"phase": "fwd", **both}, []) == pytest.approx(300e-6)
+    assert model.wrapper_seconds({"phase": "bwd", **both}, []) == pytest.approx(350e-6)
+    assert model.wrapper_seconds({"phase": "bwd_input", "fsdp2": True}, []) == pytest.approx(50e-6)
+    assert model.wrapper_seconds({"phase": "bwd_weight", **both}, []) == 0.0
+    assert model.wrapper_seconds({"phase": "fwd"}, []) == 0.0
+    step = MemoryBound("optimizer.step", 2_100 * 32.0, "float32", flops=12 * 2_100.0, launches=3, op="adam",
+                       elements=2_100.0, tensors=((1_000, 2), (100, 1)))
+    assert model.wrapper_seconds({"phase": "optimizer", "fsdp2": True}, [step]) == pytest.approx(290e-6)
+    assert DeviceModel(flat_device()).wrapper_seconds({"phase": "fwd", **both}, []) == 0.0  # none described
+
+
+@pytest.mark.parametrize("processor", ["cpu", "gpu"])
+def test_a_zero_3_full_recompute_job_pays_its_wrappers_on_the_device_or_the_host(tmp_path, processor):
+    """Every compute event of a ZeRO-3, full-recompute GPT-2 job (each layer checkpointed and an FSDP2 unit, its
+    optimizer over the shards) costs its kernels plus its wrappers: on a CPU in the device's time (the framework
+    runs on the cores that compute), on a GPU in the host's issue time; the same description without [wrappers]
+    costs the kernels alone."""
+    from analysis.predict import predict_spec
+
+    costs = {}
+    for label, extra in (("bare", {"optimizer": WRAPPED["optimizer"]}), ("wrapped", WRAPPED)):
+        path = tmp_path / f"{label}.toml"
+        path.write_text(flat_device(processor=processor, **extra).to_toml())
+        text = tiny_spec_text(layers=2, global_batch=4, dp=2, zero=3, recompute="full")
+        text += '\n[[cluster.network]]\nname = "node"\nsize = 2\nbandwidth_gbs = 10\nlatency_us = 10\n'
+        costs[label] = predict_spec(loads_spec(text.replace("[cluster]", f"[cluster]\ndevice = \"{path}\"")),
+                                    resamples=0).costs
+    wrapped = DeviceModel(flat_device(processor=processor, **WRAPPED))
+    plan = build_plan(loads_spec(tiny_spec_text(layers=2, global_batch=4, dp=2, zero=3, recompute="full")))
+    compute = {eid: e for eid, e in plan.events.items() if e.kind == "compute"}
+    assert {e.content["phase"] for e in compute.values()} == {"fwd", "bwd", "optimizer"}
+    for eid, event in compute.items():
+        extra = wrapped.wrapper_seconds(event.content, event_kernels(event.content, "full"))
+        assert extra > 0, event.name
+        seconds = costs["wrapped"].seconds(eid) - costs["bare"].seconds(eid)
+        issue = costs["wrapped"].host_issue.get(eid, 0.0) - costs["bare"].host_issue.get(eid, 0.0)
+        on_device, on_host = (extra, 0.0) if processor == "cpu" else (0.0, extra)
+        if event.content["phase"] == "optimizer" and processor == "gpu":
+            on_host = extra  # an optimizer step has no issue time of its own, its wrapper's is the host's
+        assert seconds == pytest.approx(on_device) and issue == pytest.approx(on_host), event.name
+
 def test_memory_bound_kernels_carry_their_kind_and_elements():
     """GPT-2 (hidden 32, ffn 64, 2 x 16 tokens, tp 1): each memory-bound kernel's kind and elements; a backward's
     kind is the forward's + _backward with the same elements; LLaMA's norms are RMSNorm, its MLP SwiGLU."""
@@ -628,10 +681,15 @@ def test_format_2_round_trips_and_format_1_stays_format_1():
     from harness.plan.device import OptimizerCost
 
     described = flat_device(vector_ops={"gelu": 12.5, "gelu_backward": 30.0}, launches={"rms_norm": 6.0},
-                            optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.6607e-6, 5.4321e9)})
+                            optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.6607e-6, 5.4321e9)},
+                            wrappers={"checkpointed": WrapperCost(206e-6, 201e-6),
+                                      "fsdp2": WrapperCost(356e-6, 18.2e-6, 13.7e-6)})
     text = described.to_toml()
     assert text.startswith("format = 2") and "[vector_ops]" in text and "[optimizer.adam]" in text
     assert "[launches]\nrms_norm = 6.0" in text
+    assert "[wrappers.checkpointed]\nforward_us = 206.0\nbackward_us = 201.00000000000003\n" in text  # 201e-6 exactly
+    assert "[wrappers.fsdp2]\nforward_us = 356.0\nbackward_us = 18.2\noptimizer_kernel_us = 13.7\n" in text
+    assert flat_device(wrappers={"fsdp2": WrapperCost(1e-6, 0.0)}).format == 2
     assert parse_device(tomllib.loads(text), default_name="flat") == described
     for name in SHIPPED:
         shipped = load_device(name)
@@ -674,6 +732,12 @@ def test_kinds_change_nothing_on_a_description_without_the_tables(name):
     ("[optimizer]\nadam = 3\n", "optimizer.adam", "must be a table"),
     ("[launches]\nrms_norm = 0.0\n", "launches.rms_norm", "above 0"),
     ("[launches]\nnorm = 6.0\n", "launches.norm", "unknown field"),
+    ("[wrappers.fsdp]\nforward_us = 1.0\nbackward_us = 1.0\n", "wrappers.fsdp", "unknown field"),
+    ("[wrappers.fsdp2]\nforward_us = -1.0\nbackward_us = 1.0\n", "wrappers.fsdp2.forward_us", "0 or more"),
+    ("[wrappers.checkpointed]\nforward_us = 1.0\n", "wrappers.checkpointed.backward_us", "required"),
+    ("[wrappers.checkpointed]\nforward_us = 1.0\nbackward_us = 1.0\nrecompute_us = 3.0\n",
+     "wrappers.checkpointed.recompute_us", "unknown field"),
+    ("[wrappers]\nfsdp2 = 3\n", "wrappers.fsdp2", "must be a table"),
 ])
 def test_bad_format_2_tables_name_file_and_field(tmp_path, table, field, message):
     path = tmp_path / "bad.toml"

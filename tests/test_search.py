@@ -175,6 +175,7 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,words", [(["--memory-gb", "0"], "--memory-gb 0"),
+                                        (["--memory-gb", "inf"], "--memory-gb inf: give each device's memory in GB"),
                                         (["--gpus", "3"], "no combination"),
                                         (["--top", "-1"], "--top -1"),
                                         (["--iterations", "0"], "--iterations 0"),

@@ -139,6 +139,9 @@ def test_a_profile_beside_a_spec_costs_what_it_measured(tmp_path, project_env):
     # wherever a compute event was measured; only a job costed from the description alone runs as Megatron does
     assert measured.costs.host_waits_on_collectives
     assert mixed.costs.host_waits_on_collectives == (sources != {DEVICE})
+    # a CPU's measurements beside a GPU's description: said, in the costs' warnings and on stderr
+    assert any("pp2-profile.h5 was measured on a CPU" in w and "a100-80gb is a GPU" in w for w in report["warnings"])
+    assert "WARNING: pp2-profile.h5 was measured on a CPU" in done.stderr
 
 
 @pytest.mark.parametrize("text,extra,message", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -88,8 +89,8 @@ MAX_JOBS = max(1, 4 * (os.cpu_count() or 1))  # worker processes at most: a few 
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.memory_gb is not None and not args.memory_gb > 0:
-        raise UserError(f"--memory-gb {args.memory_gb:g}: give each device's memory in GB, above 0")
+    if args.memory_gb is not None and not 0 < args.memory_gb < math.inf:
+        raise UserError(f"--memory-gb {args.memory_gb:g}: give each device's memory in GB, a finite number above 0")
     if args.top < 0:
         raise UserError(f"--top {args.top}: give a row count of 0 (all) or more")
     if args.iterations is not None and args.iterations < 1:
@@ -116,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
                         "lost); write the best candidate to another file")
     if profile is None:
         profile = spec_profile(spec, source)
+    elif spec.cluster.device:
+        from analysis.costs.device_source import device_model, processor_mismatch
+
+        mismatch = processor_mismatch(device_model(spec.cluster.device), profile)
+        if mismatch:  # every candidate's costs carry it; said once, before the search
+            print(f"WARNING: {mismatch}", file=sys.stderr)
     from harness.plan.candidates import expand
 
     grid = expand(spec, args.gpus, auto=args.auto or None)

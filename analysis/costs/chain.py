@@ -3,7 +3,7 @@ which costs a plan by asking them (the interface a source implements: source.py)
 from __future__ import annotations
 
 from analysis.calibration import device_kind
-from analysis.costs.device_source import DeviceSource, check_device_costable, device_model_for
+from analysis.costs.device_source import DeviceSource, check_device_costable, device_model_for, processor_mismatch
 from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
 from analysis.costs.interpolated import InterpolatedSource, comm_curves
 from analysis.costs.measured import MeasuredSource, check_compute_measured, rank_speed_factors, samples_for
@@ -91,6 +91,9 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
                   rank_speed=rank_speed_factors(profile) if rank_speed else {}, network=network,
                   machine_drift=machine_drift(profile), device=device_kind(profile.environment),
                   device_model=device)
+    mismatch = processor_mismatch(device, profile)
+    if mismatch:
+        costs.warnings.append(mismatch)
     chain = cost_chain(plan, profile, costs, network_only)
     for eid, event in plan.events.items():
         costs.events[eid] = first_answer(chain, eid, event, costs)

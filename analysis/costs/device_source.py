@@ -17,9 +17,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from analysis.calibration import processor_of
 from analysis.costs.records import FITTED, MODELLED, UNAVAILABLE, Costs, EventCost
 from analysis.costs.source import CostSource
 from analysis.device_model import DeviceModel, KernelTime
+from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.device import DeviceDescription
 from harness.plan.events import Event, EventPlan
@@ -42,10 +44,12 @@ class DeviceCosting:
     times: tuple[KernelTime, ...]
     note: str
     issue_s: float = 0.0
+    wrapper_s: float = 0.0  # the framework's around a wrapped layer, on the device's time (a CPU's; a GPU's host's
+    # is in issue_s)
 
     @property
     def seconds(self) -> float:
-        return sum(t.seconds for t in self.times)
+        return sum(t.seconds for t in self.times) + self.wrapper_s
 
     def breakdown(self) -> list[dict[str, Any]]:
         """Each kernel: its name, type, FLOPs, bytes, seconds and the side of the roofline it is on (--details)."""
@@ -67,6 +71,21 @@ def device_model_for(plan: EventPlan) -> DeviceModel | None:
     return device_model(text) if text else None
 
 
+def processor_mismatch(device: DeviceModel | None, profile: Profile) -> str | None:
+    """A warning where a profile's measured compute and the spec's device are different processors (a CPU profile
+    beside a GPU description): the events it measured then cost the profile's processor's times, the rest the
+    description's. None where they agree, or where there is no device or nothing measured."""
+    if device is None or not profile.measurements:
+        return None
+    measured_on = processor_of(profile.environment)
+    if measured_on == device.description.processor:
+        return None
+    return (f"{profile.path.name} was measured on a {measured_on.upper()} "
+            f"({profile.environment.get('device', '?')}) and the spec's device {device.name} is a "
+            f"{device.description.processor.upper()}: the events it measured cost the {measured_on.upper()}'s "
+            "times and the rest the description's; give a profile taken on the spec's device, or none")
+
+
 def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) -> DeviceCosting:
     """`event`'s kernels and their times on `device` (UserError where the plan cannot list its kernels)."""
     key = (device.description.source, device.name, eid, recompute)
@@ -77,7 +96,13 @@ def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) 
         note = describe_costing(device, kernels, times)
         if issue:
             note += f"; the host issues its {sum(k.launches for k in kernels)} launches in {issue * 1e3:.3g} ms"
-        _COSTED[key] = DeviceCosting(kernels, times, note, issue)
+        wrapper = device.wrapper_seconds(event.content, kernels)
+        if wrapper:
+            names = " and ".join(name for name in device.description.wrappers if event.content.get(name))
+            note += f"; {names} around it {wrapper * 1e3:.3g} ms"
+        on_host = device.description.processor == "gpu"
+        _COSTED[key] = DeviceCosting(kernels, times, note, issue + wrapper if on_host else issue,
+                                     0.0 if on_host else wrapper)
     return _COSTED[key]
 
 

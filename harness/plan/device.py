@@ -18,7 +18,7 @@ from harness.common.errors import SpecError, UserError
 from harness.common.toml_text import toml_value
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
-FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches] and [optimizer.NAME] tables; without them: 1
+FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches], [optimizer.NAME] and [wrappers.NAME] tables
 US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
@@ -41,10 +41,13 @@ MEMORY_KINDS = ("copy", "add", "fill", "layer_norm", "rms_norm", "gelu", "swiglu
 VECTOR_KINDS = tuple(k for kind in MEMORY_KINDS for k in (kind, f"{kind}_backward"))
 # an optimizer step's op (MemoryBound.op): torch's Adam, SGD without and with momentum
 OPTIMIZER_KINDS = ("adam", "sgd", "sgd_momentum")
+# what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2): the
+# framework's code around the layer costs time of its own ([wrappers.NAME])
+RUN_WRAPPERS = ("checkpointed", "fsdp2")
 _TOP = {"format", "name", "title", "processor", "fitted", "fitted_on", "datasheet", "efficiency", "host",
-        "vector_ops", "launches", "optimizer"}
+        "vector_ops", "launches", "optimizer", "wrappers"}
 PROCESSORS = ("gpu", "cpu")  # what the description describes; a spec-only interval draws on held-out runs of its kind
-_FORMAT_2 = ("vector_ops", "launches", "optimizer")  # the tables format 2 adds
+_FORMAT_2 = ("vector_ops", "launches", "optimizer", "wrappers")  # the tables format 2 adds
 _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
 _EFFICIENCY = {"launch_us", *CURVES}
 _CURVE = {"max_fraction", "half_at", "steepness"}
@@ -53,6 +56,7 @@ _GEMM_CURVE = _CURVE | {"half_dim"}
 HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
                "step_gap_us": "step_gap_s"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
+_WRAPPER = {"forward_us", "backward_us", "optimizer_kernel_us"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,23 @@ class OptimizerCost:
         return {"kernels_per_tensor": self.kernels_per_tensor, "kernels_per_step": self.kernels_per_step,
                 "bytes_per_parameter": self.bytes_per_parameter, "kernel_us": in_unit(self.kernel_s, US),
                 "bandwidth_gb_s": in_unit(self.bandwidth, GB_S)}
+
+
+@dataclass(frozen=True)
+class WrapperCost:
+    """The framework's seconds around a layer the run wraps ([wrappers.NAME], NAME in RUN_WRAPPERS; format 2),
+    beyond the layer's own kernels: once a forward, once a backward (the call that runs its autograd: `bwd`, or
+    a split backward's `bwd_input`) and, for FSDP2, once a kernel of an optimizer step over its sharded
+    parameters (DTensor's dispatch). Measured by harness device on tiny blocks, wrapped against plain."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_kernel_s: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        out = {"forward_us": in_unit(self.forward_s, US), "backward_us": in_unit(self.backward_s, US)}
+        return {**out, "optimizer_kernel_us": in_unit(self.optimizer_kernel_s, US)} if self.optimizer_kernel_s \
+            else out
 
 
 @dataclass(frozen=True)
@@ -133,11 +154,12 @@ class DeviceDescription:
     launches: Mapping[str, float] = field(default_factory=dict)
     optimizer: Mapping[str, OptimizerCost] = field(default_factory=dict)
     processor: str = "gpu"  # PROCESSORS: a GPU (every shipped description) or a CPU (harness device on one)
+    wrappers: Mapping[str, WrapperCost] = field(default_factory=dict)  # RUN_WRAPPERS -> its cost; empty: none
 
     @property
     def format(self) -> int:
         """The format its file needs: 2 where it has a format-2 table, else 1 (read by every harness)."""
-        return 2 if self.vector_ops or self.launches or self.optimizer else 1
+        return 2 if self.vector_ops or self.launches or self.optimizer or self.wrappers else 1
 
     def kernel_launches(self, kernel: Any) -> float:
         """A kernel's launches here: the listing's (kernel.launches) x, for a memory-bound kind in [launches],
@@ -169,6 +191,8 @@ class DeviceDescription:
             out["launches"] = dict(self.launches)
         if self.optimizer:
             out["optimizer"] = {name: cost.to_dict() for name, cost in self.optimizer.items()}
+        if self.wrappers:
+            out["wrappers"] = {name: cost.to_dict() for name, cost in self.wrappers.items()}
         return out
 
     def to_toml(self, header: str = "") -> str:
@@ -188,8 +212,9 @@ class DeviceDescription:
         for table in ("vector_ops", "launches"):
             if table in data:
                 lines += ["", f"[{table}]"] + [f"{key} = {toml_value(value)}" for key, value in data[table].items()]
-        for name, cost in data.get("optimizer", {}).items():
-            lines += ["", f"[optimizer.{name}]"] + [f"{key} = {toml_value(value)}" for key, value in cost.items()]
+        for table in ("optimizer", "wrappers"):
+            for name, cost in data.get(table, {}).items():
+                lines += ["", f"[{table}.{name}]"] + [f"{key} = {toml_value(value)}" for key, value in cost.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -358,6 +383,19 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         if not optimizer[kind].kernels_per_tensor and not optimizer[kind].kernels_per_step:
             raise fail("an optimizer step launches kernels: give kernels_per_tensor or kernels_per_step above 0",
                        f"{where}.kernels_per_tensor")
+    wrapper_tables = data.get("wrappers", {})
+    if not isinstance(wrapper_tables, dict):
+        raise fail(f"must be a table, got {wrapper_tables!r}", "wrappers")
+    _known(wrapper_tables, set(RUN_WRAPPERS), "wrappers", fail)
+    wrappers = {}
+    for wrapper in wrapper_tables:
+        where = f"wrappers.{wrapper}"
+        table = _table(wrapper_tables, wrapper, fail, where)
+        _known(table, _WRAPPER, where, fail)
+        wrappers[wrapper] = WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
+                                          for key in ("forward_us", "backward_us")),
+                                        _positive(table, "optimizer_kernel_us", where, fail, default=0.0,
+                                                  zero=True) * US)
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,
@@ -367,7 +405,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                              **{attribute: _positive(host, key, "host", fail, default=0.0, zero=True) * US
                                 for key, attribute in HOST_FIELDS.items()},
                              source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
-                             processor=processor)
+                             processor=processor, wrappers=wrappers)
 
 
 def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:

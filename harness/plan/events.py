@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.plan.candidates import Grid, expand
+from harness.plan.device import RUN_WRAPPERS  # what a compute event's content may say wraps its layer
 from harness.plan.layers import (
     HIDDEN_ALLREDUCE,
     LayerDesc,
@@ -76,9 +77,6 @@ def event_id(content: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-# what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2), which
-# profiles from before these keys timed without
-RUN_WRAPPERS = ("checkpointed", "fsdp2")
 
 
 def unwrapped_twin(event: Event) -> str | None:

@@ -24,6 +24,13 @@ Rules:
   curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written. On a GPU the
   host issues a pass's kernels through the same framework: `kernel_issue_us` is the host's time a kernel of
   those blocks issued with the GPU held busy (at least the bare operator's issue);
+- on a CPU, the same blocks run as a run wraps a layer (RUN_WRAPPERS: under torch.utils.checkpoint as full
+  recompute runs it, and as an FSDP2 unit over this rank alone as a ZeRO job runs it, harness.profile.sharded),
+  each wrapped forward and forward-and-backward against the plain block's in the same rounds: the wrapper's
+  seconds a forward and a backward beyond the layer's own ([wrappers.NAME], their median over the families; a
+  checkpoint's backward net of the forward it runs again, which the model costs as kernels); and an Adam step over
+  FSDP2's sharded parameters (DTensors) against the plain step over the same tensors: its seconds a kernel more
+  (`optimizer_kernel_us`, DTensor's dispatch);
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
 - memory-bound kernels of every kind harness.plan.kernels names (MemoryBound.op), as the models run them: the
   bandwidth kinds (BANDWIDTH_KINDS: copy, add, fill) fit the memory curve; every other kind (VECTOR_MEASURED: the
@@ -49,6 +56,7 @@ Rules:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -64,7 +72,14 @@ import torch.nn.functional as F
 
 from harness.common.errors import UserError
 from harness.common.progress import Progress
-from harness.plan.device import OPTIMIZER_KINDS, REQUIRED_DTYPES, Curve, DeviceDescription, OptimizerCost
+from harness.plan.device import (
+    OPTIMIZER_KINDS,
+    REQUIRED_DTYPES,
+    Curve,
+    DeviceDescription,
+    OptimizerCost,
+    WrapperCost,
+)
 from harness.plan.device_fit import (
     BANDWIDTH_KINDS,
     Observation,
@@ -404,28 +419,81 @@ def _kind_runner(kernel: MemoryBound, device: torch.device) -> Callable[[], obje
     return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
 
+def _framework_model(family: str, dtype: str) -> ModelSpec:
+    sizes = FRAMEWORK_SIZES
+    return ModelSpec(name=f"{family}-framework", family=family, layers=1, hidden=sizes["hidden"],
+                     heads=sizes["heads"], kv_heads=1 if family == "llama" else sizes["heads"], ffn=sizes["ffn"],
+                     seq_len=sizes["seq_len"], vocab=sizes["vocab"], dtype=dtype)
+
+
+def _framework_input(dtype: str, device: torch.device) -> torch.Tensor:
+    sizes = FRAMEWORK_SIZES
+    return torch.randn(sizes["micro"], sizes["seq_len"], sizes["hidden"], dtype=TORCH_DTYPES[dtype], device=device,
+                       requires_grad=True)
+
+
+def _passes(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[Callable[[], object], ...]:
+    """(a forward of `layer` on `x` as a training pass runs it, a forward and its backward)."""
+    def forward():
+        return layer(x)
+
+    def forward_backward():
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+        return out
+    return forward, forward_backward
+
+
 def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Callable[[], object], list[Kernel]]:
     """A tiny built-in block of `family` (FRAMEWORK_SIZES) as a training pass runs it, forward and backward
     through nn.Module and autograd: (a closure that runs it once, the kernels harness.plan.kernels lists for
     that pass)."""
     from harness.models.transformer import build_layer
 
-    sizes = FRAMEWORK_SIZES
-    model = ModelSpec(name=f"{family}-framework", family=family, layers=1, hidden=sizes["hidden"],
-                      heads=sizes["heads"], kv_heads=1 if family == "llama" else sizes["heads"], ffn=sizes["ffn"],
-                      seq_len=sizes["seq_len"], vocab=sizes["vocab"], dtype=dtype)
+    model = _framework_model(family, dtype)
     block = build_layer(model, "block").to(device)
     desc = next(layer for layer in describe_builtin(model, 1) if layer.kind == "block")
-    shape = PassShape(micro=sizes["micro"], seq=sizes["seq_len"])
+    shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
     kernels = layer_kernels(desc, shape, "fwd") + layer_kernels(desc, shape, "bwd")
-    x = torch.randn(sizes["micro"], sizes["seq_len"], sizes["hidden"], dtype=TORCH_DTYPES[dtype], device=device,
-                    requires_grad=True)
+    return _passes(block, _framework_input(dtype, device))[1], kernels
 
-    def run():
-        out = block(x)
-        out.backward(torch.ones_like(out))
-        return out
-    return run, kernels
+
+# the runners of wrapper_runners, in order: the plain block's forward, then each wrapper's forward and forward with
+# backward (the plain block's forward and backward is framework_block's)
+WRAPPER_PASSES = ("plain", "checkpointed", "fsdp2")
+
+
+def wrapper_runners(family: str, dtype: str, device: torch.device) -> list[Callable[[], object]]:
+    """A tiny built-in block of `family` (framework_block's size) as a run wraps a layer (module docstring): its
+    plain forward, then per wrapper (WRAPPER_PASSES[1:]) its forward and its forward with backward. The FSDP2
+    unit is over this rank alone (harness.profile.sharded: call within its leaving_no_world)."""
+    from harness.models import checkpointed
+    from harness.models.transformer import build_layer
+    from harness.profile.sharded import shard_alone
+
+    model = _framework_model(family, dtype)
+    x = _framework_input(dtype, device)
+    block = build_layer(model, "block").to(device)
+    unit = shard_alone(build_layer(model, "block").to(device), device)
+    return [_passes(block, x)[0], *_passes(lambda y: checkpointed(block, y), x), *_passes(unit, x)]
+
+
+def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequence[float]]) -> dict[str, WrapperCost]:
+    """[wrappers] from the families' measured seconds: `plain_forward_backward` each family's plain block forward
+    and backward (framework_block's), `passes` its wrapper_runners' seconds. A wrapper's forward is its forward
+    less the plain one; its backward its backward (its forward and backward less its forward) less the plain
+    backward, and for a checkpoint less the plain forward it runs again too; the median over the families, at
+    least 0."""
+    forward = {name: [] for name in WRAPPER_PASSES[1:]}
+    backward = {name: [] for name in WRAPPER_PASSES[1:]}
+    for both, (plain, *wrapped) in zip(plain_forward_backward, passes):
+        plain_backward = both - plain
+        for i, name in enumerate(WRAPPER_PASSES[1:]):
+            ahead, whole = wrapped[2 * i], wrapped[2 * i + 1]
+            forward[name].append(ahead - plain)
+            backward[name].append(whole - ahead - plain_backward - (plain if name == "checkpointed" else 0.0))
+    return {name: WrapperCost(max(0.0, float(np.median(forward[name]))), max(0.0, float(np.median(backward[name]))))
+            for name in forward}
 
 
 def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list[Kernel], float]]) -> list[float]:
@@ -471,6 +539,24 @@ def _optimizer_runner(kind: str, tensors: int, elements: int, device: torch.devi
 
     name, momentum = OPTIMIZERS[kind]
     optimizer = make_optimizer(name, momentum, _optimizer_parameters(tensors, elements, device), 1e-6)
+    optimizer.step()
+    return optimizer.step
+
+
+def _sharded_optimizer_runner(kind: str, tensors: int, elements: int,
+                              device: torch.device) -> Callable[[], object]:
+    """_optimizer_runner's step over the same parameters as FSDP2's shards over this rank alone (DTensors, their
+    gradients too), as a ZeRO job's optimizer steps them (call within harness.profile.sharded.leaving_no_world)."""
+    from harness.models import make_optimizer
+    from harness.profile.sharded import sharded_alone
+
+    params = []
+    for plain in _optimizer_parameters(tensors, elements, device):
+        param = torch.nn.Parameter(sharded_alone(plain.detach(), device))
+        param.grad = sharded_alone(plain.grad, device)
+        params.append(param)
+    name, momentum = OPTIMIZERS[kind]
+    optimizer = make_optimizer(name, momentum, params, 1e-6)
     optimizer.step()
     return optimizer.step
 
@@ -725,6 +811,15 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     runners = [_launch_runner(device)] + [_vector_runner(device, d, scale.vector_elements) for d in runnable]
     blocks = [framework_block(family, dtype, device) for family in FRAMEWORK_FAMILIES] if kind == "cpu" else []
     runners += [run for run, _ in blocks]
+    world = contextlib.ExitStack()  # the one-rank world of the FSDP2 units (a CPU's wrappers), ended after measuring
+    wrapped: list[list[Callable[[], object]]] = []
+    if blocks:
+        from harness.profile.sharded import leaving_no_world
+
+        world.enter_context(leaving_no_world())
+        wrapped = [wrapper_runners(family, dtype, device) for family in FRAMEWORK_FAMILIES]
+        runners += [run for runs in wrapped for run in runs]
+        runners.append(_sharded_optimizer_runner("adam", *OPTIMIZER_SMALL, device))
     # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
     optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
                   for size in (OPTIMIZER_SMALL, scale.optimizer_large, scale.optimizer_check)]
@@ -735,6 +830,7 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         seconds = measure(runners, device, repeats, warmup, progress)
     finally:
         progress.close()
+        world.close()
     launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
     gpu_issued = device.type == "cuda" and can_time_issued(device)
     if gpu_issued:
@@ -742,6 +838,11 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     vector = {d: 2.0 * scale.vector_elements * VECTOR_LOOP / s for d, s in zip(runnable, seconds[1:1 + len(runnable)])}
     block_seconds = seconds[1 + len(runnable):1 + len(runnable) + len(blocks)]
     at = 1 + len(runnable) + len(blocks)
+    per_family = 1 + 2 * (len(WRAPPER_PASSES) - 1)
+    wrapped_seconds = [seconds[at + i * per_family:at + (i + 1) * per_family] for i in range(len(wrapped))]
+    at += per_family * len(wrapped)
+    sharded_step_s = seconds[at] if wrapped else 0.0
+    at += 1 if wrapped else 0
     optimizer_seconds = dict(zip(optimizers, seconds[at:at + len(optimizers)]))
     timed = seconds[at + len(optimizers):]
     observations = [Observation(curve_of(k), k, s) for k, s in zip(fit_set, timed)]
@@ -777,6 +878,12 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
         framework = dict(zip(FRAMEWORK_FAMILIES, per_launch))
         fitted = dataclasses.replace(fitted, launch_s=max(launch_s, float(np.median(per_launch))))
+        wrappers = wrapper_costs(block_seconds, wrapped_seconds)
+        adam = counted["adam"]
+        launches = adam["kernels_per_step"] + adam["kernels_per_tensor"] * OPTIMIZER_SMALL[0]
+        dtensor_s = max(0.0, sharded_step_s - optimizer_seconds[("adam", OPTIMIZER_SMALL)]) / launches
+        wrappers["fsdp2"] = dataclasses.replace(wrappers["fsdp2"], optimizer_kernel_s=dtensor_s)
+        fitted = dataclasses.replace(fitted, wrappers=wrappers)
     elif gpu_issued:  # a GPU: the host issues a pass's kernels through the same framework (module docstring)
         framework = framework_issue_on_gpu(fitted, dtype, device, repeats, warmup)
         fitted = dataclasses.replace(fitted, kernel_issue_s=max(issue_s, float(np.median(list(framework.values())))))
@@ -831,6 +938,9 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
                f"forward and backward ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_launch_s * 1e6:.2f} us"
                if calibration.framework_blocks and kind == "cpu" else "")
+            + ("; [wrappers] the same blocks under torch.utils.checkpoint and as FSDP2 units over one rank against "
+               "plain ones (their medians), fsdp2's optimizer_kernel_us an Adam step over DTensor shards against "
+               "plain tensors" if calibration.description.wrappers else "")
             + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")
