@@ -121,22 +121,36 @@ class DeviceModel:
 
     def wrapper_seconds(self, content: Mapping[str, Any], kernels: Iterable[Kernel]) -> float:
         """The framework's seconds around a compute event's layer beyond its kernels, where the run wraps it
-        (content's RUN_WRAPPERS keys; the description's [wrappers.NAME], 0 where it has none): a wrapper's
-        forward_s on a `fwd`, its backward_s on the call that runs the layer's autograd (`bwd`, or a split
-        backward's `bwd_input`), and on an `optimizer` step over FSDP2's shards optimizer_kernel_s a kernel it
-        launches. A full-recompute group of several layers runs one checkpoint and is costed one a layer."""
+        (content's RUN_WRAPPERS keys, or a split backward's phase: `split_backward`; the description's
+        [wrappers.NAME], 0 where it has none): a wrapper's forward_s on a `fwd`, its backward_s on the call that
+        runs the layer's autograd (`bwd`, or a split backward's `bwd_input`), its weight_s on a `bwd_weight`, and
+        on an `optimizer` step over FSDP2's shards optimizer_kernel_s a kernel it launches. A full-recompute group
+        of several layers runs one checkpoint and is costed one a layer."""
         phase = content.get("phase")
         total = 0.0
-        for name, cost in self.description.wrappers.items():
-            if not content.get(name):
-                continue
+        for name in self.wrappers_of(content):
+            cost = self.description.wrappers[name]
             if phase == "fwd":
                 total += cost.forward_s
             elif phase in ("bwd", "bwd_input"):
                 total += cost.backward_s
+            elif phase == "bwd_weight":
+                total += cost.weight_s
             elif phase == "optimizer" and cost.optimizer_kernel_s:
                 total += cost.optimizer_kernel_s * sum(self.launched(kernel) for kernel in kernels)
         return total
+
+    def wrappers_of(self, content: Mapping[str, Any]) -> list[str]:
+        """The description's wrappers around a compute event: those its content names, checkpointed on a block
+        of selective recompute too (its attention core runs under torch.utils.checkpoint, once a forward and once
+        a backward), and split_backward on a split backward's halves."""
+        implied = set()
+        if content.get("phase") in ("bwd_input", "bwd_weight"):
+            implied.add("split_backward")
+        signature = content.get("signature")
+        if isinstance(signature, Mapping) and signature.get("recompute") == "selective":
+            implied.add("checkpointed")
+        return [name for name in self.description.wrappers if content.get(name) or name in implied]
 
     def launched(self, kernel: Kernel) -> float:
         """The kernels the framework launches for `kernel`: an optimizer step's by its [optimizer.NAME]

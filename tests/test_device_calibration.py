@@ -211,16 +211,17 @@ def test_a_quick_run_measures_every_kind_and_optimizer(quick_run):
 
 
 def test_a_quick_run_measures_the_wrappers(quick_run):
-    """The CPU's quick run writes [wrappers.checkpointed] and [wrappers.fsdp2] (the FSDP2 units over one rank,
-    started and ended within the calibration: no world is left), each figure 0 or more; only FSDP2's optimizer
-    pays a kernel more."""
+    """The CPU's quick run writes [wrappers.checkpointed], [wrappers.fsdp2] (the FSDP2 units over one rank,
+    started and ended within the calibration: no world is left) and [wrappers.split_backward], each figure 0 or
+    more; only FSDP2's optimizer pays a kernel more, only the split backward's weights' half a weight figure."""
     import torch.distributed as dist
 
     path, report = quick_run
     wrappers = load_device(str(path)).wrappers
-    assert set(wrappers) == {"checkpointed", "fsdp2"}
-    assert all(cost.forward_s >= 0 and cost.backward_s >= 0 for cost in wrappers.values())
+    assert set(wrappers) == {"checkpointed", "fsdp2", "split_backward"}
+    assert all(cost.forward_s >= 0 and cost.backward_s >= 0 and cost.weight_s >= 0 for cost in wrappers.values())
     assert wrappers["checkpointed"].optimizer_kernel_s == 0 and wrappers["fsdp2"].optimizer_kernel_s >= 0
+    assert wrappers["checkpointed"].weight_s == wrappers["fsdp2"].weight_s == wrappers["split_backward"].forward_s == 0
     assert "[wrappers] the same blocks under torch.utils.checkpoint" in report["description"]["fitted_on"]
     assert not dist.is_initialized()
 
@@ -228,18 +229,23 @@ def test_a_quick_run_measures_the_wrappers(quick_run):
 def test_wrapper_costs_by_hand():
     """Two families: plain forward 1 / 2 ms and forward with backward 3 / 6 ms (backward 2 / 4); checkpointed
     forward 1.2 / 2.4, with backward 4.5 / 8.9 (its backward 3.3 / 6.5, less the plain backward and the forward it
-    runs again: 0.3 / 0.5); FSDP2 forward 1.5 / 2.3, with backward 3.6 / 6.4 (backward 2.1 / 4.1: 0.1 each). The
-    medians: checkpointed 0.3 / 0.4 ms, FSDP2 0.4 / 0.1 ms; a negative median is 0."""
+    runs again: 0.3 / 0.5); FSDP2 forward 1.5 / 2.3, with backward 3.6 / 6.4 (backward 2.1 / 4.1: 0.1 each); the
+    split backward's forward with the input's half 2.5 / 5, with both 4 / 8 (halves 1.5 and 1.5 / 3 and 3, 1 and
+    2 ms more than the plain backward, half each). The medians: checkpointed 0.3 / 0.4 ms, FSDP2 0.4 / 0.1 ms,
+    the split 0.75 / 0.75 ms; a negative median is 0."""
     from harness.profile.device_curves import WrapperCost, wrapper_costs
 
     ms = 1e-3
-    costs = wrapper_costs([3 * ms, 6 * ms], [[1 * ms, 1.2 * ms, 4.5 * ms, 1.5 * ms, 3.6 * ms],
-                                             [2 * ms, 2.4 * ms, 8.9 * ms, 2.3 * ms, 6.4 * ms]])
+    costs = wrapper_costs([3 * ms, 6 * ms], [[1 * ms, 1.2 * ms, 4.5 * ms, 1.5 * ms, 3.6 * ms, 2.5 * ms, 4 * ms],
+                                             [2 * ms, 2.4 * ms, 8.9 * ms, 2.3 * ms, 6.4 * ms, 5 * ms, 8 * ms]])
     assert costs["checkpointed"].forward_s == pytest.approx(0.3 * ms)
     assert costs["checkpointed"].backward_s == pytest.approx(0.4 * ms)
     assert costs["fsdp2"].forward_s == pytest.approx(0.4 * ms) and costs["fsdp2"].backward_s == pytest.approx(0.1 * ms)
-    faster = wrapper_costs([3 * ms], [[1 * ms, 0.9 * ms, 2.5 * ms, 1 * ms, 2.9 * ms]])
-    assert faster["checkpointed"] == WrapperCost(0.0, 0.0) and faster["fsdp2"] == WrapperCost(0.0, 0.0)
+    split = costs["split_backward"]
+    assert split.forward_s == 0 and split.backward_s == pytest.approx(0.75 * ms)
+    assert split.weight_s == pytest.approx(0.75 * ms)
+    faster = wrapper_costs([3 * ms], [[1 * ms, 0.9 * ms, 2.5 * ms, 1 * ms, 2.9 * ms, 1.5 * ms, 2.5 * ms]])
+    assert all(cost == WrapperCost(0.0, 0.0) for cost in faster.values())
 
 
 def test_a_kinds_launches_are_what_its_code_dispatches():

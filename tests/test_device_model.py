@@ -512,20 +512,26 @@ def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):
 
 # --- format 2: memory-bound kinds, the optimizer tensor by tensor, collectives in context ---------------------------
 
-WRAPPED = dict(wrappers={"checkpointed": WrapperCost(100e-6, 300e-6), "fsdp2": WrapperCost(200e-6, 50e-6, 10e-6)},
+WRAPPED = dict(wrappers={"checkpointed": WrapperCost(100e-6, 300e-6), "fsdp2": WrapperCost(200e-6, 50e-6, 10e-6),
+                         "split_backward": WrapperCost(0.0, 400e-6, weight_s=700e-6)},
                optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 3e-6, 5e9)})
 
 
 def test_a_wrapped_layers_framework_time_by_hand():
-    """[wrappers] checkpointed 100 / 300 us, fsdp2 200 / 50 us and 10 us an optimizer kernel: a forward of a layer
-    both wrap 300 us, its backward 350 us, a split backward's input half 50 us (FSDP2's) and its weight half
-    nothing; an unwrapped layer nothing; an Adam step over FSDP2's shards of 3 tensors 10 us x (2 + 9 x 3)."""
+    """[wrappers] checkpointed 100 / 300 us, fsdp2 200 / 50 us and 10 us an optimizer kernel, split_backward 400 us
+    the input's half and 700 us the weights': a forward of a layer both wrap 300 us, its backward 350 us; a split
+    backward's input half of an FSDP2 layer 450 us (FSDP2's and the split's), its weights' half 700 us (the
+    split's alone); an unwrapped layer nothing; an Adam step over FSDP2's shards of 3 tensors 10 us x (2 + 9 x 3)."""
     model = DeviceModel(flat_device(processor="cpu", **WRAPPED))
     both = {"checkpointed": True, "fsdp2": True}
     assert model.wrapper_seconds({"phase": "fwd", **both}, []) == pytest.approx(300e-6)
     assert model.wrapper_seconds({"phase": "bwd", **both}, []) == pytest.approx(350e-6)
-    assert model.wrapper_seconds({"phase": "bwd_input", "fsdp2": True}, []) == pytest.approx(50e-6)
-    assert model.wrapper_seconds({"phase": "bwd_weight", **both}, []) == 0.0
+    assert model.wrapper_seconds({"phase": "bwd_input", "fsdp2": True}, []) == pytest.approx(450e-6)
+    assert model.wrapper_seconds({"phase": "bwd_weight", **both}, []) == pytest.approx(700e-6)
+    assert model.wrappers_of({"phase": "bwd_weight", "fsdp2": True}) == ["fsdp2", "split_backward"]
+    selective = {"signature": {"family": "gpt2", "recompute": "selective"}}  # its attention core checkpointed
+    assert model.wrapper_seconds({"phase": "fwd", **selective}, []) == pytest.approx(100e-6)
+    assert model.wrapper_seconds({"phase": "bwd", **selective}, []) == pytest.approx(300e-6)
     assert model.wrapper_seconds({"phase": "fwd"}, []) == 0.0
     step = MemoryBound("optimizer.step", 2_100 * 32.0, "float32", flops=12 * 2_100.0, launches=3, op="adam",
                        elements=2_100.0, tensors=((1_000, 2), (100, 1)))
@@ -690,6 +696,9 @@ def test_format_2_round_trips_and_format_1_stays_format_1():
     assert "[wrappers.checkpointed]\nforward_us = 206.0\nbackward_us = 201.00000000000003\n" in text  # 201e-6 exactly
     assert "[wrappers.fsdp2]\nforward_us = 356.0\nbackward_us = 18.2\noptimizer_kernel_us = 13.7\n" in text
     assert flat_device(wrappers={"fsdp2": WrapperCost(1e-6, 0.0)}).format == 2
+    split = flat_device(wrappers={"split_backward": WrapperCost(0.0, 330e-6, weight_s=390e-6)})
+    assert "[wrappers.split_backward]\nforward_us = 0.0\nbackward_us = 330.0\nweight_us = 390.0\n" in split.to_toml()
+    assert parse_device(tomllib.loads(split.to_toml()), default_name="flat") == split
     assert parse_device(tomllib.loads(text), default_name="flat") == described
     for name in SHIPPED:
         shipped = load_device(name)

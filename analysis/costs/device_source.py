@@ -98,7 +98,7 @@ def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) 
             note += f"; the host issues its {sum(k.launches for k in kernels)} launches in {issue * 1e3:.3g} ms"
         wrapper = device.wrapper_seconds(event.content, kernels)
         if wrapper:
-            names = " and ".join(name for name in device.description.wrappers if event.content.get(name))
+            names = " and ".join(device.wrappers_of(event.content))
             note += f"; {names} around it {wrapper * 1e3:.3g} ms"
         on_host = device.description.processor == "gpu"
         _COSTED[key] = DeviceCosting(kernels, times, note, issue + wrapper if on_host else issue,

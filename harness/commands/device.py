@@ -131,9 +131,12 @@ def summary(description, errors: dict, output: Path, collectives: list | None = 
                      f"a step, {cost.bytes_per_parameter:.3g} bytes a parameter, {cost.kernel_s * 1e6:.3g} us a "
                      f"kernel beyond its bytes, {cost.bandwidth / 1e9:.3g} GB/s")
     for name, cost in description.wrappers.items():
-        lines.append(f"{name} layers: {cost.forward_s * 1e6:.3g} us a forward, {cost.backward_s * 1e6:.3g} us a "
-                     "backward beyond the layer's own" + (f", {cost.optimizer_kernel_s * 1e6:.3g} us more an optimizer "
-                                                          "kernel on its shards" if cost.optimizer_kernel_s else ""))
+        halves = (f"{cost.backward_s * 1e6:.3g} us the input's half, {cost.weight_s * 1e6:.3g} us the weights' half"
+                  if name == "split_backward" else
+                  f"{cost.forward_s * 1e6:.3g} us a forward, {cost.backward_s * 1e6:.3g} us a backward")
+        lines.append(f"{name} layers: {halves} beyond the layer's own" + (
+            f", {cost.optimizer_kernel_s * 1e6:.3g} us more an optimizer kernel on its shards"
+            if cost.optimizer_kernel_s else ""))
     if "optimizer" in errors:
         e = errors["optimizer"]
         lines.append(f"optimizer steps measured: {e['kernels']}, median |error| {e['median_abs_error_pct']:.1f}%, "

@@ -44,6 +44,9 @@ OPTIMIZER_KINDS = ("adam", "sgd", "sgd_momentum")
 # what a compute event's content says about how the run wraps its layer (torch.utils.checkpoint, FSDP2): the
 # framework's code around the layer costs time of its own ([wrappers.NAME])
 RUN_WRAPPERS = ("checkpointed", "fsdp2")
+# and the zero-bubble schedules' split backward (torch.distributed.pipelining's stage_backward_input and _weight),
+# which the events' phases say (bwd_input, bwd_weight): the [wrappers.NAME] a description may give
+WRAPPERS = (*RUN_WRAPPERS, "split_backward")
 _TOP = {"format", "name", "title", "processor", "fitted", "fitted_on", "datasheet", "efficiency", "host",
         "vector_ops", "launches", "optimizer", "wrappers"}
 PROCESSORS = ("gpu", "cpu")  # what the description describes; a spec-only interval draws on held-out runs of its kind
@@ -56,7 +59,7 @@ _GEMM_CURVE = _CURVE | {"half_dim"}
 HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
                "step_gap_us": "step_gap_s"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
-_WRAPPER = {"forward_us", "backward_us", "optimizer_kernel_us"}
+_WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us"}
 
 
 @dataclass(frozen=True)
@@ -83,19 +86,23 @@ class OptimizerCost:
 
 @dataclass(frozen=True)
 class WrapperCost:
-    """The framework's seconds around a layer the run wraps ([wrappers.NAME], NAME in RUN_WRAPPERS; format 2),
-    beyond the layer's own kernels: once a forward, once a backward (the call that runs its autograd: `bwd`, or
-    a split backward's `bwd_input`) and, for FSDP2, once a kernel of an optimizer step over its sharded
-    parameters (DTensor's dispatch). Measured by harness device on tiny blocks, wrapped against plain."""
+    """The framework's seconds around a layer the run wraps ([wrappers.NAME], NAME in WRAPPERS; format 2), beyond
+    the layer's own kernels: once a forward, once a backward (the call that runs its autograd: `bwd`, or a split
+    backward's `bwd_input`), once a split backward's `bwd_weight` and, for FSDP2, once a kernel of an optimizer
+    step over its sharded parameters (DTensor's dispatch). Measured by harness device on tiny blocks, wrapped
+    against plain."""
 
     forward_s: float
     backward_s: float
     optimizer_kernel_s: float = 0.0
+    weight_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         out = {"forward_us": in_unit(self.forward_s, US), "backward_us": in_unit(self.backward_s, US)}
-        return {**out, "optimizer_kernel_us": in_unit(self.optimizer_kernel_s, US)} if self.optimizer_kernel_s \
-            else out
+        for key, value in (("weight_us", self.weight_s), ("optimizer_kernel_us", self.optimizer_kernel_s)):
+            if value:
+                out[key] = in_unit(value, US)
+        return out
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,7 @@ class DeviceDescription:
     launches: Mapping[str, float] = field(default_factory=dict)
     optimizer: Mapping[str, OptimizerCost] = field(default_factory=dict)
     processor: str = "gpu"  # PROCESSORS: a GPU (every shipped description) or a CPU (harness device on one)
-    wrappers: Mapping[str, WrapperCost] = field(default_factory=dict)  # RUN_WRAPPERS -> its cost; empty: none
+    wrappers: Mapping[str, WrapperCost] = field(default_factory=dict)  # WRAPPERS -> its cost; empty: none
 
     @property
     def format(self) -> int:
@@ -386,7 +393,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     wrapper_tables = data.get("wrappers", {})
     if not isinstance(wrapper_tables, dict):
         raise fail(f"must be a table, got {wrapper_tables!r}", "wrappers")
-    _known(wrapper_tables, set(RUN_WRAPPERS), "wrappers", fail)
+    _known(wrapper_tables, set(WRAPPERS), "wrappers", fail)
     wrappers = {}
     for wrapper in wrapper_tables:
         where = f"wrappers.{wrapper}"
@@ -394,8 +401,8 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         _known(table, _WRAPPER, where, fail)
         wrappers[wrapper] = WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
                                           for key in ("forward_us", "backward_us")),
-                                        _positive(table, "optimizer_kernel_us", where, fail, default=0.0,
-                                                  zero=True) * US)
+                                        *(_positive(table, key, where, fail, default=0.0, zero=True) * US
+                                          for key in ("optimizer_kernel_us", "weight_us")))
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,

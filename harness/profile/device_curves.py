@@ -459,15 +459,17 @@ def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Call
 
 
 # the runners of wrapper_runners, in order: the plain block's forward, then each wrapper's forward and forward with
-# backward (the plain block's forward and backward is framework_block's)
-WRAPPER_PASSES = ("plain", "checkpointed", "fsdp2")
+# backward (the split backward's: forward with the input's half, and with both halves); the plain block's forward
+# and backward is framework_block's
+WRAPPER_PASSES = ("plain", "checkpointed", "fsdp2", "split_backward")
 
 
 def wrapper_runners(family: str, dtype: str, device: torch.device) -> list[Callable[[], object]]:
     """A tiny built-in block of `family` (framework_block's size) as a run wraps a layer (module docstring): its
-    plain forward, then per wrapper (WRAPPER_PASSES[1:]) its forward and its forward with backward. The FSDP2
-    unit is over this rank alone (harness.profile.sharded: call within its leaving_no_world)."""
-    from harness.models import checkpointed
+    plain forward, then per wrapper (WRAPPER_PASSES[1:]) its forward and its forward with backward; for the split
+    backward its forward with the input's half (stage_backward_input) and with both halves. The FSDP2 unit is over
+    this rank alone (harness.profile.sharded: call within its leaving_no_world)."""
+    from harness.models import checkpointed, split_backward
     from harness.models.transformer import build_layer
     from harness.profile.sharded import shard_alone
 
@@ -475,25 +477,49 @@ def wrapper_runners(family: str, dtype: str, device: torch.device) -> list[Calla
     x = _framework_input(dtype, device)
     block = build_layer(model, "block").to(device)
     unit = shard_alone(build_layer(model, "block").to(device), device)
-    return [_passes(block, x)[0], *_passes(lambda y: checkpointed(block, y), x), *_passes(unit, x)]
+    backward_input, backward_weight = split_backward()
+
+    def split(weights: bool) -> Callable[[], object]:
+        def run():
+            out = block(x)
+            _, groups = backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+            if weights:
+                backward_weight(block.parameters(), groups)
+            return out
+        return run
+    return [_passes(block, x)[0], *_passes(lambda y: checkpointed(block, y), x), *_passes(unit, x),
+            split(False), split(True)]
 
 
 def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequence[float]]) -> dict[str, WrapperCost]:
     """[wrappers] from the families' measured seconds: `plain_forward_backward` each family's plain block forward
     and backward (framework_block's), `passes` its wrapper_runners' seconds. A wrapper's forward is its forward
     less the plain one; its backward its backward (its forward and backward less its forward) less the plain
-    backward, and for a checkpoint less the plain forward it runs again too; the median over the families, at
-    least 0."""
-    forward = {name: [] for name in WRAPPER_PASSES[1:]}
-    backward = {name: [] for name in WRAPPER_PASSES[1:]}
+    backward, and for a checkpoint less the plain forward it runs again too. The split backward's two halves
+    together less the plain backward, shared between the halves as their measured times are (the input's half:
+    its forward with that half less the plain forward; the weights' half: the rest). The median over the
+    families, at least 0."""
+    names = WRAPPER_PASSES[1:]
+    forward, backward, weight = ({name: [] for name in names} for _ in range(3))
     for both, (plain, *wrapped) in zip(plain_forward_backward, passes):
         plain_backward = both - plain
-        for i, name in enumerate(WRAPPER_PASSES[1:]):
+        for i, name in enumerate(names):
             ahead, whole = wrapped[2 * i], wrapped[2 * i + 1]
+            if name == "split_backward":
+                extra, halves = whole - both, (ahead - plain, whole - ahead)
+                share = halves[0] / sum(halves) if sum(halves) > 0 else 0.5
+                forward[name].append(0.0)
+                backward[name].append(extra * share)
+                weight[name].append(extra * (1 - share))
+                continue
             forward[name].append(ahead - plain)
             backward[name].append(whole - ahead - plain_backward - (plain if name == "checkpointed" else 0.0))
-    return {name: WrapperCost(max(0.0, float(np.median(forward[name]))), max(0.0, float(np.median(backward[name]))))
-            for name in forward}
+            weight[name].append(0.0)
+
+    def median(values: list[float]) -> float:
+        return max(0.0, float(np.median(values)))
+    return {name: WrapperCost(median(forward[name]), median(backward[name]), weight_s=median(weight[name]))
+            for name in names}
 
 
 def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list[Kernel], float]]) -> list[float]:
