@@ -15,9 +15,10 @@ Where the description measured them (format 2, docs/devices.md):
 - an optimizer step whose optimizer is in its [optimizer] is costed as the framework runs it (optimizer_time):
   its kernels (per tensor and per step) x the measured seconds a kernel beyond its bytes, plus its parameters x
   the counted bytes a parameter at the optimizer's measured bandwidth.
-- a layer the run wraps (a full-recompute layer under torch.utils.checkpoint, a ZeRO job's FSDP2 unit) costs its
-  wrapper's [wrappers.NAME] seconds beyond its kernels (wrapper_seconds): the device's time on a CPU, where the
-  framework's code runs on the cores that compute; the host's issue time on a GPU.
+- a layer the run wraps (a full-recompute layer under torch.utils.checkpoint, a ZeRO job's FSDP2 unit, a
+  zero-bubble schedule's split backward) costs its wrapper's [wrappers.NAME] seconds beyond its kernels
+  (wrapper_seconds): the device's time on a CPU, where the framework's code runs on the cores that compute; the
+  host's issue time on a GPU.
 The host issues each kernel in the description's `[host] kernel_issue_us` (per launch): a compute event's issue
 time (`issue_seconds`), which analysis.simulate plays against the device's time (Costs.host_issue).
 """

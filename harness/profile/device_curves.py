@@ -25,10 +25,12 @@ Rules:
   host issues a pass's kernels through the same framework: `kernel_issue_us` is the host's time a kernel of
   those blocks issued with the GPU held busy (at least the bare operator's issue);
 - on a CPU, the same blocks run as a run wraps a layer (RUN_WRAPPERS: under torch.utils.checkpoint as full
-  recompute runs it, and as an FSDP2 unit over this rank alone as a ZeRO job runs it, harness.profile.sharded),
-  each wrapped forward and forward-and-backward against the plain block's in the same rounds: the wrapper's
-  seconds a forward and a backward beyond the layer's own ([wrappers.NAME], their median over the families; a
-  checkpoint's backward net of the forward it runs again, which the model costs as kernels); and an Adam step over
+  recompute runs it, as an FSDP2 unit over this rank alone as a ZeRO job runs it, harness.profile.sharded, and
+  through a zero-bubble schedule's split backward, stage_backward_input then _weight), each wrapped forward and
+  forward-and-backward against the plain block's in the same rounds: the wrapper's seconds a forward and a
+  backward beyond the layer's own ([wrappers.NAME], their median over the families; a checkpoint's backward net
+  of the forward it runs again, which the model costs as kernels; the split's two halves' extra shared as their
+  times are); and an Adam step over
   FSDP2's sharded parameters (DTensors) against the plain step over the same tensors: its seconds a kernel more
   (`optimizer_kernel_us`, DTensor's dispatch);
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
@@ -964,9 +966,9 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
                f"forward and backward ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_launch_s * 1e6:.2f} us"
                if calibration.framework_blocks and kind == "cpu" else "")
-            + ("; [wrappers] the same blocks under torch.utils.checkpoint and as FSDP2 units over one rank against "
-               "plain ones (their medians), fsdp2's optimizer_kernel_us an Adam step over DTensor shards against "
-               "plain tensors" if calibration.description.wrappers else "")
+            + ("; [wrappers] the same blocks under torch.utils.checkpoint, as FSDP2 units over one rank and through "
+               "the split backward's halves against plain ones (their medians), fsdp2's optimizer_kernel_us an Adam "
+               "step over DTensor shards against plain tensors" if calibration.description.wrappers else "")
             + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")
