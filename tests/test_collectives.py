@@ -135,6 +135,23 @@ def test_file_round_trip(tmp_path):
         assert plain(f.attrs["kind"]) == "distsim-collectives" and f["ops/allreduce/samples_s"].fletcher32
 
 
+def test_a_file_is_written_into_folders_it_makes(tmp_path):
+    """As every writer here does (CSV, charts, traces), an HDF5 file's missing folders are made."""
+    run = _run(tmp_path)
+    deep = tmp_path / "a" / "b" / "bench.h5"
+    write_collectives(deep, run)
+    assert read_collectives(deep).results.keys() == run.results.keys()
+
+
+def test_an_output_that_cannot_be_a_file_is_refused_before_measuring(tmp_path, project_env):
+    (tmp_path / "plain").write_text("a file")
+    for output, message in ((tmp_path, "is a folder; give the benchmark's file"),
+                            (tmp_path / "plain" / "x.h5", "is a file, not a folder")):
+        result = mpirun_harness(2, ["collectives", "-o", str(output)], project_env, timeout=120)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "allreduce" not in result.stdout  # nothing was measured
+
+
 def test_analysis_refuses_other_files(tmp_path, project_env):
     profile = ROOT / "tests" / "data" / "pp2-profile.h5"
     result = subprocess.run([sys.executable, "-m", "analysis", "collectives", str(profile)], capture_output=True,

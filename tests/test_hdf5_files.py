@@ -234,10 +234,10 @@ def test_an_error_of_the_readers_own_is_not_blamed_on_the_file(files, tmp_path):
             f["no-such-group"]
 
 
-@pytest.mark.parametrize("damage", ["content_json", "spec_list"])
+@pytest.mark.parametrize("damage", ["content_json", "spec_list", "nan_sample", "no_samples"])
 def test_an_edited_profile_is_one_message(tmp_path, damage):
-    """A profile whose measurement's content is no JSON, or whose spec_json is a list: UserError naming the file,
-    not a traceback."""
+    """A profile whose measurement's content is no JSON, whose spec_json is a list, or whose samples hold a NaN or
+    none at all: UserError naming the file, not a traceback (nor a NaN prediction)."""
     import shutil
 
     import h5py
@@ -247,9 +247,14 @@ def test_an_edited_profile_is_one_message(tmp_path, damage):
 
     path = shutil.copy(Path(__file__).parent / "data" / "pp2-profile.h5", tmp_path / "profile.h5")
     with h5py.File(path, "r+") as f:
+        first = next(iter(f["measurements"].values()))
         if damage == "content_json":
-            first = next(iter(f["measurements"].values()))
             first.attrs["content_json"] = "{"
+        elif damage == "nan_sample":
+            first["samples_s"][0] = float("nan")
+        elif damage == "no_samples":
+            del first["samples_s"]
+            first.create_dataset("samples_s", data=np.empty(0))
         else:
             f.attrs["spec_json"] = "[1, 2]"
     with pytest.raises(UserError, match="not what docs/hdf5.md describes"):

@@ -79,8 +79,15 @@ class Options:
         self.backend, self.dtype, self.group = args.backend, args.dtype, args.group
         self.iters, self.warmup, self.device = args.iters, args.warmup, args.device
         self.output = Path(args.output) if args.output else None
-        if self.output is not None and (self.output.is_dir() or not self.output.parent.exists()):
-            raise UserError(f"-o {self.output}: give a file in an existing folder")
+        if self.output is not None:  # refused before measuring, so that nothing measured is lost at the end
+            if self.output.is_dir():
+                raise UserError(f"-o {self.output}: is a folder; give the benchmark's file, e.g. "
+                                f"{self.output / 'collectives.h5'}")
+            folder = self.output.parent
+            while not folder.exists() and folder != folder.parent:  # a missing folder is made when it is written
+                folder = folder.parent
+            if not folder.is_dir():
+                raise UserError(f"-o {self.output}: {folder} is a file, not a folder; give a path in a folder")
 
     def op_sizes(self, ranks: int) -> tuple[dict[str, list[int]], list[str]]:
         """Each operation's sizes, rounded to whole elements (per rank for the split operations), and what

@@ -87,13 +87,15 @@ def create(path: str | Path, kind: str, version: int, attrs: Mapping[str, Any] |
 
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
-    """`data` written to a temporary beside `path`, then renamed into place; checked against the free space
-    first. A failure removes the temporary and is a UserError (harness.common.output.write_failure)."""
+    """`data` written to a temporary beside `path` (its folders made where missing, as every writer here makes
+    them), then renamed into place; checked against the free space first. A failure removes the temporary and is
+    a UserError (harness.common.output.write_failure)."""
     tmp = temporary_path(path)
     free = free_bytes(path.parent)
     if free is not None and free < len(data):
         raise write_failure(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), needed=len(data), free=free)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as out:
             out.write(data)
         os.replace(tmp, path)
