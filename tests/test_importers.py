@@ -11,7 +11,7 @@ import pytest
 
 from bench.published import SETS, megatron_arguments, read_runs
 from harness.commands.cli import main as harness_main
-from harness.common.errors import SpecError
+from harness.common.errors import SpecError, UserError
 from harness.plan.events import build_plan
 from harness.plan.importers.hf import from_hf
 from harness.plan.importers.megatron import from_megatron
@@ -83,6 +83,16 @@ def test_a_hugging_face_config_keeps_ties_dtype_and_says_what_it_leaves_out():
     assert qwen.spec.model.seq_len == 131072 and any("seq_len = the maximum positions" in n for n in qwen.notes)
     assert any("QKV projections' biases" in line for line in qwen.not_modelled)
     assert not any("sliding" in line for line in qwen.not_modelled)  # use_sliding_window false: full attention
+
+
+def test_a_sequence_past_the_positions_is_refused_for_learned_ones_and_said_for_rotary():
+    """GPT-2's 1,024 learned positions are a table of that many rows (Megatron refuses a longer --seq-length too);
+    Llama 3's 8,192 are rotary: a longer sequence runs, past the context it was trained for."""
+    with pytest.raises(UserError, match=r"--seq-len 2048: is past .*gpt2.json's maximum positions \(1,024\)"):
+        from_hf(str(DATA / "hf" / "gpt2.json"), seq_len=2048)
+    llama = from_hf(str(DATA / "hf" / "Meta-Llama-3-8B.json"), seq_len=16384)
+    assert llama.spec.model.seq_len == 16384
+    assert any("seq_len 16,384 is past the config's 8,192 positions (rotary" in note for note in llama.notes)
 
 
 def test_deepseek_v3_like_configs_map_their_experts_and_name_what_is_left_out(tmp_path):

@@ -91,6 +91,12 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
     model["ffn"] = _integer(config, names["ffn"], path, 4 * model["hidden"])  # GPT-2's n_inner null: 4 x hidden
     positions = _integer(config, names["seq_len"], path)
     model["seq_len"] = seq_len or positions
+    if seq_len is not None and seq_len > positions:
+        if family != "llama":  # learned absolute positions: a table of `positions` rows, as Megatron refuses too
+            raise UserError(f"--seq-len {seq_len}: is past {path}'s maximum positions ({positions:,}), the rows of "
+                            f"{family}'s learned position table; give --seq-len {positions:,} or less")
+        result.notes.append(f"seq_len {seq_len:,} is past the config's {positions:,} positions (rotary: the model "
+                            "runs at that length, past the context it was trained for)")
     if seq_len is None:
         result.notes.append(f"seq_len = the maximum positions ({positions:,}); give --seq-len N for the training "
                             "length")
