@@ -372,15 +372,8 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         raise fail(f"must be a table, got {launches!r}", "launches")
     _known(launches, set(VECTOR_KINDS), "launches", fail)
     launches = {kind: _positive(launches, kind, "launches", fail) for kind in launches}
-    optimizers = data.get("optimizer", {})
-    if not isinstance(optimizers, dict):
-        raise fail(f"must be a table, got {optimizers!r}", "optimizer")
-    _known(optimizers, set(OPTIMIZER_KINDS), "optimizer", fail)
     optimizer = {}
-    for kind in optimizers:
-        where = f"optimizer.{kind}"
-        table = _table(optimizers, kind, fail, where)
-        _known(table, _OPTIMIZER, where, fail)
+    for kind, (where, table) in _named_tables(data, "optimizer", OPTIMIZER_KINDS, _OPTIMIZER, fail).items():
         optimizer[kind] = OptimizerCost(
             kernels_per_tensor=_positive(table, "kernels_per_tensor", where, fail, zero=True),
             kernels_per_step=_positive(table, "kernels_per_step", where, fail, default=0.0, zero=True),
@@ -390,19 +383,11 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         if not optimizer[kind].kernels_per_tensor and not optimizer[kind].kernels_per_step:
             raise fail("an optimizer step launches kernels: give kernels_per_tensor or kernels_per_step above 0",
                        f"{where}.kernels_per_tensor")
-    wrapper_tables = data.get("wrappers", {})
-    if not isinstance(wrapper_tables, dict):
-        raise fail(f"must be a table, got {wrapper_tables!r}", "wrappers")
-    _known(wrapper_tables, set(WRAPPERS), "wrappers", fail)
-    wrappers = {}
-    for wrapper in wrapper_tables:
-        where = f"wrappers.{wrapper}"
-        table = _table(wrapper_tables, wrapper, fail, where)
-        _known(table, _WRAPPER, where, fail)
-        wrappers[wrapper] = WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
-                                          for key in ("forward_us", "backward_us")),
-                                        *(_positive(table, key, where, fail, default=0.0, zero=True) * US
-                                          for key in ("optimizer_kernel_us", "weight_us")))
+    wrappers = {name: WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
+                                    for key in ("forward_us", "backward_us")),
+                                  *(_positive(table, key, where, fail, default=0.0, zero=True) * US
+                                    for key in ("optimizer_kernel_us", "weight_us")))
+                for name, (where, table) in _named_tables(data, "wrappers", WRAPPERS, _WRAPPER, fail).items()}
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,
@@ -413,6 +398,23 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                                 for key, attribute in HOST_FIELDS.items()},
                              source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
                              processor=processor, wrappers=wrappers)
+
+
+def _named_tables(data: Mapping[str, Any], key: str, names: tuple[str, ...], fields: set[str],
+                  fail) -> dict[str, tuple[str, Mapping[str, Any]]]:
+    """The tables [key.NAME] (optional: none where `key` is absent), NAME one of `names`, each holding only
+    `fields`: NAME -> (its field path for messages, the table)."""
+    parent = data.get(key, {})
+    if not isinstance(parent, dict):
+        raise fail(f"must be a table, got {parent!r}", key)
+    _known(parent, set(names), key, fail)
+    out = {}
+    for name in parent:
+        where = f"{key}.{name}"
+        table = _table(parent, name, fail, where)
+        _known(table, fields, where, fail)
+        out[name] = (where, table)
+    return out
 
 
 def _known(table: Mapping[str, Any], known: set[str], where: str, fail) -> None:
