@@ -165,7 +165,8 @@ def profile_events(profile: Profile) -> list[RefineEvent]:
         except (UserError, KeyError, ValueError):
             continue
         if kernels and cost.seconds > 0:
-            wrapped = tuple((key, event.content[key]) for key in ("phase", *RUN_WRAPPERS) if key in event.content)
+            wrapped = tuple((key, event.content[key]) for key in ("phase", "signature", *RUN_WRAPPERS)
+                            if key in event.content)  # what DeviceModel.wrappers_of reads
             events.append(RefineEvent(eid, event.name, kernels, cost.seconds, costs.host_issue.get(eid, 0.0), wrapped))
     return events
 
@@ -255,9 +256,11 @@ def refine(base: DeviceDescription, events: Sequence[RefineEvent], source: str =
 
     figures, _ = coordinate_search(start, score, progress=step_done, min_gain=MIN_GAIN) if start else ({}, 0.0)
     issued = [e for e in events if e.host_issue_s > 0]
-    if issued:
+    if issued:  # a GPU's wrappers are host time of their own ([wrappers]): the kernels' issue is the rest
         launches = sum(base.kernel_launches(k) for e in issued for k in e.kernels)
-        figures[(HOST, "kernel_issue_us")] = sum(e.host_issue_s for e in issued) / launches * 1e6
+        wrappers = device.wrapper_seconds if base.processor == "gpu" else (lambda content, kernels: 0.0)
+        figures[(HOST, "kernel_issue_us")] = sum(max(0.0, e.host_issue_s - wrappers(dict(e.wrapped), e.kernels))
+                                                 for e in issued) / launches * 1e6
     between = [engine_gaps[key] for key in STEP_GAPS if key in (engine_gaps or {})]
     if between and sum(between) > 0:
         figures[(HOST, "step_gap_us")] = sum(between) / len(between) * 1e6

@@ -42,6 +42,24 @@ def test_the_profiles_events_are_its_measured_forwards_and_backwards():
     assert all(e.host_issue_s == 0 for e in events)
 
 
+def test_an_events_wrappers_are_modelled_as_the_cost_chain_models_them():
+    """A refinement's event carries what DeviceModel.wrappers_of reads (its phase, its layer's signature, the
+    run's wrapper keys), so a selective-recompute block pays its checkpoint here as in a prediction (on a CPU), and
+    the curves are not refitted to absorb it."""
+    import dataclasses
+
+    from harness.plan.device import WrapperCost
+
+    events = profile_events(load_profile(PROFILE))
+    assert all(dict(e.wrapped).keys() >= {"phase", "signature"} for e in events)
+    cpu = load_device(str(CPU))
+    wrapped = DeviceModel(dataclasses.replace(cpu, wrappers={"checkpointed": WrapperCost(100e-6, 300e-6)}))
+    block = next(e for e in events if e.name == "gpt2.block.bwd")
+    selective = dataclasses.replace(block, wrapped=(("phase", "bwd"), ("signature", {"recompute": "selective"})))
+    assert selective.modelled_s(wrapped) == pytest.approx(block.modelled_s(DeviceModel(cpu)) + 300e-6)
+    assert block.modelled_s(wrapped) == pytest.approx(block.modelled_s(DeviceModel(cpu)))  # not recomputed
+
+
 def test_refining_the_cpu_description_on_the_pp2_profile():
     refinement = refine(load_device(str(CPU)), profile_events(load_profile(PROFILE)), source="pp2")
     assert refinement.median_abs_pct("before") == pytest.approx(10.760, abs=1e-3)

@@ -44,18 +44,23 @@ class DeviceCosting:
     times: tuple[KernelTime, ...]
     note: str
     issue_s: float = 0.0
-    wrapper_s: float = 0.0  # the framework's around a wrapped layer, on the device's time (a CPU's; a GPU's host's
-    # is in issue_s)
+    wrapper_s: float = 0.0  # the framework's around a wrapped layer, on the device's time (a CPU's, and any
+    # optimizer step's: a step is costed by its time alone; a GPU's layer's is the host's, in issue_s)
 
     @property
     def seconds(self) -> float:
         return sum(t.seconds for t in self.times) + self.wrapper_s
 
     def breakdown(self) -> list[dict[str, Any]]:
-        """Each kernel: its name, type, FLOPs, bytes, seconds and the side of the roofline it is on (--details)."""
-        return [{"kernel": k.name, "type": _kind(k), "flops": k.flops, "bytes": k.bytes, "seconds": t.seconds,
+        """Each kernel: its name, type, FLOPs, bytes, seconds and the side of the roofline it is on (--details);
+        then, where the event pays its wrappers on the device, a row of type "wrapper" with their seconds."""
+        rows = [{"kernel": k.name, "type": _kind(k), "flops": k.flops, "bytes": k.bytes, "seconds": t.seconds,
                  "compute_s": t.compute_s, "memory_s": t.memory_s, "launch_s": t.launch_s, "bound": t.bound}
                 for k, t in zip(self.kernels, self.times)]
+        if self.wrapper_s:
+            rows.append({"kernel": "wrappers", "type": "wrapper", "flops": 0.0, "bytes": 0.0, "seconds": self.wrapper_s,
+                         "compute_s": 0.0, "memory_s": 0.0, "launch_s": 0.0, "bound": "framework"})
+        return rows
 
 
 def device_model(text: str) -> DeviceModel:
@@ -100,7 +105,9 @@ def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) 
         if wrapper:
             names = " and ".join(device.wrappers_of(event.content))
             note += f"; {names} around it {wrapper * 1e3:.3g} ms"
-        on_host = device.description.processor == "gpu"
+        # a GPU's host runs a layer's wrappers while its device computes; an optimizer step is costed by its time
+        # alone (host_issue_seconds), so its wrapper's is that time's too
+        on_host = device.description.processor == "gpu" and event.content.get("phase") != "optimizer"
         _COSTED[key] = DeviceCosting(kernels, times, note, issue + wrapper if on_host else issue,
                                      0.0 if on_host else wrapper)
     return _COSTED[key]

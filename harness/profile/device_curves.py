@@ -497,7 +497,8 @@ def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequ
     """[wrappers] from the families' measured seconds: `plain_forward_backward` each family's plain block forward
     and backward (framework_block's), `passes` its wrapper_runners' seconds. A wrapper's forward is its forward
     less the plain one; its backward its backward (its forward and backward less its forward) less the plain
-    backward, and for a checkpoint less the plain forward it runs again too. The split backward's two halves
+    backward, and for a checkpoint less the forward it runs again too, as wrapped (the plan runs that forward
+    again as the layer's forward event, wrapper and all). The split backward's two halves
     together less the plain backward, shared between the halves as their measured times are (the input's half:
     its forward with that half less the plain forward; the weights' half: the rest). The median over the
     families, at least 0."""
@@ -515,7 +516,7 @@ def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequ
                 weight[name].append(extra * (1 - share))
                 continue
             forward[name].append(ahead - plain)
-            backward[name].append(whole - ahead - plain_backward - (plain if name == "checkpointed" else 0.0))
+            backward[name].append(whole - ahead - plain_backward - (ahead if name == "checkpointed" else 0.0))
             weight[name].append(0.0)
 
     def median(values: list[float]) -> float:
@@ -839,26 +840,32 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     runners = [_launch_runner(device)] + [_vector_runner(device, d, scale.vector_elements) for d in runnable]
     blocks = [framework_block(family, dtype, device) for family in FRAMEWORK_FAMILIES] if kind == "cpu" else []
     runners += [run for run, _ in blocks]
-    world = contextlib.ExitStack()  # the one-rank world of the FSDP2 units (a CPU's wrappers), ended after measuring
-    wrapped: list[list[Callable[[], object]]] = []
-    if blocks:
-        from harness.profile.sharded import leaving_no_world
+    # the one-rank world of the FSDP2 units (a CPU's wrappers): ended once measured, or on an error before
+    with contextlib.ExitStack() as world:
+        wrapped: list[list[Callable[[], object]]] = []
+        if blocks:
+            from harness.profile.sharded import leaving_no_world
 
-        world.enter_context(leaving_no_world())
-        wrapped = [wrapper_runners(family, dtype, device) for family in FRAMEWORK_FAMILIES]
-        runners += [run for runs in wrapped for run in runs]
-        runners.append(_sharded_optimizer_runner("adam", *OPTIMIZER_SMALL, device))
-    # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
-    optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
-                  for size in (OPTIMIZER_SMALL, scale.optimizer_large, scale.optimizer_check)]
-    runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
-    runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
-    progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress, unit="sample")
-    try:
-        seconds = measure(runners, device, repeats, warmup, progress)
-    finally:
-        progress.close()
-        world.close()
+            world.enter_context(leaving_no_world())
+            before = len(runners)
+            try:
+                wrapped = [wrapper_runners(family, dtype, device) for family in FRAMEWORK_FAMILIES]
+                runners += [run for runs in wrapped for run in runs]
+                runners.append(_sharded_optimizer_runner("adam", *OPTIMIZER_SMALL, device))
+            except (ImportError, UserError):  # a torch without FSDP2's fully_shard or the split backward: none
+                wrapped = []
+                del runners[before:]
+        # optimizers: a step over many small tensors (a kernel's time beyond its bytes) and over a few large ones
+        optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
+                      for size in (OPTIMIZER_SMALL, scale.optimizer_large, scale.optimizer_check)]
+        runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
+        runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
+        progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress,
+                            unit="sample")
+        try:
+            seconds = measure(runners, device, repeats, warmup, progress)
+        finally:
+            progress.close()
     launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
     gpu_issued = device.type == "cuda" and can_time_issued(device)
     if gpu_issued:

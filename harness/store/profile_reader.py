@@ -197,9 +197,11 @@ def _read_measurements(f: h5py.File) -> dict[str, MeasuredEvent]:
     out: dict[str, MeasuredEvent] = {}
     for eid, g in f.get("measurements", {}).items():
         m = read_measurement(eid, g)
-        if not m.samples_s.size or not np.all(np.isfinite(m.samples_s)) or (m.samples_s < 0).any():
+        finite = np.isfinite(m.samples_s)
+        if not m.samples_s.size or not finite.all() or (m.samples_s[finite] < 0).any():
             raise ValueError(f"measurement {eid}'s samples_s must be one or more finite seconds of 0 or more, got "
-                             f"{m.samples_s.size} with {int(np.sum(~np.isfinite(m.samples_s)))} not finite")
+                             f"{m.samples_s.size}: {int(np.sum(~finite))} not finite, "
+                             f"{int(np.sum(m.samples_s[finite] < 0))} negative")
         out[eid] = MeasuredEvent(eid, m.kind, m.content, m.samples_s, m.series, m.ranks, m.env_key, m.attrs)
     return out
 
