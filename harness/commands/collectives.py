@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from harness.common.errors import UserError
+from harness.common.output import nearest_existing
 from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
@@ -83,9 +84,7 @@ class Options:
             if self.output.is_dir():
                 raise UserError(f"-o {self.output}: is a folder; give the benchmark's file, e.g. "
                                 f"{self.output / 'collectives.h5'}")
-            folder = self.output.parent
-            while not folder.exists() and folder != folder.parent:  # a missing folder is made when it is written
-                folder = folder.parent
+            folder = nearest_existing(self.output.parent)  # a missing folder is made when the file is written
             if not folder.is_dir():
                 raise UserError(f"-o {self.output}: {folder} is a file, not a folder; give a path in a folder")
 

@@ -103,14 +103,19 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path`, or its nearest parent that exists (where a writer makes the missing folders)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def free_bytes(folder: str | Path) -> int | None:
     """Bytes free to this user in `folder` (its nearest existing parent), None where the system cannot tell (a
     pseudo file system such as /proc or /sys states a size of 0)."""
-    folder = Path(folder)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
     try:
-        usage = shutil.disk_usage(folder)
+        usage = shutil.disk_usage(nearest_existing(folder))
     except OSError:
         return None
     return usage.free if usage.total else None
