@@ -14,6 +14,7 @@ from analysis.profile_reader import Profile, layers_for, load_profile, resolve_s
 from analysis.simulate import Timeline, simulate
 from analysis.spec_only import check_spec_only, plan_communication, spec_profile
 from analysis.uncertainty import DEFAULT_RESAMPLES, BatchTimeInterval, prediction_interval
+from harness.common.subcommands import non_empty
 from harness.plan.events import EventPlan, build_plan
 from harness.plan.spec import JobSpec
 
@@ -104,7 +105,7 @@ def add_prediction_arguments(parser: argparse.ArgumentParser, interval: bool = T
 
 def add_network_argument(parser: argparse.ArgumentParser) -> None:
     """--network: the what-if network of simulate and search."""
-    parser.add_argument("--network", metavar="TIER.FIELD=VALUE,...|SPEC",
+    parser.add_argument("--network", metavar="TIER.FIELD=VALUE,...|SPEC", type=non_empty,
                         help="what-if: cost all communication on a changed network (e.g. inter.bandwidth_gbs=100; "
                              "the tiers are the spec's [[cluster.network]], else intra and inter calibrated from the "
                              "profile) or on another spec's [[cluster.network]]")

@@ -210,6 +210,29 @@ def test_unwritable_outputs_are_bad_input(tmp_path):
         assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_no_output_is_written_over_an_input(tmp_path, capsys):
+    """Every subcommand's outputs are checked against its inputs before its work (harness.common.subcommands):
+    the profile a prediction reads is never replaced by its CSV or timeline, and a search's long work never ends
+    in a folder given as its PNG."""
+    from harness.commands.cli import main as harness_main
+    from tests.test_analysis_helpers import by_name, make_spec, write_handmade_profile
+
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", make_spec(pp=2), by_name({}, default=1e-3))
+    (tmp_path / "folder.png").mkdir()
+    before = profile_path.read_bytes()
+    for argv in (["simulate", str(profile_path), "--out", str(profile_path)],
+                 ["simulate", str(profile_path), "--csv", str(profile_path)],
+                 ["search", str(profile_path), "--csv", str(profile_path)],
+                 ["search", str(profile_path), "--png", str(tmp_path / "folder.png")],
+                 ["simulate", str(profile_path), "--csv", ""]):
+        assert main(argv) == 2, argv
+    assert harness_main(["show", str(profile_path), "--csv", str(profile_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("which this command reads; writing it would lose it") == 4 and "Traceback" not in err
+    assert "it is a folder" in err and "--csv: the file name is empty" in err
+    assert profile_path.read_bytes() == before
+
+
 def test_gpu_host_issue_times_shape_the_prediction_and_are_shown(tmp_path, capsys):
     spec = make_spec(micro_batches=2, layers=2)
     durations = by_name({}, default=1e-3)

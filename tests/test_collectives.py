@@ -145,7 +145,7 @@ def test_a_file_is_written_into_folders_it_makes(tmp_path):
 
 def test_an_output_that_cannot_be_a_file_is_refused_before_measuring(tmp_path, project_env):
     (tmp_path / "plain").write_text("a file")
-    for output, message in ((tmp_path, "is a folder; give the benchmark's file"),
+    for output, message in ((tmp_path, "it is a folder; give a file name in it"),
                             (tmp_path / "plain" / "x.h5", "is a file, not a folder")):
         result = mpirun_harness(2, ["collectives", "-o", str(output)], project_env, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr

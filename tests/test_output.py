@@ -6,7 +6,7 @@ import csv
 import pytest
 
 from harness.common.errors import UserError
-from harness.common.output import format_table, write_csv
+from harness.common.output import check_outputs, format_table, write_csv
 
 
 def test_numbers_align_right_and_text_left():
@@ -90,3 +90,23 @@ def test_a_file_where_a_folder_should_be_is_said(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(UserError, match="a part of .*afile is a file, not a folder"):
         write_csv(tmp_path / "afile" / "out.csv", ("a",), [(1,)])
+
+
+def test_outputs_are_checked_before_the_work(tmp_path):
+    """check_outputs: an empty name, a folder, a path under a file, one of the inputs and two options at one path
+    are refused, each naming its option; a missing folder (made when written) and a name that is not a file among
+    the inputs (a launch's arguments) are not."""
+    measured = tmp_path / "profile.h5"
+    measured.write_bytes(b"measured")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [({"--csv": ""}, "--csv: the file name is empty"),
+             ({"--csv": str(tmp_path)}, "it is a folder"),
+             ({"--png": str(blocker / "x.png")}, "is a file, not a folder"),
+             ({"--out": str(measured)}, "which this command reads; writing it would lose it"),
+             ({"--csv": str(tmp_path / "a.csv"), "--out": str(tmp_path / "a.csv")}, "--csv writes the same file")]
+    for outputs, message in cases:
+        with pytest.raises(UserError, match=message):
+            check_outputs(outputs, [str(measured), "--num-layers " + "9" * 5000])
+    check_outputs({"--csv": str(tmp_path / "new" / "a.csv"), "--png": None}, [str(measured), "h100-sxm"])
+    assert measured.read_bytes() == b"measured" and not (tmp_path / "new").exists()

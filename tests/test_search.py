@@ -180,12 +180,21 @@ def test_the_command_prints_writes_and_answers_in_json(tmp_path, capsys):
                                         (["--top", "-1"], "--top -1"),
                                         (["--iterations", "0"], "--iterations 0"),
                                         (["--gpus", "99999999999"], "give a device count from 1 to 1,048,576"),
-                                        (["--jobs", "100000"], "--jobs 100000: give 1 to")])
+                                        (["--jobs", "100000"], "--jobs 100000: give 1 to"),
+                                        (["--tokens", "inf"], "--tokens inf: give a finite token count")])
 def test_bad_input_is_one_message(tmp_path, capsys, args, words):
     path = _profile(tmp_path, _search_spec())
     assert main(["search", str(path), *args]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_an_empty_option_is_not_taken_for_one_left_out(tmp_path, capsys):
+    """`--network "$UNSET"`: argparse's usage error (exit 2), not a search on the spec's own network."""
+    path = _profile(tmp_path, _search_spec())
+    with pytest.raises(SystemExit) as exit:
+        main(["search", str(path), "--network", ""])
+    assert exit.value.code == 2 and "argument --network: empty" in capsys.readouterr().err
 
 
 def test_a_profile_of_the_grid_costs_every_candidate(tmp_path, project_env):
@@ -393,5 +402,5 @@ def test_the_search_never_writes_over_the_spec_it_reads(tmp_path, capsys):
     spec.write_text(grid_spec.to_toml(search=True))
     before = spec.read_text()
     assert main(["search", str(path), "--spec", str(spec), "--write-spec", str(spec)]) == 2
-    assert "is the spec the search reads" in capsys.readouterr().err
+    assert "which this command reads; writing it would lose it" in capsys.readouterr().err
     assert spec.read_text() == before

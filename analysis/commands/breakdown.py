@@ -14,6 +14,8 @@ NAME = "breakdown"
 SPAN_CHOICES = ("trace", "hta")  # analysis.activity.SPANS, spelled here so that --help imports no numpy
 HELP = ("break a real run's time into compute, communication, memory and idle per rank, window and phase, and "
         "find its stragglers (trace.h5 or PyTorch profiler traces)")
+OUTPUTS = {"csv": "--csv", "png": "--png"}
+INPUTS = ("runs",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

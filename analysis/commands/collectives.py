@@ -12,6 +12,8 @@ from harness.store.collectives_report import run_report
 
 NAME = "collectives"
 HELP = "show collective benchmarks of `harness collectives -o`: one run's tables, several side by side, a PNG"
+OUTPUTS = {"csv": "--csv", "png": "--png"}
+INPUTS = ("files",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

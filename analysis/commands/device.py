@@ -16,6 +16,8 @@ from harness.plan.device import check_output_path, load_device
 
 NAME = "device"
 HELP = "refine a device description on a profile's measured compute events, for a spec alone's estimates"
+OUTPUTS = {"output": "-o"}
+INPUTS = ("profile", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from analysis.network import OPS, NetworkModel, nccl_tests_rows, spec_network
 from harness.common.errors import SpecError, UserError
 from harness.common.output import PNG_NAMES, format_table, named, writable, write_csv
+from harness.common.subcommands import non_empty
 from harness.plan.collectives import parse_size, sweep_sizes
 from harness.plan.network import check_tiers, parse_overrides
 from harness.plan.spec import MAX_DEVICES, load_spec
@@ -17,6 +18,8 @@ from harness.plan.spec import MAX_DEVICES, load_spec
 NAME = "network"
 HELP = "the network model's collectives (spec's [[cluster.network]] or calibrated from a profile) as nccl-tests prints"
 COLUMNS = ("op", "nodes", "ranks", "size_bytes", "time_s", "algbw_gbs", "busbw_gbs", "algorithm")
+OUTPUTS = {"csv": "--csv", "png": "--png"}
+INPUTS = ("source",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
     parser.add_argument("-e", "--maxbytes", default="8G", help="largest size (default 8G)")
     parser.add_argument("-f", "--stepfactor", type=float, default=2.0, help="factor between sizes (default 2)")
-    parser.add_argument("--network", metavar="TIER.FIELD=VALUE,...",
+    parser.add_argument("--network", metavar="TIER.FIELD=VALUE,...", type=non_empty,
                         help="what-if: change tiers' fields, e.g. ib.bandwidth_gbs=100,nvlink.latency_us=0.5")
     parser.add_argument("--json", action="store_true", help="print JSON (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the rows as CSV")

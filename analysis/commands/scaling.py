@@ -10,6 +10,8 @@ from harness.common.output import PNG_NAMES, named, writable, write_csv
 
 NAME = "scaling"
 HELP = "compare real runs of one model at several device counts: speed-up, parallel efficiency, shares, series"
+OUTPUTS = {"csv": "--csv", "png": "--png"}
+INPUTS = ("runs", "profile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

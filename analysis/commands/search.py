@@ -46,6 +46,8 @@ CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks
                "comm_by_tier",
                "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours", "batch_time_p5_s",
                "batch_time_p95_s", "indistinguishable_from_best", "recommended", "least_batch_time_s", "pruned")
+OUTPUTS = {"csv": "--csv", "png": "--png", "write_spec": "--write-spec"}
+INPUTS = ("input", "spec", "profile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +97,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--top {args.top}: give a row count of 0 (all) or more")
     if args.iterations is not None and args.iterations < 1:
         raise UserError(f"--iterations {args.iterations}: give 1 or more")
-    if args.tokens is not None and not args.tokens > 0:
-        raise UserError(f"--tokens {args.tokens:g}: give a token count above 0")
+    if args.tokens is not None and not (args.tokens > 0 and math.isfinite(args.tokens)):
+        raise UserError(f"--tokens {args.tokens:g}: give a finite token count above 0")
     if args.jobs is not None and not 1 <= args.jobs <= MAX_JOBS:
         raise UserError(f"--jobs {args.jobs}: give 1 to {MAX_JOBS} worker processes (default: one per core)")
     if args.gpus is not None and not 1 <= args.gpus <= MAX_DEVICES:
@@ -111,10 +113,6 @@ def run(args: argparse.Namespace) -> int:
                         f"spread it over them with mpi4py.futures: mpirun -n {promised[0]} python -m mpi4py.futures "
                         "-m analysis search ...")
     spec, profile, source = command_input(args.input, args.profile, args.spec)
-    inputs = [p for p in (args.input, args.spec) if p and str(p).endswith(".toml")]
-    if args.write_spec and any(Path(args.write_spec).resolve() == Path(p).resolve() for p in inputs):
-        raise UserError(f"--write-spec {args.write_spec}: is the spec the search reads (its [search] grid would be "
-                        "lost); write the best candidate to another file")
     if profile is None:
         profile = spec_profile(spec, source)
     elif spec.cluster.device:

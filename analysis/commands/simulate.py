@@ -16,6 +16,8 @@ from harness.common.output import PNG_NAMES, TRACE_NAMES, named, writable, write
 NAME = "simulate"
 HELP = ("predict one training iteration's timeline on every device from a profile or a spec alone (table, --json, "
         "trace, PNG)")
+OUTPUTS = {"csv": "--csv", "trace": "--trace", "png": "--png", "out": "--out"}
+INPUTS = ("input", "spec", "profile", "collectives")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,8 @@ from harness.common.output import PNG_NAMES, TRACE_NAMES, format_table, named, w
 
 NAME = "validate"
 HELP = "compare a real run (trace.h5 of `harness train`) with the prediction from a profile"
+OUTPUTS = {"csv": "--csv", "png": "--png", "trace_out": "--trace-out"}
+INPUTS = ("trace", "profile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

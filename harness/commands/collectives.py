@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 from harness.common.errors import UserError
-from harness.common.output import nearest_existing
 from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
 NAME = "collectives"
 HELP = "time collective operations over message sizes on the ranks of this MPI job, as nccl-tests does"
 BACKENDS = ("torch", "gloo", "nccl", "mpi", "ucc", "mpi4py")  # torch: nccl on a GPU, gloo on the CPU
+OUTPUTS = {"output": "-o"}
+INPUTS = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,14 +80,7 @@ class Options:
         self.sizes = sweep_sizes(begin, end, factor)
         self.backend, self.dtype, self.group = args.backend, args.dtype, args.group
         self.iters, self.warmup, self.device = args.iters, args.warmup, args.device
-        self.output = Path(args.output) if args.output else None
-        if self.output is not None:  # refused before measuring, so that nothing measured is lost at the end
-            if self.output.is_dir():
-                raise UserError(f"-o {self.output}: is a folder; give the benchmark's file, e.g. "
-                                f"{self.output / 'collectives.h5'}")
-            folder = nearest_existing(self.output.parent)  # a missing folder is made when the file is written
-            if not folder.is_dir():
-                raise UserError(f"-o {self.output}: {folder} is a file, not a folder; give a path in a folder")
+        self.output = Path(args.output) if args.output else None  # checked before run (OUTPUTS)
 
     def op_sizes(self, ranks: int) -> tuple[dict[str, list[int]], list[str]]:
         """Each operation's sizes, rounded to whole elements (per rank for the split operations), and what

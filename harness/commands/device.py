@@ -22,6 +22,8 @@ HELP = "measure this machine's device (CUDA, else the CPU) and write its descrip
 DEFAULT_REPEATS = 10
 QUICK_REPEATS = 3
 MAX_REPEATS = 10_000
+OUTPUTS = {"output": "-o"}
+INPUTS = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

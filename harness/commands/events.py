@@ -15,6 +15,8 @@ from harness.plan.spec import load_spec, vocab_padding_note
 
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"
+OUTPUTS = {"csv": "--csv"}
+INPUTS = ("spec", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ NAME = "show"
 HELP = "summarise a profile.h5: environment, measured events with statistics, what is unmeasured"
 COLUMNS = ("id", "kind", "name", "needed", "ranks", "median_s", "p5_s", "p95_s", "mean_s", "min_s", "max_s", "count",
            "precision", "in_context_median_s")
+OUTPUTS = {"csv": "--csv"}
+INPUTS = ("profile",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,8 @@ from harness.plan.spec import parse_strategy_overrides, vocab_padding_note
 
 NAME = "spec"
 HELP = "write a job spec (TOML) from a Megatron launch's arguments or a Hugging Face config.json"
+OUTPUTS = {"output": "-o"}
+INPUTS = ("from_megatron", "from_hf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output and not args.output.lower().endswith(".toml"):
+        raise UserError(f"-o {args.output}: a job spec is written as FILE.toml (what every command reads); give such "
+                        "a name")
     for name in ("gpus", "gpus_per_node", "seq_len", "micro", "global_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:

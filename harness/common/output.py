@@ -6,7 +6,10 @@ Pure Python (the analysis front ends use it too). Rules:
   get thousands separators; a gap (None or "-") shows as "-" and keeps the column a number column;
 - a CSV file holds the same rows at full precision (gaps empty), for spreadsheets;
 - an output path that cannot be written is bad input (one message, exit 2), not a traceback: a full disk names the
-  folder, the bytes needed and the bytes free; a file the failed write had begun is removed.
+  folder, the bytes needed and the bytes free; a file the failed write had begun is removed;
+- a command's output files are checked before its work (check_outputs): an empty name, a folder, a path under a
+  file, one of the command's inputs (writing it would lose what was measured) or two options at one path are
+  refused, so that a long search or a profile's analysis never ends in an error after the work.
 """
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import argparse
 import csv
 import errno
 import math
+import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -109,6 +113,44 @@ def nearest_existing(path: str | Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def check_outputs(outputs: Mapping[str, str | Path | None], inputs: Iterable[str | Path | None] = ()) -> None:
+    """Refuse, before any work, the output files (option -> path; None: not given) that could not be written or
+    would destroy something (module docstring); `inputs` are the paths the command reads (names that are not
+    files, such as a shipped device's, are left alone)."""
+    read = {}
+    for path in inputs:
+        if path is not None and str(path) and _is_file(path):
+            read[os.path.realpath(path)] = str(path)
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        if not str(path).strip():
+            raise UserError(f"{option}: the file name is empty; give a file to write, or leave {option} out")
+        path = Path(path)
+        if path.is_dir():
+            raise UserError(f"{option} {path}: cannot write it, it is a folder; give a file name in it")
+        folder = nearest_existing(path.parent)
+        if not folder.is_dir():
+            raise UserError(f"{option} {path}: cannot write it, {folder} is a file, not a folder; give a path in a "
+                            "folder")
+        real = os.path.realpath(path)
+        if real in read:
+            raise UserError(f"{option} {path}: is {read[real]}, which this command reads; writing it would lose "
+                            "it: give another file")
+        if real in seen:
+            raise UserError(f"{option} {path}: {seen[real]} writes the same file; give each output its own")
+        seen[real] = option
+
+
+def _is_file(text: str | Path) -> bool:
+    """Whether `text` names a file (an argument that is not a path, such as a launch's arguments, is not one)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for the system, or with a NUL in it
+        return False
 
 
 def free_bytes(folder: str | Path) -> int | None:

@@ -1,7 +1,10 @@
 """The registry both front ends share (`python -m harness`, `python -m analysis`): subcommands as modules, bad
 input as one message.
 
-Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int. Bad input (UserError)
+Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int, and where it writes files
+OUTPUTS (its arguments' names -> their options, e.g. {"csv": "--csv"}) and INPUTS (the names of the arguments it
+reads files from): the outputs are checked against them before run (harness.common.output.check_outputs). Bad
+input (UserError)
 becomes one message on stderr and exit status 2, never a traceback; output cut short by its reader (`| head`)
 ends quietly with status 141, as a tool killed by SIGPIPE. Pure Python: the analysis runs it offline.
 """
@@ -14,6 +17,7 @@ import select
 import sys
 
 from harness.common.errors import UserError
+from harness.common.output import check_outputs
 
 
 def build_parser(prog: str, package: str, names: tuple[str, ...], description: str) -> argparse.ArgumentParser:
@@ -23,13 +27,23 @@ def build_parser(prog: str, package: str, names: tuple[str, ...], description: s
         module = importlib.import_module(f"{package}.{name}")
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        command.set_defaults(run=module.run, outputs=getattr(module, "OUTPUTS", {}),
+                             inputs=getattr(module, "INPUTS", ()))
     return parser
+
+
+def non_empty(text: str) -> str:
+    """An argparse type for an option whose empty value would silently mean "not given" (`--network "$UNSET"`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give a value, or leave the option out")
+    return text
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
+        check_outputs({option: getattr(args, name, None) for name, option in args.outputs.items()},
+                      _paths(getattr(args, name, None) for name in args.inputs))
         status = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a reader gone away is caught, not in the interpreter's exit
         return status
@@ -43,6 +57,14 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         if not _stdout_is_gone():
             raise  # a pipe of the subcommand's own, not its output
         return 128 + 13  # the reader of our output went away (`... | head`): stop as a SIGPIPE'd tool does
+
+
+def _paths(values) -> list:
+    """The input arguments' values as one list of paths (an argument may hold several: nargs="+")."""
+    out = []
+    for value in values:
+        out.extend(value if isinstance(value, (list, tuple)) else [value])
+    return out
 
 
 def _stdout_is_gone() -> bool:
