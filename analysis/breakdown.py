@@ -158,7 +158,7 @@ def breakdown(run: RunActivity, *, windows: int | None = None, window_s: float |
     count = windows if windows is not None else (end - zero) / window_s  # a width's may overflow: not rounded
     if not count <= MAX_WINDOWS:
         asked = f"--windows {windows}" if windows is not None else f"--window-ms {window_s * 1e3:g}"
-        raise UserError(f"{asked}: {count:,.0f} windows over the run's {end - zero:.3g} s, more than {MAX_WINDOWS:,} "
+        raise UserError(f"{asked}: {count:,.3g} windows over the run's {end - zero:.3g} s, more than {MAX_WINDOWS:,} "
                         "(a row per rank and window); give fewer or wider windows")
     edges = window_edges(zero, end, count=windows, width=window_s)
     ranks, phases, per_window = [], [], []

@@ -57,6 +57,12 @@ def test_chunks_apply_to_interleaved_schedules_only():
     assert not grid.rejected
 
 
+def test_chunks_without_an_interleaved_schedule_are_refused():
+    with pytest.raises(UserError, match=r"\[search\] chunks = \[2, 4\] applies to the interleaved schedules only"):
+        expand(_spec('pp = [2]\nschedule = ["1f1b", "gpipe"]\nchunks = [2, 4]\n', pp=2, layers=8, global_batch=8,
+                     micro=1))
+
+
 def test_no_valid_combination_names_the_first_reasons():
     with pytest.raises(UserError, match="no combination of the \\[search\\] grid is a valid job .*pp = 3"):
         expand(_spec('pp = [3]\n', layers=4))

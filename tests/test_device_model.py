@@ -397,6 +397,7 @@ def description_text(**replace) -> str:
      "finite number above 0"),
     ("launch_us = 4.0", "launch_us = -1.0", "efficiency.launch_us", "0 or more"),
     ("max_fraction = 0.8\n", "max_fraction = 1.5\n", "efficiency.gemm.max_fraction", "at most 1"),
+    ("steepness = 1.0\n", "steepness = 1000.0\n", "efficiency.gemm.steepness", "at most 8 .a steeper curve is a step"),
     ("format = 1", "format = 3", "format", "unsupported device format"),
     ("fitted = false\n", "fitted = false\n[vector_ops]\ngelu = 3.0\n", "vector_ops", "format 2 table"),
     ("fitted = false\n", "fitted = false\nhost = 5\n", "host", "must be a table"),
@@ -778,3 +779,15 @@ def test_a_tier_fitted_to_collectives_in_context_recovers_its_figures():
     assert tier["bandwidth_gbs"] == pytest.approx(bandwidth) and tier["latency_us"] == pytest.approx(latency)
     assert tier["rms_log_error"] == pytest.approx(0.0, abs=1e-9) and tier["points"] == 9
     assert in_context_tier(rows, column="back_to_back_s")["rms_log_error"] < 0.2
+
+
+def test_a_curve_far_below_its_half_point_is_slow_not_an_overflow():
+    """The ramp goes through its logarithm: a kernel 1e300 times below the half point at the steepest allowed curve
+    gets the least fraction, above 0 (a finite, huge time), not an OverflowError."""
+    from harness.plan.device import MAX_STEEPNESS, Curve
+
+    curve = Curve(max_fraction=0.5, half_at=1e300, steepness=MAX_STEEPNESS)
+    assert 0 < curve.fraction(1.0) < 1e-300
+    assert Curve(max_fraction=0.5, half_at=100.0, steepness=2.0).fraction(100.0) == pytest.approx(0.25, rel=1e-12)
+    assert Curve(max_fraction=0.5, half_at=100.0, steepness=2.0).fraction(1000.0) == pytest.approx(0.5 / 1.01,
+                                                                                                   rel=1e-12)

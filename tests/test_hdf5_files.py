@@ -175,7 +175,7 @@ def test_a_damaged_rank_file_is_measured_again_not_fatal(files, capsys):
 
     _flip_data(files["rank"], "measurements/abc/samples_s")
     assert _stored(files["rank"].parent, "env") == {}
-    assert "ignoring" in capsys.readouterr().err
+    assert "not reading" in capsys.readouterr().err
 
 
 def test_text_too_long_for_a_header_is_a_checksummed_dataset(tmp_path):
@@ -234,10 +234,11 @@ def test_an_error_of_the_readers_own_is_not_blamed_on_the_file(files, tmp_path):
             f["no-such-group"]
 
 
-@pytest.mark.parametrize("damage", ["content_json", "spec_list", "nan_sample", "no_samples"])
+@pytest.mark.parametrize("damage", ["content_json", "spec_list", "nan_sample", "no_samples", "text_number"])
 def test_an_edited_profile_is_one_message(tmp_path, damage):
-    """A profile whose measurement's content is no JSON, whose spec_json is a list, or whose samples hold a NaN or
-    none at all: UserError naming the file, not a traceback (nor a NaN prediction)."""
+    """A profile whose measurement's content is no JSON, whose spec_json is a list, whose samples hold a NaN or
+    none at all, or whose numeric attribute (NUMBER_ATTRS: a compute phase, a backward call) is text: UserError
+    naming the file, not a traceback (nor a NaN prediction)."""
     import shutil
 
     import h5py
@@ -255,6 +256,8 @@ def test_an_edited_profile_is_one_message(tmp_path, damage):
         elif damage == "no_samples":
             del first["samples_s"]
             first.create_dataset("samples_s", data=np.empty(0))
+        elif damage == "text_number":
+            first.attrs["compute_phase"] = "{junk"
         else:
             f.attrs["spec_json"] = "[1, 2]"
     with pytest.raises(UserError, match="not what docs/hdf5.md describes"):

@@ -3,6 +3,7 @@ as Megatron pads it, the new presets' sizes against their published parameter co
 naming the argument) through `python -m harness spec`."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,24 @@ def test_deepseek_v3_like_configs_map_their_experts_and_name_what_is_left_out(tm
     left_out = " ".join(imported.not_modelled)
     for what in ("latent attention", "dense first blocks", "multi-token prediction"):
         assert what in left_out
+
+
+def test_a_config_without_its_sizes_is_refused_not_guessed(tmp_path):
+    """Only GPT-2's missing n_inner means 4 x hidden; another family's intermediate_size must be stated. An expert
+    count of 0 is a dense model; one that is not a positive integer is refused."""
+    llama = json.loads((DATA / "hf" / "Meta-Llama-3-8B.json").read_text())
+    del llama["intermediate_size"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(llama))
+    with pytest.raises(UserError, match="intermediate_size is missing; a llama config states it"):
+        from_hf(str(config))
+    for experts, dense in ((0, True), ({}, False), ("", False)):
+        config.write_text(json.dumps({**llama, "intermediate_size": 14336, "num_local_experts": experts}))
+        if dense:
+            assert from_hf(str(config)).spec.model.experts in (0, 1)
+        else:
+            with pytest.raises(UserError, match="num_local_experts must be a positive integer"):
+                from_hf(str(config))
 
 
 # ----- the vocabulary padded -----

@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+from harness.common.errors import UserError
 from harness.store.hdf5_io import plain, read_environment
 from harness.store.hdf5_schema import COMPUTE_PHASE_ATTR, RANK_SPEED_PROBE_ENV, compute_phase_key
 from tests.conftest import ROOT
@@ -163,6 +164,19 @@ def test_output_folder_that_cannot_be_created(tmp_path, spec_file, project_env):
     result = mpirun(2, ["profile", str(spec_file), "-o", str(blocker / "out")], project_env)
     assert result.returncode == 2 and "cannot create the output folder" in result.stderr
     assert "Traceback" not in result.stderr and "MPI_Abort" not in result.stderr
+
+
+def test_a_folder_where_the_profile_writes_a_file_is_refused_before_measuring(tmp_path):
+    """A folder named profile.h5 or rank-NNNNN.h5 in OUTDIR would fail the merge after every measurement and again
+    on every rerun: refused first, saying what to move."""
+    from harness.profile.run import check_outdir
+
+    for name in ("profile.h5", "rank-00001.h5"):
+        outdir = tmp_path / name.split(".")[0]
+        (outdir / name).mkdir(parents=True)
+        with pytest.raises(UserError, match=f"{name} is a folder where the profile writes a file; move or remove it"):
+            check_outdir(outdir)
+    check_outdir(tmp_path / "fresh")
 
 
 def test_resume_measures_again_what_this_version_measures_more_of():

@@ -88,6 +88,17 @@ def test_invalid_specs_name_the_field(change, field, words):
     assert f"[{field}]" in message and words in message and "job.toml" in message
 
 
+def test_values_of_the_wrong_kind_or_past_their_bound_are_refused():
+    """A model name that is not a string (TOML lets it be an array or a table), and a timeout past a week (what
+    torch's process groups and Python's waits can hold), each one message naming the field."""
+    text = tiny_spec_text()
+    for value in ("[4]", "{ a = 1 }"):
+        message = _error(text.replace('name = "gpt2-small"', f"name = {value}"))
+        assert "[model.name]" in message and "give a built-in model name" in message
+    message = _error(text + "timeout_s = 1e10\n")
+    assert "[profile.timeout_s]" in message and "at most 604800" in message
+
+
 def test_unknown_dtype():
     assert "[model.dtype]" in _error(tiny_spec_text().replace('dtype = "float32"', 'dtype = "float8"'))
 

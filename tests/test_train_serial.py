@@ -69,7 +69,7 @@ def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
      "cannot create the profiler trace folder /proc/no-such/traces"),
     (("--lr", "-1"), dict(dp=2, layers=2, micro=1, global_batch=2), "--lr must be a positive learning rate, got -1.0"),
     (("--timeout-s", "nan"), dict(dp=2, layers=2, micro=1, global_batch=2),
-     "--timeout-s must be a positive number of seconds, got nan"),
+     "--timeout-s must be a positive number of seconds up to 604800 (a week), got nan"),
 ])
 def test_cli_bad_input_exits_2_with_one_message(tmp_path, project_env, args, spec_kwargs, message):
     proc = train(tmp_path, project_env, tiny_spec_text(**spec_kwargs), *args)

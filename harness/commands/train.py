@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
+from harness.plan.spec import MAX_TIMEOUT_S
 from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "train"
@@ -66,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
         check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
-        if args.timeout_s is not None and not 0 < args.timeout_s < math.inf:
-            raise UserError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
+        if args.timeout_s is not None and not 0 < args.timeout_s <= MAX_TIMEOUT_S:
+            raise UserError(f"--timeout-s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} (a week), got "
+                            f"{args.timeout_s}")
         if not 0 < args.lr < math.inf:
             raise UserError(f"--lr must be a positive learning rate, got {args.lr}")
         if spec.model.factory:  # the user's layers built (on the meta device) before any rank starts training

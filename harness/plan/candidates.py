@@ -148,6 +148,10 @@ def expand(spec: JobSpec, gpus: int | None = None, auto: bool | None = None) -> 
         shapes = list(itertools.product(fields["gpus"], fields["dp"], fields["tp"], fields["cp"], fields["pp"],
                                         fields["micro"]))
     schedules = fields["schedule"]
+    if spec.search.chunks and not any(schedule in INTERLEAVED for schedule in schedules):
+        raise UserError(f"{spec.source}: [search] chunks = {list(spec.search.chunks)} applies to the interleaved "
+                        f"schedules only ({', '.join(INTERLEAVED)}), and the grid's schedules are "
+                        f"{', '.join(schedules)}; add one of them to [search] schedule, or leave chunks out")
     interleaved_chunks = spec.search.chunks or (spec.strategy.chunks if spec.strategy.chunks > 1 else 2,)
     grid = spec.search
     shown = frozenset(("gpus", "dp", "tp", "pp", "micro", "schedule", "chunks")) | {

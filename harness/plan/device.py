@@ -105,6 +105,10 @@ class WrapperCost:
         return out
 
 
+MAX_STEEPNESS = 8.0  # a curve steeper than this is a step; the fit keeps its own in harness.plan.device_fit's range
+RAMP_EXPONENT_LIMIT = 700.0  # the ramp's least value, e^-700: a kernel far below its half point is slow, not free
+
+
 @dataclass(frozen=True)
 class Curve:
     """Achieved fraction of a peak as a saturating function of a kernel's size x (FLOPs or bytes):
@@ -119,7 +123,10 @@ class Curve:
     def fraction(self, size: float, smallest_dim: float | None = None) -> float:
         if size <= 0:
             return 0.0
-        ramp = 1.0 if self.half_at == 0 else 1.0 / (1.0 + (self.half_at / size) ** self.steepness)
+        ramp = 1.0
+        if self.half_at:  # (half_at / size) ** steepness through its logarithm, which cannot overflow
+            ramp = 1.0 / (1.0 + math.exp(min(RAMP_EXPONENT_LIMIT,
+                                             self.steepness * (math.log(self.half_at) - math.log(size)))))
         if self.half_dim and smallest_dim is not None:
             ramp *= smallest_dim / (smallest_dim + self.half_dim)
         return self.max_fraction * ramp
@@ -251,14 +258,12 @@ def shipped_devices() -> list[str]:
 
 
 def check_output_path(text: str, option: str = "-o") -> Path:
-    """The path a description is written to: a .toml file (what `[cluster] device` reads as a path), not a folder;
-    UserError naming `option` otherwise."""
+    """The path a description is written to: a .toml file (what `[cluster] device` reads as a path); UserError
+    naming `option` otherwise (a folder or an unwritable place: harness.common.output.check_outputs)."""
     output = Path(text)
     if output.suffix != ".toml":
         raise UserError(f"{option} {text}: a device description is a .toml file (a spec's [cluster] device reads a "
                         "path ending in .toml)")
-    if output.is_dir():
-        raise UserError(f"{option} {text}: is a folder; give the description's file, e.g. {output}/mine.toml")
     return output
 
 
@@ -311,6 +316,9 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     def fail(message: str, where: str) -> SpecError:
         return SpecError(message, field=where, source=source)
 
+    if "format" not in data and ("model" in data or "strategy" in data):
+        raise fail("this is a job spec (docs/spec.md), not a device description (docs/devices.md); give a "
+                   "description's file or a shipped name", "format")
     _known(data, _TOP, "", fail)
     version = data.get("format")
     if version is None:
@@ -356,7 +364,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         if fraction > 1:
             raise fail(f"is a fraction of the peak, at most 1, got {fraction!r}", f"{where}.max_fraction")
         curves[curve] = Curve(max_fraction=fraction, half_at=_positive(table, "half_at", where, fail, zero=True),
-                              steepness=_positive(table, "steepness", where, fail, default=1.0),
+                              steepness=_steepness(table, where, fail),
                               half_dim=_positive(table, "half_dim", where, fail, default=0.0, zero=True))
     host = data.get("host", {})
     if not isinstance(host, dict):
@@ -430,6 +438,14 @@ def _table(parent: Mapping[str, Any], key: str, fail, where: str | None = None) 
         raise fail("is required (docs/devices.md)", where or key)
     if not isinstance(value, dict):
         raise fail(f"must be a table, got {value!r}", where or key)
+    return value
+
+
+def _steepness(table: Mapping[str, Any], where: str, fail) -> float:
+    value = _positive(table, "steepness", where, fail, default=1.0)
+    if value > MAX_STEEPNESS:
+        raise fail(f"must be at most {MAX_STEEPNESS:g} (a steeper curve is a step), got {value!r}",
+                   f"{where}.steepness")
     return value
 
 

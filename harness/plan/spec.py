@@ -497,11 +497,18 @@ def _int(section: dict, key: str, where: str, default: Any = None, minimum: int 
     return value
 
 
-def _number(section: dict, key: str, where: str, default: float) -> float:
+def _number(section: dict, key: str, where: str, default: float, maximum: float = math.inf) -> float:
     value = section.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise SpecError(f"must be a positive, finite number, got {value!r}", field=f"{where}.{key}")
+    if value > maximum:
+        raise SpecError(f"must be at most {maximum:g}, got {value!r}", field=f"{where}.{key}")
     return float(value)
+
+
+# a communication timeout's bound: torch's process groups and Python's waits take it as a C integer of
+# milliseconds and a platform time; a week is past any phase
+MAX_TIMEOUT_S = 7 * 86400.0
 
 
 MAX_PRECISION = 0.5
@@ -586,6 +593,9 @@ def _zero(value: Any, field: str) -> int:
 
 
 def _check_keys(data: dict) -> None:
+    if "format" in data and "datasheet" in data and "model" not in data:
+        raise SpecError("this is a device description (docs/devices.md), not a job spec: name it in a spec's "
+                        "[cluster] device = \"PATH.toml\"", field="format")
     for section, value in data.items():
         if section not in _SECTIONS:
             sections = ", ".join(k for k in _SECTIONS if k != "spec_version")
@@ -632,9 +642,11 @@ def _parse_model(m: dict, import_factory: bool) -> ModelSpec:
         base: dict[str, Any] = dict(family="user", layers=m.get("layers"), hidden=m.get("hidden", 0),
                                     heads=m.get("heads", 1), ffn=m.get("ffn", 0), seq_len=m.get("seq_len"),
                                     vocab=m.get("vocab"))
+        if name is not None and not isinstance(name, str):
+            raise SpecError(f"must be a string, got {name!r}", field="model.name")
         name = name or factory
     else:
-        if name is None:
+        if not isinstance(name, str):
             raise SpecError(f"give a built-in model name ({', '.join(MODEL_PRESETS)}), a family ("
                             f"{', '.join(FAMILIES)}) with every size, or a factory", field="model.name")
         if name not in MODEL_PRESETS and name not in FAMILIES:
@@ -818,7 +830,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     p = data.get("profile", {})
     profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
                           backend=_choice(p, "backend", "profile", "torch", BACKENDS),
-                          timeout_s=_number(p, "timeout_s", "profile", 600.0),
+                          timeout_s=_number(p, "timeout_s", "profile", 600.0, MAX_TIMEOUT_S),
                           device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")),
                           precision=_precision(p.get("precision", 0.02), "profile.precision"),
                           budget_s=_number(p, "budget_s", "profile", 60.0))

@@ -201,7 +201,8 @@ def _stored(outdir: Path, env_key: str, complete_only: bool = False,
             found.update({k: m for k, m in read_measurements(path).items() if m.env_key == env_key
                           and (not complete_only or _complete(m, precision))})
         except UserError as exc:  # damaged or foreign: what it held is measured again
-            print(f"harness profile: ignoring {exc}", file=sys.stderr)
+            print(f"harness profile: not reading {path.name} ({exc}); what it held is measured again and the "
+                  "file replaced", file=sys.stderr)
     return found
 
 
@@ -900,7 +901,8 @@ def module_version(module: str) -> str:
 
 
 def check_outdir(outdir: Path) -> None:
-    """Refuse an output path that is a file or cannot be created (before any rank starts measuring)."""
+    """Refuse an output path that is a file or cannot be created, or in which a folder stands where the profile
+    writes a file (before any rank starts measuring)."""
     if outdir.exists() and not outdir.is_dir():
         raise UserError(f"output {outdir} exists and is not a folder; give a folder for the profile (-o OUTDIR)")
     try:
@@ -908,3 +910,7 @@ def check_outdir(outdir: Path) -> None:
     except OSError as exc:
         raise UserError(f"cannot create the output folder {outdir}: {exc.strerror}; "
                         "give a writable folder (-o)") from None
+    for path in [outdir / "profile.h5", *sorted(outdir.glob("rank-*.h5"))]:
+        if path.is_dir():
+            raise UserError(f"{path} is a folder where the profile writes a file; move or remove it, or give another "
+                            "output folder (-o)")

@@ -69,6 +69,9 @@ PRECISION_BUDGET_ATTR = "precision_budget_s"  # compute only: the budget the sam
 # compute only, an attribute: the compute phase that took the samples (its start, Unix time, the same on every
 # rank of one profiling run)
 COMPUTE_PHASE_ATTR = "compute_phase"
+# a measurement's attributes that must be numbers where present (the reader refuses a file whose are not)
+NUMBER_ATTRS = (BACKWARD_CALL_ATTR, ACTIVATION_BYTES_ATTR, RELEASED_BYTES_ATTR, *TEMPORARY_ATTRS, PRECISION_GOAL_ATTR,
+                PRECISION_ATTR, PRECISION_BUDGET_ATTR, COMPUTE_PHASE_ATTR)
 # /environment, JSON: per compute phase (compute_phase_key), every rank's median speed-probe time
 # (harness.profile.probe), so that the analysis can refer each rank's samples to the ranks' mean speed
 RANK_SPEED_PROBE_ENV = "rank_speed_probe_s"

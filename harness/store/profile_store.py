@@ -30,6 +30,7 @@ from harness.store.hdf5_io import (
 )
 from harness.store.hdf5_schema import (
     MEASUREMENT_FIELD_ATTRS,
+    NUMBER_ATTRS,
     PROFILE_KIND,
     PROFILE_SCHEMA_VERSION,
     RANK_PROFILE_KIND,
@@ -81,6 +82,11 @@ def _write_measurement(group: h5py.Group, m: Measurement, stats: dict[str, float
 def read_measurement(eid: str, g: h5py.Group) -> Measurement:
     """A measurement group as written (the analysis reads it so too): samples, the series it has, attributes."""
     attrs = read_attrs(g)
+    for name in NUMBER_ATTRS:
+        value = attrs.get(name)
+        if value is not None and (isinstance(value, (bool, np.bool_))
+                                  or not isinstance(value, (int, float, np.number))):
+            raise ValueError(f"measurement {eid}'s attribute {name} is {value!r}, not a number")
     return Measurement(id=eid, kind=str(attrs["kind"]), content=json.loads(attrs["content_json"]),
                        samples_s=np.asarray(g["samples_s"][()], dtype=np.float64),
                        ranks=[int(r) for r in np.atleast_1d(attrs.get("ranks", []))],

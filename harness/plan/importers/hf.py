@@ -88,7 +88,8 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
     for key in ("hidden", "layers", "heads"):
         model[key] = _integer(config, names[key], path)
     model["kv_heads"] = _integer(config, names.get("kv_heads", ()), path, model["heads"])
-    model["ffn"] = _integer(config, names["ffn"], path, 4 * model["hidden"])  # GPT-2's n_inner null: 4 x hidden
+    # GPT-2's n_inner null means 4 x hidden; the other families' configs state their intermediate size
+    model["ffn"] = _integer(config, names["ffn"], path, 4 * model["hidden"] if family == "gpt2" else None)
     positions = _integer(config, names["seq_len"], path)
     model["seq_len"] = seq_len or positions
     if seq_len is not None and seq_len > positions:
@@ -149,7 +150,7 @@ def _experts(config: dict, model: dict, path: str, result: ImportedSpec) -> None
     """Mixtral's num_local_experts, Qwen2-MoE's num_experts, DeepSeek's n_routed_experts, with their top-k,
     expert size and shared experts."""
     names = ("num_local_experts", "num_experts", "n_routed_experts")
-    if not any(config.get(name) for name in names):
+    if all(config.get(name) in (None, 0) for name in names):  # a dense model (a count of 0 says so too)
         return
     experts = _integer(config, names, path)
     expert_ffn = _integer(config, ("moe_intermediate_size",), path, model["ffn"])
