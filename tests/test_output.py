@@ -108,5 +108,8 @@ def test_outputs_are_checked_before_the_work(tmp_path):
     for outputs, message in cases:
         with pytest.raises(UserError, match=message):
             check_outputs(outputs, [str(measured), "--num-layers " + "9" * 5000])
+    with pytest.raises(UserError, match="profile.h5, which this command reads"):  # a folder: what is read in it
+        check_outputs({"--csv": str(measured)}, [str(tmp_path)])
     check_outputs({"--csv": str(tmp_path / "new" / "a.csv"), "--png": None}, [str(measured), "h100-sxm"])
+    check_outputs({"--png": str(tmp_path / "chart.png")}, [str(tmp_path)])  # a new file in an input folder
     assert measured.read_bytes() == b"measured" and not (tmp_path / "new").exists()

@@ -121,8 +121,13 @@ def check_outputs(outputs: Mapping[str, str | Path | None], inputs: Iterable[str
     files, such as a shipped device's, are left alone)."""
     read = {}
     for path in inputs:
-        if path is not None and str(path) and _is_file(path):
-            read[os.path.realpath(path)] = str(path)
+        if path is None or not str(path):
+            continue
+        # a folder given as an input stands for the files the commands read in it (a run's, a profile's)
+        candidates = [Path(path) / name for name in FOLDER_INPUTS] if _is_folder(path) else [Path(path)]
+        for candidate in candidates:
+            if _is_file(candidate):
+                read[os.path.realpath(candidate)] = str(candidate)
     seen: dict[str, str] = {}
     for option, path in outputs.items():
         if path is None:
@@ -145,11 +150,21 @@ def check_outputs(outputs: Mapping[str, str | Path | None], inputs: Iterable[str
         seen[real] = option
 
 
+FOLDER_INPUTS = ("trace.h5", "profile.h5")  # what a command reads in a folder given as its input
+
+
 def _is_file(text: str | Path) -> bool:
     """Whether `text` names a file (an argument that is not a path, such as a launch's arguments, is not one)."""
     try:
         return Path(text).is_file()
     except (OSError, ValueError):  # a name too long for the system, or with a NUL in it
+        return False
+
+
+def _is_folder(text: str | Path) -> bool:
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):
         return False
 
 
