@@ -144,12 +144,23 @@ def test_a_file_is_written_into_folders_it_makes(tmp_path):
 
 
 def test_an_output_that_cannot_be_a_file_is_refused_before_measuring(tmp_path, project_env):
+    """A folder, a path under a file, a name not ending in .h5, and a file of another kind (a run's trace: what it
+    measured would be replaced) are refused before measuring, by rank 0 alone; the trace is left as it was."""
+    import shutil
+
     (tmp_path / "plain").write_text("a file")
+    trace = tmp_path / "trace.h5"
+    shutil.copy(ROOT / "tests" / "data" / "pp2-trace.h5", trace)
+    before = trace.read_bytes()
     for output, message in ((tmp_path, "it is a folder; give a file name in it"),
-                            (tmp_path / "plain" / "x.h5", "is a file, not a folder")):
+                            (tmp_path / "plain" / "x.h5", "is a file, not a folder"),
+                            (tmp_path / "results.toml", "give a name ending in .h5"),
+                            (trace, "exists and is a real run's trace")):
         result = mpirun_harness(2, ["collectives", "-o", str(output)], project_env, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and "allreduce" not in result.stdout  # nothing was measured
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # rank 0 alone says it
+    assert trace.read_bytes() == before
 
 
 def test_analysis_refuses_other_files(tmp_path, project_env):

@@ -16,7 +16,18 @@ import pytest
 from analysis.device_model import DeviceModel
 from analysis.predict import predict_spec
 from harness.commands.cli import main as harness_main
-from harness.plan.device import CURVES, GB_S, REQUIRED_DTYPES, TFLOPS, US, Curve, in_unit, load_device, parse_device
+from harness.plan.device import (
+    CURVES,
+    GB_S,
+    REQUIRED_DTYPES,
+    TFLOPS,
+    US,
+    Curve,
+    check_output_path,
+    in_unit,
+    load_device,
+    parse_device,
+)
 from harness.plan.device_fit import Observation, curve_of, fit_description, kernel_seconds
 from harness.plan.kernels import Attention, Gemm, MemoryBound
 from harness.plan.spec import loads_spec
@@ -299,6 +310,30 @@ def test_a_folder_as_output_is_refused(capsys, tmp_path):
     folder.mkdir()
     assert harness_main(["device", "-o", str(folder), "--quick"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_job_spec_is_not_replaced_by_a_description(capsys, tmp_path):
+    """A job spec and a description both end in .toml: -o over a spec is refused before calibrating; over an
+    earlier description (the same command's output) it is not."""
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text())
+    assert harness_main(["device", "-o", str(spec), "--quick", "--quiet"]) == 2
+    assert "exists and is a job spec; writing the description there would replace it" in capsys.readouterr().err
+    assert spec.read_text() == tiny_spec_text()
+    earlier = tmp_path / "mine.toml"
+    earlier.write_text(load_device("h100-sxm").to_toml())
+    assert check_output_path(str(earlier)) == earlier
+
+
+def test_a_description_that_cannot_be_written_is_printed_not_lost():
+    """The write fails after the calibration (a path no one can write): the description goes to stdout, then one
+    message and exit 2. A missing folder is made."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "harness", "device", "--quick", "--quiet", "--device", "cpu",
+                           "-o", "/proc/distsim-no-such/mine.toml"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2 and "the description is printed above instead" in done.stderr
+    assert parse_device(tomllib.loads(done.stdout)).matrix_peak["float32"] > 0 and "Traceback" not in done.stderr
 
 
 def test_a_cpu_launch_is_the_framework_time_beyond_the_kernels_modelled_work():

@@ -95,8 +95,11 @@ def test_values_of_the_wrong_kind_or_past_their_bound_are_refused():
     for value in ("[4]", "{ a = 1 }"):
         message = _error(text.replace('name = "gpt2-small"', f"name = {value}"))
         assert "[model.name]" in message and "give a built-in model name" in message
-    message = _error(text + "timeout_s = 1e10\n")
-    assert "[profile.timeout_s]" in message and "at most 604800" in message
+    for timeout in ("1e10", "1e-9"):
+        message = _error(text + f"timeout_s = {timeout}\n")
+        assert "[profile.timeout_s]" in message and "must be from 1 to 604800" in message
+    message = _error(text.replace("repeats = 3", "repeats = 1000000000000"))
+    assert "[profile.repeats]" in message and "at most 1,000,000" in message
 
 
 def test_unknown_dtype():

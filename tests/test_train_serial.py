@@ -69,7 +69,12 @@ def test_cli_trains_two_ranks_and_writes_the_trace(tmp_path, project_env):
      "cannot create the profiler trace folder /proc/no-such/traces"),
     (("--lr", "-1"), dict(dp=2, layers=2, micro=1, global_batch=2), "--lr must be a positive learning rate, got -1.0"),
     (("--timeout-s", "nan"), dict(dp=2, layers=2, micro=1, global_batch=2),
-     "--timeout-s must be a positive number of seconds up to 604800 (a week), got nan"),
+     "--timeout-s must be from 1 to 604800 seconds (a week), got nan"),
+    (("--seed", "99999999999999999999999", "--threads", "1"), dict(dp=2, layers=2, micro=1, global_batch=2),
+     "--seed must be from 0 to 2^63 - 1"),
+    (("--threads", "100000"), dict(dp=2, layers=2, micro=1, global_batch=2), "--threads must be from 1 to 1024"),
+    (("--iterations", "99999999999999999999999"), dict(dp=2, layers=2, micro=1, global_batch=2),
+     "--iterations must be from 1 to 100,000"),
 ])
 def test_cli_bad_input_exits_2_with_one_message(tmp_path, project_env, args, spec_kwargs, message):
     proc = train(tmp_path, project_env, tiny_spec_text(**spec_kwargs), *args)
@@ -88,7 +93,7 @@ def test_check_run_names_the_rank_count():
     check_run(spec, 4, 2, 1)
     with pytest.raises(UserError, match="needs dp x tp x pp = 2 x 2 x 1 = 4 ranks but runs on 3"):
         check_run(spec, 3, 2, 1)
-    with pytest.raises(UserError, match="--iterations must be at least 1"):
+    with pytest.raises(UserError, match="--iterations must be from 1 to 100,000"):
         check_run(spec, 4, 0, 0)
     with pytest.raises(UserError, match="--backend must be one of torch, mpi4py"):
         check_run(spec, 4, 2, 1, "nccl")

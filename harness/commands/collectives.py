@@ -21,6 +21,7 @@ from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
 NAME = "collectives"
 HELP = "time collective operations over message sizes on the ranks of this MPI job, as nccl-tests does"
+MAX_ITERS = 1_000_000  # timed runs a size: nccl-tests takes tens; a typo of 10^12 would allocate terabytes
 BACKENDS = ("torch", "gloo", "nccl", "mpi", "ucc", "mpi4py")  # torch: nccl on a GPU, gloo on the CPU
 OUTPUTS = {"output": "-o"}
 INPUTS = ()
@@ -69,9 +70,10 @@ class Options:
                 raise UserError(f"--dtype {args.dtype} cannot go through mpi4py (numpy and MPI have no such "
                                 f"reduction type); use {', '.join(MPI4PY_DTYPES)}, or --backend torch")
         for name in ("iters", "warmup"):
-            value = getattr(args, name)
-            if value < (1 if name == "iters" else 0):
-                raise UserError(f"--{name} {value}: give {'1 or more' if name == 'iters' else '0 or more'}")
+            value, least = getattr(args, name), 1 if name == "iters" else 0
+            if not least <= value <= MAX_ITERS:
+                raise UserError(f"--{name} {value:,}: give {least} to {MAX_ITERS:,} (each size's timings are held "
+                                "in memory)")
         begin, end = parse_size(args.minbytes, "-b"), parse_size(args.maxbytes, "-e")
         try:
             factor = float(args.stepfactor)
@@ -80,7 +82,14 @@ class Options:
         self.sizes = sweep_sizes(begin, end, factor)
         self.backend, self.dtype, self.group = args.backend, args.dtype, args.group
         self.iters, self.warmup, self.device = args.iters, args.warmup, args.device
-        self.output = Path(args.output) if args.output else None  # checked before run (OUTPUTS)
+        self.output = Path(args.output) if args.output else None  # a folder, a path under a file: OUTPUTS
+        if self.output is not None:  # refused before measuring, so that nothing measured is lost at the end
+            from harness.store.hdf5_io import check_replaceable
+            from harness.store.hdf5_schema import COLLECTIVES_KIND
+
+            if not self.output.name.lower().endswith(".h5"):
+                raise UserError(f"-o {self.output}: the benchmark is written as HDF5; give a name ending in .h5")
+            check_replaceable(self.output, COLLECTIVES_KIND, "-o")
 
     def op_sizes(self, ranks: int) -> tuple[dict[str, list[int]], list[str]]:
         """Each operation's sizes, rounded to whole elements (per rank for the split operations), and what

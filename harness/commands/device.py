@@ -60,6 +60,14 @@ def options(args: argparse.Namespace) -> tuple[str | None, int, Path | None]:
     return args.dtype, repeats, output
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options and the device, refused before any rank calibrates (harness.common.subcommands)."""
+    from harness.profile.device_curves import pick_device
+
+    options(args)
+    pick_device(args.device)
+
+
 def run(args: argparse.Namespace) -> int:
     dtype, repeats, output = options(args)
     from harness.common.launch_env import promised_world_size
@@ -92,7 +100,15 @@ def run(args: argparse.Namespace) -> int:
                   for curve, e in errors.items()))
     text = description.to_toml(header=header)
     if output is not None:
-        writable(str(output), lambda: output.write_text(text))
+        def write() -> Path:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(text)
+            return output
+        try:
+            writable(str(output), write)
+        except UserError as exc:  # what was measured is not lost: the description goes to stdout instead
+            sys.stdout.write(text)
+            raise UserError(f"{exc}; the description is printed above instead: save it as a .toml file") from None
     if args.json:
         print(json.dumps({"description": description.to_dict(), "output": str(output) if output else None,
                           "device": str(device), "dtype": dtype, "repeats": repeats, "quick": args.quick,

@@ -11,18 +11,22 @@ from pathlib import Path
 
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
-from harness.plan.spec import MAX_TIMEOUT_S
+from harness.common.subcommands import non_empty
+from harness.plan.spec import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from harness.runtime.mpi_errors import AgreedError, stop_agreed, stop_on_error
 
 NAME = "train"
 HELP = "run real hybrid-parallel training iterations of a spec under MPI and trace every device (trace.h5)"
 
 
+MAX_THREADS = 1024  # torch threads a rank: more than any node's cores (it ran the host out of processes)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from harness.train.runner import DEFAULT_ITERATIONS, DEFAULT_WARMUP
 
     parser.add_argument("spec", nargs="?", default=None, help="TOML job spec (default: the built-in demo job)")
-    parser.add_argument("-o", "--output", required=True, metavar="RUNDIR",
+    parser.add_argument("-o", "--output", required=True, metavar="RUNDIR", type=non_empty,
                         help="folder for rank-NNNNN.trace.h5 and the merged trace.h5 (created if missing)")
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, metavar="K",
                         help=f"training iterations to run (default {DEFAULT_ITERATIONS})")
@@ -43,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("torch", "mpi4py"), default="torch",
                         help="what all-reduces the data-parallel gradients: torch.distributed (default: gloo, NCCL on "
                              "a GPU) or MPI through mpi4py; tensor-parallel and P2P stay on torch.distributed")
-    parser.add_argument("--torch-profiler", metavar="DIR",
+    parser.add_argument("--torch-profiler", metavar="DIR", type=non_empty,
                         help="also record the measured iterations with torch.profiler into DIR/rank-<rank>.json "
                              "(Kineto traces for Perfetto, TensorBoard, HolisticTraceAnalysis, analysis breakdown)")
     parser.add_argument("--timeout-s", type=float, default=None,
@@ -65,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec or default_spec_path())
         check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1, got {args.threads}")
-        if args.timeout_s is not None and not 0 < args.timeout_s <= MAX_TIMEOUT_S:
-            raise UserError(f"--timeout-s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} (a week), got "
+        if not 1 <= args.threads <= MAX_THREADS:
+            raise UserError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads:,}")
+        if not 0 <= args.seed < 2 ** 63:
+            raise UserError(f"--seed must be from 0 to 2^63 - 1 (torch's seeds), got {args.seed:,}")
+        if args.timeout_s is not None and not MIN_TIMEOUT_S <= args.timeout_s <= MAX_TIMEOUT_S:
+            raise UserError(f"--timeout-s must be from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (a week), got "
                             f"{args.timeout_s}")
         if not 0 < args.lr < math.inf:
             raise UserError(f"--lr must be a positive learning rate, got {args.lr}")

@@ -3,20 +3,24 @@ input as one message.
 
 Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int, and where it writes files
 OUTPUTS (its arguments' names -> their options, e.g. {"csv": "--csv"}) and INPUTS (the names of the arguments it
-reads files from): the outputs are checked against them before run (harness.common.output.check_outputs). Bad
-input (UserError)
+reads files from): the outputs are checked against them before run (harness.common.output.check_outputs); an
+optional check(args) refuses bad options before run too. Under an MPI launcher only rank 0 reports what the
+arguments and these checks refuse (every rank sees the same). Bad input (UserError)
 becomes one message on stderr and exit status 2, never a traceback; output cut short by its reader (`| head`)
 ends quietly with status 141, as a tool killed by SIGPIPE. Pure Python: the analysis runs it offline.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import select
 import sys
 
 from harness.common.errors import UserError
+from harness.common.launch_env import launched_rank
 from harness.common.output import check_outputs
 
 
@@ -28,7 +32,7 @@ def build_parser(prog: str, package: str, names: tuple[str, ...], description: s
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
         command.set_defaults(run=module.run, outputs=getattr(module, "OUTPUTS", {}),
-                             inputs=getattr(module, "INPUTS", ()))
+                             inputs=getattr(module, "INPUTS", ()), check=getattr(module, "check", None))
     return parser
 
 
@@ -40,10 +44,21 @@ def non_empty(text: str) -> str:
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    args = parser.parse_args(argv)
+    # the arguments and the checks before run see the same input on every rank of an MPI job: rank 0 alone says
+    # what is wrong (run's own errors are agreed between the ranks by the commands that communicate)
+    first = launched_rank() in (None, 0)
+    with contextlib.nullcontext() if first else contextlib.redirect_stderr(io.StringIO()):
+        args = parser.parse_args(argv)
     try:
         check_outputs({option: getattr(args, name, None) for name, option in args.outputs.items()},
                       _paths(getattr(args, name, None) for name in args.inputs))
+        if args.check is not None:
+            args.check(args)
+    except UserError as exc:
+        if first:
+            print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    try:
         status = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a reader gone away is caught, not in the interpreter's exit
         return status

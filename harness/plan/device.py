@@ -258,12 +258,22 @@ def shipped_devices() -> list[str]:
 
 
 def check_output_path(text: str, option: str = "-o") -> Path:
-    """The path a description is written to: a .toml file (what `[cluster] device` reads as a path); UserError
-    naming `option` otherwise (a folder or an unwritable place: harness.common.output.check_outputs)."""
+    """The path a description is written to: a .toml file (what `[cluster] device` reads as a path) that is not
+    already something else (a job spec: both end in .toml); UserError naming `option` otherwise (a folder or an
+    unwritable place: harness.common.output.check_outputs)."""
     output = Path(text)
     if output.suffix != ".toml":
         raise UserError(f"{option} {text}: a device description is a .toml file (a spec's [cluster] device reads a "
                         "path ending in .toml)")
+    if output.is_file():
+        try:
+            existing = tomllib.loads(output.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            existing = None
+        if not isinstance(existing, dict) or "format" not in existing:
+            what = "a job spec" if isinstance(existing, dict) and "model" in existing else "not a device description"
+            raise UserError(f"{option} {text}: exists and is {what}; writing the description there would replace it: "
+                            "give another name")
     return output
 
 

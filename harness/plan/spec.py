@@ -476,6 +476,8 @@ LIMITS = {
     "strategy.chunks": (1_024, "interleaved schedules use a few chunks per device"),
     "cluster.nodes": (1_048_576, "2^20 nodes are more than any cluster has"),
     "cluster.gpus_per_node": (4_096, "a node holds a few to a few hundred devices"),
+    "profile.repeats": (1_000_000, "a profile takes tens to thousands of samples an event"),
+    "profile.warmup": (100_000, "a few warm-up runs an event settle it"),
 }
 MAX_DEVICES = 1_048_576
 MAX_MICRO_BATCHES = 100_000  # per pipeline per iteration: the timeline simulates each one
@@ -497,18 +499,20 @@ def _int(section: dict, key: str, where: str, default: Any = None, minimum: int 
     return value
 
 
-def _number(section: dict, key: str, where: str, default: float, maximum: float = math.inf) -> float:
+def _number(section: dict, key: str, where: str, default: float, maximum: float = math.inf,
+            minimum: float = 0.0) -> float:
     value = section.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise SpecError(f"must be a positive, finite number, got {value!r}", field=f"{where}.{key}")
-    if value > maximum:
-        raise SpecError(f"must be at most {maximum:g}, got {value!r}", field=f"{where}.{key}")
+    if not minimum <= value <= maximum:
+        raise SpecError(f"must be from {minimum:g} to {maximum:g}, got {value!r}", field=f"{where}.{key}")
     return float(value)
 
 
-# a communication timeout's bound: torch's process groups and Python's waits take it as a C integer of
-# milliseconds and a platform time; a week is past any phase
+# a communication timeout's bounds: torch's process groups and Python's waits take it as a C integer of
+# milliseconds and a platform time, and a week is past any phase; below a second the ranks cannot even meet
 MAX_TIMEOUT_S = 7 * 86400.0
+MIN_TIMEOUT_S = 1.0
 
 
 MAX_PRECISION = 0.5
@@ -830,7 +834,7 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     p = data.get("profile", {})
     profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
                           backend=_choice(p, "backend", "profile", "torch", BACKENDS),
-                          timeout_s=_number(p, "timeout_s", "profile", 600.0, MAX_TIMEOUT_S),
+                          timeout_s=_number(p, "timeout_s", "profile", 600.0, MAX_TIMEOUT_S, MIN_TIMEOUT_S),
                           device=_choice(p, "device", "profile", "auto", ("auto", "cpu", "cuda")),
                           precision=_precision(p.get("precision", 0.02), "profile.precision"),
                           budget_s=_number(p, "budget_s", "profile", 60.0))

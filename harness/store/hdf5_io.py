@@ -258,6 +258,29 @@ def reading(path: Path, kind: str) -> Iterator[None]:
                         f"or a part is missing); {remedy}") from None
 
 
+def check_replaceable(path: str | Path, kind: str, option: str) -> None:
+    """UserError where writing a file of `kind` at `path` would replace something else: an existing file that is
+    not one of this project's HDF5 files of that kind (a run's trace, a spec, another tool's data). A missing
+    path, or a file of `kind` (the same command's earlier output), may be written."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    found = "a file that is not HDF5"
+    try:
+        with path.open("rb") as raw:
+            if raw.read(8) == b"\x89HDF\r\n\x1a\n":
+                with h5py.File(path, "r") as f:
+                    other = f.attrs.get("kind")
+                other = other.decode() if isinstance(other, bytes) else other
+                if other == kind:
+                    return
+                found = describe_kind(str(other)) if other else "an HDF5 file of another tool"
+    except (OSError, ValueError):
+        found = "a file that cannot be read"
+    raise UserError(f"{option} {path}: exists and is {found}; writing {describe_kind(kind)} there would replace "
+                    "it: give another name")
+
+
 def describe_kind(kind: str) -> str:
     return KIND_DESCRIPTIONS.get(kind, f"a file of kind {kind!r}")
 

@@ -51,6 +51,9 @@ class TrainResult:
         return self.iteration_s[self.warmup:]
 
 
+MAX_ITERATIONS = 100_000  # a run measures a few to a few hundred; more is a typo that would run for days
+
+
 def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_backend: str = "torch",
               layer_times: bool = False) -> None:
     """Raise UserError when this run cannot start (same verdict on every rank)."""
@@ -85,8 +88,8 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
         raise UserError(f"the job needs {s.layout} = {s.world} ranks but runs on "
                         f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
                         "machine, the MPI world is what runs)")
-    if iterations < 1:
-        raise UserError(f"--iterations must be at least 1, got {iterations}")
+    if not 1 <= iterations <= MAX_ITERATIONS:
+        raise UserError(f"--iterations must be from 1 to {MAX_ITERATIONS:,}, got {iterations:,}")
     if not 0 <= warmup < iterations:
         raise UserError(f"--warmup must be between 0 and --iterations - 1 = {iterations - 1}, got {warmup}")
     if spec.optimizer.master_weights:
