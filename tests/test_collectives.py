@@ -159,7 +159,7 @@ def test_an_output_that_cannot_be_a_file_is_refused_before_measuring(tmp_path, p
         result = mpirun_harness(2, ["collectives", "-o", str(output)], project_env, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and "allreduce" not in result.stdout  # nothing was measured
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # rank 0 alone says it
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # the ranks agree; rank 0 says it
     assert trace.read_bytes() == before
 
 

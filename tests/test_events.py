@@ -219,3 +219,14 @@ def test_harness_train_refuses_master_weights():
                       + "[optimizer]\nmaster_weights = true\n")
     with pytest.raises(UserError, match="master_weights = true is for the memory model only"):
         check_run(spec, 1, 3, 1)
+
+
+def test_one_devices_flow_through_the_command(tmp_path, capsys):
+    """`harness events SPEC --device RANK`: the rank is a number, not a file the registry checks."""
+    from harness.commands.cli import main as harness_main
+    from tests.helpers import tiny_spec_text
+
+    spec = tmp_path / "job.toml"
+    spec.write_text(tiny_spec_text(dp=2, layers=2, micro=1, global_batch=2))
+    assert harness_main(["events", str(spec), "--device", "1"]) == 0
+    assert "Traceback" not in capsys.readouterr().err

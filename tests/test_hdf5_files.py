@@ -262,3 +262,25 @@ def test_an_edited_profile_is_one_message(tmp_path, damage):
             f.attrs["spec_json"] = "[1, 2]"
     with pytest.raises(UserError, match="not what docs/hdf5.md describes"):
         load_profile(path)
+
+
+def test_an_edited_rank_file_is_measured_again_not_fatal(tmp_path, capsys):
+    """A rank file whose numeric attribute was edited to text: read_measurements says so as bad input, and a
+    resume measures what it held again (it had stopped the profile's set-up on every rerun)."""
+    import shutil
+
+    import h5py
+
+    from harness.common.errors import UserError
+    from harness.profile.run import _stored
+    from harness.store.profile_store import read_measurements
+
+    path = tmp_path / "rank-00000.h5"
+    shutil.copy(Path(__file__).parent / "data" / "pp2-profile.h5", path)
+    with h5py.File(path, "r+") as f:
+        next(iter(f["measurements"].values())).attrs["compute_phase"] = "{junk"
+    with pytest.raises(UserError, match="a measurement is not what docs/hdf5.md describes"):
+        read_measurements(path)
+    (tmp_path / "rank-00000.h5").rename(tmp_path / "profile.h5")
+    assert _stored(tmp_path, "env") == {}
+    assert "not reading profile.h5" in capsys.readouterr().err

@@ -112,6 +112,8 @@ def test_outputs_are_checked_before_the_work(tmp_path):
         check_outputs({"--csv": str(measured)}, [str(tmp_path)])
     check_outputs({"--csv": str(tmp_path / "new" / "a.csv"), "--png": None}, [str(measured), "h100-sxm"])
     check_outputs({"--png": str(tmp_path / "chart.png")}, [str(tmp_path)])  # a new file in an input folder
+    with pytest.raises(UserError, match="--csv .*: cannot write it .File name too long"):  # not an OSError
+        check_outputs({"--csv": str(tmp_path / ("a" * 300 + ".csv"))})
     assert measured.read_bytes() == b"measured" and not (tmp_path / "new").exists()
 
 
@@ -123,3 +125,4 @@ def test_the_launchers_rank_is_read_without_mpi():
     assert launched_rank({"OMPI_COMM_WORLD_RANK": "1"}) == 1
     assert launched_rank({"SLURM_PROCID": "2"}) is None  # a batch script's shell, not a step's task
     assert launched_rank({"SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}) == 2
+    assert launched_rank({"PMI_RANK": ""}) is None  # a launcher's variable left empty: no rank said

@@ -163,3 +163,17 @@ def test_p2p_tags_are_distinct_and_every_received_tensor_has_a_shape():
         assert len(tags) == len(set(tags))
         wanted = {vs for vs in local if vs > 0} | {vs + 1 for vs in local if vs < s.virtual_stages - 1}
         assert set(links.act_spec) == wanted
+
+
+def test_any_run_seed_draws_tokens_and_small_ones_draw_as_before():
+    """make_tokens reduces its generator's seed as layer_seed does: a seed of 10^13 or -1 runs, and a small seed
+    draws what it drew before the reduction."""
+    from harness.train.model import make_tokens
+    from tests.helpers import tiny_spec_text
+
+    spec = loads_spec(tiny_spec_text())
+    for seed in (10 ** 13, -1, 2 ** 70):
+        assert make_tokens(spec, seed).shape == (spec.batch.global_size, spec.model.seq_len + 1)
+    before = torch.randint(0, spec.model.vocab, (spec.batch.global_size, spec.model.seq_len + 1),
+                           generator=torch.Generator().manual_seed(5 * 7_777_777 + 1_234_567 + 2), dtype=torch.long)
+    assert torch.equal(make_tokens(spec, 5, iteration=2), before)

@@ -47,7 +47,7 @@ CSV_COLUMNS = ("rank", "strategy", "gpus", "dp", "tp", "pp", "schedule", "chunks
                "peak_memory_bytes", "feasible", "speedup", "reason", "train_s", "gpu_hours", "batch_time_p5_s",
                "batch_time_p95_s", "indistinguishable_from_best", "recommended", "least_batch_time_s", "pruned")
 OUTPUTS = {"csv": "--csv", "png": "--png", "write_spec": "--write-spec"}
-INPUTS = ("input", "spec", "profile")
+INPUTS = ("input", "spec", "profile", "network")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ NAME = "simulate"
 HELP = ("predict one training iteration's timeline on every device from a profile or a spec alone (table, --json, "
         "trace, PNG)")
 OUTPUTS = {"csv": "--csv", "trace": "--trace", "png": "--png", "out": "--out"}
-INPUTS = ("input", "spec", "profile", "collectives")
+INPUTS = ("input", "spec", "profile", "collectives", "network")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

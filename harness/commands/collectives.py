@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from harness.common.errors import UserError
+from harness.common.output import check_outputs
 from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
@@ -23,8 +24,6 @@ NAME = "collectives"
 HELP = "time collective operations over message sizes on the ranks of this MPI job, as nccl-tests does"
 MAX_ITERS = 1_000_000  # timed runs a size: nccl-tests takes tens; a typo of 10^12 would allocate terabytes
 BACKENDS = ("torch", "gloo", "nccl", "mpi", "ucc", "mpi4py")  # torch: nccl on a GPU, gloo on the CPU
-OUTPUTS = {"output": "-o"}
-INPUTS = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +81,12 @@ class Options:
         self.sizes = sweep_sizes(begin, end, factor)
         self.backend, self.dtype, self.group = args.backend, args.dtype, args.group
         self.iters, self.warmup, self.device = args.iters, args.warmup, args.device
-        self.output = Path(args.output) if args.output else None  # a folder, a path under a file: OUTPUTS
-        if self.output is not None:  # refused before measuring, so that nothing measured is lost at the end
+        self.output = Path(args.output) if args.output is not None else None
+        if self.output is not None:  # refused before measuring, with the ranks agreed: nothing measured is lost
             from harness.store.hdf5_io import check_replaceable
             from harness.store.hdf5_schema import COLLECTIVES_KIND
 
+            check_outputs({"-o": args.output})
             if not self.output.name.lower().endswith(".h5"):
                 raise UserError(f"-o {self.output}: the benchmark is written as HDF5; give a name ending in .h5")
             check_replaceable(self.output, COLLECTIVES_KIND, "-o")

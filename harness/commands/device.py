@@ -61,11 +61,8 @@ def options(args: argparse.Namespace) -> tuple[str | None, int, Path | None]:
 
 
 def check(args: argparse.Namespace) -> None:
-    """The options and the device, refused before any rank calibrates (harness.common.subcommands)."""
-    from harness.profile.device_curves import pick_device
-
+    """The options, refused before any rank calibrates (harness.common.subcommands)."""
     options(args)
-    pick_device(args.device)
 
 
 def run(args: argparse.Namespace) -> int:

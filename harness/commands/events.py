@@ -16,7 +16,7 @@ from harness.plan.spec import load_spec, vocab_padding_note
 NAME = "events"
 HELP = "list the unique events of one training iteration (table, or --json)"
 OUTPUTS = {"csv": "--csv"}
-INPUTS = ("spec", "device")
+INPUTS = ("spec",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

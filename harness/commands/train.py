@@ -71,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
         check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if not 1 <= args.threads <= MAX_THREADS:
             raise UserError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads:,}")
-        if not 0 <= args.seed < 2 ** 63:
-            raise UserError(f"--seed must be from 0 to 2^63 - 1 (torch's seeds), got {args.seed:,}")
         if args.timeout_s is not None and not MIN_TIMEOUT_S <= args.timeout_s <= MAX_TIMEOUT_S:
             raise UserError(f"--timeout-s must be from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (a week), got "
                             f"{args.timeout_s}")

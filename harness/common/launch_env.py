@@ -7,11 +7,10 @@ import os
 def launched_rank(environ: dict[str, str] | None = None) -> int | None:
     """This process's rank as the launcher says (None if no launcher says)."""
     env = os.environ if environ is None else environ
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if name in env:
+    names = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK") + (("SLURM_PROCID",) if "SLURM_STEP_ID" in env else ())
+    for name in names:
+        if env.get(name, "").strip().isdigit():
             return int(env[name])
-    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"])
     return None
 
 

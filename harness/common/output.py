@@ -134,20 +134,27 @@ def check_outputs(outputs: Mapping[str, str | Path | None], inputs: Iterable[str
             continue
         if not str(path).strip():
             raise UserError(f"{option}: the file name is empty; give a file to write, or leave {option} out")
-        path = Path(path)
-        if path.is_dir():
-            raise UserError(f"{option} {path}: cannot write it, it is a folder; give a file name in it")
-        folder = nearest_existing(path.parent)
-        if not folder.is_dir():
-            raise UserError(f"{option} {path}: cannot write it, {folder} is a file, not a folder; give a path in a "
-                            "folder")
-        real = os.path.realpath(path)
-        if real in read:
-            raise UserError(f"{option} {path}: is {read[real]}, which this command reads; writing it would lose "
-                            "it: give another file")
-        if real in seen:
-            raise UserError(f"{option} {path}: {seen[real]} writes the same file; give each output its own")
-        seen[real] = option
+        try:
+            _check_output(option, Path(path), read, seen)
+        except OSError as exc:  # a name too long, a folder this user cannot look into
+            raise UserError(f"{option} {path}: cannot write it ({exc.strerror or exc}); give another path") from None
+
+
+def _check_output(option: str, path: Path, read: dict[str, str], seen: dict[str, str]) -> None:
+    """check_outputs' checks of one output (OSError where the system cannot look at the path)."""
+    if path.is_dir():
+        raise UserError(f"{option} {path}: cannot write it, it is a folder; give a file name in it")
+    folder = nearest_existing(path.parent)
+    if not folder.is_dir():
+        raise UserError(f"{option} {path}: cannot write it, {folder} is a file, not a folder; give a path in a "
+                        "folder")
+    real = os.path.realpath(path)
+    if real in read:
+        raise UserError(f"{option} {path}: is {read[real]}, which this command reads; writing it would lose "
+                        "it: give another file")
+    if real in seen:
+        raise UserError(f"{option} {path}: {seen[real]} writes the same file; give each output its own")
+    seen[real] = option
 
 
 FOLDER_INPUTS = ("trace.h5", "profile.h5")  # what a command reads in a folder given as its input

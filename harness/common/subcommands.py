@@ -4,8 +4,9 @@ input as one message.
 Every subcommand module defines NAME, HELP, add_arguments(parser) and run(args) -> int, and where it writes files
 OUTPUTS (its arguments' names -> their options, e.g. {"csv": "--csv"}) and INPUTS (the names of the arguments it
 reads files from): the outputs are checked against them before run (harness.common.output.check_outputs); an
-optional check(args) refuses bad options before run too. Under an MPI launcher only rank 0 reports what the
-arguments and these checks refuse (every rank sees the same). Bad input (UserError)
+optional check(args) refuses bad options before run too. Under an MPI launcher only rank 0 reports a bad
+argument (every rank parses the same); an MPI command checks its outputs inside its ranks' agreement instead of
+declaring them (harness collectives). Bad input (UserError)
 becomes one message on stderr and exit status 2, never a traceback; output cut short by its reader (`| head`)
 ends quietly with status 141, as a tool killed by SIGPIPE. Pure Python: the analysis runs it offline.
 """
@@ -44,8 +45,9 @@ def non_empty(text: str) -> str:
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    # the arguments and the checks before run see the same input on every rank of an MPI job: rank 0 alone says
-    # what is wrong (run's own errors are agreed between the ranks by the commands that communicate)
+    # the arguments are the same on every rank of an MPI job: rank 0 alone says what is wrong with them (the checks
+    # below look at files, which a node may see differently: every rank says its own; the commands that
+    # communicate agree on run's errors and rank 0 reports them)
     first = launched_rank() in (None, 0)
     with contextlib.nullcontext() if first else contextlib.redirect_stderr(io.StringIO()):
         args = parser.parse_args(argv)
@@ -54,11 +56,6 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
                       _paths(getattr(args, name, None) for name in args.inputs))
         if args.check is not None:
             args.check(args)
-    except UserError as exc:
-        if first:
-            print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_status
-    try:
         status = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a reader gone away is caught, not in the interpreter's exit
         return status

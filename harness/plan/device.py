@@ -265,7 +265,7 @@ def check_output_path(text: str, option: str = "-o") -> Path:
     if output.suffix != ".toml":
         raise UserError(f"{option} {text}: a device description is a .toml file (a spec's [cluster] device reads a "
                         "path ending in .toml)")
-    if output.is_file():
+    if output.is_file() and output.stat().st_size:  # an empty file (mktemp's) holds nothing to lose
         try:
             existing = tomllib.loads(output.read_text())
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):

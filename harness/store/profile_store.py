@@ -17,6 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from harness.common.errors import UserError
 from harness.store.hdf5_io import (
     create,
     create_group,
@@ -125,8 +126,11 @@ def _open(path: str | Path) -> Iterator[h5py.File]:
 def read_measurements(path: str | Path) -> dict[str, Measurement]:
     """All measurements in a rank file or a merged profile (UserError if it is damaged or foreign)."""
     with _open(path) as f:
-        return {eid: read_measurement(eid, g) for eid, g in f["measurements"].items()} \
-            if "measurements" in f else {}
+        try:
+            return {eid: read_measurement(eid, g) for eid, g in f["measurements"].items()} \
+                if "measurements" in f else {}
+        except (ValueError, KeyError, TypeError) as exc:  # an edited file: said so, as load_profile says it
+            raise UserError(f"{path}: a measurement is not what docs/hdf5.md describes ({exc})") from None
 
 
 def read_rank_probes(path: str | Path) -> dict[str, float | None]:

@@ -170,7 +170,7 @@ def activation_spec(spec: JobSpec, layers: Sequence[LayerDesc], first_position: 
 
 def make_tokens(spec: JobSpec, seed: int, iteration: int = 0) -> torch.Tensor:
     """Random token ids of the whole global batch, (global, seq + 1): inputs are [:, :-1], targets [:, 1:]."""
-    generator = torch.Generator().manual_seed(seed * 7_777_777 + 1_234_567 + iteration)
+    generator = torch.Generator().manual_seed((seed * 7_777_777 + 1_234_567 + iteration) % (2**63 - 1))
     return torch.randint(0, spec.model.vocab, (spec.batch.global_size, spec.model.seq_len + 1),
                          generator=generator, dtype=torch.long)
 
