@@ -32,6 +32,14 @@ shift 2
 [[ -f "$SPEC" ]] || die "spec not found: $SPEC (relative paths are taken from $PWD)"
 SPEC=$(cd "$(dirname "$SPEC")" && pwd)/$(basename "$SPEC")
 [[ -n "$OUTDIR" ]] || die "OUTDIR is empty: give the folder the profile is written to"
+[[ "$OUTDIR" != -* ]] || die "OUTDIR '$OUTDIR' looks like an option: give the output folder second (sbatch \
+slurm/profile.sh SPEC OUTDIR [harness profile options...])"
+for arg in "$@"; do
+    case "$arg" in
+        -o|-o?*|--output|--output=*)
+            die "the output folder is OUTDIR, the second argument: drop '$arg' from the options" ;;
+    esac
+done
 
 # Project root. Slurm runs a copy of this script from its spool folder, so $0 only helps
 # when the script is run in place (e.g. under salloc).
@@ -60,6 +68,10 @@ elif [[ -n "${DISTSIM_VENV:-}" ]]; then
 else
     PY=$(command -v python3) || die "no $VENV/bin/python and no python3 on PATH: set DISTSIM_VENV or DISTSIM_PYTHON"
 fi
+# checked here, once, rather than as a traceback on every rank inside srun
+"$PY" -c "import mpi4py, torch, h5py, numpy" 2>/dev/null \
+    || die "$PY cannot import mpi4py, torch, h5py and numpy: set DISTSIM_VENV to the project's environment" \
+           "(make setup) or DISTSIM_PYTHON"
 
 NTASKS=${SLURM_NTASKS:-1}
 echo "distsim-profile: job $SLURM_JOB_ID, $NTASKS tasks on ${SLURM_JOB_NUM_NODES:-1} node(s) (${SLURM_JOB_NODELIST:-?})"
@@ -96,7 +108,8 @@ step "${LAUNCH[@]}" "$PY" -m mpi4py -m harness profile "$SPEC" -o "$OUTDIR" "$@"
 [[ -f "$PROFILE" ]] || die "the profile run wrote no $PROFILE"
 
 echo "+ $PY -m analysis simulate $PROFILE --spec $SPEC --trace $TRACE --png $PICTURE --json > $PREDICTION"
-"$PY" -m analysis simulate "$PROFILE" --spec "$SPEC" --trace "$TRACE" --png "$PICTURE" --json > "$PREDICTION.part"
+"$PY" -m analysis simulate "$PROFILE" --spec "$SPEC" --trace "$TRACE" --png "$PICTURE" --json > "$PREDICTION.part" \
+    || { rm -f "$PREDICTION.part"; die "the prediction failed (above); the profile is kept: $PROFILE"; }
 mv "$PREDICTION.part" "$PREDICTION"
 step "$PY" -m analysis simulate "$PROFILE" --spec "$SPEC"
 

@@ -249,3 +249,26 @@ def test_the_failure_hook_refuses_a_phase_it_does_not_know(monkeypatch):
     monkeypatch.setenv("DISTSIM_FAIL_PHASE", "comunication")
     with pytest.raises(RuntimeError, match="not one of"):
         _fail_if_asked(0, "compute")
+
+
+def test_the_slurm_script_refuses_a_misplaced_output_folder_before_launching(tmp_path):
+    """slurm/profile.sh: a forgotten OUTDIR (an option in its place), an -o among the options (it would have won in
+    argparse and left OUTDIR empty), and an interpreter without the project's packages, each one message, exit 2,
+    no folder made, before any srun (run here as in an allocation, with SLURM_JOB_ID set)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = tmp_path / "job.toml"
+    spec.write_text((root / "harness" / "jobs" / "demo.toml").read_text())
+    env = {**os.environ, "SLURM_JOB_ID": "1", "DISTSIM_HOME": str(root)}
+    cases = [(["job.toml", "--force"], {}, "OUTDIR '--force' looks like an option"),
+             (["job.toml", "out", "-o", "x"], {}, "drop '-o' from the options"),
+             (["job.toml", "out", "--output=x"], {}, "drop '--output=x' from the options"),
+             (["job.toml", "out"], {"DISTSIM_PYTHON": "/usr/bin/python3"}, "cannot import mpi4py, torch, h5py")]
+    system = Path("/usr/bin/python3")
+    if not system.exists() or subprocess.run([str(system), "-c", "import mpi4py, torch, h5py, numpy"],
+                                             capture_output=True).returncode == 0:
+        cases.pop()  # no system interpreter, or one with every package: nothing to refuse
+    for args, extra, message in cases:
+        done = subprocess.run(["bash", str(root / "slurm" / "profile.sh"), *args], cwd=tmp_path, capture_output=True,
+                              text=True, env={**env, **extra}, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
