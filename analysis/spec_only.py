@@ -11,9 +11,8 @@ from harness.common.errors import UserError
 from harness.plan.device import shipped_devices
 from harness.plan.events import COMM_KINDS, EventPlan
 from harness.plan.spec import JobSpec, load_spec, parse_strategy_overrides
-from harness.store.hdf5_schema import PROFILE_SCHEMA_VERSION
+from harness.store.hdf5_schema import HDF5_SIGNATURE, PROFILE_SCHEMA_VERSION
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NO_PROFILE = "no profile: costed from the spec's device and network"
 
 

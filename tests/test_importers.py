@@ -111,6 +111,13 @@ def test_deepseek_v3_like_configs_map_their_experts_and_name_what_is_left_out(tm
         assert what in left_out
 
 
+def test_a_spec_is_written_as_toml_only(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        harness_main(["spec", "--from-hf", str(DATA / "hf" / "gpt2.json"), "-o", str(tmp_path / "job.json")])
+    assert exit.value.code == 2 and "a job spec is written as FILE.toml" in capsys.readouterr().err
+    assert not (tmp_path / "job.json").exists()
+
+
 def test_a_config_without_its_sizes_is_refused_not_guessed(tmp_path):
     """Only GPT-2's missing n_inner means 4 x hidden; another family's intermediate_size must be stated. An expert
     count of 0 is a dense model; one that is not a positive integer is refused."""

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from harness.common.errors import UserError
-from harness.common.output import check_outputs
+from harness.common.output import HDF5_NAMES, check_outputs, named
 from harness.plan.collectives import ELEMENT_BYTES, OPS, SPLIT_OPS, parse_size, round_size, sweep_sizes
 from harness.runtime.mpi_errors import stop_on_error, yielding_barrier
 
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(one per node) (default: all)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where torch's buffers live (auto: the GPU of each local rank under NCCL)")
-    parser.add_argument("-o", "--output", metavar="FILE.h5", help="also write the results here (docs/hdf5.md)")
+    parser.add_argument("-o", "--output", metavar="FILE.h5", type=named(HDF5_NAMES),
+                        help="also write the results here (docs/hdf5.md)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -87,8 +88,6 @@ class Options:
             from harness.store.hdf5_schema import COLLECTIVES_KIND
 
             check_outputs({"-o": args.output})
-            if not self.output.name.lower().endswith(".h5"):
-                raise UserError(f"-o {self.output}: the benchmark is written as HDF5; give a name ending in .h5")
             check_replaceable(self.output, COLLECTIVES_KIND, "-o")
 
     def op_sizes(self, ranks: int) -> tuple[dict[str, list[int]], list[str]]:

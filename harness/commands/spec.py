@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from harness.common.errors import UserError
-from harness.common.output import writable
+from harness.common.output import SPEC_NAMES, named, writable
 from harness.plan.importers.hf import from_hf
 from harness.plan.importers.megatron import from_megatron
 from harness.plan.spec import parse_strategy_overrides, vocab_padding_note
@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--from-megatron", metavar="SCRIPT_OR_ARGS",
                         help="a Megatron-LM / Megatron-DeepSpeed launch script, or its arguments in quotes")
     source.add_argument("--from-hf", metavar="CONFIG_JSON", help="a Hugging Face model's config.json")
-    parser.add_argument("-o", "--output", metavar="JOB.toml", help="write the spec here (default: print it)")
+    parser.add_argument("-o", "--output", metavar="JOB.toml", type=named(SPEC_NAMES),
+                        help="write the spec here (default: print it)")
     parser.add_argument("--gpus", type=int, metavar="N", help="the job's GPUs (Megatron: instead of the launcher's; "
                         "Hugging Face: data-parallel over them, default 1)")
     parser.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs a node (default: the launcher's, or 8)")
@@ -38,9 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.output and not args.output.lower().endswith(".toml"):
-        raise UserError(f"-o {args.output}: a job spec is written as FILE.toml (what every command reads); give such "
-                        "a name")
     for name in ("gpus", "gpus_per_node", "seq_len", "micro", "global_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -48,6 +48,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 
 
 PNG_NAMES = ((".png",), "charts are written as PNG; give a file name ending in .png")
+SPEC_NAMES = ((".toml",), "a job spec is written as FILE.toml (what every command reads); give such a name")
+HDF5_NAMES = ((".h5",), "the results are written as HDF5; give a name ending in .h5")
 TRACE_NAMES = ((".json", ".json.gz"), "a trace is written as FILE.json or FILE.json.gz (what ui.perfetto.dev "
                                       "opens); give such a name")
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from harness.common.errors import UserError
 from harness.common.output import free_bytes, write_failure
-from harness.store.hdf5_schema import KIND_DESCRIPTIONS, MERGED_FILE_HINTS, MERGED_KINDS, REMEDIES
+from harness.store.hdf5_schema import HDF5_SIGNATURE, KIND_DESCRIPTIONS, MERGED_FILE_HINTS, MERGED_KINDS, REMEDIES
 
 LONG_ATTRS = "long_attrs"
 LONG_TEXT_BYTES = 60_000
@@ -268,7 +268,7 @@ def check_replaceable(path: str | Path, kind: str, option: str) -> None:
     found = "a file that is not HDF5"
     try:
         with path.open("rb") as raw:
-            if raw.read(8) == b"\x89HDF\r\n\x1a\n":
+            if raw.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
                 with h5py.File(path, "r") as f:
                     other = f.attrs.get("kind")
                 other = other.decode() if isinstance(other, bytes) else other
@@ -300,10 +300,10 @@ def open_file(path: str | Path, kinds: str | Sequence[str], versions: Sequence[i
         raise UserError(f"{path} is a folder, not {wanted}; {remedy}")
     try:
         with path.open("rb") as raw:
-            head = raw.read(8)
+            head = raw.read(len(HDF5_SIGNATURE))
     except OSError as exc:
         raise UserError(f"{path}: cannot read it ({exc.strerror}); {remedy}") from None
-    if head != b"\x89HDF\r\n\x1a\n":
+    if head != HDF5_SIGNATURE:
         raise UserError(f"{path}: not an HDF5 file, so not {wanted}; {remedy}")
     with reading(path, kinds[0]):
         f = h5py.File(path, "r")

@@ -6,6 +6,8 @@ analysis.timeline_file) and the readers (harness.store.profile_reader, analysis.
 take the same names from here; harness.store.hdf5_io writes and reads them.
 """
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of every HDF5 file
+
 # Version 2: every dataset checksummed (fletcher32), text fixed-length UTF-8, HDF5's newest format
 # (harness.store.hdf5_io); version 1 files hold the same layout without checksums and are still read.
 READ_VERSIONS = (1, 2)
