@@ -253,3 +253,40 @@ def test_a_collectives_benchmark_into_a_full_disk_prints_its_table_then_one_mess
     assert "MPI_Abort" not in result.stderr and "Traceback" not in result.stderr
     assert "avg bus bandwidth" in result.stdout and "results:" not in result.stdout  # measured, not lost
     assert [p.name for p in disk.iterdir()] == ["filler"]
+
+
+# --- a user's model that fails only on real tensors ---------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["train", "profile"])
+def test_a_model_that_breaks_on_real_tensors_is_one_message_naming_its_line(tmp_path, project_env, command):
+    """The factory builds on the meta device, so the spec is valid; the model's forward fails when run. Every rank
+    ends at once with one line naming the rank, what it was doing and the line of the user's code, exit status 2
+    (bad input: the model); no traceback."""
+    spec = tmp_path / "job.toml"
+    spec.write_text("""[model]
+factory = "tests.user_model:breaks_on_real_tensors"
+layers = 4
+hidden = 32
+seq_len = 16
+vocab = 128
+[batch]
+global = 4
+micro = 1
+[strategy]
+dp = 1
+pp = 2
+[cluster]
+nodes = 1
+gpus_per_node = 2
+[profile]
+repeats = 3
+warmup = 1
+""")
+    extra = ["--iterations", "2", "--warmup", "1"] if command == "train" else ["--quiet"]
+    result = mpirun_harness(2, [command, str(spec), "-o", str(tmp_path / "out"), *extra], project_env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith(f"harness {command}: rank ")]
+    assert failed, result.stderr
+    assert "failed in" in failed[0] and "RuntimeError" in failed[0]
+    assert "raised in the model's code at" in failed[0] and "user_model.py:" in failed[0] and "in forward" in failed[0]
+    assert "Traceback" not in result.stderr

@@ -36,3 +36,23 @@ def not_layers(model):
 def exits(model):
     """A factory that breaks the contract another way: it ends the process instead of returning layers."""
     raise SystemExit(0)
+
+
+class BreaksOnRealTensors(nn.Module):
+    """Described fine on the meta device; its forward fails on real tensors (a user's bug found only when run)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        if x.is_meta:
+            return self.linear(x)
+        return self.linear(x[..., :1])  # the user's bug: the wrong slice
+
+
+def breaks_on_real_tensors(model):
+    """`build`'s model with its second layer broken on real tensors."""
+    width = model.hidden or 32
+    return [Embed(model.vocab, width), BreaksOnRealTensors(width), *(Mixer(width) for _ in range(model.layers - 3)),
+            nn.Linear(width, model.vocab)]

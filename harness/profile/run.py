@@ -36,7 +36,7 @@ from harness.plan.events import COMM_KINDS, INTER, INTRA, UniqueEvents, build_pl
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
-from harness.runtime.mpi_errors import AgreedError, raise_if_any, yielding_barrier
+from harness.runtime.mpi_errors import AgreedError, abort_on_failure, raise_if_any, yielding_barrier
 from harness.store.hdf5_io import open_file, read_environment, reading
 from harness.store.hdf5_schema import (
     ACTIVATION_BYTES_ATTR,
@@ -386,13 +386,12 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         run.watchdog.stop()
         raise
     except Exception as exc:  # any failure ends every rank now, with this rank's message
-        print(f"harness profile: rank {run.rank} ({run.topology.hostnames[run.rank]}) failed in phase "
-              f"'{run.phase}': {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         try:
             if run.recorder is not None:
                 run.recorder.flush()  # keep what this rank finished
         finally:
-            comm.Abort(exc.exit_status if isinstance(exc, UserError) else 1)  # bad input keeps its status 2
+            abort_on_failure(comm, "harness profile", run.rank, run.topology.hostnames[run.rank],
+                             f"phase '{run.phase}'", exc)
         raise
     return result
 

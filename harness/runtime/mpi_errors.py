@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import time
+from pathlib import Path
 
 from harness.common.errors import UserError
 
@@ -75,3 +77,35 @@ def stop_on_error(comm, error: UserError | None) -> int | None:
     except AgreedError as agreed:
         return stop_agreed(comm, agreed)
     return None
+
+
+_PROJECT_PACKAGES = tuple(os.path.join(Path(__file__).resolve().parents[2], name, "")
+                          for name in ("harness", "launcher", "analysis"))
+_LIBRARIES = tuple({os.path.join(sysconfig.get_paths()[key], "")
+                    for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def user_code_frame(exc: BaseException) -> str | None:
+    """Where in the user's own code (a factory model: not this project's packages, not Python's library, not an
+    installed package) `exc` was raised, as "FILE:LINE, in FUNCTION": the deepest such frame of its traceback."""
+    where = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename
+        if not path.startswith("<") and not os.path.abspath(path).startswith(_PROJECT_PACKAGES + _LIBRARIES):
+            where = f"{path}:{tb.tb_lineno}, in {code.co_name}"
+        tb = tb.tb_next
+    return where
+
+
+def abort_on_failure(comm, command: str, rank: int, host: str, phase: str, exc: BaseException) -> None:
+    """A rank's failure that the others may not share: print one line (the rank, its host, the phase, the error and,
+    where the user's model raised it, the line of its code) and end every rank. Bad input (a UserError, or an error
+    raised in the user's model code) ends with status 2, anything else with 1."""
+    where = user_code_frame(exc)
+    print(f"{command}: rank {rank} ({host}) failed in {phase}: {type(exc).__name__}: {exc}"
+          + (f" (raised in the model's code at {where})" if where else ""), file=sys.stderr, flush=True)
+    status = exc.exit_status if isinstance(exc, UserError) else 2 if where else 1
+    comm.Abort(status)
+    os._exit(status)  # MPICH's MPI_Abort may return before the launcher ends this process: no traceback after it

@@ -21,7 +21,7 @@ from harness.common.errors import UserError, WriteError
 from harness.models.user import factory_layers
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
-from harness.runtime.mpi_errors import raise_if_any, yielding_barrier
+from harness.runtime.mpi_errors import AgreedError, abort_on_failure, raise_if_any, yielding_barrier
 from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
@@ -185,6 +185,7 @@ class _Run:
     recorder: Any = None
     start_time: float = 0.0
     first_sync: Any = None
+    phase: str = "set-up"  # what the rank is doing: a failure's message names it
 
 
 @contextmanager
@@ -299,6 +300,7 @@ def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, se
     fixed = make_tokens(spec, seed, 0)
     profiler = None
     for iteration in range(iterations):
+        run.phase = f"iteration {iteration}"
         tokens = make_tokens(spec, seed, iteration) if fresh_data else fixed
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -426,11 +428,17 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     rundir = Path(rundir)
     _make_folders(comm, rundir, torch_profiler)
     with _running(comm, threads) as run:
-        _set_up(run, spec, comm, seed=seed, lr=lr, device=device, timeout_s=timeout_s,
-                clock_samples=clock_samples, p2p_channels=p2p_channels, layer_times=layer_times,
-                dp_backend=dp_backend, annotate=torch_profiler is not None)
-        times = _iterate(run, spec, comm, iterations, warmup, seed=seed, fresh_data=fresh_data, barrier=barrier,
-                         torch_profiler=torch_profiler, dp_backend=dp_backend)
+        try:
+            _set_up(run, spec, comm, seed=seed, lr=lr, device=device, timeout_s=timeout_s,
+                    clock_samples=clock_samples, p2p_channels=p2p_channels, layer_times=layer_times,
+                    dp_backend=dp_backend, annotate=torch_profiler is not None)
+            times = _iterate(run, spec, comm, iterations, warmup, seed=seed, fresh_data=fresh_data, barrier=barrier,
+                             torch_profiler=torch_profiler, dp_backend=dp_backend)
+        except AgreedError:  # every rank holds it: the front end ends MPI quietly
+            raise
+        except Exception as exc:  # a failure on this rank (a user's model that breaks on real tensors) ends all
+            abort_on_failure(comm, "harness train", run.rank, run.topology.hostnames[run.rank], run.phase, exc)
+            raise
         result = _write_trace(run, spec, comm, rundir, times, iterations=iterations, warmup=warmup, seed=seed,
                               lr=lr, fresh_data=fresh_data, barrier=barrier, threads=threads,
                               clock_samples=clock_samples, layer_times=layer_times, dp_backend=dp_backend)
