@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness.common.errors import UserError
 from harness.common.output import format_table, writable
+from harness.common.subcommands import non_empty
 from harness.plan.device import REQUIRED_DTYPES, check_output_path
 
 NAME = "device"
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a few kernels of each kind and few repeats: seconds, for tests (a rough description)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default auto)")
-    parser.add_argument("--name", help="the description's name (default: the output file's stem, else 'local')")
+    parser.add_argument("--name", type=non_empty,
+                        help="the description's name (default: the output file's stem, else 'local')")
     parser.add_argument("--json", action="store_true",
                         help="print the description, every measured kernel and the fit's errors as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress display")

@@ -105,6 +105,9 @@ class WrapperCost:
         return out
 
 
+# a description's figures in their fields' units (TFLOP/s, GB/s, us, FLOPs, bytes): none above the top, no rate (what
+# times divide by) below the bottom; beyond them, a typo or a unit
+FIGURE_RANGE = (1e-9, 1e15)
 MAX_STEEPNESS = 8.0  # a curve steeper than this is a step; the fit keeps its own in harness.plan.device_fit's range
 RAMP_EXPONENT_LIMIT = 700.0  # the ramp's least value, e^-700: a kernel far below its half point is slow, not free
 
@@ -362,7 +365,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         for dtype in REQUIRED_DTYPES:
             if dtype not in table:
                 raise fail(f"is required: the {dtype} peak in TFLOP/s (dense)", f"{where}.{dtype}")
-        peaks[unit] = {dtype: _positive(table, dtype, where, fail) * TFLOPS for dtype in table}
+        peaks[unit] = {dtype: _positive(table, dtype, where, fail, rate=True) * TFLOPS for dtype in table}
     efficiency = _table(data, "efficiency", fail)
     _known(efficiency, _EFFICIENCY, "efficiency", fail)
     curves = {}
@@ -397,7 +400,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
             kernels_per_step=_positive(table, "kernels_per_step", where, fail, default=0.0, zero=True),
             bytes_per_parameter=_positive(table, "bytes_per_parameter", where, fail),
             kernel_s=_positive(table, "kernel_us", where, fail, zero=True) * US,
-            bandwidth=_positive(table, "bandwidth_gb_s", where, fail) * GB_S)
+            bandwidth=_positive(table, "bandwidth_gb_s", where, fail, rate=True) * GB_S)
         if not optimizer[kind].kernels_per_tensor and not optimizer[kind].kernels_per_step:
             raise fail("an optimizer step launches kernels: give kernels_per_tensor or kernels_per_step above 0",
                        f"{where}.kernels_per_tensor")
@@ -407,8 +410,9 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                                     for key in ("optimizer_kernel_us", "weight_us")))
                 for name, (where, table) in _named_tables(data, "wrappers", WRAPPERS, _WRAPPER, fail).items()}
     return DeviceDescription(name=name, title=title,
-                             memory_gb=_positive(sheet, "memory_gb", "datasheet", fail),
-                             memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail) * GB_S,
+                             memory_gb=_positive(sheet, "memory_gb", "datasheet", fail, rate=True),
+                             memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail,
+                                                        rate=True) * GB_S,
                              matrix_peak=peaks["matrix_tflops"], vector_peak=peaks["vector_tflops"],
                              launch_s=_positive(efficiency, "launch_us", "efficiency", fail, zero=True) * US,
                              curves=curves, fitted=fitted, fitted_on=fitted_on,
@@ -460,8 +464,10 @@ def _steepness(table: Mapping[str, Any], where: str, fail) -> float:
 
 
 def _positive(table: Mapping[str, Any], key: str, where: str, fail, default: float | None = None,
-              zero: bool = False) -> float:
-    """A finite number above 0 (or at least 0 with `zero`); `default` where the field may be left out."""
+              zero: bool = False, rate: bool = False) -> float:
+    """A finite number above 0 (or at least 0 with `zero`), at most FIGURE_RANGE's top and, for a `rate` (a peak, a
+    bandwidth, a capacity: what times divide by), at least its bottom; `default` where the field may be left
+    out."""
     value = table.get(key, default)
     if value is None:
         raise fail("is required (docs/devices.md)", f"{where}.{key}")
@@ -469,4 +475,9 @@ def _positive(table: Mapping[str, Any], key: str, where: str, fail, default: flo
             or value < 0 or (value == 0 and not zero):
         bound = "0 or more" if zero else "above 0"
         raise fail(f"must be a finite number {bound}, got {value!r}", f"{where}.{key}")
+    low, high = FIGURE_RANGE
+    if value > high or (rate and value < low):
+        span = f"from {low:g} to {high:g}" if rate else f"at most {high:g}"
+        raise fail(f"{value!r} is beyond any device's figure in the field's unit (docs/devices.md): give one {span}; "
+                   "check the unit", f"{where}.{key}")
     return float(value)
