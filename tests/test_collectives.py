@@ -178,6 +178,7 @@ def test_analysis_refuses_other_files(tmp_path, project_env):
     (["--backend", "carrier-pigeon"], "unknown backend"),
     (["--backend", "ucc"], "not built into this torch"),
     (["--backend", "mpi4py", "--dtype", "bfloat16"], "cannot go through mpi4py"),
+    (["--backend", "mpi4py", "--device", "cuda"], "times numpy buffers in host memory"),
     (["--dtype", "complex32"], "unknown type"),
     (["--iters", "0"], "--iters 0"),
     (["--group", "inter"], "needs ranks on 2 or more nodes"),

@@ -69,6 +69,9 @@ class Options:
             if args.dtype not in MPI4PY_DTYPES:
                 raise UserError(f"--dtype {args.dtype} cannot go through mpi4py (numpy and MPI have no such "
                                 f"reduction type); use {', '.join(MPI4PY_DTYPES)}, or --backend torch")
+            if args.device == "cuda":
+                raise UserError("--device cuda: --backend mpi4py times numpy buffers in host memory; use --backend "
+                                "torch (NCCL) for GPU buffers, or leave --device out")
         for name in ("iters", "warmup"):
             value, least = getattr(args, name), 1 if name == "iters" else 0
             if not least <= value <= MAX_ITERS:
