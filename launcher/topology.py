@@ -73,6 +73,27 @@ class Topology:
                 "tasks then land on another rank's core and slow its compute; bind each rank to its own core "
                 "(mpirun --bind-to core, srun --cpu-bind=cores) to profile and run alike (docs/train.md)")
 
+    def threads_note(self, threads: int) -> str | None:
+        """For CPU work: a note when the ranks' torch threads outnumber the CPUs they may run on (a rank's own set,
+        or a host's for all its ranks), so that threads share cores and every timing slows; None otherwise (one
+        thread a rank: more ranks than CPUs share them however they are run; or CPUs unknown)."""
+        if threads <= 1 or not self.cpus or not all(self.cpus):
+            return None
+        for sets in _cpu_sets_by_host(self.hostnames, self.cpus):
+            own = min(len(cpus) for cpus in sets)
+            host = len(set().union(*sets))
+            if threads > own or threads * len(sets) > host:
+                return (f"{len(sets)} rank(s) of {threads} torch thread(s) each ran on {host} CPU(s) of a host, at "
+                        f"least one on {own} of its own: threads shared cores and slowed every step; give each rank "
+                        f"{max(1, min(own, host // len(sets)))} thread(s) or fewer (harness train --threads; "
+                        "OMP_NUM_THREADS for harness profile)")
+        return None
+
+    def cpu_notes(self, threads: int) -> str | None:
+        """What a CPU job's summary notes about where its ranks ran (unbound_note, threads_note), one a line."""
+        notes = [note for note in (self.unbound_note(), self.threads_note(threads)) if note]
+        return "\nNOTE: ".join(notes) or None
+
     def cpu_environment(self) -> dict:
         """What the profile's and the trace's environment record of the ranks' CPUs."""
         return {"cpu_binding": self.cpu_binding, "cpu_affinity": [list(c) for c in self.cpus]}

@@ -153,6 +153,20 @@ def test_a_note_asks_for_binding_only_where_each_rank_could_have_a_core_of_its_o
     assert topology(2, 2).unbound_note() is None  # affinities not gathered
 
 
+def test_a_note_says_when_torch_threads_outnumber_the_cpus_they_run_on():
+    bound = Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0,), (1,)))
+    assert bound.threads_note(1) is None
+    note = bound.threads_note(2)  # two threads on a rank's one core
+    assert "2 rank(s) of 2 torch thread(s) each ran on 2 CPU(s) of a host, at least one on 1 of its own" in note
+    assert "give each rank 1 thread(s) or fewer" in note
+    free = Topology(0, 2, (0, 0), ("host",) * 2, cpus=((0, 1, 2, 3),) * 2)
+    assert free.threads_note(2) is None  # 2 x 2 threads on 4 CPUs
+    assert "give each rank 2 thread(s) or fewer" in free.threads_note(3)  # 6 threads on the host's 4
+    # one thread a rank: more ranks than CPUs share them however they run; nothing a thread count changes
+    assert Topology(0, 4, (0,) * 4, ("host",) * 4, cpus=((0, 1),) * 4).threads_note(1) is None
+    assert topology(2, 2).threads_note(8) is None  # affinities not gathered
+
+
 def test_every_communication_is_swept_from_below_its_smallest_message_to_its_largest():
     """Each (kind, placement, group) the plan sends over, and all-gather and reduce-scatter on every all-reduce
     group, measured at sizes at most SWEEP_FACTOR apart from a SWEEP_DIVISOR-th of the smallest need (or

@@ -86,7 +86,7 @@ class ProfileResult:
     unmeasured: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
     device_seconds: float = 0.0
-    binding_note: str | None = None  # CPU profiles whose ranks could each have had a core of their own
+    binding_note: str | None = None  # CPU profiles: where the ranks ran (Topology.cpu_notes)
     # events of the profile whose samples miss the precision asked for: (name, precision reached)
     missed_precision: list[tuple[str, float]] = field(default_factory=list)
     precision: float = 0.0  # the precision asked for
@@ -817,7 +817,7 @@ def _write_profile(run: ProfileRun, busy: list[float], probe_medians: list, comm
                      and (reached := reached_precision(m)) > goal), key=lambda item: -item[1])
     return ProfileResult(path=path, measured=measured_now, skipped=len(run.stored_ids), unmeasured=unmeasured,
                          wall_s=finished - run.started, device_seconds=float(sum(busy)),
-                         binding_note=topology.unbound_note() if run.device.type == "cpu" else None,
+                         binding_note=topology.cpu_notes(torch.get_num_threads()) if run.device.type == "cpu" else None,
                          missed_precision=missed, precision=goal, compute_wall_s=run.compute_wall_s,
                          in_context_wall_s=run.in_context_wall_s, in_context_chains=run.in_context_chains,
                          in_context_skipped=run.in_context_skipped)

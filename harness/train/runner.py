@@ -44,7 +44,9 @@ class TrainResult:
     backend: str = ""
     dp_backend: str = ""  # what all-reduces the gradient buckets: the torch backend's name, or mpi4py
     device: str = ""
-    binding_note: str | None = None  # CPU runs whose ranks could each have had a core of their own
+    # CPU runs: notes on where the ranks ran (free to share cores that binding would have given each; more torch
+    # threads than CPUs)
+    binding_note: str | None = None
 
     @property
     def measured_s(self) -> np.ndarray:
@@ -375,7 +377,7 @@ def _write_trace(run: _Run, spec: JobSpec, comm, rundir: Path, times: tuple[list
     result = TrainResult(rank=rank, rundir=rundir, rank_file=rank_path, warmup=warmup, local_losses=losses,
                          backend=f"torch-{run.backend}", dp_backend=_dp_backend_name(dp_backend, run.backend),
                          device=str(dev),
-                         binding_note=run.topology.unbound_note() if dev.type == "cpu" else None)
+                         binding_note=run.topology.cpu_notes(threads) if dev.type == "cpu" else None)
     env = dict(_environment(run.topology, dev, run.backend, result.dp_backend, threads, run.start_time, end_time),
                host_memory=run.host_memory)
     merge_error = None
