@@ -76,9 +76,6 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
     if dp_backend == "mpi4py" and s.zero:
         raise UserError(f"--backend mpi4py all-reduces data-parallel buckets; zero = {s.zero} runs FSDP2, whose "
                         "collectives go through torch.distributed: use --backend torch or zero = 0")
-    if dp_backend == "mpi4py" and s.gradient_replicas == 1:
-        raise UserError("--backend mpi4py all-reduces data-parallel gradient buckets, and this job has none "
-                        f"(dp x cp = {s.gradient_replicas}): leave --backend out, or run with dp > 1")
     if dp_backend == "mpi4py":
         if spec.model.dtype == "bfloat16":
             raise UserError("--backend mpi4py cannot all-reduce bfloat16 (numpy has no such type); use --backend "
