@@ -290,3 +290,25 @@ warmup = 1
     assert "failed in" in failed[0] and "RuntimeError" in failed[0]
     assert "raised in the model's code at" in failed[0] and "user_model.py:" in failed[0] and "in forward" in failed[0]
     assert "Traceback" not in result.stderr
+
+
+def test_the_models_line_is_named_only_where_the_model_raised():
+    """user_code_frame: the deepest frame of the factory's package, unless the harness's own code lies below it (a
+    hook of the profiler's failing under the model's forward is the harness's failure); modules told by name."""
+    from harness.runtime.mpi_errors import user_code_frame
+
+    namespace = {"__name__": "mymodel.layers"}
+    source = ("def forward(x):\n    return x[5]\n\n"
+              "def calls_the_harness(text):\n    from harness.plan.spec import loads_spec\n    return loads_spec(text)\n")
+    exec(compile(source, "/models/mymodel/layers.py", "exec"), namespace)
+    caught = []
+    for call, argument in ((namespace["forward"], [1]), (namespace["calls_the_harness"], "[model")):
+        try:
+            call(argument)
+        except Exception as exc:  # noqa: BLE001 - any error will do
+            caught.append(exc)
+    model_raised, harness_raised = caught
+    assert user_code_frame(model_raised, ("mymodel",)) == "/models/mymodel/layers.py:2, in forward"
+    assert user_code_frame(model_raised, ()) is None  # a built-in model: no user code
+    assert user_code_frame(model_raised, ("othermodel",)) is None
+    assert user_code_frame(harness_raised, ("mymodel",)) is None

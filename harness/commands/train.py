@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         run_training(spec, comm, args.output, args.iterations, args.warmup, seed=args.seed, lr=args.lr,
                      fresh_data=args.fresh_data, barrier=not args.no_barrier, device=args.device,
                      timeout_s=args.timeout_s, threads=args.threads, report=True, layer_times=args.layer_times,
-                     dp_backend=args.backend, torch_profiler=args.torch_profiler)
+                     dp_backend=args.backend, torch_profiler=args.torch_profiler, abort_on_error=True)
     except AgreedError as exc:  # a full disk, say: every rank stops, rank 0 says why
         return stop_agreed(comm, exc)
     finally:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.plan.device import OPTIMIZER_KINDS, Curve, DeviceDescription
+from harness.plan.device import FIGURE_RANGE, OPTIMIZER_KINDS, Curve, DeviceDescription
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
 
 # above 1, size / fraction(size) falls as size grows: a smaller kernel would take longer than a larger one
@@ -115,7 +115,9 @@ def _curve_from(params: np.ndarray, with_dim: bool) -> Curve:
     share = 1.0 / (1.0 + math.exp(-float(np.clip(params[2], -30, 30)))) if len(params) > 2 else 0.5
     steepness = low * (high / low) ** share if len(params) > 2 else 1.0  # smooth within the range
     half_dim = math.exp(float(np.clip(params[3], -10, 12))) if with_dim and len(params) > 3 else 0.0
-    return Curve(max_fraction=fraction, half_at=math.exp(float(np.clip(params[1], -50, 80))), steepness=steepness,
+    # half_at no higher than a description may say (FIGURE_RANGE): a fit that never saturates writes a file read back
+    half_at = min(FIGURE_RANGE[1], math.exp(float(np.clip(params[1], -50, math.log(FIGURE_RANGE[1])))))
+    return Curve(max_fraction=fraction, half_at=half_at, steepness=steepness,
                  half_dim=half_dim)
 
 

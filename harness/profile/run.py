@@ -36,7 +36,13 @@ from harness.plan.events import COMM_KINDS, INTER, INTRA, UniqueEvents, build_pl
 from harness.plan.precision import precision_statistic, relative_half_width
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
-from harness.runtime.mpi_errors import AgreedError, abort_on_failure, raise_if_any, yielding_barrier
+from harness.runtime.mpi_errors import (
+    AgreedError,
+    abort_on_failure,
+    factory_packages,
+    raise_if_any,
+    yielding_barrier,
+)
 from harness.store.hdf5_io import open_file, read_environment, reading
 from harness.store.hdf5_schema import (
     ACTIVATION_BYTES_ATTR,
@@ -391,7 +397,7 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
                 run.recorder.flush()  # keep what this rank finished
         finally:
             abort_on_failure(comm, "harness profile", run.rank, run.topology.hostnames[run.rank],
-                             f"phase '{run.phase}'", exc)
+                             f"phase '{run.phase}'", exc, factory_packages(spec))
         raise
     return result
 

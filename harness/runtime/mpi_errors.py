@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
-import sysconfig
 import time
-from pathlib import Path
+import traceback
+from collections.abc import Sequence
 
 from harness.common.errors import UserError
 
@@ -79,33 +79,53 @@ def stop_on_error(comm, error: UserError | None) -> int | None:
     return None
 
 
-_PROJECT_PACKAGES = tuple(os.path.join(Path(__file__).resolve().parents[2], name, "")
-                          for name in ("harness", "launcher", "analysis"))
-_LIBRARIES = tuple({os.path.join(sysconfig.get_paths()[key], "")
-                    for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+PROJECT_PACKAGES = ("harness", "launcher", "analysis")
 
 
-def user_code_frame(exc: BaseException) -> str | None:
-    """Where in the user's own code (a factory model: not this project's packages, not Python's library, not an
-    installed package) `exc` was raised, as "FILE:LINE, in FUNCTION": the deepest such frame of its traceback."""
-    where = None
-    tb = exc.__traceback__
+def _package(frame) -> str:
+    return str(frame.f_globals.get("__name__", "")).split(".")[0]
+
+
+def user_code_frame(exc: BaseException, user_packages: Sequence[str]) -> str | None:
+    """Where the user's own model code (a factory's modules: their top-level packages, `user_packages`) raised
+    `exc`, as "FILE:LINE, in FUNCTION": its deepest frame of those packages, provided no frame of this project lies
+    below it (a hook of the harness's that failed under the model's forward is the harness's failure). Frames of
+    other libraries below it (torch refusing the model's shapes) leave it the model's. Modules are told by name, not
+    by path, so symlinked or installed checkouts read alike."""
+    user = tuple(name for name in user_packages if name)
+    where, tb = None, exc.__traceback__
     while tb is not None:
-        code = tb.tb_frame.f_code
-        path = code.co_filename
-        if not path.startswith("<") and not os.path.abspath(path).startswith(_PROJECT_PACKAGES + _LIBRARIES):
-            where = f"{path}:{tb.tb_lineno}, in {code.co_name}"
+        package = _package(tb.tb_frame)
+        if package in PROJECT_PACKAGES:
+            where = None
+        elif user and package in user:
+            code = tb.tb_frame.f_code
+            where = f"{code.co_filename}:{tb.tb_lineno}, in {code.co_name}"
         tb = tb.tb_next
     return where
 
 
-def abort_on_failure(comm, command: str, rank: int, host: str, phase: str, exc: BaseException) -> None:
-    """A rank's failure that the others may not share: print one line (the rank, its host, the phase, the error and,
-    where the user's model raised it, the line of its code) and end every rank. Bad input (a UserError, or an error
-    raised in the user's model code) ends with status 2, anything else with 1."""
-    where = user_code_frame(exc)
-    print(f"{command}: rank {rank} ({host}) failed in {phase}: {type(exc).__name__}: {exc}"
+def factory_packages(spec) -> tuple[str, ...]:
+    """The top-level package of a spec's factory model (`module:function`), or none for a built-in model."""
+    factory = getattr(spec.model, "factory", None)
+    return (factory.split(":")[0].split(".")[0],) if factory else ()
+
+
+def abort_on_failure(comm, command: str, rank: int, host: str, phase: str, exc: BaseException,
+                     user_packages: Sequence[str] = ()) -> None:
+    """A rank's failure that the others may not share: end every rank now. Bad input (a UserError, or an error
+    raised in the user's model code, whose line the message names) prints one line and ends with its status (2);
+    anything else is the harness's failure: its traceback, then the line, status 1. Never returns."""
+    where = user_code_frame(exc, user_packages)
+    if isinstance(exc, UserError):
+        status, what = exc.exit_status, str(exc)
+    else:
+        status, what = (2 if where else 1), f"{type(exc).__name__}: {exc}"
+        if not where:
+            traceback.print_exception(exc, file=sys.stderr)
+    print(f"{command}: rank {rank} ({host}) failed in {phase}: {what}"
           + (f" (raised in the model's code at {where})" if where else ""), file=sys.stderr, flush=True)
-    status = exc.exit_status if isinstance(exc, UserError) else 2 if where else 1
+    sys.stdout.flush()
     comm.Abort(status)
     os._exit(status)  # MPICH's MPI_Abort may return before the launcher ends this process: no traceback after it

@@ -21,7 +21,13 @@ from harness.common.errors import UserError, WriteError
 from harness.models.user import factory_layers
 from harness.plan.spec import JobSpec
 from harness.runtime.host_memory import prepare_host_memory
-from harness.runtime.mpi_errors import AgreedError, abort_on_failure, raise_if_any, yielding_barrier
+from harness.runtime.mpi_errors import (
+    AgreedError,
+    abort_on_failure,
+    factory_packages,
+    raise_if_any,
+    yielding_barrier,
+)
 from launcher.topology import mpi_library_version
 
 DEFAULT_ITERATIONS = 5
@@ -320,6 +326,7 @@ def _iterate(run: _Run, spec: JobSpec, comm, iterations: int, warmup: int, *, se
         starts.append(engine.now())
         losses.append(engine.run_iteration(iteration, tokens))
         ends.append(engine.now())
+    run.phase = "writing the profiler's trace"
     if profiler is not None:
         write_profiler_trace(profiler, Path(torch_profiler) / f"rank-{run.rank}.json", run.recorder.rows, warmup,
                              mpi_buckets=dp_backend == "mpi4py")
@@ -414,7 +421,7 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
                  barrier: bool = True, device: str | None = None, timeout_s: float | None = None, threads: int = 1,
                  clock_samples: int = 20, report: bool = False, p2p_channels: bool | None = None,
                  layer_times: bool = False, dp_backend: str = "torch",
-                 torch_profiler: str | Path | None = None) -> TrainResult:
+                 torch_profiler: str | Path | None = None, abort_on_error: bool = False) -> TrainResult:
     """Train `iterations` iterations of `spec` on the ranks of `comm` and trace them into RUNDIR/trace.h5.
 
     dp x tp x cp x pp must equal comm's size. `barrier` starts every iteration on all ranks together (so each
@@ -424,7 +431,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
     tagged messages on the world group (default: only with NCCL, which has no tags; True tests it on gloo).
     `layer_times` also traces every layer of every compute step (docs/train.md). `dp_backend` "mpi4py"
     all-reduces the gradient buckets through MPI instead of torch.distributed; `torch_profiler` (a folder)
-    also records the measured iterations with torch.profiler into FOLDER/rank-<rank>.json.
+    also records the measured iterations with torch.profiler into FOLDER/rank-<rank>.json. `abort_on_error` (the
+    command's): a failure on this rank in set-up or an iteration ends every rank at once with one line
+    (harness.runtime.mpi_errors.abort_on_failure) and never returns; else the exception propagates.
     """
     check_run(spec, comm.Get_size(), iterations, warmup, dp_backend, layer_times)
     rundir = Path(rundir)
@@ -439,7 +448,9 @@ def run_training(spec: JobSpec, comm, rundir: str | Path, iterations: int = DEFA
         except AgreedError:  # every rank holds it: the front end ends MPI quietly
             raise
         except Exception as exc:  # a failure on this rank (a user's model that breaks on real tensors) ends all
-            abort_on_failure(comm, "harness train", run.rank, run.topology.hostnames[run.rank], run.phase, exc)
+            if abort_on_error:
+                abort_on_failure(comm, "harness train", run.rank, run.topology.hostnames[run.rank], run.phase, exc,
+                                 factory_packages(spec))
             raise
         result = _write_trace(run, spec, comm, rundir, times, iterations=iterations, warmup=warmup, seed=seed,
                               lr=lr, fresh_data=fresh_data, barrier=barrier, threads=threads,
