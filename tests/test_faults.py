@@ -299,7 +299,8 @@ def test_the_models_line_is_named_only_where_the_model_raised():
 
     namespace = {"__name__": "mymodel.layers"}
     source = ("def forward(x):\n    return x[5]\n\n"
-              "def calls_the_harness(text):\n    from harness.plan.spec import loads_spec\n    return loads_spec(text)\n")
+              "def calls_the_harness(text):\n"
+              "    from harness.plan.spec import loads_spec\n    return loads_spec(text)\n")
     exec(compile(source, "/models/mymodel/layers.py", "exec"), namespace)
     caught = []
     for call, argument in ((namespace["forward"], [1]), (namespace["calls_the_harness"], "[model")):
