@@ -79,7 +79,6 @@ def stop_on_error(comm, error: UserError | None) -> int | None:
     return None
 
 
-
 PROJECT_PACKAGES = ("harness", "launcher", "analysis")
 
 
