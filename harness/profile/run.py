@@ -392,12 +392,9 @@ def run_profile(spec: JobSpec, outdir: Path, *, comm, force: bool = False, show_
         run.watchdog.stop()
         raise
     except Exception as exc:  # any failure ends every rank now, with this rank's message
-        try:
-            if run.recorder is not None:
-                run.recorder.flush()  # keep what this rank finished
-        finally:
-            abort_on_failure(comm, "harness profile", run.rank, run.topology.hostnames[run.rank],
-                             f"phase '{run.phase}'", exc, factory_packages(spec))
+        recorder = run.recorder  # what this rank finished is kept before the abort
+        abort_on_failure(comm, "harness profile", run.rank, run.topology.hostnames[run.rank], f"phase '{run.phase}'",
+                         exc, factory_packages(spec), before_abort=recorder.flush if recorder is not None else None)
         raise
     return result
 

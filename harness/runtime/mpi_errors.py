@@ -10,7 +10,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from harness.common.errors import UserError
 
@@ -111,11 +111,16 @@ def factory_packages(spec) -> tuple[str, ...]:
     return (factory.split(":")[0].split(".")[0],) if factory else ()
 
 
+ABORT_GRACE_S = 0.5  # after the failure's line, before MPI_Abort: the launcher forwards it before it ends the job
+
+
 def abort_on_failure(comm, command: str, rank: int, host: str, phase: str, exc: BaseException,
-                     user_packages: Sequence[str] = ()) -> None:
+                     user_packages: Sequence[str] = (), before_abort: Callable[[], object] | None = None) -> None:
     """A rank's failure that the others may not share: end every rank now. Bad input (a UserError, or an error
     raised in the user's model code, whose line the message names) prints one line and ends with its status (2);
-    anything else is the harness's failure: its traceback, then the line, status 1. Never returns."""
+    anything else is the harness's failure: its traceback, then the line, status 1. `before_abort` (keeping what the
+    rank measured) runs after the line, and ABORT_GRACE_S passes before the abort: MPICH's launcher drops a rank's
+    last output once the job is aborted. Never returns."""
     where = user_code_frame(exc, user_packages)
     if isinstance(exc, UserError):
         status, what = exc.exit_status, str(exc)
@@ -126,5 +131,12 @@ def abort_on_failure(comm, command: str, rank: int, host: str, phase: str, exc: 
     print(f"{command}: rank {rank} ({host}) failed in {phase}: {what}"
           + (f" (raised in the model's code at {where})" if where else ""), file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if before_abort is not None:
+        try:
+            before_abort()
+        except Exception as problem:  # noqa: BLE001 - the job ends either way; say what was not kept
+            print(f"{command}: rank {rank} could not keep what it measured: {type(problem).__name__}: {problem}",
+                  file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE_S)
     comm.Abort(status)
     os._exit(status)  # MPICH's MPI_Abort may return before the launcher ends this process: no traceback after it
