@@ -5,7 +5,9 @@ Each kernel takes its launches x the launch time plus the longer of its compute 
 - compute: its executed FLOPs over the peak of its unit in its dtype (matrix for GEMMs and attention, vector for
   memory-bound kernels) x the curve's fraction at its size (GEMMs by FLOPs and smallest dimension; fused attention
   by FLOPs, forward and backward apart; materialised attention by FLOPs; memory-bound kernels at the full vector
-  peak). A causal fused attention executes half its counted FLOPs (the masked half is skipped);
+  peak). A causal fused attention executes the share of its counted FLOPs that
+  harness.plan.kernels.causal_fraction gives at the description's `causal_tile` (its key blocks below the
+  diagonal; without a tile half: the masked half skipped);
 - memory: its bytes over the HBM bandwidth x the memory curve's fraction at those bytes.
 Where the description measured them (format 2, docs/devices.md):
 - a memory-bound kernel of a kind in its [vector_ops] computes its elements x the kind's vector operations an
@@ -81,7 +83,7 @@ class DeviceModel:
                 curve, executed = curves["materialized_attention"], kernel.flops
             else:
                 curve = curves["sdpa_backward" if kernel.backward else "sdpa_forward"]
-                executed = kernel.flops / 2 if kernel.causal else kernel.flops
+                executed = kernel.executed_flops(device.causal_tile)
             fraction = curve.fraction(kernel.flops)
         elif isinstance(kernel, MemoryBound):
             if kernel.op in device.optimizer and kernel.tensors:

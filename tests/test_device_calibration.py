@@ -122,11 +122,39 @@ def test_the_fit_reproduces_the_device_model():
     device = load_device("h100-sxm")
     measured = dataclasses.replace(device, vector_ops={"gelu": 40.0, "layer_norm_backward": 3.0},
                                    optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 7e-6, 6e9),
-                                              "sgd": OptimizerCost(0.0, 3.0, 12.0, 4e-6, 9e9)})
+                                              "sgd": OptimizerCost(0.0, 3.0, 12.0, 4e-6, 9e9)}, causal_tile=64)
     for described in (device, measured):
         model = DeviceModel(described)
         for kernel in KERNELS + KINDS:
             assert kernel_seconds(described, kernel) == pytest.approx(model.kernel_seconds(kernel), rel=1e-12)
+
+
+def test_the_causal_tile_is_the_block_whose_share_matches_the_measured_ratios():
+    """causal_tile_of on rows made from a known block (512: a CPU kernel's), on a kernel that skipped nothing up to
+    the longest length (the longest), and on one that skips the masked half exactly (the smallest candidate)."""
+    from harness.plan.kernels import causal_fraction
+    from harness.profile.device_curves import causal_tile_of
+
+    def rows(share):
+        return [{"seq": seq, "pass": side, "ratio": share(seq)} for seq in (256, 512, 1024, 2048)
+                for side in ("forward", "backward")]
+    assert causal_tile_of(rows(lambda seq: causal_fraction(seq, seq, 512))) == 512
+    assert causal_tile_of(rows(lambda seq: causal_fraction(seq, seq, 512) * 1.08)) == 512  # noise above it
+    assert causal_tile_of(rows(lambda seq: 1.0)) == 2048
+    assert causal_tile_of(rows(lambda seq: 0.5)) == 16
+
+
+def test_a_quick_run_measures_the_causal_tile(quick_run):
+    path, report = quick_run
+    description = load_device(str(path))
+    assert description.causal_tile in {1 << p for p in range(4, 12)}
+    assert description.format == 2 and "causal_tile" in description.fitted_on
+    assert {(row["seq"], row["pass"]) for row in report["causal"]} == {
+        (seq, side) for seq in (256, 512, 1024, 2048) for side in ("forward", "backward")}
+    assert all(row["causal_s"] > 0 and row["full_s"] > 0 for row in report["causal"])
+    # the fit's fused attentions are causal and full in turn: both kinds pin the curve
+    fused = [row["kernel"]["causal"] for row in report["kernels"] if row["curve"] == "sdpa_forward"]
+    assert True in fused and False in fused
 
 
 def test_a_kinds_vector_operations_are_its_slope_by_hand():

@@ -124,6 +124,22 @@ def test_roofline_memory_bound_gemm_and_kernel():
                                                                  + model.kernel_seconds(norm))
 
 
+def test_a_causal_kernels_share_by_hand():
+    """causal_fraction: each query's keys up to its own, rounded up to a whole block."""
+    from harness.plan.kernels import causal_fraction
+
+    assert causal_fraction(32, 32, 512) == 1.0  # one block: the whole square, masked
+    assert causal_fraction(1024, 1024, 512) == 0.75  # (512 x 512 + 512 x 1024) / 1024^2
+    assert causal_fraction(10, 10, 4) == pytest.approx(0.68)  # (4 x 4 + 4 x 8 + 2 x 10) / 100
+    assert causal_fraction(4, 4, 1) == pytest.approx(10 / 16)  # (1 + 2 + 3 + 4) / 16
+    assert causal_fraction(2048, 2048, 0) == 0.5  # no block: the masked half skipped
+    assert causal_fraction(512, 1024, 64) == 0.5  # a context-parallel ring's chunk
+    bert = Attention("a", "sdpa", 1, 2, 64, 64, 32, "float32", causal=False)
+    assert bert.executed_flops(512) == bert.executed_flops(0) == bert.flops
+    mask = Attention("a", "materialized", 1, 2, 64, 64, 32, "float32")
+    assert mask.executed_flops(16) == mask.flops
+
+
 def test_roofline_attention_and_curves():
     model = DeviceModel(flat_device())
     causal = Attention("a", "sdpa", 8, 16, 2048, 2048, 128, "bfloat16")
@@ -131,6 +147,10 @@ def test_roofline_attention_and_curves():
     # a fused kernel skips the masked half; the materialised one computes the whole square
     assert model.kernel_time(causal).compute_s == pytest.approx(causal.flops / 2 / 50e12)
     assert model.kernel_time(full).compute_s == pytest.approx(full.flops / 50e12)
+    # with key blocks of 512 (2,048 keys: 4 blocks), the queries of block j compute j x 512 keys: 10 / 16 of the square
+    tiled = DeviceModel(dataclasses.replace(flat_device(), causal_tile=512))
+    assert tiled.kernel_time(causal).compute_s == pytest.approx(causal.flops * 10 / 16 / 50e12)
+    assert tiled.kernel_time(full).compute_s == pytest.approx(full.flops / 50e12)
     materialized = Attention("a", "materialized", 8, 16, 2048, 2048, 128, "bfloat16", launches=3)
     assert model.kernel_time(materialized).compute_s == pytest.approx(full.flops / 50e12)
     assert model.kernel_time(materialized).launch_s == pytest.approx(15e-6)
@@ -411,6 +431,10 @@ def description_text(**replace) -> str:
     ("fitted = false\n", "fitted = false\n[host]\nstep_gap_us = -1.0\n", "host.step_gap_us", "0 or more"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
     ("format = 1\n", "\n", "format", "is missing; a description starts with format = 1"),
+    ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 128", "efficiency.causal_tile", "a format 2 field"),
+    ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 12.5", "efficiency.causal_tile", "a whole number of keys"),
+    ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = -64", "efficiency.causal_tile", "from 0 .none"),
+    ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = true", "efficiency.causal_tile", "got True"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
     path = tmp_path / "bad.toml"
@@ -731,6 +755,13 @@ def test_kinds_change_nothing_on_a_description_without_the_tables(name):
                 bare = dataclasses.replace(kernel, op="", elements=0.0, tensors=()) \
                     if isinstance(kernel, MemoryBound) else kernel
                 assert model.kernel_time(kernel) == model.kernel_time(bare), kernel.name
+
+
+def test_a_causal_tile_round_trips_and_makes_format_2():
+    described = dataclasses.replace(load_device("a100-80gb"), causal_tile=128)
+    assert described.format == 2 and "causal_tile = 128\n" in described.to_toml()
+    assert parse_device(tomllib.loads(described.to_toml()), default_name="a100-80gb") == described
+    assert load_device("a100-80gb").format == 1 and "causal_tile" not in load_device("a100-80gb").to_toml()
 
 
 @pytest.mark.parametrize("table, field, message", [

@@ -115,17 +115,18 @@ def run(args: argparse.Namespace) -> int:
                           "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks,
                                      "bare_issue_s": calibration.bare_issue_s},
                           "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
-                          "collectives_in_context": calibration.collectives,
+                          "collectives_in_context": calibration.collectives, "causal": calibration.causal,
                           "kernels": observation_rows(calibration)}, indent=1))
         return 0
     if output is None:
         sys.stdout.write(text)
         return 0
-    print(summary(description, errors, output, calibration.collectives))
+    print(summary(description, errors, output, calibration.collectives, calibration.causal))
     return 0
 
 
-def summary(description, errors: dict, output: Path, collectives: list | None = None) -> str:
+def summary(description, errors: dict, output: Path, collectives: list | None = None,
+            causal: list | None = None) -> str:
     """The answer first: where the description went, its peaks, then each curve and its fit's error."""
     peaks = ", ".join(f"{d} {description.matrix_peak[d] / 1e9:.3g}" for d in REQUIRED_DTYPES)
     lines = [f"wrote {output}: {description.title}",
@@ -154,6 +155,10 @@ def summary(description, errors: dict, output: Path, collectives: list | None = 
         lines.append(f"{name} layers: {halves} beyond the layer's own" + (
             f", {cost.optimizer_kernel_s * 1e6:.3g} us more an optimizer kernel on its shards"
             if cost.optimizer_kernel_s else ""))
+    if causal:
+        ratios = ", ".join(f"{r['seq']} {r['ratio']:.2f}" for r in causal if r["pass"] == "forward")
+        lines.append(f"causal attention: key blocks of {description.causal_tile} (a causal forward's time over a full "
+                     f"one by keys: {ratios})")
     if "optimizer" in errors:
         e = errors["optimizer"]
         lines.append(f"optimizer steps measured: {e['kernels']}, median |error| {e['median_abs_error_pct']:.1f}%, "

@@ -52,7 +52,8 @@ _TOP = {"format", "name", "title", "processor", "fitted", "fitted_on", "datashee
 PROCESSORS = ("gpu", "cpu")  # what the description describes; a spec-only interval draws on held-out runs of its kind
 _FORMAT_2 = ("vector_ops", "launches", "optimizer", "wrappers")  # the tables format 2 adds
 _DATASHEET = {"memory_gb", "memory_bandwidth_gb_s", "matrix_tflops", "vector_tflops"}
-_EFFICIENCY = {"launch_us", *CURVES}
+_EFFICIENCY = {"launch_us", "causal_tile", *CURVES}
+MAX_CAUSAL_TILE = 1 << 20  # keys: beyond any sequence a job here runs
 _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
 # [host] field -> DeviceDescription attribute (microseconds in the file, seconds in the description)
@@ -172,11 +173,14 @@ class DeviceDescription:
     optimizer: Mapping[str, OptimizerCost] = field(default_factory=dict)
     processor: str = "gpu"  # PROCESSORS: a GPU (every shipped description) or a CPU (harness device on one)
     wrappers: Mapping[str, WrapperCost] = field(default_factory=dict)  # WRAPPERS -> its cost; empty: none
+    # format 2: the keys a fused causal attention computes as one block (harness.plan.kernels.causal_fraction);
+    # 0: none, the masked half skipped
+    causal_tile: int = 0
 
     @property
     def format(self) -> int:
         """The format its file needs: 2 where it has a format-2 table, else 1 (read by every harness)."""
-        return 2 if self.vector_ops or self.launches or self.optimizer or self.wrappers else 1
+        return 2 if self.vector_ops or self.launches or self.optimizer or self.wrappers or self.causal_tile else 1
 
     def kernel_launches(self, kernel: Any) -> float:
         """A kernel's launches here: the listing's (kernel.launches) x, for a memory-bound kind in [launches],
@@ -197,6 +201,7 @@ class DeviceDescription:
                             "matrix_tflops": {k: in_unit(v, TFLOPS) for k, v in self.matrix_peak.items()},
                             "vector_tflops": {k: in_unit(v, TFLOPS) for k, v in self.vector_peak.items()}}
         out["efficiency"] = {"launch_us": in_unit(self.launch_s, US),
+                             **({"causal_tile": self.causal_tile} if self.causal_tile else {}),
                              **{name: curve.to_dict() for name, curve in self.curves.items()}}
         host = {key: in_unit(getattr(self, attribute), US) for key, attribute in HOST_FIELDS.items()
                 if getattr(self, attribute)}
@@ -222,6 +227,8 @@ class DeviceDescription:
         lines += ["", "[datasheet]"] + [f"{key} = {toml_value(value)}" for key, value in sheet.items()]
         efficiency = data["efficiency"]
         lines += ["", "[efficiency]", f"launch_us = {toml_value(efficiency.pop('launch_us'))}"]
+        if "causal_tile" in efficiency:
+            lines.append(f"causal_tile = {toml_value(efficiency.pop('causal_tile'))}")
         for name, curve in efficiency.items():
             lines += ["", f"[efficiency.{name}]"] + [f"{key} = {toml_value(value)}" for key, value in curve.items()]
         if "host" in data:
@@ -368,6 +375,12 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         peaks[unit] = {dtype: _positive(table, dtype, where, fail, rate=True) * TFLOPS for dtype in table}
     efficiency = _table(data, "efficiency", fail)
     _known(efficiency, _EFFICIENCY, "efficiency", fail)
+    causal_tile = efficiency.get("causal_tile", 0)
+    if isinstance(causal_tile, bool) or not isinstance(causal_tile, int) or not 0 <= causal_tile <= MAX_CAUSAL_TILE:
+        raise fail(f"must be a whole number of keys from 0 (none: the masked half skipped) to {MAX_CAUSAL_TILE:,}, "
+                   f"got {causal_tile!r}", "efficiency.causal_tile")
+    if causal_tile and version < 2:
+        raise fail("is a format 2 field; say format = 2 (docs/devices.md)", "efficiency.causal_tile")
     curves = {}
     for curve in CURVES:
         where = f"efficiency.{curve}"
@@ -419,7 +432,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                              **{attribute: _positive(host, key, "host", fail, default=0.0, zero=True) * US
                                 for key, attribute in HOST_FIELDS.items()},
                              source=source, vector_ops=vector_ops, launches=launches, optimizer=optimizer,
-                             processor=processor, wrappers=wrappers)
+                             processor=processor, wrappers=wrappers, causal_tile=causal_tile)
 
 
 def _named_tables(data: Mapping[str, Any], key: str, names: tuple[str, ...], fields: set[str],

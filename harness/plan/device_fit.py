@@ -5,8 +5,8 @@ use. Pure Python and numpy. Rules:
 
 - a kernel's modelled seconds are analysis.device_model's roofline, reproduced here because the harness may not
   import the analysis (tests/test_device_calibration.py holds the two equal): launches x launch_s plus the longer
-  of compute (executed FLOPs over the unit's peak x the curve's fraction; a causal fused attention executes half
-  its counted FLOPs) and memory (bytes over the bandwidth x the memory curve's fraction);
+  of compute (executed FLOPs, harness.plan.kernels.Attention.executed_flops for an attention, over the unit's
+  peak x the curve's fraction) and memory (bytes over the bandwidth x the memory curve's fraction);
 - a curve is fitted by least squares of log(modelled / measured) over its kernels, every other part of the
   description held fixed, by Nelder-Mead from several starts; max_fraction is kept in (0, 1], steepness in
   [STEEPNESS_RANGE], half_at and half_dim above 0; a curve with fewer than FREE_SHAPE_AT kernels fits
@@ -68,8 +68,7 @@ def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
         fraction = curves["gemm"].fraction(kernel.flops, min(kernel.m, kernel.n, kernel.k))
     elif isinstance(kernel, Attention):
         peak = device.matrix_peak[kernel.dtype]
-        causal_skip = kernel.kind != "materialized" and kernel.causal
-        executed = kernel.flops / 2 if causal_skip else kernel.flops
+        executed = kernel.executed_flops(device.causal_tile)
         fraction = curves[curve_of(kernel)].fraction(kernel.flops)
     elif isinstance(kernel, MemoryBound):
         if kernel.op in device.optimizer and kernel.tensors:

@@ -88,6 +88,13 @@ class Attention:
         forward = 4.0 * self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
         return 2.0 * forward if self.backward else forward
 
+    def executed_flops(self, causal_tile: int = 0) -> float:
+        """The FLOPs the kernel executes: its counted FLOPs x causal_fraction (a fused causal kernel's), all of them
+        for a materialised or non-causal one."""
+        if self.kind == "materialized" or not self.causal:
+            return self.flops
+        return self.flops * causal_fraction(self.q_len, self.kv_len, causal_tile)
+
     @property
     def bytes(self) -> float:
         rows = self.batch * self.heads * self.head_dim
@@ -100,6 +107,21 @@ class Attention:
             # probabilities read twice, their gradient written and read, the scores' gradient written and read twice
             scores = self.batch * self.heads * self.q_len * self.kv_len * (7 if self.backward else 4)
         return float((tensors + scores) * DTYPES[self.dtype])
+
+
+def causal_fraction(q_len: int, kv_len: int, causal_tile: int = 0) -> float:
+    """The share of a causal attention's scores a fused kernel computes: each query its keys up to its own,
+    rounded up to a whole block of `causal_tile` keys (the kernel computes a block of keys whole, masked, and skips
+    the blocks wholly above the diagonal; torch's CPU kernel's block is 512 keys, so up to 512 keys it computes
+    the whole square). `causal_tile` 0: no block, half the square (the masked half skipped). Queries and keys of
+    different lengths (a context-parallel ring's chunks): half."""
+    if causal_tile <= 0 or q_len != kv_len or q_len <= 0:
+        return 0.5
+    full_blocks = (q_len - 1) // causal_tile  # the blocks before the one holding the last key
+    # block j (from 1) of those: causal_tile queries computing j x causal_tile keys; the rest compute every key
+    computed = causal_tile * causal_tile * full_blocks * (full_blocks + 1) // 2
+    computed += (q_len - full_blocks * causal_tile) * q_len
+    return computed / (q_len * q_len)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ from harness.plan.device_fit import (
     fit_description,
     kernel_seconds,
 )
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, PassShape, layer_kernels
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, PassShape, causal_fraction, layer_kernels
 from harness.plan.layers import describe_builtin
 from harness.plan.spec import DTYPES, ModelSpec
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
@@ -149,6 +149,10 @@ class Scale:
     multiple: int = 1  # GEMM dimensions and attention lengths are drawn as multiples of this
     optimizer_large: tuple[int, int] = (4, 1 << 18)  # (tensors, elements each): the step the bandwidth is taken from
     optimizer_check: tuple[int, int] = (16, 1 << 14)  # a step between it and OPTIMIZER_SMALL, not fitted on
+    # the fused attentions, causal and not, that the causal kernel's key block is read from: their sequence lengths
+    # and (batch, heads, head_dim)
+    causal_seqs: tuple[int, ...] = (256, 512, 1024, 2048)
+    causal_shape: tuple[int, int, int] = (1, 2, 32)
 
 
 SCALES = {
@@ -162,7 +166,7 @@ SCALES = {
                   attention_batch=(1, 8), attention_heads=(8, 32), attention_seq=(256, 8192), head_dims=(64, 128),
                   attention_max_flops=5e12, memory_rows=(256, 1 << 20), vector_elements=1 << 26,
                   kind_elements=(1 << 16, 1 << 26), multiple=64, optimizer_large=(4, 1 << 24),
-                  optimizer_check=(16, 1 << 20)),
+                  optimizer_check=(16, 1 << 20), causal_seqs=(512, 1024, 2048, 4096), causal_shape=(4, 16, 128)),
 }
 
 
@@ -202,6 +206,7 @@ class Calibration:
     optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
     ranks: int = 1
+    causal: list[dict[str, Any]] = field(default_factory=list)  # causal_rows: what causal_tile was read from
 
     def bare(self) -> DeviceDescription:
         """The description with the bare launch: what a kernel run alone (a held-out one) takes."""
@@ -240,8 +245,8 @@ def _log_uniform(rng: np.random.Generator, low: int, high: int, multiple: int = 
 
 def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequence[Kernel] = ()) -> list[Kernel]:
     """Kernels of `counts` shapes for a device kind (SCALES), drawn from `seed`, none of `exclude`: GEMMs, fused
-    attention forward and backward (causal), materialised attention forward and backward (of GEMMs and each
-    attention kind the first is the range's smallest, unless excluded, so that a fitted curve does not
+    attention forward and backward (causal and full in turn), materialised attention forward and backward (causal;
+    of GEMMs and each attention kind the first is the range's smallest, unless excluded, so that a fitted curve does not
     extrapolate below its sizes), memory-bound kernels of MEMORY_OPS in turn."""
     scale, rng, left_out = SCALES[kind], np.random.default_rng(seed), set(exclude)
     out: list[Kernel] = []
@@ -270,12 +275,14 @@ def draw_kernels(kind: str, dtype: str, counts: Counts, seed: int, exclude: Sequ
                 batch, heads = _log_uniform(rng, *scale.attention_batch), _log_uniform(rng, *scale.attention_heads)
                 seq = _log_uniform(rng, *scale.attention_seq, scale.multiple)
                 head_dim = int(rng.choice(scale.head_dims))
-            forward = Attention("attention", kernel_kind, batch, heads, seq, seq, head_dim, dtype,
+            causal = kernel_kind == "materialized" or drawn % 2 == 0  # fused ones causal and full in turn
+            forward = Attention("attention", kernel_kind, batch, heads, seq, seq, head_dim, dtype, causal=causal,
                                 launches=3 if kernel_kind == "materialized" else 1)
             if forward.flops > scale.attention_max_flops or forward in left_out or forward in out:
                 continue
             out += [forward, Attention("attention.grad", kernel_kind, batch, heads, seq, seq, head_dim, dtype,
-                                       backward=True, launches=5 if kernel_kind == "materialized" else 1)]
+                                       causal=causal, backward=True,
+                                       launches=5 if kernel_kind == "materialized" else 1)]
             drawn += 1
     drawn = 0
     while drawn < counts.memory:
@@ -523,6 +530,39 @@ def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequ
         return max(0.0, float(np.median(values)))
     return {name: WrapperCost(median(forward[name]), median(backward[name]), weight_s=median(weight[name]))
             for name in names}
+
+
+def causal_kernels(kind: str, dtype: str) -> list[Attention]:
+    """The fused attentions causal_tile_of reads: at each of the kind's causal_seqs, forward and backward, full
+    then causal."""
+    scale = SCALES[kind]
+    batch, heads, head_dim = scale.causal_shape
+    return [Attention("attention.grad" if backward else "attention", "sdpa", batch, heads, seq, seq, head_dim, dtype,
+                      causal=causal, backward=backward)
+            for seq in scale.causal_seqs for backward in (False, True) for causal in (False, True)]
+
+
+def causal_rows(kernels: Sequence[Attention], seconds: Sequence[float]) -> list[dict[str, Any]]:
+    """causal_kernels' measured (full, causal) pairs as rows: seq, pass, both times and the causal one's share."""
+    pairs = zip(kernels[0::2], seconds[0::2], seconds[1::2])
+    return [{"seq": k.q_len, "pass": "backward" if k.backward else "forward", "full_s": full, "causal_s": causal,
+             "ratio": causal / full} for k, full, causal in pairs]
+
+
+def causal_tile_of(rows: Sequence[dict[str, Any]]) -> int:
+    """The key block (a power of two from 16 to the longest sequence measured) whose causal_fraction best matches
+    the measured causal / full times (least squares of their logarithms; among equals the smallest: a kernel that
+    skipped nothing at any length measured reads as the longest). Compute bounds these kernels, so the time's
+    share is the computed scores' share."""
+    longest = max(row["seq"] for row in rows)
+    candidates = [1 << p for p in range(4, longest.bit_length()) if 1 << p <= longest]
+
+    def misfit(tile: int) -> float:
+        return sum((math.log(row["ratio"]) - math.log(causal_fraction(row["seq"], row["seq"], tile))) ** 2
+                   for row in rows)
+    scores = {tile: misfit(tile) for tile in candidates}
+    best = min(scores.values())
+    return min(tile for tile, score in scores.items() if score <= best * (1 + 1e-9))
 
 
 def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list[Kernel], float]]) -> list[float]:
@@ -859,7 +899,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         optimizers = [(kind, size) for kind in OPTIMIZER_KINDS
                       for size in (OPTIMIZER_SMALL, scale.optimizer_large, scale.optimizer_check)]
         runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
-        runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out]]
+        causal_set = causal_kernels(kind, dtype)
+        runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out, *causal_set]]
         progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress,
                             unit="sample")
         try:
@@ -884,6 +925,7 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     peak_seconds = timed[len(fit_set):len(fit_set) + len(peaks)]
     held_out_observations = [Observation(curve_of(k), k, s)
                              for k, s in zip(held_out, timed[len(fit_set) + len(peaks):])]
+    causal = causal_rows(causal_set, timed[len(fit_set) + len(peaks) + len(held_out):])
     matrix = {d: max([p.flops / s for p, s in zip(peaks, peak_seconds) if p.dtype == d]
                      + [o.kernel.flops / o.seconds for o in observations if o.curve == "gemm" and d == dtype])
               for d in runnable}
@@ -899,7 +941,7 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               vector_peak={d: vector[d] for d in REQUIRED_DTYPES}, launch_s=launch_s, curves=flat,
                               fitted=True, fitted_on="", kernel_issue_s=issue_s,
                               launches=count_kind_launches(dtype, device),
-                              processor="cpu" if device.type == "cpu" else "gpu")
+                              processor="cpu" if device.type == "cpu" else "gpu", causal_tile=causal_tile_of(causal))
     fitted = fit_description(start, observations)
     counted = {kind: count_optimizer(kind, device) for kind in OPTIMIZER_KINDS}
     fitted = dataclasses.replace(fitted, optimizer={
@@ -924,8 +966,7 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         fitted = dataclasses.replace(fitted, kernel_issue_s=max(issue_s, float(np.median(list(framework.values())))))
     calibration = Calibration(fitted, observations, dtype, repeats, warmup, unsupported,
                               held_out=held_out_observations, bare_launch_s=launch_s, framework_blocks=framework,
-                              bare_issue_s=issue_s,
-                              optimizer_counts=counted)
+                              bare_issue_s=issue_s, optimizer_counts=counted, causal=causal)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
         calibration.collectives = _collectives(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick)
@@ -969,6 +1010,9 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             f"repeats after {calibration.warmup} warm-up"
             + (f", every one of {calibration.ranks} ranks at once (rank 0's figures)" if calibration.ranks > 1 else "")
             + "; peaks the best measured"
+            + (f"; causal_tile the key block whose share of the scores matches causal over full fused attentions "
+               f"(seq {', '.join(str(r['seq']) for r in calibration.causal if r['pass'] == 'forward')}, forward and "
+               "backward)" if calibration.causal else "")
             + (f"; launch_us the framework's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_launch_s * 1e6:.2f} us"
