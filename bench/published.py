@@ -80,7 +80,7 @@ from bench.search_accuracy import spearman  # noqa: E402
 from harness.plan.device import DeviceDescription, load_device  # noqa: E402
 from harness.plan.events import COMM_KINDS, EventPlan, build_plan  # noqa: E402
 from harness.plan.importers.megatron import from_megatron  # noqa: E402
-from harness.plan.kernels import Kernel, event_kernels  # noqa: E402
+from harness.plan.kernels import Kernel, job_event_kernels  # noqa: E402
 from harness.plan.network import NetworkTier  # noqa: E402
 from harness.plan.spec import JobSpec, load_spec  # noqa: E402
 
@@ -284,14 +284,13 @@ class SpecOnlyRun:
         self.spec = run_spec(run, network=network)
         self.plan: EventPlan = build_plan(self.spec)
         model = spec_network(self.spec.cluster.network)
-        recompute = self.spec.strategy.recompute
         self.comm: dict[str, float] = {}
         self.kernels: dict[str, list[Kernel]] = {}
         for eid, event in self.plan.events.items():
             if event.kind in COMM_KINDS:
                 self.comm[eid] = slowest_group(self.plan, eid, model).seconds
             else:
-                self.kernels[eid] = event_kernels(event.content, recompute)
+                self.kernels[eid] = job_event_kernels(event.content, self.spec)
 
     def costs(self, device: DeviceModel, cache: dict[str, tuple[float, float]] | None = None) -> Costs:
         """Every event's seconds on `device` and the host's issue time of each compute event (`cache`: event id ->

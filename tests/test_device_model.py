@@ -827,3 +827,60 @@ def test_a_curve_far_below_its_half_point_is_slow_not_an_overflow():
     assert Curve(max_fraction=0.5, half_at=100.0, steepness=2.0).fraction(100.0) == pytest.approx(0.25, rel=1e-12)
     assert Curve(max_fraction=0.5, half_at=100.0, steepness=2.0).fraction(1000.0) == pytest.approx(0.5 / 1.01,
                                                                                                    rel=1e-12)
+
+
+def accumulation_spec(device: str = "", **strategy) -> object:
+    """tiny_spec_text's GPT-2 (hidden 32, ffn 64: a block of 12 tensors and 8,544 parameters) at 4 micro-batches a
+    replica, with `strategy` lines added and a `[cluster] device`."""
+    lines = "".join(f"{key} = {str(value).lower()}\n" for key, value in strategy.items())
+    cluster = f'[cluster]\ndevice = "{device}"\n' if device else "[cluster]\n"
+    return loads_spec(tiny_spec_text(global_batch=8, micro=2).replace("[cluster]\n", lines + cluster))
+
+
+def block_content(spec, phase: str) -> dict:
+    plan = build_plan(spec)
+    return next(e.content for e in plan.events.values()
+                if e.kind == "compute" and e.content.get("layer") == "block" and e.content.get("phase") == phase)
+
+
+def test_a_layers_backward_accumulates_its_gradients_by_hand():
+    """(m - 1) / m of an add over the block's 8,544 parameters (hidden 32, ffn 64: 4 x 32 x 32 + 2 x 32 x 64 =
+    8,192 weights, 3 x 32 + 32 + 64 + 32 biases, two norms of 2 x 32), float32: the new gradient read, the
+    accumulated one read and written, 12 bytes a parameter, 12 tensors."""
+    from harness.plan.kernels import accumulation_kernels, accumulation_share, event_kernels, job_event_kernels
+
+    spec = accumulation_spec()
+    assert spec.micro_batches == 4 and accumulation_share(spec) == 0.75
+    backward = block_content(spec, "bwd")
+    [add] = accumulation_kernels(backward, 0.75)
+    assert (add.name, add.op, add.dtype) == ("grad_accumulate", "add", "float32")
+    assert add.elements == 0.75 * 8544 and add.bytes == 0.75 * 8544 * 12 and add.launches == 0.75 * 12
+    assert job_event_kernels(backward, spec) == event_kernels(backward) + [add]
+    # the forward, no share, Megatron's fusion: nothing
+    assert accumulation_kernels(block_content(spec, "fwd"), 0.75) == []
+    assert accumulation_kernels(backward, 0.0) == []
+    fused = accumulation_spec(grad_accumulation_fusion=True)
+    assert accumulation_share(fused) == 0.0 and job_event_kernels(backward, fused) == event_kernels(backward)
+    # ZeRO 2 adds into the shard's gradients (each tensor's first dimension split over dp = 2); master weights add a
+    # 16-bit gradient into float32 ones: 2 + 2 x 4 bytes a parameter
+    [sharded] = accumulation_kernels(backward, 1.0, shard=2)
+    assert sharded.elements == 4272
+    [main] = accumulation_kernels(dict(backward, signature={**dict(backward["signature"]), "dtype": "bfloat16"}),
+                                  1.0, master_weights=True)
+    assert main.bytes == 8544 * 10 and main.dtype == "bfloat16"
+
+
+def test_a_spec_alone_costs_the_accumulation_unless_fused():
+    """The add is listed and costed after every backward of a spec alone, and Megatron's fusion removes exactly it."""
+    from analysis.predict import predict_spec
+
+    added = predict_spec(accumulation_spec("a100-80gb"), resamples=0)
+    fused = predict_spec(accumulation_spec("a100-80gb", grad_accumulation_fusion=True), resamples=0)
+    model = DeviceModel(load_device("a100-80gb"))
+    for eid, costing in added.costs.device_kernels.items():
+        extra = [k for k in costing.kernels if k.name == "grad_accumulate"]
+        phase = added.plan.events[eid].content.get("phase")
+        assert len(extra) == (1 if phase == "bwd" else 0), eid
+        assert costing.seconds == pytest.approx(fused.costs.device_kernels[eid].seconds
+                                                + sum(model.kernel_seconds(k) for k in extra))
+    assert added.timeline.batch_time_s > fused.timeline.batch_time_s

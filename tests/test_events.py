@@ -230,3 +230,12 @@ def test_one_devices_flow_through_the_command(tmp_path, capsys):
     spec.write_text(tiny_spec_text(dp=2, layers=2, micro=1, global_batch=2))
     assert harness_main(["events", str(spec), "--device", "1"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_harness_train_refuses_the_fused_gradient_accumulation():
+    from harness.common.errors import UserError
+    from harness.train.runner import check_run
+
+    spec = loads_spec(tiny_spec_text().replace("[cluster]", "grad_accumulation_fusion = true\n[cluster]"))
+    with pytest.raises(UserError, match="grad_accumulation_fusion = true is Megatron-LM's fused"):
+        check_run(spec, 1, 3, 1)

@@ -280,8 +280,8 @@ def test_a_megatron_deepspeed_launch_reads_its_launcher_zero_and_token_dropping(
 @pytest.mark.skipif(not VTRAIN.is_dir(), reason="the shared vTrain data is not beside the project")
 def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
     """Each run as vTrain's README states it (Megatron-DeepSpeed's GPT, vocabulary 50,257 padded, fp16, full
-    recompute, 1F1B, the all-reduce after the backward, 8 GPUs a node, dropout 0.1; its attention materialised:
-    no --use-flash-attn) written as Megatron arguments
+    recompute, 1F1B, the all-reduce after the backward, gradient accumulation fused (Megatron's default), 8 GPUs a
+    node, dropout 0.1; its attention materialised: no --use-flash-attn) written as Megatron arguments
     (bench/published.py's, what its predictions start from) reads back as the spec written directly."""
     rows = 0
     for run in (run for name in SETS for run in read_runs(name, VTRAIN)):
@@ -291,7 +291,8 @@ def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
                       "tie_embeddings": True, "dtype": "float16", "attention": "materialized",
                       "cross_entropy": "megatron", "dropout": 0.1},
             "batch": {"global": run.global_batch, "micro": run.micro},
-            "strategy": {"dp": run.dp, "tp": run.tp, "pp": run.pp, "recompute": "full", "dp_overlap": False},
+            "strategy": {"dp": run.dp, "tp": run.tp, "pp": run.pp, "recompute": "full", "dp_overlap": False,
+                         "grad_accumulation_fusion": True},
             "cluster": {"nodes": max(1, run.gpus // 8), "gpus_per_node": min(run.gpus, 8)},
             "optimizer": {"master_weights": True}})
         imported = from_megatron(megatron_arguments(run), gpus=run.gpus)
@@ -480,3 +481,12 @@ def test_the_command_keeps_the_gpus_it_is_given_and_refuses_options_of_the_other
     arguments = "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1024"
     assert harness_main(["spec", "--from-megatron", arguments, "--gpus", "8", "--seq-len", "5"]) == 2
     assert "--seq-len: for --from-hf only" in capsys.readouterr().err
+
+
+def test_megatrons_gradient_accumulation_fusion_is_its_default():
+    command = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+               "--micro-batch-size 1 --global-batch-size 8 --vocab-size 512")
+    assert from_megatron(command, gpus=1).spec.strategy.grad_accumulation_fusion
+    unfused = from_megatron(command + " --no-gradient-accumulation-fusion", gpus=1)
+    assert not unfused.spec.strategy.grad_accumulation_fusion
+    assert not any("accumulation" in line for line in unfused.not_modelled)

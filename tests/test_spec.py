@@ -232,3 +232,13 @@ def test_many_identical_layers_share_their_events():
     (step,) = [e for e in plan.events.values() if e.content["phase"] == "optimizer"]
     assert step.name == "optimizer(gpt2.embedding, 10000x gpt2.block, gpt2.head)" and plan.multiplicity[step.id] == 1
     assert [count for _, count in step.content["layers"]] == [1, 10_000, 1]
+
+
+def test_grad_accumulation_fusion_is_a_flag_written_only_when_set():
+    plain = loads_spec(tiny_spec_text())
+    assert not plain.strategy.grad_accumulation_fusion and "grad_accumulation_fusion" not in plain.to_dict()["strategy"]
+    fused = loads_spec(tiny_spec_text().replace("[cluster]", "grad_accumulation_fusion = true\n[cluster]"))
+    assert fused.to_dict()["strategy"]["grad_accumulation_fusion"] is True
+    assert loads_spec(fused.to_toml()) == fused
+    with pytest.raises(SpecError, match=r"\[strategy.grad_accumulation_fusion\] must be true or false, got 'yes'"):
+        loads_spec(tiny_spec_text().replace("[cluster]", 'grad_accumulation_fusion = "yes"\n[cluster]'))

@@ -25,7 +25,8 @@ from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.device import DeviceDescription
 from harness.plan.events import Event, EventPlan
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, event_kernels
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, accumulation_share, job_event_kernels
+from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import STEP_GAPS
 
 DEVICE = "device"  # EventCost.source of an event costed by the device model
@@ -91,16 +92,19 @@ def processor_mismatch(device: DeviceModel | None, profile: Profile) -> str | No
             "times and the rest the description's; give a profile taken on the spec's device, or none")
 
 
-def device_costing(device: DeviceModel, eid: str, event: Event, recompute: str) -> DeviceCosting:
-    """`event`'s kernels and their times on `device` (UserError where the plan cannot list its kernels)."""
-    key = (device.description.source, device.name, eid, recompute)
+def device_costing(device: DeviceModel, eid: str, event: Event, spec: JobSpec) -> DeviceCosting:
+    """`event`'s kernels as `spec`'s job runs them (harness.plan.kernels.job_event_kernels) and their times on
+    `device` (UserError where the plan cannot list its kernels)."""
+    strategy = spec.strategy
+    key = (device.description.source, device.name, eid, strategy.recompute, accumulation_share(spec),
+           strategy.dp if strategy.zero >= 2 else 1, spec.optimizer.master_weights)
     if key not in _COSTED:
-        kernels = tuple(event_kernels(event.content, recompute))
+        kernels = tuple(job_event_kernels(event.content, spec))
         times = tuple(device.kernel_time(k) for k in kernels)
         issue = host_issue_seconds(device, event.content, kernels)
         note = describe_costing(device, kernels, times)
         if issue:
-            note += f"; the host issues its {sum(k.launches for k in kernels)} launches in {issue * 1e3:.3g} ms"
+            note += f"; the host issues its {sum(k.launches for k in kernels):.0f} launches in {issue * 1e3:.3g} ms"
         wrapper = device.wrapper_seconds(event.content, kernels)
         if wrapper:
             names = " and ".join(device.wrappers_of(event.content))
@@ -151,7 +155,7 @@ def uncostable(plan: EventPlan, device: DeviceModel, ids: Iterable[str]) -> dict
     out = {}
     for eid in ids:
         try:
-            device_costing(device, eid, plan.events[eid], plan.spec.strategy.recompute)
+            device_costing(device, eid, plan.events[eid], plan.spec)
         except UserError as exc:
             out[eid] = str(exc)
     return out
@@ -183,7 +187,7 @@ class DeviceSource(CostSource):
     def cost(self, eid: str, event: Event, costs: Costs) -> EventCost | None:
         if event.kind != "compute":
             return None
-        costing = device_costing(self.device, eid, event, self.plan.spec.strategy.recompute)
+        costing = device_costing(self.device, eid, event, self.plan.spec)
         costs.device_kernels[eid] = costing
         if costing.issue_s:
             costs.host_issue[eid] = costing.issue_s

@@ -20,6 +20,8 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   do not change; "selective" (Megatron-LM's) runs the attention core's forward again inside the backward.
 - attention is fused (sdpa) unless the block's signature says ("attention", "materialized"): the spec's
   `[model] attention`.
+- a job's layer backward also adds its parameters' gradients into the step's earlier micro-batches' (an add a
+  tensor, job_event_kernels), unless the spec says Megatron-LM's gradient accumulation fusion.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ class MemoryBound:
     bytes: float
     dtype: str
     flops: float = 0.0
-    launches: int = 1
+    launches: float = 1  # a share where the kernel runs in some of the passes an event stands for
     op: str = ""
     elements: float = 0.0
     tensors: tuple[tuple[int, int], ...] = ()
@@ -185,6 +187,48 @@ def event_kernels(content: Mapping[str, Any], recompute: str = "none") -> list[K
         return optimizer_kernels(content)
     shape = PassShape(micro=int(content["micro"]), seq=int(content["seq"]), recompute=recompute)
     return _kernels(content["layer"], dict(content["signature"]), shape, content["phase"])
+
+
+def job_event_kernels(content: Mapping[str, Any], spec: JobSpec, accumulation: float | None = None) -> list[Kernel]:
+    """A compute event's kernels as `spec`'s job runs it: event_kernels with the spec's recompute, and after a
+    layer's backward its gradient accumulation (accumulation_kernels at `accumulation`, by default
+    accumulation_share(spec)), into the ZeRO shard's gradients where ZeRO 2 and 3 shard them."""
+    kernels = event_kernels(content, spec.strategy.recompute)
+    share = accumulation_share(spec) if accumulation is None else accumulation
+    shard = spec.strategy.dp if spec.strategy.zero >= 2 else 1
+    return kernels + accumulation_kernels(content, share, shard, spec.optimizer.master_weights)
+
+
+def accumulation_share(spec: JobSpec) -> float:
+    """The share of a step's micro-batches whose layer backwards add their gradients into those of the step's
+    earlier ones: (m - 1) / m of a replica's m micro-batches (the first's backward makes them); 0 with Megatron-LM's
+    gradient accumulation fusion (`grad_accumulation_fusion`: the weight-gradient GEMM adds into the main
+    gradient)."""
+    if spec.strategy.grad_accumulation_fusion:
+        return 0.0
+    micro_batches = max(1, spec.micro_batches)
+    return (micro_batches - 1) / micro_batches
+
+
+def accumulation_kernels(content: Mapping[str, Any], share: float, shard: int = 1,
+                         master_weights: bool = False) -> list[Kernel]:
+    """A layer's backward (bwd, or a split backward's bwd_weight) adding its parameters' new gradients into the
+    accumulated ones (PyTorch's AccumulateGrad; Megatron-LM's main_grad.add_ without the fusion): an add a
+    parameter tensor (its first dimension split over `shard` where the gradients are sharded), reading the new
+    gradient (the weights' dtype) and the accumulated one and writing it (float32 with `master_weights`: Megatron's
+    main gradients), spread over every backward the plan lists as `share` of it (accumulation_share). None for
+    another phase, no share, or a layer whose tensors the plan does not know."""
+    if share <= 0 or content.get("phase") not in ("bwd", "bwd_weight"):
+        return []
+    sig = dict(content["signature"])
+    shapes = parameter_tensor_shapes(content["layer"], sig)
+    if not shapes:
+        return []
+    elements = sum(-(-shape[0] // shard) * math.prod(shape[1:]) for shape in shapes)
+    dtype = sig.get("dtype", "float32")
+    accumulated = DTYPES["float32"] if master_weights else DTYPES[dtype]
+    return [MemoryBound("grad_accumulate", share * elements * (DTYPES[dtype] + 2 * accumulated), dtype, op="add",
+                        elements=share * elements, launches=share * len(shapes))]
 
 
 def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:

@@ -84,7 +84,8 @@ _SECTIONS = {
               "routing", "expert_histogram", "vocab_divisible_by", "dropout", "attention", "cross_entropy"},
     "batch": {"global", "micro"},
     "strategy": {"dp", "tp", "pp", "schedule", "chunks", "dp_overlap", "bucket_mb", "recompute", "zero",
-                 "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method"},
+                 "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method",
+                 "grad_accumulation_fusion"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "device", "network"},
     "optimizer": {"name", "momentum", "master_weights"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
@@ -191,6 +192,10 @@ class StrategySpec:
     # expert parallelism: each MoE block's experts sharded over ep ranks carved out of the dp group
     # (Megatron-Core); the experts' gradients are all-reduced over the dp / ep ranks holding the same ones
     ep: int = 1
+    # Megatron-LM's gradient accumulation fusion (its default; APEX's fused weight-gradient GEMM adds into the
+    # main gradient): no add a micro-batch; false: each layer's backward adds its parameters' gradients into those
+    # of the step's earlier micro-batches, as PyTorch (and harness train) accumulates them
+    grad_accumulation_fusion: bool = False
 
     @property
     def world(self) -> int:
@@ -323,6 +328,8 @@ class JobSpec:
         s = dataclasses.asdict(self.strategy)
         if (s["recompute_layers"], s["recompute_method"]) == (1, "uniform"):  # every block, as without them
             del s["recompute_layers"], s["recompute_method"]
+        if not s["grad_accumulation_fusion"]:  # the default, left out as before the field
+            del s["grad_accumulation_fusion"]
         search = {k: v if isinstance(v, bool) else list(v) for k, v in dataclasses.asdict(self.search).items() if v}
         out = {
             "spec_version": SPEC_VERSION,
@@ -814,7 +821,8 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
                             cp_comm=_choice(s, "cp_comm", "strategy", "ring", CP_COMMS),
                             ep=_int(s, "ep", "strategy", 1),
                             recompute_layers=_int(s, "recompute_layers", "strategy", 1),
-                            recompute_method=_choice(s, "recompute_method", "strategy", "uniform", RECOMPUTE_METHODS))
+                            recompute_method=_choice(s, "recompute_method", "strategy", "uniform", RECOMPUTE_METHODS),
+                            grad_accumulation_fusion=_flag(s, "grad_accumulation_fusion", "strategy", False))
     model = pad_vocab(model, strategy)
     c = data["cluster"]
     memory = c.get("device_memory_gb")

@@ -103,6 +103,10 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
     if spec.optimizer.master_weights:
         raise UserError("harness train trains in the model's dtype and keeps no fp32 master weights; "
                         "[optimizer] master_weights = true is for the memory model only (set it to false to run)")
+    if spec.strategy.grad_accumulation_fusion:
+        raise UserError("harness train accumulates a step's gradients by adds, as PyTorch does; [strategy] "
+                        "grad_accumulation_fusion = true is Megatron-LM's fused weight-gradient accumulation (APEX), "
+                        "for estimates only (set it to false to run)")
 
 
 def _environment(topology, device, backend: str, dp_backend: str, threads: int, start: float,

@@ -96,7 +96,6 @@ NOT_MODELLED = {
     "--moe-router-topk-scaling-factor": "scaled routing weights",
     "--no-masked-softmax-fusion": "an unfused softmax", "--no-bias-gelu-fusion": "an unfused bias and GELU",
     "--no-bias-dropout-fusion": "an unfused bias and dropout", "--no-rope-fusion": "unfused rotary embeddings",
-    "--no-gradient-accumulation-fusion": "unfused weight-gradient accumulation",
     "--no-async-tensor-model-parallel-allreduce": "a synchronous tensor-parallel all-reduce",
     "--accumulate-allreduce-grads-in-fp32": "fp32 gradient all-reduces",
     "--rampup-batch-size": "a batch size that ramps up (the spec's is the final one)",
@@ -589,7 +588,9 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
     strategy = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "schedule": "1f1b",
                 "sp": args.has("--sequence-parallel"), "ep": args.integer("--expert-model-parallel-size")
                 or args.integer("--moe-expert-parallel-size", 1),
-                "dp_overlap": args.has("--overlap-grad-reduce")}
+                "dp_overlap": args.has("--overlap-grad-reduce"),
+                # Megatron's default: the weight-gradient GEMM adds into the main gradient (APEX)
+                "grad_accumulation_fusion": not args.has("--no-gradient-accumulation-fusion")}
     per_stage = args.integer("--num-layers-per-virtual-pipeline-stage")
     chunks = args.integer("--num-virtual-stages-per-pipeline-rank")
     if per_stage is not None:
