@@ -37,7 +37,7 @@ from analysis.profile_reader import Profile, layers_for
 from harness.common.errors import UserError
 from harness.plan.device import HOST_FIELDS, RUN_WRAPPERS, DeviceDescription
 from harness.plan.events import build_plan
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, job_event_kernels
+from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, accumulation_kernels, event_kernels
 from harness.store.hdf5_schema import STEP_GAPS
 
 LAUNCH, HOST = "launch", "host"  # figure keys' first part for [efficiency] launch_us and the [host] table's
@@ -161,8 +161,10 @@ def profile_events(profile: Profile) -> list[RefineEvent]:
         if event.kind != "compute" or event.content.get("phase") not in ("fwd", "bwd") or cost.source != MEASURED:
             continue
         try:
-            # a profile's backward samples add into the gradients every time (harness.profile.compute)
-            kernels = tuple(job_event_kernels(event.content, spec, accumulation=1.0))
+            # a profile's backward samples add into the gradients every time, each layer whole (one rank's FSDP2
+            # unit), in the model's dtype (harness.profile.compute)
+            kernels = tuple(event_kernels(event.content, spec.strategy.recompute)
+                            + accumulation_kernels(event.content, 1.0))
         except (UserError, KeyError, ValueError):
             continue
         if kernels and cost.seconds > 0:

@@ -435,6 +435,7 @@ def description_text(**replace) -> str:
     ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 12.5", "efficiency.causal_tile", "a whole number of keys"),
     ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = -64", "efficiency.causal_tile", "from 0 .none"),
     ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = true", "efficiency.causal_tile", "got True"),
+    ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 2097152", "efficiency.causal_tile", "to 1,048,576"),
 ])
 def test_bad_descriptions_name_file_and_field(tmp_path, old, new, field, message):
     path = tmp_path / "bad.toml"
@@ -868,6 +869,40 @@ def test_a_layers_backward_accumulates_its_gradients_by_hand():
     [main] = accumulation_kernels(dict(backward, signature={**dict(backward["signature"]), "dtype": "bfloat16"}),
                                   1.0, master_weights=True)
     assert main.bytes == 8544 * 10 and main.dtype == "bfloat16"
+    # a split backward: the weights' half adds, the input's half computes no parameter's gradient
+    assert accumulation_kernels(dict(backward, phase="bwd_weight"), 0.75) == [add]
+    assert accumulation_kernels(dict(backward, phase="bwd_input"), 0.75) == []
+
+
+def test_the_jobs_accumulation_follows_its_micro_batches_zero_and_master_weights():
+    """Through job_event_kernels and a prediction's costing (whose cache holds one event id for specs that differ
+    only in these): ZeRO 2 adds into the gradients' shard, 4 micro-batches add 3/4 of the time, 8 add 7/8,
+    Megatron's main gradients every time."""
+    from analysis.predict import predict_spec
+    from harness.plan.kernels import job_event_kernels
+
+    def added(spec):
+        prediction = predict_spec(spec, resamples=0)
+        [eid] = [e for e, ev in prediction.plan.events.items()
+                 if ev.content.get("layer") == "block" and ev.content.get("phase") == "bwd"]
+        [add] = [k for k in prediction.costs.device_kernels[eid].kernels if k.name == "grad_accumulate"]
+        assert [add] == [k for k in job_event_kernels(prediction.plan.events[eid].content, spec)
+                         if k.name == "grad_accumulate"]
+        return eid, add
+
+    four = added(accumulation_spec("a100-80gb"))
+    eight = added(loads_spec(tiny_spec_text(global_batch=16, micro=2).replace(
+        "[cluster]\n", '[cluster]\ndevice = "a100-80gb"\n')))
+    assert four[0] == eight[0]  # one event, two costings
+    assert (four[1].elements, eight[1].elements) == (0.75 * 8544, 0.875 * 8544)
+    zero = dict(dp=2, zero=2)
+    text = tiny_spec_text(global_batch=16, micro=2, **zero).replace("[cluster]\n", '[cluster]\ndevice = "a100-80gb"\n')
+    text += '\n[[cluster.network]]\nname = "node"\nsize = 2\nbandwidth_gbs = 10\nlatency_us = 10\n'
+    assert added(loads_spec(text))[1].elements == 0.75 * 8544 / 2
+    master = tiny_spec_text(global_batch=8, micro=2).replace('dtype = "float32"', 'dtype = "bfloat16"').replace(
+        "[cluster]\n", '[cluster]\ndevice = "a100-80gb"\n') + "[optimizer]\nmaster_weights = true\n"
+    main = added(loads_spec(master))[1]
+    assert main.elements == 8544 and main.bytes == 8544 * (2 + 2 * 4)
 
 
 def test_a_spec_alone_costs_the_accumulation_unless_fused():

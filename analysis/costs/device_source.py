@@ -31,9 +31,10 @@ from harness.store.hdf5_schema import STEP_GAPS
 
 DEVICE = "device"  # EventCost.source of an event costed by the device model
 _MODELS: dict[str, DeviceModel] = {}  # `[cluster] device` text -> its model, per process
-# (description's file, device, event id, recompute) -> the event's costing: the same event recurs in every candidate
-# of a search (two files may give one name)
-_COSTED: dict[tuple[str, str, str, str], DeviceCosting] = {}
+# (description's file, device, event id, recompute, accumulation share, gradient shard, master weights) -> the event's
+# costing: the same event recurs in every candidate of a search (two files may give one name), its accumulation
+# (harness.plan.kernels.job_event_kernels) by the candidate's micro-batches and ZeRO stage
+_COSTED: dict[tuple[str, str, str, str, float, int, bool], DeviceCosting] = {}
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ class Gemm:
 class Attention:
     """Attention over `batch` samples x `heads` heads, `q_len` queries against `kv_len` keys of `head_dim`: `kind`
     sdpa (fused: the scores never leave the chip) or materialized (baddbmm, softmax, bmm: the scores in HBM);
-    `causal`: the upper triangle masked (a fused kernel skips it); `backward`: its gradient."""
+    `causal`: the upper triangle masked (a fused kernel skips its blocks wholly above the diagonal:
+    causal_fraction); `backward`: its gradient."""
 
     name: str
     kind: str
@@ -200,12 +201,15 @@ def job_event_kernels(content: Mapping[str, Any], spec: JobSpec, accumulation: f
 
 
 def accumulation_share(spec: JobSpec) -> float:
-    """The share of a step's micro-batches whose layer backwards add their gradients into those of the step's
-    earlier ones: (m - 1) / m of a replica's m micro-batches (the first's backward makes them); 0 with Megatron-LM's
-    gradient accumulation fusion (`grad_accumulation_fusion`: the weight-gradient GEMM adds into the main
-    gradient)."""
+    """The share of a step's micro-batches whose layer backwards add their gradients into accumulated ones: (m - 1)
+    / m of a replica's m micro-batches as PyTorch accumulates (the first's backward makes them); all of them with
+    `master_weights` (Megatron-LM's main gradients, zeroed at each step's start, take every micro-batch's add); 0
+    with Megatron-LM's gradient accumulation fusion (`grad_accumulation_fusion`: the weight-gradient GEMM adds into
+    the main gradient)."""
     if spec.strategy.grad_accumulation_fusion:
         return 0.0
+    if spec.optimizer.master_weights:
+        return 1.0
     micro_batches = max(1, spec.micro_batches)
     return (micro_batches - 1) / micro_batches
 

@@ -90,7 +90,16 @@ from harness.plan.device_fit import (
     fit_description,
     kernel_seconds,
 )
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, PassShape, causal_fraction, layer_kernels
+from harness.plan.kernels import (
+    Attention,
+    Gemm,
+    Kernel,
+    MemoryBound,
+    PassShape,
+    accumulation_kernels,
+    causal_fraction,
+    layer_kernels,
+)
 from harness.plan.layers import describe_builtin
 from harness.plan.spec import DTYPES, ModelSpec
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
@@ -463,7 +472,12 @@ def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Call
     block = build_layer(model, "block").to(device)
     desc = next(layer for layer in describe_builtin(model, 1) if layer.kind == "block")
     shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
-    kernels = layer_kernels(desc, shape, "fwd") + layer_kernels(desc, shape, "bwd")
+    # run after run its parameters' gradients and its input's accumulate: adds of their own, listed so that the
+    # framework's time holds none (a job lists its own accumulation, harness.plan.kernels.job_event_kernels)
+    inputs = FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"]
+    adds = accumulation_kernels({"layer": "block", "signature": desc.signature, "phase": "bwd"}, 1.0) + [
+        MemoryBound("input.grad_accumulate", 3.0 * inputs * DTYPES[dtype], dtype, op="add", elements=float(inputs))]
+    kernels = layer_kernels(desc, shape, "fwd") + layer_kernels(desc, shape, "bwd") + adds
     return _passes(block, _framework_input(dtype, device))[1], kernels
 
 
@@ -542,11 +556,12 @@ def causal_kernels(kind: str, dtype: str) -> list[Attention]:
             for seq in scale.causal_seqs for backward in (False, True) for causal in (False, True)]
 
 
-def causal_rows(kernels: Sequence[Attention], seconds: Sequence[float]) -> list[dict[str, Any]]:
-    """causal_kernels' measured (full, causal) pairs as rows: seq, pass, both times and the causal one's share."""
+def causal_rows(kernels: Sequence[Attention], seconds: Sequence[float], launch_s: float = 0.0) -> list[dict[str, Any]]:
+    """causal_kernels' measured (full, causal) pairs as rows: seq, pass, both times and the causal one's share of
+    the full one's, each net of a bare launch (`launch_s`; a GPU's shortest pair is a few launches long)."""
     pairs = zip(kernels[0::2], seconds[0::2], seconds[1::2])
     return [{"seq": k.q_len, "pass": "backward" if k.backward else "forward", "full_s": full, "causal_s": causal,
-             "ratio": causal / full} for k, full, causal in pairs]
+             "ratio": max(causal - launch_s, 1e-12) / max(full - launch_s, 1e-12)} for k, full, causal in pairs]
 
 
 def causal_tile_of(rows: Sequence[dict[str, Any]]) -> int:
@@ -921,11 +936,11 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     at += 1 if wrapped else 0
     optimizer_seconds = dict(zip(optimizers, seconds[at:at + len(optimizers)]))
     timed = seconds[at + len(optimizers):]
+    causal = causal_rows(causal_set, timed[len(fit_set) + len(peaks) + len(held_out):], launch_s)
     observations = [Observation(curve_of(k), k, s) for k, s in zip(fit_set, timed)]
     peak_seconds = timed[len(fit_set):len(fit_set) + len(peaks)]
     held_out_observations = [Observation(curve_of(k), k, s)
                              for k, s in zip(held_out, timed[len(fit_set) + len(peaks):])]
-    causal = causal_rows(causal_set, timed[len(fit_set) + len(peaks) + len(held_out):])
     matrix = {d: max([p.flops / s for p, s in zip(peaks, peak_seconds) if p.dtype == d]
                      + [o.kernel.flops / o.seconds for o in observations if o.curve == "gemm" and d == dtype])
               for d in runnable}
