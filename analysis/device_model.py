@@ -28,30 +28,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from harness.plan.device import DeviceDescription, load_device
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
-from harness.plan.spec import DTYPES
-
-
-@dataclass(frozen=True)
-class KernelTime:
-    """One kernel's seconds, split: compute and memory time (the longer counts) and its launches'."""
-
-    compute_s: float
-    memory_s: float
-    launch_s: float
-
-    @property
-    def seconds(self) -> float:
-        return self.launch_s + max(self.compute_s, self.memory_s)
-
-    @property
-    def bound(self) -> str:
-        """compute | memory: which side of the roofline the kernel is on."""
-        return "compute" if self.compute_s >= self.memory_s else "memory"
+from harness.plan.device_fit import KernelTime, kernel_time, launched, memory_seconds, optimizer_time
+from harness.plan.kernels import Kernel, MemoryBound
 
 
 class DeviceModel:
@@ -70,50 +51,16 @@ class DeviceModel:
         return self.description.name
 
     def kernel_time(self, kernel: Kernel) -> KernelTime:
-        """`kernel`'s compute, memory and launch seconds (module docstring)."""
-        device = self.description
-        curves = device.curves
-        if isinstance(kernel, Gemm):
-            peak = device.matrix_peak[kernel.dtype]
-            fraction = curves["gemm"].fraction(kernel.flops, min(kernel.m, kernel.n, kernel.k))
-            executed = kernel.flops
-        elif isinstance(kernel, Attention):
-            peak = device.matrix_peak[kernel.dtype]
-            if kernel.kind == "materialized":
-                curve, executed = curves["materialized_attention"], kernel.flops
-            else:
-                curve = curves["sdpa_backward" if kernel.backward else "sdpa_forward"]
-                executed = kernel.executed_flops(device.causal_tile)
-            fraction = curve.fraction(kernel.flops)
-        elif isinstance(kernel, MemoryBound):
-            if kernel.op in device.optimizer and kernel.tensors:
-                return self.optimizer_time(kernel)
-            peak, fraction, executed = device.vector_peak[kernel.dtype], 1.0, kernel.flops
-            if kernel.op in device.vector_ops:
-                executed = kernel.elements * device.vector_ops[kernel.op]
-        else:
-            raise TypeError(f"not a kernel: {kernel!r}")
-        compute = executed / (peak * fraction) if executed > 0 else 0.0
-        bandwidth = device.memory_bandwidth * curves["memory"].fraction(kernel.bytes)
-        memory = kernel.bytes / bandwidth if kernel.bytes > 0 else 0.0
-        return KernelTime(compute, memory, device.kernel_launches(kernel) * device.launch_s)
+        """`kernel`'s compute, memory and launch seconds (module docstring; harness.plan.device_fit.kernel_time)."""
+        return kernel_time(self.description, kernel)
 
     def memory_seconds(self, nbytes: float) -> float:
         """`nbytes` read and written by one kernel: over the bandwidth x the memory curve's fraction at them."""
-        if nbytes <= 0:
-            return 0.0
-        return nbytes / (self.description.memory_bandwidth * self.description.curves["memory"].fraction(nbytes))
+        return memory_seconds(self.description, nbytes)
 
     def optimizer_time(self, kernel: MemoryBound) -> KernelTime:
-        """An optimizer step on a description with its [optimizer.NAME]: T tensors (kernel.tensors, runs of
-        (elements, count)) of P parameters launch kernels_per_step + kernels_per_tensor x T kernels, each kernel_s
-        beyond its bytes, and move P x bytes_per_parameter (counted on float32 parameters: scaled to the step's
-        dtype) at the optimizer's measured bandwidth."""
-        cost = self.description.optimizer[kernel.op]
-        params = sum(elements * count for elements, count in kernel.tensors)
-        launches = self.launched(kernel)
-        nbytes = params * cost.bytes_per_parameter * DTYPES[kernel.dtype] / DTYPES["float32"]
-        return KernelTime(0.0, nbytes / cost.bandwidth, launches * cost.kernel_s)
+        """An optimizer step on a description with its [optimizer.NAME] (harness.plan.device_fit.optimizer_time)."""
+        return optimizer_time(self.description, kernel)
 
     def kernel_seconds(self, kernel: Kernel) -> float:
         return self.kernel_time(kernel).seconds
@@ -156,12 +103,8 @@ class DeviceModel:
         return [name for name in self.description.wrappers if content.get(name) or name in implied]
 
     def launched(self, kernel: Kernel) -> float:
-        """The kernels the framework launches for `kernel`: an optimizer step's by its [optimizer.NAME]
-        (optimizer_time), any other's by its listing and [launches]."""
-        cost = self.description.optimizer.get(getattr(kernel, "op", ""))
-        if cost is not None and isinstance(kernel, MemoryBound) and kernel.tensors:
-            return cost.kernels_per_step + cost.kernels_per_tensor * sum(count for _, count in kernel.tensors)
-        return self.description.kernel_launches(kernel)
+        """The kernels the framework launches for `kernel` (harness.plan.device_fit.launched)."""
+        return launched(self.description, kernel)
 
     def issue_seconds(self, kernels: Iterable[Kernel]) -> float:
         """The host's seconds to issue a compute event's kernels: their launches x the description's

@@ -116,7 +116,9 @@ KINDS = [MemoryBound("gelu", 8e6, "float32", op="gelu", elements=1e6),
                      tensors=((1_000_000, 1),))]
 
 
-def test_the_fit_reproduces_the_device_model():
+def test_the_fit_costs_by_the_device_models_roofline():
+    """The fit's seconds are the device model's (one roofline, harness.plan.device_fit.kernel_time), an optimizer
+    step's bytes scaled to its dtype: a bfloat16 Adam step over the same tensors moves half a float32 one's."""
     from harness.plan.device import OptimizerCost
 
     device = load_device("h100-sxm")
@@ -126,7 +128,13 @@ def test_the_fit_reproduces_the_device_model():
     for described in (device, measured):
         model = DeviceModel(described)
         for kernel in KERNELS + KINDS:
-            assert kernel_seconds(described, kernel) == pytest.approx(model.kernel_seconds(kernel), rel=1e-12)
+            assert kernel_seconds(described, kernel) == model.kernel_seconds(kernel)
+    adam = KINDS[2]
+    half = dataclasses.replace(adam, dtype="bfloat16")
+    model = DeviceModel(measured)
+    assert model.kernel_time(half).memory_s == pytest.approx(model.kernel_time(adam).memory_s / 2)
+    assert model.kernel_time(adam).memory_s == pytest.approx(1e6 * 76.0 / 6e9)
+    assert model.kernel_time(adam).launch_s == pytest.approx((2.0 + 9.0 * 11) * 7e-6)
 
 
 def test_the_causal_tile_is_the_block_whose_share_matches_the_measured_ratios():

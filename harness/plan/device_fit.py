@@ -3,8 +3,8 @@
 What `python -m harness device` (harness.profile.device_curves measures, this module fits) and bench/device_model.py
 use. Pure Python and numpy. Rules:
 
-- a kernel's modelled seconds are analysis.device_model's roofline, reproduced here because the harness may not
-  import the analysis (tests/test_device_calibration.py holds the two equal): launches x launch_s plus the longer
+- a kernel's modelled seconds are the device model's roofline, written here (kernel_time) because the harness may
+  not import the analysis, which costs by it (analysis.device_model): launches x launch_s plus the longer
   of compute (executed FLOPs, harness.plan.kernels.Attention.executed_flops for an attention, over the unit's
   peak x the curve's fraction) and memory (bytes over the bandwidth x the memory curve's fraction);
 - a curve is fitted by least squares of log(modelled / measured) over its kernels, every other part of the
@@ -32,6 +32,7 @@ import numpy as np
 
 from harness.plan.device import FIGURE_RANGE, OPTIMIZER_KINDS, Curve, DeviceDescription
 from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound
+from harness.plan.spec import DTYPES
 
 # above 1, size / fraction(size) falls as size grows: a smaller kernel would take longer than a larger one
 STEEPNESS_RANGE = (0.25, 1.0)
@@ -60,8 +61,27 @@ def curve_of(kernel: Kernel) -> str:
     return "optimizer" if kernel.op in OPTIMIZER_KINDS else "memory"
 
 
-def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
-    """`kernel`'s seconds on `device`: analysis.device_model.DeviceModel.kernel_seconds (module docstring)."""
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel's seconds, split: compute and memory time (the longer counts) and its launches'."""
+
+    compute_s: float
+    memory_s: float
+    launch_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.launch_s + max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        """compute | memory: which side of the roofline the kernel is on."""
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def kernel_time(device: DeviceDescription, kernel: Kernel) -> KernelTime:
+    """`kernel`'s compute, memory and launch seconds on `device`: the device model's roofline
+    (analysis.device_model's module docstring), written once here for the harness's fit and the analysis."""
     curves = device.curves
     if isinstance(kernel, Gemm):
         peak, executed = device.matrix_peak[kernel.dtype], kernel.flops
@@ -72,14 +92,19 @@ def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
         fraction = curves[curve_of(kernel)].fraction(kernel.flops)
     elif isinstance(kernel, MemoryBound):
         if kernel.op in device.optimizer and kernel.tensors:
-            return optimizer_seconds(device, kernel)
+            return optimizer_time(device, kernel)
         peak, fraction, executed = device.vector_peak[kernel.dtype], 1.0, kernel.flops
         if kernel.op in device.vector_ops:
             executed = kernel.elements * device.vector_ops[kernel.op]
     else:
         raise TypeError(f"not a kernel: {kernel!r}")
     compute = executed / (peak * fraction) if executed > 0 else 0.0
-    return device.kernel_launches(kernel) * device.launch_s + max(compute, memory_seconds(device, kernel.bytes))
+    return KernelTime(compute, memory_seconds(device, kernel.bytes), device.kernel_launches(kernel) * device.launch_s)
+
+
+def kernel_seconds(device: DeviceDescription, kernel: Kernel) -> float:
+    """`kernel`'s seconds on `device` (kernel_time's)."""
+    return kernel_time(device, kernel).seconds
 
 
 def memory_seconds(device: DeviceDescription, nbytes: float) -> float:
@@ -87,13 +112,24 @@ def memory_seconds(device: DeviceDescription, nbytes: float) -> float:
     return nbytes / (device.memory_bandwidth * device.curves["memory"].fraction(nbytes)) if nbytes > 0 else 0.0
 
 
-def optimizer_seconds(device: DeviceDescription, kernel: MemoryBound) -> float:
-    """An optimizer step on a description with its [optimizer.NAME]: DeviceModel.optimizer_time's seconds."""
+def optimizer_time(device: DeviceDescription, kernel: MemoryBound) -> KernelTime:
+    """An optimizer step on a description with its [optimizer.NAME]: T tensors (kernel.tensors, runs of (elements,
+    count)) of P parameters launch kernels_per_step + kernels_per_tensor x T kernels, each kernel_s beyond its bytes,
+    and move P x bytes_per_parameter (counted on float32 parameters: scaled to the step's dtype) at the optimizer's
+    measured bandwidth."""
     cost = device.optimizer[kernel.op]
-    tensors = sum(count for _, count in kernel.tensors)
     params = sum(elements * count for elements, count in kernel.tensors)
-    launches = cost.kernels_per_step + cost.kernels_per_tensor * tensors
-    return launches * cost.kernel_s + params * cost.bytes_per_parameter / cost.bandwidth
+    nbytes = params * cost.bytes_per_parameter * DTYPES[kernel.dtype] / DTYPES["float32"]
+    return KernelTime(0.0, nbytes / cost.bandwidth, launched(device, kernel) * cost.kernel_s)
+
+
+def launched(device: DeviceDescription, kernel: Kernel) -> float:
+    """The kernels the framework launches for `kernel`: an optimizer step's by its [optimizer.NAME]
+    (optimizer_time), any other's by its listing and [launches]."""
+    cost = device.optimizer.get(getattr(kernel, "op", ""))
+    if cost is not None and isinstance(kernel, MemoryBound) and kernel.tensors:
+        return cost.kernels_per_step + cost.kernels_per_tensor * sum(count for _, count in kernel.tensors)
+    return device.kernel_launches(kernel)
 
 
 def log_errors(device: DeviceDescription, observations: Sequence[Observation]) -> np.ndarray:
