@@ -113,9 +113,10 @@ step "06-$first_name-layer-times" bash -c "$PY -m harness train $OUTDIR/$first_n
     --iterations $ITER --warmup 3 --layer-times && $PY -m analysis validate $OUTDIR/$first_name-layers $OUTDIR/$first_name"
 
 # The device model (issue 43): this device's curves measured by harness device (one calibration: the TOML and
-# its JSON at once), then each size from its spec alone on them (every compute event from the device model)
-# beside the run above (its measured batch time); on the calibration refined on a profile; on a GPU also on the
-# shipped description of an H200.
+# its JSON at once; the TOML's causal_tile is the flash kernel's key block, the JSON's "causal" rows the causal
+# over full times it was read from), then each size from its spec alone on them (every compute event from the
+# device model) beside the run above (its measured batch time); on the calibration refined on a profile; on a GPU
+# also on the shipped description of an H200.
 QUICK=$([ "$DEVICE" = cuda ] || echo --quick)
 step 10-device-calibrate bash -c "$PY -m harness device --device $DEVICE --dtype $DTYPE $QUICK --quiet --json \
     -o $OUTDIR/local-device.toml >$OUTDIR/local-device.json && cat $OUTDIR/local-device.toml"
