@@ -228,7 +228,7 @@ def accumulation_kernels(content: Mapping[str, Any], share: float, shard: int = 
     shapes = parameter_tensor_shapes(content["layer"], sig)
     if not shapes:
         return []
-    elements = sum(-(-shape[0] // shard) * math.prod(shape[1:]) for shape in shapes)
+    elements = sum(shard_elements(shape, shard) for shape in shapes)
     dtype = sig.get("dtype", "float32")
     accumulated = DTYPES["float32"] if master_weights else DTYPES[dtype]
     return [MemoryBound("grad_accumulate", share * elements * (DTYPES[dtype] + 2 * accumulated), dtype, op="add",
@@ -256,14 +256,19 @@ def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
             runs = {}
             break
         for shape in shapes:
-            rows = -(-shape[0] // shard)
-            elements = rows * math.prod(shape[1:])
+            elements = shard_elements(shape, shard)
             runs[elements] = runs.get(elements, 0) + int(count)
     signatures = [dict(layer["signature"]) for layer, _ in content.get("layers", ())]
     dtype = optimizer_dtype(signatures[0].get("dtype", "float32") if signatures else "float32",
                             bool(content.get("master_weights", False)))
     return [MemoryBound("optimizer.step", optimizer_bytes(params, dtype), dtype, flops=12.0 * params,
                         launches=layers, op=op, elements=float(params), tensors=tuple(sorted(runs.items())))]
+
+
+def shard_elements(shape: tuple[int, ...], shard: int) -> int:
+    """The elements of one ZeRO shard of a parameter tensor: its first dimension split over `shard`, rounded up,
+    as FSDP2 splits it."""
+    return -(-shape[0] // shard) * math.prod(shape[1:])
 
 
 def parameter_tensor_shapes(kind: str, sig: Mapping[str, Any]) -> list[tuple[int, ...]] | None:
