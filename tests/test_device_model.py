@@ -848,7 +848,14 @@ def test_a_layers_backward_accumulates_its_gradients_by_hand():
     """(m - 1) / m of an add over the block's 8,544 parameters (hidden 32, ffn 64: 4 x 32 x 32 + 2 x 32 x 64 =
     8,192 weights, 3 x 32 + 32 + 64 + 32 biases, two norms of 2 x 32), float32: the new gradient read, the
     accumulated one read and written, 12 bytes a parameter, 12 tensors."""
-    from harness.plan.kernels import accumulation_kernels, accumulation_share, event_kernels, job_event_kernels
+    from harness.plan.kernels import (
+        accumulation_kernels,
+        accumulation_share,
+        event_kernels,
+        job_event_kernels,
+        shard_elements,
+        shard_shape,
+    )
 
     spec = accumulation_spec()
     assert spec.micro_batches == 4 and accumulation_share(spec) == 0.75
@@ -866,6 +873,8 @@ def test_a_layers_backward_accumulates_its_gradients_by_hand():
     # 16-bit gradient into float32 ones: 2 + 2 x 4 bytes a parameter
     [sharded] = accumulation_kernels(backward, 1.0, shard=2)
     assert sharded.elements == 4272
+    # FSDP2's split of one tensor: its first dimension rounded up (a 3 x 5 weight over 2: a 2 x 5 shard)
+    assert shard_shape((3, 5), 2) == (2, 5) and shard_elements((3, 5), 2) == 10 and shard_shape((7,), 1) == (7,)
     [main] = accumulation_kernels(dict(backward, signature={**dict(backward["signature"]), "dtype": "bfloat16"}),
                                   1.0, master_weights=True)
     assert main.bytes == 8544 * 10 and main.dtype == "bfloat16"

@@ -265,10 +265,15 @@ def optimizer_kernels(content: Mapping[str, Any]) -> list[Kernel]:
                         launches=layers, op=op, elements=float(params), tensors=tuple(sorted(runs.items())))]
 
 
+def shard_shape(shape: tuple[int, ...], shard: int) -> tuple[int, ...]:
+    """One ZeRO shard of a parameter tensor of `shape`: its first dimension split over `shard`, rounded up, as
+    FSDP2 splits it (the first replica's shard)."""
+    return (-(-shape[0] // shard), *shape[1:])
+
+
 def shard_elements(shape: tuple[int, ...], shard: int) -> int:
-    """The elements of one ZeRO shard of a parameter tensor: its first dimension split over `shard`, rounded up,
-    as FSDP2 splits it."""
-    return -(-shape[0] // shard) * math.prod(shape[1:])
+    """The elements of shard_shape's shard."""
+    return math.prod(shard_shape(shape, shard))
 
 
 def parameter_tensor_shapes(kind: str, sig: Mapping[str, Any]) -> list[tuple[int, ...]] | None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from harness.models import TORCH_DTYPES, build_layer, checkpointed, make_optimizer, split_backward
 from harness.models.transformer import Head, cross_entropy
 from harness.plan.activations import BackwardTemporaries
+from harness.plan.kernels import shard_shape
 from harness.plan.precision import relative_half_width
 from harness.plan.spec import JobSpec
 from harness.profile.memory import activation_bytes, backward_temporaries, kept_for_weights
@@ -210,7 +211,7 @@ class ComputeRunner:
             shapes = parameter_shapes(spec, content["layers"], device)
             shard = int(content.get("shard", 1))
             if shard > 1:  # ZeRO: the first replica's shard, as FSDP2 splits each parameter along dimension 0
-                shapes = [(torch.Size((-(-shape[0] // shard),) + tuple(shape[1:])), dtype) for shape, dtype in shapes]
+                shapes = [(torch.Size(shard_shape(tuple(shape), shard)), dtype) for shape, dtype in shapes]
             # a ZeRO job's (`fsdp2`): FSDP2's DTensor shards, each step's every operation through DTensor's
             # dispatch, which made the runs' steps 2-7 times the plain tensors' (docs/profiling.md, "ZeRO's layers")
             sharded = bool(content.get("fsdp2"))
