@@ -272,8 +272,16 @@ def spec_only_rounds(jobs: list[DrawnJob], args: argparse.Namespace, root: Path)
                      "refined_error_pct": (float(np.median([p["refined_error_pct"] for p in mine]))
                                            if mine and all("refined_error_pct" in p for p in mine) else None),
                      "profiled_error_pct": float(np.median(profiled)) if profiled else None,
+                     "vs_profile_pct": versus_profile_pct(mine),
                      "failed": failures.get(job.index)})
     return rows, tiers
+
+
+def versus_profile_pct(pairs: list[dict]) -> float | None:
+    """The median over a job's pairs of its spec-only estimate against the same pair's profiled prediction, in
+    percent: the device model's own error, the machine's minute of the run left out (None without --profiled)."""
+    versus = [(p["predicted_s"] / p["profiled_s"] - 1) * 100 for p in pairs if p.get("profiled_s")]
+    return float(np.median(versus)) if versus else None
 
 
 def summary(rows: list[dict]) -> dict:
@@ -283,7 +291,7 @@ def summary(rows: list[dict]) -> dict:
            "short": sum(r["error_pct"] < 0 for r in rows if r["error_pct"] is not None),
            "jobs": len(errors), "failed_jobs": sum(r["failed"] is not None for r in rows)}
     for name, key in (("profiled", "profiled_error_pct"), ("kinds", "kinds_error_pct"),
-                      ("refined", "refined_error_pct")):
+                      ("refined", "refined_error_pct"), ("vs_profile", "vs_profile_pct")):
         beside = [abs(r[key]) for r in rows if r.get(key) is not None]
         out[f"{name}_median_abs_error_pct"] = float(np.median(beside)) if beside else None
         out[f"{name}_p90_abs_error_pct"] = float(np.percentile(beside, 90)) if beside else None
@@ -316,17 +324,18 @@ def report(result: dict) -> str:
     rows = []
     for r in b["rows"]:
         if r["failed"] is not None:
-            rows.append([r["name"], "FAILED", "-", "-", "-", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
+            rows.append([r["name"], "FAILED", "-", "-", "-", "-", "-", "-", r["failed"].strip().splitlines()[-1][:60]])
             continue
         profiled = "-" if r["profiled_error_pct"] is None else f"{r['profiled_error_pct']:+.1f}"
         kinds = "-" if r.get("kinds_error_pct") is None else f"{r['kinds_error_pct']:+.1f}"
         refined = "-" if r.get("refined_error_pct") is None else f"{r['refined_error_pct']:+.1f}"
-        rows.append([r["name"], f"{r['error_pct']:+.1f}", kinds, refined, profiled,
+        versus = "-" if r.get("vs_profile_pct") is None else f"{r['vs_profile_pct']:+.1f}"
+        rows.append([r["name"], f"{r['error_pct']:+.1f}", kinds, refined, profiled, versus,
                      np.median([p["measured_s"] for p in r["pairs"]]) * 1e3,
                      np.median([p["predicted_s"] for p in r["pairs"]]) * 1e3,
                      " ".join(f"{p['error_pct']:+.1f}" for p in r["pairs"])])
-    lines.append(format_table(["job", "error %", "per kind %", "refined %", "profiled %", "measured ms", "spec-only ms",
-                               "rounds' errors %"], rows))
+    lines.append(format_table(["job", "error %", "per kind %", "refined %", "profiled %", "vs profile %", "measured ms",
+                               "spec-only ms", "rounds' errors %"], rows))
 
     def cell(key: str) -> str:
         value = s[key]
@@ -342,6 +351,10 @@ def report(result: dict) -> str:
     if s.get("refined_median_abs_error_pct") is not None:
         beside += (f"; on the calibration refined on another job's profile (refined %): median "
                    f"{s['refined_median_abs_error_pct']:.1f}%, p90 {s['refined_p90_abs_error_pct']:.1f}%")
+    if s.get("vs_profile_median_abs_error_pct") is not None:
+        beside += (f"; the spec alone against its pair's profiled prediction (vs profile %: the model's own error, "
+                   f"the run's minute left out): median {s['vs_profile_median_abs_error_pct']:.1f}%, p90 "
+                   f"{s['vs_profile_p90_abs_error_pct']:.1f}%")
     lines.append(f"median |error| {cell('median_abs_error_pct')}, p90 {cell('p90_abs_error_pct')}; "
                  f"{s['short']} of {s['jobs']} short{failed}{beside}")
     lines += ["", "(c) the network rows against published figures (bench/network_model.py --published)",

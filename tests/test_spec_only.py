@@ -496,3 +496,20 @@ def test_a_search_neither_costs_nor_simulates_what_cannot_fit(tmp_path):
     assert report["schema_version"] == 5
     assert sum(group["count"] for group in report["rejected"]) == len(result.rejected) > 0
     assert all(1 <= len(group["choices"]) <= 3 for group in report["rejected"])
+
+
+def test_the_device_benchs_vs_profile_column_is_the_spec_alone_against_its_pairs_profile():
+    """bench/device_model.py's "vs profile" column: per job the median over its pairs of spec-only / profiled - 1
+    (the run's time plays no part), summarised as the other columns are (median and p90 of |x|)."""
+    from bench.device_model import summary, versus_profile_pct
+
+    pairs = [{"predicted_s": 0.9, "measured_s": 1.2, "profiled_s": 1.0}, {"predicted_s": 1.5, "profiled_s": 1.2},
+             {"predicted_s": 2.0, "measured_s": 1.0}]  # the last pair was not profiled
+    assert versus_profile_pct(pairs) == pytest.approx((-10.0 + 25.0) / 2)
+    assert versus_profile_pct(pairs[2:]) is None
+    rows = [{"error_pct": e, "kinds_error_pct": None, "refined_error_pct": None, "profiled_error_pct": None,
+             "vs_profile_pct": v, "failed": None} for e, v in ((-20.0, -10.0), (5.0, 30.0), (12.0, None))]
+    s = summary(rows)
+    assert s["vs_profile_median_abs_error_pct"] == pytest.approx(20.0)
+    assert s["vs_profile_p90_abs_error_pct"] == pytest.approx(28.0)  # numpy's linear p90 of 10 and 30
+    assert s["median_abs_error_pct"] == pytest.approx(12.0) and s["short"] == 1
