@@ -40,6 +40,13 @@ from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 RECOMPUTES = ("none", "full", "selective")
 MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
+# a vocabulary shard's embedding moves its token ids into the shard and masks those outside it: a subtraction,
+# two comparisons, their or, and the masked ids filled (Megatron-LM's VocabParallelEmbedding: the same five, with
+# a clone for the subtraction's copy)
+VOCAB_MASK, VOCAB_MASK_LAUNCHES = "embedding.vocab_mask", 5
+VOCAB_MASK_BYTES = 6 * 8 + 6 * 1  # a token's: the subtraction 8 + 8, each comparison 8 + 1, the or 1 + 1 + 1, the
+# fill 8 + 1 + 8 (int64 ids, bool masks)
+NO_GRADIENT = frozenset({VOCAB_MASK})  # listed forward kernels whose backward runs nothing (integer ids)
 LOSS_BYTES = 4  # the loss's logits: float32
 ID_BYTES = 8  # a token id (int64)
 
@@ -326,12 +333,14 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
     forward = {"embedding": _embedding, "block": _block, "head": _head}[kind](sig, shape)
     if phase == "fwd":
         return forward
-    backward = [grad for kernel in reversed(forward) for grad in _gradients(kernel)]
-    if kind == "embedding":  # PyTorch's dense gradient of this shard's token table: zeroed, then rows added
-        vocab = int(sig["vocab"]) // int(sig.get("tp", 1))
-        backward.append(MemoryBound("embedding.table_grad_fill", float(vocab * int(sig["hidden"])
-                                                                       * DTYPES[sig["dtype"]]), sig["dtype"],
-                                    op="fill", elements=float(vocab * int(sig["hidden"]))))
+    backward = [grad for kernel in reversed(forward) if kernel.name not in NO_GRADIENT for grad in _gradients(kernel)]
+    if kind == "embedding":  # PyTorch's dense gradient of each table looked up: zeroed, then rows added
+        h, dtype = int(sig["hidden"]), sig["dtype"]
+        rows = {"embedding.table_grad_fill": int(sig["vocab"]) // int(sig.get("tp", 1))}
+        if sig["family"] != "llama":
+            rows["embedding.positions_grad_fill"] = int(sig["max_seq"])
+        backward += [MemoryBound(name, float(n * h * DTYPES[dtype]), dtype, op="fill", elements=float(n * h))
+                     for name, n in rows.items()]
     if kind == "block" and shape.recompute == "selective":
         backward = [k for k in forward if isinstance(k, Attention)] + backward
     if phase == "bwd":
@@ -428,17 +437,40 @@ def _residual(which: str, tokens: int, h: int, d: int, dtype: str, dropout: floa
 
 
 def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
-    """The lookup of each token's row (with GPT-2's and BERT's positions, BERT's token types, added: the layer's h
-    FLOPs a token) and BERT's LayerNorm; its backward also fills this shard's dense table gradient."""
-    family, h, dtype = sig["family"], int(sig["hidden"]), sig["dtype"]
+    """The operations harness.models' Embedding (and Megatron-LM's) runs, one listed kernel each:
+    - a vocabulary shard (tp > 1): the token ids moved into the shard and masked (VOCAB_MASK_LAUNCHES operations on
+      the ids, no gradient), the lookup, and the rows of tokens outside the shard zeroed;
+    - the token lookup;
+    - GPT-2's and BERT's positions: their lookup and their add (over this rank's tokens: with sequence parallelism a
+      tensor-parallel rank's 1 / tp of them, after the shards' reduce-scatter), BERT's token type's add and its
+      LayerNorm;
+    - with dropout, its dropout.
+    The lookup carries the layer's h FLOPs a token (LayerDesc.fwd_flops: the tables' sum, as the layer counts it)."""
+    family, h, dtype, tp = sig["family"], int(sig["hidden"]), sig["dtype"], int(sig.get("tp", 1))
     d = DTYPES[dtype]
     tokens = shape.micro * shape.seq
-    tables = {"llama": 1, "gpt2": 2, "bert": 3}[family]  # rows read per token: tokens, positions, token types
-    out: list[Kernel] = [MemoryBound("embedding.lookup", tokens * (ID_BYTES + (tables + 1) * h * d), dtype,
-                                     flops=float(tokens * h), op="embedding", elements=float(tables * tokens * h))]
-    if family == "bert":
-        out.append(MemoryBound("embedding.norm", 2.0 * tokens * h * d, dtype, op="layer_norm",
+    local = tokens // tp if sig.get("sp") else tokens  # the tokens whose positions this rank adds
+    out: list[Kernel] = []
+    if tp > 1:
+        out.append(MemoryBound(VOCAB_MASK, float(tokens * VOCAB_MASK_BYTES), dtype,
+                               launches=VOCAB_MASK_LAUNCHES, op="copy", elements=float(tokens)))
+    out.append(MemoryBound("embedding.lookup", tokens * (ID_BYTES + 2.0 * h * d), dtype, flops=float(tokens * h),
+                           op="embedding", elements=float(tokens * h)))
+    if tp > 1:
+        out.append(MemoryBound("embedding.outside_zeroed", tokens * (2.0 * h * d + MASK_BYTES), dtype, op="copy",
                                elements=float(tokens * h)))
+
+    def added(name: str, rows: int) -> MemoryBound:
+        return MemoryBound(name, 3.0 * rows * h * d, dtype, op="add", elements=float(rows * h))
+    if family != "llama":
+        out += [MemoryBound("embedding.positions", local * (ID_BYTES + 2.0 * h * d), dtype, op="embedding",
+                            elements=float(local * h)), added("embedding.add_positions", local)]
+    if family == "bert":
+        out += [added("embedding.add_token_type", local),
+                MemoryBound("embedding.norm", 2.0 * local * h * d, dtype, op="layer_norm", elements=float(local * h))]
+    if shape.dropout:
+        out.append(MemoryBound("embedding.dropout", local * h * (2.0 * d + MASK_BYTES), dtype, op="dropout",
+                               elements=float(local * h)))
     return out
 
 
