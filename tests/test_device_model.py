@@ -235,8 +235,9 @@ def test_llama_block_kernels_by_hand():
 
 def test_embedding_and_head_kernels_by_hand():
     """GPT-2's embedding runs what harness.models' Embedding dispatches (embedding, embedding of the positions,
-    add): 32 tokens of hidden 32 in float32, each lookup its ids and a row read and written, the add two read and
-    one written; the layer's h FLOPs a token on the lookup. Its backward: the add's, each lookup's, and each
+    add): 2 x 16 tokens of hidden 32 in float32, the token lookup its 32 ids and rows read and written, the 16
+    positions' likewise, the add the tokens' rows read and written and the positions' read (broadcast over the
+    micro-batch); the layer's h FLOPs a token on the lookup. Its backward: the add's, each lookup's, and each
     table's dense gradient zeroed (the vocabulary's 128 rows, the positions' 16)."""
     spec = spec_of()  # GPT-2, vocab 128, hidden 32, 32 tokens, float32
     embedding, head = describe(spec)[0], describe(spec)[-1]
@@ -244,7 +245,8 @@ def test_embedding_and_head_kernels_by_hand():
     assert (lookup.name, positions.name, add.name) == ("embedding.lookup", "embedding.positions",
                                                        "embedding.add_positions")
     assert lookup.flops == 32 * 32 and positions.flops == add.flops == 0
-    assert lookup.bytes == positions.bytes == 32 * (8 + 2 * 32 * 4) and add.bytes == 3 * 32 * 32 * 4
+    assert lookup.bytes == 32 * (8 + 2 * 32 * 4) and positions.bytes == 16 * (8 + 2 * 32 * 4)
+    assert add.bytes == (2 * 32 + 16) * 32 * 4 and add.elements == 32 * 32
     backward = layer_kernels(embedding, PassShape(2, 16), "bwd")
     assert [k.name for k in backward] == ["embedding.add_positions.grad", "embedding.positions.grad",
                                           "embedding.lookup.grad", "embedding.table_grad_fill",
@@ -257,10 +259,10 @@ def test_embedding_and_head_kernels_by_hand():
 
 def test_a_vocabulary_shards_embedding_by_hand():
     """BERT's embedding split by vocabulary over tp = 2 with sequence parallelism and dropout 0.1, 2 x 16 tokens of
-    hidden 32, float32, as harness.models' Embedding (and Megatron-LM's VocabParallelEmbedding) runs it: the ids
-    moved into the shard and masked (sub, lt, ge, or, masked_fill: 5 launches, 54 bytes a token, no gradient), the
-    lookup, the rows outside the shard zeroed; after the shards' reduce-scatter a rank's 16 tokens get their
-    positions (lookup and add), the token type's add, the LayerNorm and the dropout."""
+    hidden 32, float32, as harness.models' Embedding runs it: the ids moved into the shard and masked (sub, lt, ge,
+    or, masked_fill: 5 launches, 70 bytes a token, no gradient), the lookup, the rows outside the shard zeroed (a
+    copy and a fill); after the shards' reduce-scatter a rank's 2 x 8 tokens get its 8 positions (lookup and add),
+    the token type's row added, the LayerNorm and the dropout."""
     text = tiny_spec_text(name="bert-base", hidden=32, heads=4, ffn=64, seq=16, vocab=128, micro=2, tp=2, layers=2,
                           global_batch=4).replace("[strategy]\n", "[strategy]\nsp = true\n")
     spec = loads_spec(text.replace('dtype = "float32"', 'dtype = "float32"\ndropout = 0.1'))
@@ -270,9 +272,11 @@ def test_a_vocabulary_shards_embedding_by_hand():
                              "embedding.positions", "embedding.add_positions", "embedding.add_token_type",
                              "embedding.norm", "embedding.dropout"]
     mask = forward["embedding.vocab_mask"]
-    assert (mask.launches, mask.bytes, mask.elements) == (5, 32 * 54, 32)
-    assert forward["embedding.outside_zeroed"].bytes == 32 * (2 * 32 * 4 + 1)
-    assert forward["embedding.positions"].elements == 16 * 32  # this rank's half of the sequence
+    assert (mask.launches, mask.bytes, mask.elements) == (5, 32 * 70, 32)
+    assert forward["embedding.outside_zeroed"].bytes == 32 * (4 * 32 * 4 + 1)
+    assert forward["embedding.positions"].elements == 8 * 32  # this rank's half of the sequence
+    assert forward["embedding.add_positions"].bytes == (2 * 16 + 8) * 32 * 4
+    assert forward["embedding.add_token_type"].bytes == (2 * 16 + 1) * 32 * 4
     assert forward["embedding.dropout"].bytes == 16 * 32 * (2 * 4 + 1)
     backward = [k.name for k in layer_kernels(embedding, PassShape(2, 16, dropout=0.1), "bwd")]
     assert "embedding.vocab_mask.grad" not in backward and backward[-2:] == [
@@ -652,7 +656,8 @@ def test_memory_bound_kernels_carry_their_kind_and_elements():
     assert backward["gelu.grad"] == ("gelu_backward", 32 * 64)
     assert backward["norm1.grad"] == ("layer_norm_backward", 32 * 32)
     lookup, positions, add = layer_kernels(embedding, shape, "fwd")
-    assert [(k.op, k.elements) for k in (lookup, positions, add)] == [("embedding", 32 * 32)] * 2 + [("add", 32 * 32)]
+    assert [(k.op, k.elements) for k in (lookup, positions, add)] == [("embedding", 32 * 32), ("embedding", 16 * 32),
+                                                                       ("add", 32 * 32)]
     fill = layer_kernels(embedding, shape, "bwd")[-2]
     assert (fill.op, fill.elements) == ("fill", 128 * 32)
     norm, _, loss = layer_kernels(head, shape, "fwd")

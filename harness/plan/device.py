@@ -34,7 +34,7 @@ CURVES = {
 }
 # the kinds of memory-bound kernel harness.plan.kernels names (MemoryBound.op), each with its backward
 # (+ "_backward"), and what its `elements` count: a norm, activation, residual add, dropout or copy its output's
-# elements, rotary the rotated q and k elements, the embedding's lookup its rows' elements read (tables x tokens x h),
+# elements, rotary the rotated q and k elements, an embedding's lookup its rows' elements read (rows x h),
 # the loss its logits, a fill the elements it writes
 MEMORY_KINDS = ("copy", "add", "fill", "layer_norm", "rms_norm", "gelu", "swiglu", "dropout", "rotary", "embedding",
                 "cross_entropy")

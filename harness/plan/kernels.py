@@ -41,11 +41,10 @@ PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 RECOMPUTES = ("none", "full", "selective")
 MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
 # a vocabulary shard's embedding moves its token ids into the shard and masks those outside it: a subtraction,
-# two comparisons, their or, and the masked ids filled (Megatron-LM's VocabParallelEmbedding: the same five, with
-# a clone for the subtraction's copy)
+# two comparisons, their or and an out-of-place masked_fill of the ids (five dispatched operations)
 VOCAB_MASK, VOCAB_MASK_LAUNCHES = "embedding.vocab_mask", 5
-VOCAB_MASK_BYTES = 6 * 8 + 6 * 1  # a token's: the subtraction 8 + 8, each comparison 8 + 1, the or 1 + 1 + 1, the
-# fill 8 + 1 + 8 (int64 ids, bool masks)
+VOCAB_MASK_BYTES = 8 * 8 + 6 * 1  # a token's: the subtraction 8 + 8, each comparison 8 + 1, the or 1 + 1 + 1, the
+# fill's copy 8 + 8 and its fill 8 + 1 + 8 (int64 ids, bool masks): 70
 NO_GRADIENT = frozenset({VOCAB_MASK})  # listed forward kernels whose backward runs nothing (integer ids)
 LOSS_BYTES = 4  # the loss's logits: float32
 ID_BYTES = 8  # a token id (int64)
@@ -437,19 +436,23 @@ def _residual(which: str, tokens: int, h: int, d: int, dtype: str, dropout: floa
 
 
 def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
-    """The operations harness.models' Embedding (and Megatron-LM's) runs, one listed kernel each:
+    """The operations harness.models' Embedding dispatches, one listed kernel each:
     - a vocabulary shard (tp > 1): the token ids moved into the shard and masked (VOCAB_MASK_LAUNCHES operations on
-      the ids, no gradient), the lookup, and the rows of tokens outside the shard zeroed;
-    - the token lookup;
-    - GPT-2's and BERT's positions: their lookup and their add (over this rank's tokens: with sequence parallelism a
-      tensor-parallel rank's 1 / tp of them, after the shards' reduce-scatter), BERT's token type's add and its
-      LayerNorm;
+      the ids, no gradient), then the lookup, then the rows of tokens outside the shard zeroed (an out-of-place
+      masked_fill: a copy and the fill);
+    - without a shard, the lookup alone;
+    - GPT-2's and BERT's positions: the lookup of this rank's sequence positions (with sequence parallelism a
+      tensor-parallel rank's 1 / tp of them, after the shards' reduce-scatter) and their add, broadcast over the
+      micro-batch; BERT's token type's add (one row, broadcast) and its LayerNorm;
     - with dropout, its dropout.
-    The lookup carries the layer's h FLOPs a token (LayerDesc.fwd_flops: the tables' sum, as the layer counts it)."""
+    The lookup carries the layer's h FLOPs a token (LayerDesc.fwd_flops: the tables' sum, as the layer counts it).
+    Megatron-LM's VocabParallelEmbedding runs the like: six operations on the ids, the outside rows zeroed in place,
+    the positions looked up for every token before the scatter; the launches differ by one, the bytes a little."""
     family, h, dtype, tp = sig["family"], int(sig["hidden"]), sig["dtype"], int(sig.get("tp", 1))
     d = DTYPES[dtype]
     tokens = shape.micro * shape.seq
-    local = tokens // tp if sig.get("sp") else tokens  # the tokens whose positions this rank adds
+    positions = shape.seq // tp if sig.get("sp") else shape.seq  # the sequence positions this rank adds
+    local = shape.micro * positions  # the tokens it adds them to
     out: list[Kernel] = []
     if tp > 1:
         out.append(MemoryBound(VOCAB_MASK, float(tokens * VOCAB_MASK_BYTES), dtype,
@@ -457,16 +460,16 @@ def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     out.append(MemoryBound("embedding.lookup", tokens * (ID_BYTES + 2.0 * h * d), dtype, flops=float(tokens * h),
                            op="embedding", elements=float(tokens * h)))
     if tp > 1:
-        out.append(MemoryBound("embedding.outside_zeroed", tokens * (2.0 * h * d + MASK_BYTES), dtype, op="copy",
+        out.append(MemoryBound("embedding.outside_zeroed", tokens * (4.0 * h * d + MASK_BYTES), dtype, op="copy",
                                elements=float(tokens * h)))
 
-    def added(name: str, rows: int) -> MemoryBound:
-        return MemoryBound(name, 3.0 * rows * h * d, dtype, op="add", elements=float(rows * h))
+    def added(name: str, rows: int) -> MemoryBound:  # the tokens' rows read and written, `rows` rows added
+        return MemoryBound(name, (2.0 * local + rows) * h * d, dtype, op="add", elements=float(local * h))
     if family != "llama":
-        out += [MemoryBound("embedding.positions", local * (ID_BYTES + 2.0 * h * d), dtype, op="embedding",
-                            elements=float(local * h)), added("embedding.add_positions", local)]
+        out += [MemoryBound("embedding.positions", positions * (ID_BYTES + 2.0 * h * d), dtype, op="embedding",
+                            elements=float(positions * h)), added("embedding.add_positions", positions)]
     if family == "bert":
-        out += [added("embedding.add_token_type", local),
+        out += [added("embedding.add_token_type", 1),
                 MemoryBound("embedding.norm", 2.0 * local * h * d, dtype, op="layer_norm", elements=float(local * h))]
     if shape.dropout:
         out.append(MemoryBound("embedding.dropout", local * h * (2.0 * d + MASK_BYTES), dtype, op="dropout",
