@@ -196,14 +196,13 @@ def event_kernels(content: Mapping[str, Any], recompute: str = "none") -> list[K
     return _kernels(content["layer"], dict(content["signature"]), shape, content["phase"])
 
 
-def job_event_kernels(content: Mapping[str, Any], spec: JobSpec, accumulation: float | None = None) -> list[Kernel]:
+def job_event_kernels(content: Mapping[str, Any], spec: JobSpec) -> list[Kernel]:
     """A compute event's kernels as `spec`'s job runs it: event_kernels with the spec's recompute, and after a
-    layer's backward its gradient accumulation (accumulation_kernels at `accumulation`, by default
-    accumulation_share(spec)), into the ZeRO shard's gradients where ZeRO 2 and 3 shard them."""
-    kernels = event_kernels(content, spec.strategy.recompute)
-    share = accumulation_share(spec) if accumulation is None else accumulation
+    layer's backward its gradient accumulation (accumulation_kernels at accumulation_share(spec)), into the ZeRO
+    shard's gradients where ZeRO 2 and 3 shard them."""
     shard = spec.strategy.dp if spec.strategy.zero >= 2 else 1
-    return kernels + accumulation_kernels(content, share, shard, spec.optimizer.master_weights)
+    return event_kernels(content, spec.strategy.recompute) + accumulation_kernels(
+        content, accumulation_share(spec), shard, spec.optimizer.master_weights)
 
 
 def accumulation_share(spec: JobSpec) -> float:

@@ -570,7 +570,7 @@ def causal_tile_of(rows: Sequence[dict[str, Any]]) -> int:
     skipped nothing at any length measured reads as the longest). Compute bounds these kernels, so the time's
     share is the computed scores' share."""
     longest = max(row["seq"] for row in rows)
-    candidates = [1 << p for p in range(4, longest.bit_length()) if 1 << p <= longest]
+    candidates = [1 << p for p in range(4, longest.bit_length())]
 
     def misfit(tile: int) -> float:
         return sum((math.log(row["ratio"]) - math.log(causal_fraction(row["seq"], row["seq"], tile))) ** 2
