@@ -25,3 +25,21 @@ def test_collectives_in_context_on_every_rank():
     assert len({r["bytes"] for r in rows}) >= 3  # sizes over the range, every operation at each
     assert all(r["in_context_s"] > 0 and r["back_to_back_s"] > 0 and r["ranks"] == comm.Get_size() for r in rows)
     assert all(other == rows for other in comm.allgather(rows))  # reduced over the ranks: the same everywhere
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_least_disturbed_rank_is_taken_whole_on_every_rank():
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import least_disturbed
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    base = [1e-3, 2e-3, 5e-4, 4e-3]
+    slower = 1.0 + 0.3 * (size - 1 - rank)  # the last rank's core ran fastest overall...
+    mine = [s * slower for s in base]
+    if rank == 0:
+        mine[0] = base[0] * 0.5  # ...though rank 0 was the fastest at one kernel
+    taken = least_disturbed(mine, comm)
+    assert taken == pytest.approx(base)  # the last rank's, whole: not each kernel's fastest
+    assert all(other == taken for other in comm.allgather(taken))

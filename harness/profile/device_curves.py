@@ -49,8 +49,10 @@ Rules:
   tensors and over a few large ones ([optimizer.NAME]; fit_optimizer); a third step between them, measured in
   the same rounds, is the check (the calibration's "optimizer" rows and fit error);
 - under an MPI launcher with 2 or more ranks (mpirun -n 2 python -m mpi4py -m harness device): every rank
-  calibrates at once (the ranks of a job share the memory bus and the cores; rank 0's figures are written), then
-  the collectives a training step runs are timed in context (collectives_in_context): each all-reduce,
+  calibrates at once (the ranks of a job share the memory bus and the cores) and fits the runners' measurements of
+  the rank whose whole calibration ran fastest (least_disturbed: a core slowed for the minute by another tenant
+  slows every kernel it times; a run's median iteration does not wait on such a minute), then the collectives a
+  training step runs are timed in context (collectives_in_context): each all-reduce,
   all-gather and reduce-scatter right after a compute burst on every rank (a layer's GEMMs), as a
   tensor-parallel layer runs them, each rank's time in the call: the transfer and the wait for the other ranks'
   burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
@@ -755,6 +757,17 @@ def framework_issue_on_gpu(description: DeviceDescription, dtype: str, device: t
     return out
 
 
+def least_disturbed(seconds: Sequence[float], comm) -> list[float]:
+    """The measurements of the rank whose whole calibration ran fastest (the smallest sum over runners of log(its
+    seconds / the ranks' mean)), on every rank; each passes its own runners' seconds, in one order. A core another
+    tenant or the system slows for the minute slows every kernel it times, and the machine's description is of the
+    cores undisturbed. A whole rank is taken, not each runner's fastest, so that no figure is the luckier of
+    several samples."""
+    everyone = np.array(comm.allgather([float(s) for s in seconds]), dtype=float)
+    slowdown = np.log(everyone / everyone.mean(axis=0)).sum(axis=1)
+    return [float(s) for s in everyone[int(np.argmin(slowdown))]]
+
+
 def measure(runners: Sequence[Callable[[], object]], device: torch.device, repeats: int, warmup: int,
             progress: Progress | None = None) -> list[float]:
     """Each runner's median seconds over `repeats` interleaved rounds after `warmup` untimed ones (module
@@ -880,7 +893,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     `held_out`: kernels measured in the same rounds (the same minutes of the machine) but not fitted on, returned
     as Calibration.held_out (bench/device_model.py sets them against the description). `comm`: an mpi4py
     communicator of 2 or more ranks, every one calling this: they calibrate at once, then time the collectives
-    in context (Calibration.collectives); each rank returns its own fit (rank 0's is written)."""
+    in context (Calibration.collectives); every rank fits the least disturbed rank's runners' measurements
+    (least_disturbed) and returns that fit (rank 0 writes it)."""
     started = time.monotonic()
     kind = device.type if device.type in SCALES else "cpu"
     unsupported = [d for d in REQUIRED_DTYPES if not runs_dtype(device, d)]
@@ -922,6 +936,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
             seconds = measure(runners, device, repeats, warmup, progress)
         finally:
             progress.close()
+    if comm is not None and comm.Get_size() > 1:
+        seconds = least_disturbed(seconds, comm)
     launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
     gpu_issued = device.type == "cuda" and can_time_issued(device)
     if gpu_issued:
@@ -1023,7 +1039,8 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             f"here, their kernels and bytes counted by dispatch, a kernel's time beyond its bytes from a step over "
             f"{OPTIMIZER_SMALL[0]} tensors of {OPTIMIZER_SMALL[1]}; medians of {calibration.repeats} interleaved "
             f"repeats after {calibration.warmup} warm-up"
-            + (f", every one of {calibration.ranks} ranks at once (rank 0's figures)" if calibration.ranks > 1 else "")
+            + (f", every one of {calibration.ranks} ranks at once (the fastest rank's measurements)"
+               if calibration.ranks > 1 else "")
             + "; peaks the best measured"
             + (f"; causal_tile the key block whose share of the scores matches causal over full fused attentions "
                f"(seq {', '.join(str(r['seq']) for r in calibration.causal if r['pass'] == 'forward')}, forward and "
