@@ -764,7 +764,9 @@ def least_disturbed(seconds: Sequence[float], comm) -> list[float]:
     cores undisturbed. A whole rank is taken, not each runner's fastest, so that no figure is the luckier of
     several samples."""
     everyone = np.array(comm.allgather([float(s) for s in seconds]), dtype=float)
-    slowdown = np.log(everyone / everyone.mean(axis=0)).sum(axis=1)
+    typical = everyone.mean(axis=0)
+    timed = typical > 0  # a runner every rank timed at 0 (below the clock's step) tells no rank apart
+    slowdown = np.log(np.maximum(everyone[:, timed] / typical[timed], 1e-12)).sum(axis=1)
     return [float(s) for s in everyone[int(np.argmin(slowdown))]]
 
 
