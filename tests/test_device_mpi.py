@@ -1,5 +1,6 @@
 """`harness device` on 2 or more ranks (pytest-mpi): the collectives a training step runs, timed in context after a
-compute burst and back to back, every operation and size, the same rows on every rank."""
+compute burst and back to back, every operation and size, the same rows on every rank; the measurements every rank
+fits, the least disturbed rank's."""
 from __future__ import annotations
 
 import pytest
