@@ -44,3 +44,6 @@ def test_the_least_disturbed_rank_is_taken_whole_on_every_rank():
     taken = least_disturbed(mine, comm)
     assert taken == pytest.approx(base)  # the last rank's, whole: not each kernel's fastest
     assert all(other == taken for other in comm.allgather(taken))
+    # only the deciding runners choose (the calibration leaves its held-out kernels out): on kernel 0 alone, rank 0's
+    only_first = least_disturbed(mine, comm, [True, False, False, False])
+    assert only_first == pytest.approx(comm.bcast(mine, root=0))

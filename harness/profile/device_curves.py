@@ -757,15 +757,16 @@ def framework_issue_on_gpu(description: DeviceDescription, dtype: str, device: t
     return out
 
 
-def least_disturbed(seconds: Sequence[float], comm) -> list[float]:
-    """The measurements of the rank whose whole calibration ran fastest (the smallest sum over runners of log(its
-    seconds / the ranks' mean)), on every rank; each passes its own runners' seconds, in one order. A core another
-    tenant or the system slows for the minute slows every kernel it times, and the machine's description is of the
-    cores undisturbed. A whole rank is taken, not each runner's fastest, so that no figure is the luckier of
-    several samples."""
+def least_disturbed(seconds: Sequence[float], comm, deciding: Sequence[bool] | None = None) -> list[float]:
+    """The measurements of the rank whose whole calibration ran fastest (the smallest sum over the `deciding`
+    runners, default all, of log(its seconds / the ranks' mean)), on every rank; each passes its own runners'
+    seconds, in one order. A core another tenant or the system slows for the minute slows every kernel it times,
+    and the machine's description is of the cores undisturbed. A whole rank is taken, not each runner's fastest,
+    so that no figure is the luckier of several samples."""
     everyone = np.array(comm.allgather([float(s) for s in seconds]), dtype=float)
     typical = everyone.mean(axis=0)
-    timed = typical > 0  # a runner every rank timed at 0 (below the clock's step) tells no rank apart
+    # a runner every rank timed at 0 (below the clock's step) tells no rank apart
+    timed = (typical > 0) & (np.ones(len(typical), bool) if deciding is None else np.asarray(deciding, bool))
     slowdown = np.log(np.maximum(everyone[:, timed] / typical[timed], 1e-12)).sum(axis=1)
     return [float(s) for s in everyone[int(np.argmin(slowdown))]]
 
@@ -932,14 +933,16 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         runners += [_optimizer_runner(kind, tensors, elements, device) for kind, (tensors, elements) in optimizers]
         causal_set = causal_kernels(kind, dtype)
         runners += [_runner(k, device) for k in [*fit_set, *peaks, *held_out, *causal_set]]
+        held_out_at = len(runners) - len(causal_set) - len(held_out)
         progress = Progress(f"device {device}", len(runners) * (warmup + repeats), enabled=show_progress,
                             unit="sample")
         try:
             seconds = measure(runners, device, repeats, warmup, progress)
         finally:
             progress.close()
-    if comm is not None and comm.Get_size() > 1:
-        seconds = least_disturbed(seconds, comm)
+    if comm is not None and comm.Get_size() > 1:  # the held-out kernels take no part in the choice
+        deciding = [not held_out_at <= i < held_out_at + len(held_out) for i in range(len(seconds))]
+        seconds = least_disturbed(seconds, comm, deciding)
     launch_s, issue_s = seconds[0] / LAUNCH_LOOP, 0.0
     gpu_issued = device.type == "cuda" and can_time_issued(device)
     if gpu_issued:
