@@ -32,6 +32,8 @@ from harness.plan.kernels import (
     event_kernels,
     kernels_flops,
     layer_kernels,
+    unshard_kernels,
+    unshard_tensors,
 )
 from harness.plan.layers import describe, fused_softmax
 from harness.plan.spec import loads_spec
@@ -609,6 +611,59 @@ def test_a_wrapped_layers_framework_time_by_hand():
     assert DeviceModel(flat_device()).wrapper_seconds({"phase": "fwd", **both}, []) == 0.0  # none described
 
 
+UNSHARD = WrapperCost(200e-6, 50e-6, 10e-6, unshard_s=300e-6, unshard_tensor_s=20e-6)
+
+
+def test_fsdp2_unshard_by_hand():
+    """A ZeRO all-gather of a GPT-2 block's unit (hidden 32, ffn 64: 12 parameter tensors) of 40,000 bytes over 2
+    ranks: its shards copied in (2 x 20,000 bytes read and written) and out into the whole tensors (2 x 40,000),
+    a copy a tensor each. On flat_device (0.8 TB/s, 5 us a launch): (40,000 + 80,000) / 0.8e12 s + 2 x 12 x 5 us =
+    120.15 us of copies; [wrappers.fsdp2] unshard 300 us + 20 us a tensor: 540 us of framework."""
+    content = {"bytes": 40_000, "group": 2, "dtype": "float32",
+               "fsdp": {"layer": "block", "signature": describe(spec_of())[1].signature}}
+    copy_in, copy_out = unshard_kernels(content)
+    assert unshard_tensors(content) == 12
+    assert (copy_in.bytes, copy_in.launches, copy_in.op) == (40_000, 12, "copy")
+    assert (copy_out.bytes, copy_out.launches, copy_out.elements) == (80_000, 12, 10_000)
+    copies, framework = DeviceModel(flat_device(wrappers={"fsdp2": UNSHARD})).unshard_seconds(content)
+    assert copies == pytest.approx(120_000 / 0.8e12 + 24 * 5e-6)
+    assert framework == pytest.approx(300e-6 + 12 * 20e-6)
+    assert DeviceModel(flat_device()).unshard_seconds(content)[1] == 0.0  # none described: the copies alone
+    unknown = {**content, "fsdp": {"layer": "user", "signature": {}}}  # a factory's layer: its tensors unknown
+    assert unshard_tensors(unknown) == 1 and unshard_kernels(unknown)[0].launches == 1
+
+
+def test_a_spec_alone_costs_a_zero_all_gather_with_fsdp2s_unshard(tmp_path):
+    """A spec-only ZeRO-3 job: each all-gather costs the network model's collective plus FSDP2's unshard on the
+    device (its copies and [wrappers.fsdp2]'s time), and says so; its reduce-scatters stay the bare collective's."""
+    from analysis.predict import predict_spec
+
+    def costed(description):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.toml"
+        path.write_text(description.to_toml())
+        text = tiny_spec_text(layers=2, global_batch=4, dp=2, zero=3)
+        text += '\n[[cluster.network]]\nname = "node"\nsize = 2\nbandwidth_gbs = 10\nlatency_us = 10\n'
+        return predict_spec(loads_spec(text.replace("[cluster]", f"[cluster]\ndevice = \"{path}\"")), resamples=0)
+
+    plain, unsharded = costed(flat_device()), costed(flat_device(wrappers={"fsdp2": UNSHARD}))
+    model = DeviceModel(flat_device(wrappers={"fsdp2": UNSHARD}))
+    gathers = [eid for eid, e in plain.plan.events.items() if e.kind == "allgather"]
+    assert gathers
+    for eid, event in plain.plan.events.items():
+        if event.kind not in ("allgather", "reducescatter"):
+            continue
+        bare = plain.costs.network.estimate_group(event.kind, float(event.bytes), tuple(range(2))).seconds
+        if event.kind == "allgather":
+            copies, framework = model.unshard_seconds(event.content)
+            assert plain.costs.seconds(eid) == pytest.approx(bare + copies)
+            assert unsharded.costs.seconds(eid) == pytest.approx(bare + copies + framework)
+            assert "FSDP2's unshard on the device model (flat): copies" in unsharded.costs.events[eid].note
+            assert "not in it" not in unsharded.costs.events[eid].note
+        else:
+            assert unsharded.costs.seconds(eid) == pytest.approx(bare)
+            assert "FSDP2's copies not in it" in unsharded.costs.events[eid].note
+
+
 @pytest.mark.parametrize("processor", ["cpu", "gpu"])
 def test_a_zero_3_full_recompute_job_pays_its_wrappers_on_the_device_or_the_host(tmp_path, processor):
     """Every compute event of a ZeRO-3, full-recompute GPT-2 job (each layer checkpointed and an FSDP2 unit, its
@@ -763,12 +818,14 @@ def test_format_2_round_trips_and_format_1_stays_format_1():
     described = flat_device(vector_ops={"gelu": 12.5, "gelu_backward": 30.0}, launches={"rms_norm": 6.0},
                             optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.6607e-6, 5.4321e9)},
                             wrappers={"checkpointed": WrapperCost(206e-6, 201e-6),
-                                      "fsdp2": WrapperCost(356e-6, 18.2e-6, 13.7e-6)})
+                                      "fsdp2": WrapperCost(356e-6, 18.2e-6, 13.7e-6, unshard_s=312.5e-6,
+                                                           unshard_tensor_s=6.5e-6)})
     text = described.to_toml()
     assert text.startswith("format = 2") and "[vector_ops]" in text and "[optimizer.adam]" in text
     assert "[launches]\nrms_norm = 6.0" in text
     assert "[wrappers.checkpointed]\nforward_us = 206.0\nbackward_us = 201.00000000000003\n" in text  # 201e-6 exactly
-    assert "[wrappers.fsdp2]\nforward_us = 356.0\nbackward_us = 18.2\noptimizer_kernel_us = 13.7\n" in text
+    assert ("[wrappers.fsdp2]\nforward_us = 356.0\nbackward_us = 18.2\noptimizer_kernel_us = 13.7\nunshard_us = 312.5\n"
+            "unshard_tensor_us = 6.5\n") in text
     assert flat_device(wrappers={"fsdp2": WrapperCost(1e-6, 0.0)}).format == 2
     split = flat_device(wrappers={"split_backward": WrapperCost(0.0, 330e-6, weight_s=390e-6)})
     assert "[wrappers.split_backward]\nforward_us = 0.0\nbackward_us = 330.0\nweight_us = 390.0\n" in split.to_toml()
@@ -828,6 +885,10 @@ def test_a_causal_tile_round_trips_and_makes_format_2():
     ("[wrappers.checkpointed]\nforward_us = 1.0\nbackward_us = 1.0\nrecompute_us = 3.0\n",
      "wrappers.checkpointed.recompute_us", "unknown field"),
     ("[wrappers]\nfsdp2 = 3\n", "wrappers.fsdp2", "must be a table"),
+    ("[wrappers.checkpointed]\nforward_us = 1.0\nbackward_us = 1.0\nunshard_us = 3.0\n",
+     "wrappers.checkpointed.unshard_us", r"only \[wrappers.fsdp2\]"),
+    ("[wrappers.fsdp2]\nforward_us = 1.0\nbackward_us = 1.0\nunshard_tensor_us = -3.0\n",
+     "wrappers.fsdp2.unshard_tensor_us", "0 or more"),
 ])
 def test_bad_format_2_tables_name_file_and_field(tmp_path, table, field, message):
     path = tmp_path / "bad.toml"

@@ -3,6 +3,7 @@ compute burst and back to back, every operation and size, the same rows on every
 fits, the least disturbed rank's."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 
@@ -26,6 +27,32 @@ def test_collectives_in_context_on_every_rank():
     assert len({r["bytes"] for r in rows}) >= 3  # sizes over the range, every operation at each
     assert all(r["in_context_s"] > 0 and r["back_to_back_s"] > 0 and r["ranks"] == comm.Get_size() for r in rows)
     assert all(other == rows for other in comm.allgather(rows))  # reduced over the ranks: the same everywhere
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fsdp2_unshards_are_timed_over_every_rank():
+    """FSDP2's unshard() of each unit over all the ranks beside the bare all-gather of its bytes: a row per unit
+    with both medians and their rounds' median difference, the same rows on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import UNSHARD_UNITS, unshards_over_ranks
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm = MPI.COMM_WORLD
+    cpu = torch.device("cpu")
+    init_process_group(comm, discover(comm), cpu)
+    try:
+        rows = unshards_over_ranks(comm, cpu, repeats=2, warmup=1)
+    finally:
+        destroy_process_group()
+    assert [r["tensors"] for r in rows] == [tensors for tensors, _ in UNSHARD_UNITS]
+    size = comm.Get_size()
+    for row, (_, nbytes) in zip(rows, UNSHARD_UNITS):
+        assert row["ranks"] == size and 0 < row["bytes"] <= nbytes and row["bytes"] % (size * 4 * 64) == 0
+        assert row["unshard_s"] > 0 and row["bare_s"] > 0 and np.isfinite(row["extra_s"])
+    assert all(other == rows for other in comm.allgather(rows))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -3,7 +3,13 @@ which costs a plan by asking them (the interface a source implements: source.py)
 from __future__ import annotations
 
 from analysis.calibration import device_kind
-from analysis.costs.device_source import DeviceSource, check_device_costable, device_model_for, processor_mismatch
+from analysis.costs.device_source import (
+    DeviceSource,
+    check_device_costable,
+    device_model_for,
+    processor_mismatch,
+    with_unshard,
+)
 from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
 from analysis.costs.interpolated import InterpolatedSource, comm_curves
 from analysis.costs.measured import MeasuredSource, check_compute_measured, rank_speed_factors, samples_for
@@ -35,7 +41,8 @@ def cost_chain(plan: EventPlan, profile: Profile, costs: Costs, network_only: bo
     """The sources, in the order they are asked: the what-if network (`network_only`: every communication
     event), the profile's measurements, the device model (costs.device_model: the compute the profile lacks),
     interpolation between measured sizes, then, past the measurements, the network model (costs.network), the
-    nearest alpha-beta fit, and 0 with a warning.
+    nearest alpha-beta fit, and 0 with a warning. With a device model, a ZeRO all-gather none measured gains
+    FSDP2's unshard on the device (device_source.with_unshard, in estimate_costs).
 
     A what-if device (every compute event on another device) would plug in first, as the what-if network does."""
     network = costs.network
@@ -96,7 +103,8 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
         costs.warnings.append(mismatch)
     chain = cost_chain(plan, profile, costs, network_only)
     for eid, event in plan.events.items():
-        costs.events[eid] = first_answer(chain, eid, event, costs)
+        cost = first_answer(chain, eid, event, costs)
+        costs.events[eid] = with_unshard(device, event, cost) if device is not None else cost
     for source in chain:
         source.finish(costs)
     return costs

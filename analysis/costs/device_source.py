@@ -13,12 +13,14 @@ is refused before costing starts (`check_device_costable`), with what to profile
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from analysis.calibration import processor_of
-from analysis.costs.records import FITTED, MODELLED, UNAVAILABLE, Costs, EventCost
+from analysis.costs.records import FITTED, MEASURED, MODELLED, UNAVAILABLE, Costs, EventCost
+from analysis.costs.samples import BARE_NOTE
 from analysis.costs.source import CostSource
 from analysis.device_model import DeviceModel, KernelTime
 from analysis.profile_reader import Profile
@@ -176,6 +178,19 @@ def check_device_costable(plan: EventPlan, device: DeviceModel, missing: Sequenc
     lines.append(f"profile them with: mpirun -n {ranks} python -m mpi4py -m harness profile {spec_hint} -o OUTDIR, and "
                  "give the profile (simulate PROFILE.h5 --spec SPEC, or SPEC --profile PROFILE.h5)")
     raise UserError("\n".join(lines))
+
+
+def with_unshard(device: DeviceModel, event: Event, cost: EventCost) -> EventCost:
+    """A ZeRO all-gather costed as the bare collective (not measured: the profile's own is timed through FSDP2)
+    with FSDP2's unshard around it on the device (DeviceModel.unshard_seconds: its copies and the framework's
+    time); any other cost as it is."""
+    if event.kind != "allgather" or not event.content.get("fsdp") or cost.source == MEASURED:
+        return cost
+    copies, framework = device.unshard_seconds(event.content)
+    note = cost.note.replace(BARE_NOTE.removeprefix("; "), "").replace(BARE_NOTE, "").lstrip("; ")
+    note += (f"; FSDP2's unshard on the device model ({device.name}): copies {copies * 1e3:.3g} ms"
+             + (f", framework {framework * 1e3:.3g} ms" if framework else ""))
+    return dataclasses.replace(cost, seconds=cost.seconds + copies + framework, note=note)
 
 
 class DeviceSource(CostSource):

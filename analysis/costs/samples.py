@@ -10,6 +10,7 @@ from harness.plan.events import COMM_KINDS, INTER, INTRA
 
 PLACEMENTS = (INTRA, INTER)
 COMPUTE_STATS = ("mean", "median")
+BARE_NOTE = "; FSDP2's copies not in it (the bare collective's curve)"  # bare_collective_note's
 CommPoints = Mapping[tuple[str, str], Iterable[tuple[float, int, float]]]  # (kind, placement) -> (bytes, group, s)
 
 
@@ -64,4 +65,4 @@ def comm_points(profile: Profile,
 def bare_collective_note(content: Mapping[str, Any]) -> str:
     """An FSDP2 collective (zero > 0) the profile lacks is costed as the bare one, without FSDP2's copies: the
     note its cost says so with ('' for any other event)."""
-    return "; FSDP2's copies not in it (the bare collective's curve)" if content.get("fsdp") else ""
+    return BARE_NOTE if content.get("fsdp") else ""

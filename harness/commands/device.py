@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
                           "launch": {"bare_s": calibration.bare_launch_s, "framework_s": calibration.framework_blocks,
                                      "bare_issue_s": calibration.bare_issue_s},
                           "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
-                          "collectives_in_context": calibration.collectives, "causal": calibration.causal,
+                          "collectives_in_context": calibration.collectives, "unshards": calibration.unshards,
+                          "causal": calibration.causal,
                           "kernels": observation_rows(calibration)}, indent=1))
         return 0
     if output is None:
@@ -154,7 +155,9 @@ def summary(description, errors: dict, output: Path, collectives: list | None = 
                   f"{cost.forward_s * 1e6:.3g} us a forward, {cost.backward_s * 1e6:.3g} us a backward")
         lines.append(f"{name} layers: {halves} beyond the layer's own" + (
             f", {cost.optimizer_kernel_s * 1e6:.3g} us more an optimizer kernel on its shards"
-            if cost.optimizer_kernel_s else ""))
+            if cost.optimizer_kernel_s else "") + (
+            f"; an all-gather {cost.unshard_s * 1e6:.3g} us + {cost.unshard_tensor_s * 1e6:.3g} us a parameter tensor "
+            "beyond the collective and its copies" if cost.unshard_s or cost.unshard_tensor_s else ""))
     if causal:
         ratios = ", ".join(f"{r['seq']} {r['ratio']:.2f}" for r in causal if r["pass"] == "forward")
         lines.append(f"causal attention: key blocks of {description.causal_tile} (a causal forward's time over a full "

@@ -60,7 +60,8 @@ _GEMM_CURVE = _CURVE | {"half_dim"}
 HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
                "step_gap_us": "step_gap_s"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
-_WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us"}
+_WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us", "unshard_us", "unshard_tensor_us"}
+_UNSHARD = ("unshard_us", "unshard_tensor_us")  # fsdp2's alone: its all-gathers' framework time
 
 
 @dataclass(frozen=True)
@@ -90,17 +91,21 @@ class WrapperCost:
     """The framework's seconds around a layer the run wraps ([wrappers.NAME], NAME in WRAPPERS; format 2), beyond
     the layer's own kernels: once a forward, once a backward (the call that runs its autograd: `bwd`, or a split
     backward's `bwd_input`), once a split backward's `bwd_weight` and, for FSDP2, once a kernel of an optimizer
-    step over its sharded parameters (DTensor's dispatch). Measured by harness device on tiny blocks, wrapped
-    against plain."""
+    step over its sharded parameters (DTensor's dispatch) and, on each all-gather of a unit (`unshard()`), unshard_s
+    plus unshard_tensor_s a parameter tensor beyond the collective and its copies. Measured by harness device on
+    tiny blocks, wrapped against plain (the unshard figures on all-gathers over its ranks)."""
 
     forward_s: float
     backward_s: float
     optimizer_kernel_s: float = 0.0
     weight_s: float = 0.0
+    unshard_s: float = 0.0
+    unshard_tensor_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         out = {"forward_us": in_unit(self.forward_s, US), "backward_us": in_unit(self.backward_s, US)}
-        for key, value in (("weight_us", self.weight_s), ("optimizer_kernel_us", self.optimizer_kernel_s)):
+        for key, value in (("weight_us", self.weight_s), ("optimizer_kernel_us", self.optimizer_kernel_s),
+                           ("unshard_us", self.unshard_s), ("unshard_tensor_us", self.unshard_tensor_s)):
             if value:
                 out[key] = in_unit(value, US)
         return out
@@ -417,11 +422,15 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         if not optimizer[kind].kernels_per_tensor and not optimizer[kind].kernels_per_step:
             raise fail("an optimizer step launches kernels: give kernels_per_tensor or kernels_per_step above 0",
                        f"{where}.kernels_per_tensor")
-    wrappers = {name: WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
-                                    for key in ("forward_us", "backward_us")),
-                                  *(_positive(table, key, where, fail, default=0.0, zero=True) * US
-                                    for key in ("optimizer_kernel_us", "weight_us")))
-                for name, (where, table) in _named_tables(data, "wrappers", WRAPPERS, _WRAPPER, fail).items()}
+    wrappers = {}
+    for wrapper, (where, table) in _named_tables(data, "wrappers", WRAPPERS, _WRAPPER, fail).items():
+        for key in _UNSHARD:
+            if key in table and wrapper != "fsdp2":
+                raise fail("is FSDP2's all-gather time: only [wrappers.fsdp2] has it", f"{where}.{key}")
+        wrappers[wrapper] = WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
+                                       for key in ("forward_us", "backward_us")),
+                                     *(_positive(table, key, where, fail, default=0.0, zero=True) * US
+                                       for key in ("optimizer_kernel_us", "weight_us", *_UNSHARD)))
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail, rate=True),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail,

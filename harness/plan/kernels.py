@@ -311,6 +311,29 @@ def parameter_tensor_shapes(kind: str, sig: Mapping[str, Any]) -> list[tuple[int
     return [*layer_norm, *projection]
 
 
+def unshard_tensors(content: Mapping[str, Any]) -> int:
+    """The parameter tensors of the FSDP2 unit a ZeRO collective's content names (`fsdp`: its layer and
+    signature); 1 where the plan does not know them (parameter_tensor_shapes)."""
+    unit = content["fsdp"]
+    shapes = parameter_tensor_shapes(unit["layer"], dict(unit["signature"]))
+    return len(shapes) if shapes else 1
+
+
+def unshard_kernels(content: Mapping[str, Any]) -> list[MemoryBound]:
+    """FSDP2's copies around a ZeRO all-gather (content: the event's; `bytes` the whole unit's, `group` its ranks):
+    this rank's shards copied into the all-gather's input, then the gathered buffer copied out into each whole
+    parameter, each read and written, a copy a parameter tensor (unshard_tensors)."""
+    return unshard_copies(float(content["bytes"]), int(content["group"]), content["dtype"], unshard_tensors(content))
+
+
+def unshard_copies(nbytes: float, group: int, dtype: str, tensors: int) -> list[MemoryBound]:
+    """unshard_kernels' copies of a unit of `nbytes` in `tensors` parameter tensors all-gathered over `group`."""
+    size = DTYPES[dtype]
+    return [MemoryBound("fsdp.copy_in", 2.0 * nbytes / group, dtype, launches=tensors, op="copy",
+                        elements=nbytes / group / size),
+            MemoryBound("fsdp.copy_out", 2.0 * nbytes, dtype, launches=tensors, op="copy", elements=nbytes / size)]
+
+
 def kernels_flops(kernels: Iterable[Kernel]) -> float:
     return sum(kernel.flops for kernel in kernels)
 

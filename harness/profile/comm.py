@@ -160,7 +160,7 @@ class CommProfiler:
         one = torch.ones((), dtype=shapes[0][1], device=self.device)
         own = 0.0
         if task.kind == "reducescatter":
-            plain, times = _Unit(shapes, self.device), []
+            plain, times = TrivialUnit(shapes, self.device), []
             for _ in range(warmup + max(3, min(repeats, 10))):
                 loss = plain(one)
                 synchronize(self.device)
@@ -171,7 +171,7 @@ class CommProfiler:
                 plain.zero_grad(set_to_none=True)
             own = float(np.median(times[warmup:]))
         mesh = DeviceMesh.from_group(group, device_type=self.device.type)
-        unit = _Unit(shapes, self.device)
+        unit = TrivialUnit(shapes, self.device)
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         local = np.empty(repeats, dtype=np.float64)
         for i in range(warmup + repeats):
@@ -385,7 +385,7 @@ def composite_samples(last_start_s: np.ndarray, last_end_s: np.ndarray) -> np.nd
     return np.asarray(last_end_s, dtype=np.float64) - np.asarray(last_start_s, dtype=np.float64)
 
 
-class _Unit(torch.nn.Module):
+class TrivialUnit(torch.nn.Module):
     """An FSDP2 unit of a layer's parameter shapes, used trivially (what FSDP's collectives cost is the point)."""
 
     def __init__(self, shapes, device: torch.device):

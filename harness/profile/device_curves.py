@@ -62,11 +62,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,7 @@ from harness.plan.device_fit import (
     fit_description,
     kernel_seconds,
 )
+from harness.plan.events import human_bytes
 from harness.plan.kernels import (
     Attention,
     Gemm,
@@ -101,6 +103,7 @@ from harness.plan.kernels import (
     accumulation_kernels,
     causal_fraction,
     layer_kernels,
+    unshard_copies,
 )
 from harness.plan.layers import describe_builtin
 from harness.plan.spec import DTYPES, ModelSpec
@@ -135,6 +138,9 @@ CONTEXT_SIZES = {"cpu": (1 << 10, 1 << 24), "cuda": (1 << 16, 1 << 30)}
 CONTEXT_FACTOR = 4  # between sizes (--quick: 16)
 CONTEXT_MIN_ROUNDS = 30  # rounds at least, whatever --repeats: a collective's wait is a wide distribution
 BURST_S = 0.002
+# on a CPU with 2 or more ranks, FSDP2's unshard() over them: units of (parameter tensors, bytes), float32; small,
+# where gloo's all-gather is steady and the copies short (from 1 MiB up it jumped between 0.7 and 4 ms here)
+UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -216,6 +222,7 @@ class Calibration:
     bare_issue_s: float = 0.0  # a bare operator's issue on the host (GPU); kernel_issue_s beside it
     optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
+    unshards: list[dict[str, Any]] = field(default_factory=list)  # unshards_over_ranks' rows (a CPU's, 2+ ranks)
     ranks: int = 1
     causal: list[dict[str, Any]] = field(default_factory=list)  # causal_rows: what causal_tile was read from
 
@@ -1005,25 +1012,95 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               bare_issue_s=issue_s, optimizer_counts=counted, causal=causal)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
-        calibration.collectives = _collectives(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick)
+        calibration.collectives, calibration.unshards = _collectives(comm, device, fitted.matrix_peak["float32"],
+                                                                     repeats, warmup, quick)
+        if calibration.unshards:
+            unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
+            wrappers = dict(fitted.wrappers)
+            wrappers["fsdp2"] = dataclasses.replace(wrappers["fsdp2"], unshard_s=unshard_s, unshard_tensor_s=tensor_s)
+            calibration.description = dataclasses.replace(fitted, wrappers=wrappers)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration
 
 
 def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int,
-                 quick: bool) -> list[dict[str, Any]]:
-    """collectives_in_context over torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended
-    after."""
+                 quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """collectives_in_context and, on a CPU, unshards_over_ranks, over torch.distributed started on `comm` (gloo
+    on a CPU, NCCL on a GPU), ended after."""
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     comm.Barrier()
     init_process_group(comm, discover(comm), device)
     try:
-        return collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
+        rows = collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
+        unshards = unshards_over_ranks(comm, device, repeats, warmup) if device.type == "cpu" else []
+        return rows, unshards
     finally:
         destroy_process_group()
+
+
+def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """FSDP2's unshard() of units of UNSHARD_UNITS (float32 tensors of equal size, fully_shard over every rank of
+    `comm`; torch's process group started), each beside the bare all-gather of the unit's bytes, each after a
+    barrier, every unit and both calls interleaved in rounds (`repeats`, at least CONTEXT_MIN_ROUNDS); a sample is
+    the slowest rank's. A row per unit: tensors, bytes, ranks, `unshard_s` and `bare_s` (medians) and `extra_s`
+    (the median over rounds of the unshard less the bare all-gather beside it)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from harness.profile.comm import TrivialUnit
+
+    ranks = comm.Get_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
+    units = []
+    for tensors, nbytes in UNSHARD_UNITS:
+        rows = max(ranks, nbytes // 4 // tensors // 64 // ranks * ranks)  # rows of 64, split evenly over the ranks
+        unit = TrivialUnit([(torch.Size((rows, 64)), torch.float32)] * tensors, device)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        whole = torch.empty(rows * 64 * tensors, device=device)
+        units.append((unit, whole, whole[:whole.numel() // ranks].clone()))
+    repeats = max(repeats, CONTEXT_MIN_ROUNDS)
+    times = np.zeros((2, len(units), repeats))
+    for round_index in range(warmup + repeats):
+        for index, (unit, whole, shard) in enumerate(units):
+            for call, run in enumerate((unit.unshard, functools.partial(dist.all_gather_into_tensor, whole, shard))):
+                comm.Barrier()
+                synchronize(device)
+                started = time.perf_counter_ns()
+                run()
+                synchronize(device)
+                if round_index >= warmup:
+                    times[call, index, round_index - warmup] = (time.perf_counter_ns() - started) / 1e9
+            unit.reshard()
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return [{"tensors": len(list(unit.parameters())), "bytes": whole.numel() * 4, "ranks": ranks,
+             "unshard_s": float(np.median(slowest[0, i])), "bare_s": float(np.median(slowest[1, i])),
+             "extra_s": float(np.median(slowest[0, i] - slowest[1, i]))}
+            for i, (unit, whole, _) in enumerate(units)]
+
+
+def fit_unshard(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """[wrappers.fsdp2] (unshard_s, unshard_tensor_s) from unshards_over_ranks' rows: each unit's unshard beyond
+    its bare all-gather (`extra_s`), less its copies on `description` (harness.plan.kernels.unshard_copies), least
+    squares on a time a call plus a time a parameter tensor, neither below 0 (where one would be, the other
+    alone)."""
+    extra, tensors = [], []
+    for row in rows:
+        copies = sum(kernel_seconds(description, kernel)
+                     for kernel in unshard_copies(row["bytes"], row["ranks"], "float32", row["tensors"]))
+        extra.append(row["extra_s"] - copies)
+        tensors.append(float(row["tensors"]))
+    y, k = np.array(extra), np.array(tensors)
+    (call, per_tensor), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(k), k]), y, rcond=None)
+    if call >= 0 and per_tensor >= 0:
+        return float(call), float(per_tensor)
+    alone = [(max(0.0, float(np.mean(y))), 0.0), (0.0, max(0.0, float(k @ y / (k @ k))))]
+    return min(alone, key=lambda fit: float(np.sum((y - fit[0] - fit[1] * k) ** 2)))
 
 
 def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescription:
@@ -1057,6 +1134,11 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             + ("; [wrappers] the same blocks under torch.utils.checkpoint, as FSDP2 units over one rank and through "
                "the split backward's halves against plain ones (their medians), fsdp2's optimizer_kernel_us an Adam "
                "step over DTensor shards against plain tensors" if calibration.description.wrappers else "")
+            + (f"; fsdp2's unshard_us and unshard_tensor_us FSDP2's unshard() of {len(calibration.unshards)} units "
+               f"({', '.join(sorted({str(r['tensors']) for r in calibration.unshards}, key=int))} tensors; "
+               f"{', '.join(human_bytes(b) for b in sorted({r['bytes'] for r in calibration.unshards}))}) over the "
+               f"{calibration.ranks} ranks beyond the bare all-gather and the copies modelled"
+               if calibration.unshards else "")
             + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")
