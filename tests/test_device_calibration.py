@@ -403,26 +403,26 @@ def test_a_cpu_description_costs_a_kernel_the_framework_time_it_measured(quick_r
 
 def test_fsdp2s_unshard_is_fitted_beyond_the_collective_and_the_copies():
     """Units of 1, 8 and 32 tensors at 64 and 256 KiB over 2 ranks whose unshard() took the bare all-gather, the
-    copies the description models and 300 us + 20 us a tensor: the fit gives those two back. Where the fit would
-    need a negative time a call (here 50 us a tensor less 100 us), the call's is 0 and a tensor's the least squares
-    through 0; where both would be negative, both are 0."""
+    copies the description models and 300 us + 20 us a tensor: the fit gives those two back, and still does with one
+    unit's wait 1 ms long. A fit that would need a negative time a call (50 us a tensor less 100 us) takes 0 for it;
+    one whose extra falls with the tensors (1 ms less 10 us a tensor) 0 a tensor and the median unit's time a call
+    (the two 8-tensor units': 920 us)."""
     from harness.plan.kernels import unshard_copies
     from harness.profile.device_curves import UNSHARD_UNITS, fit_unshard
 
     device = load_device("a100-80gb")
 
-    def rows(call, per_tensor):
+    def rows(call, per_tensor, late=None):
         out = []
-        for tensors, nbytes in UNSHARD_UNITS:
+        for index, (tensors, nbytes) in enumerate(UNSHARD_UNITS):
             copies = sum(kernel_seconds(device, k) for k in unshard_copies(nbytes, 2, "float32", tensors))
             out.append({"tensors": tensors, "bytes": nbytes, "ranks": 2,
-                        "extra_s": copies + call + per_tensor * tensors})
+                        "extra_s": copies + call + per_tensor * tensors + (1e-3 if index == late else 0.0)})
         return out
     assert fit_unshard(device, rows(300e-6, 20e-6)) == pytest.approx((300e-6, 20e-6))
-    call, per_tensor = fit_unshard(device, rows(-100e-6, 50e-6))
-    k = np.array([t for t, _ in UNSHARD_UNITS], float)
-    assert call == 0.0 and per_tensor == pytest.approx(float(k @ (50e-6 * k - 100e-6) / (k @ k)))
-    assert fit_unshard(device, rows(-1e-3, 0.0)) == (0.0, 0.0)
+    assert fit_unshard(device, rows(300e-6, 20e-6, late=1)) == pytest.approx((300e-6, 20e-6))
+    assert fit_unshard(device, rows(-100e-6, 50e-6)) == pytest.approx((0.0, 50e-6))
+    assert fit_unshard(device, rows(1e-3, -10e-6)) == pytest.approx((1e-3 - 10e-6 * 8, 0.0))  # the median unit's
 
 
 def test_the_summary_names_the_kinds_the_optimizers_and_the_collectives(tmp_path):

@@ -141,6 +141,7 @@ BURST_S = 0.002
 # on a CPU with 2 or more ranks, FSDP2's unshard() over them: units of (parameter tensors, bytes), float32; small,
 # where gloo's all-gather is steady and the copies short (from 1 MiB up it jumped between 0.7 and 4 ms here)
 UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
+UNSHARD_MIN_ROUNDS = 60  # a unit's difference of two calls of 0.3-1 ms, each with a wait of its own
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -1044,7 +1045,7 @@ def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, w
 def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
     """FSDP2's unshard() of units of UNSHARD_UNITS (float32 tensors of equal size, fully_shard over every rank of
     `comm`; torch's process group started), each beside the bare all-gather of the unit's bytes, each after a
-    barrier, every unit and both calls interleaved in rounds (`repeats`, at least CONTEXT_MIN_ROUNDS); a sample is
+    barrier, every unit and both calls interleaved in rounds (`repeats`, at least UNSHARD_MIN_ROUNDS); a sample is
     the slowest rank's. A row per unit: tensors, bytes, ranks, `unshard_s` and `bare_s` (medians) and `extra_s`
     (the median over rounds of the unshard less the bare all-gather beside it)."""
     import torch.distributed as dist
@@ -1063,7 +1064,7 @@ def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
         whole = torch.empty(rows * 64 * tensors, device=device)
         units.append((unit, whole, whole[:whole.numel() // ranks].clone()))
-    repeats = max(repeats, CONTEXT_MIN_ROUNDS)
+    repeats = max(repeats, UNSHARD_MIN_ROUNDS)
     times = np.zeros((2, len(units), repeats))
     for round_index in range(warmup + repeats):
         for index, (unit, whole, shard) in enumerate(units):
@@ -1086,21 +1087,20 @@ def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -
 
 def fit_unshard(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     """[wrappers.fsdp2] (unshard_s, unshard_tensor_s) from unshards_over_ranks' rows: each unit's unshard beyond
-    its bare all-gather (`extra_s`), less its copies on `description` (harness.plan.kernels.unshard_copies), least
-    squares on a time a call plus a time a parameter tensor, neither below 0 (where one would be, the other
-    alone)."""
+    its bare all-gather (`extra_s`), less its copies on `description` (harness.plan.kernels.unshard_copies), as a
+    time a call plus a time a parameter tensor, by Theil-Sen (the median of the slopes between units of different
+    tensor counts, then the median of what is left: one unit's wait that ran long moves neither); neither below 0."""
     extra, tensors = [], []
     for row in rows:
         copies = sum(kernel_seconds(description, kernel)
                      for kernel in unshard_copies(row["bytes"], row["ranks"], "float32", row["tensors"]))
         extra.append(row["extra_s"] - copies)
         tensors.append(float(row["tensors"]))
-    y, k = np.array(extra), np.array(tensors)
-    (call, per_tensor), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(k), k]), y, rcond=None)
-    if call >= 0 and per_tensor >= 0:
-        return float(call), float(per_tensor)
-    alone = [(max(0.0, float(np.mean(y))), 0.0), (0.0, max(0.0, float(k @ y / (k @ k))))]
-    return min(alone, key=lambda fit: float(np.sum((y - fit[0] - fit[1] * k) ** 2)))
+    slopes = [(extra[j] - extra[i]) / (tensors[j] - tensors[i])
+              for i in range(len(rows)) for j in range(i + 1, len(rows)) if tensors[j] != tensors[i]]
+    per_tensor = max(0.0, float(np.median(slopes))) if slopes else 0.0
+    call = float(np.median([y - per_tensor * k for y, k in zip(extra, tensors)]))
+    return max(0.0, call), per_tensor
 
 
 def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescription:
