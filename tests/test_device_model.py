@@ -633,6 +633,33 @@ def test_fsdp2_unshard_by_hand():
     assert unshard_tensors(unknown) == 1 and unshard_kernels(unknown)[0].launches == 1
 
 
+def test_an_unmeasured_zero_all_gather_gains_the_unshard_and_keeps_its_note():
+    """with_unshard on an all-gather interpolated between a profile's bare points: its seconds plus the unshard's,
+    its note the interpolation's with the unshard's in place of "not in it"; a measured one, a reduce-scatter and an
+    all-gather outside ZeRO as they are."""
+    from analysis.costs.device_source import with_unshard
+    from analysis.costs.records import EventCost
+    from harness.plan.events import Event
+
+    content = {"bytes": 40_000, "group": 2, "dtype": "float32",
+               "fsdp": {"layer": "block", "signature": describe(spec_of())[1].signature}}
+    model = DeviceModel(flat_device(wrappers={"fsdp2": UNSHARD}))
+    gather = Event("g", "allgather", "allgather 39KiB x2 intra fsdp", content, cost=40_000.0)
+    cost = EventCost("g", gather.name, "allgather", 1e-3, "interpolated",
+                     note="interpolated between the 32KiB and 64KiB measured; FSDP2's copies not in it (the bare "
+                          "collective's curve)")
+    done = with_unshard(model, gather, cost)
+    assert done.seconds == pytest.approx(1e-3 + sum(model.unshard_seconds(content)))
+    assert done.note == ("interpolated between the 32KiB and 64KiB measured; FSDP2's unshard on the device model "
+                         "(flat): copies 0.12 ms, framework 0.54 ms")
+    measured = dataclasses.replace(cost, source="measured")
+    assert with_unshard(model, gather, measured) is measured
+    scatter = dataclasses.replace(gather, kind="reducescatter")
+    assert with_unshard(model, scatter, cost) is cost
+    plain = dataclasses.replace(gather, content={k: v for k, v in content.items() if k != "fsdp"})
+    assert with_unshard(model, plain, cost) is cost
+
+
 def test_a_spec_alone_costs_a_zero_all_gather_with_fsdp2s_unshard(tmp_path):
     """A spec-only ZeRO-3 job: each all-gather costs the network model's collective plus FSDP2's unshard on the
     device (its copies and [wrappers.fsdp2]'s time), and says so; its reduce-scatters stay the bare collective's."""

@@ -187,10 +187,11 @@ def with_unshard(device: DeviceModel, event: Event, cost: EventCost) -> EventCos
     if event.kind != "allgather" or not event.content.get("fsdp") or cost.source == MEASURED:
         return cost
     copies, framework = device.unshard_seconds(event.content)
-    note = cost.note.replace(BARE_NOTE.removeprefix("; "), "").replace(BARE_NOTE, "").lstrip("; ")
-    note += (f"; FSDP2's unshard on the device model ({device.name}): copies {copies * 1e3:.3g} ms"
-             + (f", framework {framework * 1e3:.3g} ms" if framework else ""))
-    return dataclasses.replace(cost, seconds=cost.seconds + copies + framework, note=note)
+    bare = BARE_NOTE.removeprefix("; ")
+    parts = [part for part in cost.note.split("; ") if part and part != bare]
+    parts.append(f"FSDP2's unshard on the device model ({device.name}): copies {copies * 1e3:.3g} ms"
+                 + (f", framework {framework * 1e3:.3g} ms" if framework else ""))
+    return dataclasses.replace(cost, seconds=cost.seconds + copies + framework, note="; ".join(parts))
 
 
 class DeviceSource(CostSource):

@@ -139,7 +139,7 @@ CONTEXT_FACTOR = 4  # between sizes (--quick: 16)
 CONTEXT_MIN_ROUNDS = 30  # rounds at least, whatever --repeats: a collective's wait is a wide distribution
 BURST_S = 0.002
 # on a CPU with 2 or more ranks, FSDP2's unshard() over them: units of (parameter tensors, bytes), float32; small,
-# where gloo's all-gather is steady and the copies short (from 1 MiB up it jumped between 0.7 and 4 ms here)
+# where gloo's all-gather is steady and the copies short (from 1 MiB up it took 0.7 ms in one run, 3-4 in the next)
 UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
 UNSHARD_MIN_ROUNDS = 60  # a unit's difference of two calls of 0.3-1 ms, each with a wait of its own
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
@@ -1018,7 +1018,8 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         if calibration.unshards:
             unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
             wrappers = dict(fitted.wrappers)
-            wrappers["fsdp2"] = dataclasses.replace(wrappers["fsdp2"], unshard_s=unshard_s, unshard_tensor_s=tensor_s)
+            wrappers["fsdp2"] = dataclasses.replace(wrappers.get("fsdp2", WrapperCost(0.0, 0.0)), unshard_s=unshard_s,
+                                                    unshard_tensor_s=tensor_s)
             calibration.description = dataclasses.replace(fitted, wrappers=wrappers)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
