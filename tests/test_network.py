@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from analysis.device_model import DeviceModel
 from analysis.network import BASE_LATENCY_US, NVLS_EFFICIENCY, TREE_EFFICIENCY, nccl_tests_rows, spec_network
 from harness.common.errors import SpecError
 from harness.plan.events import build_plan
@@ -206,7 +207,8 @@ def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
 
 def test_a_spec_alone_on_a_cpu_costs_zeros_reduce_scatters_as_gloo_runs_them():
     """ZeRO-2 on two CPU ranks from a spec alone (this machine's committed calibration): each FSDP2 reduce-scatter
-    is costed as the all-reduce of its bytes, and says so; its all-gathers as the ring's."""
+    is costed as the all-reduce of its bytes, and says so; its all-gathers as the ring's plus FSDP2's unshard on the
+    device (its copies and the framework's time)."""
     from analysis.predict import predict_spec
 
     network = """
@@ -231,9 +233,12 @@ latency_us = 1000.0
         event = prediction.plan.events[cost.id]
         assert "allreduce-ring" in cost.note and "(spec, gloo)" in cost.note
         assert cost.seconds == pytest.approx(model.estimate("allreduce", event.bytes, span).seconds)
+    device = DeviceModel.named(str(CPU_DEVICE))
     for cost in gathers:
         event = prediction.plan.events[cost.id]
-        assert cost.seconds == pytest.approx(model.estimate("allgather", event.bytes, span).seconds)
+        unshard = sum(device.unshard_seconds(event.content))
+        assert unshard > 0 and "FSDP2's unshard on the device model" in cost.note
+        assert cost.seconds == pytest.approx(model.estimate("allgather", event.bytes, span).seconds + unshard)
     # the same job on A100s: NCCL's reduce-scatter, half the all-reduce's bytes
     gpu = predict_spec(loads_spec(text.replace("gpus_per_node = 2", "gpus_per_node = 2\ndevice = 'a100-80gb'")),
                        resamples=0)
