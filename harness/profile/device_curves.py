@@ -56,7 +56,9 @@ Rules:
   all-gather and reduce-scatter right after a compute burst on every rank (a layer's GEMMs), as a
   tensor-parallel layer runs them, each rank's time in the call: the transfer and the wait for the other ranks'
   burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
-  barrier do not see.
+  barrier do not see; and on a CPU FSDP2's unshard() of small units over the ranks beside the bare all-gather
+  (unshards_over_ranks): its time a call and a parameter tensor beyond the collective and its modelled copies
+  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard).
 """
 from __future__ import annotations
 
