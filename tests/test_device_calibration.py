@@ -280,22 +280,43 @@ def test_wrapper_costs_by_hand():
     forward 1.2 / 2.4, with backward 4.7 / 9.1 (its backward 3.5 / 6.7, less the plain backward and the forward it
     runs again as wrapped, 1.2 / 2.4, which the plan costs as the forward event: 0.3 / 0.3); FSDP2 forward 1.5 /
     2.3, with backward 3.6 / 6.4 (backward 2.1 / 4.1: 0.1 each); the split backward's forward with the input's half
-    2.5 / 5, with both 4 / 8 (halves 1.5 and 1.5 / 3 and 3, 1 and 2 ms more than the plain backward, half each).
-    The medians: checkpointed 0.3 / 0.3 ms, FSDP2 0.4 / 0.1 ms, the split 0.75 / 0.75 ms; a negative median is
-    0."""
+    2.5 / 5, with both 4 / 8 (halves 1.5 and 1.5 / 3 and 3), its kernels modelled at 2 ms a plain backward, 1.5 the
+    input's half and 0.75 the weights' (scaled by the measured plain backward's 2 / 4 ms: x 1 / x 2), so the input's
+    half is its kernels (0 / 0 more) and the weights' 0.75 / 1.5 ms more. The medians: checkpointed 0.3 / 0.3 ms,
+    FSDP2 0.4 / 0.1 ms, the split 0 / 1.125 ms; a negative median is 0."""
     from harness.profile.device_curves import WrapperCost, wrapper_costs
 
     ms = 1e-3
+    modelled = (2 * ms, 1.5 * ms, 0.75 * ms)
     costs = wrapper_costs([3 * ms, 6 * ms], [[1 * ms, 1.2 * ms, 4.7 * ms, 1.5 * ms, 3.6 * ms, 2.5 * ms, 4 * ms],
-                                             [2 * ms, 2.4 * ms, 9.1 * ms, 2.3 * ms, 6.4 * ms, 5 * ms, 8 * ms]])
+                                             [2 * ms, 2.4 * ms, 9.1 * ms, 2.3 * ms, 6.4 * ms, 5 * ms, 8 * ms]],
+                          [modelled, modelled])
     assert costs["checkpointed"].forward_s == pytest.approx(0.3 * ms)
     assert costs["checkpointed"].backward_s == pytest.approx(0.3 * ms)
     assert costs["fsdp2"].forward_s == pytest.approx(0.4 * ms) and costs["fsdp2"].backward_s == pytest.approx(0.1 * ms)
     split = costs["split_backward"]
-    assert split.forward_s == 0 and split.backward_s == pytest.approx(0.75 * ms)
-    assert split.weight_s == pytest.approx(0.75 * ms)
-    faster = wrapper_costs([3 * ms], [[1 * ms, 0.9 * ms, 2.5 * ms, 1 * ms, 2.9 * ms, 1.5 * ms, 2.5 * ms]])
+    assert split.forward_s == 0 and split.backward_s == pytest.approx(0.0, abs=1e-12)
+    assert split.weight_s == pytest.approx(1.125 * ms)
+    faster = wrapper_costs([3 * ms], [[1 * ms, 0.9 * ms, 2.5 * ms, 1 * ms, 2.9 * ms, 1.5 * ms, 2.2 * ms]], [modelled])
     assert all(cost == WrapperCost(0.0, 0.0) for cost in faster.values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_split_kernels_are_the_plain_backwards_in_two_halves(family):
+    """The calibration's block through a split backward: its two halves hold the plain backward's kernels, the
+    input's gradient add in the first and the parameters' adds in the second, and each norm's weight gradient once
+    more in the second; every kernel of the second is on the weights' side."""
+    from collections import Counter
+
+    from harness.profile.device_curves import split_kernels
+
+    plain, inputs, weights = split_kernels(family, "float32")
+    again = Counter(inputs + weights) - Counter(plain)
+    assert Counter(inputs + weights) - again == Counter(plain)
+    assert sorted(k.name for k in again.elements()) == ["norm1.grad_weight", "norm2.grad_weight"]
+    assert "input.grad_accumulate" in [k.name for k in inputs]
+    assert "grad_accumulate" in [k.name for k in weights] and all(
+        k.weight_gradient or k.name == "grad_accumulate" for k in weights)
 
 
 def test_a_kinds_launches_are_what_its_code_dispatches():

@@ -25,6 +25,7 @@ from harness.plan.device import (
 )
 from harness.plan.events import OPTIMIZER_BYTES_PER_PARAMETER, build_plan
 from harness.plan.kernels import (
+    NORM_KINDS,
     Attention,
     Gemm,
     MemoryBound,
@@ -190,8 +191,12 @@ def test_kernel_flops_agree_with_the_layers(config, recompute):
             forward = layer.fwd_flops(shape.micro, shape.seq)
             assert kernels_flops(layer_kernels(layer, shape, "fwd")) == pytest.approx(forward, rel=1e-12)
             assert kernels_flops(layer_kernels(layer, shape, "bwd")) == pytest.approx(2 * forward, rel=1e-12)
-            split = layer_kernels(layer, shape, "bwd_input") + layer_kernels(layer, shape, "bwd_weight")
-            assert Counter(split) == Counter(layer_kernels(layer, shape, "bwd"))
+            # a split backward's halves hold the whole backward's kernels, and its norms' weight gradients again
+            split = Counter(layer_kernels(layer, shape, "bwd_input") + layer_kernels(layer, shape, "bwd_weight"))
+            again = split - Counter(layer_kernels(layer, shape, "bwd"))
+            assert split - again == Counter(layer_kernels(layer, shape, "bwd"))
+            norms = [k.name for k in layer_kernels(layer, shape, "fwd") if getattr(k, "op", "") in NORM_KINDS]
+            assert sorted(k.name for k in again.elements()) == sorted(f"{n}.grad_weight" for n in norms)
             assert all(k.weight_gradient for k in layer_kernels(layer, shape, "bwd_weight"))
     # and every compute event of the plan, from its content alone
     plan = build_plan(spec)

@@ -22,6 +22,13 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   `[model] attention`.
 - a job's layer backward also adds its parameters' gradients into the step's earlier micro-batches' (an add a
   tensor, job_event_kernels), unless the spec says Megatron-LM's gradient accumulation fusion.
+- a split backward (torch.distributed.pipelining's stage_backward_input, then stage_backward_weight) computes the
+  weights' side in its second half: the weight GEMMs, and each norm's weight gradient again (autograd runs the
+  norm's backward node once a half: a read of its input and the output's gradient; two launches for RMSNorm's
+  multiply and sum); the first half computes everything else.
+- a bias's gradient (its output's gradient reduced over the tokens) is not listed, in a whole backward as in a
+  split one: its time is in the fitted framework time a launch (a CPU's tiny blocks run it) or a GPU's fitted
+  figures (listed, the A100 fit on vTrain's one-node half went from 5.75% to 6.36%: docs/benchmarks-log).
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 RECOMPUTES = ("none", "full", "selective")
 MASK_BYTES = 1  # a dropout mask's element (torch keeps a bool)
+NORM_KINDS = frozenset({"layer_norm", "rms_norm"})  # every listed norm has weights (LayerNorm's and RMSNorm's)
 # a vocabulary shard's embedding moves its token ids into the shard and masks those outside it: a subtraction,
 # two comparisons, their or and an out-of-place masked_fill of the ids (five dispatched operations)
 VOCAB_MASK, VOCAB_MASK_LAUNCHES = "embedding.vocab_mask", 5
@@ -153,6 +161,7 @@ class MemoryBound:
     # its backward's bytes and launches where they are not the rule's (1.5 x its bytes, its launches): 0 = the rule
     grad_bytes: float = 0.0
     grad_launches: int = 0
+    weight_gradient: bool = False  # a backward's kernel on the weights' side (the bwd_weight step of a split backward)
 
 
 Kernel = Gemm | Attention | MemoryBound
@@ -367,7 +376,20 @@ def _kernels(kind: str, sig: dict[str, Any], shape: PassShape, phase: str) -> li
     if phase == "bwd":
         return backward
     weights = [k for k in backward if isinstance(k, Gemm) and k.weight_gradient]
-    return weights if phase == "bwd_weight" else [k for k in backward if k not in weights]
+    if phase == "bwd_weight":
+        return weights + [_norm_weight_gradient(k) for k in reversed(forward)
+                          if isinstance(k, MemoryBound) and k.op in NORM_KINDS]
+    return [k for k in backward if k not in weights]
+
+
+def _norm_weight_gradient(norm: MemoryBound) -> MemoryBound:
+    """A norm's weight gradient as a split backward's second half computes it again (module docstring): its input
+    and the output's gradient read (as many bytes as its forward's read and write), the weights' gradient written
+    (negligible); RMSNorm's (harness.models' x_hat * weight) a multiply and a sum, its product written and read
+    too."""
+    rms = norm.op == "rms_norm"
+    return MemoryBound(f"{norm.name}.grad_weight", norm.bytes * (2.0 if rms else 1.0), norm.dtype,
+                       launches=2 if rms else 1, elements=norm.elements, weight_gradient=True)
 
 
 def _gradients(kernel: Kernel) -> list[Kernel]:

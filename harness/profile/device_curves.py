@@ -29,8 +29,8 @@ Rules:
   through a zero-bubble schedule's split backward, stage_backward_input then _weight), each wrapped forward and
   forward-and-backward against the plain block's in the same rounds: the wrapper's seconds a forward and a
   backward beyond the layer's own ([wrappers.NAME], their median over the families; a checkpoint's backward net
-  of the forward it runs again, which the model costs as kernels; the split's two halves' extra shared as their
-  times are); and an Adam step over
+  of the forward it runs again, which the model costs as kernels; each of the split's two halves net of its own
+  kernels, split_kernels); and an Adam step over
   FSDP2's sharded parameters (DTensors) against the plain step over the same tensors: its seconds a kernel more
   (`optimizer_kernel_us`, DTensor's dispatch);
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
@@ -493,6 +493,24 @@ def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Call
     return _passes(block, _framework_input(dtype, device))[1], kernels
 
 
+def split_kernels(family: str, dtype: str) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+    """framework_block's block through a split backward (wrapper_runners' split): the kernels of its plain backward,
+    of the input's half and of the weights' half, as harness.plan.kernels lists them, each with the gradient adds
+    run after run makes in it (the input's in the first half, the parameters' in the second: stage_backward_input
+    and _weight add into .grad)."""
+    desc = next(layer for layer in describe_builtin(_framework_model(family, dtype), 1) if layer.kind == "block")
+    shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
+    inputs = FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"]
+    input_add = MemoryBound("input.grad_accumulate", 3.0 * inputs * DTYPES[dtype], dtype, op="add",
+                            elements=float(inputs))
+
+    def weights_added(phase: str) -> list[Kernel]:
+        return accumulation_kernels({"layer": "block", "signature": desc.signature, "phase": phase}, 1.0)
+    return (layer_kernels(desc, shape, "bwd") + weights_added("bwd") + [input_add],
+            layer_kernels(desc, shape, "bwd_input") + [input_add],
+            layer_kernels(desc, shape, "bwd_weight") + weights_added("bwd_weight"))
+
+
 # the runners of wrapper_runners, in order: the plain block's forward, then each wrapper's forward and forward with
 # backward (the split backward's: forward with the input's half, and with both halves); the plain block's forward
 # and backward is framework_block's
@@ -526,27 +544,29 @@ def wrapper_runners(family: str, dtype: str, device: torch.device) -> list[Calla
             split(False), split(True)]
 
 
-def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequence[float]]) -> dict[str, WrapperCost]:
+def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequence[float]],
+                  split_modelled: Sequence[tuple[float, float, float]]) -> dict[str, WrapperCost]:
     """[wrappers] from the families' measured seconds: `plain_forward_backward` each family's plain block forward
     and backward (framework_block's), `passes` its wrapper_runners' seconds. A wrapper's forward is its forward
     less the plain one; its backward its backward (its forward and backward less its forward) less the plain
     backward, and for a checkpoint less the forward it runs again too, as wrapped (the plan runs that forward
-    again as the layer's forward event, wrapper and all). The split backward's two halves
-    together less the plain backward, shared between the halves as their measured times are (the input's half:
-    its forward with that half less the plain forward; the weights' half: the rest). The median over the
-    families, at least 0."""
+    again as the layer's forward event, wrapper and all). The split backward's halves (the input's: its forward
+    with that half less the plain forward; the weights': the rest) each less its own kernels: `split_modelled` the
+    family's modelled seconds of split_kernels' (plain backward, input's half, weights' half), scaled by the
+    measured plain backward over its modelled one (what the model leaves out of a plain pass is not the split's).
+    The median over the families, at least 0."""
     names = WRAPPER_PASSES[1:]
     forward, backward, weight = ({name: [] for name in names} for _ in range(3))
-    for both, (plain, *wrapped) in zip(plain_forward_backward, passes):
+    for both, (plain, *wrapped), modelled in zip(plain_forward_backward, passes, split_modelled):
         plain_backward = both - plain
         for i, name in enumerate(names):
             ahead, whole = wrapped[2 * i], wrapped[2 * i + 1]
             if name == "split_backward":
-                extra, halves = whole - both, (ahead - plain, whole - ahead)
-                share = halves[0] / sum(halves) if sum(halves) > 0 else 0.5
+                whole_modelled, input_modelled, weight_modelled = modelled
+                scale = plain_backward / whole_modelled if whole_modelled > 0 else 1.0
                 forward[name].append(0.0)
-                backward[name].append(extra * share)
-                weight[name].append(extra * (1 - share))
+                backward[name].append(ahead - plain - scale * input_modelled)
+                weight[name].append(whole - ahead - scale * weight_modelled)
                 continue
             forward[name].append(ahead - plain)
             backward[name].append(whole - ahead - plain_backward - (ahead if name == "checkpointed" else 0.0))
@@ -1001,7 +1021,10 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
         per_launch = framework_launch(fitted, [(kernels, s) for (_, kernels), s in zip(blocks, block_seconds)])
         framework = dict(zip(FRAMEWORK_FAMILIES, per_launch))
         fitted = dataclasses.replace(fitted, launch_s=max(launch_s, float(np.median(per_launch))))
-        wrappers = wrapper_costs(block_seconds, wrapped_seconds)
+        split = [split_kernels(family, dtype) for family in FRAMEWORK_FAMILIES]
+        wrappers = wrapper_costs(block_seconds, wrapped_seconds,
+                                 [tuple(sum(kernel_seconds(fitted, k) for k in ks) for ks in halves)
+                                  for halves in split])
         adam = counted["adam"]
         launches = adam["kernels_per_step"] + adam["kernels_per_tensor"] * OPTIMIZER_SMALL[0]
         dtensor_s = max(0.0, sharded_step_s - optimizer_seconds[("adam", OPTIMIZER_SMALL)]) / launches
