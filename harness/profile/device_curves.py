@@ -484,20 +484,16 @@ def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Call
     block = build_layer(model, "block").to(device)
     desc = next(layer for layer in describe_builtin(model, 1) if layer.kind == "block")
     shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
-    # run after run its parameters' gradients and its input's accumulate: adds of their own, listed so that the
-    # framework's time holds none (a job lists its own accumulation, harness.plan.kernels.job_event_kernels)
-    inputs = FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"]
-    adds = accumulation_kernels({"layer": "block", "signature": desc.signature, "phase": "bwd"}, 1.0) + [
-        MemoryBound("input.grad_accumulate", 3.0 * inputs * DTYPES[dtype], dtype, op="add", elements=float(inputs))]
-    kernels = layer_kernels(desc, shape, "fwd") + layer_kernels(desc, shape, "bwd") + adds
+    kernels = layer_kernels(desc, shape, "fwd") + split_kernels(family, dtype)[0]
     return _passes(block, _framework_input(dtype, device))[1], kernels
 
 
 def split_kernels(family: str, dtype: str) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
-    """framework_block's block through a split backward (wrapper_runners' split): the kernels of its plain backward,
-    of the input's half and of the weights' half, as harness.plan.kernels lists them, each with the gradient adds
-    run after run makes in it (the input's in the first half, the parameters' in the second: stage_backward_input
-    and _weight add into .grad)."""
+    """framework_block's block's backward, whole and split (wrapper_runners' split): the kernels of its plain
+    backward, of the input's half and of the weights' half, as harness.plan.kernels lists them, each with the
+    gradient adds run after run makes in it (the input's in the first half, the parameters' in the second:
+    stage_backward_input and _weight add into .grad), listed so that the framework's time holds none (a job lists
+    its own accumulation, harness.plan.kernels.job_event_kernels)."""
     desc = next(layer for layer in describe_builtin(_framework_model(family, dtype), 1) if layer.kind == "block")
     shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
     inputs = FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"]
