@@ -28,7 +28,7 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   multiply and sum); the first half computes everything else.
 - a bias's gradient (its output's gradient reduced over the tokens) is not listed, in a whole backward as in a
   split one: its time is in the fitted framework time a launch (a CPU's tiny blocks run it) or a GPU's fitted
-  figures (listed, the A100 fit on vTrain's one-node half went from 5.75% to 6.36%: docs/benchmarks-log).
+  figures (why: docs/devices.md, "Kernels").
 """
 from __future__ import annotations
 
