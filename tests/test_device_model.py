@@ -176,6 +176,7 @@ def test_dtype_picks_its_peak():
 
 CONFIGS = [dict(name="gpt2-small"), dict(name="bert-base"), dict(name="llama-1b", kv_heads=2),
            dict(name="gpt2-small", tp=2, extra_strategy="sp = true\n"), dict(name="llama-1b", tp=2, cp=2),
+           dict(name="bert-base", tp=2, extra_strategy="sp = true\n"),
            dict(name="gpt2-small", tp=2, extra_strategy="vocab_parallel = false\n"),
            dict(name="gpt2-small", cp=2, cp_comm="allgather")]
 
@@ -210,8 +211,8 @@ def test_block_kernels_by_hand():
     spec = spec_of(tp=2, extra_strategy="sp = true\n")
     block = describe(spec)[1]
     kernels = {k.name: k for k in layer_kernels(block, PassShape(micro=2, seq=16), "fwd")}
-    assert list(kernels) == ["norm1", "qkv", "attention", "context_copy", "proj", "residual1", "norm2", "fc1", "gelu",
-                             "fc2", "residual2"]
+    assert list(kernels) == ["norm1", "qkv.gathered", "qkv", "attention", "context_copy", "proj", "proj.scattered",
+                             "residual1", "norm2", "mlp.gathered", "fc1", "gelu", "fc2", "mlp.scattered", "residual2"]
     assert (kernels["qkv"].m, kernels["qkv"].n, kernels["qkv"].k) == (32, 48, 32)
     assert (kernels["proj"].m, kernels["proj"].n, kernels["proj"].k) == (32, 32, 16)
     assert (kernels["fc1"].m, kernels["fc1"].n, kernels["fc1"].k) == (32, 32, 32)
@@ -229,6 +230,30 @@ def test_block_kernels_by_hand():
     assert (grad_weight.m, grad_weight.n, grad_weight.k) == (32, 48, 32) and grad_weight.weight_gradient
     assert backward["norm1.grad"].bytes == 1.5 * kernels["norm1"].bytes
     assert backward["attention.grad"].backward
+    # sp's exchanges copy the whole sequence's 32 tokens x 32 once each (read and written): forward a gathered buffer
+    # out before each column linear and the partial sums in before each reduce-scatter; backward the column linear's
+    # two (its input's gradient into a reduce-scatter's buffer, its input gathered again) and the scatter's gather
+    whole = 2 * 32 * 32 * 4
+    for name in ("qkv.gathered", "proj.scattered", "mlp.gathered", "mlp.scattered"):
+        assert (kernels[name].bytes, kernels[name].launches, kernels[name].op) == (whole, 1, "copy")
+    for name, copies in (("qkv.gathered", 2), ("proj.scattered", 1), ("mlp.gathered", 2), ("mlp.scattered", 1)):
+        assert (backward[f"{name}.grad"].bytes, backward[f"{name}.grad"].launches) == (copies * whole, copies)
+    without = {k.name for k in layer_kernels(describe(spec_of(tp=2))[1], PassShape(micro=2, seq=16), "fwd")}
+    assert not any(name.endswith(("gathered", "scattered")) for name in without)
+
+
+def test_sequence_parallel_embedding_and_head_by_hand():
+    """With sp the embedding reduce-scatters its 32 tokens' rows (the partial sums copied into the buffer once)
+    and the head norms its sequence shard of 16 tokens, then gathers all 32 (the buffer copied out once)."""
+    spec = spec_of(tp=2, extra_strategy="sp = true\n")
+    embedding, head = describe(spec)[0], describe(spec)[-1]
+    shape, whole = PassShape(micro=2, seq=16), 2 * 32 * 32 * 4
+    forward = [k.name for k in layer_kernels(embedding, shape, "fwd")]
+    assert forward[forward.index("embedding.outside_zeroed") + 1] == "embedding.scattered"
+    kernels = {k.name: k for k in layer_kernels(head, shape, "fwd")}
+    assert list(kernels)[:3] == ["final_norm", "head.gathered", "logits"]
+    assert kernels["final_norm"].bytes == 2 * 16 * 32 * 4 and kernels["head.gathered"].bytes == whole
+    assert kernels["logits"].m == 32
 
 
 def test_llama_block_kernels_by_hand():
@@ -268,19 +293,20 @@ def test_a_vocabulary_shards_embedding_by_hand():
     """BERT's embedding split by vocabulary over tp = 2 with sequence parallelism and dropout 0.1, 2 x 16 tokens of
     hidden 32, float32, as harness.models' Embedding runs it: the ids moved into the shard and masked (sub, lt, ge,
     or, masked_fill: 5 launches, 70 bytes a token, no gradient), the lookup, the rows outside the shard zeroed (a
-    copy and a fill); after the shards' reduce-scatter a rank's 2 x 8 tokens get its 8 positions (lookup and add),
-    the token type's row added, the LayerNorm and the dropout."""
+    copy and a fill), the partial sums copied into the reduce-scatter's buffer; after it a rank's 2 x 8 tokens get
+    its 8 positions (lookup and add), the token type's row added, the LayerNorm and the dropout."""
     text = tiny_spec_text(name="bert-base", hidden=32, heads=4, ffn=64, seq=16, vocab=128, micro=2, tp=2, layers=2,
                           global_batch=4).replace("[strategy]\n", "[strategy]\nsp = true\n")
     spec = loads_spec(text.replace('dtype = "float32"', 'dtype = "float32"\ndropout = 0.1'))
     embedding = describe(spec)[0]
     forward = {k.name: k for k in layer_kernels(embedding, PassShape(2, 16, dropout=0.1), "fwd")}
     assert list(forward) == ["embedding.vocab_mask", "embedding.lookup", "embedding.outside_zeroed",
-                             "embedding.positions", "embedding.add_positions", "embedding.add_token_type",
-                             "embedding.norm", "embedding.dropout"]
+                             "embedding.scattered", "embedding.positions", "embedding.add_positions",
+                             "embedding.add_token_type", "embedding.norm", "embedding.dropout"]
     mask = forward["embedding.vocab_mask"]
     assert (mask.launches, mask.bytes, mask.elements) == (5, 32 * 70, 32)
     assert forward["embedding.outside_zeroed"].bytes == 32 * (4 * 32 * 4 + 1)
+    assert forward["embedding.scattered"].bytes == 2 * 32 * 32 * 4
     assert forward["embedding.positions"].elements == 8 * 32  # this rank's half of the sequence
     assert forward["embedding.add_positions"].bytes == (2 * 16 + 8) * 32 * 4
     assert forward["embedding.add_token_type"].bytes == (2 * 16 + 1) * 32 * 4

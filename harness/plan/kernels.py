@@ -16,6 +16,10 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   scores' matrix, written and read by each of its steps; a memory-bound kernel its inputs and outputs.
 - with sequence parallelism (sp) the norms, residual adds and dropout between the tensor-parallel regions hold
   seq / tp tokens; with context parallelism attention's keys span seq x cp (the ring runs one launch per step).
+  Each sequence-parallel exchange also copies the whole sequence's activations once in the layer (harness.models.tp
+  keeps them batch-first, (micro, seq, h)): an all-gather's buffer out into the sequence's order, a reduce-scatter's
+  partial sums into the buffer's (sequence_exchange: every gather and scatter of the layer's pass, its backward's
+  too).
 - recompute = "full" re-runs the forward (the plan's R step: the forward event again), so the backward's kernels
   do not change; "selective" (Megatron-LM's) runs the attention core's forward again inside the backward.
 - attention is fused (sdpa) unless the block's signature says ("attention", "materialized"): the spec's
@@ -423,7 +427,9 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     between = tokens // tp if sig.get("sp") else tokens  # the tokens between the tensor-parallel regions
     head_dim, local, local_kv = h // heads, heads // tp, kv_heads // tp
     norm = "rms_norm" if family == "llama" else "layer_norm"
+    sp = bool(sig.get("sp"))
     out: list[Kernel] = [MemoryBound("norm1", 2.0 * between * h * d, dtype, op=norm, elements=float(between * h)),
+                         *sequence_exchange("qkv.gathered", "linear", tokens, h, dtype, sp),
                          Gemm("qkv", tokens, (local + 2 * local_kv) * head_dim, h, dtype)]
     if family == "llama":
         out.append(MemoryBound("rotary", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype, op="rotary",
@@ -444,9 +450,11 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
                                elements=float(scores)))
     out += [MemoryBound("context_copy", 2.0 * tokens * local * head_dim * d, dtype, op="copy",
                         elements=float(tokens * local * head_dim)),
-            Gemm("proj", tokens, h, local * head_dim, dtype)]
+            Gemm("proj", tokens, h, local * head_dim, dtype),
+            *sequence_exchange("proj.scattered", "scatter", tokens, h, dtype, sp)]
     out += _residual("1", between, h, d, dtype, shape.dropout)
     out.append(MemoryBound("norm2", 2.0 * between * h * d, dtype, op=norm, elements=float(between * h)))
+    out += sequence_exchange("mlp.gathered", "linear", tokens, h, dtype, sp)
     if family == "llama":
         out += [Gemm("gate_up", tokens, 2 * ffn // tp, h, dtype),
                 MemoryBound("swiglu", 3.0 * tokens * ffn // tp * d, dtype, op="swiglu",
@@ -456,7 +464,28 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
         out += [Gemm("fc1", tokens, ffn // tp, h, dtype),
                 MemoryBound("gelu", 2.0 * tokens * ffn // tp * d, dtype, op="gelu", elements=float(tokens * ffn // tp)),
                 Gemm("fc2", tokens, h, ffn // tp, dtype)]
+    out += sequence_exchange("mlp.scattered", "scatter", tokens, h, dtype, sp)
     return out + _residual("2", between, h, d, dtype, shape.dropout)
+
+
+# a sequence-parallel exchange's copies of the whole sequence (harness.models.tp), forward and backward: an
+# all-gather into a column-parallel linear (_GatheredLinear: its buffer copied out; the backward copies the input's
+# gradient into a reduce-scatter's buffer and gathers the input again for the weights' gradient, copied out too),
+# a bare all-gather (gather_sequence; its gradient reduce-scattered) and a reduce-scatter (scatter_sequence; its
+# gradient all-gathered)
+EXCHANGE_COPIES = {"linear": (1, 2), "gather": (1, 1), "scatter": (1, 1)}
+
+
+def sequence_exchange(name: str, how: str, tokens: int, h: int, dtype: str, sp: bool) -> list[MemoryBound]:
+    """The copies of the whole sequence's (tokens x h) activations a sequence-parallel exchange `how`
+    (EXCHANGE_COPIES) makes in its layer's forward, with its backward's as the kernel's gradient: each copy reads and
+    writes the tensor once. None without sp."""
+    if not sp:
+        return []
+    forward, backward = EXCHANGE_COPIES[how]
+    copy = 2.0 * tokens * h * DTYPES[dtype]
+    return [MemoryBound(name, forward * copy, dtype, launches=forward, op="copy", elements=float(forward * tokens * h),
+                        grad_bytes=backward * copy, grad_launches=backward)]
 
 
 def _unfused_softmax(scores: int, dtype: str) -> MemoryBound:
@@ -506,6 +535,7 @@ def _embedding(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     if tp > 1:
         out.append(MemoryBound("embedding.outside_zeroed", tokens * (4.0 * h * d + MASK_BYTES), dtype, op="copy",
                                elements=float(tokens * h)))
+        out += sequence_exchange("embedding.scattered", "scatter", tokens, h, dtype, bool(sig.get("sp")))
 
     def added(name: str, rows: int) -> MemoryBound:  # the tokens' rows read and written, `rows` rows added
         return MemoryBound(name, (2.0 * local + rows) * h * d, dtype, op="add", elements=float(local * h))
@@ -526,15 +556,18 @@ def _head(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     cross-entropy (5 FLOPs a logit: the maximum, the exponential, the sum, the log and the target's pick)."""
     family, h, dtype = sig["family"], int(sig["hidden"]), sig["dtype"]
     d = DTYPES[dtype]
-    vocab = int(sig["vocab"]) // int(sig.get("tp", 1))
+    tp, sp = int(sig.get("tp", 1)), bool(sig.get("sp"))
+    vocab = int(sig["vocab"]) // tp
     tokens = shape.micro * shape.seq
+    shard = tokens // tp if sp else tokens  # the tokens before the logits: a sequence shard's with sp
     out: list[Kernel] = []
     if family == "bert":
-        out += [Gemm("transform", tokens, h, h, dtype),
-                MemoryBound("transform_gelu", 2.0 * tokens * h * d, dtype, op="gelu", elements=float(tokens * h))]
+        out += [Gemm("transform", shard, h, h, dtype),
+                MemoryBound("transform_gelu", 2.0 * shard * h * d, dtype, op="gelu", elements=float(shard * h))]
     norm = "rms_norm" if family == "llama" else "layer_norm"
     logits = tokens * vocab
-    out += [MemoryBound("final_norm", 2.0 * tokens * h * d, dtype, op=norm, elements=float(tokens * h)),
+    out += [MemoryBound("final_norm", 2.0 * shard * h * d, dtype, op=norm, elements=float(shard * h)),
+            *sequence_exchange("head.gathered", "gather", tokens, h, dtype, sp),
             Gemm("logits", tokens, vocab, h, dtype)]
     if d < LOSS_BYTES:  # the loss runs on float32 logits (harness.models.transformer, Megatron-LM)
         out.append(MemoryBound("logits_float32", float(logits * (d + LOSS_BYTES)), dtype, op="copy",

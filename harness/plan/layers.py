@@ -275,7 +275,9 @@ def _described_builtin(model: ModelSpec, tp: int, vocab_parallel: bool, pp: int,
     megatron_loss = (("cross_entropy", "megatron"),) if model.cross_entropy == "megatron" and shards == 1 else ()
     head = LayerDesc(kind="head", signature=base + (("vocab", model.vocab),) + sharded + (("tied", True),) * tied
                      + sequence + megatron_loss, params=head_params(model, shards, tied),
-                     fwd_flops_per_token=2.0 * h * v + 5.0 * v + (2.0 * h * h if model.family == "bert" else 0.0),
+                     fwd_flops_per_token=2.0 * h * v + 5.0 * v
+                     # BERT's transform: with sp on its sequence shard (harness.models' Head gathers after it)
+                     + (2.0 * h * h / (shards if sp else 1) if model.family == "bert" else 0.0),
                      out_features=(),
                      tp_forward=(((SEQ_ALLGATHER, hidden_bytes, model.dtype),) if sp else ()) + loss * bool(sharded),
                      tp_backward=(gathered,) * bool(sharded))
