@@ -446,6 +446,19 @@ def test_fsdp2s_unshard_is_fitted_beyond_the_collective_and_the_copies():
     assert fit_unshard(device, rows(1e-3, -10e-6)) == pytest.approx((1e-3 - 10e-6 * 8, 0.0))  # the median unit's
 
 
+def test_an_inline_collective_is_the_passes_time_over_the_group_beyond_alone_a_call():
+    """Two passes over 2 ranks, 4 inline all-reduces (5.7 ms against 0.7 alone) and 10 sequence-parallel exchanges
+    (10.0 against 1.0): 14 ms over 14 calls, 1 ms a call; never below 0 (a pass over the group that ran faster than
+    alone), 0 without calls."""
+    from harness.profile.device_curves import fit_inline_collective
+
+    rows = [{"sp": False, "calls": 4, "ranks": 2, "bytes": 8192, "grouped_s": 5.7e-3, "alone_s": 0.7e-3},
+            {"sp": True, "calls": 10, "ranks": 2, "bytes": 8192, "grouped_s": 10.0e-3, "alone_s": 1.0e-3}]
+    assert fit_inline_collective(rows) == pytest.approx(1e-3)
+    assert fit_inline_collective([{**rows[0], "grouped_s": 0.5e-3}]) == 0.0
+    assert fit_inline_collective([]) == 0.0
+
+
 def test_the_summary_names_the_kinds_the_optimizers_and_the_collectives(tmp_path):
     """harness device's summary (no --json): its curves' table, then the vector operations, each optimizer's
     figures and its steps' error, and with 2 ranks the collectives in context beside back to back."""

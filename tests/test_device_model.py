@@ -500,6 +500,8 @@ def description_text(**replace) -> str:
     ("fitted = false\n", "fitted = false\n[host]\ncollective_issue_us = -3.0\n", "host.collective_issue_us",
      "0 or more"),
     ("fitted = false\n", "fitted = false\n[host]\nstep_gap_us = -1.0\n", "host.step_gap_us", "0 or more"),
+    ("fitted = false\n", "fitted = false\n[host]\ninline_collective_us = 900.0\n", "host.inline_collective_us",
+     "a format 2 field"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
     ("format = 1\n", "\n", "format", "is missing; a description starts with format = 1"),
     ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 128", "efficiency.causal_tile", "a format 2 field"),
@@ -590,6 +592,10 @@ def test_host_figure_round_trips_and_is_optional():
     assert "[host]\nstep_gap_us = 1500.0" in gapped.to_toml()
     assert parse_device(tomllib.loads(gapped.to_toml())) == gapped
     assert all(load_device(name).step_gap_s == 0.0 for name in SHIPPED)
+    inline = flat_device(inline_collective_s=9e-4)  # a CPU calibration's: format 2
+    assert inline.format == 2 and "[host]\ninline_collective_us = 900.0" in inline.to_toml()
+    assert parse_device(tomllib.loads(inline.to_toml())) == inline
+    assert all(load_device(name).inline_collective_s == 0.0 for name in SHIPPED)
 
 
 def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):

@@ -1,6 +1,6 @@
 """`harness device` on 2 or more ranks (pytest-mpi): the collectives a training step runs, timed in context after a
-compute burst and back to back, every operation and size, the same rows on every rank; the measurements every rank
-fits, the least disturbed rank's."""
+compute burst and back to back, every operation and size, the same rows on every rank; a tensor-parallel block's
+inline collectives over the ranks; the measurements every rank fits, the least disturbed rank's."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,6 +53,38 @@ def test_fsdp2_unshards_are_timed_over_every_rank():
         assert row["ranks"] == size and 0 < row["bytes"] <= max(nbytes, size * 64 * 4 * tensors)
         assert row["bytes"] % (size * 4 * 64 * tensors) == 0
         assert row["unshard_s"] > 0 and row["bare_s"] > 0 and np.isfinite(row["extra_s"])
+    assert all(other == rows for other in comm.allgather(rows))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank():
+    """The framework block split over all the ranks, without and with sequence parallelism, over the world group
+    and alone: its inline collectives counted (2 all-reduces a forward and 2 a backward; sp 4 exchanges forward, 6
+    backward), both passes timed, the same rows on every rank (or none, where the block does not split)."""
+    import torch
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import FRAMEWORK_SIZES, fit_inline_collective, inline_collectives_over_ranks
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm = MPI.COMM_WORLD
+    cpu = torch.device("cpu")
+    init_process_group(comm, discover(comm), cpu)
+    try:
+        rows = inline_collectives_over_ranks(comm, cpu, "float32", repeats=2, warmup=1)
+    finally:
+        destroy_process_group()
+    size = comm.Get_size()
+    splits = all(FRAMEWORK_SIZES[key] % size == 0 for key in ("hidden", "seq_len", "ffn"))
+    if not splits:
+        assert rows == []
+        return
+    assert [(r["sp"], r["calls"]) for r in rows] == [(False, 4), (True, 10)]
+    assert all(r["ranks"] == size and r["grouped_s"] > 0 and r["alone_s"] > 0 for r in rows)
+    assert all(r["bytes"] == FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"] * 4
+               for r in rows)
+    assert fit_inline_collective(rows) >= 0.0
     assert all(other == rows for other in comm.allgather(rows))
 
 

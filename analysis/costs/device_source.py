@@ -5,7 +5,8 @@ time to issue a kernel (`[host] kernel_issue_us`), the event's issue time goes t
 simulation plays against the device's time as it does a GPU profile's; where the description costs every compute
 event (a spec alone), without the host's wait after each inline collective that the harness's loop has
 (Costs.host_waits_on_collectives) and with the description's engine gap between steps (`[host] step_gap_us`;
-run_as_described).
+run_as_described); and where it gives a CPU's `[host] inline_collective_us`, each tensor-parallel collective of a
+layer's pass at that a call plus its bytes' time on the network model (price_inline_collectives).
 
 Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
 compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
@@ -217,6 +218,32 @@ class DeviceSource(CostSource):
         compute = [cost for cost in costs.events.values() if cost.kind == "compute"]
         if compute and all(cost.source == DEVICE for cost in compute):
             run_as_described(costs, self.device.description)
+            price_inline_collectives(self.plan, costs, self.device.description)
+
+
+def price_inline_collectives(plan: EventPlan, costs: Costs, description: DeviceDescription) -> None:
+    """Each tensor-parallel collective of a layer's pass (a stage's `tp.` events: the hidden all-reduces, sequence
+    parallelism's all-gathers and reduce-scatters, a vocabulary split's) that the network model priced costs the
+    description's inline_collective_s a call plus its bytes' time on that model (its estimate less the same
+    collective's of one byte, over the slowest of its groups), as harness device measured it: the wait a call meets
+    in a pass. None without the figure or a network model; a measured or interpolated collective keeps its own."""
+    inline_s, network = description.inline_collective_s, costs.network
+    if not inline_s or network is None:
+        return
+    inline = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith("tp.")}
+    for eid in sorted(inline):
+        cost = costs.events.get(eid)
+        if cost is None or cost.source != MODELLED:
+            continue
+        event = plan.events[eid]
+        groups = plan.group_ranks.get(eid) or [tuple(range(event.group_size))]
+        whole, empty = max((network.estimate_group(event.kind, float(event.bytes), ranks).seconds,
+                             network.estimate_group(event.kind, 1.0, ranks).seconds) for ranks in groups)
+        bytes_s = max(0.0, whole - empty)
+        costs.events[eid] = dataclasses.replace(
+            cost, seconds=inline_s + bytes_s,
+            note=f"{cost.note}; inline in a layer's pass on {description.name}: {inline_s * 1e3:.3g} ms a call "
+                 f"+ its bytes {bytes_s * 1e3:.3g} ms")
 
 
 def run_as_described(costs: Costs, description: DeviceDescription) -> None:

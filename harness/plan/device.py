@@ -19,6 +19,7 @@ from harness.common.toml_text import toml_value
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
 FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches], [optimizer.NAME] and [wrappers.NAME] tables
+# and [host] inline_collective_us
 US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
@@ -58,7 +59,7 @@ _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
 # [host] field -> DeviceDescription attribute (microseconds in the file, seconds in the description)
 HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
-               "step_gap_us": "step_gap_s"}
+               "step_gap_us": "step_gap_s", "inline_collective_us": "inline_collective_s"}
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
 _WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us", "unshard_us", "unshard_tensor_us"}
 _UNSHARD = ("unshard_us", "unshard_tensor_us")  # fsdp2's alone: its all-gathers' framework time
@@ -153,8 +154,10 @@ class DeviceDescription:
     keeps ahead of the device); `collective_issue_s` its seconds to issue one collective inline in a step (the
     framework's collective call and the library's enqueue; 0: none); `step_gap_s` the training engine's host seconds
     between a device's steps that the device waits out (a synchronising data load, the engine's bookkeeping per
-    micro-batch; 0: none). `fitted`: whether the figures were fitted on measurements (`fitted_on` says which), or
-    are starting values."""
+    micro-batch; 0: none); `inline_collective_s` (format 2) a CPU's seconds a tensor-parallel collective inline in a
+    layer's pass costs beyond its bytes on the network model (the wait for the other ranks' arrival and the
+    library's threads on cores the ranks keep busy; 0: none). `fitted`: whether the figures were fitted on
+    measurements (`fitted_on` says which), or are starting values."""
 
     name: str
     title: str
@@ -169,6 +172,7 @@ class DeviceDescription:
     kernel_issue_s: float = 0.0
     collective_issue_s: float = 0.0
     step_gap_s: float = 0.0
+    inline_collective_s: float = 0.0
     source: str = field(default="<device>", compare=False)
     # format 2: vector operations an element and operations launched a call per kind of memory-bound kernel
     # (VECTOR_KINDS), and optimizer steps as the framework runs them (OPTIMIZER_KINDS -> OptimizerCost); empty:
@@ -185,7 +189,8 @@ class DeviceDescription:
     @property
     def format(self) -> int:
         """The format its file needs: 2 where it has a format-2 table, else 1 (read by every harness)."""
-        return 2 if self.vector_ops or self.launches or self.optimizer or self.wrappers or self.causal_tile else 1
+        return 2 if (self.vector_ops or self.launches or self.optimizer or self.wrappers or self.causal_tile
+                     or self.inline_collective_s) else 1
 
     def kernel_launches(self, kernel: Any) -> float:
         """A kernel's launches here: the listing's (kernel.launches) x, for a memory-bound kind in [launches],
@@ -401,6 +406,8 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     if not isinstance(host, dict):
         raise fail(f"must be a table, got {host!r}", "host")
     _known(host, set(HOST_FIELDS), "host", fail)
+    if "inline_collective_us" in host and version < 2:
+        raise fail("is a format 2 field; say format = 2 (docs/devices.md)", "host.inline_collective_us")
     vector_ops = data.get("vector_ops", {})
     if not isinstance(vector_ops, dict):
         raise fail(f"must be a table, got {vector_ops!r}", "vector_ops")

@@ -58,7 +58,11 @@ Rules:
   burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
   barrier do not see; and on a CPU FSDP2's unshard() of small units over the ranks beside the bare all-gather
   (unshards_over_ranks): its time a call and a parameter tensor beyond the collective and its modelled copies
-  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard).
+  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard); and on a CPU the framework block of GPT-2 split
+  over the ranks by tensor parallelism, with and without sequence parallelism, its forward and backward over the
+  world group against the same shard with no group (inline_collectives_over_ranks): what its inline collectives
+  cost a call in a layer's pass (`[host] inline_collective_us`; fit_inline_collective), which a bare collective
+  after a burst under-reads (why: docs/benchmarks-log/device-model.md, 2026-12-06 (s)).
 """
 from __future__ import annotations
 
@@ -144,6 +148,7 @@ BURST_S = 0.002
 # where gloo's all-gather is steady and the copies short (from 1 MiB up it took 0.7 ms in one run, 3-4 in the next)
 UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
 UNSHARD_MIN_ROUNDS = 60  # a unit's difference of two calls of 0.3-1 ms, each with a wait of its own
+INLINE_MIN_ROUNDS = 40  # a pass's difference of 4-10 calls of about 1 ms, each wait from a long-tailed distribution
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -226,6 +231,7 @@ class Calibration:
     optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
     unshards: list[dict[str, Any]] = field(default_factory=list)  # unshards_over_ranks' rows (a CPU's, 2+ ranks)
+    inline: list[dict[str, Any]] = field(default_factory=list)  # inline_collectives_over_ranks' (a CPU's, 2+ ranks)
     ranks: int = 1
     causal: list[dict[str, Any]] = field(default_factory=list)  # causal_rows: what causal_tile was read from
 
@@ -1034,8 +1040,11 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               bare_issue_s=issue_s, optimizer_counts=counted, causal=causal)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
-        calibration.collectives, calibration.unshards = _collectives(comm, device, fitted.matrix_peak["float32"],
-                                                                     repeats, warmup, quick)
+        calibration.collectives, calibration.unshards, calibration.inline = _collectives(
+            comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick, dtype)
+        if calibration.inline:
+            fitted = dataclasses.replace(fitted, inline_collective_s=fit_inline_collective(calibration.inline))
+            calibration.description = fitted
         if calibration.unshards:
             unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
             wrappers = dict(fitted.wrappers)
@@ -1047,10 +1056,10 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     return calibration
 
 
-def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int,
-                 quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """collectives_in_context and, on a CPU, unshards_over_ranks, over torch.distributed started on `comm` (gloo
-    on a CPU, NCCL on a GPU), ended after."""
+def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int, quick: bool,
+                 dtype: str = "float32") -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """collectives_in_context and, on a CPU, unshards_over_ranks and inline_collectives_over_ranks, over
+    torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended after."""
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
@@ -1058,10 +1067,89 @@ def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, w
     init_process_group(comm, discover(comm), device)
     try:
         rows = collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
-        unshards = unshards_over_ranks(comm, device, repeats, warmup) if device.type == "cpu" else []
-        return rows, unshards
+        cpu = device.type == "cpu"
+        unshards = unshards_over_ranks(comm, device, repeats, warmup) if cpu else []
+        inline = inline_collectives_over_ranks(comm, device, dtype, repeats, warmup) if cpu else []
+        return rows, unshards, inline
     finally:
         destroy_process_group()
+
+
+def inline_collectives_over_ranks(comm, device: torch.device, dtype: str, repeats: int,
+                                  warmup: int) -> list[dict[str, Any]]:
+    """The framework block of GPT-2 (FRAMEWORK_SIZES) split over every rank of `comm` by tensor parallelism,
+    without and with sequence parallelism (torch's process group started: its world group), forward and backward as
+    a pass runs them, against the same shard with no group (harness.models.tp: its exchanges stay on the rank), both
+    after a barrier, interleaved in rounds (`repeats`, at least INLINE_MIN_ROUNDS). A row per variant: `sp`, `calls`
+    (the inline collectives a pass runs, counted through the models' collective hook), `ranks`, `bytes` (one call's
+    activations), `grouped_s` and `alone_s` (the mean over rounds and ranks: a step pays every wait of the long
+    tail). None where the block does not split over the ranks (its heads, sequence and MLP by the rank count)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from harness.models import tp as tensor_parallel
+    from harness.models.transformer import build_layer
+
+    ranks, rank = comm.Get_size(), comm.Get_rank()
+    sizes = FRAMEWORK_SIZES
+    heads = max(sizes["heads"], ranks)
+    if sizes["hidden"] % heads or sizes["seq_len"] % ranks or sizes["ffn"] % ranks:
+        return []
+    model = dataclasses.replace(_framework_model("gpt2", dtype), heads=heads, kv_heads=heads)
+    calls = [0]
+
+    def counted(name: str, run: Callable[[], None]) -> None:
+        calls[0] += 1
+        run()
+
+    variants = []
+    for sp in (False, True):
+        torch.manual_seed(0)
+        grouped = build_layer(model, "block", tp=ranks, group=dist.group.WORLD, tp_index=rank, sp=sp).to(device)
+        alone = build_layer(model, "block", tp=ranks, group=None, tp_index=rank, sp=sp).to(device)
+        shape = (sizes["micro"], sizes["seq_len"] // (ranks if sp else 1), sizes["hidden"])
+        x = torch.randn(*shape, dtype=TORCH_DTYPES[dtype], device=device, requires_grad=True)
+        variants.append((sp, grouped, alone, x))
+    repeats = max(repeats, INLINE_MIN_ROUNDS)
+    times = np.zeros((len(variants), 2, repeats))
+    counts = [0] * len(variants)
+    tensor_parallel.set_collective_hook(counted)
+    try:
+        for round_index in range(warmup + repeats):
+            for index, (_, grouped, alone, x) in enumerate(variants):
+                for which, layer in enumerate((grouped, alone)):
+                    calls[0] = 0
+                    comm.Barrier()
+                    synchronize(device)
+                    started = time.perf_counter_ns()
+                    out = layer(x)
+                    out.backward(torch.ones_like(out))
+                    synchronize(device)
+                    took = (time.perf_counter_ns() - started) / 1e9
+                    layer.zero_grad(set_to_none=True)
+                    x.grad = None
+                    if which == 0:
+                        counts[index] = calls[0]
+                    if round_index >= warmup:
+                        times[index, which, round_index - warmup] = took
+    finally:
+        tensor_parallel.set_collective_hook(None)
+    total = np.empty_like(times)
+    comm.Allreduce(times, total, op=MPI.SUM)
+    mean = total.mean(axis=2) / ranks
+    nbytes = sizes["micro"] * sizes["seq_len"] * sizes["hidden"] * DTYPES[dtype]
+    return [{"sp": sp, "calls": counts[i], "ranks": ranks, "bytes": nbytes, "grouped_s": float(mean[i, 0]),
+             "alone_s": float(mean[i, 1])} for i, (sp, _, _, _) in enumerate(variants)]
+
+
+def fit_inline_collective(rows: Sequence[Mapping[str, Any]]) -> float:
+    """`[host] inline_collective_us` (in seconds) from inline_collectives_over_ranks' rows: the passes' time over
+    the world group beyond the same shards alone, over all their inline collectives (a call's wait and hand-off at
+    the framework block's few KiB, its bytes' time negligible there); not below 0."""
+    calls = sum(row["calls"] for row in rows)
+    if not calls:
+        return 0.0
+    return max(0.0, sum(row["grouped_s"] - row["alone_s"] for row in rows) / calls)
 
 
 def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
@@ -1161,6 +1249,9 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
                f"{', '.join(human_bytes(b) for b in sorted({r['bytes'] for r in calibration.unshards}))}) over the "
                f"{calibration.ranks} ranks beyond the bare all-gather and the copies modelled"
                if calibration.unshards else "")
+            + (f"; inline_collective_us the tiny gpt2 block split over the {calibration.ranks} ranks (with and "
+               f"without sp) over them beyond alone, over its {sum(r['calls'] for r in calibration.inline)} inline "
+               "collectives" if calibration.inline else "")
             + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")
