@@ -84,7 +84,7 @@ def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank()
     assert all(r["ranks"] == size and r["grouped_s"] > 0 and r["alone_s"] > 0 for r in rows)
     assert all(r["bytes"] == FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"] * 4
                for r in rows)
-    assert fit_inline_collective(rows) >= 0.0
+    assert fit_inline_collective(rows) > 0.0  # the group's passes wait on the other ranks: longer than alone
     assert all(other == rows for other in comm.allgather(rows))
 
 

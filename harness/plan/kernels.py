@@ -424,10 +424,10 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     cp, ring = int(sig.get("cp", 1)), sig.get("cp_comm", "ring") == "ring"
     d = DTYPES[dtype]
     tokens = shape.micro * shape.seq
-    between = tokens // tp if sig.get("sp") else tokens  # the tokens between the tensor-parallel regions
+    sp = bool(sig.get("sp"))
+    between = tokens // tp if sp else tokens  # the tokens between the tensor-parallel regions
     head_dim, local, local_kv = h // heads, heads // tp, kv_heads // tp
     norm = "rms_norm" if family == "llama" else "layer_norm"
-    sp = bool(sig.get("sp"))
     out: list[Kernel] = [MemoryBound("norm1", 2.0 * between * h * d, dtype, op=norm, elements=float(between * h)),
                          *sequence_exchange("qkv.gathered", "linear", tokens, h, dtype, sp),
                          Gemm("qkv", tokens, (local + 2 * local_kv) * head_dim, h, dtype)]
