@@ -12,6 +12,7 @@ groups split over cp, the rank order, the refusals (exit 2), and a profiled shar
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -149,6 +150,69 @@ def test_float32_inputs_give_float32_outputs_and_gradients():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_ring_computes_alike_fused_and_materialised(cp, causal):
+    """One rank's ring alone (a LocalRing: each "received" block a copy of its own) gives the same output and
+    gradients whether its blocks run the CPU's fused kernel or materialise their scores."""
+    from harness.models.context import LocalRing, fused_blocks
+
+    q, k, v, grad = _full_qkv(2 * cp * CHUNK)
+    assert fused_blocks(q, materialized=False) and not fused_blocks(q, materialized=True)
+    for rank in range(cp):
+        fused = _local_run(ring_attention, (q, k, v), grad, group=LocalRing(cp, rank), causal=causal)
+        materialised = _local_run(ring_attention, (q, k, v), grad, group=LocalRing(cp, rank), causal=causal,
+                                  materialized=True)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), fused, materialised):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"rank {rank} {what}")
+
+
+VIEWS = frozenset({"slice", "expand", "view", "unsqueeze", "_unsafe_view", "transpose", "unbind", "alias", "detach",
+                   "promote_types", "t", "select", "as_strided"})
+
+
+def _dispatched(run) -> int:
+    """The operators `run` dispatches that compute (views and dtype queries left out)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counted:
+        run()
+    return sum(1 for op in counted.ops if op not in VIEWS)
+
+
+@pytest.mark.parametrize("materialized", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_rings_kernel_listing_launches_what_the_ring_dispatches(cp, causal, materialized):
+    """harness.plan.kernels.ring_attention_kernels, forward and backward, lists as many launches as the ring of
+    the rank it picks dispatches (a real group's exchange posts P2P where a LocalRing clones: its clones left out)."""
+    from harness.models.context import LocalRing
+    from harness.plan.kernels import MemoryBound, ring_attention_kernels
+    from harness.plan.kernels import _gradients as gradients
+    from harness.plan.ring import ring_blocks
+
+    rank, _ = ring_blocks(cp, causal)
+    q, k, v, grad = (t.to(torch.float32).requires_grad_(i < 3) for i, t in enumerate(_full_qkv(2 * CHUNK)))
+    out = []
+    forward = _dispatched(lambda: out.append(ring_attention(q, k, v, LocalRing(cp, rank), causal,
+                                                            materialized=materialized)))
+    backward = _dispatched(lambda: out[0].backward(grad))
+    clones = (cp - 1, 2 * cp - 1)  # the LocalRing's stand-in exchanges, forward and backward
+    kernels = ring_attention_kernels(BATCH, HEADS, HEAD_DIM, 2 * CHUNK, cp, causal, "float32", materialized)
+    assert sum(k.launches for k in kernels) == forward - clones[0]
+    assert sum(g.launches for k in kernels for g in gradients(k)) == backward - clones[1]
+    assert all(isinstance(k, MemoryBound) or k.name.startswith("ring.attention.") for k in kernels)
+
+
 def test_mismatched_shapes_are_refused():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="share one shape"):
@@ -176,24 +240,27 @@ def test_ring_and_allgather_attention_match_the_whole_sequence():
         q, k, v, grad = (split_sequence(t, cp, rank, dim=2) for t in full)
         for causal in (True, False):
             expected = [split_sequence(t, cp, rank, dim=2) for t in _reference(*full, causal)]
-            for attention, names in ((ring_attention, {KV: 2 * (cp - 1), KV_GRAD: cp}),
-                                     (allgather_attention, {ALLGATHER: 1, REDUCE_SCATTER: 1})):
+            ring = {KV: 2 * (cp - 1), KV_GRAD: cp}
+            for label, attention, names in (("fused ring", ring_attention, ring),
+                                            ("materialised ring", partial(ring_attention, materialized=True), ring),
+                                            ("all-gather", allgather_attention, {ALLGATHER: 1, REDUCE_SCATTER: 1})):
                 seen: list[str] = []
                 got = _local_run(attention, (q, k, v), grad, group=group, causal=causal,
                                  hook=lambda name, run, seen=seen: (seen.append(name), run()))
                 for what, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
-                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11,
-                                               msg=f"{attention.__name__} causal={causal} {what}")
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"{label} causal={causal} {what}")
                 assert {name: seen.count(name) for name in set(seen)} == names
 
         # bfloat16 in, float32 statistics inside: the forward within bfloat16's rounding
         shares16 = [t.to(torch.bfloat16) for t in (q, k, v)]
         expected = split_sequence(F.scaled_dot_product_attention(*(t.to(torch.bfloat16).double() for t in full[:3]),
                                                                  is_causal=True), cp, rank, dim=2)
-        for attention in (ring_attention, allgather_attention):
+        for label, attention in (("fused ring", ring_attention),
+                                 ("materialised ring", partial(ring_attention, materialized=True)),
+                                 ("all-gather", allgather_attention)):
             out = attention(*shares16, group=group, causal=True)
             assert out.dtype == torch.bfloat16
-            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2, msg=attention.__name__)
+            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2, msg=label)
     finally:
         destroy_process_group()
 

@@ -374,20 +374,38 @@ def test_megatrons_fused_softmax_or_its_float32_fallback(micro, heads, seq, fuse
 
 
 def test_attention_kinds_context_parallel_and_selective_recompute():
+    # a ring of 2 (GPT-2, 4 heads of 8, 2 x 8 local tokens in chunks of 4): rank 1 runs the most blocks, step 0 its
+    # own chunks (1, 2) as chunk 1 against 1 (masked) and chunk 2 against 1 and 2 (masked), step 1 rank 0's (0, 3)
+    # as chunk 1 against 0 and chunk 2 against 0: 3 and 2 of the 4 chunk pairs of a step's square
     spec = spec_of(cp=2)
     block = describe(spec)[1]
-    ring = next(k for k in layer_kernels(block, PassShape(2, 8), "fwd") if isinstance(k, Attention))
-    assert (ring.q_len, ring.kv_len, ring.launches) == (8, 16, 2)  # the whole sequence's keys, a launch a step
+    kernels = {k.name: k for k in layer_kernels(block, PassShape(2, 8), "fwd") if k.name.startswith("ring.")}
+    assert list(kernels) == ["ring.setup", "ring.masks", "ring.attention.0", "ring.merge.0", "ring.attention.1",
+                             "ring.merge.1"]
+    steps = [kernels["ring.attention.0"], kernels["ring.attention.1"]]
+    assert [(k.kind, k.q_len, k.kv_len, k.launches, k.computed) for k in steps] == \
+        [("sdpa", 8, 8, 2, 0.75), ("sdpa", 8, 8, 2, 0.5)]
+    assert sum(k.flops for k in steps) == 4 * 2 * 4 * 8 * 16 * 8  # the whole square, as the layer counts it
+    assert steps[0].executed_flops(512) == 0.75 * steps[0].flops
+    assert [kernels[f"ring.merge.{i}"].launches for i in (0, 1)] == [20, 20]
+    assert kernels["ring.masks"].launches == 4 + 6  # the diagonal chunk's mask, and a full chunk's beside one
     materialized = PassShape(2, 8, attention="materialized")
-    forward = next(k for k in layer_kernels(block, materialized, "fwd") if isinstance(k, Attention))
-    backward = next(k for k in layer_kernels(block, materialized, "bwd") if isinstance(k, Attention))
-    assert (forward.launches, backward.launches) == (6, 10)
-    dropped = [k.name for k in layer_kernels(block, PassShape(2, 8, attention="materialized", dropout=0.1), "fwd")]
+    forward = [k for k in layer_kernels(block, materialized, "fwd") if isinstance(k, Attention)]
+    backward = [k for k in layer_kernels(block, materialized, "bwd") if isinstance(k, Attention)]
+    assert [(k.kind, k.dtype, k.launches) for k in forward] == [("materialized", "float32", 6)] * 2
+    assert [k.launches for k in backward] == [10, 10]
+    assert {"ring.scores.0", "ring.scores.1"} <= {k.name for k in layer_kernels(block, materialized, "fwd")}
+    # a causal all-gather's mask is a tensor: every score of the gathered square computed
+    gathered = spec_of(cp=2, cp_comm="allgather")
+    attention, = [k for k in layer_kernels(describe(gathered)[1], PassShape(2, 8), "fwd") if isinstance(k, Attention)]
+    assert (attention.kv_len, attention.executed_flops(512)) == (16, attention.flops)
+    one = describe(spec_of())[1]
+    dropped = [k.name for k in layer_kernels(one, PassShape(2, 16, attention="materialized", dropout=0.1), "fwd")]
     assert {"attention_dropout", "dropout1", "dropout2"} <= set(dropped)
-    selective = PassShape(2, 8, recompute="selective")
-    attention_flops = ring.flops
-    assert kernels_flops(layer_kernels(block, selective, "bwd")) == \
-        pytest.approx(2 * block.fwd_flops(2, 8) + attention_flops)
+    selective = PassShape(2, 16, recompute="selective")
+    attention_flops = next(k for k in layer_kernels(one, selective, "fwd") if isinstance(k, Attention)).flops
+    assert kernels_flops(layer_kernels(one, selective, "bwd")) == \
+        pytest.approx(2 * one.fwd_flops(2, 16) + attention_flops)
 
 
 def test_optimizer_kernels():

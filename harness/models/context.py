@@ -33,27 +33,26 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-Hook = Callable[[str, Callable[[], None]], None]
+from harness.plan.ring import (  # noqa: F401 (the ring's geometry, read here too)
+    DIAGONAL,
+    FULL,
+    PAIR_COST,
+    SKIP,
+    RingBlock,
+    RingStep,
+    check_rank,
+    pair_kind,
+    rank_work,
+    ring_steps,
+    step_blocks,
+    step_pairs,
+    zigzag_chunks,
+)
 
-FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
-PAIR_COST = {FULL: 1.0, DIAGONAL: 0.5, SKIP: 0.0}
-"""The cost of a chunk pair's attention in units of a full pair's (what a planner multiplies FLOPs by)."""
+Hook = Callable[[str, Callable[[], None]], None]
 
 KV, KV_GRAD, ALLGATHER, REDUCE_SCATTER = "cp.kv", "cp.kv_grad", "cp.allgather", "cp.reduce_scatter"
 _KV_TAG, _GRAD_TAG = 0, 1  # both exchanges of the backward can be in flight to the same peer at once
-
-
-def _check_rank(cp: int, rank: int) -> None:
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp must be a positive integer, got {cp!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp:
-        raise ValueError(f"rank must be an integer in [0, {cp}) for cp = {cp}, got {rank!r}")
-
-
-def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two of the sequence's 2 * cp chunks rank holds: r and 2 * cp - 1 - r."""
-    _check_rank(cp, rank)
-    return rank, 2 * cp - 1 - rank
 
 
 def _chunk_len(seq_len: int, cp: int) -> int:
@@ -64,7 +63,7 @@ def _chunk_len(seq_len: int, cp: int) -> int:
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The positions (int64) of the tokens rank holds, its first chunk's then its second's."""
-    _check_rank(cp, rank)
+    check_rank(cp, rank)
     if cp == 1:
         return torch.arange(seq_len)
     chunk = _chunk_len(seq_len, cp)
@@ -73,7 +72,7 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
     """Rank's share of a full-sequence tensor: its two chunks along dim, concatenated."""
-    _check_rank(cp, rank)
+    check_rank(cp, rank)
     if cp == 1:
         return x
     chunk = _chunk_len(x.shape[dim], cp)
@@ -94,52 +93,6 @@ def merge_sequence(parts: list[torch.Tensor], cp: int, dim: int) -> torch.Tensor
         a, b = zigzag_chunks(cp, rank)
         chunks[a], chunks[b] = first, second
     return torch.cat(chunks, dim=dim)
-
-
-def pair_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
-    """"full", "diagonal" or "skip": what the queries of q_chunk see of kv_chunk's keys."""
-    if q_chunk < 0 or kv_chunk < 0:
-        raise ValueError(f"chunk indices must be non-negative, got {q_chunk} and {kv_chunk}")
-    if not causal or q_chunk > kv_chunk:
-        return FULL
-    return DIAGONAL if q_chunk == kv_chunk else SKIP
-
-
-class RingStep(NamedTuple):
-    """One rank at one step: whose keys and values it computes with (their chunks), and where they go next
-    (None at the last step, which sends nothing forward)."""
-    kv_owner: int
-    kv_chunks: tuple[int, int]
-    send_to: int | None
-    recv_from: int | None
-
-
-def ring_steps(cp: int) -> list[list[RingStep]]:
-    """The forward ring, [step][rank]: at step i rank r holds rank (r - i) mod cp's keys and values and, but at
-    the last step, sends them to r + 1 while receiving the next ones from r - 1. The backward runs the same
-    ring, the gradients one step behind the keys and values, plus a final hop to r + 1 bringing them home."""
-    _check_rank(cp, 0)
-    steps = []
-    for step in range(cp):
-        last = step == cp - 1
-        steps.append([RingStep((r - step) % cp, zigzag_chunks(cp, (r - step) % cp),
-                               None if last else (r + 1) % cp, None if last else (r - 1) % cp)
-                      for r in range(cp)])
-    return steps
-
-
-def step_pairs(cp: int, rank: int, step: int, causal: bool) -> list[tuple[int, int, str]]:
-    """The four (query chunk, key chunk, kind) pairs rank computes at step."""
-    _check_rank(cp, rank)
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < cp:
-        raise ValueError(f"step must be an integer in [0, {cp}) for cp = {cp}, got {step!r}")
-    kv_chunks = zigzag_chunks(cp, (rank - step) % cp)
-    return [(q, kv, pair_kind(q, kv, causal)) for q in zigzag_chunks(cp, rank) for kv in kv_chunks]
-
-
-def rank_work(cp: int, rank: int, causal: bool) -> float:
-    """Rank's attention work over all steps, in full chunk pairs (under zigzag the same on every rank)."""
-    return sum(PAIR_COST[kind] for step in range(cp) for _, _, kind in step_pairs(cp, rank, step, causal))
 
 
 # ---- the ring -------------------------------------------------------------------------------------------------
@@ -195,27 +148,47 @@ class _Exchange:
         return self.received
 
 
-def _blocks(cp: int, rank: int, step: int, causal: bool, s_local: int, device) -> list[tuple[slice, slice, object]]:
-    """(query slice, key slice, mask) of the local tensors to compute at step; the mask (True: hidden) is None
-    where every query sees every key. Skipped pairs are left out and a query chunk's kept keys are contiguous."""
+# the CPU's fused attention that also returns each row's log-sum-exp (what a ring merges blocks by), and its
+# backward from the whole ring's output and log-sum-exp; None where this torch has none
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def fused_blocks(q: torch.Tensor, materialized: bool) -> bool:
+    """Whether a ring computes its blocks with the fused kernel: not asked for materialised attention, on a CPU
+    whose torch has one (elsewhere each block's scores are materialised, in float32)."""
+    return not materialized and q.device.type == "cpu" and _FUSED is not None and _FUSED_BACKWARD is not None
+
+
+class _Masks:
+    """A pass's block masks, built once a kind: True hides a key (materialised blocks), or 0 and -inf added to the
+    scores in the inputs' dtype (the fused kernel's)."""
+
+    def __init__(self, device, dtype: torch.dtype, fused: bool):
+        self.device, self.dtype, self.fused, self.made = device, dtype, fused, {}
+
+    def get(self, kinds: tuple[str, ...], size: int) -> torch.Tensor:
+        if kinds not in self.made:
+            tri = torch.ones(size, size, dtype=torch.bool, device=self.device).triu(1)
+            hidden = tri if len(kinds) == 1 else torch.cat(
+                [tri if kind == DIAGONAL else torch.zeros_like(tri) for kind in kinds], dim=1)
+            if self.fused:
+                hidden = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                    hidden, float("-inf"))
+            self.made[kinds] = hidden
+        return self.made[kinds]
+
+
+def _blocks(cp: int, rank: int, step: int, causal: bool, s_local: int,
+            masks: _Masks) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """(query slice, key slice, mask) of the local tensors to compute at step (harness.plan.ring.step_blocks);
+    the mask is None where every query sees every key."""
     if cp == 1 or not causal:
-        mask = torch.ones(s_local, s_local, dtype=torch.bool, device=device).triu(1) if causal else None
-        return [(slice(None), slice(None), mask)]
+        return [(slice(None), slice(None), masks.get((DIAGONAL,), s_local) if causal else None)]
     chunk = s_local // 2
-    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu(1)
-    clear = torch.zeros(chunk, chunk, dtype=torch.bool, device=device)
-    pairs = step_pairs(cp, rank, step, causal)
-    blocks = []
-    for a in range(2):
-        kinds = [pairs[2 * a + b][2] for b in range(2)]
-        keep = [b for b in range(2) if kinds[b] != SKIP]
-        if not keep:
-            continue
-        mask = None
-        if DIAGONAL in kinds:
-            mask = torch.cat([tri if kinds[b] == DIAGONAL else clear for b in keep], dim=1)
-        blocks.append((slice(a * chunk, (a + 1) * chunk), slice(keep[0] * chunk, (keep[-1] + 1) * chunk), mask))
-    return blocks
+    return [(slice(b.q_chunk * chunk, (b.q_chunk + b.q_chunks) * chunk),
+             slice(b.kv_chunk * chunk, (b.kv_chunk + b.kv_chunks) * chunk),
+             masks.get(b.kinds, chunk) if b.masked else None) for b in step_blocks(cp, rank, step, causal)]
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> torch.Tensor:
@@ -225,21 +198,27 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> torch.Tenso
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, hook):
+    def forward(ctx, q, k, v, group, causal, hook, fused):
         cp, rank = _group_layout(group)
         acc = _compute_dtype(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qc = q.to(acc)
+        qc = q if fused else q.to(acc)
+        masks = _Masks(q.device, q.dtype, fused)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack((k, v))
         for step in range(cp):
             exchange = _Exchange(kv, group, cp, rank, _KV_TAG) if step + 1 < cp else None
-            held_k, held_v = kv.to(acc).unbind(0)
-            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], q.device):
-                scores = _scores(qc[:, :, qs], held_k[:, :, ks], mask, scale)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), held_v[:, :, ks])
+            held_k, held_v = (kv if fused else kv.to(acc)).unbind(0)
+            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], masks):
+                if fused:
+                    block_out, block_lse = _FUSED(qc[:, :, qs], held_k[:, :, ks], held_v[:, :, ks], 0.0, False,
+                                                  attn_mask=mask, scale=scale)
+                    block_out, block_lse = block_out.to(acc), block_lse.to(acc)
+                else:
+                    scores = _scores(qc[:, :, qs], held_k[:, :, ks], mask, scale)
+                    block_lse = torch.logsumexp(scores, dim=-1)
+                    block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), held_v[:, :, ks])
                 old = lse[:, :, qs]
                 new = torch.logaddexp(old, block_lse)
                 out[:, :, qs] = (out[:, :, qs] * torch.exp(old - new).unsqueeze(-1)
@@ -249,34 +228,46 @@ class _RingAttention(torch.autograd.Function):
                 kv = exchange.wait(hook, KV)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.hook = group, causal, hook
+        ctx.group, ctx.causal, ctx.hook, ctx.fused = group, causal, hook, fused
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, hook = ctx.group, ctx.causal, ctx.hook
+        group, causal, hook, fused = ctx.group, ctx.causal, ctx.hook, ctx.fused
         cp, rank = _group_layout(group)
         acc = _compute_dtype(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qc, dout = q.to(acc), grad_out.to(acc)
-        delta = (dout * out.to(acc)).sum(dim=-1)
+        masks = _Masks(q.device, q.dtype, fused)
+        if fused:  # the kernel takes the inputs' dtype and the whole ring's output and log-sum-exp
+            qc, dout, delta = q, grad_out.contiguous(), None
+        else:
+            qc, dout = q.to(acc), grad_out.to(acc)
+            delta = (dout * out.to(acc)).sum(dim=-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v))
         grads = None  # (dk, dv) of the keys and values held now, once this step's share is added
         grad_exchange = None
         for step in range(cp):
             exchange = _Exchange(kv, group, cp, rank, _KV_TAG) if step + 1 < cp else None
-            held_k, held_v = kv.to(acc).unbind(0)
+            held_k, held_v = (kv if fused else kv.to(acc)).unbind(0)
             block_grads = torch.zeros(kv.shape, dtype=acc, device=q.device)
             dk, dv = block_grads.unbind(0)
-            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], q.device):
+            for qs, ks, mask in _blocks(cp, rank, step, causal, q.shape[2], masks):
+                if fused:
+                    dq_block, dk_block, dv_block = _FUSED_BACKWARD(
+                        dout[:, :, qs], qc[:, :, qs], held_k[:, :, ks], held_v[:, :, ks], out[:, :, qs],
+                        lse[:, :, qs], 0.0, False, attn_mask=mask, scale=scale)
+                    dq[:, :, qs].add_(dq_block)
+                    dk[:, :, ks].add_(dk_block)
+                    dv[:, :, ks].add_(dv_block)
+                    continue
                 probs = torch.exp(_scores(qc[:, :, qs], held_k[:, :, ks], mask, scale) - lse[:, :, qs].unsqueeze(-1))
-                dv[:, :, ks] += torch.matmul(probs.transpose(-1, -2), dout[:, :, qs])
+                dv[:, :, ks].add_(torch.matmul(probs.transpose(-1, -2), dout[:, :, qs]))
                 dprobs = torch.matmul(dout[:, :, qs], held_v[:, :, ks].transpose(-1, -2))
                 dscores = probs.mul_(dprobs - delta[:, :, qs].unsqueeze(-1)).mul_(scale)
-                dq[:, :, qs] += torch.matmul(dscores, held_k[:, :, ks])
-                dk[:, :, ks] += torch.matmul(dscores.transpose(-1, -2), qc[:, :, qs])
+                dq[:, :, qs].add_(torch.matmul(dscores, held_k[:, :, ks]))
+                dk[:, :, ks].add_(torch.matmul(dscores.transpose(-1, -2), qc[:, :, qs]))
             if grad_exchange is not None:
                 block_grads += grad_exchange.wait(hook, KV_GRAD)
             grads = block_grads
@@ -289,19 +280,20 @@ class _RingAttention(torch.autograd.Function):
         if grad_exchange is not None:
             grads = grad_exchange.wait(hook, KV_GRAD)
         dk, dv = grads.unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool,
-                   hook: Hook | None = None) -> torch.Tensor:
+                   hook: Hook | None = None, materialized: bool = False) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, keys and values passed round the group's ring.
 
     q, k, v: (batch, heads, s_local, head_dim), s_local this rank's two zigzag chunks (k and v already repeated
     to q's heads). Scaled by 1 / sqrt(head_dim). With no group (or cp = 1) plain attention, equal to
-    F.scaled_dot_product_attention(q, k, v, is_causal=causal). Saves q, k, v, the output and a float32 (float64
-    for float64 inputs) log-sum-exp per row for the backward, none of the other ranks' keys and values."""
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal). Each block fused (fused_blocks) or with its scores
+    materialised (`materialized`, or no fused kernel here). Saves q, k, v, the output and a float32 (float64 for
+    float64 inputs) log-sum-exp per row for the backward, none of the other ranks' keys and values."""
     _check_qkv(q, k, v, _group_layout(group)[0])
-    return _RingAttention.apply(q, k, v, group, causal, hook)
+    return _RingAttention.apply(q, k, v, group, causal, hook, fused_blocks(q, materialized))
 
 
 # ---- all-gather -----------------------------------------------------------------------------------------------

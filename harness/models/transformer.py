@@ -141,8 +141,10 @@ class TransformerBlock(nn.Module):
             repeat = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         if self.cp > 1:
-            attend = allgather_attention if self.cp_comm == "allgather" else ring_attention
-            out = attend(q, k, v, self.cp_group, self.causal, hook=hooked)
+            if self.cp_comm == "allgather":
+                out = allgather_attention(q, k, v, self.cp_group, self.causal, hook=hooked)
+            else:
+                out = ring_attention(q, k, v, self.cp_group, self.causal, hook=hooked, materialized=self.materialized)
         elif self.selective:
             out = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:

@@ -46,6 +46,7 @@ from harness.common.errors import UserError
 from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
 from harness.plan.events import optimizer_bytes, optimizer_dtype
 from harness.plan.layers import LayerDesc, fused_softmax, megatron_loss
+from harness.plan.ring import ring_blocks
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -103,6 +104,7 @@ class Attention:
     causal: bool = True
     backward: bool = False
     launches: int = 1
+    computed: float = 0.0  # the share of its scores its launches compute (a ring step's blocks); 0: the rule
 
     @property
     def flops(self) -> float:
@@ -110,8 +112,10 @@ class Attention:
         return 2.0 * forward if self.backward else forward
 
     def executed_flops(self, causal_tile: int = 0) -> float:
-        """The FLOPs the kernel executes: its counted FLOPs x causal_fraction (a fused causal kernel's), all of them
-        for a materialised or non-causal one."""
+        """The FLOPs the kernel executes: its counted FLOPs x `computed` where it says, else x causal_fraction (a
+        fused causal kernel's), all of them for a materialised or non-causal one."""
+        if self.computed:
+            return self.flops * self.computed
         if self.kind == "materialized" or not self.causal:
             return self.flops
         return self.flops * causal_fraction(self.q_len, self.kv_len, causal_tile)
@@ -127,7 +131,7 @@ class Attention:
             # forward: scores written, read and probabilities written by the softmax, read by the bmm; backward:
             # probabilities read twice, their gradient written and read, the scores' gradient written and read twice
             scores = self.batch * self.heads * self.q_len * self.kv_len * (7 if self.backward else 4)
-        return float((tensors + scores) * DTYPES[self.dtype])
+        return float((tensors + scores * (self.computed or 1.0)) * DTYPES[self.dtype])
 
 
 def causal_fraction(q_len: int, kv_len: int, causal_tile: int = 0) -> float:
@@ -409,7 +413,8 @@ def _gradients(kernel: Kernel) -> list[Kernel]:
     if isinstance(kernel, Attention):
         return [Attention(f"{kernel.name}.grad", kernel.kind, kernel.batch, kernel.heads, kernel.q_len, kernel.kv_len,
                           kernel.head_dim, kernel.dtype, kernel.causal, backward=True,
-                          launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches)]
+                          launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches,
+                          computed=kernel.computed)]
     return [MemoryBound(f"{kernel.name}.grad", kernel.grad_bytes or 1.5 * kernel.bytes, kernel.dtype,
                         2.0 * kernel.flops, kernel.grad_launches or kernel.launches,
                         op=f"{kernel.op}_backward" if kernel.op else "", elements=kernel.elements)]
@@ -437,12 +442,17 @@ def _block(sig: dict[str, Any], shape: PassShape) -> list[Kernel]:
     if local_kv != local:
         out.append(MemoryBound("repeat_kv", 2.0 * tokens * (local + local_kv) * head_dim * d, dtype, op="copy",
                                elements=float(tokens * (local + local_kv) * head_dim)))
-    attention = Attention("attention", shape.attention, shape.micro, local, shape.seq, shape.seq * cp, head_dim, dtype,
-                          causal=family != "bert", launches=(cp if ring else 1)
-                          * (3 if shape.attention == "materialized" else 1))
-    out.append(attention)
-    if shape.attention == "materialized" and not fused_softmax(d, shape.micro * local, shape.seq, shape.seq * cp,
-                                                               causal=family != "bert"):
+    ring_core = cp > 1 and ring
+    if ring_core:
+        out += ring_attention_kernels(shape.micro, local, head_dim, shape.seq, cp, family != "bert", dtype,
+                                      shape.attention == "materialized")
+    else:
+        # the all-gather variant's causal mask is the zigzag positions', given as a tensor: every score computed
+        out.append(Attention("attention", shape.attention, shape.micro, local, shape.seq, shape.seq * cp, head_dim,
+                             dtype, causal=family != "bert", launches=3 if shape.attention == "materialized" else 1,
+                             computed=1.0 if cp > 1 and family != "bert" else 0.0))
+    if shape.attention == "materialized" and not ring_core and not fused_softmax(
+            d, shape.micro * local, shape.seq, shape.seq * cp, causal=family != "bert"):
         out.append(_unfused_softmax(shape.micro * local * shape.seq * shape.seq * cp, dtype))
     if shape.dropout and shape.attention == "materialized":  # a fused kernel draws its own mask
         scores = shape.micro * local * shape.seq * shape.seq * cp
@@ -486,6 +496,76 @@ def sequence_exchange(name: str, how: str, tokens: int, h: int, dtype: str, sp: 
     copy = 2.0 * tokens * h * DTYPES[dtype]
     return [MemoryBound(name, forward * copy, dtype, launches=forward, op="copy", elements=float(forward * tokens * h),
                         grad_bytes=backward * copy, grad_launches=backward)]
+
+
+def ring_attention_kernels(micro: int, heads: int, head_dim: int, seq: int, cp: int, causal: bool, dtype: str,
+                           materialized: bool) -> list[Kernel]:
+    """A context-parallel ring's attention (harness.models.context.ring_attention) over `seq` local tokens of
+    `heads` local heads, as the rank running the most blocks runs it (harness.plan.ring.ring_blocks), forward, each
+    kernel carrying its backward:
+    - "ring.setup": the output and log-sum-exp started (zeros, full) and the keys and values stacked; backward, the
+      queries' gradient started and the stack again (materialised: each row's output . gradient, a multiply and a
+      sum); in 16 bits the casts to and from float32;
+    - "ring.masks" (causal): the pass's block masks, built once a kind in each direction (fused: added to the
+      scores in the inputs' dtype);
+    - a step's "ring.attention": its blocks fused (one launch each, over the step's keys) or materialised in
+      float32 (3 launches each; backward 5, the harness's softmax and recomputed scores in "ring.scores"),
+      counted over the step's whole square, computing its blocks' share (`computed`: masked blocks whole);
+    - a step's "ring.merge": each block merged into the output by its log-sum-exp (10 launches: 6 on a row's
+      statistics, 4 on the output's rows); backward, each block's query, key and value gradients added in
+      place (3) and the step's gradients started (and, after the first, the travelling ones added).
+    FLOPs only in ring.attention, as the layers count them (4 b heads s (s x cp) d a pass)."""
+    acc = "float64" if dtype == "float64" else "float32"
+    a, d = DTYPES[acc], DTYPES[dtype]
+    cast = d != a  # a 16-bit ring computes and merges in float32
+    _, steps = ring_blocks(cp, causal)
+    chunk = seq // 2
+    rows = micro * heads  # (sample, head) rows
+    out_elements = rows * seq * head_dim
+    setup = out_elements * a + rows * seq * a + 4.0 * out_elements * d
+    grad_setup = out_elements * a + 4.0 * out_elements * d
+    setup_launches, grad_setup_launches = 3, 2
+    if materialized:  # delta = (dout * out).sum(-1)
+        grad_setup += 3.0 * out_elements * a + out_elements * a
+        grad_setup_launches += 2
+    if cast:  # out to the inputs' dtype; the gradients (q, k, v) back to it; materialised: q, dout, out to float32
+        setup += out_elements * (a + d)
+        setup_launches += 1
+        grad_setup += 3.0 * out_elements * (a + d) + (3.0 * out_elements * (a + d) if materialized else 0.0)
+        grad_setup_launches += 3 + (3 if materialized else 0)
+    kernels: list[Kernel] = [MemoryBound("ring.setup", setup, dtype, launches=setup_launches, op="copy",
+                                         elements=float(3 * out_elements), grad_bytes=grad_setup,
+                                         grad_launches=grad_setup_launches)]
+    kinds = {block.kinds for blocks in steps for block in blocks if block.masked}
+    if kinds:  # ones, triu (, zeros_like, cat for a two-chunk mask) (, fused: zeros, masked_fill_ into the dtype)
+        launches = sum(2 + (2 if len(k) > 1 else 0) + (0 if materialized else 2) for k in kinds)
+        mask_bytes = float(sum(chunk * chunk * len(k) * (1 + (0 if materialized else d)) for k in kinds))
+        kernels.append(MemoryBound("ring.masks", launches * mask_bytes, dtype, launches=launches, op="fill",
+                                   elements=mask_bytes, grad_bytes=launches * mask_bytes, grad_launches=launches))
+    for step, blocks in enumerate(steps):
+        area = sum(b.q_chunks * b.kv_chunks for b in blocks) * chunk * chunk  # scores computed, masked ones whole
+        masked = sum(1 for b in blocks if b.masked)
+        kernels.append(Attention(f"ring.attention.{step}", "materialized" if materialized else "sdpa", micro, heads,
+                                 seq, seq, head_dim, acc if materialized else dtype, causal,
+                                 launches=(3 if materialized else 1) * len(blocks), computed=area / (seq * seq)))
+        if materialized:  # beyond materialised attention's 4 (backward 7) passes over its scores and 3 (5) launches
+            scores = rows * area * a
+            kernels.append(MemoryBound(f"ring.scores.{step}", scores * 9 + rows * area * 2 * masked, acc,
+                                       launches=3 * len(blocks) + masked, op="copy", elements=float(rows * area),
+                                       grad_bytes=scores * 10 + rows * area * 2 * masked,
+                                       grad_launches=6 * len(blocks) + masked))
+        queries = sum(b.q_chunks for b in blocks) * chunk * rows * head_dim  # each block's query rows' outputs
+        keys = sum(b.kv_chunks for b in blocks) * chunk * rows * head_dim
+        statistics = queries // head_dim
+        block_cast = cast and not materialized  # each fused block's output cast to float32
+        step_cast = 2.0 * out_elements * (a + d) if cast and materialized else 0.0  # the held keys and values
+        merge = 15.0 * statistics * a + 9.0 * queries * a + (queries * (a + d) if block_cast else 0.0) + step_cast
+        gradients = 3.0 * (queries + 2 * keys) * a + 2.0 * out_elements * a + (6.0 * out_elements * a if step else 0.0)
+        kernels.append(MemoryBound(f"ring.merge.{step}", merge, acc,
+                                   launches=(10 + block_cast) * len(blocks) + bool(step_cast), op="copy",
+                                   elements=float(queries), grad_bytes=gradients + step_cast,
+                                   grad_launches=3 * len(blocks) + 1 + (step > 0) + bool(step_cast)))
+    return kernels
 
 
 def _unfused_softmax(scores: int, dtype: str) -> MemoryBound:
