@@ -73,6 +73,11 @@ LINK_FIELDS = ("bandwidth_gbs", "latency_us", "efficiency", "oversubscription") 
 CALIBRATED_NAMES = (INTRA, INTER)
 
 
+def network_op(kind: str) -> str:
+    """The operation (OPS) a plan event's communication kind runs: a P2P send is a sendrecv."""
+    return "sendrecv" if kind == "p2p" else kind
+
+
 @dataclass(frozen=True)
 class Estimate:
     """One collective's predicted time and how: the algorithm and protocol chosen, the span of its group."""

@@ -342,34 +342,47 @@ def test_the_host_issues_each_inline_collective_in_the_descriptions_time(tmp_pat
                                                                                   rel=0.05)
 
 
-def test_a_tensor_parallel_collective_inline_costs_the_descriptions_wait_a_call(tmp_path):
-    """[host] inline_collective_us: a spec alone prices each `tp.` collective of a layer's pass (the network model's)
-    at that a call plus its bytes' time on the network model (its estimate less one byte's); the data-parallel and
-    pipeline events, and a description without the figure, keep the network model's."""
+@pytest.mark.parametrize("layout, kinds", [({}, {"allreduce"}),
+                                           ({"tp": 1, "cp": 2, "seq": 32}, {"p2p"}),
+                                           ({"tp": 1, "cp": 2, "seq": 32, "cp_comm": "allgather"},
+                                            {"allgather", "reducescatter"})], ids=["tp", "cp-ring", "cp-allgather"])
+def test_an_exchange_in_a_layers_pass_costs_the_descriptions_wait_a_call(tmp_path, layout, kinds):
+    """[host] inline_collective_us: a spec alone prices each exchange of a layer's pass (a `tp.` collective, a
+    context-parallel ring's send or its all-gather and reduce-scatter; the network model's) at that a call, a
+    collective plus its bytes' time on the network model (its estimate less one byte's), a ring's send without
+    (its bytes behind its step's compute); the data-parallel and pipeline events, and a description without the
+    figure, keep the network model's."""
     import dataclasses
 
     from analysis.costs.records import MODELLED
-    from analysis.network import spec_network
+    from analysis.network import network_op, spec_network
     from harness.plan.device import load_device
 
     described = dataclasses.replace(load_device("a100-80gb"), name="a100-inline-test")
     plain = write(tmp_path, described.to_toml(), "plain.toml")
     waiting = write(tmp_path, dataclasses.replace(described, inline_collective_s=1e-3).to_toml(), "waiting.toml")
-    spec, slow_spec = (loads_spec(spec_text(device=str(path))) for path in (plain, waiting))
+    spec, slow_spec = (loads_spec(spec_text(device=str(path), **layout)) for path in (plain, waiting))
     plan, slow_plan = build_plan(spec), build_plan(slow_spec)
     costs = estimate_costs(plan, spec_profile(spec))
     slow = estimate_costs(slow_plan, spec_profile(slow_spec))
-    inline = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith("tp.")}
+    prefix = "cp." if "cp" in layout else "tp."
+    inline = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith(prefix)}
     assert inline and set(plan.events) == set(slow_plan.events)
+    assert {plan.events[eid].kind for eid in inline} == kinds
     network = spec_network(spec.cluster.network)
     for eid, event in plan.events.items():
         if eid in inline:
             ranks = plan.group_ranks[eid][0]
-            bytes_s = (network.estimate_group(event.kind, float(event.bytes), ranks).seconds
-                       - network.estimate_group(event.kind, 1.0, ranks).seconds)
-            assert costs.events[eid].source == MODELLED and bytes_s >= 0
-            assert slow.seconds(eid) == pytest.approx(1e-3 + bytes_s)
-            assert "inline in a layer's pass on a100-inline-test: 1 ms a call" in slow.events[eid].note
+            op = network_op(event.kind)
+            bytes_s = (network.estimate_group(op, float(event.bytes), ranks).seconds
+                       - network.estimate_group(op, 1.0, ranks).seconds)
+            assert costs.events[eid].source == MODELLED and bytes_s > 0
+            if event.kind == "p2p":
+                assert slow.seconds(eid) == pytest.approx(1e-3)
+                assert "a ring's send in a layer's pass on a100-inline-test: 1 ms a call" in slow.events[eid].note
+            else:
+                assert slow.seconds(eid) == pytest.approx(1e-3 + bytes_s)
+                assert "inline in a layer's pass on a100-inline-test: 1 ms a call" in slow.events[eid].note
         else:
             assert slow.seconds(eid) == pytest.approx(costs.seconds(eid))
 

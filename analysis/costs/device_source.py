@@ -24,6 +24,7 @@ from analysis.costs.records import FITTED, MEASURED, MODELLED, UNAVAILABLE, Cost
 from analysis.costs.samples import BARE_NOTE
 from analysis.costs.source import CostSource
 from analysis.device_model import DeviceModel, KernelTime
+from analysis.network import network_op
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.device import DeviceDescription
@@ -33,6 +34,9 @@ from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import STEP_GAPS
 
 DEVICE = "device"  # EventCost.source of an event costed by the device model
+# the exchanges of a layer's pass (a stage's tp_events by name): tensor parallelism's collectives, and context
+# parallelism's (a ring's sends of keys and values and of their gradients, or its all-gather and reduce-scatter)
+INLINE_PREFIXES = ("tp.", "cp.")
 _MODELS: dict[str, DeviceModel] = {}  # `[cluster] device` text -> its model, per process
 # (description's file, device, event id, recompute, accumulation share, gradient shard, master weights) -> the event's
 # costing: the same event recurs in every candidate of a search (two files may give one name), its accumulation
@@ -222,23 +226,32 @@ class DeviceSource(CostSource):
 
 
 def price_inline_collectives(plan: EventPlan, costs: Costs, description: DeviceDescription) -> None:
-    """Each tensor-parallel collective of a layer's pass (a stage's `tp.` events: the hidden all-reduces, sequence
-    parallelism's all-gathers and reduce-scatters, a vocabulary split's) that the network model priced costs the
-    description's inline_collective_s a call plus its bytes' time on that model (its estimate less the same
-    collective's of one byte, over the slowest of its groups), as harness device measured it: the wait a call meets
-    in a pass. None without the figure or a network model; a measured or interpolated collective keeps its own."""
+    """Each exchange of a layer's pass (a stage's tp_events named INLINE_PREFIXES: the hidden all-reduces, sequence
+    parallelism's all-gathers and reduce-scatters, a vocabulary split's; a context-parallel ring's sends, or its
+    all-gather and reduce-scatter) that the network model priced costs the description's inline_collective_s a
+    call, as harness device measured it: the wait a call meets in a pass. A collective adds its bytes' time on that
+    model (its estimate less the same collective's of one byte, over the slowest of its groups); a ring's send
+    does not (the ring posts it before its step's compute, which its bytes travel behind). None without the
+    figure or a network model; a measured or interpolated exchange keeps its own."""
     inline_s, network = description.inline_collective_s, costs.network
     if not inline_s or network is None:
         return
-    inline = {eid for program in plan.stages for name, eid in program.tp_events.items() if name.startswith("tp.")}
+    inline = {eid for program in plan.stages for name, eid in program.tp_events.items()
+              if name.startswith(INLINE_PREFIXES)}
     for eid in sorted(inline):
         cost = costs.events.get(eid)
         if cost is None or cost.source != MODELLED:
             continue
         event = plan.events[eid]
+        if event.kind == "p2p":
+            costs.events[eid] = dataclasses.replace(
+                cost, seconds=inline_s, note=f"{cost.note}; a ring's send in a layer's pass on {description.name}: "
+                                             f"{inline_s * 1e3:.3g} ms a call, its bytes behind the step's compute")
+            continue
+        op = network_op(event.kind)
         groups = plan.group_ranks.get(eid) or [tuple(range(event.group_size))]
-        whole, empty = max((network.estimate_group(event.kind, float(event.bytes), ranks).seconds,
-                             network.estimate_group(event.kind, 1.0, ranks).seconds) for ranks in groups)
+        whole, empty = max((network.estimate_group(op, float(event.bytes), ranks).seconds,
+                             network.estimate_group(op, 1.0, ranks).seconds) for ranks in groups)
         bytes_s = max(0.0, whole - empty)
         costs.events[eid] = dataclasses.replace(
             cost, seconds=inline_s + bytes_s,

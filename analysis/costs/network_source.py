@@ -15,7 +15,7 @@ from analysis.costs.fits import CommFit, comm_fits
 from analysis.costs.records import MODELLED, Costs, EventCost
 from analysis.costs.samples import PLACEMENTS, CommPoints, bare_collective_note, measured_comm_points
 from analysis.costs.source import CostSource
-from analysis.network import GLOO, MPI, NCCL, Estimate, NetworkModel, calibrated_network, spec_network
+from analysis.network import GLOO, MPI, NCCL, Estimate, NetworkModel, calibrated_network, network_op, spec_network
 from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.events import COMM_KINDS, INTER, Event, EventPlan
@@ -78,7 +78,7 @@ def slowest_group(plan: EventPlan, eid: str, network: NetworkModel) -> Estimate:
     """The network model's estimate for the slowest of the groups the plan keeps for a communication event (they
     may lie differently on the tiers: one pipeline boundary inside a leaf, the next across the spine)."""
     event = plan.events[eid]
-    op = "sendrecv" if event.kind == "p2p" else event.kind
+    op = network_op(event.kind)
     groups = plan.group_ranks.get(eid) or [tuple(range(event.group_size))]
     return max((network.estimate_group(op, float(event.bytes), ranks) for ranks in groups),
                key=lambda estimate: estimate.seconds)
