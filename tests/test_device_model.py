@@ -383,10 +383,12 @@ def test_attention_kinds_context_parallel_and_selective_recompute():
     assert list(kernels) == ["ring.setup", "ring.masks", "ring.attention.0", "ring.merge.0", "ring.attention.1",
                              "ring.merge.1"]
     steps = [kernels["ring.attention.0"], kernels["ring.attention.1"]]
-    assert [(k.kind, k.q_len, k.kv_len, k.launches, k.computed) for k in steps] == \
-        [("sdpa", 8, 8, 2, 0.75), ("sdpa", 8, 8, 2, 0.5)]
+    assert [(k.kind, k.q_len, k.kv_len, k.launches, k.computed, k.diagonal) for k in steps] == \
+        [("sdpa", 8, 8, 2, 0.25, 0.5), ("sdpa", 8, 8, 2, 0.5, 0.0)]
     assert sum(k.flops for k in steps) == 4 * 2 * 4 * 8 * 16 * 8  # the whole square, as the layer counts it
+    # the diagonal chunks whole in key blocks of 512 (a CPU's), half without a tile (Megatron-Core's flash kernels)
     assert steps[0].executed_flops(512) == 0.75 * steps[0].flops
+    assert steps[0].executed_flops(0) == 0.5 * steps[0].flops
     assert [kernels[f"ring.merge.{i}"].launches for i in (0, 1)] == [20, 20]
     assert kernels["ring.masks"].launches == 4 + 6  # the diagonal chunk's mask, and a full chunk's beside one
     materialized = PassShape(2, 8, attention="materialized")

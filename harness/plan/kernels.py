@@ -46,7 +46,7 @@ from harness.common.errors import UserError
 from harness.plan.device import MEMORY_KINDS, OPTIMIZER_KINDS  # noqa: F401 (the kinds named here)
 from harness.plan.events import optimizer_bytes, optimizer_dtype
 from harness.plan.layers import LayerDesc, fused_softmax, megatron_loss
-from harness.plan.ring import ring_blocks
+from harness.plan.ring import DIAGONAL, ring_blocks
 from harness.plan.spec import ATTENTION_KINDS, DTYPES, JobSpec
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -104,7 +104,10 @@ class Attention:
     causal: bool = True
     backward: bool = False
     launches: int = 1
-    computed: float = 0.0  # the share of its scores its launches compute (a ring step's blocks); 0: the rule
+    # a ring step's (ring_attention_kernels): the share of its scores in the chunk pairs it computes whole, and in
+    # those on the diagonal (a causal chunk: causal_fraction of a chunk's square); both 0: the rule below
+    computed: float = 0.0
+    diagonal: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -112,10 +115,13 @@ class Attention:
         return 2.0 * forward if self.backward else forward
 
     def executed_flops(self, causal_tile: int = 0) -> float:
-        """The FLOPs the kernel executes: its counted FLOPs x `computed` where it says, else x causal_fraction (a
+        """The FLOPs the kernel executes: a ring step's its counted FLOPs x (`computed` + `diagonal` x a chunk's
+        causal_fraction; a materialised one computes its diagonal chunks whole), any other's x causal_fraction (a
         fused causal kernel's), all of them for a materialised or non-causal one."""
-        if self.computed:
-            return self.flops * self.computed
+        if self.computed or self.diagonal:
+            chunk = self.q_len // 2
+            causal = 1.0 if self.kind == "materialized" else causal_fraction(chunk, chunk, causal_tile)
+            return self.flops * (self.computed + self.diagonal * causal)
         if self.kind == "materialized" or not self.causal:
             return self.flops
         return self.flops * causal_fraction(self.q_len, self.kv_len, causal_tile)
@@ -131,7 +137,7 @@ class Attention:
             # forward: scores written, read and probabilities written by the softmax, read by the bmm; backward:
             # probabilities read twice, their gradient written and read, the scores' gradient written and read twice
             scores = self.batch * self.heads * self.q_len * self.kv_len * (7 if self.backward else 4)
-        return float((tensors + scores * (self.computed or 1.0)) * DTYPES[self.dtype])
+        return float((tensors + scores * ((self.computed + self.diagonal) or 1.0)) * DTYPES[self.dtype])
 
 
 def causal_fraction(q_len: int, kv_len: int, causal_tile: int = 0) -> float:
@@ -414,7 +420,7 @@ def _gradients(kernel: Kernel) -> list[Kernel]:
         return [Attention(f"{kernel.name}.grad", kernel.kind, kernel.batch, kernel.heads, kernel.q_len, kernel.kv_len,
                           kernel.head_dim, kernel.dtype, kernel.causal, backward=True,
                           launches=kernel.launches // 3 * 5 if kernel.kind == "materialized" else kernel.launches,
-                          computed=kernel.computed)]
+                          computed=kernel.computed, diagonal=kernel.diagonal)]
     return [MemoryBound(f"{kernel.name}.grad", kernel.grad_bytes or 1.5 * kernel.bytes, kernel.dtype,
                         2.0 * kernel.flops, kernel.grad_launches or kernel.launches,
                         op=f"{kernel.op}_backward" if kernel.op else "", elements=kernel.elements)]
@@ -544,10 +550,12 @@ def ring_attention_kernels(micro: int, heads: int, head_dim: int, seq: int, cp: 
                                    elements=mask_bytes, grad_bytes=launches * mask_bytes, grad_launches=launches))
     for step, blocks in enumerate(steps):
         area = sum(b.q_chunks * b.kv_chunks for b in blocks) * chunk * chunk  # scores computed, masked ones whole
+        diagonal = sum(b.kinds.count(DIAGONAL) for b in blocks if b.q_chunks == 1) * chunk * chunk
         masked = sum(1 for b in blocks if b.masked)
         kernels.append(Attention(f"ring.attention.{step}", "materialized" if materialized else "sdpa", micro, heads,
                                  seq, seq, head_dim, acc if materialized else dtype, causal,
-                                 launches=(3 if materialized else 1) * len(blocks), computed=area / (seq * seq)))
+                                 launches=(3 if materialized else 1) * len(blocks),
+                                 computed=(area - diagonal) / (seq * seq), diagonal=diagonal / (seq * seq)))
         if materialized:  # beyond materialised attention's 4 (backward 7) passes over its scores and 3 (5) launches
             scores = rows * area * a
             kernels.append(MemoryBound(f"ring.scores.{step}", scores * 9 + rows * area * 2 * masked, acc,
