@@ -189,25 +189,27 @@ def _dispatched(run) -> int:
     return sum(1 for op in counted.ops if op not in VIEWS)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("materialized", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("cp", [2, 3])
-def test_the_rings_kernel_listing_launches_what_the_ring_dispatches(cp, causal, materialized):
+def test_the_rings_kernel_listing_launches_what_the_ring_dispatches(cp, causal, materialized, dtype):
     """harness.plan.kernels.ring_attention_kernels, forward and backward, lists as many launches as the ring of
-    the rank it picks dispatches (a real group's exchange posts P2P where a LocalRing clones: its clones left out)."""
+    the rank it picks dispatches, 16-bit casts included (a real group's exchange posts P2P where a LocalRing clones:
+    its clones left out)."""
     from harness.models.context import LocalRing
     from harness.plan.kernels import MemoryBound, ring_attention_kernels
     from harness.plan.kernels import _gradients as gradients
     from harness.plan.ring import ring_blocks
 
     rank, _ = ring_blocks(cp, causal)
-    q, k, v, grad = (t.to(torch.float32).requires_grad_(i < 3) for i, t in enumerate(_full_qkv(2 * CHUNK)))
+    q, k, v, grad = (t.to(getattr(torch, dtype)).requires_grad_(i < 3) for i, t in enumerate(_full_qkv(2 * CHUNK)))
     out = []
     forward = _dispatched(lambda: out.append(ring_attention(q, k, v, LocalRing(cp, rank), causal,
                                                             materialized=materialized)))
     backward = _dispatched(lambda: out[0].backward(grad))
     clones = (cp - 1, 2 * cp - 1)  # the LocalRing's stand-in exchanges, forward and backward
-    kernels = ring_attention_kernels(BATCH, HEADS, HEAD_DIM, 2 * CHUNK, cp, causal, "float32", materialized)
+    kernels = ring_attention_kernels(BATCH, HEADS, HEAD_DIM, 2 * CHUNK, cp, causal, dtype, materialized)
     assert sum(k.launches for k in kernels) == forward - clones[0]
     assert sum(g.launches for k in kernels for g in gradients(k)) == backward - clones[1]
     assert all(isinstance(k, MemoryBound) or k.name.startswith("ring.attention.") for k in kernels)

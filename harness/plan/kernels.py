@@ -516,12 +516,13 @@ def ring_attention_kernels(micro: int, heads: int, head_dim: int, seq: int, cp: 
       scores in the inputs' dtype);
     - a step's "ring.attention": its blocks fused (one launch each, over the step's keys) or materialised in
       float32 (3 launches each; backward 5, the harness's softmax and recomputed scores in "ring.scores"),
-      counted over the step's whole square, computing its blocks' share (`computed`: masked blocks whole);
+      counted over the step's whole square, computing its full chunk pairs whole (`computed`) and its diagonal
+      ones as a causal kernel does (`diagonal`);
     - a step's "ring.merge": each block merged into the output by its log-sum-exp (10 launches: 6 on a row's
       statistics, 4 on the output's rows); backward, each block's query, key and value gradients added in
       place (3) and the step's gradients started (and, after the first, the travelling ones added).
     FLOPs only in ring.attention, as the layers count them (4 b heads s (s x cp) d a pass)."""
-    acc = "float64" if dtype == "float64" else "float32"
+    acc = "float32"
     a, d = DTYPES[acc], DTYPES[dtype]
     cast = d != a  # a 16-bit ring computes and merges in float32
     _, steps = ring_blocks(cp, causal)
@@ -534,9 +535,10 @@ def ring_attention_kernels(micro: int, heads: int, head_dim: int, seq: int, cp: 
     if materialized:  # delta = (dout * out).sum(-1)
         grad_setup += 3.0 * out_elements * a + out_elements * a
         grad_setup_launches += 2
-    if cast:  # out to the inputs' dtype; the gradients (q, k, v) back to it; materialised: q, dout, out to float32
-        setup += out_elements * (a + d)
-        setup_launches += 1
+    if cast:  # out to the inputs' dtype; the gradients (q, k, v) back to it; materialised: q (and backward q, dout,
+        # out) to float32
+        setup += out_elements * (a + d) * (2 if materialized else 1)
+        setup_launches += 2 if materialized else 1
         grad_setup += 3.0 * out_elements * (a + d) + (3.0 * out_elements * (a + d) if materialized else 0.0)
         grad_setup_launches += 3 + (3 if materialized else 0)
     kernels: list[Kernel] = [MemoryBound("ring.setup", setup, dtype, launches=setup_launches, op="copy",
