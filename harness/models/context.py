@@ -8,10 +8,13 @@ sequence (of any length).
 it posts their exchange (send to r + 1, receive from r - 1, over torch.distributed P2P), computes its queries'
 attention against them, merging the partial results by their log-sum-exp, then waits for the exchange. Per pair
 of (query chunk, key chunk) a causal mask makes the pair "full" (every query sees every key), "diagonal" (a
-lower-triangular mask: the same chunk) or "skip" (no query sees any key). The backward passes the keys and
-values round the ring again, each with its travelling gradient (dk, dv), and one last hop brings every
-gradient home to the rank owning those keys and values. Softmax statistics, block arithmetic and the
-travelling gradients are float32 (float64 inputs stay float64); forward messages keep the inputs' dtype.
+lower-triangular mask: the same chunk) or "skip" (no query sees any key); a step computes the blocks that
+harness.plan.ring.step_blocks gives, each with torch's fused CPU kernel that also returns its rows' log-sum-exp
+(fused_blocks), or with its scores materialised in float32 (materialized, or off a CPU). The backward passes the
+keys and values round the ring again, each with its travelling gradient (dk, dv), and one last hop brings every
+gradient home to the rank owning those keys and values; a fused block's gradients come from the fused kernel's
+backward given the whole ring's output and log-sum-exp. Softmax statistics, the merges and the travelling
+gradients are float32 (float64 inputs stay float64); forward messages keep the inputs' dtype.
 
 `allgather_attention` (cp_comm = "allgather") gathers every rank's keys and values first (the backward
 reduce-scatters their gradients back) and computes the local queries against the whole sequence.
