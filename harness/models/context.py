@@ -36,12 +36,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from harness.plan.ring import (  # noqa: F401 (the ring's geometry, read here too)
+from harness.plan.ring import (  # noqa: F401 (the ring's geometry, kept importable from here)
     DIAGONAL,
     FULL,
-    PAIR_COST,
     SKIP,
-    RingBlock,
     RingStep,
     check_rank,
     pair_kind,
