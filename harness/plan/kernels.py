@@ -15,7 +15,8 @@ shard's for one micro-batch of `micro` samples of `seq` local tokens (seq_len / 
   q, k, v and the output (backward also their gradients and the output's); materialised attention adds its
   scores' matrix, written and read by each of its steps; a memory-bound kernel its inputs and outputs.
 - with sequence parallelism (sp) the norms, residual adds and dropout between the tensor-parallel regions hold
-  seq / tp tokens; with context parallelism attention's keys span seq x cp (the ring runs one launch per step).
+  seq / tp tokens; with context parallelism the all-gather variant's attention spans seq x cp keys, and a ring's
+  attention is the kernels the ring runs (ring_attention_kernels: its blocks a step, their merges).
   Each sequence-parallel exchange also copies the whole sequence's activations once in the layer (harness.models.tp
   keeps them batch-first, (micro, seq, h)): an all-gather's buffer out into the sequence's order, a reduce-scatter's
   partial sums into the buffer's (sequence_exchange: every gather and scatter of the layer's pass, its backward's
