@@ -332,7 +332,7 @@ def stage_costs(plan: EventPlan, costs: Costs) -> list[StageCosts]:
     return out
 
 
-MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computing sender keeps changing
+MAX_PASSES = 6  # the schedule is redone while which transfers wait on a computing sender, or are received late, changes
 
 
 class _Schedule(NamedTuple):
@@ -342,6 +342,7 @@ class _Schedule(NamedTuple):
     backward_start: list[list[float]]  # per virtual stage and micro-batch: when the step making its gradients began
     sender_busy: frozenset  # the (direction, src stage, micro) transfers costed with the sender computing
     posts: list[list[Post]]  # per device, its host's posts of sends after steps
+    late: frozenset = frozenset()  # the (direction, src stage, micro) transfers costed as received late
 
 
 def engine_gap(gaps: dict[str, float], before: str | None, after: str) -> float:
@@ -360,13 +361,15 @@ def _computing(steps: Sequence[StepRecord], starts: Sequence[float], t: float) -
 
 
 def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
-              previous: list[list[StepRecord]] | None) -> _Schedule:
+              previous: _Schedule | None) -> _Schedule:
     """One pass of list scheduling: every device runs its steps in the schedule's order, each when the device
     is free (and the engine's gap since its last step has passed: engine_gap) and its input has arrived; the
     first after the iteration's start gap; a step that sends keeps its device for the send's post after it. A P2P
     transfer starts once the sender has finished the step and the receiver has posted its receive (when it
     reaches the step): a transfer that waits for its receiver pays the P2P's sender-busy extra if the sender
-    computes at that moment in the `previous` pass."""
+    computes at that moment in the `previous` pass. A transfer that waits for its receiver takes its
+    late_transfer_cpu from both ends' compute: from the receiving step, and from the sender after its post where
+    the transfer waited so in the `previous` pass."""
     s = plan.spec.strategy
     pp, V, m = s.pp, s.virtual_stages, plan.spec.micro_batches
     schedules = [kept_device_steps(s.schedule, d, pp, m, s.chunks) for d in range(pp)]
@@ -376,12 +379,15 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
     records: list[list[StepRecord]] = [[] for _ in range(pp)]
     transfers: dict[tuple[str, int, int], tuple[float, float]] = {}
     sender_busy: set = set()
+    late: set = set()
+    previous_late = previous.late if previous is not None else frozenset()
     gaps = costs.engine_gaps
     free = [gaps.get("start", 0.0)] * pp  # the engine's gap from the iteration's start to its first step
     last_phase: list[str | None] = [None] * pp
     posts: list[list[Post]] = [[] for _ in range(pp)]
     position = [0] * pp
-    previous_starts = [[r.start_s for r in steps] for steps in previous] if previous is not None else None
+    previous_records = previous.records if previous is not None else None
+    previous_starts = [[r.start_s for r in steps] for steps in previous_records] if previous is not None else None
     # the sender's host time to post a step's send to another device (Costs.send_post)
     post_after = {"F": [(plan.stages[vs].send_forward, costs.send_post.get(plan.stages[vs].send_forward, 0.0))
                         if vs < V - 1 and (vs + 1) % pp != vs % pp else (None, 0.0) for vs in range(V)],
@@ -389,20 +395,25 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                         if vs > 0 and (vs - 1) % pp != vs % pp else (None, 0.0) for vs in range(V)]}
 
     def arrival(direction: str, src: int, dst_device: int, micro: int, sent: float, event: str | None,
-                duration: float) -> float:
+                duration: float) -> tuple[float, float]:
+        """When the transfer's data is at the receiver, and the compute its receiving step loses to it."""
         posted = free[dst_device]
         src_device = src % pp
+        taken = 0.0
         if posted <= sent or src_device == dst_device:
             start = sent
         else:  # the data waited at the sender for this receive
             start = posted
             extra = costs.sender_busy_extra.get(event, 0.0) if event else 0.0
-            if extra and previous is not None and _computing(previous[src_device], previous_starts[src_device],
-                                                             posted):
+            if extra and previous is not None and _computing(previous_records[src_device],
+                                                             previous_starts[src_device], posted):
                 duration += extra
                 sender_busy.add((direction, src, micro))
+            taken = costs.late_transfer_cpu.get(event, 0.0) if event else 0.0
+            if taken:
+                late.add((direction, src, micro))
         transfers[(direction, src, micro)] = (start, start + duration)
-        return start + duration
+        return start + duration, taken
 
     no_post = ((None, 0.0),) * V
     gradients_begin = "W" if s.split_backward else "B"  # the step whose start backward_start keeps
@@ -422,24 +433,24 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                         sent = forward_end[vs - 1][micro]
                         if sent is None:
                             break
-                        ready = arrival("activation", vs - 1, d, micro, sent, plan.stages[vs - 1].send_forward,
-                                        per_stage[vs - 1].send_forward_s)
+                        ready, taken = arrival("activation", vs - 1, d, micro, sent, plan.stages[vs - 1].send_forward,
+                                               per_stage[vs - 1].send_forward_s)
                     else:
-                        ready = 0.0
-                    duration = per_stage[vs].forward_step(micro).seconds
+                        ready, taken = 0.0, 0.0
+                    duration = per_stage[vs].forward_step(micro).seconds + taken
                 else:
                     if vs < V - 1:
                         sent = backward_end[vs + 1][micro]
                         if sent is None:
                             break
-                        ready = arrival("gradient", vs + 1, d, micro, sent, plan.stages[vs + 1].send_backward,
-                                        per_stage[vs + 1].send_backward_s)
+                        ready, taken = arrival("gradient", vs + 1, d, micro, sent, plan.stages[vs + 1].send_backward,
+                                               per_stage[vs + 1].send_backward_s)
                     else:
                         own_forward = forward_end[vs][micro]
                         if own_forward is None:
                             break
-                        ready = own_forward
-                    duration = per_stage[vs].backward_step(micro, m).seconds
+                        ready, taken = own_forward, 0.0
+                    duration = per_stage[vs].backward_step(micro, m).seconds + taken
                 start = max(free[d] + engine_gap(gaps, last_phase[d], phase), ready)
                 last_phase[d] = phase
                 end = start + duration
@@ -452,6 +463,8 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
                 # a step that sends posts its send before the device goes on (a W sends nothing)
                 event, post = post_after.get(phase, no_post)[vs]
+                if (("activation" if phase == "F" else "gradient"), vs, micro) in previous_late:
+                    post += costs.late_transfer_cpu.get(event, 0.0)  # its library's threads, after the post
                 if post:
                     posts[d].append(Post(end, end + post, event, vs, micro))
                 free[d] = end + post
@@ -463,7 +476,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
         if not progressed:
             stuck = {d: schedules[d][position[d]] for d in range(pp) if position[d] < len(schedules[d])}
             raise RuntimeError(f"schedule {s.schedule!r} deadlocks: devices wait on {stuck}")
-    return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy), posts)
+    return _Schedule(records, transfers, free, backward_start, frozenset(sender_busy), posts, frozenset(late))
 
 
 def simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None = None,
@@ -518,13 +531,14 @@ def _simulate(plan: EventPlan, costs: Costs, dp_overlap: bool | None, per_stage:
     per_stage = list(per_stage) if per_stage is not None else stage_costs(plan, costs)
     if len(per_stage) != s.virtual_stages:
         raise ValueError(f"{len(per_stage)} stage costs for {s.virtual_stages} virtual stages")
-    # Which senders compute when their receivers post depends on the schedule it shapes: redo the schedule
-    # with the previous pass's timelines until that stops changing (at once without sender-busy extras).
+    # Which senders compute when their receivers post, and which transfers are received late, depend on the
+    # schedule they shape: redo the schedule with the previous pass's until that stops changing (at once without
+    # sender-busy extras or late transfers' compute).
     schedule = _schedule(plan, per_stage, costs, None)
-    if costs.sender_busy_extra:
+    if costs.sender_busy_extra or costs.late_transfer_cpu:
         for _ in range(MAX_PASSES):
-            again = _schedule(plan, per_stage, costs, schedule.records)
-            done = again.sender_busy == schedule.sender_busy
+            again = _schedule(plan, per_stage, costs, schedule)
+            done = again.sender_busy == schedule.sender_busy and again.late == schedule.late
             schedule = again
             if done:
                 break

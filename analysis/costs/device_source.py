@@ -6,7 +6,9 @@ simulation plays against the device's time as it does a GPU profile's; where the
 event (a spec alone), without the host's wait after each inline collective that the harness's loop has
 (Costs.host_waits_on_collectives) and with the description's engine gap between steps (`[host] step_gap_us`;
 run_as_described); and where it gives a CPU's `[host] inline_collective_us`, each tensor-parallel collective of a
-layer's pass at that a call plus its bytes' time on the network model (price_inline_collectives).
+layer's pass at that a call plus its bytes' time on the network model (price_inline_collectives); and where it gives a
+CPU's `[host] p2p_post_us`, `p2p_sender_busy_us` and `p2p_late_us`, each pipeline send's post, its wait for a
+computing sender and, received late, the compute its library threads take from both ends (price_pipeline_sends).
 
 Placed after the measured source, it answers every compute event the profile lacks; without a profile, every
 compute event. An event whose kernels the plan cannot list (a factory model's layer, a Mixture-of-Experts block)
@@ -223,6 +225,23 @@ class DeviceSource(CostSource):
         if compute and all(cost.source == DEVICE for cost in compute):
             run_as_described(costs, self.device.description)
             price_inline_collectives(self.plan, costs, self.device.description)
+            price_pipeline_sends(self.plan, costs, self.device.description)
+
+
+def price_pipeline_sends(plan: EventPlan, costs: Costs, description: DeviceDescription) -> None:
+    """Each pipeline send (a stage's send_forward, send_backward) posts in the description's p2p_post at its bytes and,
+    where its receiver posts late while its sender computes, takes p2p_sender_busy more (Costs.send_post and
+    sender_busy_extra, what a profile's P2P measurements give the timeline; harness device measures both on a CPU's
+    ranks as the profile does); received late, it takes p2p_late from each of its two devices' compute
+    (Costs.late_transfer_cpu). None without the figures; a send a profile measured keeps its own."""
+    sends = {eid for program in plan.stages for eid in (program.send_forward, program.send_backward) if eid}
+    for eid in sorted(sends):
+        nbytes = float(plan.events[eid].bytes)
+        for table, seconds in ((costs.send_post, description.p2p_post(nbytes)),
+                               (costs.sender_busy_extra, description.p2p_sender_busy(nbytes)),
+                               (costs.late_transfer_cpu, description.p2p_late(nbytes))):
+            if seconds:
+                table.setdefault(eid, seconds)
 
 
 def price_inline_collectives(plan: EventPlan, costs: Costs, description: DeviceDescription) -> None:

@@ -68,6 +68,10 @@ class Costs:
     sender_busy_extra: dict[str, float] = field(default_factory=dict)
     # P2P event id -> the sender's host seconds to post the send, before its device goes on
     send_post: dict[str, float] = field(default_factory=dict)
+    # P2P event id -> the compute seconds a transfer whose receive is posted after its send takes from each of its
+    # two devices (a CPU's library threads on the cores the ranks keep busy; a spec alone on a description with
+    # [host] p2p_late_us)
+    late_transfer_cpu: dict[str, float] = field(default_factory=dict)
     # GPU compute event id -> the host's seconds to issue it (its `seconds` are the device's alone)
     host_issue: dict[str, float] = field(default_factory=dict)
     # whether, in a step played against the host's issue times, the host waits for the device after each inline

@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.common.errors import UserError
 from harness.common.output import format_table, writable
 from harness.common.subcommands import non_empty
-from harness.plan.device import REQUIRED_DTYPES, check_output_path
+from harness.plan.device import MIB, REQUIRED_DTYPES, check_output_path
 
 NAME = "device"
 HELP = "measure this machine's device (CUDA, else the CPU) and write its description for [cluster] device"
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                      "bare_issue_s": calibration.bare_issue_s},
                           "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
                           "collectives_in_context": calibration.collectives, "unshards": calibration.unshards,
-                          "inline_collectives": calibration.inline,
+                          "inline_collectives": calibration.inline, "p2p": calibration.p2p,
                           "causal": calibration.causal,
                           "kernels": observation_rows(calibration)}, indent=1))
         return 0
@@ -163,6 +163,14 @@ def summary(description, errors: dict, output: Path, collectives: list | None = 
     if description.inline_collective_s:
         lines.append(f"inline collectives: {description.inline_collective_s * 1e6:.3g} us a call in a layer's pass "
                      "beyond its bytes (a tensor-parallel block over the ranks against it alone)")
+    if description.p2p_post(MIB) or description.p2p_sender_busy(MIB):
+        d = description
+        lines.append(f"pipeline sends: {d.p2p_post_s * 1e6:.3g} us + {d.p2p_post_s_per_mib * 1e6:.3g} us a MiB to "
+                     f"post one; its transfer {d.p2p_sender_busy_s * 1e6:.3g} us + "
+                     f"{d.p2p_sender_busy_s_per_mib * 1e6:.3g} us a MiB more where the receiver posts late while "
+                     "the sender computes" + (f"; received late, {d.p2p_late_s * 1e6:.3g} us + "
+                                              f"{d.p2p_late_s_per_mib * 1e6:.3g} us a MiB of each end's compute"
+                                              if d.p2p_late(MIB) else ""))
     if causal:
         ratios = ", ".join(f"{r['seq']} {r['ratio']:.2f}" for r in causal if r["pass"] == "forward")
         lines.append(f"causal attention: key blocks of {description.causal_tile} (a causal forward's time over a full "

@@ -19,7 +19,8 @@ from harness.common.toml_text import toml_value
 
 DEVICE_FORMAT = 2  # what this harness writes where a description needs it (FORMATS: what it reads)
 FORMATS = (1, 2)  # 2 adds the optional [vector_ops], [launches], [optimizer.NAME] and [wrappers.NAME] tables
-# and [host] inline_collective_us
+# and [host] inline_collective_us and a pipeline send's p2p_post_us, p2p_sender_busy_us and p2p_late_us (each
+# with its _per_mib)
 US, GB_S, TFLOPS = 1e-6, 1e9, 1e12  # the file's units in SI: launch_us and kernel_issue_us, GB/s, TFLOP/s
 SHIPPED_DIR = Path(__file__).with_name("devices")
 # the datasheet's number formats a peak may be given for; the model's dtypes (harness.plan.spec.DTYPES) are required
@@ -59,7 +60,13 @@ _CURVE = {"max_fraction", "half_at", "steepness"}
 _GEMM_CURVE = _CURVE | {"half_dim"}
 # [host] field -> DeviceDescription attribute (microseconds in the file, seconds in the description)
 HOST_FIELDS = {"kernel_issue_us": "kernel_issue_s", "collective_issue_us": "collective_issue_s",
-               "step_gap_us": "step_gap_s", "inline_collective_us": "inline_collective_s"}
+               "step_gap_us": "step_gap_s", "inline_collective_us": "inline_collective_s",
+               "p2p_post_us": "p2p_post_s", "p2p_post_us_per_mib": "p2p_post_s_per_mib",
+               "p2p_sender_busy_us": "p2p_sender_busy_s", "p2p_sender_busy_us_per_mib": "p2p_sender_busy_s_per_mib",
+               "p2p_late_us": "p2p_late_s", "p2p_late_us_per_mib": "p2p_late_s_per_mib"}
+HOST_FORMAT_2 = ("inline_collective_us", "p2p_post_us", "p2p_post_us_per_mib", "p2p_sender_busy_us",
+                 "p2p_sender_busy_us_per_mib", "p2p_late_us", "p2p_late_us_per_mib")  # the [host] fields format 2 adds
+MIB = 1 << 20
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
 _WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us", "unshard_us", "unshard_tensor_us"}
 _UNSHARD = ("unshard_us", "unshard_tensor_us")  # fsdp2's alone: its all-gathers' framework time
@@ -156,7 +163,13 @@ class DeviceDescription:
     between a device's steps that the device waits out (a synchronising data load, the engine's bookkeeping per
     micro-batch; 0: none); `inline_collective_s` (format 2) a CPU's seconds a tensor-parallel collective inline in a
     layer's pass costs beyond its bytes on the network model (the wait for the other ranks' arrival and the
-    library's threads on cores the ranks keep busy; 0: none). `fitted`: whether the figures were fitted on
+    library's threads on cores the ranks keep busy; 0: none); `p2p_post_s` and `p2p_sender_busy_s` (format 2), each
+    with its seconds a MiB (`_per_mib`), a CPU's pipeline send: the sender's seconds to post it as a training step
+    does, and what its transfer takes beyond the least when the receiver posts late while the sender computes (its
+    library's thread must win the sender's core; 0: none), both as a profile measures its P2P events, and
+    `p2p_late_s` what such a send received late takes from the compute of each of its two ranks (their library
+    threads on the cores the ranks keep busy; 0: none); p2p_post, p2p_sender_busy and p2p_late give them at a
+    send's bytes. `fitted`: whether the figures were fitted on
     measurements (`fitted_on` says which), or are starting values."""
 
     name: str
@@ -173,6 +186,12 @@ class DeviceDescription:
     collective_issue_s: float = 0.0
     step_gap_s: float = 0.0
     inline_collective_s: float = 0.0
+    p2p_post_s: float = 0.0
+    p2p_post_s_per_mib: float = 0.0
+    p2p_sender_busy_s: float = 0.0
+    p2p_sender_busy_s_per_mib: float = 0.0
+    p2p_late_s: float = 0.0
+    p2p_late_s_per_mib: float = 0.0
     source: str = field(default="<device>", compare=False)
     # format 2: vector operations an element and operations launched a call per kind of memory-bound kernel
     # (VECTOR_KINDS), and optimizer steps as the framework runs them (OPTIMIZER_KINDS -> OptimizerCost); empty:
@@ -190,7 +209,19 @@ class DeviceDescription:
     def format(self) -> int:
         """The format its file needs: 2 where it has a format-2 table, else 1 (read by every harness)."""
         return 2 if (self.vector_ops or self.launches or self.optimizer or self.wrappers or self.causal_tile
-                     or self.inline_collective_s) else 1
+                     or any(getattr(self, HOST_FIELDS[key]) for key in HOST_FORMAT_2)) else 1
+
+    def p2p_post(self, nbytes: float) -> float:
+        """A pipeline send's post of `nbytes` (seconds; 0 without the figures)."""
+        return self.p2p_post_s + nbytes / MIB * self.p2p_post_s_per_mib
+
+    def p2p_sender_busy(self, nbytes: float) -> float:
+        """A pipeline send's extra seconds where its receiver posts late while its sender computes (0: none)."""
+        return self.p2p_sender_busy_s + nbytes / MIB * self.p2p_sender_busy_s_per_mib
+
+    def p2p_late(self, nbytes: float) -> float:
+        """The compute seconds a pipeline send received late takes from each of its two ranks (0: none)."""
+        return self.p2p_late_s + nbytes / MIB * self.p2p_late_s_per_mib
 
     def kernel_launches(self, kernel: Any) -> float:
         """A kernel's launches here: the listing's (kernel.launches) x, for a memory-bound kind in [launches],
@@ -406,8 +437,9 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
     if not isinstance(host, dict):
         raise fail(f"must be a table, got {host!r}", "host")
     _known(host, set(HOST_FIELDS), "host", fail)
-    if "inline_collective_us" in host and version < 2:
-        raise fail("is a format 2 field; say format = 2 (docs/devices.md)", "host.inline_collective_us")
+    for key in HOST_FORMAT_2:
+        if key in host and version < 2:
+            raise fail("is a format 2 field; say format = 2 (docs/devices.md)", f"host.{key}")
     vector_ops = data.get("vector_ops", {})
     if not isinstance(vector_ops, dict):
         raise fail(f"must be a table, got {vector_ops!r}", "vector_ops")

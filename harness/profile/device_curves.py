@@ -72,6 +72,7 @@ import functools
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ import torch.nn.functional as F
 from harness.common.errors import UserError
 from harness.common.progress import Progress
 from harness.plan.device import (
+    MIB,
     OPTIMIZER_KINDS,
     REQUIRED_DTYPES,
     Curve,
@@ -149,6 +151,14 @@ BURST_S = 0.002
 UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
 UNSHARD_MIN_ROUNDS = 60  # a unit's difference of two calls of 0.3-1 ms, each with a wait of its own
 INLINE_MIN_ROUNDS = 40  # a pass's difference of 4-10 calls of about 1 ms, each wait from a long-tailed distribution
+# a pipeline send between two ranks, as a profile measures its P2P events: a stage's activations on this project's
+# CPU jobs (tens of KiB to a few MiB)
+P2P_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22)
+P2P_MIN_ROUNDS = 20  # the sender-busy samples: a scheduler's slice won or not, each
+LATE_STREAM_STEPS = 60  # a stream's steps (each LATE_STEP_S of compute and one send), with and without its sends
+LATE_STEP_S = 1e-3
+LATE_IN_FLIGHT = 3  # the sends a stream's sender leaves in flight before it waits for the oldest
+LATE_ROUNDS = 5
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -232,6 +242,7 @@ class Calibration:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
     unshards: list[dict[str, Any]] = field(default_factory=list)  # unshards_over_ranks' rows (a CPU's, 2+ ranks)
     inline: list[dict[str, Any]] = field(default_factory=list)  # inline_collectives_over_ranks' (a CPU's, 2+ ranks)
+    p2p: list[dict[str, Any]] = field(default_factory=list)  # p2p_over_ranks' rows (a CPU's, 2+ ranks)
     ranks: int = 1
     causal: list[dict[str, Any]] = field(default_factory=list)  # causal_rows: what causal_tile was read from
 
@@ -1044,10 +1055,13 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               bare_issue_s=issue_s, optimizer_counts=counted, causal=causal)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
-        calibration.collectives, calibration.unshards, calibration.inline = _collectives(
+        calibration.collectives, calibration.unshards, calibration.inline, calibration.p2p = _collectives(
             comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick, dtype)
         if calibration.inline:
             fitted = dataclasses.replace(fitted, inline_collective_s=fit_inline_collective(calibration.inline))
+            calibration.description = fitted
+        if calibration.p2p:
+            fitted = dataclasses.replace(fitted, **fit_p2p(calibration.p2p))
             calibration.description = fitted
         if calibration.unshards:
             unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
@@ -1061,9 +1075,9 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
 
 
 def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int, quick: bool,
-                 dtype: str = "float32") -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """collectives_in_context and, on a CPU, unshards_over_ranks and inline_collectives_over_ranks, over
-    torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended after."""
+                 dtype: str = "float32") -> tuple[list[dict[str, Any]], ...]:
+    """collectives_in_context and, on a CPU, unshards_over_ranks, inline_collectives_over_ranks and p2p_over_ranks,
+    over torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended after."""
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
@@ -1074,7 +1088,8 @@ def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, w
         cpu = device.type == "cpu"
         unshards = unshards_over_ranks(comm, device, repeats, warmup) if cpu else []
         inline = inline_collectives_over_ranks(comm, device, dtype, repeats, warmup) if cpu else []
-        return rows, unshards, inline
+        p2p = p2p_over_ranks(comm, device, repeats, warmup) if cpu else []
+        return rows, unshards, inline, p2p
     finally:
         destroy_process_group()
 
@@ -1154,6 +1169,119 @@ def fit_inline_collective(rows: Sequence[Mapping[str, Any]]) -> float:
     if not calls:
         return 0.0
     return max(0.0, sum(row["grouped_s"] - row["alone_s"] for row in rows) / calls)
+
+
+def p2p_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """A send from the first rank of `comm` to the second at each of P2P_SIZES (float32), measured by the profile's
+    own P2P measurement (harness.profile.comm.CommProfiler: the ping-pong, the send posted as a training step
+    posts it, the sender computing when its receiver posts late) with `repeats` rounds (at least P2P_MIN_ROUNDS).
+    A row per size on every rank: `bytes`, `ranks`, `least_s` (the least half round trip, what stands for a P2P),
+    `sender_busy_s` (the mean of the sender-busy samples), `extra_s` (that beyond least_s, not below 0: what
+    analysis.costs.corrections reads from a profile), `post_s` (the median post) and, where late_stream can tell,
+    `late_s` (its figure at the size)."""
+    from harness.profile.comm import CommProfiler
+    from launcher.placement import CommTask
+
+    profiler = CommProfiler(comm, "torch", device)
+    rows = []
+    for nbytes in P2P_SIZES:
+        task = CommTask(f"calibration-p2p-{nbytes}", "p2p", {"dtype": "float32", "bytes": nbytes}, (0, 1))
+        samples = profiler.measure(task, warmup, max(repeats, P2P_MIN_ROUNDS))
+        row = None
+        if samples is not None:  # the task's first rank
+            least, busy = float(samples.samples_s.min()), float(samples.sender_busy_s.mean())
+            row = {"bytes": nbytes, "ranks": comm.Get_size(), "least_s": least, "sender_busy_s": busy,
+                   "extra_s": max(0.0, busy - least), "post_s": float(np.nanmedian(samples.send_post_s))}
+        row = comm.bcast(row, root=0)
+        late = late_stream(comm, device, nbytes, LATE_ROUNDS)
+        rows.append({**row, "late_s": late} if late is not None else row)
+    return rows
+
+
+def thread_cpu_wait_s() -> float | None:
+    """The calling thread's seconds runnable but not running so far (Linux's schedstat: its wait on the run
+    queue); None where the system does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def late_stream(comm, device: torch.device, nbytes: int, rounds: int) -> float | None:
+    """What a pipeline send received late costs the compute of each of its two ranks: the first two ranks of `comm`
+    each run LATE_STREAM_STEPS steps of LATE_STEP_S of matrix products, after each posting a send of `nbytes` to
+    the other as a training step does (harness.runtime.inflight.post_send, at most LATE_IN_FLIGHT in flight), then
+    receiving the other's send of the step before (its receive posted after the send, as a pipeline stage reaches
+    its step later; a pipeline's activations and gradients go both ways), with harness train's switch interval. The
+    main thread's run-queue wait
+    (thread_cpu_wait_s: the time its library's threads took from its compute) over the steps, less the same steps
+    without sends, over the step's send and receive: rounds of both, interleaved, the median over rounds, the mean
+    of the two ranks, not below 0; on every rank. None where the run-queue wait cannot be read (not Linux) or
+    `comm` has one rank."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from harness.profile.memory import LiveStorages
+    from harness.runtime.inflight import SWITCH_INTERVAL_S, Completer, post_send
+
+    rank = comm.Get_rank()
+    readable = comm.allreduce(thread_cpu_wait_s() is not None, op=MPI.LAND)
+    if comm.Get_size() < 2 or not readable:
+        return None
+    a = torch.randn(192, 192, device=device)
+    buffer = torch.ones(nbytes // 4, device=device)
+    received = torch.empty_like(buffer)
+    completer, meter = Completer(poll=device.type == "cuda", timeout_s=600.0), LiveStorages()
+    stolen: dict[bool, list[float]] = {True: [], False: []}
+    peer = 1 - rank
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as harness train runs its watchers
+    try:
+        for _ in range(rounds):
+            for sending in (False, True):
+                comm.Barrier()
+                before = thread_cpu_wait_s()
+                in_flight = []
+                for step in range(LATE_STREAM_STEPS):
+                    started = time.perf_counter()
+                    while time.perf_counter() - started < LATE_STEP_S:
+                        torch.mm(a, a)
+                    synchronize(device)
+                    if not sending or rank > 1:
+                        continue
+                    in_flight.append(post_send(buffer, peer, {"tag": step}, completer, meter, time.perf_counter_ns()))
+                    if step:
+                        dist.irecv(received, src=peer, tag=step - 1).wait()
+                    while len(in_flight) > LATE_IN_FLIGHT:
+                        completer.wait(in_flight.pop(0))
+                if sending and rank <= 1:
+                    dist.irecv(received, src=peer, tag=LATE_STREAM_STEPS - 1).wait()
+                for pending in in_flight:
+                    completer.wait(pending)
+                stolen[sending].append(thread_cpu_wait_s() - before)
+    finally:
+        completer.close()
+        sys.setswitchinterval(switch)
+    per_step = (float(np.median(stolen[True])) - float(np.median(stolen[False]))) / LATE_STREAM_STEPS
+    return max(0.0, float(np.mean(comm.allgather(per_step)[:2])) / 2)
+
+
+def fit_p2p(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """`[host] p2p_post_us`, `p2p_sender_busy_us` and (where the rows have it) `p2p_late_us`, each with its
+    `_per_mib`, from p2p_over_ranks' rows (the description's attributes, in seconds): each a line in the sizes'
+    bytes by least squares (the isend's call writes the bytes the socket takes; the library's threads move the rest
+    in the slices they win), its slope and intercept not below 0."""
+    mib = np.array([row["bytes"] for row in rows], dtype=float) / MIB
+    out = {}
+    for column, name in (("post_s", "p2p_post_s"), ("extra_s", "p2p_sender_busy_s"), ("late_s", "p2p_late_s")):
+        if any(column not in row for row in rows):
+            continue
+        seconds = np.array([row[column] for row in rows], dtype=float)
+        spread = float(((mib - mib.mean()) ** 2).sum())
+        slope = max(0.0, float(((mib - mib.mean()) * (seconds - seconds.mean())).sum()) / spread) if spread else 0.0
+        out[name], out[f"{name}_per_mib"] = max(0.0, float(seconds.mean()) - slope * float(mib.mean())), slope
+    return out
 
 
 def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
@@ -1256,6 +1384,13 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
             + (f"; inline_collective_us the tiny gpt2 block split over the {calibration.ranks} ranks (with and "
                f"without sp) over them beyond alone, over its {sum(r['calls'] for r in calibration.inline)} inline "
                "collectives" if calibration.inline else "")
+            + (f"; p2p_post_us and p2p_sender_busy_us a send between 2 of the ranks "
+               f"({', '.join(human_bytes(r['bytes']) for r in calibration.p2p)}) as a profile measures its P2P: the "
+               "median post as a training step posts it, and the sender-busy samples' mean beyond the least half "
+               "round trip, each a line in the bytes"
+               + ("; p2p_late_us the run-queue wait a send received late adds to each end's compute, in a stream of "
+                  f"{LATE_STEP_S * 1e3:g} ms steps sending both ways" if "late_s" in calibration.p2p[0] else "")
+               if calibration.p2p else "")
             + (f"; kernel_issue_us the host's time a kernel in tiny {', '.join(FRAMEWORK_FAMILIES)} blocks' "
                f"forward and backward issued on the GPU ({per_block} us; their median), a bare operator's "
                f"{calibration.bare_issue_s * 1e6:.2f} us" if calibration.framework_blocks and kind != "cpu" else "")

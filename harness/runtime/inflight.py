@@ -16,6 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# the interpreter's switch interval while watchers run (sys.setswitchinterval): a watcher notes a completion within
+# this of the work's end, where the default 5 ms would make the main thread's next Python code hold it off
+SWITCH_INTERVAL_S = 2e-4
+
 
 @dataclass(eq=False)
 class Pending:

@@ -211,12 +211,13 @@ def _running(comm, threads: int) -> Iterator[_Run]:
 
     from harness.models.tp import set_collective_hook
     from harness.runtime.distributed import destroy_process_group
+    from harness.runtime.inflight import SWITCH_INTERVAL_S
     from launcher.topology import discover
 
     run = _Run(rank=comm.Get_rank(), topology=discover(comm))
     old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(threads)
-    sys.setswitchinterval(2e-4)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     failed = True
     try:
         yield run
