@@ -91,6 +91,8 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
                                   for eid, extra in sorted(costs.sender_busy_extra.items())],
         "p2p_send_post": [{"id": eid, "name": timeline.plan.events[eid].name, "post_s": post}
                           for eid, post in sorted(costs.send_post.items())],
+        "p2p_late_transfer_cpu": [{"id": eid, "name": timeline.plan.events[eid].name, "cpu_s": cpu}
+                                  for eid, cpu in sorted(costs.late_transfer_cpu.items())],
         "engine_gaps_s": dict(sorted(costs.engine_gaps.items())),
         "compute_host_issue": [{"id": eid, "name": timeline.plan.events[eid].name,
                                 "device_s": costs.seconds(eid), "host_issue_s": host}
@@ -279,6 +281,10 @@ def _details(timeline: Timeline) -> list[str]:
         rows = [(eid, timeline.plan.events[eid].name, _ms(post)) for eid, post in sorted(costs.send_post.items())]
         out += ["", format_table(("id", "event", "post ms"), rows,
                                  title="a step that sends holds its device to post the send for:")]
+    if costs.late_transfer_cpu:
+        rows = [(eid, timeline.plan.events[eid].name, _ms(cpu)) for eid, cpu in sorted(costs.late_transfer_cpu.items())]
+        out += ["", format_table(("id", "event", "compute ms"), rows,
+                                 title="P2P received late takes from the compute of each of its two devices:")]
     if costs.engine_gaps:
         rows = [(kind, _ms(seconds)) for kind, seconds in sorted(costs.engine_gaps.items())]
         out += ["", format_table(("between", "gap ms"), rows,

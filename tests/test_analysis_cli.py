@@ -21,7 +21,7 @@ from tests.test_analysis_helpers import REPO, by_name, comm_point, make_spec, ru
 
 JSON_KEYS = {"schema_version", "batch_time_s", "throughput_samples_s", "throughput_tokens_s", "bubble_fraction",
              "devices", "stages", "extrapolated", "interpolated", "comm_held_out", "unmeasured", "fits",
-             "p2p_sender_busy_extra", "p2p_send_post",
+             "p2p_sender_busy_extra", "p2p_send_post", "p2p_late_transfer_cpu",
              "compute_host_issue", "compute_backward_call", "dp_bucket_divide", "dp_bucket_zero", "compute_statistic",
              "replica_skew",
              "warnings"}

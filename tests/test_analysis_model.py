@@ -151,6 +151,31 @@ def test_the_engines_gaps_between_steps_wait_on_every_device(tmp_path, capsys, s
     assert [s.start_s for s in last.steps if s.phase == "F"] == pytest.approx([s.end_s for s in forwards])
 
 
+def test_a_transfer_received_late_takes_its_cpu_from_both_ends(tmp_path):
+    """Costs.late_transfer_cpu: a transfer whose receive is posted after its send (GPipe's forwards after the first:
+    the last stage reaches its next forward after the first stage sent it) lengthens the receiving step by the
+    figure and the sender's post of that send; one received by a waiting receiver (the first forward) neither."""
+    from analysis.simulate import simulate
+
+    spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")
+    path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name(uniform({"p2p": 0.5})))
+    plain = predict(path).timeline
+    costs = plain.costs
+    sends = {eid for eid, e in plain.plan.events.items() if e.kind == "p2p"}
+    assert sends and not costs.late_transfer_cpu
+    costs.late_transfer_cpu.update(dict.fromkeys(sends, 0.125))
+    late = simulate(plain.plan, costs)
+    first, last = late.pipeline
+    forwards = [s for s in last.steps if s.phase == "F"]
+    assert [s.end_s - s.start_s for s in forwards] == pytest.approx([T_F, T_F + 0.125, T_F + 0.125, T_F + 0.125])
+    def posts(device) -> dict[int, float]:  # the first stage's activation posts by micro-batch
+        return {p.micro: p.end_s - p.start_s for p in device.posts if p.virtual_stage == 0}
+
+    before, after = posts(plain.pipeline[0]), posts(first)
+    assert [after.get(m, 0.0) - before.get(m, 0.0) for m in range(4)] == pytest.approx([0.0, 0.125, 0.125, 0.125])
+    assert late.batch_time_s > plain.batch_time_s
+
+
 def test_a_transfer_waiting_on_a_computing_sender_pays_the_sender_busy_extra(tmp_path):
     # samples with the sender busy: mean 0.5 + 0.25 -> an extra 0.25 over the P2P's 0.5
     spec = make_spec(pp=2, micro_batches=4, schedule="gpipe")

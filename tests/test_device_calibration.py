@@ -446,6 +446,24 @@ def test_fsdp2s_unshard_is_fitted_beyond_the_collective_and_the_copies():
     assert fit_unshard(device, rows(1e-3, -10e-6)) == pytest.approx((1e-3 - 10e-6 * 8, 0.0))  # the median unit's
 
 
+def test_a_pipeline_sends_figures_are_lines_in_its_bytes():
+    """fit_p2p: posts of 0.1 + 0.2 ms a MiB, extras of 0.3 ms at every size and late sends' compute of 0.2 + 0.05
+    ms a MiB, read back as lines; a falling line's slope is 0 (its mean the intercept); without `late_s` (a system
+    whose run-queue wait cannot be read) no p2p_late."""
+    from harness.profile.device_curves import fit_p2p
+
+    sizes = (0.25, 1.0, 4.0)
+    rows = [{"bytes": int(mib * (1 << 20)), "post_s": 1e-4 + 2e-4 * mib, "extra_s": 3e-4,
+             "late_s": 2e-4 + 5e-5 * mib} for mib in sizes]
+    assert fit_p2p(rows) == pytest.approx({"p2p_post_s": 1e-4, "p2p_post_s_per_mib": 2e-4, "p2p_sender_busy_s": 3e-4,
+                                           "p2p_sender_busy_s_per_mib": 0.0, "p2p_late_s": 2e-4,
+                                           "p2p_late_s_per_mib": 5e-5})
+    falling = [{**row, "extra_s": 5e-4 - 1e-4 * mib} for row, mib in zip(rows, sizes)]
+    assert fit_p2p(falling)["p2p_sender_busy_s_per_mib"] == 0.0
+    assert fit_p2p(falling)["p2p_sender_busy_s"] == pytest.approx(np.mean([5e-4 - 1e-4 * mib for mib in sizes]))
+    assert "p2p_late_s" not in fit_p2p([{k: v for k, v in row.items() if k != "late_s"} for row in rows])
+
+
 def test_an_inline_collective_is_the_passes_time_over_the_group_beyond_alone_a_call():
     """Two passes over 2 ranks, 4 inline all-reduces (5.7 ms against 0.7 alone) and 10 sequence-parallel exchanges
     (10.0 against 1.0): 14 ms over 14 calls, 1 ms a call; never below 0 (a pass over the group that ran faster than

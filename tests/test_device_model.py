@@ -522,6 +522,9 @@ def description_text(**replace) -> str:
     ("fitted = false\n", "fitted = false\n[host]\nstep_gap_us = -1.0\n", "host.step_gap_us", "0 or more"),
     ("fitted = false\n", "fitted = false\n[host]\ninline_collective_us = 900.0\n", "host.inline_collective_us",
      "a format 2 field"),
+    ("fitted = false\n", "fitted = false\n[host]\np2p_late_us = 180.0\n", "host.p2p_late_us", "a format 2 field"),
+    ("fitted = false\n", "fitted = false\n[host]\np2p_post_us_per_mib = 240.0\n", "host.p2p_post_us_per_mib",
+     "a format 2 field"),
     ("fitted = false\n", "fitted = false\nprocessor = \"tpu\"\n", "processor", "must be one of gpu, cpu"),
     ("format = 1\n", "\n", "format", "is missing; a description starts with format = 1"),
     ("launch_us = 4.0", "launch_us = 4.0\ncausal_tile = 128", "efficiency.causal_tile", "a format 2 field"),
@@ -616,6 +619,25 @@ def test_host_figure_round_trips_and_is_optional():
     assert inline.format == 2 and "[host]\ninline_collective_us = 900.0" in inline.to_toml()
     assert parse_device(tomllib.loads(inline.to_toml())) == inline
     assert all(load_device(name).inline_collective_s == 0.0 for name in SHIPPED)
+
+
+def test_a_cpus_pipeline_send_figures_round_trip_and_give_a_line_in_the_bytes():
+    """[host] p2p_post_us, p2p_sender_busy_us and p2p_late_us, each with its _per_mib (format 2): a send of half a
+    MiB posts in 100 + 0.5 x 200 us, waits 300 + 0.5 x 100 us more for a computing sender and, received late, takes
+    150 + 0.5 x 60 us from each end; none on the shipped GPUs."""
+    sends = flat_device(p2p_post_s=1e-4, p2p_post_s_per_mib=2e-4, p2p_sender_busy_s=3e-4,
+                        p2p_sender_busy_s_per_mib=1e-4, p2p_late_s=1.5e-4, p2p_late_s_per_mib=6e-5)
+    text = sends.to_toml()
+    assert sends.format == 2 and "[host]\np2p_post_us = " in text and "\np2p_late_us_per_mib = " in text
+    assert parse_device(tomllib.loads(text)) == sends
+    half = float(1 << 19)
+    assert sends.p2p_post(half) == pytest.approx(200e-6)
+    assert sends.p2p_sender_busy(half) == pytest.approx(350e-6)
+    assert sends.p2p_late(half) == pytest.approx(180e-6)
+    assert all(load_device(name).p2p_late(half) == 0.0 == load_device(name).p2p_post(half) for name in SHIPPED)
+    with pytest.raises(SpecError, match="0 or more") as caught:
+        parse_device({**tomllib.loads(text), "host": {"p2p_late_us": -1.0}})
+    assert caught.value.field == "host.p2p_late_us"
 
 
 def test_a_host_bound_spec_alone_runs_as_fast_as_its_host_issues(tmp_path):

@@ -89,6 +89,44 @@ def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank()
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_pipeline_send_is_measured_between_two_ranks_as_a_profile_measures_it(monkeypatch):
+    """p2p_over_ranks on the first two ranks (the others wait): a row per size, the same on every rank, with the
+    least half round trip, the posts and the sender-busy samples of harness.profile.comm and, on Linux, the compute
+    a send received late takes (run-queue waits: 0 or more); fit_p2p reads them into the description's fields."""
+    import sys
+
+    import torch
+    from mpi4py import MPI
+
+    from harness.profile import device_curves
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    monkeypatch.setattr(device_curves, "P2P_SIZES", (1 << 12,))
+    monkeypatch.setattr(device_curves, "P2P_MIN_ROUNDS", 2)
+    monkeypatch.setattr(device_curves, "LATE_STREAM_STEPS", 4)
+    monkeypatch.setattr(device_curves, "LATE_ROUNDS", 1)
+    comm = MPI.COMM_WORLD
+    cpu = torch.device("cpu")
+    switch = sys.getswitchinterval()
+    init_process_group(comm, discover(comm), cpu)
+    try:
+        rows = device_curves.p2p_over_ranks(comm, cpu, repeats=2, warmup=1)
+    finally:
+        destroy_process_group()
+    assert sys.getswitchinterval() == switch  # the stream's interval is put back
+    (row,) = rows
+    assert row["bytes"] == 4096 and row["ranks"] == comm.Get_size()
+    assert row["least_s"] > 0 and row["sender_busy_s"] > 0 and row["post_s"] > 0
+    assert row["extra_s"] == pytest.approx(max(0.0, row["sender_busy_s"] - row["least_s"]))
+    if sys.platform.startswith("linux"):
+        assert row["late_s"] >= 0.0
+    fields = device_curves.fit_p2p(rows)
+    assert fields["p2p_post_s"] == pytest.approx(row["post_s"]) and fields["p2p_post_s_per_mib"] == 0.0
+    assert all(other == rows for other in comm.allgather(rows))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_least_disturbed_rank_is_taken_whole_on_every_rank():
     from mpi4py import MPI
 

@@ -342,6 +342,41 @@ def test_the_host_issues_each_inline_collective_in_the_descriptions_time(tmp_pat
                                                                                   rel=0.05)
 
 
+def test_a_pipeline_send_posts_waits_and_takes_compute_as_the_description_says(tmp_path):
+    """[host] p2p_post_us, p2p_sender_busy_us and p2p_late_us (each with its _per_mib): a spec alone gives each
+    pipeline send (pp = 2: the activation and its gradient) its post, its wait for a computing sender and the
+    compute a late receive takes, each at the send's bytes, and its batch time grows; a description without them,
+    none; a figure already there (a profile's measurement) stays. (The activation and its gradient are one event
+    here: the same bytes between the same devices.)"""
+    import dataclasses
+
+    from analysis.costs.device_source import price_pipeline_sends
+    from analysis.simulate import batch_time
+    from harness.plan.device import load_device
+
+    described = dataclasses.replace(load_device("a100-80gb"), name="a100-p2p-test")
+    plain = write(tmp_path, described.to_toml(), "plain.toml")
+    figures = dataclasses.replace(described, p2p_post_s=1e-4, p2p_post_s_per_mib=2e-4, p2p_sender_busy_s=3e-4,
+                                  p2p_sender_busy_s_per_mib=1e-4, p2p_late_s=2e-4, p2p_late_s_per_mib=5e-5)
+    sending = write(tmp_path, figures.to_toml(), "sending.toml")
+    spec, slow_spec = (loads_spec(spec_text(device=str(path))) for path in (plain, sending))
+    plan, slow_plan = build_plan(spec), build_plan(slow_spec)
+    costs, slow = estimate_costs(plan, spec_profile(spec)), estimate_costs(slow_plan, spec_profile(slow_spec))
+    sends = {eid for program in plan.stages for eid in (program.send_forward, program.send_backward) if eid}
+    assert sends and all(plan.events[eid].kind == "p2p" for eid in sends)
+    assert not costs.send_post and not costs.sender_busy_extra and not costs.late_transfer_cpu
+    for eid in sends:
+        mib = plan.events[eid].bytes / (1 << 20)
+        assert slow.send_post[eid] == pytest.approx(1e-4 + 2e-4 * mib)
+        assert slow.sender_busy_extra[eid] == pytest.approx(3e-4 + 1e-4 * mib)
+        assert slow.late_transfer_cpu[eid] == pytest.approx(2e-4 + 5e-5 * mib)
+    assert batch_time(slow_plan, slow) > batch_time(plan, costs)
+    measured = dict.fromkeys(sends, 7e-3)
+    costs.send_post.update(measured)
+    price_pipeline_sends(plan, costs, figures)
+    assert costs.send_post == measured and set(costs.late_transfer_cpu) == sends
+
+
 @pytest.mark.parametrize("layout, kinds", [({}, {"allreduce"}),
                                            ({"tp": 1, "cp": 2, "seq": 32}, {"p2p"}),
                                            ({"tp": 1, "cp": 2, "seq": 32, "cp_comm": "allgather"},
