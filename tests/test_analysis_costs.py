@@ -10,7 +10,7 @@ from analysis.costs import INTERPOLATED, MODELLED, UNAVAILABLE, comm_curves, est
 from analysis.predict import predict
 from analysis.profile_reader import load_profile
 from harness.plan.events import build_plan
-from harness.store.hdf5_schema import DIVIDE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
+from harness.store.hdf5_schema import DIVIDE_SERIES, LATE_SERIES, SEND_POST_SERIES, SENDER_BUSY_SERIES, ZERO_SERIES
 from harness.store.profile_store import Measurement
 from tests.test_analysis_helpers import by_name, comm_point, make_spec, write_handmade_profile
 
@@ -216,6 +216,29 @@ def test_send_post_is_the_mean_and_unmeasured_p2p_take_the_nearest_size_at_their
     # a profile from before the post was measured
     older = write_handmade_profile(tmp_path / "older.h5", spec, by_name({"p2p": 0.5}, default=0.5))
     assert estimate_costs(plan, load_profile(older)).send_post == {}
+
+
+def test_a_late_transfers_compute_is_its_rounds_median_and_unmeasured_p2p_take_the_nearest_size(tmp_path):
+    """late_cpu_samples_s (a CPU profile's stream of late receives): the median of a P2P's rounds, not below 0 (a
+    run-queue wait a plain step drew more of); an unmeasured P2P takes the nearest size's at its placement; none
+    from a profile without the rounds (a GPU's, an older one)."""
+    spec = make_spec(pp=2, micro_batches=2)  # one node: the stage-to-stage P2P is intra
+    plan = build_plan(spec)
+    p2p = [eid for eid, e in plan.events.items() if e.kind == "p2p"]
+    nbytes = plan.events[p2p[0]].bytes
+    points = []
+    for size, rounds in ((nbytes // 8, [1e-4, 2e-4, 9e-4]), (nbytes * 2, [3e-4, 2e-4, 2.5e-4]),
+                         (nbytes * 64, [-1e-4, -2e-4, 5e-4])):
+        point = comm_point("p2p", size, "intra", 0.001)
+        point.series[LATE_SERIES] = np.array(rounds)
+        points.append(point)
+    swept = write_handmade_profile(tmp_path / "swept.h5", spec, by_name({"p2p": None}, default=0.5), points)
+    # twice its size is nearer than an eighth of it: that point's median
+    assert estimate_costs(plan, load_profile(swept)).late_transfer_cpu == {eid: pytest.approx(2.5e-4) for eid in p2p}
+    widest = write_handmade_profile(tmp_path / "widest.h5", spec, by_name({"p2p": None}, default=0.5), points[2:])
+    assert estimate_costs(plan, load_profile(widest)).late_transfer_cpu == dict.fromkeys(p2p, 0.0)
+    older = write_handmade_profile(tmp_path / "older.h5", spec, by_name({"p2p": 0.5}, default=0.5))
+    assert estimate_costs(plan, load_profile(older)).late_transfer_cpu == {}
 
 
 def test_gpu_host_issue_times_are_read_with_the_compute_statistic(tmp_path):

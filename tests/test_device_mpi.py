@@ -98,14 +98,15 @@ def test_a_pipeline_send_is_measured_between_two_ranks_as_a_profile_measures_it(
     import torch
     from mpi4py import MPI
 
+    from harness.profile import comm as comm_module
     from harness.profile import device_curves
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
     monkeypatch.setattr(device_curves, "P2P_SIZES", (1 << 12,))
     monkeypatch.setattr(device_curves, "P2P_MIN_ROUNDS", 2)
-    monkeypatch.setattr(device_curves, "LATE_STREAM_STEPS", 4)
-    monkeypatch.setattr(device_curves, "LATE_ROUNDS", 1)
+    monkeypatch.setattr(comm_module, "LATE_STREAM_STEPS", 4)
+    monkeypatch.setattr(comm_module, "LATE_ROUNDS", 1)
     comm = MPI.COMM_WORLD
     cpu = torch.device("cpu")
     switch = sys.getswitchinterval()

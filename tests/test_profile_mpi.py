@@ -47,6 +47,11 @@ def test_placement_disjoint_and_complete():
 
 @pytest.mark.mpi(min_size=2)
 def test_end_to_end_profile_then_resume(tmp_path):
+    import sys
+
+    import numpy as np
+
+    from harness.profile.comm import LATE_ROUNDS
     from harness.profile.run import run_profile
     from harness.train.engine_gaps import measure_engine_gaps
 
@@ -77,8 +82,17 @@ def test_end_to_end_profile_then_resume(tmp_path):
                     # receiver waits already, so a post is host bookkeeping (0.2-0.5 ms here), never a transfer's wait
                     posts = g["send_post_samples_s"][()]
                     assert posts.shape == (2,) and (posts > 0).all() and (posts < 0.05).all()
+                    # a P2P of the job on a CPU: its rounds of the stream of late receives (what one takes from
+                    # each end's compute: a run-queue wait, near 0 or above); none for a sweep's sizes
+                    if g.attrs["needed"] and sys.platform.startswith("linux"):
+                        late = g["late_cpu_samples_s"][()]
+                        assert late.size and late.size % LATE_ROUNDS == 0 and np.isfinite(late).all()
+                        assert (np.abs(late) < 0.05).all()
+                    elif not g.attrs["needed"]:
+                        assert "late_cpu_samples_s" not in g
                 else:
                     assert "sender_busy_samples_s" not in g and "send_post_samples_s" not in g
+                    assert "late_cpu_samples_s" not in g
                 for series in ("divide_samples_s", "zero_samples_s"):  # the bucket's division and zeroing
                     if plain(g.attrs["kind"]) == "allreduce":
                         passes = g[series][()]
@@ -299,10 +313,10 @@ def test_an_all_reduce_sample_divides_and_zeroes_its_buffer_and_restores_it(back
         if comm.rank < 2:
             monkeypatch.setattr(dist, "all_reduce", watched_all_reduce)
             buffer = torch.ones(4096)
-            samples, busy, divide, zero, posts = CommProfiler(comm, backend, cpu)._allreduce(
+            samples, busy, divide, zero, posts, late = CommProfiler(comm, backend, cpu)._allreduce(
                 buffer, group, WatchedComm(pair) if backend == "mpi4py" else None, warmup=2, repeats=150)
             monkeypatch.undo()
-            assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == posts.size == 0
+            assert samples.shape == divide.shape == zero.shape == (150,) and busy.size == posts.size == late.size == 0
             assert (samples > 0).all() and (divide > 0).all() and (zero > 0).all()
             assert len(after_sum) == 2 + 150
             assert all(np.array_equal(values, np.ones(4096, dtype=np.float32)) for values in after_sum)

@@ -1,8 +1,8 @@
 """What the timeline adds beside an event's duration, from the profile's measurements (else from a measured
-neighbour): a P2P's extra time while its sender computes (`sender_busy_extra`) and its post (`send_post`), a
-gradient bucket's averaging and zeroing (`bucket_divide`, `bucket_zero`), how far the slowest data-parallel
-replica lags (analysis.skew), and the training engine's gaps between steps (`engine_gaps`). Rules and reasons:
-docs/analysis.md, "Where durations come from"."""
+neighbour): a P2P's extra time while its sender computes (`sender_busy_extra`), its post (`send_post`) and the
+compute it takes from both ends when received late (`late_transfer_cpu`), a gradient bucket's averaging and zeroing
+(`bucket_divide`, `bucket_zero`), how far the slowest data-parallel replica lags (analysis.skew), and the training
+engine's gaps between steps (`engine_gaps`). Rules and reasons: docs/analysis.md, "Where durations come from"."""
 from __future__ import annotations
 
 import math
@@ -22,6 +22,7 @@ def apply_corrections(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     replica skew too (each with a warning where the profile lacks them)."""
     sender_busy_extras(plan, profile, costs)
     send_posts(plan, profile, costs)
+    late_transfers(plan, profile, costs)
     costs.engine_gaps = engine_gaps(profile)
     if plan.spec.strategy.gradient_replicas > 1:
         bucket_passes(plan, profile, costs)
@@ -65,23 +66,38 @@ def sender_busy_extras(plan: EventPlan, profile: Profile, costs: Costs) -> None:
 def send_posts(plan: EventPlan, profile: Profile, costs: Costs) -> None:
     """costs.send_post for the plan's P2P events: the median of its measured posts, else that of the measured
     P2P at its placement nearest in size (on a log scale)."""
-    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, median post
+    _p2p_medians(plan, profile, costs.send_post, lambda m: m.send_post_samples_s)
+
+
+def late_transfers(plan: EventPlan, profile: Profile, costs: Costs) -> None:
+    """costs.late_transfer_cpu for the plan's P2P events: the median of its rounds of the stream of late receives
+    (a CPU's profile), not below 0, else that of the measured P2P at its placement nearest in size; none where
+    the profile has no such rounds (a GPU's, or one taken before they were measured)."""
+    _p2p_medians(plan, profile, costs.late_transfer_cpu, lambda m: m.late_cpu_samples_s, floor=0.0)
+
+
+def _p2p_medians(plan: EventPlan, profile: Profile, table: dict[str, float], series,
+                 floor: float | None = None) -> None:
+    """table[eid] for the plan's P2P events: the median of the event's measured `series(measurement)` (not below
+    `floor`), else that of the measured P2P at its placement nearest in size (on a log scale)."""
+    measured: dict[str, tuple[str, int, float]] = {}  # id -> placement, bytes, median
     for eid, m in profile.measurements.items():
-        posts = m.send_post_samples_s if m.kind == "p2p" and m.count else np.empty(0)
-        posts = posts[np.isfinite(posts)]
-        if posts.size:
-            measured[eid] = (m.placement, m.bytes, float(np.median(posts)))
+        values = series(m) if m.kind == "p2p" and m.count else np.empty(0)
+        values = values[np.isfinite(values)]
+        if values.size:
+            median = float(np.median(values))
+            measured[eid] = (m.placement, m.bytes, median if floor is None else max(floor, median))
     for eid, event in plan.events.items():
         if event.kind != "p2p":
             continue
         if eid in measured:
-            costs.send_post[eid] = measured[eid][2]
+            table[eid] = measured[eid][2]
             continue
         placement = event.placement or INTER
-        peers = [(abs(math.log(max(nbytes, 1) / max(event.bytes, 1))), post)
-                 for p, nbytes, post in measured.values() if p == placement]
+        peers = [(abs(math.log(max(nbytes, 1) / max(event.bytes, 1))), value)
+                 for p, nbytes, value in measured.values() if p == placement]
         if peers:
-            costs.send_post[eid] = min(peers)[1]
+            table[eid] = min(peers)[1]
 
 
 def bucket_passes(plan: EventPlan, profile: Profile, costs: Costs) -> None:

@@ -33,20 +33,37 @@ BENCHED_KINDS = (*SHARDED_KINDS, "alltoall")
 SENDER_BUSY_S = 0.015  # how long the sender computes after posting its send
 RECEIVER_DELAY_S = 0.002  # the receiver posts this long after the send, so the sender is computing by then
 POST_DELAY_S = 0.001  # in the ping-pong the sender starts this long after the barrier: the receiver waits by then
+# the stream of late receives (CommProfiler._p2p_late): its steps (each LATE_STEP_S of compute, a send each way),
+# run with and without the sends in each of LATE_ROUNDS rounds; a rank leaves at most LATE_IN_FLIGHT sends in flight
+LATE_STREAM_STEPS = 60
+LATE_STEP_S = 1e-3
+LATE_IN_FLIGHT = 3
+LATE_ROUNDS = 5
 WAIT_POLL_S = 0.001  # how often a rank outside a task's group looks whether the task is done
 
 
 class CommSamples(NamedTuple):
     """One communication task's samples (seconds); `sender_busy_s` and `send_post_s` only for P2P (the latter:
-    the sender's time in the call that posts its send); `divide_s` and `zero_s` only for all-reduces (the
-    in-place division by the group size before each all-reduce, and the buffer's zeroing after it), empty
-    otherwise."""
+    the sender's time in the call that posts its send), `late_s` only for a CPU's P2P of the job (_p2p_late);
+    `divide_s` and `zero_s` only for all-reduces (the in-place division by the group size before each all-reduce,
+    and the buffer's zeroing after it), empty otherwise."""
 
     samples_s: np.ndarray
     sender_busy_s: np.ndarray
     divide_s: np.ndarray = np.empty(0)
     zero_s: np.ndarray = np.empty(0)
     send_post_s: np.ndarray = np.empty(0)
+    late_s: np.ndarray = np.empty(0)
+
+
+def thread_run_queue_wait_s() -> float | None:
+    """The calling thread's seconds runnable but not running so far (Linux's schedstat: its wait on the run queue,
+    what other threads on its core took from it); None where the system does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class CommProfiler:
@@ -119,9 +136,11 @@ class CommProfiler:
                 round_trips, posts = self._p2p(buffer, members, group, mpi_group, warmup, repeats)
                 if mpi_group is None:  # the run's P2P is torch.distributed's, posted through its own path
                     posts = self._p2p_posts_as_run(buffer, members, group, repeats)
+                late = (self._p2p_late(buffer, members, group, LATE_ROUNDS)
+                        if mpi_group is None and self.device.type == "cpu" and task.needed else np.empty(0))
                 samples = CommSamples(round_trips,
                                       self._p2p_sender_busy(buffer, members, group, mpi_group, warmup, repeats),
-                                      send_post_s=posts)
+                                      send_post_s=posts, late_s=late)
             else:
                 samples = self._allreduce(buffer, group, mpi_group, warmup, repeats)
         if mpi_group is not None:
@@ -312,6 +331,63 @@ class CommProfiler:
         shared = torch.from_numpy(samples).to(self.device)
         dist.broadcast(shared, receiver, group=group)
         return shared.cpu().numpy()
+
+    def _p2p_late(self, buffer, members, group, rounds: int) -> np.ndarray:
+        """What a send received late takes from each end's compute on a CPU, where a rank's core runs its library's
+        threads too: both members run LATE_STREAM_STEPS steps of LATE_STEP_S of matrix products, after each posting
+        a send of the buffer to the other as a training step does (harness.runtime.inflight.post_send, at most
+        LATE_IN_FLIGHT in flight), then receiving the other's send of the step before (posted after that send, as a
+        pipeline stage reaches its step later; a pipeline's activations and gradients go both ways), with harness
+        train's switch interval (SWITCH_INTERVAL_S). Per round, the steps with the sends and without, each member's
+        main thread's run-queue wait (thread_run_queue_wait_s: its library's threads' time on its core) over them:
+        the difference over the steps' two sends, the members' mean. On both members; empty where either cannot
+        read its run-queue wait (not Linux)."""
+        import sys
+
+        from harness.profile.memory import LiveStorages
+        from harness.runtime.inflight import SWITCH_INTERVAL_S, Completer, post_send
+
+        peer = members[1] if self.rank == members[0] else members[0]
+        readable = torch.tensor([0.0 if thread_run_queue_wait_s() is None else 1.0])
+        dist.all_reduce(readable, op=dist.ReduceOp.MIN, group=group)
+        if not readable.item():
+            return np.empty(0)
+        work = torch.ones(192, 192, device=self.device)
+        received = torch.empty_like(buffer)
+        completer, meter = Completer(poll=self.device.type == "cuda", timeout_s=600.0), LiveStorages()
+        waits = np.zeros((rounds, 2))
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            for r in range(rounds):
+                for sending in (0, 1):
+                    dist.barrier(group=group)
+                    before = thread_run_queue_wait_s()
+                    in_flight = []
+                    for step in range(LATE_STREAM_STEPS):
+                        started = time.perf_counter()
+                        while time.perf_counter() - started < LATE_STEP_S:
+                            torch.mm(work, work)
+                        synchronize(self.device)
+                        if not sending:
+                            continue
+                        in_flight.append(post_send(buffer, peer, {"group": group, "tag": step}, completer, meter,
+                                                   time.perf_counter_ns()))
+                        if step:
+                            dist.irecv(received, src=peer, group=group, tag=step - 1).wait()
+                        while len(in_flight) > LATE_IN_FLIGHT:
+                            completer.wait(in_flight.pop(0))
+                    if sending:
+                        dist.irecv(received, src=peer, group=group, tag=LATE_STREAM_STEPS - 1).wait()
+                    for pending in in_flight:
+                        completer.wait(pending)
+                    waits[r, sending] = thread_run_queue_wait_s() - before
+        finally:
+            completer.close()
+            sys.setswitchinterval(switch)
+        mine = torch.from_numpy((waits[:, 1] - waits[:, 0]) / (2 * LATE_STREAM_STEPS))
+        dist.all_reduce(mine, group=group)
+        return mine.numpy() / 2
 
     def _allreduce(self, buffer, group, mpi_group, warmup, repeats) -> CommSamples:
         """Per repeat: barrier, the buffer divided in place by the group size, the all-reduce (a sum, which

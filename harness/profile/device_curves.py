@@ -72,7 +72,6 @@ import functools
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,6 +114,7 @@ from harness.plan.kernels import (
 )
 from harness.plan.layers import describe_builtin
 from harness.plan.spec import DTYPES, ModelSpec
+from harness.profile.comm import LATE_STEP_S
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 FIT_SEED = 43  # the fit's shapes; a held-out set draws from another seed and leaves these out
@@ -155,10 +155,6 @@ INLINE_MIN_ROUNDS = 40  # a pass's difference of 4-10 calls of about 1 ms, each 
 # CPU jobs (tens of KiB to a few MiB)
 P2P_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22)
 P2P_MIN_ROUNDS = 20  # the sender-busy samples: a scheduler's slice won or not, each
-LATE_STREAM_STEPS = 60  # a stream's steps (each LATE_STEP_S of compute and one send), with and without its sends
-LATE_STEP_S = 1e-3
-LATE_IN_FLIGHT = 3  # the sends a stream's sender leaves in flight before it waits for the oldest
-LATE_ROUNDS = 5
 # on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
 # own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
 FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
@@ -1174,11 +1170,12 @@ def fit_inline_collective(rows: Sequence[Mapping[str, Any]]) -> float:
 def p2p_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
     """A send from the first rank of `comm` to the second at each of P2P_SIZES (float32), measured by the profile's
     own P2P measurement (harness.profile.comm.CommProfiler: the ping-pong, the send posted as a training step
-    posts it, the sender computing when its receiver posts late) with `repeats` rounds (at least P2P_MIN_ROUNDS).
+    posts it, the sender computing when its receiver posts late, the stream of late receives) with `repeats` rounds
+    (at least P2P_MIN_ROUNDS).
     A row per size on every rank: `bytes`, `ranks`, `least_s` (the least half round trip, what stands for a P2P),
     `sender_busy_s` (the mean of the sender-busy samples), `extra_s` (that beyond least_s, not below 0: what
-    analysis.costs.corrections reads from a profile), `post_s` (the median post) and, where late_stream can tell,
-    `late_s` (its figure at the size)."""
+    analysis.costs.corrections reads from a profile), `post_s` (the median post) and, where the stream's run-queue
+    waits can be read, `late_s` (the median over its rounds, not below 0)."""
     from harness.profile.comm import CommProfiler
     from launcher.placement import CommTask
 
@@ -1192,79 +1189,10 @@ def p2p_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> lis
             least, busy = float(samples.samples_s.min()), float(samples.sender_busy_s.mean())
             row = {"bytes": nbytes, "ranks": comm.Get_size(), "least_s": least, "sender_busy_s": busy,
                    "extra_s": max(0.0, busy - least), "post_s": float(np.nanmedian(samples.send_post_s))}
-        row = comm.bcast(row, root=0)
-        late = late_stream(comm, device, nbytes, LATE_ROUNDS)
-        rows.append({**row, "late_s": late} if late is not None else row)
+            if samples.late_s.size:
+                row["late_s"] = max(0.0, float(np.median(samples.late_s)))
+        rows.append(comm.bcast(row, root=0))
     return rows
-
-
-def thread_cpu_wait_s() -> float | None:
-    """The calling thread's seconds runnable but not running so far (Linux's schedstat: its wait on the run
-    queue); None where the system does not say."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def late_stream(comm, device: torch.device, nbytes: int, rounds: int) -> float | None:
-    """What a pipeline send received late costs the compute of each of its two ranks: the first two ranks of `comm`
-    each run LATE_STREAM_STEPS steps of LATE_STEP_S of matrix products, after each posting a send of `nbytes` to
-    the other as a training step does (harness.runtime.inflight.post_send, at most LATE_IN_FLIGHT in flight), then
-    receiving the other's send of the step before (its receive posted after the send, as a pipeline stage reaches
-    its step later; a pipeline's activations and gradients go both ways), with harness train's switch interval. The
-    main thread's run-queue wait
-    (thread_cpu_wait_s: the time its library's threads took from its compute) over the steps, less the same steps
-    without sends, over the step's send and receive: rounds of both, interleaved, the median over rounds, the mean
-    of the two ranks, not below 0; on every rank. None where the run-queue wait cannot be read (not Linux) or
-    `comm` has one rank."""
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    from harness.profile.memory import LiveStorages
-    from harness.runtime.inflight import SWITCH_INTERVAL_S, Completer, post_send
-
-    rank = comm.Get_rank()
-    readable = comm.allreduce(thread_cpu_wait_s() is not None, op=MPI.LAND)
-    if comm.Get_size() < 2 or not readable:
-        return None
-    a = torch.randn(192, 192, device=device)
-    buffer = torch.ones(nbytes // 4, device=device)
-    received = torch.empty_like(buffer)
-    completer, meter = Completer(poll=device.type == "cuda", timeout_s=600.0), LiveStorages()
-    stolen: dict[bool, list[float]] = {True: [], False: []}
-    peer = 1 - rank
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as harness train runs its watchers
-    try:
-        for _ in range(rounds):
-            for sending in (False, True):
-                comm.Barrier()
-                before = thread_cpu_wait_s()
-                in_flight = []
-                for step in range(LATE_STREAM_STEPS):
-                    started = time.perf_counter()
-                    while time.perf_counter() - started < LATE_STEP_S:
-                        torch.mm(a, a)
-                    synchronize(device)
-                    if not sending or rank > 1:
-                        continue
-                    in_flight.append(post_send(buffer, peer, {"tag": step}, completer, meter, time.perf_counter_ns()))
-                    if step:
-                        dist.irecv(received, src=peer, tag=step - 1).wait()
-                    while len(in_flight) > LATE_IN_FLIGHT:
-                        completer.wait(in_flight.pop(0))
-                if sending and rank <= 1:
-                    dist.irecv(received, src=peer, tag=LATE_STREAM_STEPS - 1).wait()
-                for pending in in_flight:
-                    completer.wait(pending)
-                stolen[sending].append(thread_cpu_wait_s() - before)
-    finally:
-        completer.close()
-        sys.setswitchinterval(switch)
-    per_step = (float(np.median(stolen[True])) - float(np.median(stolen[False]))) / LATE_STREAM_STEPS
-    return max(0.0, float(np.mean(comm.allgather(per_step)[:2])) / 2)
 
 
 def fit_p2p(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:

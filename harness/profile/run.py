@@ -54,6 +54,7 @@ from harness.store.hdf5_schema import (
     IN_CONTEXT_CHAINS_ENV,
     IN_CONTEXT_SERIES,
     IN_CONTEXT_WALL_ENV,
+    LATE_SERIES,
     PRECISION_ATTR,
     PRECISION_BUDGET_ATTR,
     PRECISION_GOAL_ATTR,
@@ -712,6 +713,7 @@ def _profile_communication(run: ProfileRun) -> None:
             content = task.content
             series = {name: values for name, values in ((SENDER_BUSY_SERIES, measured.sender_busy_s),
                                                         (SEND_POST_SERIES, measured.send_post_s),
+                                                        (LATE_SERIES, measured.late_s),
                                                         (DIVIDE_SERIES, measured.divide_s),
                                                         (ZERO_SERIES, measured.zero_s)) if values.size}
             attrs = {"bytes": content["bytes"], "group_size": len(task.ranks), "placement": content["placement"],

@@ -25,6 +25,9 @@ MEASUREMENT_FIELD_ATTRS = frozenset({"kind", "content_json", "ranks", "env_key",
 SENDER_BUSY_SERIES = "sender_busy_samples_s"
 # P2P only: the sender's time in the call that posted its send (the receiver waiting), per ping-pong sample
 SEND_POST_SERIES = "send_post_samples_s"
+# a CPU's P2P events of the job only: per round of harness.profile.comm's stream of late receives, the compute a
+# send received late took from each end (run-queue wait over the sends, the two ranks' mean)
+LATE_SERIES = "late_cpu_samples_s"
 # GPU forwards and backwards only: the host's time to issue each sample (harness.profile.timer.time_issued)
 HOST_ISSUE_SERIES = "host_issue_samples_s"
 # compute only: when each sample ended, seconds after the compute phase's start barrier (attribute
@@ -40,8 +43,8 @@ ZERO_SERIES = "zero_samples_s"
 # run as one (harness.profile.in_context), every position of every chain holding it; where present the costs use
 # it instead of samples_s (the layer alone)
 IN_CONTEXT_SERIES = "in_context_samples_s"
-SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES, ZERO_SERIES,
-          IN_CONTEXT_SERIES)
+SERIES = (SENDER_BUSY_SERIES, SEND_POST_SERIES, LATE_SERIES, HOST_ISSUE_SERIES, SAMPLE_END_SERIES, DIVIDE_SERIES,
+          ZERO_SERIES, IN_CONTEXT_SERIES)
 # /environment: the wall seconds the in-context chains took (what they added to the profile), and how many
 # distinct stage chains ran
 IN_CONTEXT_WALL_ENV = "in_context_wall_s"

@@ -24,6 +24,7 @@ from harness.store.hdf5_schema import (
     DIVIDE_SERIES,
     HOST_ISSUE_SERIES,
     IN_CONTEXT_SERIES,
+    LATE_SERIES,
     PROFILE_KIND,
     READ_VERSIONS,
     REMEDIES,
@@ -80,6 +81,12 @@ class MeasuredEvent(CommunicationFields):
     def send_post_samples_s(self) -> np.ndarray:
         """P2P only: the sender's time in the call that posted its send (empty where the profile has none)."""
         return self.series[SEND_POST_SERIES]
+
+    @property
+    def late_cpu_samples_s(self) -> np.ndarray:
+        """A CPU's P2P of the job: per round, the compute a send received late took from each end (empty where the
+        profile has none)."""
+        return self.series[LATE_SERIES]
 
     @property
     def host_issue_samples_s(self) -> np.ndarray:
