@@ -463,7 +463,7 @@ def _schedule(plan: EventPlan, per_stage: Sequence[StageCosts], costs: Costs,
                 records[d].append(StepRecord(phase, chunk, vs, micro, ready, start, end))
                 # a step that sends posts its send before the device goes on (a W sends nothing)
                 event, post = post_after.get(phase, no_post)[vs]
-                if (("activation" if phase == "F" else "gradient"), vs, micro) in previous_late:
+                if event and ("activation" if phase == "F" else "gradient", vs, micro) in previous_late:
                     post += costs.late_transfer_cpu.get(event, 0.0)  # its library's threads, after the post
                 if post:
                     posts[d].append(Post(end, end + post, event, vs, micro))
