@@ -21,7 +21,9 @@ Rules (docs/analysis.md, "How far to trust a prediction"):
   on the multi-node runs' own held-out errors, and one otherwise outside those runs' domain (wider, more devices)
   on the errors of fits scored outside their own (gpu_residuals_for). A
   GPU profile's prediction does not draw from them (its compute is measured, not modelled): it keeps its kind's
-  profiled pairs or the drift; a CPU description's (`processor = "cpu"`) has no interval: no held-out runs;
+  profiled pairs or the drift. A CPU description's (`processor = "cpu"`, harness device's on a CPU) draws on the
+  spec-only errors of bench/device_model.py's pairs instead (analysis/data/cpu_spec_only_residuals.json: a
+  calibration, then a run, on the same machine); none where that file has none;
 - what makes it as wide as it is (explain_interval): each source (an event's costs from one set of samples)
   moved alone from the 5th to the 95th percentile of its own draws, every other source at its predicted
   value; its share of the variance is the square of the batch time's swing over the sum of every source's.
@@ -49,6 +51,7 @@ SEED = 20261201
 CALIBRATION_DRAWS = 20  # draws of the run's own factors per resampled batch time
 # held-out errors on GPUs: bench/published.py's held-out half of vTrain's single-node A100 runs (spec-only predictions)
 GPU_RESIDUALS_PATH = RESIDUALS_PATH.with_name("gpu_residuals.json")
+CPU_SPEC_ONLY_RESIDUALS_PATH = RESIDUALS_PATH.with_name("cpu_spec_only_residuals.json")
 
 
 @dataclass(frozen=True)
@@ -198,14 +201,17 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
                         resamples: int = DEFAULT_RESAMPLES, seed: int = SEED) -> BatchTimeInterval | None:
     """The prediction's 90% interval: the sampling interval's resamples times the model's held-out error and the
     machine's drift (module docstring); the sampling interval alone where neither is known; without samples,
-    a device-model prediction's spec_only_interval (a GPU description's only); None with no resamples, or no
-    samples and no GPU description."""
+    a device-model prediction's spec_only_interval on its processor's held-out spec-only runs; None with no
+    resamples, or no samples and no device model (or no held-out runs of its processor)."""
     if resamples <= 0:
         return None
     if not has_samples(costs):
-        if costs.device_model is None or costs.device_model.description.processor != "gpu":
-            return None  # the held-out spec-only runs are GPU runs: they say nothing of a CPU description's error
-        return spec_only_interval(batch_time(plan, costs, dp_overlap), spec=plan.spec)
+        if costs.device_model is None:
+            return None
+        residuals = spec_only_residuals(plan.spec, costs.device_model.description.processor)
+        if residuals is None:  # GPU runs say nothing of a CPU description's error, nor CPU runs of a GPU's
+            return None
+        return spec_only_interval(batch_time(plan, costs, dp_overlap), residuals)
     times = resampled_batch_times(plan, costs, dp_overlap, resamples, seed)
     sampling = interval_of(times)
     residuals = model_residuals(costs.device) if costs.device else None
@@ -226,13 +232,21 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
 def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None,
                        spec: JobSpec | None = None) -> BatchTimeInterval | None:
     """A prediction without samples (every compute event from the device model): `batch_time_s` times the 5th,
-    50th and 95th percentile of the GPU residuals' ratios (run over prediction: gpu_residuals_for(spec) unless
-    `residuals`); None without residuals."""
+    50th and 95th percentile of the held-out residuals' ratios (run over prediction: `residuals`, else the GPU
+    runs' gpu_residuals_for(spec)); None without residuals."""
     residuals = residuals if residuals is not None else gpu_residuals_for(spec)
     if residuals is None:
         return None
     p5, p50, p95 = (batch_time_s * float(v) for v in np.percentile(np.asarray(residuals.ratios), [5, 50, 95]))
     return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source, beyond_domain=residuals.beyond)
+
+
+def spec_only_residuals(spec: JobSpec | None, processor: str) -> ModelResiduals | None:
+    """The held-out spec-only runs a prediction on a description of `processor` (harness.plan.device.PROCESSORS)
+    draws on: published GPU runs (gpu_residuals_for), or bench/device_model.py's CPU pairs."""
+    if processor == "gpu":
+        return gpu_residuals_for(spec)
+    return model_residuals("cpu", CPU_SPEC_ONLY_RESIDUALS_PATH)
 
 
 def gpu_residuals_for(spec: JobSpec | None, path: Path = GPU_RESIDUALS_PATH) -> ModelResiduals | None:

@@ -2,7 +2,7 @@
 against real runs, and the network model against published figures.
 
     .venv/bin/python bench/device_model.py [--quick] [--seed S] [--jobs N] [--rounds K] [--iterations I]
-                                           [--keep DIR] [--json]
+                                           [--keep DIR] [--json] [--residuals]
 
 (a) held-out kernels: one calibration as `harness device` runs it (one thread, as every rank of a job here runs)
     that also measures kernels drawn from --seed (harness.profile.device_curves.draw_kernels, the fit's own
@@ -28,6 +28,10 @@ against real runs, and the network model against published figures.
     A job's error is the median
     over its rounds; the suite's the median and 90th percentile of |error| over jobs. Goals (issue
     43): median <= 10%, p90 <= 20%, on a seed nobody picked: the default seed is the clock's, printed.
+    The 90% interval a spec alone on a CPU description states (analysis.uncertainty.spec_only_residuals: the
+    pairs of earlier runs of this bench, analysis/data/cpu_spec_only_residuals.json) is held against this run's
+    pairs with every pair of this seed left out of the file's: "interval", the share of pairs whose run lands
+    inside. --residuals adds this run's pairs to that file (a seed's entry replaced), for later runs to draw on.
 (c) the network rows: bench/network_model.py's published() (the shipped DGX H100 and DGX A100 specs against
     nccl-tests' and vTrain's published all-reduce bus bandwidths), called, not redone.
 
@@ -42,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -53,10 +58,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from analysis.uncertainty import CPU_SPEC_ONLY_RESIDUALS_PATH as CPU_RESIDUALS  # noqa: E402
 from bench.accuracy import run, validate  # noqa: E402
 from bench.generalization import WARMUP_ITERATIONS, DrawnJob, draw_jobs  # noqa: E402
 
 GOALS = {"median_abs_error_pct": 10.0, "p90_abs_error_pct": 20.0}
+INTERVAL_GOAL = (85.0, 95.0)  # a 90% interval's coverage, as bench/published.py holds the GPU one
 RANKS = 2
 TIER = "gloo"
 NETWORKS = {"in-context": "in_context_s", "back-to-back": "back_to_back_s"}  # --network: the column fitted
@@ -299,6 +306,83 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def held_out_ratios(path: Path, seed: int) -> np.ndarray:
+    """Run over prediction of every pair in the residuals file at `path` (analysis.calibration's format, device
+    kind 'cpu') but this seed's: what the spec-only interval would draw on had this run not been written."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return np.array([])
+    runs = data.get("devices", {}).get("cpu", {}).get("runs", [])
+    return np.array([1.0 / (1.0 + e / 100.0) for run in runs if int(run["seed"]) != seed
+                     for job in run["jobs"] for e in job["pair_error_pct"] if e > -100.0])
+
+
+def interval_coverage(rows: list[dict], ratios: np.ndarray) -> dict:
+    """Each pair's spec-only prediction times the 5th and 95th percentile of `ratios` (the rule of
+    analysis.uncertainty.spec_only_interval): how many runs land inside. None-valued without ratios."""
+    pairs = [p for r in rows for p in r["pairs"]]
+    if not ratios.size or not pairs:
+        return {"pairs": len(pairs), "inside": None, "coverage_pct": None, "residuals": int(ratios.size),
+                "p5_ratio": None, "p95_ratio": None}
+    low, high = (float(v) for v in np.percentile(ratios, [5, 95]))
+    inside = sum(low * p["predicted_s"] <= p["measured_s"] <= high * p["predicted_s"] for p in pairs)
+    return {"pairs": len(pairs), "inside": inside, "coverage_pct": 100.0 * inside / len(pairs),
+            "residuals": int(ratios.size), "p5_ratio": low, "p95_ratio": high}
+
+
+def residuals_document(path: Path, result: dict) -> dict:
+    """The residuals file at `path` with this run's pairs as one entry of device kind 'cpu' (an entry of the same
+    seed replaced): each job's rounds' spec-only errors, in analysis.calibration's format."""
+    import datetime
+
+    from analysis.calibration import RESIDUALS_KIND
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    if data.get("kind") != RESIDUALS_KIND:
+        data = {"kind": RESIDUALS_KIND, "version": 1,
+                "what": ("Held-out errors of a spec alone on a CPU description: each pair of bench/device_model.py "
+                         "(harness device on 2 ranks, the spec-only prediction on its description, then harness "
+                         "train of the same job drawn from a seed nobody tuned to), its batch-time error (predicted - "
+                         "measured) / measured in percent. analysis.uncertainty.spec_only_residuals draws a CPU "
+                         "description's interval from them."),
+                "command": "python bench/device_model.py --seed SEED --jobs 8 --rounds 2 --residuals",
+                "devices": {"cpu": {"machine": "", "runs": []}}}
+    cpu = data["devices"].setdefault("cpu", {"machine": "", "runs": []})
+    cpu["machine"] = result["machine"]
+    entry = {"run": f"dm seed {result['seed']}", "seed": result["seed"], "date": datetime.date.today().isoformat(),
+             "jobs": [{"job": r["name"], "pair_error_pct": [round(p["error_pct"], 2) for p in r["pairs"]]}
+                      for r in result["spec_only"]["rows"] if r["pairs"]]}
+    cpu["runs"] = [run for run in cpu["runs"] if int(run["seed"]) != result["seed"]] + [entry]
+    return data
+
+
+def machine() -> str:
+    """This machine in a line: cores, processor, torch and MPI, as the residuals file names it."""
+    import platform
+
+    import torch
+    from mpi4py import MPI
+
+    processor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+    return f"{os.cpu_count()} cores ({processor}), torch {torch.__version__} with gloo, {library}"
+
+
+def residuals_text(document: dict) -> str:
+    """The residuals document as JSON with a job a line."""
+    text = json.dumps(document, indent=1)
+    text = re.sub(r"\[\s*((?:-?[0-9.e+-]+,\s*)*-?[0-9.e+-]+)\s*\]",
+                  lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
+    return re.sub(r'\{\n\s*"job": ("[^"]*"),\n\s*"pair_error_pct": (\[[^\]]*\])\n\s*\}',
+                  r'{"job": \1, "pair_error_pct": \2}', text) + "\n"
+
+
 def report(result: dict) -> str:
     from bench.network_model import published_report
     from harness.common.output import format_table
@@ -357,6 +441,16 @@ def report(result: dict) -> str:
                    f"{s['vs_profile_p90_abs_error_pct']:.1f}%")
     lines.append(f"median |error| {cell('median_abs_error_pct')}, p90 {cell('p90_abs_error_pct')}; "
                  f"{s['short']} of {s['jobs']} short{failed}{beside}")
+    held = b["interval"]
+    if held["coverage_pct"] is None:
+        lines.append(f"90% interval: none held out ({held['residuals']} pairs of other seeds in "
+                     f"{CPU_RESIDUALS.relative_to(ROOT)})")
+    else:
+        low, high = INTERVAL_GOAL
+        lines.append(f"90% interval (the prediction x {held['p5_ratio']:.3f}-{held['p95_ratio']:.3f}, from "
+                     f"{held['residuals']} pairs of other seeds): {held['inside']} of {held['pairs']} runs inside, "
+                     f"{held['coverage_pct']:.0f}% (goal {low:g}-{high:g}%: "
+                     f"{'met' if low <= held['coverage_pct'] <= high else 'MISSED'})")
     lines += ["", "(c) the network rows against published figures (bench/network_model.py --published)",
               published_report(result["network_published"])]
     return "\n".join(lines)
@@ -395,6 +489,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "or back to back")
     parser.add_argument("--keep", metavar="DIR", help="keep the descriptions, specs and runs under DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--residuals", action="store_true",
+                        help=f"add this run's pairs to {CPU_RESIDUALS.relative_to(ROOT)} (its seed's entry replaced)")
     args = parser.parse_args(argv)
     args.seed = int(time.time()) % 1_000_000 if args.seed is None else args.seed
     args.jobs = args.jobs or (3 if args.quick else 8)
@@ -420,8 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"seed": args.seed, "quick": args.quick, "rounds": args.rounds, "iterations": args.iterations,
               "network": args.network,
               "held_out": held_out, "network_tiers": tiers,
-              "spec_only": {"rows": rows, "summary": summary(rows), "passed_over": passed_over, "goals": GOALS},
-              "network_published": published(), "seconds": time.monotonic() - started}
+              "spec_only": {"rows": rows, "summary": summary(rows), "passed_over": passed_over, "goals": GOALS,
+                            "interval": interval_coverage(rows, held_out_ratios(CPU_RESIDUALS, args.seed))},
+              "network_published": published(), "seconds": time.monotonic() - started, "machine": machine()}
+    if args.residuals and not result["spec_only"]["summary"]["failed_jobs"]:
+        CPU_RESIDUALS.write_text(residuals_text(residuals_document(CPU_RESIDUALS, result)))
+        print(f"# wrote this run's pairs to {CPU_RESIDUALS}", file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1) if args.json else report(result))
     return 1 if result["spec_only"]["summary"]["failed_jobs"] else 0
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from analysis.costs import estimate_costs
@@ -217,19 +218,80 @@ def test_the_device_benchs_in_context_collectives_become_a_benchmark_file(tmp_pa
                       ("reducescatter", "intra"): [(4096.0, 2, 5e-3)]}
 
 
-def test_a_cpu_description_states_no_interval_from_the_gpu_runs(tmp_path):
-    """The held-out spec-only runs are A100 runs: a spec alone on a GPU description draws its interval from them, on a
-    CPU description (processor = "cpu", as harness device writes on a CPU) it states none."""
+def cpu_residuals_file(path: Path, errors_pct: list[float], seed: int = 7) -> Path:
+    """A residuals file of one bench/device_model.py run: one job a pair error."""
+    path.write_text(json.dumps({
+        "kind": "distsim-model-residuals", "version": 1, "what": "test",
+        "command": "python bench/device_model.py --seed SEED --jobs 8 --rounds 2 --residuals",
+        "devices": {"cpu": {"machine": "test", "runs": [
+            {"run": f"dm seed {seed}", "seed": seed, "date": "2026-12-06",
+             "jobs": [{"job": f"job{i}", "pair_error_pct": [e]} for i, e in enumerate(errors_pct)]}]}}}))
+    return path
+
+
+def test_a_cpu_description_draws_its_interval_from_cpu_spec_only_runs(tmp_path, monkeypatch):
+    """The published spec-only runs are A100 runs: a spec alone on a GPU description draws its interval from them; on
+    a CPU description (processor = "cpu", as harness device writes on a CPU) from bench/device_model.py's CPU pairs,
+    the batch time times their 5th, 50th and 95th percentile of run / prediction, and none without that file."""
+    from analysis import uncertainty
     from harness.plan.device import load_device
 
     gpu = predict_spec(loads_spec(spec_text()))
     assert gpu.interval is not None and "CUDA runs of bench/published.py" in gpu.interval.residuals
     cpu = write(tmp_path, load_device("a100-80gb").to_toml().replace('title = "', 'processor = "cpu"\ntitle = "'),
                 "cpu.toml")
+    errors = [-20.0, -10.0, 0.0, 10.0, 25.0]
+    monkeypatch.setattr(uncertainty, "CPU_SPEC_ONLY_RESIDUALS_PATH", cpu_residuals_file(tmp_path / "r.json", errors))
     prediction = predict_spec(loads_spec(spec_text(device=str(cpu))))
     assert prediction.costs.device_model.description.processor == "cpu"
-    assert prediction.interval is None
-    assert prediction.timeline.batch_time_s == pytest.approx(gpu.timeline.batch_time_s)  # the same figures
+    T = prediction.timeline.batch_time_s
+    assert T == pytest.approx(gpu.timeline.batch_time_s)  # the same figures
+    ratios = [1 / (1 + e / 100) for e in errors]
+    interval = prediction.interval
+    assert (interval.p5_s, interval.p50_s, interval.p95_s) == pytest.approx(
+        [T * float(v) for v in np.percentile(ratios, [5, 50, 95])])
+    assert interval.p5_s == pytest.approx(T * (0.8 + 0.2 * (1 / 1.1 - 0.8)))  # by hand: 0.2 of the first gap
+    assert "5 held-out CPU runs of bench/device_model.py (seeds 7" in interval.residuals
+    monkeypatch.setattr(uncertainty, "CPU_SPEC_ONLY_RESIDUALS_PATH", tmp_path / "none.json")
+    assert predict_spec(loads_spec(spec_text(device=str(cpu)))).interval is None
+
+
+def test_the_device_benchs_interval_is_held_out_by_seed(tmp_path):
+    """bench/device_model.py holds a run's pairs against the interval of the residuals file's other seeds, and
+    --residuals writes the run's pairs as one entry, a seed's earlier entry replaced."""
+    from analysis.calibration import model_residuals
+    from bench.device_model import held_out_ratios, interval_coverage, residuals_document, residuals_text
+
+    path = cpu_residuals_file(tmp_path / "r.json", [-20.0, -10.0, 0.0, 10.0, 25.0], seed=7)
+    assert held_out_ratios(path, 7).size == 0
+    ratios = held_out_ratios(path, 8)
+    assert sorted(ratios) == pytest.approx(sorted(1 / (1 + e / 100) for e in (-20.0, -10.0, 0.0, 10.0, 25.0)))
+    low, high = np.percentile(ratios, [5, 95])
+    rows = [{"name": "a", "pairs": [{"predicted_s": 1.0, "measured_s": low * 1.0001, "error_pct": 0.0},
+                                    {"predicted_s": 1.0, "measured_s": high * 1.01, "error_pct": 0.0}]},
+            {"name": "b", "pairs": [{"predicted_s": 2.0, "measured_s": 2.0, "error_pct": 0.0}]}]
+    held = interval_coverage(rows, ratios)
+    assert (held["pairs"], held["inside"], held["residuals"]) == (3, 2, 5)
+    assert held["coverage_pct"] == pytest.approx(200 / 3)
+    assert interval_coverage(rows, np.array([]))["coverage_pct"] is None
+    result = {"seed": 8, "machine": "here", "spec_only": {"rows": [
+        {"name": "job a", "pairs": [{"error_pct": -12.345}, {"error_pct": 3.0}]}, {"name": "failed", "pairs": []}]}}
+    document = residuals_document(path, result)
+    runs = document["devices"]["cpu"]["runs"]
+    assert [r["seed"] for r in runs] == [7, 8]
+    assert runs[1]["jobs"] == [{"job": "job a", "pair_error_pct": [-12.35, 3.0]}]
+    path.write_text(json.dumps(document))
+    later = {"rows": [{"name": "job b", "pairs": [{"error_pct": 1.0}]}]}
+    again = residuals_document(path, {**result, "spec_only": later})
+    assert [r["seed"] for r in again["devices"]["cpu"]["runs"]] == [7, 8]
+    assert again["devices"]["cpu"]["runs"][1]["jobs"][0]["job"] == "job b"
+    path.write_text(residuals_text(again))  # a job a line, the same document
+    assert json.loads(path.read_text()) == again
+    assert '{"job": "job b", "pair_error_pct": [1.0]}' in path.read_text()
+    model_residuals.cache_clear()
+    assert len(model_residuals("cpu", path).ratios) == 6
+    fresh = residuals_document(tmp_path / "new.json", result)
+    assert fresh["kind"] == "distsim-model-residuals" and fresh["devices"]["cpu"]["machine"] == "here"
 
 
 def test_a_factory_model_alone_is_refused():
