@@ -49,6 +49,7 @@ from harness.plan.ring import (  # noqa: F401 (the ring's geometry, kept importa
     step_pairs,
     zigzag_chunks,
 )
+from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 
 Hook = Callable[[str, Callable[[], None]], None]
 
@@ -311,8 +312,7 @@ class _GatherSequence(torch.autograd.Function):
         if isinstance(group, LocalRing):
             gathered.view(cp, -1).copy_(local.flatten().expand(cp, -1))
         else:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            _run(hook, ALLGATHER, lambda: gather(gathered, local.flatten(), group=group))
+            _run(hook, ALLGATHER, lambda: all_gather_single(gathered, local.flatten(), group=group))
         ctx.group, ctx.hook, ctx.shape = group, hook, local.shape
         return merge_sequence(list(gathered.view(cp, *local.shape).unbind(0)), cp, dim=-2)
 
@@ -324,8 +324,7 @@ class _GatherSequence(torch.autograd.Function):
         if isinstance(ctx.group, LocalRing):
             mine.copy_(shares[:mine.numel()])
         else:
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            _run(ctx.hook, REDUCE_SCATTER, lambda: scatter(mine, shares, group=ctx.group))
+            _run(ctx.hook, REDUCE_SCATTER, lambda: reduce_scatter_single(mine, shares, group=ctx.group))
         return mine.view(ctx.shape), None, None
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from harness.plan.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER
+from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 
 _collective_hook: Callable[[str, Callable[[], None]], None] | None = None
 
@@ -56,8 +57,7 @@ def _gather(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     if group is None:
         shards.copy_(x.unsqueeze(0).expand_as(shards))
     else:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        hooked(SEQ_ALLGATHER, lambda: gather(shards.flatten(0, 1), x, group=group))
+        hooked(SEQ_ALLGATHER, lambda: all_gather_single(shards.flatten(0, 1), x, group=group))
     return shards.transpose(0, 1).flatten(1, 2)
 
 
@@ -68,8 +68,7 @@ def _scatter(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     if group is None:
         return staged[0].clone()
     out = torch.empty_like(staged[0])
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    hooked(SEQ_REDUCESCATTER, lambda: scatter(out, staged.flatten(0, 1), group=group))
+    hooked(SEQ_REDUCESCATTER, lambda: reduce_scatter_single(out, staged.flatten(0, 1), group=group))
     return out
 
 

@@ -94,12 +94,11 @@ class CollectiveBench:
         import torch.distributed as dist
 
         from harness.models import TORCH_DTYPES
+        from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 
         dtype = TORCH_DTYPES.get(self.dtype, torch.int32 if self.dtype == "int32" else None)
         group = self.torch_group
-        # torch 2.13 renamed the flat-tensor forms; older versions have only the first names
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather, reduce_scatter = all_gather_single, reduce_scatter_single
         inp = torch.zeros(inp_n, dtype=dtype, device=self.device)
         out = inp if op in ("allreduce", "broadcast") else torch.zeros(out_n, dtype=dtype, device=self.device)
         peer_next = self.ranks[(self.index + 1) % self.size]

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from harness.runtime.distributed import reduce_scatter_single
+
 # this rank's one-rank process group ("group") and the world it was made in ("world"): a profile's end destroys its
 # world, and a later profile in the same process makes a new one
 _ALONE: dict[str, object] = {}
@@ -147,8 +149,7 @@ def _waited_reduce_scatter() -> type | None:
             return torch.empty(size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = scatter(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+            work = reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
             if work is not None:
                 work.wait()
             return work

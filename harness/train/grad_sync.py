@@ -32,6 +32,7 @@ except ImportError:  # zero > 0 then stops in ShardedReplicas with a message
 from harness.common.errors import UserError
 from harness.plan.events import EventPlan
 from harness.plan.spec import JobSpec
+from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 from harness.runtime.inflight import Completer, Pending
 from harness.train.model import replicated
 from harness.train.recorder import DeviceClock, Recorder
@@ -270,15 +271,14 @@ class _TimedCollective:
 
 class _TimedAllGather(_TimedCollective, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._timed("allgather", lambda: gather(output_tensor, input_tensor, group=group, async_op=async_op))
+        return self._timed("allgather", lambda: all_gather_single(output_tensor, input_tensor, group=group,
+                                                                   async_op=async_op))
 
 
 class _TimedReduceScatter(_TimedCollective, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return self._timed("reducescatter", lambda: scatter(output_tensor, input_tensor, group=group, op=op,
-                                                            async_op=async_op))
+        return self._timed("reducescatter", lambda: reduce_scatter_single(output_tensor, input_tensor, group=group,
+                                                                           op=op, async_op=async_op))
 
 
 @dataclass(frozen=True)
