@@ -21,7 +21,8 @@ Where the description measured them (format 2, docs/devices.md):
   zero-bubble schedule's split backward) costs its wrapper's [wrappers.NAME] seconds beyond its kernels
   (wrapper_seconds): the device's time on a CPU, where the framework's code runs on the cores that compute; the
   host's issue time on a GPU. A ZeRO all-gather costed as the bare collective gains FSDP2's unshard
-  (unshard_seconds): its copies on the roofline, and [wrappers.fsdp2]'s unshard time.
+  (unshard_seconds): its copies on the roofline, and [wrappers.fsdp2]'s unshard time; a ZeRO reduce-scatter, FSDP2's
+  reduce (reduce_seconds): its copy-in on the roofline, and [wrappers.fsdp2]'s reduce time.
 The host issues each kernel in the description's `[host] kernel_issue_us` (per launch): a compute event's issue
 time (`issue_seconds`), which analysis.simulate plays against the device's time (Costs.host_issue).
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from harness.plan.device import DeviceDescription, load_device
 from harness.plan.device_fit import KernelTime, kernel_time, launched, memory_seconds, optimizer_time
-from harness.plan.kernels import Kernel, MemoryBound, unshard_kernels, unshard_tensors
+from harness.plan.kernels import Kernel, MemoryBound, reduce_kernels, unshard_kernels, unshard_tensors
 
 
 class DeviceModel:
@@ -98,6 +99,15 @@ class DeviceModel:
         copies = sum(self.kernel_seconds(kernel) for kernel in unshard_kernels(content))
         cost = self.description.wrappers.get("fsdp2")
         framework = cost.unshard_s + cost.unshard_tensor_s * unshard_tensors(content) if cost else 0.0
+        return copies, framework
+
+    def reduce_seconds(self, content: Mapping[str, Any]) -> tuple[float, float]:
+        """FSDP2's time around a ZeRO reduce-scatter beyond the collective (content: the event's): its copy-in's
+        (harness.plan.kernels.reduce_kernels, on the roofline) and the framework's ([wrappers.fsdp2] reduce_s plus
+        reduce_tensor_s a parameter tensor; 0 where the description has none)."""
+        copies = sum(self.kernel_seconds(kernel) for kernel in reduce_kernels(content))
+        cost = self.description.wrappers.get("fsdp2")
+        framework = cost.reduce_s + cost.reduce_tensor_s * unshard_tensors(content) if cost else 0.0
         return copies, framework
 
     def wrappers_of(self, content: Mapping[str, Any]) -> list[str]:

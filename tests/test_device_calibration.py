@@ -446,6 +446,25 @@ def test_fsdp2s_unshard_is_fitted_beyond_the_collective_and_the_copies():
     assert fit_unshard(device, rows(1e-3, -10e-6)) == pytest.approx((1e-3 - 10e-6 * 8, 0.0))  # the median unit's
 
 
+def test_fsdp2s_reduce_is_fitted_beyond_the_backward_the_collective_and_the_copy_in():
+    """The same units whose post-backward reduce took their plain backward, the bare reduce-scatter, the copy-in the
+    description models and 400 us + 15 us a tensor: the fit gives those two back, with one unit's wait 1 ms long
+    too, and 0 a call where that would be negative."""
+    from harness.plan.kernels import reduce_copies
+    from harness.profile.device_curves import UNSHARD_UNITS, fit_reduce
+
+    device = load_device("a100-80gb")
+
+    def rows(call, per_tensor, late=None):
+        return [{"tensors": tensors, "bytes": nbytes, "ranks": 2,
+                 "extra_s": (sum(kernel_seconds(device, k) for k in reduce_copies(nbytes, "float32")) + call
+                             + per_tensor * tensors + (1e-3 if index == late else 0.0))}
+                for index, (tensors, nbytes) in enumerate(UNSHARD_UNITS)]
+    assert fit_reduce(device, rows(400e-6, 15e-6)) == pytest.approx((400e-6, 15e-6))
+    assert fit_reduce(device, rows(400e-6, 15e-6, late=4)) == pytest.approx((400e-6, 15e-6))
+    assert fit_reduce(device, rows(-100e-6, 50e-6)) == pytest.approx((0.0, 50e-6))
+
+
 def test_a_pipeline_sends_figures_are_lines_in_its_bytes():
     """fit_p2p: posts of 0.1 + 0.2 ms a MiB, extras of 0.3 ms at every size and late sends' compute of 0.2 + 0.05
     ms a MiB, read back as lines; a falling line's slope is 0 (its mean the intercept); without `late_s` (a system

@@ -33,6 +33,7 @@ from harness.plan.kernels import (
     event_kernels,
     kernels_flops,
     layer_kernels,
+    reduce_kernels,
     unshard_kernels,
     unshard_tensors,
 )
@@ -690,7 +691,8 @@ def test_a_wrapped_layers_framework_time_by_hand():
     assert DeviceModel(flat_device()).wrapper_seconds({"phase": "fwd", **both}, []) == 0.0  # none described
 
 
-UNSHARD = WrapperCost(200e-6, 50e-6, 10e-6, unshard_s=300e-6, unshard_tensor_s=20e-6)
+UNSHARD = WrapperCost(200e-6, 50e-6, 10e-6, unshard_s=300e-6, unshard_tensor_s=20e-6, reduce_s=400e-6,
+                      reduce_tensor_s=30e-6)
 
 
 def test_fsdp2_unshard_by_hand():
@@ -712,11 +714,25 @@ def test_fsdp2_unshard_by_hand():
     assert unshard_tensors(unknown) == 1 and unshard_kernels(unknown)[0].launches == 1
 
 
-def test_an_unmeasured_zero_all_gather_gains_the_unshard_and_keeps_its_note():
-    """with_unshard on an all-gather interpolated between a profile's bare points: its seconds plus the unshard's,
-    its note the interpolation's with the unshard's in place of "not in it"; a measured one, a reduce-scatter and an
-    all-gather outside ZeRO as they are."""
-    from analysis.costs.device_source import with_unshard
+def test_fsdp2_reduce_by_hand():
+    """A ZeRO reduce-scatter of the same unit's 40,000 bytes of gradients over 2 ranks: the whole gradients copied
+    into its input by one op (2 x 40,000 bytes read and written; the shards it writes are views). On flat_device:
+    80,000 / 0.8e12 s + 5 us = 5.1 us of copy-in; [wrappers.fsdp2] reduce 400 us + 30 us a tensor: 760 us."""
+    content = {"bytes": 40_000, "group": 2, "dtype": "float32",
+               "fsdp": {"layer": "block", "signature": describe(spec_of())[1].signature}}
+    (copy_in,) = reduce_kernels(content)
+    assert (copy_in.bytes, copy_in.launches, copy_in.op, copy_in.elements) == (80_000, 1, "copy", 10_000)
+    copies, framework = DeviceModel(flat_device(wrappers={"fsdp2": UNSHARD})).reduce_seconds(content)
+    assert copies == pytest.approx(80_000 / 0.8e12 + 5e-6)
+    assert framework == pytest.approx(400e-6 + 12 * 30e-6)
+    assert DeviceModel(flat_device()).reduce_seconds(content)[1] == 0.0  # none described: the copy-in alone
+
+
+def test_an_unmeasured_zero_collective_gains_fsdp2s_work_and_keeps_its_note():
+    """with_fsdp2 on an all-gather interpolated between a profile's bare points: its seconds plus the unshard's,
+    its note the interpolation's with the unshard's in place of "not in it"; a reduce-scatter so with the reduce's;
+    a measured one and an all-gather outside ZeRO as they are."""
+    from analysis.costs.device_source import with_fsdp2
     from analysis.costs.records import EventCost
     from harness.plan.events import Event
 
@@ -727,21 +743,25 @@ def test_an_unmeasured_zero_all_gather_gains_the_unshard_and_keeps_its_note():
     cost = EventCost("g", gather.name, "allgather", 1e-3, "interpolated",
                      note="interpolated between the 32KiB and 64KiB measured; FSDP2's copies not in it (the bare "
                           "collective's curve)")
-    done = with_unshard(model, gather, cost)
+    done = with_fsdp2(model, gather, cost)
     assert done.seconds == pytest.approx(1e-3 + sum(model.unshard_seconds(content)))
     assert done.note == ("interpolated between the 32KiB and 64KiB measured; FSDP2's unshard on the device model "
                          "(flat): copies 0.12 ms, framework 0.54 ms")
     measured = dataclasses.replace(cost, source="measured")
-    assert with_unshard(model, gather, measured) is measured
+    assert with_fsdp2(model, gather, measured) is measured
     scatter = dataclasses.replace(gather, kind="reducescatter")
-    assert with_unshard(model, scatter, cost) is cost
+    reduced = with_fsdp2(model, scatter, cost)
+    assert reduced.seconds == pytest.approx(1e-3 + sum(model.reduce_seconds(content)))
+    assert reduced.note == ("interpolated between the 32KiB and 64KiB measured; FSDP2's reduce on the device model "
+                            "(flat): copy-in 0.0051 ms, framework 0.76 ms")
     plain = dataclasses.replace(gather, content={k: v for k, v in content.items() if k != "fsdp"})
-    assert with_unshard(model, plain, cost) is cost
+    assert with_fsdp2(model, plain, cost) is cost
 
 
 def test_a_spec_alone_costs_a_zero_all_gather_with_fsdp2s_unshard(tmp_path):
     """A spec-only ZeRO-3 job: each all-gather costs the network model's collective plus FSDP2's unshard on the
-    device (its copies and [wrappers.fsdp2]'s time), and says so; its reduce-scatters stay the bare collective's."""
+    device (its copies and [wrappers.fsdp2]'s time), each reduce-scatter plus FSDP2's reduce (its copy-in and
+    [wrappers.fsdp2]'s time), and says so."""
     from analysis.predict import predict_spec
 
     def costed(description):
@@ -766,8 +786,11 @@ def test_a_spec_alone_costs_a_zero_all_gather_with_fsdp2s_unshard(tmp_path):
             assert "FSDP2's unshard on the device model (flat): copies" in unsharded.costs.events[eid].note
             assert "not in it" not in unsharded.costs.events[eid].note
         else:
-            assert unsharded.costs.seconds(eid) == pytest.approx(bare)
-            assert "FSDP2's copies not in it" in unsharded.costs.events[eid].note
+            copies, framework = model.reduce_seconds(event.content)
+            assert plain.costs.seconds(eid) == pytest.approx(bare + copies)
+            assert unsharded.costs.seconds(eid) == pytest.approx(bare + copies + framework)
+            assert "FSDP2's reduce on the device model (flat): copy-in" in unsharded.costs.events[eid].note
+            assert "not in it" not in unsharded.costs.events[eid].note
 
 
 @pytest.mark.parametrize("processor", ["cpu", "gpu"])
@@ -925,13 +948,14 @@ def test_format_2_round_trips_and_format_1_stays_format_1():
                             optimizer={"adam": OptimizerCost(9.0, 2.0, 76.0, 6.6607e-6, 5.4321e9)},
                             wrappers={"checkpointed": WrapperCost(206e-6, 201e-6),
                                       "fsdp2": WrapperCost(356e-6, 18.2e-6, 13.7e-6, unshard_s=312.5e-6,
-                                                           unshard_tensor_s=6.5e-6)})
+                                                           unshard_tensor_s=6.5e-6, reduce_s=406.25e-6,
+                                                           reduce_tensor_s=14.5e-6)})
     text = described.to_toml()
     assert text.startswith("format = 2") and "[vector_ops]" in text and "[optimizer.adam]" in text
     assert "[launches]\nrms_norm = 6.0" in text
     assert "[wrappers.checkpointed]\nforward_us = 206.0\nbackward_us = 201.00000000000003\n" in text  # 201e-6 exactly
     assert ("[wrappers.fsdp2]\nforward_us = 356.0\nbackward_us = 18.2\noptimizer_kernel_us = 13.7\nunshard_us = 312.5\n"
-            "unshard_tensor_us = 6.5\n") in text
+            "unshard_tensor_us = 6.5\nreduce_us = 406.25\nreduce_tensor_us = 14.5\n") in text
     assert flat_device(wrappers={"fsdp2": WrapperCost(1e-6, 0.0)}).format == 2
     split = flat_device(wrappers={"split_backward": WrapperCost(0.0, 330e-6, weight_s=390e-6)})
     assert "[wrappers.split_backward]\nforward_us = 0.0\nbackward_us = 330.0\nweight_us = 390.0\n" in split.to_toml()
@@ -995,6 +1019,10 @@ def test_a_causal_tile_round_trips_and_makes_format_2():
      "wrappers.checkpointed.unshard_us", r"only \[wrappers.fsdp2\]"),
     ("[wrappers.fsdp2]\nforward_us = 1.0\nbackward_us = 1.0\nunshard_tensor_us = -3.0\n",
      "wrappers.fsdp2.unshard_tensor_us", "0 or more"),
+    ("[wrappers.split_backward]\nforward_us = 1.0\nbackward_us = 1.0\nreduce_us = 3.0\n",
+     "wrappers.split_backward.reduce_us", r"only \[wrappers.fsdp2\]"),
+    ("[wrappers.fsdp2]\nforward_us = 1.0\nbackward_us = 1.0\nreduce_tensor_us = -3.0\n",
+     "wrappers.fsdp2.reduce_tensor_us", "0 or more"),
 ])
 def test_bad_format_2_tables_name_file_and_field(tmp_path, table, field, message):
     path = tmp_path / "bad.toml"

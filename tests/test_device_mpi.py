@@ -57,6 +57,33 @@ def test_fsdp2_unshards_are_timed_over_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_fsdp2_reduces_are_timed_over_every_rank():
+    """FSDP2's post-backward reduce of each unit over all the ranks beside the same backward without FSDP2 and the
+    bare reduce-scatter of its bytes: a row per unit with the three medians and their rounds' median difference,
+    the same rows on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import UNSHARD_UNITS, reduces_over_ranks
+    from harness.runtime.distributed import destroy_process_group, init_process_group
+    from launcher.topology import discover
+
+    comm = MPI.COMM_WORLD
+    cpu = torch.device("cpu")
+    init_process_group(comm, discover(comm), cpu)
+    try:
+        rows = reduces_over_ranks(comm, cpu, repeats=2, warmup=1)
+    finally:
+        destroy_process_group()
+    assert [r["tensors"] for r in rows] == [tensors for tensors, _ in UNSHARD_UNITS]
+    size = comm.Get_size()
+    for row in rows:
+        assert row["ranks"] == size and row["bytes"] % (size * 4 * 64 * row["tensors"]) == 0
+        assert row["reduce_s"] > 0 and row["plain_s"] > 0 and row["bare_s"] > 0 and np.isfinite(row["extra_s"])
+    assert all(other == rows for other in comm.allgather(rows))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank():
     """The framework block split over all the ranks, without and with sequence parallelism, over the world group
     and alone: its inline collectives counted (2 all-reduces a forward and 2 a backward; sp 4 exchanges forward, 6

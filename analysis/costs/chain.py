@@ -8,7 +8,7 @@ from analysis.costs.device_source import (
     check_device_costable,
     device_model_for,
     processor_mismatch,
-    with_unshard,
+    with_fsdp2,
 )
 from analysis.costs.fits import FitSource, UnavailableSource, comm_fits
 from analysis.costs.interpolated import InterpolatedSource, comm_curves
@@ -41,8 +41,8 @@ def cost_chain(plan: EventPlan, profile: Profile, costs: Costs, network_only: bo
     """The sources, in the order they are asked: the what-if network (`network_only`: every communication
     event), the profile's measurements, the device model (costs.device_model: the compute the profile lacks),
     interpolation between measured sizes, then, past the measurements, the network model (costs.network), the
-    nearest alpha-beta fit, and 0 with a warning. With a device model, a ZeRO all-gather none measured gains
-    FSDP2's unshard on the device (device_source.with_unshard, in estimate_costs).
+    nearest alpha-beta fit, and 0 with a warning. With a device model, a ZeRO all-gather or reduce-scatter none
+    measured gains FSDP2's unshard or reduce on the device (device_source.with_fsdp2, in estimate_costs).
 
     A what-if device (every compute event on another device) would plug in first, as the what-if network does."""
     network = costs.network
@@ -104,7 +104,7 @@ def estimate_costs(plan: EventPlan, profile: Profile, spec_hint: str = "SPEC", c
     chain = cost_chain(plan, profile, costs, network_only)
     for eid, event in plan.events.items():
         cost = first_answer(chain, eid, event, costs)
-        costs.events[eid] = with_unshard(device, event, cost) if device is not None else cost
+        costs.events[eid] = with_fsdp2(device, event, cost) if device is not None else cost
     for source in chain:
         source.finish(costs)
     return costs

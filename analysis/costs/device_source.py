@@ -187,16 +187,19 @@ def check_device_costable(plan: EventPlan, device: DeviceModel, missing: Sequenc
     raise UserError("\n".join(lines))
 
 
-def with_unshard(device: DeviceModel, event: Event, cost: EventCost) -> EventCost:
-    """A ZeRO all-gather costed as the bare collective (not measured: the profile's own is timed through FSDP2)
-    with FSDP2's unshard around it on the device (DeviceModel.unshard_seconds: its copies and the framework's
-    time); any other cost as it is."""
-    if event.kind != "allgather" or not event.content.get("fsdp") or cost.source == MEASURED:
+def with_fsdp2(device: DeviceModel, event: Event, cost: EventCost) -> EventCost:
+    """A ZeRO all-gather or reduce-scatter costed as the bare collective (not measured: the profile's own is timed
+    through FSDP2) with FSDP2's work around it on the device: an all-gather's unshard (DeviceModel.unshard_seconds),
+    a reduce-scatter's reduce (DeviceModel.reduce_seconds), each its copies and the framework's time; any other cost
+    as it is."""
+    if event.kind not in ("allgather", "reducescatter") or not event.content.get("fsdp") or cost.source == MEASURED:
         return cost
-    copies, framework = device.unshard_seconds(event.content)
+    unshard = event.kind == "allgather"
+    copies, framework = (device.unshard_seconds if unshard else device.reduce_seconds)(event.content)
     bare = BARE_NOTE.removeprefix("; ")
     parts = [part for part in cost.note.split("; ") if part and part != bare]
-    parts.append(f"FSDP2's unshard on the device model ({device.name}): copies {copies * 1e3:.3g} ms"
+    parts.append(f"FSDP2's {'unshard' if unshard else 'reduce'} on the device model ({device.name}): "
+                 f"{'copies' if unshard else 'copy-in'} {copies * 1e3:.3g} ms"
                  + (f", framework {framework * 1e3:.3g} ms" if framework else ""))
     return dataclasses.replace(cost, seconds=cost.seconds + copies + framework, note="; ".join(parts))
 

@@ -4,8 +4,9 @@ a device description (docs/devices.md, "Calibrating this machine") that `[cluste
 What is measured and how: harness.profile.device_curves; how the curves are fitted: harness.plan.device_fit.
 Under an MPI launcher with 2 or more ranks (`mpirun -n 2 python -m mpi4py -m harness device -o mine.toml`) every
 rank calibrates at once, then the collectives a training step runs are timed in context (their rows in --json
-and the summary: `collectives_in_context`; on a CPU also a tensor-parallel block's inline collectives over the
-ranks, `inline_collectives`); rank 0 writes and prints.
+and the summary: `collectives_in_context`; on a CPU also FSDP2's unshard and reduce of small units, `unshards`
+and `reduces`, a tensor-parallel block's inline collectives over the ranks, `inline_collectives`, and a pipeline
+send, `p2p`); rank 0 writes and prints.
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                                      "bare_issue_s": calibration.bare_issue_s},
                           "optimizer_counts": calibration.optimizer_counts, "ranks": calibration.ranks,
                           "collectives_in_context": calibration.collectives, "unshards": calibration.unshards,
+                          "reduces": calibration.reduces,
                           "inline_collectives": calibration.inline, "p2p": calibration.p2p,
                           "causal": calibration.causal,
                           "kernels": observation_rows(calibration)}, indent=1))
@@ -159,7 +161,9 @@ def summary(description, errors: dict, output: Path, collectives: list | None = 
             f", {cost.optimizer_kernel_s * 1e6:.3g} us more an optimizer kernel on its shards"
             if cost.optimizer_kernel_s else "") + (
             f"; an all-gather {cost.unshard_s * 1e6:.3g} us + {cost.unshard_tensor_s * 1e6:.3g} us a parameter tensor "
-            "beyond the collective and its copies" if cost.unshard_s or cost.unshard_tensor_s else ""))
+            "beyond the collective and its copies" if cost.unshard_s or cost.unshard_tensor_s else "") + (
+            f"; a reduce-scatter {cost.reduce_s * 1e6:.3g} us + {cost.reduce_tensor_s * 1e6:.3g} us a parameter tensor "
+            "beyond the collective and its copy-in" if cost.reduce_s or cost.reduce_tensor_s else ""))
     if description.inline_collective_s:
         lines.append(f"inline collectives: {description.inline_collective_s * 1e6:.3g} us a call in a layer's pass "
                      "beyond its bytes (a tensor-parallel block over the ranks against it alone)")

@@ -68,8 +68,10 @@ HOST_FORMAT_2 = ("inline_collective_us", "p2p_post_us", "p2p_post_us_per_mib", "
                  "p2p_sender_busy_us_per_mib", "p2p_late_us", "p2p_late_us_per_mib")  # the [host] fields format 2 adds
 MIB = 1 << 20
 _OPTIMIZER = {"kernels_per_tensor", "kernels_per_step", "bytes_per_parameter", "kernel_us", "bandwidth_gb_s"}
-_WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us", "unshard_us", "unshard_tensor_us"}
-_UNSHARD = ("unshard_us", "unshard_tensor_us")  # fsdp2's alone: its all-gathers' framework time
+_WRAPPER = {"forward_us", "backward_us", "weight_us", "optimizer_kernel_us", "unshard_us", "unshard_tensor_us",
+            "reduce_us", "reduce_tensor_us"}
+# fsdp2's alone: its all-gathers' and its reduce-scatters' framework time
+_FSDP2_ONLY = ("unshard_us", "unshard_tensor_us", "reduce_us", "reduce_tensor_us")
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,11 @@ class WrapperCost:
     """The framework's seconds around a layer the run wraps ([wrappers.NAME], NAME in WRAPPERS; format 2), beyond
     the layer's own kernels: once a forward, once a backward (the call that runs its autograd: `bwd`, or a split
     backward's `bwd_input`), once a split backward's `bwd_weight` and, for FSDP2, once a kernel of an optimizer
-    step over its sharded parameters (DTensor's dispatch) and, on each all-gather of a unit (`unshard()`), unshard_s
-    plus unshard_tensor_s a parameter tensor beyond the collective and its copies. Measured by harness device on
-    tiny blocks, wrapped against plain (the unshard figures on all-gathers over its ranks)."""
+    step over its sharded parameters (DTensor's dispatch), on each all-gather of a unit (`unshard()`), unshard_s
+    plus unshard_tensor_s a parameter tensor beyond the collective and its copies, and on each reduce-scatter of a
+    unit's gradients (its post-backward), reduce_s plus reduce_tensor_s a parameter tensor beyond the collective
+    and its copy-in. Measured by harness device on tiny blocks, wrapped against plain (the unshard and reduce
+    figures on units over its ranks)."""
 
     forward_s: float
     backward_s: float
@@ -109,11 +113,14 @@ class WrapperCost:
     weight_s: float = 0.0
     unshard_s: float = 0.0
     unshard_tensor_s: float = 0.0
+    reduce_s: float = 0.0
+    reduce_tensor_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         out = {"forward_us": in_unit(self.forward_s, US), "backward_us": in_unit(self.backward_s, US)}
         for key, value in (("weight_us", self.weight_s), ("optimizer_kernel_us", self.optimizer_kernel_s),
-                           ("unshard_us", self.unshard_s), ("unshard_tensor_us", self.unshard_tensor_s)):
+                           ("unshard_us", self.unshard_s), ("unshard_tensor_us", self.unshard_tensor_s),
+                           ("reduce_us", self.reduce_s), ("reduce_tensor_us", self.reduce_tensor_s)):
             if value:
                 out[key] = in_unit(value, US)
         return out
@@ -463,13 +470,13 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
                        f"{where}.kernels_per_tensor")
     wrappers = {}
     for wrapper, (where, table) in _named_tables(data, "wrappers", WRAPPERS, _WRAPPER, fail).items():
-        for key in _UNSHARD:
+        for key in _FSDP2_ONLY:
             if key in table and wrapper != "fsdp2":
-                raise fail("is FSDP2's all-gather time: only [wrappers.fsdp2] has it", f"{where}.{key}")
+                raise fail("is FSDP2's collectives' time: only [wrappers.fsdp2] has it", f"{where}.{key}")
         wrappers[wrapper] = WrapperCost(*(_positive(table, key, where, fail, zero=True) * US
                                        for key in ("forward_us", "backward_us")),
                                      *(_positive(table, key, where, fail, default=0.0, zero=True) * US
-                                       for key in ("optimizer_kernel_us", "weight_us", *_UNSHARD)))
+                                       for key in ("optimizer_kernel_us", "weight_us", *_FSDP2_ONLY)))
     return DeviceDescription(name=name, title=title,
                              memory_gb=_positive(sheet, "memory_gb", "datasheet", fail, rate=True),
                              memory_bandwidth=_positive(sheet, "memory_bandwidth_gb_s", "datasheet", fail,

@@ -358,6 +358,18 @@ def unshard_copies(nbytes: float, group: int, dtype: str, tensors: int) -> list[
             MemoryBound("fsdp.copy_out", 2.0 * nbytes, dtype, launches=tensors, op="copy", elements=nbytes / size)]
 
 
+def reduce_kernels(content: Mapping[str, Any]) -> list[MemoryBound]:
+    """FSDP2's copy around a ZeRO reduce-scatter (content: the event's; `bytes` the whole unit's gradients): the
+    whole gradients copied into the reduce-scatter's input, read and written, by one op (its chunk_cat). The
+    shards it writes are views, not copies; an averaging reduce-scatter divides inside the collective."""
+    return reduce_copies(float(content["bytes"]), content["dtype"])
+
+
+def reduce_copies(nbytes: float, dtype: str) -> list[MemoryBound]:
+    """reduce_kernels' copy of a unit's `nbytes` of gradients."""
+    return [MemoryBound("fsdp.grad_copy_in", 2.0 * nbytes, dtype, op="copy", elements=nbytes / DTYPES[dtype])]
+
+
 def kernels_flops(kernels: Iterable[Kernel]) -> float:
     return sum(kernel.flops for kernel in kernels)
 

@@ -58,7 +58,9 @@ Rules:
   burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
   barrier do not see; and on a CPU FSDP2's unshard() of small units over the ranks beside the bare all-gather
   (unshards_over_ranks): its time a call and a parameter tensor beyond the collective and its modelled copies
-  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard); and on a CPU the framework block of GPT-2 split
+  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard), and FSDP2's post-backward reduce of the same units
+  beside the bare reduce-scatter and their backward without FSDP2 (reduces_over_ranks; reduce_us,
+  reduce_tensor_us; fit_reduce); and on a CPU the framework block of GPT-2 split
   over the ranks by tensor parallelism, with and without sequence parallelism, its forward and backward over the
   world group against the same shard with no group (inline_collectives_over_ranks): what its inline collectives
   cost a call in a layer's pass (`[host] inline_collective_us`; fit_inline_collective), which a bare collective
@@ -110,6 +112,7 @@ from harness.plan.kernels import (
     accumulation_kernels,
     causal_fraction,
     layer_kernels,
+    reduce_copies,
     unshard_copies,
 )
 from harness.plan.layers import describe_builtin
@@ -237,6 +240,7 @@ class Calibration:
     optimizer_counts: dict[str, dict[str, float]] = field(default_factory=dict)  # count_optimizer's, by kind
     collectives: list[dict[str, Any]] = field(default_factory=list)  # collectives_in_context's rows (2+ ranks)
     unshards: list[dict[str, Any]] = field(default_factory=list)  # unshards_over_ranks' rows (a CPU's, 2+ ranks)
+    reduces: list[dict[str, Any]] = field(default_factory=list)  # reduces_over_ranks' rows (a CPU's, 2+ ranks)
     inline: list[dict[str, Any]] = field(default_factory=list)  # inline_collectives_over_ranks' (a CPU's, 2+ ranks)
     p2p: list[dict[str, Any]] = field(default_factory=list)  # p2p_over_ranks' rows (a CPU's, 2+ ranks)
     ranks: int = 1
@@ -1051,20 +1055,23 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
                               bare_issue_s=issue_s, optimizer_counts=counted, causal=causal)
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
-        calibration.collectives, calibration.unshards, calibration.inline, calibration.p2p = _collectives(
-            comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick, dtype)
+        (calibration.collectives, calibration.unshards, calibration.reduces, calibration.inline,
+         calibration.p2p) = _collectives(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick, dtype)
         if calibration.inline:
             fitted = dataclasses.replace(fitted, inline_collective_s=fit_inline_collective(calibration.inline))
             calibration.description = fitted
         if calibration.p2p:
             fitted = dataclasses.replace(fitted, **fit_p2p(calibration.p2p))
             calibration.description = fitted
-        if calibration.unshards:
-            unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
-            wrappers = dict(fitted.wrappers)
-            wrappers["fsdp2"] = dataclasses.replace(wrappers.get("fsdp2", WrapperCost(0.0, 0.0)), unshard_s=unshard_s,
-                                                    unshard_tensor_s=tensor_s)
-            calibration.description = dataclasses.replace(fitted, wrappers=wrappers)
+        if calibration.unshards or calibration.reduces:
+            fsdp2 = fitted.wrappers.get("fsdp2", WrapperCost(0.0, 0.0))
+            if calibration.unshards:
+                unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
+                fsdp2 = dataclasses.replace(fsdp2, unshard_s=unshard_s, unshard_tensor_s=tensor_s)
+            if calibration.reduces:
+                reduce_s, tensor_s = fit_reduce(fitted, calibration.reduces)
+                fsdp2 = dataclasses.replace(fsdp2, reduce_s=reduce_s, reduce_tensor_s=tensor_s)
+            calibration.description = dataclasses.replace(fitted, wrappers={**fitted.wrappers, "fsdp2": fsdp2})
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration
@@ -1072,8 +1079,9 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
 
 def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int, quick: bool,
                  dtype: str = "float32") -> tuple[list[dict[str, Any]], ...]:
-    """collectives_in_context and, on a CPU, unshards_over_ranks, inline_collectives_over_ranks and p2p_over_ranks,
-    over torch.distributed started on `comm` (gloo on a CPU, NCCL on a GPU), ended after."""
+    """collectives_in_context and, on a CPU, unshards_over_ranks, reduces_over_ranks,
+    inline_collectives_over_ranks and p2p_over_ranks, over torch.distributed started on `comm` (gloo on a CPU, NCCL
+    on a GPU), ended after."""
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
@@ -1083,9 +1091,10 @@ def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, w
         rows = collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
         cpu = device.type == "cpu"
         unshards = unshards_over_ranks(comm, device, repeats, warmup) if cpu else []
+        reduces = reduces_over_ranks(comm, device, repeats, warmup) if cpu else []
         inline = inline_collectives_over_ranks(comm, device, dtype, repeats, warmup) if cpu else []
         p2p = p2p_over_ranks(comm, device, repeats, warmup) if cpu else []
-        return rows, unshards, inline, p2p
+        return rows, unshards, reduces, inline, p2p
     finally:
         destroy_process_group()
 
@@ -1224,21 +1233,21 @@ def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -
     from torch.distributed.fsdp import fully_shard
 
     from harness.profile.comm import TrivialUnit
+    from harness.runtime.distributed import all_gather_single
 
     ranks = comm.Get_size()
     mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
     units = []
-    for tensors, nbytes in UNSHARD_UNITS:
-        rows = max(ranks, nbytes // 4 // tensors // 64 // ranks * ranks)  # rows of 64, split evenly over the ranks
-        unit = TrivialUnit([(torch.Size((rows, 64)), torch.float32)] * tensors, device)
+    for shapes in _unit_shapes(ranks):
+        unit = TrivialUnit(shapes, device)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-        whole = torch.empty(rows * 64 * tensors, device=device)
+        whole = torch.empty(sum(shape.numel() for shape, _ in shapes), device=device)
         units.append((unit, whole, whole[:whole.numel() // ranks].clone()))
     repeats = max(repeats, UNSHARD_MIN_ROUNDS)
     times = np.zeros((2, len(units), repeats))
     for round_index in range(warmup + repeats):
         for index, (unit, whole, shard) in enumerate(units):
-            for call, run in enumerate((unit.unshard, functools.partial(dist.all_gather_into_tensor, whole, shard))):
+            for call, run in enumerate((unit.unshard, functools.partial(all_gather_single, whole, shard))):
                 comm.Barrier()
                 synchronize(device)
                 started = time.perf_counter_ns()
@@ -1255,22 +1264,100 @@ def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -
             for i, (unit, whole, _) in enumerate(units)]
 
 
+def _unit_shapes(ranks: int) -> list[list[tuple[torch.Size, torch.dtype]]]:
+    """UNSHARD_UNITS as parameter shapes: each unit's tensors of rows of 64 float32, split evenly over `ranks`."""
+    out = []
+    for tensors, nbytes in UNSHARD_UNITS:
+        rows = max(ranks, nbytes // 4 // tensors // 64 // ranks * ranks)
+        out.append([(torch.Size((rows, 64)), torch.float32)] * tensors)
+    return out
+
+
+def reduces_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """FSDP2's post-backward reduce of units of UNSHARD_UNITS (fully_shard over every rank of `comm`, its weights
+    kept whole after the forward: the backward then only reduces), as a profile times a ZeRO reduce-scatter
+    (harness.profile.comm: the backward of a trivial use of the weights), beside the same backward without FSDP2
+    and the bare reduce-scatter of the unit's bytes, each after a barrier, every unit and the three interleaved
+    in rounds (`repeats`, at least UNSHARD_MIN_ROUNDS); a sample is the slowest rank's. A row per unit: tensors,
+    bytes, ranks, `reduce_s`, `plain_s` and `bare_s` (medians) and `extra_s` (the median over rounds of the
+    reduce less the plain backward and the bare reduce-scatter beside it)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from harness.profile.comm import TrivialUnit
+    from harness.runtime.distributed import reduce_scatter_single
+
+    ranks = comm.Get_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
+    one = torch.ones((), device=device)
+    units = []
+    for shapes in _unit_shapes(ranks):
+        sharded, plain = TrivialUnit(shapes, device), TrivialUnit(shapes, device)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+        whole = torch.empty(sum(shape.numel() for shape, _ in shapes), device=device)
+        units.append((sharded, plain, whole, torch.empty(whole.numel() // ranks, device=device)))
+
+    def timed(run: Callable[[], Any]) -> float:
+        comm.Barrier()
+        synchronize(device)
+        started = time.perf_counter_ns()
+        run()
+        synchronize(device)
+        return (time.perf_counter_ns() - started) / 1e9
+
+    repeats = max(repeats, UNSHARD_MIN_ROUNDS)
+    times = np.zeros((3, len(units), repeats))
+    for round_index in range(warmup + repeats):
+        for index, (sharded, plain, whole, shard) in enumerate(units):
+            took = []
+            for unit in (sharded, plain):
+                loss = unit(one)  # FSDP2's gathers (untimed): its backward then finds whole weights
+                took.append(timed(loss.backward))
+                unit.zero_grad(set_to_none=True)
+            sharded.reshard()
+            took.append(timed(functools.partial(reduce_scatter_single, shard, whole)))
+            if round_index >= warmup:
+                times[:, index, round_index - warmup] = took
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return [{"tensors": len(list(sharded.parameters())), "bytes": whole.numel() * 4, "ranks": ranks,
+             "reduce_s": float(np.median(slowest[0, i])), "plain_s": float(np.median(slowest[1, i])),
+             "bare_s": float(np.median(slowest[2, i])),
+             "extra_s": float(np.median(slowest[0, i] - slowest[1, i] - slowest[2, i]))}
+            for i, (sharded, _, whole, _) in enumerate(units)]
+
+
+def _per_call_and_tensor(extra: Sequence[float], tensors: Sequence[float]) -> tuple[float, float]:
+    """(a time a call, a time a parameter tensor) through units' extra times by Theil-Sen: the median of the slopes
+    between units of different tensor counts, then the median of what is left (one unit's wait that ran long moves
+    neither); neither below 0."""
+    slopes = [(extra[j] - extra[i]) / (tensors[j] - tensors[i])
+              for i in range(len(extra)) for j in range(i + 1, len(extra)) if tensors[j] != tensors[i]]
+    per_tensor = max(0.0, float(np.median(slopes))) if slopes else 0.0
+    call = float(np.median([y - per_tensor * k for y, k in zip(extra, tensors)]))
+    return max(0.0, call), per_tensor
+
+
+def fit_reduce(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """[wrappers.fsdp2] (reduce_s, reduce_tensor_s) from reduces_over_ranks' rows: each unit's reduce beyond its
+    plain backward and bare reduce-scatter (`extra_s`), less its copy-in on `description`
+    (harness.plan.kernels.reduce_copies), as a time a call plus a time a parameter tensor (_per_call_and_tensor)."""
+    extra = [row["extra_s"] - sum(kernel_seconds(description, kernel)
+                                  for kernel in reduce_copies(row["bytes"], "float32")) for row in rows]
+    return _per_call_and_tensor(extra, [float(row["tensors"]) for row in rows])
+
+
 def fit_unshard(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     """[wrappers.fsdp2] (unshard_s, unshard_tensor_s) from unshards_over_ranks' rows: each unit's unshard beyond
     its bare all-gather (`extra_s`), less its copies on `description` (harness.plan.kernels.unshard_copies), as a
     time a call plus a time a parameter tensor, by Theil-Sen (the median of the slopes between units of different
     tensor counts, then the median of what is left: one unit's wait that ran long moves neither); neither below 0."""
-    extra, tensors = [], []
-    for row in rows:
-        copies = sum(kernel_seconds(description, kernel)
-                     for kernel in unshard_copies(row["bytes"], row["ranks"], "float32", row["tensors"]))
-        extra.append(row["extra_s"] - copies)
-        tensors.append(float(row["tensors"]))
-    slopes = [(extra[j] - extra[i]) / (tensors[j] - tensors[i])
-              for i in range(len(rows)) for j in range(i + 1, len(rows)) if tensors[j] != tensors[i]]
-    per_tensor = max(0.0, float(np.median(slopes))) if slopes else 0.0
-    call = float(np.median([y - per_tensor * k for y, k in zip(extra, tensors)]))
-    return max(0.0, call), per_tensor
+    extra = [row["extra_s"] - sum(kernel_seconds(description, kernel)
+                                  for kernel in unshard_copies(row["bytes"], row["ranks"], "float32", row["tensors"]))
+             for row in rows]
+    return _per_call_and_tensor(extra, [float(row["tensors"]) for row in rows])
 
 
 def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescription:
@@ -1309,6 +1396,9 @@ def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescri
                f"{', '.join(human_bytes(b) for b in sorted({r['bytes'] for r in calibration.unshards}))}) over the "
                f"{calibration.ranks} ranks beyond the bare all-gather and the copies modelled"
                if calibration.unshards else "")
+            + ("; fsdp2's reduce_us and reduce_tensor_us FSDP2's post-backward reduce of the same units beyond "
+               "their backward without FSDP2, the bare reduce-scatter and the copy-in modelled"
+               if calibration.reduces else "")
             + (f"; inline_collective_us the tiny gpt2 block split over the {calibration.ranks} ranks (with and "
                f"without sp) over them beyond alone, over its {sum(r['calls'] for r in calibration.inline)} inline "
                "collectives" if calibration.inline else "")
