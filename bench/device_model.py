@@ -492,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--residuals", action="store_true",
                         help=f"add this run's pairs to {CPU_RESIDUALS.relative_to(ROOT)} (its seed's entry replaced)")
     args = parser.parse_args(argv)
+    if args.residuals and args.quick:
+        parser.error("--residuals takes a full run's pairs: a --quick calibration is rough, its errors not the "
+                     "model's; drop one of the two")
     args.seed = int(time.time()) % 1_000_000 if args.seed is None else args.seed
     args.jobs = args.jobs or (3 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 2)

@@ -294,6 +294,16 @@ def test_the_device_benchs_interval_is_held_out_by_seed(tmp_path):
     assert fresh["kind"] == "distsim-model-residuals" and fresh["devices"]["cpu"]["machine"] == "here"
 
 
+def test_the_device_bench_writes_no_residuals_from_a_quick_run(capsys):
+    """A --quick calibration is rough: its pairs' errors are not the model's, so --residuals refuses it (exit 2)."""
+    from bench.device_model import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--quick", "--residuals"])
+    assert refused.value.code == 2 and "--residuals takes a full run's pairs" in capsys.readouterr().err
+    assert parse_args(["--residuals", "--seed", "5"]).residuals
+
+
 def test_a_factory_model_alone_is_refused():
     text = spec_text(tp=1, dp=4).replace('name = "gpt2-small"', 'factory = "tests.user_model:build"')
     spec = loads_spec(text, import_factory=False)
