@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.mpi(min_size=2)
-def test_collectives_in_context_on_every_rank():
+def over_the_world(measure):
+    """`measure(comm, cpu)` with torch.distributed started on every rank of MPI's world (gloo), ended after:
+    harness device's measurements over the ranks."""
     import torch
     from mpi4py import MPI
 
-    from harness.profile.device_curves import CONTEXT_OPS, collectives_in_context
     from harness.runtime.distributed import destroy_process_group, init_process_group
     from launcher.topology import discover
 
@@ -20,9 +20,19 @@ def test_collectives_in_context_on_every_rank():
     cpu = torch.device("cpu")
     init_process_group(comm, discover(comm), cpu)
     try:
-        rows = collectives_in_context(comm, cpu, 1e9, repeats=2, warmup=1, quick=True)
+        return measure(comm, cpu)
     finally:
         destroy_process_group()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collectives_in_context_on_every_rank():
+    from mpi4py import MPI
+
+    from harness.profile.device_curves import CONTEXT_OPS, collectives_in_context
+
+    rows = over_the_world(lambda comm, cpu: collectives_in_context(comm, cpu, 1e9, repeats=2, warmup=1, quick=True))
+    comm = MPI.COMM_WORLD
     assert {r["op"] for r in rows} == set(CONTEXT_OPS)
     assert len({r["bytes"] for r in rows}) >= 3  # sizes over the range, every operation at each
     assert all(r["in_context_s"] > 0 and r["back_to_back_s"] > 0 and r["ranks"] == comm.Get_size() for r in rows)
@@ -33,20 +43,12 @@ def test_collectives_in_context_on_every_rank():
 def test_fsdp2_unshards_are_timed_over_every_rank():
     """FSDP2's unshard() of each unit over all the ranks beside the bare all-gather of its bytes: a row per unit
     with both medians and their rounds' median difference, the same rows on every rank."""
-    import torch
     from mpi4py import MPI
 
     from harness.profile.device_curves import UNSHARD_UNITS, unshards_over_ranks
-    from harness.runtime.distributed import destroy_process_group, init_process_group
-    from launcher.topology import discover
 
+    rows = over_the_world(lambda comm, cpu: unshards_over_ranks(comm, cpu, repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
-    cpu = torch.device("cpu")
-    init_process_group(comm, discover(comm), cpu)
-    try:
-        rows = unshards_over_ranks(comm, cpu, repeats=2, warmup=1)
-    finally:
-        destroy_process_group()
     assert [r["tensors"] for r in rows] == [tensors for tensors, _ in UNSHARD_UNITS]
     size = comm.Get_size()
     for row, (tensors, nbytes) in zip(rows, UNSHARD_UNITS):  # at least a row of 64 a rank in each tensor
@@ -61,20 +63,12 @@ def test_fsdp2_reduces_are_timed_over_every_rank():
     """FSDP2's post-backward reduce of each unit over all the ranks beside the same backward without FSDP2 and the
     bare reduce-scatter of its bytes: a row per unit with the three medians and their rounds' median difference,
     the same rows on every rank."""
-    import torch
     from mpi4py import MPI
 
     from harness.profile.device_curves import UNSHARD_UNITS, reduces_over_ranks
-    from harness.runtime.distributed import destroy_process_group, init_process_group
-    from launcher.topology import discover
 
+    rows = over_the_world(lambda comm, cpu: reduces_over_ranks(comm, cpu, repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
-    cpu = torch.device("cpu")
-    init_process_group(comm, discover(comm), cpu)
-    try:
-        rows = reduces_over_ranks(comm, cpu, repeats=2, warmup=1)
-    finally:
-        destroy_process_group()
     assert [r["tensors"] for r in rows] == [tensors for tensors, _ in UNSHARD_UNITS]
     size = comm.Get_size()
     for row in rows:
@@ -88,20 +82,12 @@ def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank()
     """The framework block split over all the ranks, without and with sequence parallelism, over the world group
     and alone: its inline collectives counted (2 all-reduces a forward and 2 a backward; sp 4 exchanges forward, 6
     backward), both passes timed, the same rows on every rank (or none, where the block does not split)."""
-    import torch
     from mpi4py import MPI
 
     from harness.profile.device_curves import FRAMEWORK_SIZES, fit_inline_collective, inline_collectives_over_ranks
-    from harness.runtime.distributed import destroy_process_group, init_process_group
-    from launcher.topology import discover
 
+    rows = over_the_world(lambda comm, cpu: inline_collectives_over_ranks(comm, cpu, "float32", repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
-    cpu = torch.device("cpu")
-    init_process_group(comm, discover(comm), cpu)
-    try:
-        rows = inline_collectives_over_ranks(comm, cpu, "float32", repeats=2, warmup=1)
-    finally:
-        destroy_process_group()
     size = comm.Get_size()
     splits = all(FRAMEWORK_SIZES[key] % size == 0 for key in ("hidden", "seq_len", "ffn"))
     if not splits:
@@ -122,26 +108,18 @@ def test_a_pipeline_send_is_measured_between_two_ranks_as_a_profile_measures_it(
     a send received late takes (run-queue waits: 0 or more); fit_p2p reads them into the description's fields."""
     import sys
 
-    import torch
     from mpi4py import MPI
 
     from harness.profile import comm as comm_module
     from harness.profile import device_curves
-    from harness.runtime.distributed import destroy_process_group, init_process_group
-    from launcher.topology import discover
 
     monkeypatch.setattr(device_curves, "P2P_SIZES", (1 << 12,))
     monkeypatch.setattr(device_curves, "P2P_MIN_ROUNDS", 2)
     monkeypatch.setattr(comm_module, "LATE_STREAM_STEPS", 4)
     monkeypatch.setattr(comm_module, "LATE_ROUNDS", 1)
     comm = MPI.COMM_WORLD
-    cpu = torch.device("cpu")
     switch = sys.getswitchinterval()
-    init_process_group(comm, discover(comm), cpu)
-    try:
-        rows = device_curves.p2p_over_ranks(comm, cpu, repeats=2, warmup=1)
-    finally:
-        destroy_process_group()
+    rows = over_the_world(lambda comm, cpu: device_curves.p2p_over_ranks(comm, cpu, repeats=2, warmup=1))
     assert sys.getswitchinterval() == switch  # the stream's interval is put back
     (row,) = rows
     assert row["bytes"] == 4096 and row["ranks"] == comm.Get_size()

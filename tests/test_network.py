@@ -207,8 +207,9 @@ def test_the_library_is_gloo_on_a_cpu_and_nccl_on_a_gpu(tmp_path):
 
 def test_a_spec_alone_on_a_cpu_costs_zeros_reduce_scatters_as_gloo_runs_them():
     """ZeRO-2 on two CPU ranks from a spec alone (this machine's committed calibration): each FSDP2 reduce-scatter
-    is costed as the all-reduce of its bytes, and says so; its all-gathers as the ring's plus FSDP2's unshard on the
-    device (its copies and the framework's time)."""
+    is costed as the all-reduce of its bytes plus FSDP2's reduce on the device (its copy-in; the calibration has no
+    reduce time), and says so; its all-gathers as the ring's plus FSDP2's unshard on the device (its copies and the
+    framework's time)."""
     from analysis.predict import predict_spec
 
     network = """
@@ -229,11 +230,13 @@ latency_us = 1000.0
     assert scatters and gathers
     model = spec_network(tiers)  # the same tiers as NCCL would run them
     span = GroupSpan(2, 1, 2, 0)
+    device = DeviceModel.named(str(CPU_DEVICE))
     for cost in scatters:
         event = prediction.plan.events[cost.id]
-        assert "allreduce-ring" in cost.note and "(spec, gloo)" in cost.note
-        assert cost.seconds == pytest.approx(model.estimate("allreduce", event.bytes, span).seconds)
-    device = DeviceModel.named(str(CPU_DEVICE))
+        reduce = sum(device.reduce_seconds(event.content))
+        assert reduce > 0 and "allreduce-ring" in cost.note and "(spec, gloo)" in cost.note
+        assert "FSDP2's reduce on the device model" in cost.note
+        assert cost.seconds == pytest.approx(model.estimate("allreduce", event.bytes, span).seconds + reduce)
     for cost in gathers:
         event = prediction.plan.events[cost.id]
         unshard = sum(device.unshard_seconds(event.content))
@@ -243,10 +246,13 @@ latency_us = 1000.0
     gpu = predict_spec(loads_spec(text.replace("gpus_per_node = 2", "gpus_per_node = 2\ndevice = 'a100-80gb'")),
                        resamples=0)
     assert gpu.costs.network.library == "nccl"
+    a100 = DeviceModel.named("a100-80gb")
     for cost in (c for c in gpu.costs.events.values() if c.kind == "reducescatter"):
         event = gpu.plan.events[cost.id]
         assert "allreduce-ring" not in cost.note
-        assert cost.seconds == pytest.approx(model.estimate("reducescatter", event.bytes, span).seconds)
+        copy_in, framework = a100.reduce_seconds(event.content)
+        assert framework == 0.0  # a shipped description has no [wrappers]: the copy-in alone
+        assert cost.seconds == pytest.approx(model.estimate("reducescatter", event.bytes, span).seconds + copy_in)
 
 
 def test_nccl_choices_and_the_flat_ring_they_replace():

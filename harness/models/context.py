@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from harness.models.flat_collectives import all_gather_single, reduce_scatter_single
 from harness.plan.ring import (  # noqa: F401 (the ring's geometry, kept importable from here)
     DIAGONAL,
     FULL,
@@ -49,7 +50,6 @@ from harness.plan.ring import (  # noqa: F401 (the ring's geometry, kept importa
     step_pairs,
     zigzag_chunks,
 )
-from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 
 Hook = Callable[[str, Callable[[], None]], None]
 

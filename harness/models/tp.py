@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from harness.models.flat_collectives import all_gather_single, reduce_scatter_single
 from harness.plan.layers import SEQ_ALLGATHER, SEQ_REDUCESCATTER
-from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 
 _collective_hook: Callable[[str, Callable[[], None]], None] | None = None
 

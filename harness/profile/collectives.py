@@ -94,7 +94,7 @@ class CollectiveBench:
         import torch.distributed as dist
 
         from harness.models import TORCH_DTYPES
-        from harness.runtime.distributed import all_gather_single, reduce_scatter_single
+        from harness.models.flat_collectives import all_gather_single, reduce_scatter_single
 
         dtype = TORCH_DTYPES.get(self.dtype, torch.int32 if self.dtype == "int32" else None)
         group = self.torch_group

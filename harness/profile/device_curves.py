@@ -1232,8 +1232,8 @@ def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from harness.models.flat_collectives import all_gather_single
     from harness.profile.comm import TrivialUnit
-    from harness.runtime.distributed import all_gather_single
 
     ranks = comm.Get_size()
     mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
@@ -1286,8 +1286,8 @@ def reduces_over_ranks(comm, device: torch.device, repeats: int, warmup: int) ->
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from harness.models.flat_collectives import reduce_scatter_single
     from harness.profile.comm import TrivialUnit
-    from harness.runtime.distributed import reduce_scatter_single
 
     ranks = comm.Get_size()
     mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from harness.runtime.distributed import reduce_scatter_single
+from harness.models.flat_collectives import reduce_scatter_single
 
 # this rank's one-rank process group ("group") and the world it was made in ("world"): a profile's end destroys its
 # world, and a later profile in the same process makes a new one

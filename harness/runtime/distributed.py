@@ -93,16 +93,6 @@ def init_process_group(comm, topology: Topology, device: torch.device, timeout_s
     return backend
 
 
-def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, **kwargs):
-    """An all-gather of flat tensors: torch 2.13's all_gather_single, all_gather_into_tensor on a torch without it."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, tensor, **kwargs)
-
-
-def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, **kwargs):
-    """A reduce-scatter of flat tensors: torch 2.13's reduce_scatter_single, reduce_scatter_tensor before it."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, tensor, **kwargs)
-
-
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -30,9 +30,9 @@ except ImportError:  # zero > 0 then stops in ShardedReplicas with a message
     AllGather = ReduceScatter = object
 
 from harness.common.errors import UserError
+from harness.models.flat_collectives import all_gather_single, reduce_scatter_single
 from harness.plan.events import EventPlan
 from harness.plan.spec import JobSpec
-from harness.runtime.distributed import all_gather_single, reduce_scatter_single
 from harness.runtime.inflight import Completer, Pending
 from harness.train.model import replicated
 from harness.train.recorder import DeviceClock, Recorder
