@@ -15,7 +15,7 @@ model carries.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -93,6 +93,12 @@ def processor_of(environment: Mapping[str, Any]) -> str:
     return "gpu" if device_kind(environment) == "cuda" else "cpu"
 
 
+def ratios_of(errors: Iterable[float]) -> list[float]:
+    """Each held-out pair's error e (percent, (predicted - measured) / measured) as the factor run / prediction,
+    1 / (1 + e / 100), that an interval multiplies a prediction by; an error of -100% or below says nothing."""
+    return [1.0 / (1.0 + e / 100.0) for e in errors if e > -100.0]
+
+
 @lru_cache(maxsize=8)
 def model_residuals(device: str, path: Path = RESIDUALS_PATH, part: str = "runs") -> ModelResiduals | None:
     """The held-out runs of `device` ('cpu', 'cuda'), or another of its lists (`part`, RESIDUAL_PARTS); None where
@@ -110,7 +116,7 @@ def model_residuals(device: str, path: Path = RESIDUALS_PATH, part: str = "runs"
         seeds.append(int(run["seed"]))
         dates.append(str(run["date"]))
         for job in run["jobs"]:
-            ratios += [1.0 / (1.0 + e / 100.0) for e in job["pair_error_pct"] if e > -100.0]
+            ratios += ratios_of(job["pair_error_pct"])
     if not ratios:
         return None
     words = str(data.get("command", "")).split()

@@ -32,7 +32,7 @@ The generator is seeded, so the same profile gives the same interval every time.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,14 @@ def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = N
         return None
     p5, p50, p95 = (batch_time_s * float(v) for v in np.percentile(np.asarray(residuals.ratios), [5, 50, 95]))
     return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source, beyond_domain=residuals.beyond)
+
+
+def interval_coverage_pct(predicted: Sequence[float], measured: Sequence[float], ratios: Sequence[float]) -> float:
+    """The share of runs whose measured time lies in [p5, p95] of predicted x the residual ratios (run over
+    prediction), in percent: spec_only_interval's rule, for many runs at once."""
+    low, high = np.percentile(np.asarray(ratios, float), [5, 95])
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    return float(np.mean((m >= p * low) & (m <= p * high)) * 100.0)
 
 
 def spec_only_residuals(spec: JobSpec | None, processor: str) -> ModelResiduals | None:

@@ -58,7 +58,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from analysis.calibration import ratios_of  # noqa: E402
 from analysis.uncertainty import CPU_SPEC_ONLY_RESIDUALS_PATH as CPU_RESIDUALS  # noqa: E402
+from analysis.uncertainty import interval_coverage_pct  # noqa: E402
 from bench.accuracy import run, validate  # noqa: E402
 from bench.generalization import WARMUP_ITERATIONS, DrawnJob, draw_jobs  # noqa: E402
 
@@ -314,8 +316,8 @@ def held_out_ratios(path: Path, seed: int) -> np.ndarray:
     except (OSError, ValueError):
         return np.array([])
     runs = data.get("devices", {}).get("cpu", {}).get("runs", [])
-    return np.array([1.0 / (1.0 + e / 100.0) for run in runs if int(run["seed"]) != seed
-                     for job in run["jobs"] for e in job["pair_error_pct"] if e > -100.0])
+    return np.array([ratio for run in runs if int(run["seed"]) != seed for job in run["jobs"]
+                     for ratio in ratios_of(job["pair_error_pct"])])
 
 
 def interval_coverage(rows: list[dict], ratios: np.ndarray) -> dict:
@@ -326,8 +328,8 @@ def interval_coverage(rows: list[dict], ratios: np.ndarray) -> dict:
         return {"pairs": len(pairs), "inside": None, "coverage_pct": None, "residuals": int(ratios.size),
                 "p5_ratio": None, "p95_ratio": None}
     low, high = (float(v) for v in np.percentile(ratios, [5, 95]))
-    inside = sum(low * p["predicted_s"] <= p["measured_s"] <= high * p["predicted_s"] for p in pairs)
-    return {"pairs": len(pairs), "inside": inside, "coverage_pct": 100.0 * inside / len(pairs),
+    coverage = interval_coverage_pct([p["predicted_s"] for p in pairs], [p["measured_s"] for p in pairs], ratios)
+    return {"pairs": len(pairs), "inside": round(coverage * len(pairs) / 100), "coverage_pct": coverage,
             "residuals": int(ratios.size), "p5_ratio": low, "p95_ratio": high}
 
 

@@ -42,7 +42,7 @@ import json
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analysis.calibration import ResidualDomain  # noqa: E402
+from analysis.calibration import ResidualDomain, ratios_of  # noqa: E402
 from analysis.costs.device_source import host_issue_seconds, run_as_described  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
@@ -76,6 +76,7 @@ from analysis.simulate import (  # noqa: E402
     TP_ALLREDUCE,
     batch_time,
 )
+from analysis.uncertainty import interval_coverage_pct  # noqa: E402
 from bench.search_accuracy import spearman  # noqa: E402
 from harness.plan.device import DeviceDescription, load_device  # noqa: E402
 from harness.plan.events import COMM_KINDS, EventPlan, build_plan  # noqa: E402
@@ -123,6 +124,7 @@ FIT_CEILINGS = {("gemm", "max_fraction"): 271.2 / 312.0}
 PUBLISHED = {"vTrain (MICRO'24, profiled kernels)": (8.37, 14.73), "Calculon (as a new user runs it)": (38.9, 11.1)}
 GROUP_MIN_RUNS = 5  # Spearman and regret goals hold for groups of at least this many runs
 WORST_SHOWN = 10
+MIN_LIMIT = 20  # --limit: the fewest runs a set that fill both halves, the folds and more than one group
 JSON_VERSION = 2  # of --json's document (docs/benchmarks.md, "Published A100 runs"; 2: worst[].spent_ms.idle)
 COMPUTE_CATEGORIES = (FORWARD, BACKWARD, BACKWARD_WEIGHT, RECOMPUTE, OPTIMIZER)
 
@@ -254,19 +256,6 @@ def regret_pct(predicted: Sequence[float], measured: Sequence[float]) -> float:
     search's pick; among predicted ties, the one listed first)."""
     pick = int(np.argmin(np.asarray(predicted, float)))
     return (measured[pick] / min(measured) - 1.0) * 100.0
-
-
-def interval_coverage_pct(predicted: Sequence[float], measured: Sequence[float], ratios: Sequence[float]) -> float:
-    """The share of runs whose measured time lies in [p5, p95] of predicted x the residual ratios (run over
-    prediction), in percent: analysis.uncertainty.spec_only_interval's rule, here for many runs at once."""
-    low, high = np.percentile(np.asarray(ratios, float), [5, 95])
-    p, m = np.asarray(predicted, float), np.asarray(measured, float)
-    return float(np.mean((m >= p * low) & (m <= p * high)) * 100.0)
-
-
-def ratios_of(errors: Iterable[float]) -> list[float]:
-    """Each error's factor run / prediction (analysis.calibration's rule)."""
-    return [1.0 / (1.0 + e / 100.0) for e in errors if e > -100.0]
 
 
 # ----- predicting from a spec alone -----
@@ -563,11 +552,13 @@ def beyond_folds(runs: Sequence[Run], base: DeviceDescription,
     return folds
 
 
-def leave_group_out_coverage(scored: Scored) -> tuple[float, dict[tuple[str, int], float]]:
+def leave_group_out_coverage(scored: Scored) -> tuple[float | None, dict[tuple[str, int], float]]:
     """interval_coverage_pct of the multi-node runs on their own held-out errors without scoring a run on its own
     model's: each (model, GPUs) group's runs from the ratios of every other group's. The mean over the runs, and
-    each group's."""
+    each group's; None and no groups where the runs are of one group (a --limit too small for another)."""
     groups = [run.group for run in scored.runs]
+    if len(set(groups)) < 2:
+        return None, {}
     by_group = {}
     for group in dict.fromkeys(groups):
         mask = np.array([g == group for g in groups])
@@ -635,8 +626,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--residuals", action="store_true",
                         help=f"write the held-out half's errors to {GPU_RESIDUALS.relative_to(ROOT)}")
     parser.add_argument("--seed", type=int, default=SPLIT_SEED, help="the single-node split's seed")
-    parser.add_argument("--limit", type=int, help="the first N runs of each set only (a quick look)")
+    parser.add_argument("--limit", type=int, help=f"the first N runs of each set only (a quick look; at least "
+                                                  f"{MIN_LIMIT})")
     args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < MIN_LIMIT:
+        parser.error(f"--limit {args.limit}: give at least {MIN_LIMIT} (fewer leave a fold or a set without runs)")
     if not VTRAIN.is_dir():
         print(f"no published runs at {VTRAIN} (../shared/data/vtrain/ beside the project)", file=sys.stderr)
         return 2

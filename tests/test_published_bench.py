@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from analysis.calibration import ModelResiduals, ResidualDomain, model_residuals
+from analysis.calibration import ModelResiduals, ResidualDomain, model_residuals, ratios_of
 from analysis.device_model import DeviceModel
 from analysis.report import interval_text
-from analysis.uncertainty import gpu_residuals_for, spec_only_interval
+from analysis.uncertainty import gpu_residuals_for, interval_coverage_pct, spec_only_interval
 from bench import published
 from bench.published import (
     Fold,
@@ -21,11 +21,9 @@ from bench.published import (
     error_summary,
     errors_pct,
     group_spearman,
-    interval_coverage_pct,
     leave_group_out_coverage,
     max_job_regret_pct,
     print_tables,
-    ratios_of,
     regret_pct,
     residual_domain,
     residuals_document,
@@ -255,3 +253,12 @@ def test_a_jobs_regret_is_among_the_runs_of_one_global_batch(capsys):
     print_tables({"single_held_out": figures}, worst)
     out = capsys.readouterr().out
     assert "job regret%" in out and "idle 8.0" in out
+
+
+def test_a_limit_too_small_for_the_folds_is_refused(capsys):
+    """--limit below MIN_LIMIT would leave a fold or a set without runs: one message, exit 2, nothing predicted."""
+    from bench.published import MIN_LIMIT, main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--limit", str(MIN_LIMIT - 1)])
+    assert refused.value.code == 2 and f"give at least {MIN_LIMIT}" in capsys.readouterr().err
