@@ -15,6 +15,7 @@ model carries.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -91,6 +92,15 @@ def device_kind(environment: Mapping[str, Any]) -> str:
 def processor_of(environment: Mapping[str, Any]) -> str:
     """The processor a profile measured on, as a device description names it (harness.plan.device.PROCESSORS)."""
     return "gpu" if device_kind(environment) == "cuda" else "cpu"
+
+
+def residuals_text(document: Mapping[str, Any]) -> str:
+    """A residuals document (RESIDUALS_KIND) as JSON with a job a line (thousands of them), its errors' list on it."""
+    text = json.dumps(document, indent=1)
+    text = re.sub(r"\[\s*((?:-?[0-9.e+-]+,\s*)*-?[0-9.e+-]+)\s*\]",
+                  lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
+    return re.sub(r'\{\n\s*"job": ("[^"]*"),\n\s*"pair_error_pct": (\[[^\]]*\])\n\s*\}',
+                  r'{"job": \1, "pair_error_pct": \2}', text) + "\n"
 
 
 def ratios_of(errors: Iterable[float]) -> list[float]:

@@ -229,14 +229,9 @@ def prediction_interval(plan: EventPlan, costs: Costs, dp_overlap: bool | None =
                              residuals.source if residuals is not None else None)
 
 
-def spec_only_interval(batch_time_s: float, residuals: ModelResiduals | None = None,
-                       spec: JobSpec | None = None) -> BatchTimeInterval | None:
+def spec_only_interval(batch_time_s: float, residuals: ModelResiduals) -> BatchTimeInterval:
     """A prediction without samples (every compute event from the device model): `batch_time_s` times the 5th,
-    50th and 95th percentile of the held-out residuals' ratios (run over prediction: `residuals`, else the GPU
-    runs' gpu_residuals_for(spec)); None without residuals."""
-    residuals = residuals if residuals is not None else gpu_residuals_for(spec)
-    if residuals is None:
-        return None
+    50th and 95th percentile of the held-out residuals' ratios (run over prediction: spec_only_residuals')."""
     p5, p50, p95 = (batch_time_s * float(v) for v in np.percentile(np.asarray(residuals.ratios), [5, 50, 95]))
     return BatchTimeInterval(p5, p50, p95, 0, residuals=residuals.source, beyond_domain=residuals.beyond)
 

@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analysis.calibration import ratios_of  # noqa: E402
+from analysis.calibration import ratios_of, residuals_text  # noqa: E402
 from analysis.uncertainty import CPU_SPEC_ONLY_RESIDUALS_PATH as CPU_RESIDUALS  # noqa: E402
 from analysis.uncertainty import interval_coverage_pct  # noqa: E402
 from bench.accuracy import run, validate  # noqa: E402
@@ -369,20 +368,12 @@ def machine() -> str:
     import torch
     from mpi4py import MPI
 
-    processor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-        else platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    names = ([line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else [])
+    processor = names[0] if names else platform.processor()
     library = " ".join(MPI.Get_library_version().splitlines()[0].split())
     return f"{os.cpu_count()} cores ({processor}), torch {torch.__version__} with gloo, {library}"
-
-
-def residuals_text(document: dict) -> str:
-    """The residuals document as JSON with a job a line."""
-    text = json.dumps(document, indent=1)
-    text = re.sub(r"\[\s*((?:-?[0-9.e+-]+,\s*)*-?[0-9.e+-]+)\s*\]",
-                  lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
-    return re.sub(r'\{\n\s*"job": ("[^"]*"),\n\s*"pair_error_pct": (\[[^\]]*\])\n\s*\}',
-                  r'{"job": \1, "pair_error_pct": \2}', text) + "\n"
 
 
 def report(result: dict) -> str:

@@ -39,7 +39,6 @@ import csv
 import dataclasses
 import datetime
 import json
-import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analysis.calibration import ResidualDomain, ratios_of  # noqa: E402
+from analysis.calibration import ResidualDomain, ratios_of, residuals_text  # noqa: E402
 from analysis.costs.device_source import host_issue_seconds, run_as_described  # noqa: E402
 from analysis.costs.network_source import slowest_group  # noqa: E402
 from analysis.costs.records import Costs  # noqa: E402
@@ -598,13 +597,6 @@ def residuals_document(folds: Sequence[Fold], seed: int, fitted_on: str,
                      "or fewer than the most GPUs and scored on the other runs."),
             "command": "python bench/published.py --residuals",
             "devices": {"cuda": cuda}}
-
-
-def residuals_text(document: dict) -> str:
-    """The residuals document as JSON with one job a line (thousands of them)."""
-    text = json.dumps(document, indent=1)
-    return re.sub(r'\{\n\s*"job": ("[^"]*"),\n\s*"pair_error_pct": \[\n\s*([-0-9.e]+)\n\s*\]\n\s*\}',
-                  r'{"job": \1, "pair_error_pct": [\2]}', text) + "\n"
 
 
 def two_fold_coverage(held: Scored, seed: int) -> float:
