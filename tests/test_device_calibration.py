@@ -284,7 +284,8 @@ def test_wrapper_costs_by_hand():
     input's half and 0.75 the weights' (scaled by the measured plain backward's 2 / 4 ms: x 1 / x 2), so the input's
     half is its kernels (0 / 0 more) and the weights' 0.75 / 1.5 ms more. The medians: checkpointed 0.3 / 0.3 ms,
     FSDP2 0.4 / 0.1 ms, the split 0 / 1.125 ms; a negative median is 0."""
-    from harness.profile.device_curves import WrapperCost, wrapper_costs
+    from harness.plan.device import WrapperCost
+    from harness.profile.device_blocks import wrapper_costs
 
     ms = 1e-3
     modelled = (2 * ms, 1.5 * ms, 0.75 * ms)
@@ -308,7 +309,7 @@ def test_split_kernels_are_the_plain_backwards_in_two_halves(family):
     more in the second; every kernel of the second is on the weights' side."""
     from collections import Counter
 
-    from harness.profile.device_curves import split_kernels
+    from harness.profile.device_blocks import split_kernels
 
     plain, inputs, weights = split_kernels(family, "float32")
     again = Counter(inputs + weights) - Counter(plain)
@@ -398,7 +399,7 @@ def test_a_description_that_cannot_be_written_is_printed_not_lost():
 def test_a_cpu_launch_is_the_framework_time_beyond_the_kernels_modelled_work():
     """framework_launch: a block's measured seconds less its kernels' modelled work (launches costed 0), over
     the launches harness.plan.kernels lists for it."""
-    from harness.profile.device_curves import framework_launch
+    from harness.profile.device_blocks import framework_launch
 
     device = load_device("a100-80gb")
     blocks = [KERNELS[:3], KERNELS]
@@ -429,7 +430,7 @@ def test_fsdp2s_unshard_is_fitted_beyond_the_collective_and_the_copies():
     one whose extra falls with the tensors (1 ms less 10 us a tensor) 0 a tensor and the median unit's time a call
     (the two 8-tensor units': 920 us)."""
     from harness.plan.kernels import unshard_copies
-    from harness.profile.device_curves import UNSHARD_UNITS, fit_unshard
+    from harness.profile.device_ranks import UNSHARD_UNITS, fit_unshard
 
     device = load_device("a100-80gb")
 
@@ -451,7 +452,7 @@ def test_fsdp2s_reduce_is_fitted_beyond_the_backward_the_collective_and_the_copy
     description models and 400 us + 15 us a tensor: the fit gives those two back, with one unit's wait 1 ms long
     too, and 0 a call where that would be negative."""
     from harness.plan.kernels import reduce_copies
-    from harness.profile.device_curves import UNSHARD_UNITS, fit_reduce
+    from harness.profile.device_ranks import UNSHARD_UNITS, fit_reduce
 
     device = load_device("a100-80gb")
 
@@ -469,7 +470,7 @@ def test_a_pipeline_sends_figures_are_lines_in_its_bytes():
     """fit_p2p: posts of 0.1 + 0.2 ms a MiB, extras of 0.3 ms at every size and late sends' compute of 0.2 + 0.05
     ms a MiB, read back as lines; a falling line's slope is 0 (its mean the intercept); without `late_s` (a system
     whose run-queue wait cannot be read) no p2p_late."""
-    from harness.profile.device_curves import fit_p2p
+    from harness.profile.device_ranks import fit_p2p
 
     sizes = (0.25, 1.0, 4.0)
     rows = [{"bytes": int(mib * (1 << 20)), "post_s": 1e-4 + 2e-4 * mib, "extra_s": 3e-4,
@@ -487,7 +488,7 @@ def test_an_inline_collective_is_the_passes_time_over_the_group_beyond_alone_a_c
     """Two passes over 2 ranks, 4 inline all-reduces (5.7 ms against 0.7 alone) and 10 sequence-parallel exchanges
     (10.0 against 1.0): 14 ms over 14 calls, 1 ms a call; never below 0 (a pass over the group that ran faster than
     alone), 0 without calls."""
-    from harness.profile.device_curves import fit_inline_collective
+    from harness.profile.device_ranks import fit_inline_collective
 
     rows = [{"sp": False, "calls": 4, "ranks": 2, "bytes": 8192, "grouped_s": 5.7e-3, "alone_s": 0.7e-3},
             {"sp": True, "calls": 10, "ranks": 2, "bytes": 8192, "grouped_s": 10.0e-3, "alone_s": 1.0e-3}]

@@ -29,7 +29,7 @@ def over_the_world(measure):
 def test_collectives_in_context_on_every_rank():
     from mpi4py import MPI
 
-    from harness.profile.device_curves import CONTEXT_OPS, collectives_in_context
+    from harness.profile.device_ranks import CONTEXT_OPS, collectives_in_context
 
     rows = over_the_world(lambda comm, cpu: collectives_in_context(comm, cpu, 1e9, repeats=2, warmup=1, quick=True))
     comm = MPI.COMM_WORLD
@@ -45,7 +45,7 @@ def test_fsdp2_unshards_are_timed_over_every_rank():
     with both medians and their rounds' median difference, the same rows on every rank."""
     from mpi4py import MPI
 
-    from harness.profile.device_curves import UNSHARD_UNITS, unshards_over_ranks
+    from harness.profile.device_ranks import UNSHARD_UNITS, unshards_over_ranks
 
     rows = over_the_world(lambda comm, cpu: unshards_over_ranks(comm, cpu, repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
@@ -65,7 +65,7 @@ def test_fsdp2_reduces_are_timed_over_every_rank():
     the same rows on every rank."""
     from mpi4py import MPI
 
-    from harness.profile.device_curves import UNSHARD_UNITS, reduces_over_ranks
+    from harness.profile.device_ranks import UNSHARD_UNITS, reduces_over_ranks
 
     rows = over_the_world(lambda comm, cpu: reduces_over_ranks(comm, cpu, repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
@@ -84,7 +84,8 @@ def test_a_tensor_parallel_blocks_inline_collectives_are_timed_over_every_rank()
     backward), both passes timed, the same rows on every rank (or none, where the block does not split)."""
     from mpi4py import MPI
 
-    from harness.profile.device_curves import FRAMEWORK_SIZES, fit_inline_collective, inline_collectives_over_ranks
+    from harness.profile.device_blocks import FRAMEWORK_SIZES
+    from harness.profile.device_ranks import fit_inline_collective, inline_collectives_over_ranks
 
     rows = over_the_world(lambda comm, cpu: inline_collectives_over_ranks(comm, cpu, "float32", repeats=2, warmup=1))
     comm = MPI.COMM_WORLD
@@ -111,15 +112,15 @@ def test_a_pipeline_send_is_measured_between_two_ranks_as_a_profile_measures_it(
     from mpi4py import MPI
 
     from harness.profile import comm as comm_module
-    from harness.profile import device_curves
+    from harness.profile import device_ranks
 
-    monkeypatch.setattr(device_curves, "P2P_SIZES", (1 << 12,))
-    monkeypatch.setattr(device_curves, "P2P_MIN_ROUNDS", 2)
+    monkeypatch.setattr(device_ranks, "P2P_SIZES", (1 << 12,))
+    monkeypatch.setattr(device_ranks, "P2P_MIN_ROUNDS", 2)
     monkeypatch.setattr(comm_module, "LATE_STREAM_STEPS", 4)
     monkeypatch.setattr(comm_module, "LATE_ROUNDS", 1)
     comm = MPI.COMM_WORLD
     switch = sys.getswitchinterval()
-    rows = over_the_world(lambda comm, cpu: device_curves.p2p_over_ranks(comm, cpu, repeats=2, warmup=1))
+    rows = over_the_world(lambda comm, cpu: device_ranks.p2p_over_ranks(comm, cpu, repeats=2, warmup=1))
     assert sys.getswitchinterval() == switch  # the stream's interval is put back
     (row,) = rows
     assert row["bytes"] == 4096 and row["ranks"] == comm.Get_size()
@@ -127,7 +128,7 @@ def test_a_pipeline_send_is_measured_between_two_ranks_as_a_profile_measures_it(
     assert row["extra_s"] == pytest.approx(max(0.0, row["sender_busy_s"] - row["least_s"]))
     if sys.platform.startswith("linux"):
         assert row["late_s"] >= 0.0
-    fields = device_curves.fit_p2p(rows)
+    fields = device_ranks.fit_p2p(rows)
     assert fields["p2p_post_s"] == pytest.approx(row["post_s"]) and fields["p2p_post_s_per_mib"] == 0.0
     assert all(other == rows for other in comm.allgather(rows))
 

@@ -19,20 +19,14 @@ Rules:
   launch (`launch_us`), the host's clock its issue time (`[host] kernel_issue_us`); on a CPU the host is the
   device, and a kernel in a training pass costs the framework's time around it too (nn.Module calls, autograd's
   graph and its engine, the views between kernels): `launch_us` is then taken from tiny built-in blocks
-  (FRAMEWORK_FAMILIES, FRAMEWORK_SIZES) run forward and backward as a pass runs them, their time beyond their
+  (harness.profile.device_blocks) run forward and backward as a pass runs them, their time beyond their
   kernels' modelled work over the launches harness.plan.kernels lists for them (at least the bare launch; the
   curves are fitted with the bare launch, as their kernels ran bare), and no `[host]` is written. On a GPU the
   host issues a pass's kernels through the same framework: `kernel_issue_us` is the host's time a kernel of
   those blocks issued with the GPU held busy (at least the bare operator's issue);
-- on a CPU, the same blocks run as a run wraps a layer (RUN_WRAPPERS: under torch.utils.checkpoint as full
-  recompute runs it, as an FSDP2 unit over this rank alone as a ZeRO job runs it, harness.profile.sharded, and
-  through a zero-bubble schedule's split backward, stage_backward_input then _weight), each wrapped forward and
-  forward-and-backward against the plain block's in the same rounds: the wrapper's seconds a forward and a
-  backward beyond the layer's own ([wrappers.NAME], their median over the families; a checkpoint's backward net
-  of the forward it runs again, which the model costs as kernels; each of the split's two halves net of its own
-  kernels, split_kernels); and an Adam step over
-  FSDP2's sharded parameters (DTensors) against the plain step over the same tensors: its seconds a kernel more
-  (`optimizer_kernel_us`, DTensor's dispatch);
+- on a CPU, the same blocks run as a run wraps a layer (harness.profile.device_blocks: checkpoint, FSDP2 unit,
+  split backward; [wrappers.NAME]); and an Adam step over FSDP2's sharded parameters (DTensors) against the plain
+  step over the same tensors: its seconds a kernel more (`optimizer_kernel_us`, DTensor's dispatch);
 - a dtype the device cannot run (the kernel raises) takes float32's peaks, and the description says so;
 - memory-bound kernels of every kind harness.plan.kernels names (MemoryBound.op), as the models run them: the
   bandwidth kinds (BANDWIDTH_KINDS: copy, add, fill) fit the memory curve; every other kind (VECTOR_MEASURED: the
@@ -51,31 +45,19 @@ Rules:
 - under an MPI launcher with 2 or more ranks (mpirun -n 2 python -m mpi4py -m harness device): every rank
   calibrates at once (the ranks of a job share the memory bus and the cores) and fits the runners' measurements of
   the rank whose whole calibration ran fastest (least_disturbed: a core slowed for the minute by another tenant
-  slows every kernel it times; a run's median iteration does not wait on such a minute), then the collectives a
-  training step runs are timed in context (collectives_in_context): each all-reduce,
-  all-gather and reduce-scatter right after a compute burst on every rank (a layer's GEMMs), as a
-  tensor-parallel layer runs them, each rank's time in the call: the transfer and the wait for the other ranks'
-  burst (their compute's jitter, a loaded machine's time slices), which back-to-back collectives after a
-  barrier do not see; and on a CPU FSDP2's unshard() of small units over the ranks beside the bare all-gather
-  (unshards_over_ranks): its time a call and a parameter tensor beyond the collective and its modelled copies
-  ([wrappers.fsdp2] unshard_us, unshard_tensor_us; fit_unshard), and FSDP2's post-backward reduce of the same units
-  beside the bare reduce-scatter and their backward without FSDP2 (reduces_over_ranks; reduce_us,
-  reduce_tensor_us; fit_reduce); and on a CPU the framework block of GPT-2 split
-  over the ranks by tensor parallelism, with and without sequence parallelism, its forward and backward over the
-  world group against the same shard with no group (inline_collectives_over_ranks): what its inline collectives
-  cost a call in a layer's pass (`[host] inline_collective_us`; fit_inline_collective), which a bare collective
-  after a burst under-reads (why: docs/benchmarks-log/device-model.md, 2026-12-06 (s)).
+  slows every kernel it times; a run's median iteration does not wait on such a minute), then measures what the
+  ranks cost together (harness.profile.device_ranks: collectives in context; on a CPU FSDP2's unshard and reduce,
+  the inline collectives of a tensor-parallel block and a pipeline send) and writes the figures fitted on it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,14 +67,13 @@ import torch.nn.functional as F
 
 from harness.common.errors import UserError
 from harness.common.progress import Progress
+from harness.models.transformer import TORCH_DTYPES
 from harness.plan.device import (
-    MIB,
     OPTIMIZER_KINDS,
     REQUIRED_DTYPES,
     Curve,
     DeviceDescription,
     OptimizerCost,
-    WrapperCost,
 )
 from harness.plan.device_fit import (
     BANDWIDTH_KINDS,
@@ -108,16 +89,20 @@ from harness.plan.kernels import (
     Gemm,
     Kernel,
     MemoryBound,
-    PassShape,
-    accumulation_kernels,
     causal_fraction,
-    layer_kernels,
-    reduce_copies,
-    unshard_copies,
 )
-from harness.plan.layers import describe_builtin
-from harness.plan.spec import DTYPES, ModelSpec
+from harness.plan.spec import DTYPES
 from harness.profile.comm import LATE_STEP_S
+from harness.profile.device_blocks import (
+    FRAMEWORK_FAMILIES,
+    WRAPPER_PASSES,
+    framework_block,
+    framework_launch,
+    split_kernels,
+    wrapper_costs,
+    wrapper_runners,
+)
+from harness.profile.device_ranks import describe_over_ranks, measure_over_ranks
 from harness.profile.timer import can_time_issued, synchronize, time_issued, time_region
 
 FIT_SEED = 43  # the fit's shapes; a held-out set draws from another seed and leaves these out
@@ -125,7 +110,6 @@ LAUNCH_LOOP = 50
 LEAD_S = 0.02  # on a GPU: how long a spin kernel holds it while the host issues a launch sample
 ISSUE_LEAD_S = (1e-3, 0.5)  # on a GPU: the least and most a kernel's sample holds it busy (measure)
 VECTOR_LOOP = 20  # multiply-adds a vector sample runs back to back (its tensors stay in cache)
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # memory-bound kernels: a forward kind's bytes an element in units of the dtype's size, as harness.plan.kernels
 # counts them (a backward's 1.5 x; dropout also writes a 1-byte mask an element)
 KIND_BYTES = {"copy": 2, "add": 3, "fill": 1, "layer_norm": 2, "rms_norm": 2, "gelu": 2, "swiglu": 3, "dropout": 2,
@@ -142,26 +126,6 @@ OPTIMIZERS = {"adam": ("adam", 0.0), "sgd": ("sgd", 0.0), "sgd_momentum": ("sgd"
 OPTIMIZER_COUNT_TENSORS = 8  # a step's dispatched operations are counted over 1 and this many tensors
 OPTIMIZER_SMALL = (64, 256)  # (tensors, elements each): the step a kernel's seconds beyond its bytes is taken from
 # (a step over a few large tensors, the bandwidth's, and Scale.optimizer_check between them: not fitted on)
-# collectives in context (2 or more ranks): the operations a tensor-parallel layer runs, the sizes (bytes, as
-# harness collectives counts them), and the compute burst each follows: a GEMM of about BURST_S on this device
-CONTEXT_OPS = ("allreduce", "allgather", "reducescatter")
-CONTEXT_SIZES = {"cpu": (1 << 10, 1 << 24), "cuda": (1 << 16, 1 << 30)}
-CONTEXT_FACTOR = 4  # between sizes (--quick: 16)
-CONTEXT_MIN_ROUNDS = 30  # rounds at least, whatever --repeats: a collective's wait is a wide distribution
-BURST_S = 0.002
-# on a CPU with 2 or more ranks, FSDP2's unshard() over them: units of (parameter tensors, bytes), float32; small,
-# where gloo's all-gather is steady and the copies short (from 1 MiB up it took 0.7 ms in one run, 3-4 in the next)
-UNSHARD_UNITS = tuple((tensors, nbytes) for nbytes in (1 << 16, 1 << 18) for tensors in (1, 8, 32))
-UNSHARD_MIN_ROUNDS = 60  # a unit's difference of two calls of 0.3-1 ms, each with a wait of its own
-INLINE_MIN_ROUNDS = 40  # a pass's difference of 4-10 calls of about 1 ms, each wait from a long-tailed distribution
-# a pipeline send between two ranks, as a profile measures its P2P events: a stage's activations on this project's
-# CPU jobs (tens of KiB to a few MiB)
-P2P_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22)
-P2P_MIN_ROUNDS = 20  # the sender-busy samples: a scheduler's slice won or not, each
-# on a CPU, the blocks a training pass's per-kernel framework time is measured on: small enough that their kernels'
-# own work is a small part of their time, within the fitted kernels' smallest sizes (no curve extrapolated)
-FRAMEWORK_FAMILIES = ("gpt2", "bert", "llama")
-FRAMEWORK_SIZES = {"hidden": 64, "heads": 2, "ffn": 128, "seq_len": 32, "vocab": 64, "micro": 1}
 
 
 @dataclass(frozen=True)
@@ -466,130 +430,6 @@ def _kind_runner(kernel: MemoryBound, device: torch.device) -> Callable[[], obje
     return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
 
-def _framework_model(family: str, dtype: str) -> ModelSpec:
-    sizes = FRAMEWORK_SIZES
-    return ModelSpec(name=f"{family}-framework", family=family, layers=1, hidden=sizes["hidden"],
-                     heads=sizes["heads"], kv_heads=1 if family == "llama" else sizes["heads"], ffn=sizes["ffn"],
-                     seq_len=sizes["seq_len"], vocab=sizes["vocab"], dtype=dtype)
-
-
-def _framework_input(dtype: str, device: torch.device) -> torch.Tensor:
-    sizes = FRAMEWORK_SIZES
-    return torch.randn(sizes["micro"], sizes["seq_len"], sizes["hidden"], dtype=TORCH_DTYPES[dtype], device=device,
-                       requires_grad=True)
-
-
-def _passes(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[Callable[[], object], ...]:
-    """(a forward of `layer` on `x` as a training pass runs it, a forward and its backward)."""
-    def forward():
-        return layer(x)
-
-    def forward_backward():
-        out = layer(x)
-        out.backward(torch.ones_like(out))
-        return out
-    return forward, forward_backward
-
-
-def framework_block(family: str, dtype: str, device: torch.device) -> tuple[Callable[[], object], list[Kernel]]:
-    """A tiny built-in block of `family` (FRAMEWORK_SIZES) as a training pass runs it, forward and backward
-    through nn.Module and autograd: (a closure that runs it once, the kernels harness.plan.kernels lists for
-    that pass)."""
-    from harness.models.transformer import build_layer
-
-    model = _framework_model(family, dtype)
-    block = build_layer(model, "block").to(device)
-    desc = next(layer for layer in describe_builtin(model, 1) if layer.kind == "block")
-    shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
-    kernels = layer_kernels(desc, shape, "fwd") + split_kernels(family, dtype)[0]
-    return _passes(block, _framework_input(dtype, device))[1], kernels
-
-
-def split_kernels(family: str, dtype: str) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
-    """framework_block's block's backward, whole and split (wrapper_runners' split): the kernels of its plain
-    backward, of the input's half and of the weights' half, as harness.plan.kernels lists them, each with the
-    gradient adds run after run makes in it (the input's in the first half, the parameters' in the second:
-    stage_backward_input and _weight add into .grad), listed so that the framework's time holds none (a job lists
-    its own accumulation, harness.plan.kernels.job_event_kernels)."""
-    desc = next(layer for layer in describe_builtin(_framework_model(family, dtype), 1) if layer.kind == "block")
-    shape = PassShape(micro=FRAMEWORK_SIZES["micro"], seq=FRAMEWORK_SIZES["seq_len"])
-    inputs = FRAMEWORK_SIZES["micro"] * FRAMEWORK_SIZES["seq_len"] * FRAMEWORK_SIZES["hidden"]
-    input_add = MemoryBound("input.grad_accumulate", 3.0 * inputs * DTYPES[dtype], dtype, op="add",
-                            elements=float(inputs))
-
-    def weights_added(phase: str) -> list[Kernel]:
-        return accumulation_kernels({"layer": "block", "signature": desc.signature, "phase": phase}, 1.0)
-    return (layer_kernels(desc, shape, "bwd") + weights_added("bwd") + [input_add],
-            layer_kernels(desc, shape, "bwd_input") + [input_add],
-            layer_kernels(desc, shape, "bwd_weight") + weights_added("bwd_weight"))
-
-
-# the runners of wrapper_runners, in order: the plain block's forward, then each wrapper's forward and forward with
-# backward (the split backward's: forward with the input's half, and with both halves); the plain block's forward
-# and backward is framework_block's
-WRAPPER_PASSES = ("plain", "checkpointed", "fsdp2", "split_backward")
-
-
-def wrapper_runners(family: str, dtype: str, device: torch.device) -> list[Callable[[], object]]:
-    """A tiny built-in block of `family` (framework_block's size) as a run wraps a layer (module docstring): its
-    plain forward, then per wrapper (WRAPPER_PASSES[1:]) its forward and its forward with backward; for the split
-    backward its forward with the input's half (stage_backward_input) and with both halves. The FSDP2 unit is over
-    this rank alone (harness.profile.sharded: call within its leaving_no_world)."""
-    from harness.models import checkpointed, split_backward
-    from harness.models.transformer import build_layer
-    from harness.profile.sharded import shard_alone
-
-    model = _framework_model(family, dtype)
-    x = _framework_input(dtype, device)
-    block = build_layer(model, "block").to(device)
-    unit = shard_alone(build_layer(model, "block").to(device), device)
-    backward_input, backward_weight = split_backward()
-
-    def split(weights: bool) -> Callable[[], object]:
-        def run():
-            out = block(x)
-            _, groups = backward_input([out], [torch.ones_like(out)], [x], block.parameters())
-            if weights:
-                backward_weight(block.parameters(), groups)
-            return out
-        return run
-    return [_passes(block, x)[0], *_passes(lambda y: checkpointed(block, y), x), *_passes(unit, x),
-            split(False), split(True)]
-
-
-def wrapper_costs(plain_forward_backward: Sequence[float], passes: Sequence[Sequence[float]],
-                  split_modelled: Sequence[tuple[float, float, float]]) -> dict[str, WrapperCost]:
-    """[wrappers] from the families' measured seconds: `plain_forward_backward` each family's plain block forward
-    and backward (framework_block's), `passes` its wrapper_runners' seconds. A wrapper's forward is its forward
-    less the plain one; its backward its backward (its forward and backward less its forward) less the plain
-    backward, and for a checkpoint less the forward it runs again too, as wrapped (the plan runs that forward
-    again as the layer's forward event, wrapper and all). The split backward's halves (the input's: its forward
-    with that half less the plain forward; the weights': the rest) each less its own kernels: `split_modelled` the
-    family's modelled seconds of split_kernels' (plain backward, input's half, weights' half), scaled by the
-    measured plain backward over its modelled one (what the model leaves out of a plain pass is not the split's).
-    The median over the families, at least 0."""
-    names = WRAPPER_PASSES[1:]
-    forward, backward, weight = ({name: [] for name in names} for _ in range(3))
-    for both, (plain, *wrapped), modelled in zip(plain_forward_backward, passes, split_modelled):
-        plain_backward = both - plain
-        for i, name in enumerate(names):
-            ahead, whole = wrapped[2 * i], wrapped[2 * i + 1]
-            if name == "split_backward":
-                whole_modelled, input_modelled, weight_modelled = modelled
-                scale = plain_backward / whole_modelled if whole_modelled > 0 else 1.0
-                forward[name].append(0.0)
-                backward[name].append(ahead - plain - scale * input_modelled)
-                weight[name].append(whole - ahead - scale * weight_modelled)
-                continue
-            forward[name].append(ahead - plain)
-            backward[name].append(whole - ahead - plain_backward - (ahead if name == "checkpointed" else 0.0))
-            weight[name].append(0.0)
-
-    def median(values: list[float]) -> float:
-        return max(0.0, float(np.median(values)))
-    return {name: WrapperCost(median(forward[name]), median(backward[name]), weight_s=median(weight[name]))
-            for name in names}
-
 
 def causal_kernels(kind: str, dtype: str) -> list[Attention]:
     """The fused attentions causal_tile_of reads: at each of the kind's causal_seqs, forward and backward, full
@@ -623,14 +463,6 @@ def causal_tile_of(rows: Sequence[dict[str, Any]]) -> int:
     scores = {tile: misfit(tile) for tile in candidates}
     best = min(scores.values())
     return min(tile for tile, score in scores.items() if score <= best * (1 + 1e-9))
-
-
-def framework_launch(description: DeviceDescription, blocks: Sequence[tuple[list[Kernel], float]]) -> list[float]:
-    """Per block (kernels, measured seconds), its seconds a launch beyond its kernels' modelled work on
-    `description` (launches costed 0): a list in the blocks' order."""
-    workless = dataclasses.replace(description, launch_s=0.0)
-    return [(seconds - sum(kernel_seconds(workless, k) for k in kernels))
-            / sum(description.kernel_launches(k) for k in kernels) for kernels, seconds in blocks]
 
 
 def _launch_runner(device: torch.device) -> Callable[[], object]:
@@ -857,68 +689,6 @@ def measure_kernels(kernels: Sequence[Kernel], device: torch.device, repeats: in
     return [Observation(curve_of(k), k, s) for k, s in zip(kernels, seconds)]
 
 
-def collectives_in_context(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int,
-                           quick: bool, group=None) -> list[dict[str, Any]]:
-    """The collectives of CONTEXT_OPS over CONTEXT_SIZES, timed in context on every rank of `comm` (mpi4py; torch's
-    process group started): each right after a compute burst (a square GEMM of about BURST_S at
-    `matrix_peak`), each rank's time in the call; and beside it back to back, after a barrier, as harness
-    collectives times it (the slowest rank's). Rounds (`repeats`, at least CONTEXT_MIN_ROUNDS) interleave every
-    operation and size. A row per operation and size: bytes, `in_context_s` (the mean over rounds of the ranks'
-    mean time in the call: what a step loses to it on average, the transfer and the wait for the other ranks'
-    burst; a mean, since a step's time is the sum of its collectives' and the wait's distribution has a long
-    tail of lost time slices) and `back_to_back_s` (the median, as harness collectives reports)."""
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    from harness.plan.collectives import input_elements, round_size
-    from harness.profile.collectives import CollectiveBench
-
-    ranks = comm.Get_size()
-    kind = device.type if device.type in CONTEXT_SIZES else "cpu"
-    low, high = CONTEXT_SIZES[kind]
-    factor = CONTEXT_FACTOR ** 2 if quick else CONTEXT_FACTOR
-    sizes, size = [], low
-    while size <= high:
-        sizes.append(size)
-        size *= factor
-    bench = CollectiveBench(comm, tuple(range(ranks)), "torch", "float32", device, group)
-    tasks = []
-    for op in CONTEXT_OPS:
-        for nbytes in sizes:
-            nbytes = round_size(op, nbytes, "float32", ranks)
-            _, _, run, _ = bench._torch(op, *input_elements(op, nbytes, "float32", ranks))
-            tasks.append((op, nbytes, run))
-    side = max(16, round((BURST_S * matrix_peak / 2) ** (1 / 3)))
-    a, b = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
-    repeats = max(repeats, CONTEXT_MIN_ROUNDS)
-    in_context = np.zeros((len(tasks), repeats))
-    back_to_back = np.zeros((len(tasks), repeats))
-    for round_index in range(warmup + repeats):
-        for index, (_, _, run) in enumerate(tasks):
-            torch.mm(a, b)
-            synchronize(device)
-            started = time.perf_counter_ns()
-            run()
-            synchronize(device)
-            took = (time.perf_counter_ns() - started) / 1e9
-            dist.barrier(group=group)
-            synchronize(device)
-            started = time.perf_counter_ns()
-            run()
-            synchronize(device)
-            alone = (time.perf_counter_ns() - started) / 1e9
-            if round_index >= warmup:
-                in_context[index, round_index - warmup] = took
-                back_to_back[index, round_index - warmup] = alone
-    mean = np.empty_like(in_context)
-    comm.Allreduce(in_context, mean, op=MPI.SUM)
-    slowest = np.empty_like(back_to_back)
-    comm.Allreduce(back_to_back, slowest, op=MPI.MAX)
-    return [{"op": op, "bytes": nbytes, "ranks": ranks, "in_context_s": float(np.mean(mean[i] / ranks)),
-             "back_to_back_s": float(np.median(slowest[i])), "burst_s": BURST_S}
-            for i, (op, nbytes, _) in enumerate(tasks)]
-
-
 def describe_machine(device: torch.device) -> tuple[str, float]:
     """(title, memory in GB) of `device`: the GPU's name and memory, or the CPU's model name and this machine's
     memory."""
@@ -1056,308 +826,13 @@ def calibrate(device: torch.device, dtype: str, repeats: int, quick: bool, name:
     if comm is not None and comm.Get_size() > 1:
         calibration.ranks = comm.Get_size()
         (calibration.collectives, calibration.unshards, calibration.reduces, calibration.inline,
-         calibration.p2p) = _collectives(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick, dtype)
-        if calibration.inline:
-            fitted = dataclasses.replace(fitted, inline_collective_s=fit_inline_collective(calibration.inline))
-            calibration.description = fitted
-        if calibration.p2p:
-            fitted = dataclasses.replace(fitted, **fit_p2p(calibration.p2p))
-            calibration.description = fitted
-        if calibration.unshards or calibration.reduces:
-            fsdp2 = fitted.wrappers.get("fsdp2", WrapperCost(0.0, 0.0))
-            if calibration.unshards:
-                unshard_s, tensor_s = fit_unshard(fitted, calibration.unshards)
-                fsdp2 = dataclasses.replace(fsdp2, unshard_s=unshard_s, unshard_tensor_s=tensor_s)
-            if calibration.reduces:
-                reduce_s, tensor_s = fit_reduce(fitted, calibration.reduces)
-                fsdp2 = dataclasses.replace(fsdp2, reduce_s=reduce_s, reduce_tensor_s=tensor_s)
-            calibration.description = dataclasses.replace(fitted, wrappers={**fitted.wrappers, "fsdp2": fsdp2})
+         calibration.p2p) = measure_over_ranks(comm, device, fitted.matrix_peak["float32"], repeats, warmup, quick,
+                                               dtype)
+        calibration.description = describe_over_ranks(fitted, calibration.inline, calibration.p2p,
+                                                      calibration.unshards, calibration.reduces)
     calibration.description = _with_note(calibration, kind, quick)
     calibration.seconds = time.monotonic() - started
     return calibration
-
-
-def _collectives(comm, device: torch.device, matrix_peak: float, repeats: int, warmup: int, quick: bool,
-                 dtype: str = "float32") -> tuple[list[dict[str, Any]], ...]:
-    """collectives_in_context and, on a CPU, unshards_over_ranks, reduces_over_ranks,
-    inline_collectives_over_ranks and p2p_over_ranks, over torch.distributed started on `comm` (gloo on a CPU, NCCL
-    on a GPU), ended after."""
-    from harness.runtime.distributed import destroy_process_group, init_process_group
-    from launcher.topology import discover
-
-    comm.Barrier()
-    init_process_group(comm, discover(comm), device)
-    try:
-        rows = collectives_in_context(comm, device, matrix_peak, repeats, warmup, quick)
-        cpu = device.type == "cpu"
-        unshards = unshards_over_ranks(comm, device, repeats, warmup) if cpu else []
-        reduces = reduces_over_ranks(comm, device, repeats, warmup) if cpu else []
-        inline = inline_collectives_over_ranks(comm, device, dtype, repeats, warmup) if cpu else []
-        p2p = p2p_over_ranks(comm, device, repeats, warmup) if cpu else []
-        return rows, unshards, reduces, inline, p2p
-    finally:
-        destroy_process_group()
-
-
-def inline_collectives_over_ranks(comm, device: torch.device, dtype: str, repeats: int,
-                                  warmup: int) -> list[dict[str, Any]]:
-    """The framework block of GPT-2 (FRAMEWORK_SIZES) split over every rank of `comm` by tensor parallelism,
-    without and with sequence parallelism (torch's process group started: its world group), forward and backward as
-    a pass runs them, against the same shard with no group (harness.models.tp: its exchanges stay on the rank), both
-    after a barrier, interleaved in rounds (`repeats`, at least INLINE_MIN_ROUNDS). A row per variant: `sp`, `calls`
-    (the inline collectives a pass runs, counted through the models' collective hook), `ranks`, `bytes` (one call's
-    activations), `grouped_s` and `alone_s` (the mean over rounds and ranks: a step pays every wait of the long
-    tail). None where the block does not split over the ranks (its heads, sequence and MLP by the rank count)."""
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    from harness.models import tp as tensor_parallel
-    from harness.models.transformer import build_layer
-
-    ranks, rank = comm.Get_size(), comm.Get_rank()
-    sizes = FRAMEWORK_SIZES
-    heads = max(sizes["heads"], ranks)
-    if sizes["hidden"] % heads or sizes["seq_len"] % ranks or sizes["ffn"] % ranks:
-        return []
-    model = dataclasses.replace(_framework_model("gpt2", dtype), heads=heads, kv_heads=heads)
-    calls = [0]
-
-    def counted(name: str, run: Callable[[], None]) -> None:
-        calls[0] += 1
-        run()
-
-    variants = []
-    for sp in (False, True):
-        torch.manual_seed(0)
-        grouped = build_layer(model, "block", tp=ranks, group=dist.group.WORLD, tp_index=rank, sp=sp).to(device)
-        alone = build_layer(model, "block", tp=ranks, group=None, tp_index=rank, sp=sp).to(device)
-        shape = (sizes["micro"], sizes["seq_len"] // (ranks if sp else 1), sizes["hidden"])
-        x = torch.randn(*shape, dtype=TORCH_DTYPES[dtype], device=device, requires_grad=True)
-        variants.append((sp, grouped, alone, x))
-    repeats = max(repeats, INLINE_MIN_ROUNDS)
-    times = np.zeros((len(variants), 2, repeats))
-    counts = [0] * len(variants)
-    tensor_parallel.set_collective_hook(counted)
-    try:
-        for round_index in range(warmup + repeats):
-            for index, (_, grouped, alone, x) in enumerate(variants):
-                for which, layer in enumerate((grouped, alone)):
-                    calls[0] = 0
-                    comm.Barrier()
-                    synchronize(device)
-                    started = time.perf_counter_ns()
-                    out = layer(x)
-                    out.backward(torch.ones_like(out))
-                    synchronize(device)
-                    took = (time.perf_counter_ns() - started) / 1e9
-                    layer.zero_grad(set_to_none=True)
-                    x.grad = None
-                    if which == 0:
-                        counts[index] = calls[0]
-                    if round_index >= warmup:
-                        times[index, which, round_index - warmup] = took
-    finally:
-        tensor_parallel.set_collective_hook(None)
-    total = np.empty_like(times)
-    comm.Allreduce(times, total, op=MPI.SUM)
-    mean = total.mean(axis=2) / ranks
-    nbytes = sizes["micro"] * sizes["seq_len"] * sizes["hidden"] * DTYPES[dtype]
-    return [{"sp": sp, "calls": counts[i], "ranks": ranks, "bytes": nbytes, "grouped_s": float(mean[i, 0]),
-             "alone_s": float(mean[i, 1])} for i, (sp, _, _, _) in enumerate(variants)]
-
-
-def fit_inline_collective(rows: Sequence[Mapping[str, Any]]) -> float:
-    """`[host] inline_collective_us` (in seconds) from inline_collectives_over_ranks' rows: the passes' time over
-    the world group beyond the same shards alone, over all their inline collectives (a call's wait and hand-off at
-    the framework block's few KiB, its bytes' time negligible there); not below 0."""
-    calls = sum(row["calls"] for row in rows)
-    if not calls:
-        return 0.0
-    return max(0.0, sum(row["grouped_s"] - row["alone_s"] for row in rows) / calls)
-
-
-def p2p_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """A send from the first rank of `comm` to the second at each of P2P_SIZES (float32), measured by the profile's
-    own P2P measurement (harness.profile.comm.CommProfiler: the ping-pong, the send posted as a training step
-    posts it, the sender computing when its receiver posts late, the stream of late receives) with `repeats` rounds
-    (at least P2P_MIN_ROUNDS).
-    A row per size on every rank: `bytes`, `ranks`, `least_s` (the least half round trip, what stands for a P2P),
-    `sender_busy_s` (the mean of the sender-busy samples), `extra_s` (that beyond least_s, not below 0: what
-    analysis.costs.corrections reads from a profile), `post_s` (the median post) and, where the stream's run-queue
-    waits can be read, `late_s` (the median over its rounds, not below 0)."""
-    from harness.profile.comm import CommProfiler
-    from launcher.placement import CommTask
-
-    profiler = CommProfiler(comm, "torch", device)
-    rows = []
-    for nbytes in P2P_SIZES:
-        task = CommTask(f"calibration-p2p-{nbytes}", "p2p", {"dtype": "float32", "bytes": nbytes}, (0, 1))
-        samples = profiler.measure(task, warmup, max(repeats, P2P_MIN_ROUNDS))
-        row = None
-        if samples is not None:  # the task's first rank
-            least, busy = float(samples.samples_s.min()), float(samples.sender_busy_s.mean())
-            row = {"bytes": nbytes, "ranks": comm.Get_size(), "least_s": least, "sender_busy_s": busy,
-                   "extra_s": max(0.0, busy - least), "post_s": float(np.nanmedian(samples.send_post_s))}
-            if samples.late_s.size:
-                row["late_s"] = max(0.0, float(np.median(samples.late_s)))
-        rows.append(comm.bcast(row, root=0))
-    return rows
-
-
-def fit_p2p(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """`[host] p2p_post_us`, `p2p_sender_busy_us` and (where the rows have it) `p2p_late_us`, each with its
-    `_per_mib`, from p2p_over_ranks' rows (the description's attributes, in seconds): each a line in the sizes'
-    bytes by least squares (the isend's call writes the bytes the socket takes; the library's threads move the rest
-    in the slices they win), its slope and intercept not below 0."""
-    mib = np.array([row["bytes"] for row in rows], dtype=float) / MIB
-    out = {}
-    for column, name in (("post_s", "p2p_post_s"), ("extra_s", "p2p_sender_busy_s"), ("late_s", "p2p_late_s")):
-        if any(column not in row for row in rows):
-            continue
-        seconds = np.array([row[column] for row in rows], dtype=float)
-        spread = float(((mib - mib.mean()) ** 2).sum())
-        slope = max(0.0, float(((mib - mib.mean()) * (seconds - seconds.mean())).sum()) / spread) if spread else 0.0
-        out[name], out[f"{name}_per_mib"] = max(0.0, float(seconds.mean()) - slope * float(mib.mean())), slope
-    return out
-
-
-def unshards_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """FSDP2's unshard() of units of UNSHARD_UNITS (float32 tensors of equal size, fully_shard over every rank of
-    `comm`; torch's process group started), each beside the bare all-gather of the unit's bytes, each after a
-    barrier, every unit and both calls interleaved in rounds (`repeats`, at least UNSHARD_MIN_ROUNDS); a sample is
-    the slowest rank's. A row per unit: tensors, bytes, ranks, `unshard_s` and `bare_s` (medians) and `extra_s`
-    (the median over rounds of the unshard less the bare all-gather beside it)."""
-    import torch.distributed as dist
-    from mpi4py import MPI
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    from harness.models.flat_collectives import all_gather_single
-    from harness.profile.comm import TrivialUnit
-
-    ranks = comm.Get_size()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
-    units = []
-    for shapes in _unit_shapes(ranks):
-        unit = TrivialUnit(shapes, device)
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-        whole = torch.empty(sum(shape.numel() for shape, _ in shapes), device=device)
-        units.append((unit, whole, whole[:whole.numel() // ranks].clone()))
-    repeats = max(repeats, UNSHARD_MIN_ROUNDS)
-    times = np.zeros((2, len(units), repeats))
-    for round_index in range(warmup + repeats):
-        for index, (unit, whole, shard) in enumerate(units):
-            for call, run in enumerate((unit.unshard, functools.partial(all_gather_single, whole, shard))):
-                comm.Barrier()
-                synchronize(device)
-                started = time.perf_counter_ns()
-                run()
-                synchronize(device)
-                if round_index >= warmup:
-                    times[call, index, round_index - warmup] = (time.perf_counter_ns() - started) / 1e9
-            unit.reshard()
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return [{"tensors": len(list(unit.parameters())), "bytes": whole.numel() * 4, "ranks": ranks,
-             "unshard_s": float(np.median(slowest[0, i])), "bare_s": float(np.median(slowest[1, i])),
-             "extra_s": float(np.median(slowest[0, i] - slowest[1, i]))}
-            for i, (unit, whole, _) in enumerate(units)]
-
-
-def _unit_shapes(ranks: int) -> list[list[tuple[torch.Size, torch.dtype]]]:
-    """UNSHARD_UNITS as parameter shapes: each unit's tensors of rows of 64 float32, split evenly over `ranks`."""
-    out = []
-    for tensors, nbytes in UNSHARD_UNITS:
-        rows = max(ranks, nbytes // 4 // tensors // 64 // ranks * ranks)
-        out.append([(torch.Size((rows, 64)), torch.float32)] * tensors)
-    return out
-
-
-def reduces_over_ranks(comm, device: torch.device, repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """FSDP2's post-backward reduce of units of UNSHARD_UNITS (fully_shard over every rank of `comm`, its weights
-    kept whole after the forward: the backward then only reduces), as a profile times a ZeRO reduce-scatter
-    (harness.profile.comm: the backward of a trivial use of the weights), beside the same backward without FSDP2
-    and the bare reduce-scatter of the unit's bytes, each after a barrier, every unit and the three interleaved
-    in rounds (`repeats`, at least UNSHARD_MIN_ROUNDS); a sample is the slowest rank's. A row per unit: tensors,
-    bytes, ranks, `reduce_s`, `plain_s` and `bare_s` (medians) and `extra_s` (the median over rounds of the
-    reduce less the plain backward and the bare reduce-scatter beside it)."""
-    import torch.distributed as dist
-    from mpi4py import MPI
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    from harness.models.flat_collectives import reduce_scatter_single
-    from harness.profile.comm import TrivialUnit
-
-    ranks = comm.Get_size()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
-    one = torch.ones((), device=device)
-    units = []
-    for shapes in _unit_shapes(ranks):
-        sharded, plain = TrivialUnit(shapes, device), TrivialUnit(shapes, device)
-        fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-        whole = torch.empty(sum(shape.numel() for shape, _ in shapes), device=device)
-        units.append((sharded, plain, whole, torch.empty(whole.numel() // ranks, device=device)))
-
-    def timed(run: Callable[[], Any]) -> float:
-        comm.Barrier()
-        synchronize(device)
-        started = time.perf_counter_ns()
-        run()
-        synchronize(device)
-        return (time.perf_counter_ns() - started) / 1e9
-
-    repeats = max(repeats, UNSHARD_MIN_ROUNDS)
-    times = np.zeros((3, len(units), repeats))
-    for round_index in range(warmup + repeats):
-        for index, (sharded, plain, whole, shard) in enumerate(units):
-            took = []
-            for unit in (sharded, plain):
-                loss = unit(one)  # FSDP2's gathers (untimed): its backward then finds whole weights
-                took.append(timed(loss.backward))
-                unit.zero_grad(set_to_none=True)
-            sharded.reshard()
-            took.append(timed(functools.partial(reduce_scatter_single, shard, whole)))
-            if round_index >= warmup:
-                times[:, index, round_index - warmup] = took
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return [{"tensors": len(list(sharded.parameters())), "bytes": whole.numel() * 4, "ranks": ranks,
-             "reduce_s": float(np.median(slowest[0, i])), "plain_s": float(np.median(slowest[1, i])),
-             "bare_s": float(np.median(slowest[2, i])),
-             "extra_s": float(np.median(slowest[0, i] - slowest[1, i] - slowest[2, i]))}
-            for i, (sharded, _, whole, _) in enumerate(units)]
-
-
-def _per_call_and_tensor(extra: Sequence[float], tensors: Sequence[float]) -> tuple[float, float]:
-    """(a time a call, a time a parameter tensor) through units' extra times by Theil-Sen: the median of the slopes
-    between units of different tensor counts, then the median of what is left (one unit's wait that ran long moves
-    neither); neither below 0."""
-    slopes = [(extra[j] - extra[i]) / (tensors[j] - tensors[i])
-              for i in range(len(extra)) for j in range(i + 1, len(extra)) if tensors[j] != tensors[i]]
-    per_tensor = max(0.0, float(np.median(slopes))) if slopes else 0.0
-    call = float(np.median([y - per_tensor * k for y, k in zip(extra, tensors)]))
-    return max(0.0, call), per_tensor
-
-
-def fit_reduce(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
-    """[wrappers.fsdp2] (reduce_s, reduce_tensor_s) from reduces_over_ranks' rows: each unit's reduce beyond its
-    plain backward and bare reduce-scatter (`extra_s`), less its copy-in on `description`
-    (harness.plan.kernels.reduce_copies), as a time a call plus a time a parameter tensor (_per_call_and_tensor)."""
-    extra = [row["extra_s"] - sum(kernel_seconds(description, kernel)
-                                  for kernel in reduce_copies(row["bytes"], "float32")) for row in rows]
-    return _per_call_and_tensor(extra, [float(row["tensors"]) for row in rows])
-
-
-def fit_unshard(description: DeviceDescription, rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
-    """[wrappers.fsdp2] (unshard_s, unshard_tensor_s) from unshards_over_ranks' rows: each unit's unshard beyond
-    its bare all-gather (`extra_s`), less its copies on `description` (harness.plan.kernels.unshard_copies), as a
-    time a call plus a time a parameter tensor, by Theil-Sen (the median of the slopes between units of different
-    tensor counts, then the median of what is left: one unit's wait that ran long moves neither); neither below 0."""
-    extra = [row["extra_s"] - sum(kernel_seconds(description, kernel)
-                                  for kernel in unshard_copies(row["bytes"], row["ranks"], "float32", row["tensors"]))
-             for row in rows]
-    return _per_call_and_tensor(extra, [float(row["tensors"]) for row in rows])
 
 
 def _with_note(calibration: Calibration, kind: str, quick: bool) -> DeviceDescription:
