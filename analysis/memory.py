@@ -5,9 +5,10 @@
   whole with vocab_parallel = false) x dtype bytes;
 - gradients: as many, in the weights' dtype, or in fp32 with master weights (Megatron-LM's main gradients)
   (data-parallel buckets are views of them, as DDP's
-  gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets, else
-  each chunk's once its first backward (a split backward's W) has made them (a MoE block's experts', out of
-  the buckets, so always);
+  gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets or
+  Megatron's main-gradient buffers (master weights without ZeRO: made when the model is wrapped, zeroed at each
+  step), else each chunk's once its first backward (a split backward's W) has made them (a MoE block's experts',
+  out of the buckets, so always);
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
   in fp32 with master weights, which add an fp32 copy of the weights (Megatron-LM's mixed precision: 2 + 4 + 4
   + 8 = 18 bytes a parameter with Adam; with its distributed optimizer, zero = 1, the 12 sharded over dp);
@@ -56,9 +57,9 @@
   with the optimizer step).
 The peak is the largest total over the device's steps in schedule order: after each forward (weights,
 optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
-from the start with data parallelism, whose buckets persist), as each backward starts (its received gradient beside its
-micro-batch's activations; its worst moment, with the temporaries) and after it (its activations freed, its
-gradients made, both buffers held).
+from the start with data parallelism, whose buckets persist, or Megatron's main gradients), as each backward
+starts (its received gradient beside its micro-batch's activations; its worst moment, with the temporaries) and
+after it (its activations freed, its gradients made, both buffers held).
 """
 from __future__ import annotations
 
@@ -471,12 +472,18 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
         params = sum(plan.layers[i].params for vs in local for i in plan.stages[vs].layers)
         weights, gradients, optimizer = model_state_bytes(spec, params)
         # the gradients held: with DDP's buckets all of them from the start, else each chunk's once its first
-        # backward (a split backward's W) has made them; a MoE block's experts' (out of the buckets) so always
+        # backward (a split backward's W) has made them; a MoE block's experts' (out of the buckets) so always.
+        # Megatron's main gradients (master weights) are buffers made when the model is wrapped, experts' too,
+        # zeroed at each step and never freed: all of them from the start, whatever dp
         chunk_params = {vs: sum(plan.layers[i].params for i in plan.stages[vs].layers) for vs in local}
         chunk_experts = {vs: sum(plan.layers[i].expert_params for i in plan.stages[vs].layers) for vs in local}
+        main_buffers = spec.optimizer.master_weights and not s.zero
         bucketed = s.gradient_replicas > 1 and not s.zero
-        from_start = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
-        once_made = {vs: chunk_experts[vs] if bucketed else chunk_params[vs] for vs in local}
+        if main_buffers:
+            from_start, once_made = params, {vs: 0 for vs in local}
+        else:
+            from_start = sum(chunk_params[vs] - chunk_experts[vs] for vs in local) if bucketed else 0
+            once_made = {vs: chunk_experts[vs] if bucketed else chunk_params[vs] for vs in local}
         made: set[int] = set()
         grads_made = _gradients_held(gradients, params, from_start, once_made, made)  # again as each chunk's are made
 

@@ -75,6 +75,27 @@ def test_gradients_count_from_the_first_backward_without_data_parallelism():
     assert replicated.stages[0].gradients == weights  # buckets persist: gradients from the start
 
 
+def test_megatrons_main_gradients_are_held_from_the_start_without_data_parallelism():
+    """Master weights (Megatron's mixed precision) keep float32 main gradients in buffers made when the model is
+    wrapped, zeroed at each step: one micro-batch without data parallelism peaks with all of them beside its
+    activations (Korthikanti et al.'s 22B on one DGX: 4 sequences a step, tp 8); without master weights the
+    gradients are made by its one backward, as its activations go."""
+    data = json.loads(make_spec(pp=1, micro_batches=1).to_json())
+    data["model"]["dtype"] = "bfloat16"
+    plain = parse_spec(data)
+    data["optimizer"] = {**data["optimizer"], "master_weights": True}
+    megatron = parse_spec(data)
+    for spec, held in ((megatron, True), (plain, False)):
+        plan, memory = _estimate(spec)
+        (stage,) = memory.stages
+        params = sum(layer.params for layer in plan.layers)
+        grads = params * (4 if held else 2)
+        assert stage.activations > 0
+        assert stage.gradients == (grads if held else 0)
+        assert stage.metered == (stage.weights + stage.gradients + stage.optimizer + stage.activations
+                                 + stage.pipeline + stage.remade)
+
+
 def test_a_device_that_does_not_fit_says_by_how_much_and_what_dominates():
     _, memory = _estimate(make_spec(pp=2, micro_batches=4), 1000)
     assert memory.fits(None) and memory.fits(memory.peak_bytes) and not memory.fits(memory.peak_bytes - 1)
