@@ -1,0 +1,202 @@
+"""Held against Megatron-LM's own published iterations: the eight end-to-end iteration times of Korthikanti et al.
+2022, Table 5 (bench/data/megatron-table5.csv; README there: source, layouts, cluster), 8 to 512 A100s, each
+predicted from its spec alone. Calculon validates on the same eight rows and reports a 3.7% mean |error|.
+
+Each row becomes Megatron-LM's arguments (megatron_arguments: GPT-2's vocabulary, fp16, dropout 0.1, local
+layers, whose attention is materialised as Megatron-LM's was in 2022; full recompute of every layer, or sequence
+parallelism with selective recompute; the interleaved schedule where the row has virtual stages), then a spec
+through the project's own importer (harness.plan.importers.megatron), on Selene as the paper states it: the
+device `--device` (default the shipped `a100-80gb`, whose efficiency figures are documented starting values,
+fitted on nothing) and DGX A100's network (harness/jobs/dgx-a100.toml: NVLink 3 with NVSwitch, one 200 Gb/s HDR
+adapter a GPU, rails) with the NVLink tier's memory at the A100 80GB's 2,039 GB/s. analysis.predict.predict_spec
+predicts each (no profile, data parallelism 1: no gradient all-reduce). Nothing is fitted here, and no figure in
+the project was fitted on these rows.
+
+Printed: each row's measured and predicted time, error, where the predicted time went (compute, tensor-parallel
+communication, pipeline bubble and transfers), the predicted peak memory a GPU against the A100's 80 GB, and the
+90% interval a spec alone states (analysis.uncertainty.spec_only_interval on the GPU residuals); then the mean,
+median and worst |error| beside Calculon's reported figure, and the interval's coverage. `--json PATH` writes them.
+
+Run: .venv/bin/python bench/megatron_table.py [--device NAME_OR_PATH] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from analysis.predict import predict_spec  # noqa: E402
+from analysis.uncertainty import spec_only_interval, spec_only_residuals  # noqa: E402
+from bench.published import error_summary, errors_pct, time_spent  # noqa: E402
+from harness.common.errors import UserError  # noqa: E402
+from harness.common.output import format_table  # noqa: E402
+from harness.plan.device import load_device  # noqa: E402
+from harness.plan.importers.megatron import from_megatron  # noqa: E402
+from harness.plan.network import NetworkTier  # noqa: E402
+from harness.plan.spec import JobSpec, load_spec  # noqa: E402
+
+TABLE = ROOT / "bench" / "data" / "megatron-table5.csv"
+CLUSTER = ROOT / "harness" / "jobs" / "dgx-a100.toml"
+DEVICE = "a100-80gb"
+HBM_GBS = 2039.0  # A100 SXM4 80GB (NVIDIA's datasheet): Selene's nodes
+SEQ = 2048
+GIB = 1 << 30
+PUBLISHED = {"Calculon (its authors' validation)": 3.7}
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published iteration: its model, layout, recompute and measured time (seconds)."""
+
+    model: str
+    layers: int
+    hidden: int
+    heads: int
+    tp: int
+    pp: int
+    layers_per_virtual_stage: int | None
+    gpus: int
+    global_batch: int
+    micro: int
+    recompute: str  # full | selective
+    sp: bool
+    measured_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {'sp + selective' if self.sp else self.recompute + ' recompute'}"
+
+
+def read_rows(path: Path = TABLE) -> list[Row]:
+    """The table's rows, in file order."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            virtual = row["layers_per_virtual_stage"]
+            rows.append(Row(row["model"], int(row["layers"]), int(row["hidden"]), int(row["heads"]),
+                            int(row["tensor_parallel"]), int(row["pipeline_parallel"]),
+                            int(virtual) if virtual else None, int(row["gpus"]), int(row["global_batch"]),
+                            int(row["micro_batch"]), row["recompute"], row["sequence_parallel"] == "true",
+                            float(row["iteration_s"])))
+    return rows
+
+
+def megatron_arguments(row: Row) -> str:
+    """The row as Megatron-LM's arguments (module docstring)."""
+    args = (f"--num-layers {row.layers} --hidden-size {row.hidden} --num-attention-heads {row.heads} "
+            f"--seq-length {SEQ} --max-position-embeddings {SEQ} --micro-batch-size {row.micro} "
+            f"--global-batch-size {row.global_batch} --tensor-model-parallel-size {row.tp} "
+            f"--pipeline-model-parallel-size {row.pp} --fp16 --vocab-file gpt2-vocab.json "
+            "--merge-file gpt2-merges.txt --transformer-impl local --hidden-dropout 0.1 --attention-dropout 0.1")
+    if row.layers_per_virtual_stage:
+        args += f" --num-layers-per-virtual-pipeline-stage {row.layers_per_virtual_stage}"
+    if row.recompute == "full":
+        return args + " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    return args + (" --sequence-parallel" if row.sp else "") + " --recompute-granularity selective"
+
+
+def selene_network() -> tuple[NetworkTier, ...]:
+    """DGX A100's tiers (harness/jobs/dgx-a100.toml), the NVLink tier's memory the A100 80GB's (HBM_GBS)."""
+    tiers = load_spec(CLUSTER, import_factory=False).cluster.network
+    return tuple(dataclasses.replace(tier, memory_gbs=HBM_GBS) if tier.memory_gbs else tier for tier in tiers)
+
+
+def row_spec(row: Row, device: str = DEVICE) -> JobSpec:
+    """The row's spec: its Megatron-LM arguments through the importer, on Selene (module docstring)."""
+    spec = from_megatron(megatron_arguments(row), gpus=row.gpus).spec
+    return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, device=device,
+                                                                 network=selene_network()))
+
+
+def predict_rows(rows: Sequence[Row], device: str = DEVICE) -> list[dict]:
+    """Each row predicted from its spec alone: measured and predicted seconds, error, where the time went (ms),
+    the peak memory a GPU (GiB) and the 90% interval (seconds; None without GPU residuals)."""
+    out = []
+    for row in rows:
+        spec = row_spec(row, device)
+        prediction = predict_spec(spec, dp_overlap=False, resamples=0)
+        seconds = prediction.timeline.batch_time_s
+        residuals = spec_only_residuals(spec, "gpu")
+        interval = spec_only_interval(seconds, residuals) if residuals is not None else None
+        out.append({"model": row.model, "label": row.label, "gpus": row.gpus, "tp": row.tp, "pp": row.pp,
+                    "virtual_stages": spec.strategy.chunks, "micro": row.micro, "global_batch": row.global_batch,
+                    "recompute": row.recompute, "sp": row.sp, "measured_s": row.measured_s,
+                    "predicted_s": seconds, "error_pct": (seconds / row.measured_s - 1) * 100,
+                    "spent_ms": time_spent(prediction.timeline),
+                    "peak_gib": prediction.memory.peak_bytes / GIB,
+                    "interval_s": [interval.p5_s, interval.p95_s] if interval else None})
+    return out
+
+
+def summary(results: Sequence[dict]) -> dict:
+    """The rows' error statistics (bench.published.error_summary) and the interval's coverage."""
+    errors = errors_pct([r["predicted_s"] for r in results], [r["measured_s"] for r in results])
+    figures = error_summary(errors)
+    inside = [r["interval_s"][0] <= r["measured_s"] <= r["interval_s"][1] for r in results if r["interval_s"]]
+    figures["interval_coverage_pct"] = float(np.mean(inside) * 100) if inside else None
+    return figures
+
+
+def print_report(results: Sequence[dict], figures: dict, device: str) -> None:
+    print(f"Megatron-LM's published iterations (Korthikanti et al. 2022, Table 5; Selene, DGX A100 80GB), each from a "
+          f"spec alone on {device}: mean |error| {figures['mape_pct']:.1f}%, worst {figures['worst_abs_pct']:.1f}% "
+          f"({figures['rows']} runs)")
+    table = []
+    for r in results:
+        spent = r["spent_ms"]
+        comm = spent.get("tp", 0.0) + spent.get("dp", 0.0)
+        table.append([r["label"], f"{r['gpus']:,}", f"{r['tp']} x {r['pp']}"
+                      + (f" (x{r['virtual_stages']})" if r["virtual_stages"] > 1 else ""),
+                      f"{r['micro']} x {r['global_batch'] // r['micro']}", f"{r['measured_s']:.2f}",
+                      f"{r['predicted_s']:.2f}", f"{r['error_pct']:+.1f}",
+                      f"{spent.get('compute', 0.0) / 1e3:.2f} / {comm / 1e3:.2f} / {spent.get('idle', 0.0) / 1e3:.2f}",
+                      f"{r['peak_gib']:.1f}",
+                      f"{r['interval_s'][0]:.2f}-{r['interval_s'][1]:.2f}" if r["interval_s"] else "-"])
+    print(format_table(["run", "GPUs", "tp x pp", "micro x n", "measured s", "predicted s", "error %",
+                        "compute / comm / idle s", "peak GiB", "90% interval s"], table))
+    print()
+    print(f"mean |error| {figures['mape_pct']:.2f}%, median {figures['median_abs_pct']:.2f}%, worst "
+          f"{figures['worst_abs_pct']:.2f}%, signed median {figures['median_signed_pct']:+.2f}%"
+          + (f"; the 90% interval held {figures['interval_coverage_pct']:.0f}% of the runs"
+             if figures["interval_coverage_pct"] is not None else ""))
+    for name, mape in PUBLISHED.items():
+        print(f"{name}: {mape}% mean |error| on the same eight runs")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=DEVICE,
+                        help=f"a shipped description's name or a description's path (default {DEVICE}, unfitted)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    try:
+        description = load_device(args.device)
+        results = predict_rows(read_rows(), args.device)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    figures = summary(results)
+    print_report(results, figures, args.device)
+    if args.json:
+        document = {"version": JSON_VERSION, "source": str(TABLE.relative_to(ROOT)), "device": args.device,
+                    "fitted_on": description.fitted_on if description.fitted
+                    else "nothing: the description's starting values", "figures": figures, "rows": results,
+                    "published": PUBLISHED}
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
