@@ -284,3 +284,21 @@ def test_an_edited_rank_file_is_measured_again_not_fatal(tmp_path, capsys):
     (tmp_path / "rank-00000.h5").rename(tmp_path / "profile.h5")
     assert _stored(tmp_path, "env") == {}
     assert "not reading profile.h5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda f: f.move("ops/allreduce", "ops/gossip"), "ops/gossip: not one of"),
+    (lambda f: f.attrs.__setitem__("ranks", "[[["), "ranks must be a list"),
+    (lambda f: f["ops/allreduce/samples_s"].__setitem__((0, 0), np.nan), "must be finite seconds above 0"),
+    (lambda f: f["ops/allreduce/samples_s"].__setitem__((0, 0), 0.0), "must be finite seconds above 0"),
+    (lambda f: f["ops/allreduce/bytes"].__setitem__(0, -8), "bytes must be 1 or more"),
+    (lambda f: f["ops/allreduce/wrong"].__setitem__(0, -3), "wrong a count of 0 or more")])
+def test_an_edited_collectives_file_is_refused_with_the_part_named(files, edit, said, capsys):
+    """A collectives file whose parts are not what docs/hdf5.md describes (edited, its checksums kept whole): one
+    message naming the part, exit 2, from the benchmark's own reader and the commands that read it."""
+    path = files["collectives"]
+    with h5py.File(path, "r+") as f:
+        edit(f)
+    assert analysis_main(["collectives", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and str(path) in err and "Traceback" not in err

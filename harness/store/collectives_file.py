@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.common.errors import UserError
 from harness.plan.collectives import OPS, SizeResult, bus_factor
 from harness.store.hdf5_io import (
     create,
@@ -21,7 +22,12 @@ from harness.store.hdf5_io import (
     set_attrs,
     write_dataset,
 )
-from harness.store.hdf5_schema import COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS, COLLECTIVES_SCHEMA_VERSION
+from harness.store.hdf5_schema import (
+    COLLECTIVES_KIND,
+    COLLECTIVES_READ_VERSIONS,
+    COLLECTIVES_SCHEMA_VERSION,
+    REMEDIES,
+)
 
 
 @dataclass
@@ -67,16 +73,44 @@ def write_collectives(path: str | Path, run: CollectivesRun) -> Path:
 
 
 def read_collectives(path: str | Path) -> CollectivesRun:
-    """A benchmark file, checked and verified (harness.store.hdf5_io.open_file); operations in OPS order."""
+    """A benchmark file, checked and verified (harness.store.hdf5_io.open_file); operations in OPS order. A part
+    that is not what docs/hdf5.md describes (an edited or foreign file: an unknown operation, ranks that are not
+    integers, sizes below 1 byte, negative counts of wrong elements, samples that are not finite seconds above 0)
+    is a UserError naming it."""
     path = Path(path)
     with open_file(path, COLLECTIVES_KIND, COLLECTIVES_READ_VERSIONS) as f, reading(path, COLLECTIVES_KIND):
-        attrs = read_attrs(f, decode_json=True)
-        run = CollectivesRun(path=path, backend=attrs["backend"], group=attrs["group"], placement=attrs["placement"],
-                             ranks=[int(r) for r in attrs["ranks"]], dtype=attrs["dtype"], iters=int(attrs["iters"]),
-                             warmup=int(attrs["warmup"]), environment=read_environment(f))
-        for op in sorted(f["ops"], key=lambda name: (OPS.index(name) if name in OPS else len(OPS), name)):
-            g = f["ops"][op]
-            samples = g["samples_s"][()]
-            run.results[op] = [SizeResult(op, int(nbytes), run.dtype, len(run.ranks), samples[i], int(wrong))
-                               for i, (nbytes, wrong) in enumerate(zip(g["bytes"][()], g["wrong"][()]))]
+        try:
+            return _read_run(f, path)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise UserError(f"{path}: a part is not what docs/hdf5.md describes ({type(exc).__name__}: {exc}); "
+                            f"{REMEDIES[COLLECTIVES_KIND]}") from None
+
+
+def _read_run(f, path: Path) -> CollectivesRun:
+    attrs = read_attrs(f, decode_json=True)
+    ranks = attrs["ranks"]
+    if isinstance(ranks, (str, bytes)) or not len(ranks):
+        raise ValueError(f"ranks must be a list of rank numbers, got {ranks!r}")
+    run = CollectivesRun(path=path, backend=attrs["backend"], group=attrs["group"], placement=attrs["placement"],
+                         ranks=[int(r) for r in ranks], dtype=attrs["dtype"], iters=int(attrs["iters"]),
+                         warmup=int(attrs["warmup"]), environment=read_environment(f))
+    for op in f["ops"]:
+        if op not in OPS:
+            raise ValueError(f"ops/{op}: not one of {', '.join(OPS)}")
+    for op in sorted(f["ops"], key=OPS.index):
+        g = f["ops"][op]
+        samples, sizes = np.asarray(g["samples_s"][()], dtype=float), np.asarray(g["bytes"][()])
+        if samples.ndim != 2 or samples.shape[0] != len(sizes) or not samples.shape[1]:
+            raise ValueError(f"ops/{op}/samples_s must hold a row of samples for each of its {len(sizes)} sizes, "
+                             f"got shape {samples.shape}")
+        if not np.isfinite(samples).all() or (samples <= 0).any():
+            bad, none = int(np.sum(~np.isfinite(samples))), int(np.sum(samples <= 0))
+            raise ValueError(f"ops/{op}/samples_s must be finite seconds above 0 (a call never takes none): "
+                             f"{bad} not finite, {none} not above 0")
+        wrong = np.asarray(g["wrong"][()])
+        if (sizes < 1).any() or wrong.shape != sizes.shape or (wrong < 0).any():
+            raise ValueError(f"ops/{op}: bytes must be 1 or more and wrong a count of 0 or more for each size, got "
+                             f"bytes from {int(sizes.min())} and wrong {wrong.tolist()}")
+        run.results[op] = [SizeResult(op, int(nbytes), run.dtype, len(run.ranks), samples[i], int(bad))
+                           for i, (nbytes, bad) in enumerate(zip(sizes, wrong))]
     return run
