@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import re
 from array import array
 from collections.abc import Callable, Iterator
@@ -277,6 +278,9 @@ def read_kineto(path: str | Path, *, whole_microseconds: bool = False) -> Kineto
                             ts, dur = float(event["ts"]), float(event.get("dur", 0.0))
                         except (KeyError, TypeError, ValueError):
                             raise stream.error("a complete event without a numeric \"ts\"") from None
+                        if not (math.isfinite(ts) and math.isfinite(dur)):
+                            raise stream.error(f"a complete event with \"ts\" {ts} and \"dur\" {dur}: times "
+                                               "must be finite")
                         args = event.get("args")
                         args = args if isinstance(args, dict) else {}
                         if category == "cuda_sync" and _integer_or_none(args.get("stream")) in (None, -1):
@@ -302,6 +306,9 @@ def read_kineto(path: str | Path, *, whole_microseconds: bool = False) -> Kineto
         raise UserError(f"{path}: the trace has no events of {', '.join(KEPT_CATEGORIES)}; was the profiler "
                         "active during the steps it was meant to record?")
     distributed = metadata.pop("distributedInfo", None) or {}
+    if not isinstance(distributed, dict):
+        raise UserError(f"{path}: distributedInfo is {type(distributed).__name__} {str(distributed)[:40]!r}, not an "
+                        "object; the trace was written by another tool, or edited: take it again with torch.profiler")
     rank, source = distributed.get("rank"), "distributedInfo"
     if rank is None:
         rank, source = rank_from_name(path), "file name"

@@ -23,7 +23,14 @@ import numpy as np
 from harness.common.errors import UserError
 from harness.plan.spec import TABLES
 from harness.store.hdf5_io import open_file, plain, read_attrs, read_column, read_environment, reading
-from harness.store.hdf5_schema import READ_VERSIONS, TRACE_KIND, TRACE_LAYER_COLUMNS, TRACE_LAYER_GROUP
+from harness.store.hdf5_schema import (
+    READ_VERSIONS,
+    TRACE_FLOAT_COLUMNS,
+    TRACE_KIND,
+    TRACE_LAYER_COLUMNS,
+    TRACE_LAYER_FLOAT_COLUMNS,
+    TRACE_LAYER_GROUP,
+)
 from harness.store.hdf5_schema import TRACE_COLUMNS as COLUMNS
 
 
@@ -223,6 +230,9 @@ class Trace:
         return float(np.sum(cols["end_s"] - cols["start_s"]))
 
 
+TIMES = ("start_s", "end_s", "rank_start_s", "rank_end_s")  # an iteration's times (its loss may be NaN)
+
+
 def read_trace(path: str | Path) -> Trace:
     """Load a whole trace.h5 into memory (a few MB for realistic runs), checked and verified
     (harness.store.hdf5_io.open_file); UserError if it is missing, damaged or not a merged trace."""
@@ -235,6 +245,7 @@ def read_trace(path: str | Path) -> Trace:
         clock = {key: read_column(ds) for key, ds in f["clock"].items()}
         iterations = {key: ds[()] for key, ds in f["iterations"].items()}
         devices = {}
+        groups = {}  # rank -> its group's name, for messages
         for group in f["devices"].values():
             cols = {key: read_column(group[key]) for key in COLUMNS}
             layers = None
@@ -244,6 +255,18 @@ def read_trace(path: str | Path) -> Trace:
             rank = int(dattrs["rank"])
             devices[rank] = DeviceTrace(rank, int(dattrs["dp"]), int(dattrs["tp"]), int(dattrs["pp"]), cols, dattrs,
                                         layers)
+            groups[rank] = group.name.lstrip("/")
+    times = {f"iterations/{key}": iterations[key] for key in TIMES if key in iterations}
+    for rank, device in devices.items():
+        times.update({f"{groups[rank]}/{key}": device.columns[key] for key in TRACE_FLOAT_COLUMNS})
+        if device.layers is not None:
+            times.update({f"{groups[rank]}/{TRACE_LAYER_GROUP}/{key}": device.layers[key]
+                          for key in TRACE_LAYER_FLOAT_COLUMNS})
+    for name, values in times.items():
+        bad = ~np.isfinite(np.asarray(values, dtype=float))
+        if bad.any():
+            raise UserError(f"{path}: {name} holds {int(bad.sum())} time(s) that are not finite numbers; harness "
+                            "train writes none: the file was edited or written by another tool, take the trace again")
     try:
         spec_json = str(attrs.pop("spec_json"))
         spec = json.loads(spec_json)

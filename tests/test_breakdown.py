@@ -247,6 +247,10 @@ def _bad(tmp_path, name: str, content: bytes | str) -> Path:
     ("rank-0.json", '{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 2}]}',
      "mark no iteration"),
     ("rank-0.json.gz", gzip.compress(b'{"traceEvents": [')[:-6], "cannot read"),
+    ("rank-0.json", '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": NaN}]}',
+     "times must be finite"),
+    ("rank-0.json", '{"distributedInfo": "x", "traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, '
+     '"dur": 2}]}', "distributedInfo is str 'x', not an object"),
 ])
 def test_bad_traces_get_one_message_and_exit_2(tmp_path, capsys, name, content, message):
     path = _bad(tmp_path, name, content)
@@ -300,3 +304,10 @@ def test_a_trace_whose_rank_or_spec_is_not_what_the_writer_writes_is_refused(tmp
             f.attrs["spec_json"] = text
         assert main(["breakdown", str(copy)]) == 2
         assert "spec_json or layers_json is missing or not what docs/hdf5.md describes" in capsys.readouterr().err
+    for name, column in (("nan-start.h5", "devices/rank-00000/start_s"), ("nan-iteration.h5", "iterations/end_s")):
+        copy = shutil.copy(DATA / "pp2-trace.h5", tmp_path / name)
+        with h5py.File(copy, "r+") as f:
+            group, _, key = column.rpartition("/")
+            f[group][key][0] = float("nan")  # the checksum kept whole: a number edited, not a damaged file
+        assert main(["breakdown", str(copy)]) == 2
+        assert f"{column} holds 1 time(s) that are not finite" in capsys.readouterr().err
