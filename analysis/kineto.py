@@ -196,6 +196,8 @@ class _Stream:
                 if len(self.buffer) - self.pos < MAX_VALUE_CHARS and self._more():
                     continue
                 raise self.error(failure.msg, failure) from None
+            except (RecursionError, ValueError) as failure:  # nesting past Python's recursion; an integer too long
+                raise self.error(str(failure)[:200] or type(failure).__name__) from None
             if (isinstance(value, (int, float)) and not self.eof and NUMBER_TAIL.fullmatch(self.buffer, end)
                     and self._more()):
                 continue  # the window ends inside a number ("1." or "1e" decode as 1): read on, decode it whole

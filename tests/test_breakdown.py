@@ -251,6 +251,8 @@ def _bad(tmp_path, name: str, content: bytes | str) -> Path:
      "times must be finite"),
     ("rank-0.json", '{"distributedInfo": "x", "traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, '
      '"dur": 2}]}', "distributedInfo is str 'x', not an object"),
+    ("rank-0.json", '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2, "args": '
+     + "[" * 100000 + "]" * 100000 + "}]}", "maximum recursion depth"),
 ])
 def test_bad_traces_get_one_message_and_exit_2(tmp_path, capsys, name, content, message):
     path = _bad(tmp_path, name, content)

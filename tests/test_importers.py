@@ -376,6 +376,7 @@ def test_megatron_recompute_layers_beyond_a_stage_exit_2_naming_the_argument(cap
     ('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 100, '
      '"torch_dtype": ["x"]}', "torch_dtype must be a dtype's name"),
     ('{"model_type": "gpt2", "n_layer": ' + "9" * 5000 + "}", "cannot read"),
+    ("[" * 100000, "cannot read"),  # nested past Python's recursion
 ])
 def test_bad_hugging_face_configs_exit_2(tmp_path, content, words, capsys):
     config = tmp_path / "config.json"

@@ -117,6 +117,13 @@ def test_malformed_toml_names_the_line():
     assert "malformed TOML" in message and "line 4" in message
 
 
+@pytest.mark.parametrize("text", ["a = " + "[" * 5000, "[model]\nlayers = " + "9" * 5000])
+def test_toml_past_pythons_limits_is_malformed_not_a_traceback(text):
+    """Tables nested past Python's recursion and an integer past its 4,300 digits raise RecursionError and
+    ValueError inside tomllib, not TOMLDecodeError: one message all the same."""
+    assert "a number thousands of digits long, or tables nested thousands deep" in _error(text)
+
+
 def test_interleaved_needs_micro_batches_multiple_of_pp():
     message = _error(tiny_spec_text(layers=8, pp=2, schedule="interleaved-1f1b", chunks=2, global_batch=6, micro=2))
     assert "[batch.global]" in message and "multiple of pp" in message

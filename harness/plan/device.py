@@ -326,7 +326,7 @@ def check_output_path(text: str, option: str = "-o") -> Path:
     if output.is_file() and output.stat().st_size:  # an empty file (mktemp's) holds nothing to lose
         try:
             existing = tomllib.loads(output.read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
             existing = None
         if not isinstance(existing, dict) or "format" not in existing:
             what = "a job spec" if isinstance(existing, dict) and "model" in existing else "not a device description"
@@ -373,6 +373,9 @@ def _read_device(path: str, mtime_ns: int, size: int) -> DeviceDescription:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"malformed TOML: {exc}", source=path) from None
+    except (ValueError, RecursionError):  # an integer past Python's 4,300 digits; tables nested past its recursion
+        raise SpecError("malformed TOML: a number thousands of digits long, or tables nested thousands deep",
+                        source=path) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"cannot read the device description: {exc}", source=path) from None
     return parse_device(data, source=path, default_name=Path(path).stem)

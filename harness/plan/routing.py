@@ -45,8 +45,9 @@ def parse_routing(text: str, experts: int, moe_layers: int, histogram=None) -> t
             data = json.loads(Path(arg).read_text())
         except OSError as exc:
             raise SpecError(f"cannot read the routing file {arg}: {exc.strerror}", field="model.routing") from None
-        except ValueError as exc:
-            raise SpecError(f"the routing file {arg} is not JSON: {exc}", field="model.routing") from None
+        except (ValueError, RecursionError) as exc:
+            raise SpecError(f"the routing file {arg} is not JSON: {str(exc)[:200] or type(exc).__name__}",
+                            field="model.routing") from None
         if not isinstance(data, dict) or "layers" not in data:
             raise SpecError(f"the routing file {arg} must hold {{\"experts\": E, \"layers\": [[tokens per expert], "
                             "...]}", field="model.routing")

@@ -458,6 +458,9 @@ def loads_spec(text: str, source: str = "<spec>", import_factory: bool = True) -
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"malformed TOML: {exc}", source=source) from None
+    except (ValueError, RecursionError):  # an integer past Python's 4,300 digits; tables nested past its recursion
+        raise SpecError("malformed TOML: a number thousands of digits long, or tables nested thousands deep",
+                        source=source) from None
     return parse_spec(data, source=source, import_factory=import_factory)
 
 

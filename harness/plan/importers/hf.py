@@ -50,9 +50,10 @@ def read_config(path: str) -> dict[str, Any]:
         raise UserError(f"--from-hf: {path} not found; give a Hugging Face model's config.json") from None
     except IsADirectoryError:
         raise UserError(f"--from-hf: {path} is a folder; give the config.json file in it") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: bad JSON, or an integer past the limit
-        raise UserError(f"--from-hf: cannot read {path} as JSON ({exc}); give a Hugging Face model's config.json"
-                        ) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # bad JSON, an integer past the
+        # limit, nesting deeper than Python's recursion
+        raise UserError(f"--from-hf: cannot read {path} as JSON ({str(exc)[:200] or type(exc).__name__}); give a "
+                        "Hugging Face model's config.json") from None
     if not isinstance(data, dict):
         raise UserError(f"--from-hf: {path} is not a JSON object (a config.json is one)")
     return data
