@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -275,6 +276,19 @@ def test_output_cut_short_by_its_reader_ends_quietly(hybrid_profile):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141, stderr
     assert stderr == ""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_output_to_a_full_device_is_one_message(hybrid_profile):
+    """Standard output on a full device (/dev/full): one message, exit 1, no traceback and nothing from the
+    interpreter's own final flush."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "analysis", "simulate", str(hybrid_profile), "--json"],
+                                cwd=REPO, env=env, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().endswith("free some space where standard output goes, or send it elsewhere")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("devices, words", [("3-1", "3-1 runs backwards; write the range low-high, e.g. 1-3")])

@@ -22,7 +22,7 @@ import sys
 
 from harness.common.errors import UserError
 from harness.common.launch_env import launched_rank
-from harness.common.output import check_outputs
+from harness.common.output import DISK_FULL_ERRNOS, check_outputs
 
 
 def build_parser(prog: str, package: str, names: tuple[str, ...], description: str) -> argparse.ArgumentParser:
@@ -69,6 +69,13 @@ def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         if not _stdout_is_gone():
             raise  # a pipe of the subcommand's own, not its output
         return 128 + 13  # the reader of our output went away (`... | head`): stop as a SIGPIPE'd tool does
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS or exc.filename is not None:
+            raise  # a file's errors are its writer's to say (harness.common.output.write_failure)
+        _stdout_to_devnull()  # so that the interpreter's final flush cannot fail again
+        print(f"{parser.prog} {args.command}: error: no space left for the output ({exc.strerror}); free some space "
+              "where standard output goes, or send it elsewhere", file=sys.stderr)
+        return 1
 
 
 def _paths(values) -> list:
@@ -77,6 +84,15 @@ def _paths(values) -> list:
     for value in values:
         out.extend(value if isinstance(value, (list, tuple)) else [value])
     return out
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+        pass
 
 
 def _stdout_is_gone() -> bool:
@@ -88,9 +104,7 @@ def _stdout_is_gone() -> bool:
         poller.register(fd, select.POLLOUT)
         if not any(events & select.POLLERR for _, events in poller.poll(0)):
             return False
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, fd)
-        os.close(devnull)
+        _stdout_to_devnull()
         return True
     except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured), or no poll
         return False
