@@ -273,3 +273,16 @@ def test_the_slurm_script_refuses_a_misplaced_output_folder_before_launching(tmp
                               text=True, env={**env, **extra}, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+@pytest.mark.parametrize("command", ["profile", "train"])
+def test_an_empty_output_folder_is_refused_not_read_as_here(tmp_path, spec_file, monkeypatch, capsys, command):
+    """`-o "$UNSET"`: the current folder is never taken for an empty OUTDIR (nothing is written there)."""
+    from harness.commands.cli import main as harness_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        harness_main([command, str(spec_file), "-o", ""])
+    assert stop.value.code == 2
+    assert "argument -o/--output: empty; give a value" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from harness.commands.cli import default_spec_path
 from harness.common.errors import UserError
 from harness.common.output import format_seconds
+from harness.common.subcommands import non_empty
 from harness.plan.events import events_to_profile
 from harness.plan.precision import MIN_SAMPLES
 from harness.plan.spec import load_spec, vocab_padding_note
@@ -24,7 +25,8 @@ HELP = "profile the unique events of a job spec on the ranks of this MPI job (wr
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", nargs="?", default=None, help="TOML job spec (default: the built-in demo job)")
-    parser.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="folder for rank files and profile.h5")
+    parser.add_argument("-o", "--output", required=True, metavar="OUTDIR", type=non_empty,
+                        help="folder for rank files and profile.h5")
     parser.add_argument("--force", action="store_true", help="measure everything again, ignoring what is stored")
     parser.add_argument("--backend", choices=("torch", "mpi4py"), help="communication backend (overrides the spec)")
     parser.add_argument("--repeats", type=int, help="timed repeats per event (overrides the spec)")

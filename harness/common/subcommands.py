@@ -38,9 +38,10 @@ def build_parser(prog: str, package: str, names: tuple[str, ...], description: s
 
 
 def non_empty(text: str) -> str:
-    """An argparse type for an option whose empty value would silently mean "not given" (`--network "$UNSET"`)."""
+    """An argparse type for an option whose empty value would silently mean "not given" (`--network "$UNSET"`), or
+    the current folder (`-o "$UNSET"`)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("empty; give a value, or leave the option out")
+        raise argparse.ArgumentTypeError("empty; give a value (an unset shell variable?)")
     return text
 
 
