@@ -513,6 +513,7 @@ def description_text(**replace) -> str:
      "beyond any device's figure .* check the unit"),
     ("tfloat32 = 156.0", "tfloat32 = 1e-300", "datasheet.matrix_tflops.tfloat32", "from 1e-09 to 1e.15"),
     ("launch_us = 4.0", "launch_us = 1e20", "efficiency.launch_us", r"give one at most 1e\+15"),
+    ("max_fraction = 0.8\n", "max_fraction = 5e-324\n", "efficiency.gemm.max_fraction", "from 1e-09"),
     ("max_fraction = 0.8\n", "max_fraction = 1.5\n", "efficiency.gemm.max_fraction", "at most 1"),
     ("steepness = 1.0\n", "steepness = 1000.0\n", "efficiency.gemm.steepness", "at most 8 .a steeper curve is a step"),
     ("format = 1", "format = 3", "format", "unsupported device format"),

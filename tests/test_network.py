@@ -77,6 +77,13 @@ def test_spec_reads_the_tiers_and_writes_them_back():
     ([dict(name="a", size=3, bandwidth_gbs=1), dict(name="b", size=48, bandwidth_gbs=1)], "does not divide"),
     ([dict(name="a", size=8, bandwidth_gbs=1)], "do not fit in the outermost tier"),
     ([dict(name="a", size=8, bandwidth_gbs=0), dict(name="b", size=16, bandwidth_gbs=1)], "must be positive"),
+    # finite but no network's (a typo or a unit): a time divided by it would be infinite or 300 digits long
+    ([dict(name="a", size=8, bandwidth_gbs=5e-324), dict(name="b", size=16, bandwidth_gbs=1)],
+     r"beyond any network's figure .* from 1e-09 to 1e\+15"),
+    ([dict(name="a", size=8, bandwidth_gbs=1, efficiency=1e-300), dict(name="b", size=16, bandwidth_gbs=1)],
+     "beyond any network's figure"),
+    ([dict(name="a", size=8, bandwidth_gbs=1, latency_us=1e300), dict(name="b", size=16, bandwidth_gbs=1)],
+     r"give one at most 1e\+15"),
     ([dict(name="a", size=8, bandwidth_gbs=1, latency_us=-1), dict(name="b", size=16, bandwidth_gbs=1)], ">= 0"),
     ([dict(name="a", size=8, bandwidth_gbs=1, speed=3), dict(name="b", size=16, bandwidth_gbs=1)], "unknown field"),
     ([dict(name="a", size=8), dict(name="b", size=16, bandwidth_gbs=1)], "is required"),

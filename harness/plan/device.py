@@ -437,7 +437,7 @@ def parse_device(data: Mapping[str, Any], source: str = "<device>", default_name
         where = f"efficiency.{curve}"
         table = _table(efficiency, curve, fail, where)
         _known(table, _GEMM_CURVE if curve == "gemm" else _CURVE, where, fail)
-        fraction = _positive(table, "max_fraction", where, fail)
+        fraction = _positive(table, "max_fraction", where, fail, rate=True)
         if fraction > 1:
             raise fail(f"is a fraction of the peak, at most 1, got {fraction!r}", f"{where}.max_fraction")
         curves[curve] = Curve(max_fraction=fraction, half_at=_positive(table, "half_at", where, fail, zero=True),

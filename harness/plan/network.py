@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.common.errors import SpecError
+from harness.plan.device import FIGURE_RANGE
 
 TIER_FIELDS = ("name", "size", "bandwidth_gbs", "latency_us", "efficiency", "nvls", "rails", "oversubscription",
                "memory_gbs")
@@ -90,6 +91,11 @@ def _parse_tier(table: dict, where: str) -> NetworkTier:
             raise SpecError(f"is the share of the line rate reached, at most 1, got {raw!r}", field=f"{where}.{key}")
         if key == "oversubscription" and raw < 1:
             raise SpecError(f"is a taper, at least 1 (1: full bisection), got {raw!r}", field=f"{where}.{key}")
+        low, high = FIGURE_RANGE  # a time divides by every field but the latency: none so small it makes one inf
+        if raw > high or (key != "latency_us" and raw < low):
+            span = f"at most {high:g}" if key == "latency_us" else f"from {low:g} to {high:g}"
+            raise SpecError(f"{raw!r} is beyond any network's figure in the field's unit (docs/spec.md): give one "
+                            f"{span}; check the unit", field=f"{where}.{key}")
         numbers[key] = float(raw)
     flags = {}
     for key in ("nvls", "rails"):
