@@ -377,6 +377,16 @@ def test_megatron_recompute_layers_beyond_a_stage_exit_2_naming_the_argument(cap
      '"torch_dtype": ["x"]}', "torch_dtype must be a dtype's name"),
     ('{"model_type": "gpt2", "n_layer": ' + "9" * 5000 + "}", "cannot read"),
     ("[" * 100000, "cannot read"),  # nested past Python's recursion
+    # an MoE field out of range is refused, never dropped
+    ('{"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 64, "num_experts": 4, '
+     '"decoder_sparse_step": 0}', "decoder_sparse_step must be an integer of at least 1, got 0"),
+    ('{"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 64, "num_experts": 4, '
+     '"shared_expert_intermediate_size": "big"}', "shared_expert_intermediate_size must be an integer"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 64, "head_dim": 0}',
+     "head_dim must be an integer of at least 1, got 0"),
 ])
 def test_bad_hugging_face_configs_exit_2(tmp_path, content, words, capsys):
     config = tmp_path / "config.json"

@@ -73,6 +73,17 @@ def _integer(config: dict, names: tuple[str, ...], path: str, default: int | Non
     return default
 
 
+def _optional_count(config: dict, name: str, path: str, least: int) -> int | None:
+    """An optional whole-number field of at least `least`, None where absent; bad values are refused, never
+    dropped."""
+    value = config.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UserError(f"--from-hf: {path}: {name} must be an integer of at least {least}, got {value!r}")
+    return value
+
+
 def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: int = 1,
             global_batch: int | None = None, seq_len: int | None = None) -> ImportedSpec:
     """The spec of a config.json's model trained data-parallel on `gpus` GPUs (the caller's strategy applies
@@ -119,7 +130,7 @@ def from_hf(path: str, gpus: int = 1, gpus_per_node: int | None = None, micro: i
         if config.get(name) not in (None, False, 0) and not (
                 name == "sliding_window" and config.get("use_sliding_window") is False):
             result.not_modelled.append(f"{name} {config[name]}: {what}")
-    head_dim = config.get("head_dim")
+    head_dim = _optional_count(config, "head_dim", path, 1)
     if head_dim and head_dim != model["hidden"] // model["heads"]:
         result.not_modelled.append(f"head_dim {head_dim}: heads of other than hidden / heads = "
                                    f"{model['hidden'] // model['heads']} (that size here)")
@@ -156,17 +167,17 @@ def _experts(config: dict, model: dict, path: str, result: ImportedSpec) -> None
     experts = _integer(config, names, path)
     expert_ffn = _integer(config, ("moe_intermediate_size",), path, model["ffn"])
     model.update(experts=experts, top_k=_integer(config, ("num_experts_per_tok",), path, 2), expert_ffn=expert_ffn)
-    shared = config.get("n_shared_experts")
-    shared_size = config.get("shared_expert_intermediate_size")
-    if isinstance(shared, int) and shared > 0:
+    shared = _optional_count(config, "n_shared_experts", path, 0)
+    shared_size = _optional_count(config, "shared_expert_intermediate_size", path, 0)
+    if shared:
         model["shared_experts"] = shared
-    elif isinstance(shared_size, int) and shared_size > 0:
+    elif shared_size:
         if shared_size % expert_ffn:
             result.not_modelled.append(f"shared_expert_intermediate_size {shared_size}: a shared expert not a "
                                        f"multiple of the experts' {expert_ffn} (left out)")
         else:
             model["shared_experts"] = shared_size // expert_ffn
-    step = config.get("decoder_sparse_step")
-    if isinstance(step, int) and step > 1:
+    step = _optional_count(config, "decoder_sparse_step", path, 1)
+    if step and step > 1:
         model["moe_every"] = step
 
