@@ -93,6 +93,10 @@ def test_check_run_names_the_rank_count():
         check_run(spec, 3, 2, 1)
     with pytest.raises(UserError, match="--iterations must be from 1 to 100,000"):
         check_run(spec, 4, 0, 0)
+    # what is wrong with the arguments comes before the ranks they need (a user fixing one error at a time would
+    # otherwise book ranks for a run that cannot start)
+    with pytest.raises(UserError, match="--iterations must be from 1 to 100,000"):
+        check_run(spec, 3, 0, 0)
     with pytest.raises(UserError, match="--backend must be one of torch, mpi4py"):
         check_run(spec, 4, 2, 1, "nccl")
     bfloat16 = loads_spec(tiny_spec_text(dp=2, layers=2, micro=1, global_batch=2).replace(
@@ -198,3 +202,4 @@ def test_the_memory_peak_comes_from_the_last_warm_up_iteration_when_two_warm_up(
     from harness.train.runner import memory_iteration
 
     assert [memory_iteration(w) for w in range(5)] == [0, 1, 1, 2, 3]
+

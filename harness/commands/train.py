@@ -68,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     lock: FolderLock | None = None
     try:
         spec = load_spec(args.spec or default_spec_path())
-        check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if not 1 <= args.threads <= MAX_THREADS:
             raise UserError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads:,}")
         if args.timeout_s is not None and not MIN_TIMEOUT_S <= args.timeout_s <= MAX_TIMEOUT_S:
@@ -76,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                             f"{args.timeout_s}")
         if not 0 < args.lr < math.inf:
             raise UserError(f"--lr must be a positive learning rate, got {args.lr}")
+        check_run(spec, comm.Get_size(), args.iterations, args.warmup, args.backend, args.layer_times)
         if spec.model.factory:  # the user's layers built (on the meta device) before any rank starts training
             from harness.models.user import factory_layers
 

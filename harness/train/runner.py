@@ -64,7 +64,8 @@ MAX_ITERATIONS = 100_000  # a run measures a few to a few hundred; more is a typ
 
 def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_backend: str = "torch",
               layer_times: bool = False) -> None:
-    """Raise UserError when this run cannot start (same verdict on every rank)."""
+    """Raise UserError when this run cannot start (same verdict on every rank); the ranks it needs last, so that
+    what is wrong with the arguments is said before a user asks for more ranks."""
     s = spec.strategy
     if layer_times and s.recompute != "none":
         raise UserError(f"--layer-times cannot time layers under recompute = {s.recompute!r} (torch.utils.checkpoint "
@@ -92,10 +93,6 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
             raise UserError("--backend mpi4py needs an MPI with MPI_THREAD_MULTIPLE (a watcher thread tests the "
                             "all-reduces while the main thread computes); this MPI gives less: use --backend torch "
                             "or an MPI built with thread support")
-    if world_size != s.world:
-        raise UserError(f"the job needs {s.layout} = {s.world} ranks but runs on "
-                        f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
-                        "machine, the MPI world is what runs)")
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise UserError(f"--iterations must be from 1 to {MAX_ITERATIONS:,}, got {iterations:,}")
     if not 0 <= warmup < iterations:
@@ -107,6 +104,10 @@ def check_run(spec: JobSpec, world_size: int, iterations: int, warmup: int, dp_b
         raise UserError("harness train accumulates a step's gradients by adds, as PyTorch does; [strategy] "
                         "grad_accumulation_fusion = true is Megatron-LM's fused weight-gradient accumulation (APEX), "
                         "for estimates only (set it to false to run)")
+    if world_size != s.world:
+        raise UserError(f"the job needs {s.layout} = {s.world} ranks but runs on "
+                        f"{world_size}; start it with mpirun -n {s.world} (the [cluster] section is the target "
+                        "machine, the MPI world is what runs)")
 
 
 def _environment(topology, device, backend: str, dp_backend: str, threads: int, start: float,
