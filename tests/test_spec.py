@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,19 @@ def test_grad_accumulation_fusion_is_a_flag_written_only_when_set():
     assert loads_spec(fused.to_toml()) == fused
     with pytest.raises(SpecError, match=r"\[strategy.grad_accumulation_fusion\] must be true or false, got 'yes'"):
         loads_spec(tiny_spec_text().replace("[cluster]", 'grad_accumulation_fusion = "yes"\n[cluster]'))
+
+
+def test_a_spec_path_that_is_no_toml_file_is_one_message(tmp_path):
+    """A missing path, a folder, bytes that are not UTF-8, and an endless stream (/dev/zero is read no further
+    than MAX_SPEC_BYTES): a SpecError each, naming the path."""
+    from harness.plan.spec import load_spec
+
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe")
+    cases = [(tmp_path / "none.toml", "spec file not found"), (tmp_path, "is a folder"), (binary, "is not UTF-8")]
+    if Path("/dev/zero").exists():
+        cases.append((Path("/dev/zero"), "far beyond any job spec"))
+    for path, words in cases:
+        with pytest.raises(SpecError, match=words) as info:
+            load_spec(path)
+        assert str(path) in str(info.value)

@@ -435,11 +435,19 @@ def node_layout(world: int, gpus_per_node: int) -> tuple[int, int] | None:
 
 
 
+MAX_SPEC_BYTES = 16 << 20  # a spec is a page or two of TOML; its largest, a routing histogram, is a separate file
+
+
 def load_spec(path: str | Path, import_factory: bool = True) -> JobSpec:
     """Read and validate a TOML job spec; raises SpecError with the file, field and line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # at most: /dev/zero or a stream without end is not read forever
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"is over {MAX_SPEC_BYTES // (1 << 20)} MiB, far beyond any job spec; give the path to a "
+                            "TOML job spec (see docs/spec.md)", source=str(path))
+        text = raw.decode()
     except FileNotFoundError:
         raise SpecError("spec file not found; give the path to a TOML job spec (see docs/spec.md)",
                         source=str(path)) from None
