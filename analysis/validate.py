@@ -199,7 +199,8 @@ def validate(trace: Trace, profile: Profile, dp_overlap: bool | None = None,
     s = spec.strategy
     if trace.world_size != s.world:
         raise UserError(f"{trace.path}: the trace has {trace.world_size} devices but its spec has "
-                        f"{s.layout} = {s.world}")
+                        f"{s.layout} = {s.world}; validate reads a whole run: give the trace.h5 that harness train "
+                        "merged from every rank (a rank-NNNNN.trace.h5 is one device's)")
     for rank, device in trace.devices.items():
         stage = device.pp
         busy = [trace.busy_time(rank, int(i)) for i in kept]

@@ -327,7 +327,10 @@ def test_the_published_vtrain_runs_round_trip_through_megatrons_arguments():
     ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 1000 "
      "--zero-stage 7", 8, "--zero-stage must be 0, 1, 2 or 3"),
     ("--num-layers " + "9" * 5000 + " --hidden-size 1024 --num-attention-heads 16 --seq-length 1024", 8,
-     "--num-layers must be an integer of at least 1, got '99999999999999999999... (5000 characters)'"),
+     "--num-layers 99999999999999999999... (5000 characters) is far beyond any model's (5000 digits)"),
+    ("L=$(echo 24)\npython pretrain_gpt.py --num-layers $L --hidden-size 1024 --num-attention-heads 16 "
+     "--seq-length 1024 --vocab-size 1000", 8, "--num-layers takes one value, got none (a shell variable it reads "
+     "unset, or set by a command this reader does not run, such as $(...))"),
     ("torchrun --nproc-per-node=\u00b2 pretrain_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
      "--seq-length 1024 --vocab-size 1000", None, "the launcher's --nproc-per-node is"),
     ("", None, "nothing given"),

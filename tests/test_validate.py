@@ -317,3 +317,20 @@ def test_a_profile_and_a_run_bound_differently_to_cores_are_flagged():
     assert "--bind-to core" in warning
     (warning,) = environment_differences(shared, bound)
     assert "profile's ranks were free to share cores and the run's bound" in warning
+
+
+def test_a_trace_short_of_its_specs_devices_says_what_to_give(tmp_path):
+    """A trace holding one device of a two-device job (an edited file, or not harness train's merge): one message
+    that says which file validate reads."""
+    import h5py
+
+    from harness.common.errors import UserError
+
+    spec = make_spec(pp=2)
+    profile_path = write_handmade_profile(tmp_path / "profile.h5", spec, by_name({}, default=1e-3))
+    path = write_scaled_trace(tmp_path / "trace.h5", predict(profile_path).timeline, 1.1)
+    with h5py.File(path, "r+") as f:
+        del f["devices"][sorted(f["devices"])[-1]]
+    with pytest.raises(UserError, match="trace has 1 devices but its spec has .* give the trace.h5 that harness "
+                                        "train merged from every rank"):
+        validate(read_trace(path), load_profile(profile_path))

@@ -404,16 +404,23 @@ class _Reader:
         given = self.values[name]
         if name in FLAGS:
             return ""
+        if not given:
+            raise UserError(f"--from-megatron: {name} takes one value, got none (a shell variable it reads unset, or "
+                            "set by a command this reader does not run, such as $(...)); write the value in the "
+                            "script or pass the arguments as a string")
         if len(given) != 1:
-            raise UserError(f"--from-megatron: {name} takes one value, got {len(given)}: {' '.join(given) or '(none)'}")
+            raise UserError(f"--from-megatron: {name} takes one value, got {len(given)}: {' '.join(given)}")
         return given[0]
 
     def integer(self, name: str, default: int | None = None, minimum: int = 1) -> int | None:
         value = self.text(name)
         if value is None:
             return default
+        shown = value if len(value) <= 40 else f"{value[:20]}... ({len(value)} characters)"
+        if re.fullmatch(r"[0-9]{19,}", value):
+            raise UserError(f"--from-megatron: {name} {shown} is far beyond any model's ({len(value)} digits); check "
+                            "the value")
         if not re.fullmatch(r"-?[0-9]{1,18}", value) or int(value) < minimum:
-            shown = value if len(value) <= 40 else f"{value[:20]}... ({len(value)} characters)"
             raise UserError(f"--from-megatron: {name} must be an integer of at least {minimum}, got {shown!r}")
         return int(value)
 
