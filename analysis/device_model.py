@@ -96,19 +96,22 @@ class DeviceModel:
         """FSDP2's time around a ZeRO all-gather beyond the collective (content: the event's): its copies'
         (harness.plan.kernels.unshard_kernels, on the roofline) and the framework's ([wrappers.fsdp2] unshard_s
         plus unshard_tensor_s a parameter tensor; 0 where the description has none)."""
-        copies = sum(self.kernel_seconds(kernel) for kernel in unshard_kernels(content))
-        cost = self.description.wrappers.get("fsdp2")
-        framework = cost.unshard_s + cost.unshard_tensor_s * unshard_tensors(content) if cost else 0.0
-        return copies, framework
+        return self._fsdp2_seconds(unshard_kernels(content), content, "unshard")
 
     def reduce_seconds(self, content: Mapping[str, Any]) -> tuple[float, float]:
         """FSDP2's time around a ZeRO reduce-scatter beyond the collective (content: the event's): its copy-in's
         (harness.plan.kernels.reduce_kernels, on the roofline) and the framework's ([wrappers.fsdp2] reduce_s plus
         reduce_tensor_s a parameter tensor; 0 where the description has none)."""
-        copies = sum(self.kernel_seconds(kernel) for kernel in reduce_kernels(content))
+        return self._fsdp2_seconds(reduce_kernels(content), content, "reduce")
+
+    def _fsdp2_seconds(self, kernels: list[MemoryBound], content: Mapping[str, Any], side: str) -> tuple[float, float]:
+        """(the copies' seconds on the roofline, [wrappers.fsdp2]'s `side`_s plus `side`_tensor_s a parameter
+        tensor of the event's unit, 0 where the description has none)."""
+        copies = sum(self.kernel_seconds(kernel) for kernel in kernels)
         cost = self.description.wrappers.get("fsdp2")
-        framework = cost.reduce_s + cost.reduce_tensor_s * unshard_tensors(content) if cost else 0.0
-        return copies, framework
+        if cost is None:
+            return copies, 0.0
+        return copies, getattr(cost, f"{side}_s") + getattr(cost, f"{side}_tensor_s") * unshard_tensors(content)
 
     def wrappers_of(self, content: Mapping[str, Any]) -> list[str]:
         """The description's wrappers around a compute event: those its content names, checkpointed on a block

@@ -112,19 +112,20 @@ def selene_network() -> tuple[NetworkTier, ...]:
     return tuple(dataclasses.replace(tier, memory_gbs=HBM_GBS) if tier.memory_gbs else tier for tier in tiers)
 
 
-def row_spec(row: Row, device: str = DEVICE) -> JobSpec:
-    """The row's spec: its Megatron-LM arguments through the importer, on Selene (module docstring)."""
+def row_spec(row: Row, device: str = DEVICE, network: tuple[NetworkTier, ...] | None = None) -> JobSpec:
+    """The row's spec: its Megatron-LM arguments through the importer, on Selene (module docstring; `network`:
+    selene_network's, read once by a caller of many rows)."""
     spec = from_megatron(megatron_arguments(row), gpus=row.gpus).spec
     return dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, device=device,
-                                                                 network=selene_network()))
+                                                                 network=network or selene_network()))
 
 
 def predict_rows(rows: Sequence[Row], device: str = DEVICE) -> list[dict]:
     """Each row predicted from its spec alone: measured and predicted seconds, error, where the time went (ms),
     the peak memory a GPU (GiB) and the 90% interval (seconds; None without GPU residuals)."""
-    out = []
+    out, network = [], selene_network()
     for row in rows:
-        spec = row_spec(row, device)
+        spec = row_spec(row, device, network)
         prediction = predict_spec(spec, dp_overlap=False, resamples=0)
         seconds = prediction.timeline.batch_time_s
         residuals = spec_only_residuals(spec, "gpu")
