@@ -1,21 +1,29 @@
-"""Held against Megatron-LM's own published iterations: the eight end-to-end iteration times of Korthikanti et al.
-2022, Table 5 (bench/data/megatron-table5.csv; README there: source, layouts, cluster), 8 to 512 A100s, each
-predicted from its spec alone. Calculon validates on the same eight rows and reports a 3.7% mean |error|.
+"""Held against Megatron-LM's own published measurements (Korthikanti et al. 2022; bench/data/README.md: source,
+layouts, cluster), each predicted from its spec alone:
+- the eight end-to-end iterations of Table 5, 8 to 512 A100s (Calculon validates on the same eight and reports a
+  3.7% mean |error|), and Section 6.3's one more: the 530B on 2,240 A100s, eight data-parallel replicas
+  (bench/data/megatron-iterations.csv);
+- Table 4: one transformer layer of the 22B, its forward and its backward (recompute included), without recompute,
+  with sequence parallelism, with full and with selective recompute (bench/data/megatron-layer-times.csv).
 
 Each row becomes Megatron-LM's arguments (megatron_arguments: GPT-2's vocabulary, fp16, dropout 0.1, local
-layers, whose attention is materialised as Megatron-LM's was in 2022; full recompute of every layer, or sequence
-parallelism with selective recompute; the interleaved schedule where the row has virtual stages), then a spec
-through the project's own importer (harness.plan.importers.megatron), on Selene as the paper states it: the
-device `--device` (default the shipped `a100-80gb`, whose efficiency figures are documented starting values,
-fitted on nothing) and DGX A100's network (harness/jobs/dgx-a100.toml: NVLink 3 with NVSwitch, one 200 Gb/s HDR
-adapter a GPU, rails) with the NVLink tier's memory at the A100 80GB's 2,039 GB/s. analysis.predict.predict_spec
-predicts each (no profile, data parallelism 1: no gradient all-reduce). Nothing is fitted here, and no figure in
-the project was fitted on these rows.
+layers, whose attention is materialised as Megatron-LM's was in 2022; no recompute, full recompute of every layer,
+or selective recompute, with or without sequence parallelism; the interleaved schedule where the row has virtual
+stages), then a spec through the project's own importer (harness.plan.importers.megatron), on Selene as the paper
+states it: the device `--device` (default the shipped `a100-80gb`, whose efficiency figures are documented
+starting values, fitted on nothing) and DGX A100's network (harness/jobs/dgx-a100.toml: NVLink 3 with NVSwitch, one
+200 Gb/s HDR adapter a GPU, rails) with the NVLink tier's memory at the A100 80GB's 2,039 GB/s.
+analysis.predict.predict_spec predicts each (no profile; the gradient all-reduce after the backward, not
+overlapped, as the paper states). A layer's time is read off the predicted timeline: the median over the 22B's
+blocks of one micro-batch's forward items (its compute and tensor-parallel collectives), and of its backward and
+recompute items. Nothing is fitted here, and no figure in the project was fitted on these rows.
 
-Printed: each row's measured and predicted time, error, where the predicted time went (compute, tensor-parallel
-communication, pipeline bubble and transfers), the predicted peak memory a GPU against the A100's 80 GB, and the
-90% interval a spec alone states (analysis.uncertainty.spec_only_interval on the GPU residuals); then the mean,
-median and worst |error| beside Calculon's reported figure, and the interval's coverage. `--json PATH` writes them.
+Printed: each iteration's measured and predicted time, error, where the predicted time went (compute,
+tensor-parallel communication, pipeline bubble and transfers), the predicted peak memory a GPU against the A100's
+80 GB, and the 90% interval a spec alone states (analysis.uncertainty.spec_only_interval on the GPU residuals); the
+mean, median and worst |error| of Table 5's eight beside Calculon's reported figure, and the interval's coverage;
+Section 6.3's row and what data parallelism added, measured and predicted; then the layer table. `--json PATH`
+writes them.
 
 Run: .venv/bin/python bench/megatron_table.py [--device NAME_OR_PATH] [--json out.json]
 """
@@ -26,6 +34,7 @@ import csv
 import dataclasses
 import json
 import sys
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +54,17 @@ from harness.plan.importers.megatron import from_megatron  # noqa: E402
 from harness.plan.network import NetworkTier  # noqa: E402
 from harness.plan.spec import JobSpec, load_spec  # noqa: E402
 
-TABLE = ROOT / "bench" / "data" / "megatron-table5.csv"
+TABLE = ROOT / "bench" / "data" / "megatron-iterations.csv"
+LAYER_TABLE = ROOT / "bench" / "data" / "megatron-layer-times.csv"
+TABLE5 = "Table 5"  # the source of the eight rows Calculon's figure is for
+LAYER_MODEL = "22B"  # Table 4's model
 CLUSTER = ROOT / "harness" / "jobs" / "dgx-a100.toml"
 DEVICE = "a100-80gb"
 HBM_GBS = 2039.0  # A100 SXM4 80GB (NVIDIA's datasheet): Selene's nodes
 SEQ = 2048
 GIB = 1 << 30
 PUBLISHED = {"Calculon (its authors' validation)": 3.7}
-JSON_VERSION = 1
+JSON_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -69,13 +81,29 @@ class Row:
     gpus: int
     global_batch: int
     micro: int
-    recompute: str  # full | selective
+    recompute: str  # none | full | selective
     sp: bool
     measured_s: float
+    source: str = TABLE5
 
     @property
     def label(self) -> str:
         return f"{self.model} {'sp + selective' if self.sp else self.recompute + ' recompute'}"
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of Table 4: a layer of the 22B under one recompute and sequence parallelism, measured (ms)."""
+
+    experiment: str
+    recompute: str  # none | full | selective
+    sp: bool
+    forward_ms: float
+    backward_ms: float
 
 
 def read_rows(path: Path = TABLE) -> list[Row]:
@@ -88,8 +116,15 @@ def read_rows(path: Path = TABLE) -> list[Row]:
                             int(row["tensor_parallel"]), int(row["pipeline_parallel"]),
                             int(virtual) if virtual else None, int(row["gpus"]), int(row["global_batch"]),
                             int(row["micro_batch"]), row["recompute"], row["sequence_parallel"] == "true",
-                            float(row["iteration_s"])))
+                            float(row["iteration_s"]), row["source"]))
     return rows
+
+
+def read_layer_rows(path: Path = LAYER_TABLE) -> list[LayerRow]:
+    """Table 4's rows, in file order."""
+    with open(path, newline="") as f:
+        return [LayerRow(row["experiment"], row["recompute"], row["sequence_parallel"] == "true",
+                         float(row["forward_ms"]), float(row["backward_ms"])) for row in csv.DictReader(f)]
 
 
 def megatron_arguments(row: Row) -> str:
@@ -101,9 +136,11 @@ def megatron_arguments(row: Row) -> str:
             "--merge-file gpt2-merges.txt --transformer-impl local --hidden-dropout 0.1 --attention-dropout 0.1")
     if row.layers_per_virtual_stage:
         args += f" --num-layers-per-virtual-pipeline-stage {row.layers_per_virtual_stage}"
+    if row.sp:
+        args += " --sequence-parallel"
     if row.recompute == "full":
         return args + " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-    return args + (" --sequence-parallel" if row.sp else "") + " --recompute-granularity selective"
+    return args + (" --recompute-granularity selective" if row.recompute == "selective" else "")
 
 
 def selene_network() -> tuple[NetworkTier, ...]:
@@ -130,13 +167,69 @@ def predict_rows(rows: Sequence[Row], device: str = DEVICE) -> list[dict]:
         seconds = prediction.timeline.batch_time_s
         residuals = spec_only_residuals(spec, "gpu")
         interval = spec_only_interval(seconds, residuals) if residuals is not None else None
-        out.append({"model": row.model, "label": row.label, "gpus": row.gpus, "tp": row.tp, "pp": row.pp,
-                    "virtual_stages": spec.strategy.chunks, "micro": row.micro, "global_batch": row.global_batch,
+        out.append({"model": row.model, "label": row.label, "source": row.source, "gpus": row.gpus,
+                    "dp": spec.strategy.dp, "tp": row.tp, "pp": row.pp, "virtual_stages": spec.strategy.chunks,
+                    "micro": row.micro, "global_batch": row.global_batch,
                     "recompute": row.recompute, "sp": row.sp, "measured_s": row.measured_s,
                     "predicted_s": seconds, "error_pct": (seconds / row.measured_s - 1) * 100,
                     "spent_ms": time_spent(prediction.timeline),
                     "peak_gib": prediction.memory.peak_bytes / GIB,
                     "interval_s": [interval.p5_s, interval.p95_s] if interval else None})
+    return out
+
+
+def layer_times_ms(prediction) -> tuple[float, float]:
+    """A transformer block's forward and backward (its recompute included) on the predicted timeline, in ms: the
+    median over the model's blocks of the first stage's first micro-batch, each pass's compute and collectives."""
+    passes: dict[tuple[int, str], float] = defaultdict(float)
+    blocks = {i for i, layer in enumerate(prediction.plan.layers) if layer.kind == "block"}
+    for interval in prediction.timeline.intervals(0):
+        if interval.micro == 0 and interval.layer in blocks:
+            phase = "forward" if interval.name.startswith("F ") else "backward"  # B and R (recompute)
+            passes[interval.layer, phase] += (interval.end_s - interval.start_s) * 1e3
+    return tuple(float(np.median([t for (_, phase), t in passes.items() if phase == wanted]))
+                 for wanted in ("forward", "backward"))
+
+
+def predict_layers(layer_rows: Sequence[LayerRow], model: Row, device: str = DEVICE) -> list[dict]:
+    """Each Table 4 row: `model` (the 22B's iteration row) under the row's recompute and sequence parallelism,
+    predicted from its spec alone; measured and predicted forward, backward and their sum (ms), and errors."""
+    out, network = [], selene_network()
+    for layer_row in layer_rows:
+        row = dataclasses.replace(model, recompute=layer_row.recompute, sp=layer_row.sp)
+        forward, backward = layer_times_ms(predict_spec(row_spec(row, device, network), dp_overlap=False,
+                                                        resamples=0))
+        measured = {"forward": layer_row.forward_ms, "backward": layer_row.backward_ms,
+                    "combined": layer_row.forward_ms + layer_row.backward_ms}
+        predicted = {"forward": forward, "backward": backward, "combined": forward + backward}
+        out.append({"experiment": layer_row.experiment, "recompute": layer_row.recompute, "sp": layer_row.sp,
+                    "measured_ms": measured, "predicted_ms": predicted,
+                    "error_pct": {key: (predicted[key] / measured[key] - 1) * 100 for key in measured}})
+    return out
+
+
+def layer_summary(results: Sequence[dict]) -> dict:
+    """Mean and worst |error| of the layer rows' forward and backward times (ten figures), and of their sums."""
+    passes = [abs(r["error_pct"][key]) for r in results for key in ("forward", "backward")]
+    combined = [abs(r["error_pct"]["combined"]) for r in results]
+    return {"figures": len(passes), "mape_pct": float(np.mean(passes)), "worst_abs_pct": float(np.max(passes)),
+            "combined_mape_pct": float(np.mean(combined)), "combined_worst_abs_pct": float(np.max(combined))}
+
+
+def data_parallel_added(results: Sequence[dict]) -> list[dict]:
+    """For each row with data parallelism, what it added over the same model and layout on one replica (a row of
+    the table with dp = 1), measured and predicted (seconds)."""
+    out = []
+    for r in results:
+        if r["dp"] == 1:
+            continue
+        base = next((b for b in results if b["dp"] == 1 and (b["model"], b["label"], b["tp"], b["pp"])
+                     == (r["model"], r["label"], r["tp"], r["pp"])), None)
+        if base is not None:
+            out.append({"label": r["label"], "gpus": r["gpus"], "dp": r["dp"],
+                        "measured_s": r["measured_s"] - base["measured_s"],
+                        "predicted_s": r["predicted_s"] - base["predicted_s"],
+                        "predicted_dp_allreduce_s": r["spent_ms"].get("dp", 0.0) / 1e3})
     return out
 
 
@@ -149,7 +242,8 @@ def summary(results: Sequence[dict]) -> dict:
     return figures
 
 
-def print_report(results: Sequence[dict], figures: dict, device: str) -> None:
+def print_report(results: Sequence[dict], figures: dict, added: Sequence[dict], layers: Sequence[dict],
+                 layer_figures: dict, device: str) -> None:
     print(f"Megatron-LM's published iterations (Korthikanti et al. 2022, Table 5; Selene, DGX A100 80GB), each from a "
           f"spec alone on {device}: mean |error| {figures['mape_pct']:.1f}%, worst {figures['worst_abs_pct']:.1f}% "
           f"({figures['rows']} runs)")
@@ -157,22 +251,37 @@ def print_report(results: Sequence[dict], figures: dict, device: str) -> None:
     for r in results:
         spent = r["spent_ms"]
         comm = spent.get("tp", 0.0) + spent.get("dp", 0.0)
-        table.append([r["label"], f"{r['gpus']:,}", f"{r['tp']} x {r['pp']}"
+        table.append([r["label"], r["source"], f"{r['gpus']:,}", f"{r['dp']} x {r['tp']} x {r['pp']}"
                       + (f" (x{r['virtual_stages']})" if r["virtual_stages"] > 1 else ""),
-                      f"{r['micro']} x {r['global_batch'] // r['micro']}", f"{r['measured_s']:.2f}",
+                      f"{r['micro']} x {r['global_batch'] // (r['micro'] * r['dp'])}", f"{r['measured_s']:.2f}",
                       f"{r['predicted_s']:.2f}", f"{r['error_pct']:+.1f}",
                       f"{spent.get('compute', 0.0) / 1e3:.2f} / {comm / 1e3:.2f} / {spent.get('idle', 0.0) / 1e3:.2f}",
                       f"{r['peak_gib']:.1f}",
                       f"{r['interval_s'][0]:.2f}-{r['interval_s'][1]:.2f}" if r["interval_s"] else "-"])
-    print(format_table(["run", "GPUs", "tp x pp", "micro x n", "measured s", "predicted s", "error %",
+    print(format_table(["run", "source", "GPUs", "dp x tp x pp", "micro x n", "measured s", "predicted s", "error %",
                         "compute / comm / idle s", "peak GiB", "90% interval s"], table))
     print()
-    print(f"mean |error| {figures['mape_pct']:.2f}%, median {figures['median_abs_pct']:.2f}%, worst "
+    print(f"Table 5: mean |error| {figures['mape_pct']:.2f}%, median {figures['median_abs_pct']:.2f}%, worst "
           f"{figures['worst_abs_pct']:.2f}%, signed median {figures['median_signed_pct']:+.2f}%"
           + (f"; the 90% interval held {figures['interval_coverage_pct']:.0f}% of the runs"
              if figures["interval_coverage_pct"] is not None else ""))
     for name, mape in PUBLISHED.items():
         print(f"{name}: {mape}% mean |error| on the same eight runs")
+    for a in added:
+        print(f"data parallelism {a['dp']} ({a['label']}, {a['gpus']:,} GPUs) added {a['measured_s']:.2f} s measured, "
+              f"{a['predicted_s']:.2f} s predicted (the gradient all-reduce after the backward: "
+              f"{a['predicted_dp_allreduce_s']:.2f} s)")
+    print()
+    print(f"One transformer layer of the 22B (Table 4), forward and backward, each from a spec alone on {device}: "
+          f"mean |error| {layer_figures['mape_pct']:.1f}% over {layer_figures['figures']}, worst "
+          f"{layer_figures['worst_abs_pct']:.1f}%; forward + backward {layer_figures['combined_mape_pct']:.1f}%")
+    rows = []
+    for r in layers:
+        m, p, e = r["measured_ms"], r["predicted_ms"], r["error_pct"]
+        rows.append([r["experiment"]] + [f"{m[key]:.1f} / {p[key]:.2f} ({e[key]:+.1f}%)"
+                                         for key in ("forward", "backward", "combined")])
+    print(format_table(["experiment", "forward ms, measured / predicted", "backward ms (recompute in it)",
+                        "combined ms"], rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,16 +293,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         description = load_device(args.device)
-        results = predict_rows(read_rows(), args.device)
+        rows = read_rows()
+        results = predict_rows(rows, args.device)
+        layers = predict_layers(read_layer_rows(), next(r for r in rows if r.model == LAYER_MODEL), args.device)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    figures = summary(results)
-    print_report(results, figures, args.device)
+    figures = summary([r for r in results if r["source"] == TABLE5])
+    added, layer_figures = data_parallel_added(results), layer_summary(layers)
+    print_report(results, figures, added, layers, layer_figures, args.device)
     if args.json:
-        document = {"version": JSON_VERSION, "source": str(TABLE.relative_to(ROOT)), "device": args.device,
-                    "fitted_on": description.fitted_on if description.fitted
+        document = {"version": JSON_VERSION, "sources": [str(TABLE.relative_to(ROOT)),
+                                                         str(LAYER_TABLE.relative_to(ROOT))],
+                    "device": args.device, "fitted_on": description.fitted_on if description.fitted
                     else "nothing: the description's starting values", "figures": figures, "rows": results,
+                    "data_parallel_added": added, "layer_figures": layer_figures, "layers": layers,
                     "published": PUBLISHED}
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0
