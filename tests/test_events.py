@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from harness.common.errors import UserError
+from harness.common.errors import SpecError, UserError
 from harness.plan.events import build_plan
 from harness.plan.layers import describe_builtin
 from harness.plan.schedules import Step, device_steps
@@ -239,3 +239,57 @@ def test_harness_train_refuses_the_fused_gradient_accumulation():
     spec = loads_spec(tiny_spec_text().replace("[cluster]", "grad_accumulation_fusion = true\n[cluster]"))
     with pytest.raises(UserError, match="grad_accumulation_fusion = true is Megatron-LM's fused"):
         check_run(spec, 1, 3, 1)
+
+
+def test_float32_gradient_reductions_carry_four_bytes_an_element():
+    """[optimizer] reduce_dtype = "float32" (Megatron's main gradients of bf16 weights): the data-parallel buckets,
+    the tied embedding's and sequence parallelism's all-reduces carry twice a bf16 model's bytes; the activations,
+    the tensor-parallel and pipeline transfers do not change."""
+    def plan(reduce: str) -> dict:
+        text = tiny_spec_text(dp=2, tp=2, pp=2, global_batch=8).replace('dtype = "float32"', 'dtype = "bfloat16"')
+        text = text.replace("[cluster]", "sp = true\ndp_overlap = false\n[cluster]")
+        spec = loads_spec(text + "[optimizer]\nmaster_weights = true\n" + reduce)
+        built = build_plan(spec)
+        stage = built.stages[0]
+        reductions = [b.event for s in built.stages for b in s.buckets] + [stage.tie, stage.sequence_grads]
+        return {"reductions": [(built.events[e].content["bytes"], built.events[e].content["dtype"])
+                               for e in reductions],
+                "other": sorted(e for e in built.events if e not in reductions
+                                and built.events[e].kind != "compute")}
+
+    model, fp32 = plan(""), plan('reduce_dtype = "float32"\n')
+    assert [(2 * nbytes, "float32") for nbytes, _ in model["reductions"]] == fp32["reductions"]
+    assert all(dtype == "bfloat16" for _, dtype in model["reductions"])
+    assert model["other"] == fp32["other"]
+
+
+@pytest.mark.parametrize("dtype,extra,words", [
+    ("bfloat16", 'reduce_dtype = "float32"\n', "master_weights = true keeps float32 main gradients"),
+    ("float16", 'master_weights = true\nreduce_dtype = "bfloat16"\n', "got 'bfloat16'"),
+    ("float32", 'reduce_dtype = "float64"\n', "unknown value 'float64'")])
+def test_a_reduce_dtype_that_is_not_the_models_or_megatrons_is_refused(dtype, extra, words):
+    text = tiny_spec_text().replace('dtype = "float32"', f'dtype = "{dtype}"') + "[optimizer]\n" + extra
+    with pytest.raises(SpecError, match=words) as caught:
+        loads_spec(text)
+    assert caught.value.field == "optimizer.reduce_dtype"
+
+
+def test_a_reduce_dtype_round_trips_and_the_models_own_is_left_unwritten():
+    text = tiny_spec_text().replace('dtype = "float32"', 'dtype = "bfloat16"') + "[optimizer]\nmaster_weights = true\n"
+    plain = loads_spec(text)
+    assert plain.reduce_dtype == "bfloat16" and "reduce_dtype" not in plain.to_toml()
+    fp32 = loads_spec(text + 'reduce_dtype = "float32"\n')
+    assert (fp32.reduce_dtype, fp32.reduce_bytes) == ("float32", 4)
+    assert loads_spec(fp32.to_toml()) == fp32
+
+
+def test_a_zero_reduce_scatter_carries_the_reduce_dtype_and_its_all_gather_the_weights():
+    def collectives(reduce: str) -> dict:
+        text = tiny_spec_text(dp=2, zero=1).replace('dtype = "float32"', 'dtype = "bfloat16"')
+        built = build_plan(loads_spec(text + "[optimizer]\nmaster_weights = true\n" + reduce))
+        return {kind: sorted((e.content["bytes"], e.content["dtype"]) for e in built.events.values()
+                             if e.kind == kind) for kind in ("allgather", "reducescatter")}
+
+    model, fp32 = collectives(""), collectives('reduce_dtype = "float32"\n')
+    assert model["allgather"] == fp32["allgather"] and model["reducescatter"]
+    assert fp32["reducescatter"] == [(2 * nbytes, "float32") for nbytes, _ in model["reducescatter"]]

@@ -504,3 +504,17 @@ def test_megatrons_gradient_accumulation_fusion_is_its_default():
     unfused = from_megatron(command + " --no-gradient-accumulation-fusion", gpus=1)
     assert not unfused.spec.strategy.grad_accumulation_fusion
     assert not any("accumulation" in line for line in unfused.not_modelled)
+
+
+@pytest.mark.parametrize("flags,reduce_dtype", [
+    ("--bf16", "float32"),  # Megatron forces fp32 gradient accumulation and all-reduce with bf16
+    ("--bf16 --grad-reduce-in-bf16", "bfloat16"),
+    ("--fp16", "float16"),
+    ("--fp16 --accumulate-allreduce-grads-in-fp32", "float32"),
+    ("", "float32")])
+def test_megatrons_gradient_reductions_take_its_main_gradients_dtype(flags, reduce_dtype):
+    command = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+               f"--micro-batch-size 1 --global-batch-size 8 --vocab-size 512 {flags}")
+    imported = from_megatron(command, gpus=2)
+    assert imported.spec.reduce_dtype == reduce_dtype
+    assert imported.unknown == [] and not any("fp32" in line or "bf16" in line for line in imported.not_modelled)

@@ -364,7 +364,7 @@ class EventPlan:
         spec, s = self.spec, self.spec.strategy
         # with context parallelism a rank holds seq / cp tokens of every micro-batch
         m, micro, seq = spec.micro_batches, spec.batch.micro, spec.model.seq_len // s.cp
-        dtype_bytes = spec.model.dtype_bytes
+        dtype_bytes, reduce_bytes = spec.model.dtype_bytes, spec.reduce_bytes
         devices_per_stage = s.dp * s.tp * s.cp
         stages = split_into_stages(self.layers, spec.model, s.virtual_stages)
         activation = micro * seq * spec.model.hidden * dtype_bytes
@@ -449,12 +449,13 @@ class EventPlan:
                         self.multiplicity[eid] += m * devices_per_stage
                 gather = scatter = ""
                 if s.zero and layer.params:
-                    nbytes = -(-layer.params // s.dp) * s.dp * dtype_bytes  # FSDP pads every shard alike
+                    elements = -(-layer.params // s.dp) * s.dp  # FSDP pads every shard alike
                     unit = {"layer": layer.kind, "signature": dict(layer.signature)}
-                    gather = self._collective("allgather", nbytes, s.dp, dp_groups, 2 * m if s.zero == 3 else 1,
-                                              "data-parallel groups", fsdp=unit)
-                    scatter = self._collective("reducescatter", nbytes, s.dp, dp_groups, 1 if s.zero == 1 else m,
-                                               "data-parallel groups", fsdp=unit)
+                    gather = self._collective("allgather", elements * dtype_bytes, s.dp, dp_groups,
+                                              2 * m if s.zero == 3 else 1, "data-parallel groups", fsdp=unit)
+                    scatter = self._collective("reducescatter", elements * reduce_bytes, s.dp, dp_groups,
+                                               1 if s.zero == 1 else m, "data-parallel groups", fsdp=unit,
+                                               dtype=spec.reduce_dtype)
                 items = [(f_id, index)] + [(tp_allreduce, -1)] * layer.tp_allreduces + layer_collectives(layer, "fwd")
                 per_stage.append((layer, index, items, b_id, gather, scatter, layer_collectives(layer, "bwd")))
                 weights.append((w_id, index))
@@ -482,7 +483,7 @@ class EventPlan:
                     own = ([(b_id, index)] if b_id else []) + [(tp_allreduce, -1)] * layer.tp_allreduces + after
                     out += head + redo + own
                     flags += [False] * len(head) + [True] * len(redo) + [False] * len(own)
-                    grads.append((len(out) - 1, (layer.params - layer.expert_params) * dtype_bytes))
+                    grads.append((len(out) - 1, (layer.params - layer.expert_params) * reduce_bytes))
                     if scatter and (last or s.zero >= 2):
                         out.append((scatter, -1))
                         flags.append(False)
@@ -495,7 +496,7 @@ class EventPlan:
                 grads, position = [], -1
                 for (w_id, _), (layer, *_) in zip(reversed(weights), reversed(per_stage)):
                     position += bool(w_id)
-                    grads.append((max(position, 0), (layer.params - layer.expert_params) * dtype_bytes))
+                    grads.append((max(position, 0), (layer.params - layer.expert_params) * reduce_bytes))
             buckets = self._buckets(grads, dp_groups) if s.gradient_replicas > 1 and not s.zero else []
             self.stages.append(StageProgram(
                 virtual_stage=vs, layers=[index for _, index, *_ in per_stage], forward=[e for e, _ in fwd],
@@ -519,8 +520,8 @@ class EventPlan:
             shards = s.tp if s.vocab_sharded else 1
             pairs = self._placements([self.rank_of(d, t, 0, c), self.rank_of(d, t, s.pp - 1, c)]
                                      for d, c in self.replicas() for t in range(s.tp))
-            tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * dtype_bytes, 2, pairs,
-                                   1, "tied embedding pairs")
+            tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * spec.reduce_bytes, 2,
+                                   pairs, 1, "tied embedding pairs", dtype=spec.reduce_dtype)
             self.stages[0].tie = self.stages[-1].tie = tie
         for vs in range(s.virtual_stages - 1):
             # What crosses the boundary: the sending stage's last output (hidden for the built-ins, seq / tp
@@ -539,17 +540,18 @@ class EventPlan:
         s = self.spec.strategy
         if not s.sp:
             return None
-        nbytes = sum(replicated_params(self.spec.model, layer.kind) for layer in layers) * self.spec.model.dtype_bytes
-        return self._collective("allreduce", nbytes, s.tp, tp_groups, 1, "tensor-parallel groups")
+        nbytes = sum(replicated_params(self.spec.model, layer.kind) for layer in layers) * self.spec.reduce_bytes
+        return self._collective("allreduce", nbytes, s.tp, tp_groups, 1, "tensor-parallel groups",
+                                dtype=self.spec.reduce_dtype)
 
     def _expert_grads(self, layers: list[LayerDesc], groups: GroupPlacements | None) -> str | None:
         """Expert parallelism with dp > ep: the stage's experts' gradient all-reduce over the dp / ep ranks holding
         the same experts (None where each expert is on one rank, or the stage has none)."""
-        nbytes = sum(layer.expert_params for layer in layers) * self.spec.model.dtype_bytes
+        nbytes = sum(layer.expert_params for layer in layers) * self.spec.reduce_bytes
         if groups is None or not nbytes:
             return None
         return self._collective("allreduce", nbytes, self.spec.strategy.dp // self.spec.strategy.ep, groups, 1,
-                                "expert data-parallel groups")
+                                "expert data-parallel groups", dtype=self.spec.reduce_dtype)
 
     def _layer_events(self, layer: LayerDesc, index: int, micro: int, seq: int, split: bool,
                       checkpointed: bool = False) -> tuple[str, str, str]:
@@ -637,7 +639,7 @@ class EventPlan:
             buckets.append(Bucket("", size, last))
         for bucket in buckets:
             bucket.event = self._collective("allreduce", bucket.nbytes, s.gradient_replicas, dp_groups, 1,
-                                            "data-parallel groups")
+                                            "data-parallel groups", dtype=self.spec.reduce_dtype)
         return buckets
 
     # ---- queries -----------------------------------------------------------------------------

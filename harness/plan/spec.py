@@ -87,7 +87,7 @@ _SECTIONS = {
                  "vocab_parallel", "sp", "cp", "cp_comm", "ep", "recompute_layers", "recompute_method",
                  "grad_accumulation_fusion"},
     "cluster": {"nodes", "gpus_per_node", "device_memory_gb", "device", "network"},
-    "optimizer": {"name", "momentum", "master_weights"},
+    "optimizer": {"name", "momentum", "master_weights", "reduce_dtype"},
     "profile": {"warmup", "repeats", "backend", "timeout_s", "device", "precision", "budget_s"},
     "search": {"dp", "tp", "pp", "micro", "schedule", "chunks", "gpus", "recompute", "zero", "sp", "cp", "ep", "auto"},
 }
@@ -262,6 +262,10 @@ class OptimizerSpec:
     name: str = "adam"  # adam | sgd
     momentum: float = 0.9  # sgd only
     master_weights: bool = False  # fp32 master weights (and fp32 states) beside 16-bit model weights
+    # the dtype the gradients' reductions carry (data-parallel all-reduce or ZeRO reduce-scatter, the tied
+    # embedding's and sequence parallelism's all-reduces); None: the model's. float32 with 16-bit weights is
+    # Megatron's main gradients (bf16, or --accumulate-allreduce-grads-in-fp32), so it needs master_weights
+    reduce_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,15 @@ class JobSpec:
         """Micro-batches per pipeline per iteration: global / (dp x micro)."""
         return self.batch.global_size // (self.strategy.dp * self.batch.micro)
 
+    @property
+    def reduce_dtype(self) -> str:
+        """The dtype of the gradients' reductions: [optimizer] reduce_dtype, else the model's."""
+        return self.optimizer.reduce_dtype or self.model.dtype
+
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPES[self.reduce_dtype]
+
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain data (round-trips through parse_spec)."""
         m = dataclasses.asdict(self.model)
@@ -337,7 +350,8 @@ class JobSpec:
             "batch": {"global": self.batch.global_size, "micro": self.batch.micro},
             "strategy": s,
             "cluster": {k: v for k, v in dataclasses.asdict(self.cluster).items() if v is not None and k != "network"},
-            "optimizer": dataclasses.asdict(self.optimizer),
+            "optimizer": {k: v for k, v in dataclasses.asdict(self.optimizer).items()
+                          if not (k == "reduce_dtype" and v is None)},  # the model's: left out, as before the field
             "profile": dataclasses.asdict(self.profile),
         }
         if self.cluster.network:
@@ -848,8 +862,11 @@ def _parse_spec(data: dict, import_factory: bool) -> JobSpec:
     momentum = o.get("momentum", 0.9)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise SpecError(f"must be a number from 0 up to 1, got {momentum!r}", field="optimizer.momentum")
+    reduce_dtype = o.get("reduce_dtype")
+    if reduce_dtype is not None:
+        reduce_dtype = _choice(o, "reduce_dtype", "optimizer", None, tuple(DTYPES))
     optimizer = OptimizerSpec(name=_choice(o, "name", "optimizer", "adam", OPTIMIZERS), momentum=float(momentum),
-                              master_weights=master)
+                              master_weights=master, reduce_dtype=reduce_dtype)
     p = data.get("profile", {})
     profile = ProfileSpec(warmup=_int(p, "warmup", "profile", 3, minimum=0), repeats=_int(p, "repeats", "profile", 10),
                           backend=_choice(p, "backend", "profile", "torch", BACKENDS),
@@ -955,6 +972,11 @@ def _check_job(spec: JobSpec, given: dict) -> None:
     if optimizer.master_weights and model.dtype == "float32":
         raise SpecError("master weights keep an fp32 copy of 16-bit weights; with dtype float32 set "
                         "master_weights = false", field="optimizer.master_weights")
+    if optimizer.reduce_dtype not in (None, model.dtype) and not (optimizer.reduce_dtype == "float32"
+                                                                   and optimizer.master_weights):
+        raise SpecError(f"gradients are reduced in the model's dtype ({model.dtype}), or in float32 where "
+                        "master_weights = true keeps float32 main gradients (Megatron); got "
+                        f"{optimizer.reduce_dtype!r}", field="optimizer.reduce_dtype")
 
 
 @functools.lru_cache(maxsize=64)

@@ -45,6 +45,7 @@ FLAGS = {
     "--disable-moe-token-dropping", "--create-moe-param-group", "--partition-activations", "--checkpoint-in-cpu",
     "--contigious-checkpointing", "--fp32-residual-connection", "--bert-binary-head", "--use-flash-attn-v1",
     "--use-flash-attn-v2", "--use-flash-attn-triton", "--use-flash-attn-builder", "--fp16-lm-cross-entropy",
+    "--grad-reduce-in-bf16",
 }
 # Attention's kernels (_attention): flash attention's flags (Megatron-LM's, Megatron-DeepSpeed's versions); the
 # arguments only Megatron-DeepSpeed and the older Megatron-LM take, whose attention was local (materialised)
@@ -97,7 +98,6 @@ NOT_MODELLED = {
     "--no-masked-softmax-fusion": "an unfused softmax", "--no-bias-gelu-fusion": "an unfused bias and GELU",
     "--no-bias-dropout-fusion": "an unfused bias and dropout", "--no-rope-fusion": "unfused rotary embeddings",
     "--no-async-tensor-model-parallel-allreduce": "a synchronous tensor-parallel all-reduce",
-    "--accumulate-allreduce-grads-in-fp32": "fp32 gradient all-reduces",
     "--rampup-batch-size": "a batch size that ramps up (the spec's is the final one)",
     "--qk-layernorm": "query and key norms", "--no-position-embedding": "no position embedding",
     "--fp8-format": "fp8 GEMMs", "--fp8": "fp8 GEMMs",
@@ -654,8 +654,13 @@ def _dtype(args: _Reader) -> str:
 
 
 def _optimizer(args: _Reader, dtype: str) -> dict:
+    """Adam or SGD; with 16-bit weights Megatron's fp32 main weights, and its fp32 main gradients' reductions
+    where it makes them: bf16 unless --grad-reduce-in-bf16, fp16 with --accumulate-allreduce-grads-in-fp32."""
     name = args.choice("--optimizer", ("adam", "sgd"), "adam")
     optimizer = {"name": name, "master_weights": dtype != "float32"}  # Megatron keeps fp32 main weights
+    in_fp32, in_bf16 = args.has("--accumulate-allreduce-grads-in-fp32"), args.has("--grad-reduce-in-bf16")
+    if (dtype == "bfloat16" and not in_bf16) or (dtype == "float16" and in_fp32):
+        optimizer["reduce_dtype"] = "float32"
     if name == "sgd":
         optimizer["momentum"] = args.number("--sgd-momentum", 0.9)
     return optimizer
