@@ -518,3 +518,18 @@ def test_megatrons_gradient_reductions_take_its_main_gradients_dtype(flags, redu
     imported = from_megatron(command, gpus=2)
     assert imported.spec.reduce_dtype == reduce_dtype
     assert imported.unknown == [] and not any("fp32" in line or "bf16" in line for line in imported.not_modelled)
+
+
+@pytest.mark.parametrize("flags,said", [
+    ("--tensor-model-parallel-size 2", "the asynchronous tensor-parallel all-reduce"),
+    ("--tensor-model-parallel-size 2 --no-async-tensor-model-parallel-allreduce", None),
+    ("--tensor-model-parallel-size 2 --deepspeed", None),  # Megatron-DeepSpeed turns it off with DeepSpeed
+    ("--tensor-model-parallel-size 2 --sequence-parallel", "sequence parallelism's backward overlap"),
+    ("", None)])
+def test_megatrons_overlapped_tensor_parallel_collectives_are_said_not_modelled(flags, said):
+    command = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+               f"--micro-batch-size 1 --global-batch-size 8 --vocab-size 512 --fp16 {flags}")
+    imported = from_megatron(command, gpus=2)
+    overlap = [line for line in imported.not_modelled if "overlap" in line or "asynchronous" in line]
+    assert overlap == ([] if said is None else [next(line for line in overlap if line.startswith(said))])
+    assert imported.unknown == []

@@ -97,7 +97,6 @@ NOT_MODELLED = {
     "--moe-router-topk-scaling-factor": "scaled routing weights",
     "--no-masked-softmax-fusion": "an unfused softmax", "--no-bias-gelu-fusion": "an unfused bias and GELU",
     "--no-bias-dropout-fusion": "an unfused bias and dropout", "--no-rope-fusion": "unfused rotary embeddings",
-    "--no-async-tensor-model-parallel-allreduce": "a synchronous tensor-parallel all-reduce",
     "--rampup-batch-size": "a batch size that ramps up (the spec's is the final one)",
     "--qk-layernorm": "query and key norms", "--no-position-embedding": "no position embedding",
     "--fp8-format": "fp8 GEMMs", "--fp8": "fp8 GEMMs",
@@ -483,6 +482,7 @@ def from_megatron(source: str, gpus: int | None = None, gpus_per_node: int | Non
     data = {"model": model, "batch": batch, "strategy": strategy,
             "cluster": {"nodes": nodes, "gpus_per_node": per_node}, "optimizer": optimizer}
     _not_modelled(args, family, result)
+    _overlapped_collectives(args, strategy, result)
     _leftovers(args, result)
     result.spec = _validate(data, where, result)
     preset = same_preset(model)
@@ -727,6 +727,25 @@ def _not_modelled(args: _Reader, family: str, result: ImportedSpec) -> None:
     for name in ("--kv-channels",):
         if args.has(name):
             result.not_modelled.append(f"{name} {args.text(name)}: {NOT_MODELLED[name]}")
+
+
+def _overlapped_collectives(args: _Reader, strategy: dict, result: ImportedSpec) -> None:
+    """Megatron's backward overlaps a column-parallel linear's tensor-parallel collectives with its GEMMs (its
+    LinearWithGradAccumulationAndAsyncCommunication); the model runs every collective after its layer's compute,
+    as --no-async-tensor-model-parallel-allreduce does without sequence parallelism (and Megatron-DeepSpeed with
+    --deepspeed, which turns the asynchronous all-reduce off)."""
+    synchronous = args.has("--no-async-tensor-model-parallel-allreduce") or "--deepspeed" in args.values
+    if strategy["tp"] <= 1:
+        return
+    if strategy["sp"]:
+        result.not_modelled.append("sequence parallelism's backward overlap: Megatron runs each column-parallel "
+                                   "linear's all-gather beside its input gradient and its reduce-scatter beside its "
+                                   "weight gradient; the model runs them after the layer's compute")
+    elif not synchronous:
+        result.not_modelled.append("the asynchronous tensor-parallel all-reduce (Megatron-LM's default; "
+                                   "--no-async-tensor-model-parallel-allreduce turns it off): each column-parallel "
+                                   "linear's input-gradient all-reduce beside its weight gradient; the model runs it "
+                                   "after the layer's compute")
 
 
 def _leftovers(args: _Reader, result: ImportedSpec) -> None:
