@@ -77,6 +77,7 @@ def summary(timeline: Timeline, ranks: Sequence[int], selection: str, profile_pa
         "bubble_fraction": timeline.bubble_fraction,
         "events": {"unique": timeline.plan.unique_events, "total": timeline.plan.total_events},
         "stages": stage_rows(timeline),
+        "layer_passes": timeline.layer_passes(),
         "devices_selection": selection,
         "devices": [d.to_dict() for d in timeline.devices(ranks)],
         "extrapolated": [c.to_dict() for c in costs.extrapolated],
@@ -227,9 +228,14 @@ def format_report(timeline: Timeline, ranks: Sequence[int] | None = None, detail
 
 
 def _details(timeline: Timeline) -> list[str]:
-    """The model's corrections and the communication fits, one table each (docs/analysis.md)."""
+    """A layer's passes, the model's corrections and the communication fits, one table each (docs/analysis.md)."""
     costs = timeline.costs
-    out: list[str] = []
+    rows = [(r["stage"], r["layer"], r["layers"], _ms(r["forward_s"]), _ms(r["forward_comm_s"]), _ms(r["backward_s"]),
+             _ms(r["backward_comm_s"]), _ms(r["recompute_s"])) for r in timeline.layer_passes()]
+    out: list[str] = ["", format_table(
+        ("stage", "layer", "layers", "forward ms", "of it comm", "backward ms", "of it comm", "of it full recompute"),
+        rows, title="per layer, one micro-batch (the median over a pipeline device's layers of a kind; a backward "
+                    "with its recompute):")]
     extrapolated = costs.extrapolated
     if extrapolated:
         plan = timeline.plan

@@ -42,6 +42,8 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from analysis.costs import Costs
 from analysis.intervals import spans
 from harness.plan.events import SHARDED_KINDS, EventPlan
@@ -746,6 +748,48 @@ class Timeline:
 
     def devices(self, ranks: Sequence[int]) -> list[DeviceSummary]:
         return [self.device(rank) for rank in ranks]
+
+    def layer_passes(self) -> list[dict[str, Any]]:
+        """Per pipeline device and layer kind, one micro-batch's pass through a layer of that kind, the median over
+        the device's layers of it (seconds): `forward_s`, `backward_s` (its recompute and, with a split backward,
+        its weight gradients included), `recompute_s` (full recompute's forward run again; selective recompute's
+        attention core is part of the block's backward event), and of the forward and backward what their
+        collectives took (`forward_comm_s`, `backward_comm_s`). A collective counts for the layer it follows, as on the
+        timeline (`intervals`), and FSDP's all-gather for the layer it gathers. The steady steps: not ZeRO's
+        first forward or last backward."""
+        plan = self.plan
+        parts = ("forward_s", "forward_comm_s", "backward_s", "backward_comm_s", "recompute_s")
+        passes: dict[tuple[int, int], dict[str, float]] = {}
+        for vs, program in enumerate(plan.stages):
+            c = self.stage_costs[vs]
+            steps = (("forward", program.forward, program.forward_layers, c.forward_offsets, ()),
+                     ("backward", program.backward, program.backward_layers, c.backward_offsets,
+                      program.backward_again),
+                     ("backward", program.weight, program.weight_layers, c.weight.offsets, ()))
+            for part, items, layers, offsets, again in steps:
+                layer = -1
+                for k, eid in enumerate(items):
+                    event = plan.events[eid]
+                    if layers[k] >= 0:
+                        layer = layers[k]
+                    elif (k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather"
+                          and "fsdp" in event.content):
+                        layer = layers[k + 1]
+                    if layer < 0:
+                        continue
+                    seconds = offsets[k + 1] - offsets[k]
+                    entry = passes.setdefault((vs % self.spec.strategy.pp, layer), dict.fromkeys(parts, 0.0))
+                    entry[f"{part}_s"] += seconds
+                    if event.kind != "compute":
+                        entry[f"{part}_comm_s"] += seconds
+                    if k < len(again) and again[k]:
+                        entry["recompute_s"] += seconds
+        kinds: dict[tuple[int, str], list[dict[str, float]]] = {}
+        for (stage, layer), entry in sorted(passes.items()):
+            kinds.setdefault((stage, plan.layers[layer].kind), []).append(entry)
+        return [{"stage": stage, "layer": kind, "layers": len(entries),
+                 **{part: float(np.median([e[part] for e in entries])) for part in parts}}
+                for (stage, kind), entries in kinds.items()]
 
     def intervals(self, stage: int) -> list[Interval]:
         """Every event of pipeline device `stage` (any of its replicas), sorted by start then track."""

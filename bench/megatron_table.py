@@ -34,7 +34,6 @@ import csv
 import dataclasses
 import json
 import sys
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,16 +178,11 @@ def predict_rows(rows: Sequence[Row], device: str = DEVICE) -> list[dict]:
 
 
 def layer_times_ms(prediction) -> tuple[float, float]:
-    """A transformer block's forward and backward (its recompute included) on the predicted timeline, in ms: the
-    median over the model's blocks of the first stage's first micro-batch, each pass's compute and collectives."""
-    passes: dict[tuple[int, str], float] = defaultdict(float)
-    blocks = {i for i, layer in enumerate(prediction.plan.layers) if layer.kind == "block"}
-    for interval in prediction.timeline.intervals(0):
-        if interval.micro == 0 and interval.layer in blocks:
-            phase = "forward" if interval.name.startswith("F ") else "backward"  # B and R (recompute)
-            passes[interval.layer, phase] += (interval.end_s - interval.start_s) * 1e3
-    return tuple(float(np.median([t for (_, phase), t in passes.items() if phase == wanted]))
-                 for wanted in ("forward", "backward"))
+    """A transformer block's forward and backward (its recompute included) on the first pipeline device, in ms:
+    the predicted timeline's layer passes (analysis.simulate.Timeline.layer_passes: a micro-batch's pass, its
+    compute and collectives, the median over the device's blocks)."""
+    row = next(r for r in prediction.timeline.layer_passes() if r["stage"] == 0 and r["layer"] == "block")
+    return row["forward_s"] * 1e3, row["backward_s"] * 1e3
 
 
 def predict_layers(layer_rows: Sequence[LayerRow], model: Row, device: str = DEVICE) -> list[dict]:

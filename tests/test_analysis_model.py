@@ -435,3 +435,34 @@ def test_the_engines_gaps_are_read_off_a_trace_by_transition():
     gaps = transitions(columns, {"start_s": np.array([0.0, 10.0]), "end_s": np.array([3.0, 15.5])}, warmup=1)
     expected = {"start": [0.1], "F->B": [0.2, 0.1], "B->F": [0.5], "B->opt": [0.4], "end": [0.25]}
     assert {kind: [round(v, 9) for v in values] for kind, values in gaps.items() if values} == expected
+
+
+@pytest.mark.parametrize("recompute,pp,chunks", [("none", 1, 1), ("full", 1, 1), ("full", 2, 2)])
+def test_a_layers_passes_are_its_compute_and_collectives_in_one_micro_batch(recompute, pp, chunks):
+    """Every compute event 1 ms, every collective 0.5 ms: a tp = 2 block's forward is its compute and its two
+    all-reduces (2 ms, 1 of them communicating), its backward the same, with full recompute the forward again
+    in it; per pipeline device, the median over its blocks, and every pass agrees with the timeline's own
+    intervals of a steady micro-batch."""
+    from analysis.costs import Costs
+    from analysis.simulate import simulate
+    from harness.plan.events import build_plan
+
+    plan = build_plan(make_spec(tp=2, pp=pp, chunks=chunks, layers=4, micro_batches=4, recompute=recompute,
+                                schedule="interleaved-1f1b" if chunks > 1 else "1f1b"))
+    costs = Costs.from_seconds(plan, {eid: (1e-3 if e.kind == "compute" else 5e-4) for eid, e in plan.events.items()})
+    timeline = simulate(plan, costs)
+    rows = timeline.layer_passes()
+    blocks = [r for r in rows if r["layer"] == "block"]
+    assert [(r["stage"], r["layers"]) for r in blocks] == [(stage, 4 // pp) for stage in range(pp)]
+    again = 2e-3 if recompute == "full" else 0.0
+    for r in blocks:
+        assert (r["forward_s"], r["forward_comm_s"]) == pytest.approx((2e-3, 1e-3))
+        assert (r["backward_s"], r["backward_comm_s"], r["recompute_s"]) == pytest.approx(
+            (2e-3 + again, 1e-3 + again / 2, again))
+    assert {r["layer"] for r in rows} == {"embedding", "block", "head"}
+    block = next(i for i, layer in enumerate(plan.layers) if layer.kind == "block")
+    passes = {"F": 0.0, "B": 0.0}
+    for interval in timeline.intervals(0):
+        if interval.micro == 1 and interval.layer == block:
+            passes["F" if interval.name.startswith("F ") else "B"] += interval.end_s - interval.start_s
+    assert (passes["F"], passes["B"]) == pytest.approx((blocks[0]["forward_s"], blocks[0]["backward_s"]))

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "their points join the profile's, to interpolate and fit communication; beside a spec "
                              "alone, they cost its communication (in place of [[cluster.network]])")
     parser.add_argument("--details", action="store_true",
-                        help="also print the model's corrections and the communication fits (--json always has them)")
+                        help="also print a layer's passes, the model's corrections and the communication fits "
+                             "(--json always has them)")
     parser.add_argument("--json", action="store_true", help="print a JSON document (docs/analysis.md)")
     parser.add_argument("--csv", metavar="FILE.csv", help="write the chosen devices' usage as CSV (docs/analysis.md)")
     parser.add_argument("--trace", metavar="FILE.json[.gz]", type=named(TRACE_NAMES),
