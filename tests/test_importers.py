@@ -533,3 +533,34 @@ def test_megatrons_overlapped_tensor_parallel_collectives_are_said_not_modelled(
     overlap = [line for line in imported.not_modelled if "overlap" in line or "asynchronous" in line]
     assert overlap == ([] if said is None else [next(line for line in overlap if line.startswith(said))])
     assert imported.unknown == []
+
+
+def test_a_megatron_launch_on_a_named_device_and_network_is_enough_to_simulate(tmp_path, capsys):
+    """--device and --network write [cluster] device and another spec's tiers: the spec alone then predicts."""
+    from analysis.cli import main as analysis_main
+
+    jobs = Path(__file__).parents[1] / "harness" / "jobs"
+    out = tmp_path / "gpt3.toml"
+    assert harness_main(["spec", "--from-megatron", str(GPT3_175B), "--gpus", "1024", "--device", "a100-80gb",
+                         "--network", str(jobs / "dgx-a100.toml"), "-o", str(out)]) == 0
+    spec = loads_spec(out.read_text())
+    assert spec.cluster.device == "a100-80gb" and spec.cluster.device_memory_gb == 80
+    assert spec.cluster.network == loads_spec((jobs / "dgx-a100.toml").read_text()).cluster.network
+    assert spec.model == from_megatron(str(GPT3_175B), gpus=1024).spec.model
+    capsys.readouterr()
+    assert analysis_main(["simulate", str(out), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["batch_time_s"] > 0
+    assert set(document["sources"]["compute"]) == {"device"} and set(document["sources"]["communication"]) == {
+        "network"}
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--device", "no-such-gpu", "no-such-gpu"),
+    ("--network", "demo.toml", "has no [[cluster.network]] to take the tiers from")])
+def test_a_target_that_cannot_be_read_exits_2_naming_it(flag, value, words, capsys):
+    if value.endswith(".toml"):
+        value = str(Path(__file__).parents[1] / "harness" / "jobs" / value)
+    assert harness_main(["spec", "--from-megatron", str(GPT3_175B), "--gpus", "1024", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

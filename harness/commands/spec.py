@@ -7,16 +7,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.common.errors import UserError
+from harness.common.errors import SpecError, UserError
 from harness.common.output import SPEC_NAMES, named, writable
+from harness.plan.device import load_device
 from harness.plan.importers.hf import from_hf
 from harness.plan.importers.megatron import from_megatron
-from harness.plan.spec import parse_strategy_overrides, vocab_padding_note
+from harness.plan.spec import JobSpec, load_spec, parse_strategy_overrides, vocab_padding_note
 
 NAME = "spec"
 HELP = "write a job spec (TOML) from a Megatron launch's arguments or a Hugging Face config.json"
 OUTPUTS = {"output": "-o"}
-INPUTS = ("from_megatron", "from_hf")
+INPUTS = ("from_megatron", "from_hf", "device", "network")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face: the global batch (default micro x dp)")
     parser.add_argument("--strategy", metavar="K=V,...", help="then change strategy, batch or cluster fields, e.g. "
                         "'tp=8,pp=2,dp=4' (as analysis simulate --strategy)")
+    parser.add_argument("--device", metavar="NAME|FILE.toml", help="the target's device, [cluster] device: a shipped "
+                        "description (a100-40gb, a100-80gb, h100-sxm, h200, b200) or a file (docs/devices.md)")
+    parser.add_argument("--network", metavar="SPEC.toml", help="the target's network: another spec's "
+                        "[[cluster.network]] tiers (e.g. harness/jobs/dgx-h100.toml); with --device the spec alone is "
+                        "enough for analysis simulate and search")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus is not None:
             changes = _on_the_gpus(spec, changes, args.gpus)
         spec = spec.with_changes(**changes)
+    spec = _on_the_target(spec, args.device, args.network)
     lines = imported.report()
     padding = vocab_padding_note(spec)
     if padding:
@@ -81,6 +88,28 @@ def run(args: argparse.Namespace) -> int:
         for line in lines:
             print(line, file=sys.stderr)
     return 0
+
+
+def _on_the_target(spec: JobSpec, device: str | None, network: str | None) -> JobSpec:
+    """The spec on --device (its description loaded, so a bad one is refused here) and --network (the tiers of
+    another spec, held to the job's GPU count)."""
+    changes: dict = {}
+    if device is not None:
+        load_device(device)
+        changes["device"] = device
+    if network is not None:
+        tiers = load_spec(network, import_factory=False).cluster.network
+        if not tiers:
+            raise UserError(f"--network {network}: that spec has no [[cluster.network]] to take the tiers from")
+        changes["network"] = [tier.to_dict() for tier in tiers]
+    if not changes:
+        return spec
+    try:
+        return spec.with_changes(**changes)
+    except SpecError as exc:  # the tiers against this job's GPUs
+        if network is None:
+            raise
+        raise UserError(f"--network {network}: {exc}") from None
 
 
 def _on_the_gpus(spec, changes: dict, gpus: int) -> dict:
