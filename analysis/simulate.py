@@ -143,6 +143,22 @@ class Interval(NamedTuple):
     layer: int  # index into plan.layers; -1 for P2P and buckets
 
 
+def item_layers(plan: EventPlan, items: Sequence[str], layers: Sequence[int]) -> list[int]:
+    """The layer each item of a step counts for: a layer's own compute its index, a collective the layer it
+    follows, FSDP's all-gather the layer it gathers (right before it); -1 before any layer."""
+    out, layer = [], -1
+    for k, eid in enumerate(items):
+        if layers[k] >= 0:
+            layer = layers[k]
+        elif k + 1 < len(items) and layers[k + 1] >= 0:
+            event = plan.events[eid]
+            if event.kind == "allgather" and "fsdp" in event.content:
+                out.append(layers[k + 1])
+                continue
+        out.append(layer)
+    return out
+
+
 @dataclass(frozen=True)
 class DeviceSummary:
     """One device's share of the iteration."""
@@ -767,20 +783,13 @@ class Timeline:
                       program.backward_again),
                      ("backward", program.weight, program.weight_layers, c.weight.offsets, ()))
             for part, items, layers, offsets, again in steps:
-                layer = -1
-                for k, eid in enumerate(items):
-                    event = plan.events[eid]
-                    if layers[k] >= 0:
-                        layer = layers[k]
-                    elif (k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather"
-                          and "fsdp" in event.content):
-                        layer = layers[k + 1]
+                for k, (eid, layer) in enumerate(zip(items, item_layers(plan, items, layers))):
                     if layer < 0:
                         continue
                     seconds = offsets[k + 1] - offsets[k]
                     entry = passes.setdefault((vs % self.spec.strategy.pp, layer), dict.fromkeys(parts, 0.0))
                     entry[f"{part}_s"] += seconds
-                    if event.kind != "compute":
+                    if plan.events[eid].kind != "compute":
                         entry[f"{part}_comm_s"] += seconds
                     if k < len(again) and again[k]:
                         entry["recompute_s"] += seconds
@@ -810,14 +819,8 @@ class Timeline:
             else:
                 items, layers, again = program.backward_of(r.micro, m)
                 offsets, category = c.backward_step(r.micro, m).offsets, BACKWARD
-            layer = -1
-            for k, eid in enumerate(items):
+            for k, (eid, layer) in enumerate(zip(items, item_layers(plan, items, layers))):
                 event = plan.events[eid]
-                if layers[k] >= 0:
-                    layer = layers[k]
-                elif (k + 1 < len(items) and layers[k + 1] >= 0 and event.kind == "allgather"
-                      and "fsdp" in event.content):
-                    layer = layers[k + 1]  # FSDP gathers a layer's weights right before it
                 start, end = r.start_s + offsets[k], r.start_s + offsets[k + 1]
                 suffix = f"L{layer} s{r.virtual_stage} mb{r.micro}"
                 phase = "R" if again[k] else r.phase
