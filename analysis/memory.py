@@ -3,12 +3,13 @@
 
 - weights: its layers' parameters (per tensor-parallel shard; the embedding and head split by vocabulary, or
   whole with vocab_parallel = false) x dtype bytes;
-- gradients: as many, in the weights' dtype, or in fp32 with master weights (Megatron-LM's main gradients)
-  (data-parallel buckets are views of them, as DDP's
-  gradient_as_bucket_view and harness train make them: nothing more), from the start with DDP's buckets or
-  Megatron's main-gradient buffers (master weights without ZeRO: made when the model is wrapped, zeroed at each
-  step), else each chunk's once its first backward (a split backward's W) has made them (a MoE block's experts',
-  out of the buckets, so always);
+- gradients: as many, in the weights' dtype, or with master weights in the dtype Megatron-LM reduces its main
+  gradients in (JobSpec.reduce_dtype: fp32 with bf16 weights, fp16 with fp16 unless `reduce_dtype` says fp32;
+  16-bit main gradients get an fp32 copy beside them at the optimizer step, step_copy_bytes) (data-parallel
+  buckets are views of them, as DDP's gradient_as_bucket_view and harness train make them: nothing more), from
+  the start with DDP's buckets or Megatron's main-gradient buffers (master weights without ZeRO: made when the
+  model is wrapped, zeroed at each step), else each chunk's once its first backward (a split backward's W) has
+  made them (a MoE block's experts', out of the buckets, so always);
 - optimizer: Adam two states per parameter, SGD with momentum one, without none, in the weights' dtype, or
   in fp32 with master weights, which add an fp32 copy of the weights (Megatron-LM's mixed precision: 2 + 4 + 4
   + 8 = 18 bytes a parameter with Adam; with its distributed optimizer, zero = 1, the 12 sharded over dp);
@@ -59,7 +60,8 @@ The peak is the largest total over the device's steps in schedule order: after e
 optimizer state, activations in flight, and each chunk's gradients once its backward has made them, or all
 from the start with data parallelism, whose buckets persist, or Megatron's main gradients), as each backward
 starts (its received gradient beside its micro-batch's activations; its worst moment, with the temporaries) and
-after it (its activations freed, its gradients made, both buffers held).
+after it (its activations freed, its gradients made, both buffers held); and at the optimizer step (the model
+states and the step's copies, step_copy_bytes).
 """
 from __future__ import annotations
 
@@ -193,9 +195,20 @@ def temporary_bytes(profile: Profile) -> dict[str, BackwardTemporaries]:
 
 
 def gradient_bytes(spec: JobSpec) -> int:
-    """Bytes per parameter of a gradient: fp32 main gradients with master weights (Megatron-LM's mixed
-    precision), else the weights' dtype."""
-    return 4 if spec.optimizer.master_weights else spec.model.dtype_bytes
+    """Bytes per parameter of a gradient: with master weights Megatron-LM's main gradients, in the dtype it
+    reduces them in (JobSpec.reduce_dtype: fp32 with bf16 weights), else the weights' dtype."""
+    return spec.reduce_bytes if spec.optimizer.master_weights else spec.model.dtype_bytes
+
+
+def step_copy_bytes(spec: JobSpec, params: int) -> int:
+    """What the optimizer step holds for a moment beyond the model states of a device holding `params`
+    parameters: with master weights and 16-bit main gradients, Megatron-LM's fp32 copy of them for its fp32
+    master weights (Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: `main_grad.float()`, no
+    copy when they are fp32 already), of the device's shard with ZeRO; held until the next iteration zeroes the
+    gradients, after the activations are gone."""
+    if not spec.optimizer.master_weights or spec.reduce_bytes >= 4:
+        return 0
+    return 4 * (-(-params // spec.strategy.dp) if spec.strategy.zero else params)
 
 
 def _state_bytes(spec: JobSpec) -> tuple[int, int]:
@@ -533,6 +546,8 @@ def estimate_memory(plan: EventPlan, activations: Mapping[str, int], released: M
                 made.add(vs)
                 grads_made = _gradients_held(gradients, params, from_start, once_made, made)
             points.append((grads_made, live, received + sent, in_flight, 0, 0, 0, 0))
+        # the optimizer step, every backward done: the model states and the step's own copies (step_copy_bytes)
+        points.append((grads_made, live, 0, in_flight, 0, step_copy_bytes(spec, params), 0, 0))
         metered = 0
         for made_then, act, buffers, flight, again, temporaries, more_weights, more_gradients in points:
             grads = made_then + more_gradients

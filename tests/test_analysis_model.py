@@ -466,3 +466,18 @@ def test_a_layers_passes_are_its_compute_and_collectives_in_one_micro_batch(reco
         if interval.micro == 1 and interval.layer == block:
             passes["F" if interval.name.startswith("F ") else "B"] += interval.end_s - interval.start_s
     assert (passes["F"], passes["B"]) == pytest.approx((blocks[0]["forward_s"], blocks[0]["backward_s"]))
+
+
+def test_a_zero_3_layers_passes_count_the_all_gather_it_waits_for():
+    """ZeRO-3 gathers a layer's weights right before each of its passes and reduce-scatters its gradients after
+    its backward: every compute event 1 ms and every collective 0.5 ms make a block's forward 1.5 ms (0.5 of it
+    communicating) and its backward 2 ms (1 of it)."""
+    from analysis.costs import Costs
+    from analysis.simulate import simulate
+    from harness.plan.events import build_plan
+
+    plan = build_plan(make_spec(dp=2, layers=2, micro_batches=4, zero=3))
+    costs = Costs.from_seconds(plan, {eid: (1e-3 if e.kind == "compute" else 5e-4) for eid, e in plan.events.items()})
+    (block,) = [r for r in simulate(plan, costs).layer_passes() if r["layer"] == "block"]
+    assert (block["forward_s"], block["forward_comm_s"]) == pytest.approx((1.5e-3, 5e-4))
+    assert (block["backward_s"], block["backward_comm_s"], block["recompute_s"]) == pytest.approx((2e-3, 1e-3, 0.0))

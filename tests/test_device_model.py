@@ -1112,8 +1112,12 @@ def test_a_layers_backward_accumulates_its_gradients_by_hand():
     # FSDP2's split of one tensor: its first dimension rounded up (a 3 x 5 weight over 2: a 2 x 5 shard)
     assert shard_shape((3, 5), 2) == (2, 5) and shard_elements((3, 5), 2) == 10 and shard_shape((7,), 1) == (7,)
     [main] = accumulation_kernels(dict(backward, signature={**dict(backward["signature"]), "dtype": "bfloat16"}),
-                                  1.0, master_weights=True)
+                                  1.0, main_gradients="float32")
     assert main.bytes == 8544 * 10 and main.dtype == "bfloat16"
+    # fp16 weights' main gradients in fp16 (Megatron's without --accumulate-allreduce-grads-in-fp32): 2 + 2 x 2
+    [fp16] = accumulation_kernels(dict(backward, signature={**dict(backward["signature"]), "dtype": "float16"}),
+                                  1.0, main_gradients="float16")
+    assert fp16.bytes == 8544 * 6
     # a split backward: the weights' half adds, the input's half computes no parameter's gradient
     assert accumulation_kernels(dict(backward, phase="bwd_weight"), 0.75) == [add]
     assert accumulation_kernels(dict(backward, phase="bwd_input"), 0.75) == []

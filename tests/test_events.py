@@ -242,9 +242,9 @@ def test_harness_train_refuses_the_fused_gradient_accumulation():
 
 
 def test_float32_gradient_reductions_carry_four_bytes_an_element():
-    """[optimizer] reduce_dtype = "float32" (Megatron's main gradients of bf16 weights): the data-parallel buckets,
-    the tied embedding's and sequence parallelism's all-reduces carry twice a bf16 model's bytes; the activations,
-    the tensor-parallel and pipeline transfers do not change."""
+    """Megatron's main gradients of bf16 weights (master weights; reduce_dtype's default then, float32): the
+    data-parallel buckets, the tied embedding's and sequence parallelism's all-reduces carry twice the bytes of
+    reduce_dtype = "bfloat16"; the activations, the tensor-parallel and pipeline transfers do not change."""
     def plan(reduce: str) -> dict:
         text = tiny_spec_text(dp=2, tp=2, pp=2, global_batch=8).replace(
             'dtype = "float32"', 'dtype = "bfloat16"\ntie_embeddings = true')
@@ -259,7 +259,8 @@ def test_float32_gradient_reductions_carry_four_bytes_an_element():
                 "other": sorted(e for e in built.events if e not in reductions
                                 and built.events[e].kind != "compute")}
 
-    model, fp32 = plan(""), plan('reduce_dtype = "float32"\n')
+    model, fp32 = plan('reduce_dtype = "bfloat16"\n'), plan("")
+    assert fp32 == plan('reduce_dtype = "float32"\n')
     assert [(2 * nbytes, "float32") for nbytes, _ in model["reductions"]] == fp32["reductions"]
     assert all(dtype == "bfloat16" for _, dtype in model["reductions"])
     assert model["other"] == fp32["other"]
@@ -278,11 +279,14 @@ def test_a_reduce_dtype_that_is_not_the_models_or_megatrons_is_refused(dtype, ex
 
 def test_a_reduce_dtype_round_trips_and_the_models_own_is_left_unwritten():
     text = tiny_spec_text().replace('dtype = "float32"', 'dtype = "bfloat16"') + "[optimizer]\nmaster_weights = true\n"
-    plain = loads_spec(text)
-    assert plain.reduce_dtype == "bfloat16" and "reduce_dtype" not in plain.to_toml()
-    fp32 = loads_spec(text + 'reduce_dtype = "float32"\n')
-    assert (fp32.reduce_dtype, fp32.reduce_bytes) == ("float32", 4)
-    assert loads_spec(fp32.to_toml()) == fp32
+    plain = loads_spec(text)  # Megatron's default for bf16 weights
+    assert (plain.reduce_dtype, plain.reduce_bytes) == ("float32", 4) and "reduce_dtype" not in plain.to_toml()
+    fp16 = loads_spec(text.replace('dtype = "bfloat16"', 'dtype = "float16"'))
+    assert fp16.reduce_dtype == "float16"  # and for fp16 ones
+    bf16 = loads_spec(text + 'reduce_dtype = "bfloat16"\n')
+    assert (bf16.reduce_dtype, bf16.reduce_bytes) == ("bfloat16", 2)
+    assert loads_spec(bf16.to_toml()) == bf16 and loads_spec(plain.to_toml()) == plain
+    assert loads_spec(tiny_spec_text()).reduce_dtype == "float32"  # a float32 model's own
 
 
 def test_a_zero_reduce_scatter_carries_the_reduce_dtype_and_its_all_gather_the_weights():
@@ -292,6 +296,6 @@ def test_a_zero_reduce_scatter_carries_the_reduce_dtype_and_its_all_gather_the_w
         return {kind: sorted((e.content["bytes"], e.content["dtype"]) for e in built.events.values()
                              if e.kind == kind) for kind in ("allgather", "reducescatter")}
 
-    model, fp32 = collectives(""), collectives('reduce_dtype = "float32"\n')
+    model, fp32 = collectives('reduce_dtype = "bfloat16"\n'), collectives("")
     assert model["allgather"] == fp32["allgather"] and model["reducescatter"]
     assert fp32["reducescatter"] == [(2 * nbytes, "float32") for nbytes, _ in model["reducescatter"]]

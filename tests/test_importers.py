@@ -3,6 +3,7 @@ as Megatron pads it, the new presets' sizes against their published parameter co
 naming the argument) through `python -m harness spec`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -509,6 +510,7 @@ def test_megatrons_gradient_accumulation_fusion_is_its_default():
 @pytest.mark.parametrize("flags,reduce_dtype", [
     ("--bf16", "float32"),  # Megatron forces fp32 gradient accumulation and all-reduce with bf16
     ("--bf16 --grad-reduce-in-bf16", "bfloat16"),
+    ("--bf16 --main-grads-dtype bf16", "bfloat16"),  # Megatron-Core's precision-aware optimizer
     ("--fp16", "float16"),
     ("--fp16 --accumulate-allreduce-grads-in-fp32", "float32"),
     ("", "float32")])
@@ -545,7 +547,9 @@ def test_a_megatron_launch_on_a_named_device_and_network_is_enough_to_simulate(t
                          "--network", str(jobs / "dgx-a100.toml"), "-o", str(out)]) == 0
     spec = loads_spec(out.read_text())
     assert spec.cluster.device == "a100-80gb" and spec.cluster.device_memory_gb == 80
-    assert spec.cluster.network == loads_spec((jobs / "dgx-a100.toml").read_text()).cluster.network
+    nvlink, ib = loads_spec((jobs / "dgx-a100.toml").read_text()).cluster.network
+    assert spec.cluster.network == (dataclasses.replace(nvlink, memory_gbs=2039.0), ib)  # the 80GB's HBM
+    assert "the nvlink tier's memory_gbs is a100-80gb's 2,039 GB/s" in capsys.readouterr().out
     assert spec.model == from_megatron(str(GPT3_175B), gpus=1024).spec.model
     capsys.readouterr()
     assert analysis_main(["simulate", str(out), "--json"]) == 0
@@ -555,12 +559,23 @@ def test_a_megatron_launch_on_a_named_device_and_network_is_enough_to_simulate(t
         "network"}
 
 
-@pytest.mark.parametrize("flag,value,words", [
-    ("--device", "no-such-gpu", "no-such-gpu"),
-    ("--network", "demo.toml", "has no [[cluster.network]] to take the tiers from")])
-def test_a_target_that_cannot_be_read_exits_2_naming_it(flag, value, words, capsys):
-    if value.endswith(".toml"):
-        value = str(Path(__file__).parents[1] / "harness" / "jobs" / value)
-    assert harness_main(["spec", "--from-megatron", str(GPT3_175B), "--gpus", "1024", flag, value]) == 2
+@pytest.mark.parametrize("flag,value,gpus,words", [
+    ("--device", "no-such-gpu", 1024, "--device no-such-gpu: [cluster.device] unknown device 'no-such-gpu'"),
+    ("--network", "demo.toml", 1024, "has no [[cluster.network]] to take the tiers from"),
+    ("--network", "no-such.toml", 1024, "--network no-such.toml: no-such.toml: spec file not found"),
+    ("--network", "dgx-a100.toml", 4096, "its tiers do not hold this job's 4,096 GPUs: [cluster.network] the "
+                                         "cluster's 4096 GPUs do not fit in the outermost tier 'ib' (size 2048)")])
+def test_a_target_that_cannot_be_read_exits_2_naming_it(flag, value, gpus, words, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1] / "harness" / "jobs")
+    assert harness_main(["spec", "--from-megatron", str(GPT3_175B), "--gpus", str(gpus), flag, value]) == 2
     err = capsys.readouterr().err
-    assert words in err and "Traceback" not in err
+    assert words in err and "Traceback" not in err and "'bandwidth_gbs'" not in err
+
+
+@pytest.mark.parametrize("flags,bucket_mb", [("--bf16", 40.0), ("--fp16", 20.0),
+                                             ("--fp16 --accumulate-allreduce-grads-in-fp32", 40.0)])
+def test_a_ddp_bucket_holds_elements_of_megatrons_main_gradients(flags, bucket_mb):
+    """--ddp-bucket-size counts elements of the main-gradient buffer: 4 bytes each where it is fp32, 2 in fp16."""
+    command = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+               f"--micro-batch-size 1 --global-batch-size 8 --vocab-size 512 --ddp-bucket-size 10485760 {flags}")
+    assert from_megatron(command, gpus=2).spec.strategy.bucket_mb == bucket_mb

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from analysis.memory import backward_moments, estimate_memory, temporary_bytes
+from analysis.memory import backward_moments, estimate_memory, step_copy_bytes, temporary_bytes
 from harness.plan.events import build_plan
 from harness.plan.spec import parse_spec
 from harness.profile.memory import LiveStorages, activation_bytes, backward_temporaries, saving_into
@@ -44,6 +44,9 @@ def test_interleaving_holds_what_megatron_counts():
 @pytest.mark.parametrize("dtype,optimizer,per_parameter", [
     ("float32", {}, 16),  # Adam, fp32: 4 + 4 + 8
     ("bfloat16", {"master_weights": True}, 18),  # Megatron-LM's mixed precision: 2 + 4 (fp32 main grads) + 12
+    ("bfloat16", {"master_weights": True, "reduce_dtype": "bfloat16"}, 16),  # --grad-reduce-in-bf16: 2 + 2 + 12
+    ("float16", {"master_weights": True}, 16),  # fp16: main gradients in fp16 (their fp32 copy at the step)
+    ("float16", {"master_weights": True, "reduce_dtype": "float32"}, 18),  # --accumulate-allreduce-grads-in-fp32
     ("bfloat16", {}, 8),  # 2 + 2 + 4: states in the weights' dtype
     ("float32", {"name": "sgd"}, 12),  # momentum: one state
     ("float32", {"name": "sgd", "momentum": 0.0}, 8)])
@@ -94,6 +97,31 @@ def test_megatrons_main_gradients_are_held_from_the_start_without_data_paralleli
         assert stage.gradients == (grads if held else 0)
         assert stage.metered == (stage.weights + stage.gradients + stage.optimizer + stage.activations
                                  + stage.pipeline + stage.remade)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_optimizer_step_holds_an_fp32_copy_of_16_bit_main_gradients(zero):
+    """Megatron's fp16 optimizer copies 16-bit main gradients to fp32 for its master weights at the step
+    (main_grad.float()), after the activations are gone: a device whose activations are small peaks there, with
+    4 bytes a parameter (of its shard with ZeRO) beside its model states; fp32 main gradients are not copied."""
+    data = json.loads(make_spec(dp=2, micro_batches=2, zero=zero).to_json())
+    data["model"]["dtype"] = "float16"
+    data["model"]["tie_embeddings"] = False  # ZeRO refuses a tied embedding
+    data["optimizer"] = {**data["optimizer"], "master_weights": True}
+    fp16 = parse_spec(data)
+    data["optimizer"]["reduce_dtype"] = "float32"
+    fp32 = parse_spec(data)
+    for spec, copied in ((fp16, True), (fp32, False)):
+        plan, memory = _estimate(spec, 10)  # tiny activations: the step is the peak where it copies
+        (stage,) = memory.stages
+        params = sum(layer.params for layer in plan.layers)
+        copy = 4 * (-(-params // 2) if zero else params) if copied else 0
+        assert step_copy_bytes(spec, params) == copy
+        states = stage.weights + stage.gradients + stage.optimizer
+        if copied:
+            assert stage.total == states + copy and stage.temporaries == copy and stage.activations == 0
+        else:  # its peak is another moment's
+            assert stage.temporaries != copy or stage.activations > 0
 
 
 def test_a_device_that_does_not_fit_says_by_how_much_and_what_dominates():

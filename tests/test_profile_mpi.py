@@ -223,9 +223,12 @@ def test_tensor_parallel_layers_are_profiled_as_composites(tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("megatron", [False, True])
+def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch, megatron):
     """zero = 3 over dp = 2: every all-gather and reduce-scatter of the plan is measured through FSDP2 on a real
-    group of 2 ranks (its copies and allocations included), not as the bare collective."""
+    group of 2 ranks (its copies and allocations included), not as the bare collective. With bf16 weights and
+    master weights (Megatron's: fp32 main gradients) the reduce-scatters run in float32, the all-gathers in
+    bfloat16, as FSDP2's reduce_dtype runs them."""
     from harness.profile.comm import CommProfiler
     from harness.profile.run import run_profile
 
@@ -237,8 +240,15 @@ def test_zero_collectives_are_profiled_as_fsdp2_runs_them(tmp_path, monkeypatch)
         return through_fsdp(self, task, *args)
     monkeypatch.setattr(CommProfiler, "_fsdp", spy)
     comm = _world()
-    outdir = _shared_dir(tmp_path) / "zero"
-    spec = loads_spec(tiny_spec_text(dp=2, layers=2, global_batch=4, micro=1, zero=3, repeats=3))
+    outdir = _shared_dir(tmp_path) / f"zero{int(megatron)}"
+    text = tiny_spec_text(dp=2, layers=2, global_batch=4, micro=1, zero=3, repeats=3)
+    if megatron:
+        text = text.replace('dtype = "float32"', 'dtype = "bfloat16"') + "[optimizer]\nmaster_weights = true\n"
+    spec = loads_spec(text)
+    if megatron:
+        dtypes = {(e.kind, e.content["dtype"]) for e in build_plan(spec).events.values()
+                  if e.kind in ("allgather", "reducescatter")}
+        assert dtypes == {("allgather", "bfloat16"), ("reducescatter", "float32")}
     run_profile(spec, outdir, comm=comm, show_progress=False)
     if comm.rank == 0:
         plan = build_plan(spec)

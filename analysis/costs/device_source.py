@@ -31,7 +31,15 @@ from analysis.profile_reader import Profile
 from harness.common.errors import UserError
 from harness.plan.device import DeviceDescription
 from harness.plan.events import Event, EventPlan
-from harness.plan.kernels import Attention, Gemm, Kernel, MemoryBound, accumulation_share, job_event_kernels
+from harness.plan.kernels import (
+    Attention,
+    Gemm,
+    Kernel,
+    MemoryBound,
+    accumulation_share,
+    job_event_kernels,
+    main_gradients_dtype,
+)
 from harness.plan.spec import JobSpec
 from harness.store.hdf5_schema import STEP_GAPS
 
@@ -107,7 +115,7 @@ def device_costing(device: DeviceModel, eid: str, event: Event, spec: JobSpec) -
     `device` (UserError where the plan cannot list its kernels)."""
     strategy = spec.strategy
     key = (device.description.source, device.name, eid, strategy.recompute, accumulation_share(spec),
-           strategy.dp if strategy.zero >= 2 else 1, spec.optimizer.master_weights)
+           strategy.dp if strategy.zero >= 2 else 1, main_gradients_dtype(spec))
     if key not in _COSTED:
         kernels = tuple(job_event_kernels(event.content, spec))
         times = tuple(device.kernel_time(k) for k in kernels)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harness.common.errors import SpecError, UserError
 from harness.common.output import SPEC_NAMES, named, writable
-from harness.plan.device import load_device
+from harness.plan.device import is_device_path, load_device
 from harness.plan.importers.hf import from_hf
 from harness.plan.importers.megatron import from_megatron
 from harness.plan.spec import JobSpec, load_spec, parse_strategy_overrides, vocab_padding_note
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus is not None:
             changes = _on_the_gpus(spec, changes, args.gpus)
         spec = spec.with_changes(**changes)
-    spec = _on_the_target(spec, args.device, args.network)
-    lines = imported.report()
+    spec, target_notes = _on_the_target(spec, args.device, args.network)
+    lines = imported.report() + [f"note: {note}" for note in target_notes]
     padding = vocab_padding_note(spec)
     if padding:
         lines.append(padding)
@@ -90,26 +90,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _on_the_target(spec: JobSpec, device: str | None, network: str | None) -> JobSpec:
+def _on_the_target(spec: JobSpec, device: str | None, network: str | None) -> tuple[JobSpec, list[str]]:
     """The spec on --device (its description loaded, so a bad one is refused here) and --network (the tiers of
-    another spec, held to the job's GPU count)."""
+    another spec, held to the job's GPU count); with both, the innermost tier's memory bandwidth (memory_gbs,
+    where the tiers give one) is the device's, said in a note."""
     changes: dict = {}
+    notes: list[str] = []
+    description = None
     if device is not None:
-        load_device(device)
-        changes["device"] = device
+        try:
+            description = load_device(device)
+        except UserError as exc:
+            raise UserError(f"--device {device}: {exc}") from None
+        changes["device"] = str(Path(device).resolve()) if is_device_path(device) else device  # from anywhere
     if network is not None:
-        tiers = load_spec(network, import_factory=False).cluster.network
+        try:
+            tiers = load_spec(network, import_factory=False).cluster.network
+        except UserError as exc:
+            raise UserError(f"--network {network}: {exc}") from None
         if not tiers:
             raise UserError(f"--network {network}: that spec has no [[cluster.network]] to take the tiers from")
-        changes["network"] = [tier.to_dict() for tier in tiers]
+        tiers = [tier.to_dict() for tier in tiers]
+        hbm = description.memory_bandwidth / 1e9 if description is not None else None
+        if hbm is not None and tiers[0].get("memory_gbs") and tiers[0]["memory_gbs"] != hbm:
+            notes.append(f"the {tiers[0]['name']} tier's memory_gbs is {device}'s {hbm:,.0f} GB/s "
+                         f"({network} says {tiers[0]['memory_gbs']:,.0f})")
+            tiers[0] = {**tiers[0], "memory_gbs": hbm}
+        changes["network"] = tiers
     if not changes:
-        return spec
+        return spec, notes
     try:
-        return spec.with_changes(**changes)
+        return spec.with_changes(**changes), notes
     except SpecError as exc:  # the tiers against this job's GPUs
         if network is None:
             raise
-        raise UserError(f"--network {network}: {exc}") from None
+        detail = str(exc).removeprefix(f"{exc.source}: ") if exc.source else str(exc)
+        raise UserError(f"--network {network}: its tiers do not hold this job's {spec.cluster.devices:,} GPUs: "
+                        f"{detail}") from None
 
 
 def _on_the_gpus(spec, changes: dict, gpus: int) -> dict:

@@ -226,7 +226,13 @@ def job_event_kernels(content: Mapping[str, Any], spec: JobSpec) -> list[Kernel]
     shard's gradients where ZeRO 2 and 3 shard them."""
     shard = spec.strategy.dp if spec.strategy.zero >= 2 else 1
     return event_kernels(content, spec.strategy.recompute) + accumulation_kernels(
-        content, accumulation_share(spec), shard, spec.optimizer.master_weights)
+        content, accumulation_share(spec), shard, main_gradients_dtype(spec))
+
+
+def main_gradients_dtype(spec: JobSpec) -> str | None:
+    """With master weights, the dtype of Megatron-LM's main gradients, the reductions' (JobSpec.reduce_dtype: fp32
+    with bf16 weights); None without them (the gradients are the weights')."""
+    return spec.reduce_dtype if spec.optimizer.master_weights else None
 
 
 def accumulation_share(spec: JobSpec) -> float:
@@ -244,13 +250,13 @@ def accumulation_share(spec: JobSpec) -> float:
 
 
 def accumulation_kernels(content: Mapping[str, Any], share: float, shard: int = 1,
-                         master_weights: bool = False) -> list[Kernel]:
+                         main_gradients: str | None = None) -> list[Kernel]:
     """A layer's backward (bwd, or a split backward's bwd_weight) adding its parameters' new gradients into the
     accumulated ones (PyTorch's AccumulateGrad; Megatron-LM's main_grad.add_ without the fusion): an add a
     parameter tensor (its first dimension split over `shard` where the gradients are sharded), reading the new
-    gradient (the weights' dtype) and the accumulated one and writing it (float32 with `master_weights`: Megatron's
-    main gradients), spread over every backward the plan lists as `share` of it (accumulation_share). None for
-    another phase, no share, or a layer whose tensors the plan does not know."""
+    gradient (the weights' dtype) and the accumulated one and writing it (in `main_gradients`' dtype where given:
+    Megatron's main gradients, main_gradients_dtype), spread over every backward the plan lists as `share` of it
+    (accumulation_share). None for another phase, no share, or a layer whose tensors the plan does not know."""
     if share <= 0 or content.get("phase") not in ("bwd", "bwd_weight"):
         return []
     sig = dict(content["signature"])
@@ -259,7 +265,7 @@ def accumulation_kernels(content: Mapping[str, Any], share: float, shard: int = 
         return []
     elements = sum(shard_elements(shape, shard) for shape in shapes)
     dtype = sig.get("dtype", "float32")
-    accumulated = DTYPES["float32"] if master_weights else DTYPES[dtype]
+    accumulated = DTYPES[main_gradients or dtype]
     return [MemoryBound("grad_accumulate", share * elements * (DTYPES[dtype] + 2 * accumulated), dtype, op="add",
                         elements=share * elements, launches=share * len(shapes))]
 

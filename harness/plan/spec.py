@@ -263,9 +263,18 @@ class OptimizerSpec:
     momentum: float = 0.9  # sgd only
     master_weights: bool = False  # fp32 master weights (and fp32 states) beside 16-bit model weights
     # the dtype the gradients' reductions carry (data-parallel all-reduce or ZeRO reduce-scatter, the tied
-    # embedding's and sequence parallelism's all-reduces); None: the model's. float32 with 16-bit weights is
-    # Megatron's main gradients (bf16, or --accumulate-allreduce-grads-in-fp32), so it needs master_weights
+    # embedding's, sequence parallelism's and the experts' all-reduces) and, with master weights, Megatron's main
+    # gradients are held in; None: JobSpec.reduce_dtype's default. float32 with 16-bit weights is Megatron's
+    # (bf16, or --accumulate-allreduce-grads-in-fp32), so it needs master_weights
     reduce_dtype: str | None = None
+
+
+def gradient_reduce_dtype(model_dtype: str, optimizer: OptimizerSpec) -> str:
+    """The dtype of the gradients' reductions: [optimizer] reduce_dtype, else as Megatron-LM reduces its main
+    gradients: float32 for bfloat16 weights with master weights, else the model's dtype."""
+    if optimizer.reduce_dtype:
+        return optimizer.reduce_dtype
+    return "float32" if optimizer.master_weights and model_dtype == "bfloat16" else model_dtype
 
 
 @dataclass(frozen=True)
@@ -310,8 +319,8 @@ class JobSpec:
 
     @property
     def reduce_dtype(self) -> str:
-        """The dtype of the gradients' reductions: [optimizer] reduce_dtype, else the model's."""
-        return self.optimizer.reduce_dtype or self.model.dtype
+        """The dtype of the gradients' reductions (gradient_reduce_dtype)."""
+        return gradient_reduce_dtype(self.model.dtype, self.optimizer)
 
     @property
     def reduce_bytes(self) -> int:

@@ -168,10 +168,11 @@ class CommProfiler:
         then `reshard()` untimed; a reduce-scatter is the backward of a trivial use of the weights, whose
         post-backward hook copies the whole gradients in, reduce-scatters and averages them and accumulates
         the shards, less that backward's own time without FSDP2 (its median: the gradients it writes are the
-        layer's backward's, profiled with the layer). A sample is the slowest member's. FSDP2 shards every
+        layer's backward's, profiled with the layer), in the event's dtype (FSDP2's reduce_dtype where it is not
+        the weights'). A sample is the slowest member's. FSDP2 shards every
         parameter of a unit, frozen ones too."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from harness.profile.compute import parameter_shapes
 
@@ -191,7 +192,11 @@ class CommProfiler:
             own = float(np.median(times[warmup:]))
         mesh = DeviceMesh.from_group(group, device_type=self.device.type)
         unit = TrivialUnit(shapes, self.device)
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        # a reduce-scatter in another dtype than the weights' ([optimizer] reduce_dtype: Megatron's fp32 main
+        # gradients of 16-bit weights) is FSDP2's reduce_dtype: the gradients cast and reduced in it
+        reduce_dtype = TORCH_DTYPES[task.content["dtype"]]
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype if reduce_dtype != shapes[0][1] else None)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         local = np.empty(repeats, dtype=np.float64)
         for i in range(warmup + repeats):
             if task.kind == "reducescatter":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.common.errors import SpecError, UserError
 from harness.plan.importers import ImportedSpec, same_preset
-from harness.plan.spec import VOCAB_PAD, parse_spec
+from harness.plan.spec import DTYPES, VOCAB_PAD, OptimizerSpec, gradient_reduce_dtype, parse_spec
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokenizer (--vocab-file and --merge-file, Megatron's GPT2BPETokenizer)
 DEFAULT_DROPOUT = 0.1  # Megatron's --hidden-dropout and --attention-dropout when not given
@@ -479,6 +479,9 @@ def from_megatron(source: str, gpus: int | None = None, gpus_per_node: int | Non
     dtype = _dtype(args)
     model["dtype"] = dtype
     optimizer = _optimizer(args, dtype)
+    if "bucket_mb" in strategy:  # --ddp-bucket-size's elements, each a main gradient
+        strategy["bucket_mb"] *= DTYPES[gradient_reduce_dtype(dtype, OptimizerSpec(
+            master_weights=optimizer["master_weights"], reduce_dtype=optimizer.get("reduce_dtype")))]
     data = {"model": model, "batch": batch, "strategy": strategy,
             "cluster": {"nodes": nodes, "gpus_per_node": per_node}, "optimizer": optimizer}
     _not_modelled(args, family, result)
@@ -611,8 +614,8 @@ def _strategy(args: _Reader, model: dict, tp: int, pp: int, cp: int, dp: int, re
     if impl == "torch":  # old Megatron: torch's DDP all-reduces buckets during the backward
         strategy["dp_overlap"] = True
     bucket = args.integer("--ddp-bucket-size")
-    if bucket is not None:
-        strategy["bucket_mb"] = bucket * 4 / 2**20  # elements of the fp32 gradient buffer
+    if bucket is not None:  # elements of the main-gradient buffer; from_megatron makes them bytes of its dtype
+        strategy["bucket_mb"] = bucket / 2**20
     comm = args.choice("--cp-comm-type", ("p2p", "all_gather", "a2a", "a2a+p2p"))
     if comm in ("p2p", "all_gather"):
         strategy["cp_comm"] = "ring" if comm == "p2p" else "allgather"
@@ -654,12 +657,16 @@ def _dtype(args: _Reader) -> str:
 
 
 def _optimizer(args: _Reader, dtype: str) -> dict:
-    """Adam or SGD; with 16-bit weights Megatron's fp32 main weights, and its fp32 main gradients' reductions
-    where it makes them: bf16 unless --grad-reduce-in-bf16, fp16 with --accumulate-allreduce-grads-in-fp32."""
+    """Adam or SGD; with 16-bit weights Megatron's fp32 main weights, and its main gradients in the dtype it
+    reduces them in: the spec's default (fp32 with bf16, fp16 with fp16) but with --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16 (bf16) or fp16's --accumulate-allreduce-grads-in-fp32 (fp32)."""
     name = args.choice("--optimizer", ("adam", "sgd"), "adam")
     optimizer = {"name": name, "master_weights": dtype != "float32"}  # Megatron keeps fp32 main weights
     in_fp32, in_bf16 = args.has("--accumulate-allreduce-grads-in-fp32"), args.has("--grad-reduce-in-bf16")
-    if (dtype == "bfloat16" and not in_bf16) or (dtype == "float16" and in_fp32):
+    in_bf16 = args.choice("--main-grads-dtype", ("fp32", "bf16")) == "bf16" or in_bf16  # the precision-aware one
+    if dtype == "bfloat16" and in_bf16:
+        optimizer["reduce_dtype"] = "bfloat16"
+    elif dtype == "float16" and in_fp32:
         optimizer["reduce_dtype"] = "float32"
     if name == "sgd":
         optimizer["momentum"] = args.number("--sgd-momentum", 0.9)
