@@ -360,7 +360,7 @@ class JobSpec:
             "strategy": s,
             "cluster": {k: v for k, v in dataclasses.asdict(self.cluster).items() if v is not None and k != "network"},
             "optimizer": {k: v for k, v in dataclasses.asdict(self.optimizer).items()
-                          if not (k == "reduce_dtype" and v is None)},  # the model's: left out, as before the field
+                          if not (k == "reduce_dtype" and v is None)},  # the default: left out, as before the field
             "profile": dataclasses.asdict(self.profile),
         }
         if self.cluster.network:
