@@ -520,7 +520,7 @@ class EventPlan:
             shards = s.tp if s.vocab_sharded else 1
             pairs = self._placements([self.rank_of(d, t, 0, c), self.rank_of(d, t, s.pp - 1, c)]
                                      for d, c in self.replicas() for t in range(s.tp))
-            tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * spec.reduce_bytes, 2,
+            tie = self._collective("allreduce", spec.model.vocab // shards * spec.model.hidden * reduce_bytes, 2,
                                    pairs, 1, "tied embedding pairs", dtype=spec.reduce_dtype)
             self.stages[0].tie = self.stages[-1].tie = tie
         for vs in range(s.virtual_stages - 1):

@@ -269,12 +269,12 @@ class OptimizerSpec:
     reduce_dtype: str | None = None
 
 
-def gradient_reduce_dtype(model_dtype: str, optimizer: OptimizerSpec) -> str:
-    """The dtype of the gradients' reductions: [optimizer] reduce_dtype, else as Megatron-LM reduces its main
-    gradients: float32 for bfloat16 weights with master weights, else the model's dtype."""
-    if optimizer.reduce_dtype:
-        return optimizer.reduce_dtype
-    return "float32" if optimizer.master_weights and model_dtype == "bfloat16" else model_dtype
+def gradient_reduce_dtype(model_dtype: str, master_weights: bool, reduce_dtype: str | None = None) -> str:
+    """The dtype of the gradients' reductions: [optimizer] reduce_dtype where given, else as Megatron-LM reduces
+    its main gradients: float32 for bfloat16 weights with master weights, else the model's dtype."""
+    if reduce_dtype:
+        return reduce_dtype
+    return "float32" if master_weights and model_dtype == "bfloat16" else model_dtype
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ class JobSpec:
     @property
     def reduce_dtype(self) -> str:
         """The dtype of the gradients' reductions (gradient_reduce_dtype)."""
-        return gradient_reduce_dtype(self.model.dtype, self.optimizer)
+        return gradient_reduce_dtype(self.model.dtype, self.optimizer.master_weights, self.optimizer.reduce_dtype)
 
     @property
     def reduce_bytes(self) -> int:

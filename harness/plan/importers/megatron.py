@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.common.errors import SpecError, UserError
 from harness.plan.importers import ImportedSpec, same_preset
-from harness.plan.spec import DTYPES, VOCAB_PAD, OptimizerSpec, gradient_reduce_dtype, parse_spec
+from harness.plan.spec import DTYPES, VOCAB_PAD, gradient_reduce_dtype, parse_spec
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokenizer (--vocab-file and --merge-file, Megatron's GPT2BPETokenizer)
 DEFAULT_DROPOUT = 0.1  # Megatron's --hidden-dropout and --attention-dropout when not given
@@ -480,8 +480,8 @@ def from_megatron(source: str, gpus: int | None = None, gpus_per_node: int | Non
     model["dtype"] = dtype
     optimizer = _optimizer(args, dtype)
     if "bucket_mb" in strategy:  # --ddp-bucket-size's elements, each a main gradient
-        strategy["bucket_mb"] *= DTYPES[gradient_reduce_dtype(dtype, OptimizerSpec(
-            master_weights=optimizer["master_weights"], reduce_dtype=optimizer.get("reduce_dtype")))]
+        strategy["bucket_mb"] *= DTYPES[gradient_reduce_dtype(dtype, optimizer["master_weights"],
+                                                              optimizer.get("reduce_dtype"))]
     data = {"model": model, "batch": batch, "strategy": strategy,
             "cluster": {"nodes": nodes, "gpus_per_node": per_node}, "optimizer": optimizer}
     _not_modelled(args, family, result)
